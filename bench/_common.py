@@ -1,0 +1,66 @@
+"""Shared helpers for the benchmarks: timing, machine description, one markdown table."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["machine", "markdown_table", "median_seconds", "header"]
+
+
+def machine() -> str:
+    """One line naming the machine: CPU cores, or the CUDA device, and library versions."""
+    parts = [f"python {platform.python_version()}", f"{os.cpu_count()} cores"]
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        parts.append(f"torch {torch.__version__}")
+        if torch.cuda.is_available():
+            parts.insert(0, torch.cuda.get_device_name())
+    return ", ".join(parts)
+
+
+def header(command: str) -> str:
+    """The lines that head a result: date, machine and the exact command."""
+    today = _dt.date.today().isoformat()
+    return f"date: {today}\nmachine: {machine()}\ncommand: {command}\n"
+
+
+def median_seconds(fn: Callable[[], Any], *, warmup: int = 2, repeat: int = 5, cuda: bool = False) -> float:
+    """Median wall time of ``fn()`` over ``repeat`` runs after ``warmup`` runs.
+
+    With ``cuda=True`` the device is synchronized around each run, so queued work is counted.
+    """
+    sync: Callable[[], None] = lambda: None  # noqa: E731
+    if cuda:
+        import torch
+
+        sync = torch.cuda.synchronize
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A markdown table; floats are printed with 4 significant digits."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)

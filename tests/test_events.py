@@ -1,0 +1,117 @@
+"""Events round-trip through JSON and MessagePack unchanged; bad input names the field."""
+
+from __future__ import annotations
+
+import msgspec
+import msgspec.inspect as mi
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from thundersync import events
+from thundersync.events import ActionGenerated, Event, Rewarded
+
+ids = st.one_of(st.integers(min_value=-(2**63), max_value=2**63 - 1), st.text(max_size=8))
+finite = st.floats(allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def action_generated(draw: st.DrawFn) -> ActionGenerated:
+    tokens = draw(st.lists(st.integers(0, 2**31), max_size=16))
+    return ActionGenerated(
+        group_id=draw(ids),
+        trajectory_id=draw(ids),
+        turn=draw(st.integers(0, 100)),
+        token_ids=tokens,
+        behaviour_logprobs=draw(st.lists(finite, min_size=len(tokens), max_size=len(tokens))),
+        scored=draw(st.lists(st.booleans(), min_size=len(tokens), max_size=len(tokens))),
+        final=draw(st.booleans()),
+    )
+
+
+def _strategy(info: mi.Type) -> st.SearchStrategy[object]:
+    """A strategy for any value that msgspec would accept for a field of this type."""
+    if isinstance(info, mi.IntType):
+        low = -(2**63) if info.ge is None else info.ge
+        return st.integers(min_value=low, max_value=2**63 - 1)
+    if isinstance(info, mi.FloatType):
+        return finite
+    if isinstance(info, mi.StrType):
+        return st.text(max_size=8)
+    if isinstance(info, mi.BoolType):
+        return st.booleans()
+    if isinstance(info, mi.NoneType):
+        return st.none()
+    if isinstance(info, mi.ListType):
+        return st.lists(_strategy(info.item_type), max_size=8)
+    if isinstance(info, mi.UnionType):
+        return st.one_of([_strategy(t) for t in info.types])
+    raise NotImplementedError(f"no strategy for {info}")
+
+
+def _builds(cls: type[events.EventBase]) -> st.SearchStrategy[events.EventBase]:
+    if cls is ActionGenerated:  # its lists must have equal lengths
+        return action_generated()
+    info = mi.type_info(cls)
+    assert isinstance(info, mi.StructType)
+    return st.builds(cls, **{field.name: _strategy(field.type) for field in info.fields})
+
+
+any_event = st.one_of([_builds(cls) for cls in events.EVENT_TYPES.values()])
+
+
+@given(any_event)
+def test_every_event_round_trips_through_json_unchanged(event: events.EventBase) -> None:
+    assert events.decode_json(events.encode_json(event)) == event
+
+
+@given(any_event)
+def test_every_event_round_trips_through_msgpack_unchanged(event: events.EventBase) -> None:
+    assert events.decode_msgpack(events.encode_msgpack(event)) == event
+
+
+def test_the_union_covers_every_event_class() -> None:
+    assert set(events.EVENT_TYPES) == {cls.__name__ for cls in Event.__args__}  # type: ignore[attr-defined]
+    assert {"GroupOpened", "ActionGenerated", "ToolObserved", "TeacherScored", "Rewarded",
+            "TrajectoryClosed", "GroupClosed", "BatchReady", "StepDone", "PolicyPublished",
+            "StageFailedEvent"} <= set(events.EVENT_TYPES)
+
+
+def test_the_type_tag_is_the_class_name() -> None:
+    encoded = events.encode_json(Rewarded(group_id=1, trajectory_id="a", reward=0.5))
+    assert msgspec.json.decode(encoded)["type"] == "Rewarded"
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (b'{"type":"ActionGenerated","group_id":1,"trajectory_id":1,"turn":"x","token_ids":[]}',
+         r"Expected `int`, got `str` - at `\$.turn`"),
+        (b'{"type":"ActionGenerated","group_id":1,"trajectory_id":1,"turn":0,"token_ids":[-1]}',
+         r"at `\$.token_ids\[0\]`"),
+        (b'{"type":"ActionGenerated","group_id":1,"trajectory_id":1,"turn":0,"token_ids":[1],'
+         b'"scored":[true,false]}', r"`scored` has 2 entries but `token_ids` has 1"),
+        (b'{"type":"Rewarded","group_id":1,"trajectory_id":1}', r"missing required field `reward`"),
+        (b'{"type":"Rewarded","group_id":1,"trajectory_id":1,"reward":1,"rewrd":2}',
+         r"unknown field `rewrd`"),
+        (b'{"type":"Rewardd","group_id":1}', r"Invalid value 'Rewardd' - at `\$.type`"),
+    ],
+)
+def test_malformed_input_raises_a_validation_error_naming_the_field(payload: bytes, message: str) -> None:
+    with pytest.raises(msgspec.ValidationError, match=message):
+        events.decode_json(payload)
+    with pytest.raises(msgspec.ValidationError, match=message):
+        events.decode_msgpack(msgspec.msgpack.encode(msgspec.json.decode(payload)))
+
+
+def test_events_are_frozen() -> None:
+    event = Rewarded(group_id=1, trajectory_id=2, reward=1.0)
+    with pytest.raises(AttributeError):
+        event.reward = 2.0  # type: ignore[misc]
+
+
+def test_non_finite_log_probs_are_rejected_naming_the_entry() -> None:
+    payload = {"type": "TeacherScored", "group_id": 1, "trajectory_id": 1, "turn": 0,
+               "teacher_logprobs": [-0.5, float("inf")]}
+    with pytest.raises(msgspec.ValidationError, match=r"`teacher_logprobs\[1\]` is inf, expected a finite float"):
+        events.decode_msgpack(msgspec.msgpack.encode(payload))

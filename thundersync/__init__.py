@@ -1,0 +1,38 @@
+"""ThunderSync: train language-model agents while their rollouts are still running.
+
+The public names below are resolved lazily, so ``import thundersync`` stays cheap and never
+imports torch: the engine, kernels, generators and sandboxes load on first use.
+
+    >>> import thundersync
+    >>> run = thundersync.StreamingRun(model)                       # doctest: +SKIP
+    >>> grpo = thundersync.RewardLinearBackward(run, estimator="grpo")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from thundersync import errors, events
+
+__version__ = "0.1.0"
+
+# Public name -> the module that defines it. Adding a public name is one line here; the test
+# suite checks that every name resolves and that `import thundersync` does not import torch.
+_LAZY: dict[str, str] = {
+}
+
+__all__ = ["__version__", "errors", "events", *sorted(_LAZY)]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'thundersync' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,180 @@
+"""The exception hierarchy of ThunderSync.
+
+Every exception the library raises on purpose derives from :class:`ThunderSyncError`, so an
+application can catch the library's errors in one place. Errors caused by bad input also derive
+from the matching builtin (``ValueError``, ``KeyError``, ``ImportError``), so generic handlers
+keep working.
+
+::
+
+    ThunderSyncError
+    ├── ConfigError (ValueError)            bad input: a value, a shape, an option
+    │   ├── GraphError                      a stage graph that cannot be wired
+    │   └── DefinitionError                 a pipeline definition file, path-qualified
+    ├── MissingExtraError (ImportError)     an optional dependency is not installed
+    ├── PipelineError                       the runtime of a stage graph
+    │   └── StageFailed                     a stage raised; names the stage and the event
+    ├── TrackerError                        misuse of the trajectory/group/batch state machines
+    │   └── NotReadyToStep                  the optimizer boundary is not open yet
+    ├── StreamingError                      misuse of the streaming backward engine
+    │   ├── UnknownIdError (KeyError)       a group or trajectory id that was never opened
+    │   └── UnsafeStepError                 stepping while work is pending or parameters moved
+    ├── KernelError                         GPU kernels and their capability probing
+    │   └── KernelUnavailable               a kernel that was required cannot run here
+    ├── GenerationError                     rollout generation backends
+    │   └── BackendCapabilityError          a backend cannot do what was asked (e.g. token ids)
+    └── SandboxError                        agent tool sandboxes
+        ├── SandboxUnavailable              no backend/engine/image can be used
+        ├── UnsafePathError                 a scratch/seed directory or path fails a safety check
+        └── SandboxExecError                an exec could not be carried out (not a non-zero exit)
+
+Messages say what happened, with the offending values, and what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendCapabilityError",
+    "ConfigError",
+    "DefinitionError",
+    "GenerationError",
+    "GraphError",
+    "KernelError",
+    "KernelUnavailable",
+    "MissingExtraError",
+    "NotReadyToStep",
+    "PipelineError",
+    "SandboxError",
+    "SandboxExecError",
+    "SandboxUnavailable",
+    "StageFailed",
+    "StreamingError",
+    "ThunderSyncError",
+    "TrackerError",
+    "UnknownIdError",
+    "UnsafePathError",
+    "UnsafeStepError",
+]
+
+
+class ThunderSyncError(Exception):
+    """Base class of every error raised on purpose by ThunderSync."""
+
+
+# --- input and configuration -------------------------------------------------------------------
+
+
+class ConfigError(ThunderSyncError, ValueError):
+    """A value given to the library is invalid; the message names it and shows it."""
+
+
+class GraphError(ConfigError):
+    """A stage graph cannot be wired (unknown stage, dangling edge, duplicate name...)."""
+
+
+class DefinitionError(ConfigError):
+    """A pipeline definition file is invalid; the message starts with the path in the file."""
+
+
+class MissingExtraError(ThunderSyncError, ImportError):
+    """An optional dependency is missing; the message gives the pip command that installs it."""
+
+    def __init__(self, feature: str, extra: str, module: str) -> None:
+        super().__init__(
+            f"{feature} needs the {extra!r} extra (module {module!r} is not installed): "
+            f"pip install 'thundersync[{extra}]'"
+        )
+        self.feature = feature
+        self.extra = extra
+        self.module = module
+
+
+# --- pipeline runtime --------------------------------------------------------------------------
+
+
+class PipelineError(ThunderSyncError):
+    """The stage-graph runtime failed."""
+
+
+class StageFailed(PipelineError):
+    """A stage raised while handling an event; the graph was cancelled.
+
+    ``stage`` is the stage name, ``event`` the event it was handling (``None`` when it failed
+    outside an event, e.g. a source), and ``__cause__`` the original exception.
+    """
+
+    def __init__(self, stage: str, event: object | None, cause: BaseException) -> None:
+        handling = f"while handling {event!r}" if event is not None else "outside any event"
+        super().__init__(f"stage {stage!r} failed {handling}: {type(cause).__name__}: {cause}")
+        self.stage = stage
+        self.event = event
+
+
+# --- dependency tracker ------------------------------------------------------------------------
+
+
+class TrackerError(ThunderSyncError):
+    """A trajectory, group or batch state machine was driven through an invalid transition."""
+
+
+class NotReadyToStep(TrackerError):
+    """The optimizer step was asked for while the batch still has pending work."""
+
+
+# --- streaming engine --------------------------------------------------------------------------
+
+
+class StreamingError(ThunderSyncError):
+    """The streaming backward engine was misused (closing twice, appending after close...)."""
+
+
+class UnknownIdError(StreamingError, KeyError):
+    """A group or trajectory id that is not open (never opened, or already closed)."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class UnsafeStepError(StreamingError):
+    """Stepping the optimizer now would not equal the synchronous update; says what is pending."""
+
+
+# --- kernels -----------------------------------------------------------------------------------
+
+
+class KernelError(ThunderSyncError):
+    """A GPU kernel or its capability probing failed."""
+
+
+class KernelUnavailable(KernelError):
+    """A kernel was required (e.g. ``THUNDERSYNC_FA4=require``) but cannot run on this device."""
+
+
+# --- rollout generation ------------------------------------------------------------------------
+
+
+class GenerationError(ThunderSyncError):
+    """A generation backend failed."""
+
+
+class BackendCapabilityError(GenerationError):
+    """A generation backend cannot provide what was asked (token ids, log-probs, LoRA sync...)."""
+
+
+# --- sandboxes ---------------------------------------------------------------------------------
+
+
+class SandboxError(ThunderSyncError):
+    """A tool sandbox failed."""
+
+
+class SandboxUnavailable(SandboxError):
+    """No sandbox backend, engine or image can be used; says which were tried and why."""
+
+
+class UnsafePathError(SandboxError):
+    """A scratch root, seed cache or copied path fails a safety check; says how to fix it."""
+
+
+class SandboxExecError(SandboxError):
+    """A command could not be run in the sandbox (a non-zero exit status is not an error)."""
