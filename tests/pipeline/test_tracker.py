@@ -1,0 +1,354 @@
+"""The tracker's gates open exactly when an independent model says they should; misuse is named."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from thundersync.errors import NotReadyToStep, TrackerError
+from thundersync.events import BatchReady, GroupClosed, TrajectoryClosed
+from thundersync.pipeline.tracker import BatchState, GroupState, Need, Tracker, TrajectoryState
+
+# --- an independent model: a scenario is a set of operations with precedence constraints ---------
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # open, turn, done, prompt, seal, begin, end, abandon
+    args: tuple[object, ...]
+
+
+@dataclass
+class Scenario:
+    needs: frozenset[Need]
+    batches: dict[int, list[str]]  # batch -> its groups
+    sized: dict[int, bool]  # batch -> size given up front (else sealed explicitly)
+    trajectories: dict[str, list[str]]  # group -> its trajectories
+    abandoned: set[tuple[str, str]]
+    scored: dict[tuple[str, str], int]  # trajectory -> scored tokens over its turns
+    order: list[Op] = field(default_factory=list)
+
+    def batch_of(self, group: str) -> int:
+        return next(b for b, groups in self.batches.items() if group in groups)
+
+
+def _trajectory_ops(needs: frozenset[Need], g: str, t: str, turns: int, scored: list[int]) -> list[Op]:
+    ops = [Op("turn", (g, t, i, i == turns - 1, scored[i])) for i in range(turns)]
+    ops += [Op("done", (need, g, t, i)) for i in range(turns) for need in (Need.BACKWARD, Need.TEACHER)
+            if need in needs]
+    if Need.REWARD in needs:
+        ops.append(Op("done", (Need.REWARD, g, t, None)))
+    return ops
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> Scenario:
+    needs = frozenset(draw(st.sets(st.sampled_from(list(Need)))))
+    s = Scenario(needs, {}, {}, {}, set(), {})
+    before: dict[Op, set[Op]] = {}  # op -> ops that must come first
+
+    def add(op: Op, *after: Op) -> Op:
+        before.setdefault(op, set()).update(after)
+        return op
+
+    for b in range(draw(st.integers(1, 2))):
+        s.sized[b] = draw(st.booleans())
+        s.batches[b] = [f"g{b}.{k}" for k in range(draw(st.integers(1, 2)))]
+        group_ops: dict[str, list[Op]] = {}
+        for g in s.batches[b]:
+            s.trajectories[g] = [f"t{k}" for k in range(draw(st.integers(1, 3)))]
+            size = len(s.batches[b]) if s.sized[b] else 0
+            opened = add(Op("open", (g, tuple(s.trajectories[g]), b, size)))
+            group_ops[g] = []
+            for t in s.trajectories[g]:
+                turns = draw(st.integers(1, 3))
+                scored = draw(st.lists(st.integers(0, 5), min_size=turns, max_size=turns))
+                ops = _trajectory_ops(needs, g, t, turns, scored)
+                if draw(st.integers(0, 4)) == 0:  # abandon it after a random part of its work
+                    s.abandoned.add((g, t))
+                    keep = [op for op in ops if op.kind == "done" or not op.args[3]]
+                    chosen = set(draw(st.lists(st.sampled_from(keep), unique=True))) if keep else set()
+                    ops = [op for op in keep if op in chosen]
+                    ops.append(Op("abandon", (g, t)))
+                else:
+                    s.scored[(g, t)] = sum(scored)
+                for op in ops:
+                    add(op, opened)
+                for first, second in zip(ops, ops[1:]):  # turns in order; abandon last
+                    if second.kind in ("turn", "abandon") and first.kind == "turn":
+                        add(second, first)
+                if ops[-1].kind == "abandon":
+                    for op in ops[:-1]:
+                        add(ops[-1], op)
+                group_ops[g] += ops
+            if Need.BACKWARD in needs:
+                group_ops[g].append(add(Op("prompt", (g,)), *group_ops[g]))
+        first = s.batches[b][0]
+        if not s.sized[b]:
+            add(Op("seal", (b,)), *(Op("open", (g, tuple(s.trajectories[g]), b, 0)) for g in s.batches[b]))
+        for k in range(draw(st.integers(0, 2))):  # work in flight, begun before the batch can be ready
+            begin = add(Op("begin", (b, f"w{k}")), next(op for op in before if op.kind == "open" and op.args[0] == first))
+            add(Op("end", (b, f"w{k}")), begin)
+            for op in group_ops[first]:
+                add(op, begin)
+    remaining = dict(before)
+    while remaining:  # a random topological order
+        ready = sorted((op for op, deps in remaining.items() if not deps & remaining.keys()), key=repr)
+        op = ready[draw(st.integers(0, len(ready) - 1))]
+        s.order.append(op)
+        del remaining[op]
+    return s
+
+
+def _model(s: Scenario, applied: set[Op]) -> tuple[set[tuple[str, str]], set[str], set[int]]:
+    """Which trajectories, groups and batches should be closed/ready after ``applied``."""
+    all_ops: dict[object, list[Op]] = {}
+    for op in s.order:
+        if op.kind in ("turn", "done", "abandon"):
+            key = (op.args[1], op.args[2]) if op.kind == "done" else (op.args[0], op.args[1])
+            all_ops.setdefault(key, []).append(op)
+    ended = {key for key, ops in all_ops.items() if all(op in applied for op in ops)}
+    closed = ended - s.abandoned
+    groups = {g for g, ts in s.trajectories.items() if all((g, t) in ended for t in ts)
+              and (Need.BACKWARD not in s.needs or Op("prompt", (g,)) in applied)}
+    batches = set()
+    for b, gs in s.batches.items():
+        begun = {op.args[1] for op in applied if op.kind == "begin" and op.args[0] == b}
+        ended_work = {op.args[1] for op in applied if op.kind == "end" and op.args[0] == b}
+        sealed = s.sized[b] or Op("seal", (b,)) in applied
+        if sealed and set(gs) <= groups and begun == ended_work:
+            batches.add(b)
+    return closed, groups, batches
+
+
+def _apply(tracker: Tracker, op: Op) -> list[object]:
+    a = op.args
+    if op.kind == "open":
+        return tracker.open_group(a[0], list(a[1]), batch_id=a[2], groups_in_batch=a[3])
+    if op.kind == "turn":
+        return tracker.add_turn(a[0], a[1], a[2], final=a[3], num_tokens=a[4] + 1, num_scored=a[4])
+    if op.kind == "done":
+        return tracker.complete(*a)
+    if op.kind == "prompt":
+        return tracker.complete_prompt(a[0])
+    if op.kind == "seal":
+        return tracker.seal_batch(a[0])
+    if op.kind == "begin":
+        tracker.begin_work(a[0], a[1])
+        return []
+    if op.kind == "end":
+        return tracker.end_work(a[0], a[1])
+    return tracker.abandon(a[0], a[1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_gates_open_exactly_when_every_dependency_is_done(s: Scenario) -> None:
+    tracker = Tracker(needs=s.needs)
+    applied: set[Op] = set()
+    closed: list[tuple[str, str]] = []
+    groups: list[str] = []
+    ready: list[int] = []
+    for op in s.order:
+        for event in _apply(tracker, op):
+            if isinstance(event, TrajectoryClosed):
+                closed.append((event.group_id, event.trajectory_id))
+                assert event.num_scored == s.scored[(event.group_id, event.trajectory_id)]
+            elif isinstance(event, GroupClosed):
+                groups.append(event.group_id)
+                assert event.num_trajectories == sum((event.group_id, t) not in s.abandoned
+                                                     for t in s.trajectories[event.group_id])
+            else:
+                assert isinstance(event, BatchReady)
+                ready.append(event.batch_id)
+                expected = [(g, t) for g in s.batches[event.batch_id] for t in s.trajectories[g]
+                            if (g, t) not in s.abandoned]
+                assert event.num_trajectories == len(expected)
+                assert event.num_scored_tokens == sum(s.scored[key] for key in expected)
+        applied.add(op)
+        want_closed, want_groups, want_ready = _model(s, applied)
+        assert set(closed) == want_closed and len(closed) == len(want_closed), op
+        assert set(groups) == want_groups and len(groups) == len(want_groups), op
+        assert set(ready) == want_ready and len(ready) == len(want_ready), op
+        for b in s.batches:
+            if any(o.kind == "open" and o.args[2] == b for o in applied):
+                if b in want_ready:
+                    tracker.assert_ready_to_step(b)
+                else:
+                    with pytest.raises(NotReadyToStep, match=f"batch {b} is not ready to step"):
+                        tracker.assert_ready_to_step(b)
+    for b in s.batches:
+        tracker.step(b)
+        assert tracker.batch_state(b) is BatchState.STEPPED
+    assert tracker.pending() == []
+
+
+# --- worked example and states -----------------------------------------------------------------
+
+
+def test_the_docstring_example_closes_trajectory_group_and_batch_in_order() -> None:
+    t = Tracker(needs=[Need.REWARD])
+    assert t.open_group("g", ["a", "b"], batch_id=0, groups_in_batch=1) == []
+    assert t.batch_state(0) is BatchState.SEALED
+    assert t.add_turn("g", "a", 0, final=True) == []
+    assert t.trajectory_state("g", "a") is TrajectoryState.FINISHING
+    assert t.complete(Need.REWARD, "g", "b") == []
+    assert t.complete(Need.REWARD, "g", "a") == [TrajectoryClosed(group_id="g", trajectory_id="a")]
+    events = t.add_turn("g", "b", 0, final=True, num_tokens=3, num_scored=2)
+    assert events == [TrajectoryClosed(group_id="g", trajectory_id="b", num_tokens=3, num_scored=2),
+                      GroupClosed(group_id="g", num_trajectories=2),
+                      BatchReady(batch_id=0, num_groups=1, num_trajectories=2, num_scored_tokens=2)]
+    assert t.group_state("g") is GroupState.CLOSED
+    t.step(0)
+    with pytest.raises(NotReadyToStep, match=r"batch 0 is not ready to step \(stepped\): it was already stepped"):
+        t.step(0)
+
+
+def test_a_group_waits_for_its_prompt_backward_when_backward_is_tracked() -> None:
+    t = Tracker(needs=[Need.BACKWARD])
+    t.open_group("g", ["a"], groups_in_batch=1)
+    t.complete(Need.BACKWARD, "g", "a", 0)
+    assert t.add_turn("g", "a", 0, final=True) == [TrajectoryClosed(group_id="g", trajectory_id="a")]
+    assert t.group_state("g") is GroupState.PROMPT_PENDING
+    with pytest.raises(NotReadyToStep, match="group 'g' waits for its prompt backward"):
+        t.step(0)
+    assert t.complete_prompt("g")[0] == GroupClosed(group_id="g", num_trajectories=1)
+    assert t.batch_state(0) is BatchState.READY
+
+
+def test_seal_all_seals_batches_of_unknown_size_at_the_end_of_the_stream() -> None:
+    t = Tracker(needs=[])
+    t.open_group("g", ["a"], batch_id="b1")
+    t.add_turn("g", "a", 0, final=True)
+    assert t.batch_state("b1") is BatchState.OPEN
+    assert t.seal_all() == [BatchReady(batch_id="b1", num_groups=1, num_trajectories=1)]
+
+
+# --- misuse ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def grpo() -> Tracker:
+    t = Tracker(needs=[Need.REWARD, Need.TEACHER])
+    t.open_group("g", ["a", "b"], groups_in_batch=1)
+    return t
+
+
+def test_stepping_early_names_everything_pending(grpo: Tracker) -> None:
+    grpo.add_turn("g", "a", 0)
+    grpo.add_turn("g", "a", 1, final=True)
+    grpo.complete(Need.TEACHER, "g", "a", 0)
+    with pytest.raises(NotReadyToStep, match=(
+            r"batch 0 is not ready to step \(sealed\): trajectory 'a' of group 'g' waits for reward, "
+            r"teacher scores of turn 1; trajectory 'b' of group 'g' waits for its final turn, reward")):
+        grpo.step(0)
+
+
+def test_reporting_a_dependency_twice_raises(grpo: Tracker) -> None:
+    grpo.complete(Need.REWARD, "g", "a")
+    with pytest.raises(TrackerError, match="reward was reported twice for trajectory 'a' of group 'g'"):
+        grpo.complete(Need.REWARD, "g", "a")
+
+
+def test_appending_after_close_raises(grpo: Tracker) -> None:
+    grpo.add_turn("g", "a", 0, final=True)
+    grpo.complete(Need.REWARD, "g", "a")
+    grpo.complete(Need.TEACHER, "g", "a", 0)
+    with pytest.raises(TrackerError, match="turn 1 was added to trajectory 'a' of group 'g', which is closed"):
+        grpo.add_turn("g", "a", 1)
+    with pytest.raises(TrackerError, match="teacher scores of turn 0 was reported for .*, which is closed"):
+        grpo.complete(Need.TEACHER, "g", "a", 0)
+    with pytest.raises(TrackerError, match="trajectory 'a' of group 'g' was abandoned, but it is already closed"):
+        grpo.abandon("g", "a")
+
+
+def test_unknown_ids_raise_naming_what_exists(grpo: Tracker) -> None:
+    with pytest.raises(TrackerError, match="unknown group 'h'; open groups: 'g'"):
+        grpo.add_turn("h", "a", 0)
+    with pytest.raises(TrackerError, match="unknown trajectory 'c' in group 'g'; it has 'a', 'b'"):
+        grpo.complete(Need.REWARD, "g", "c")
+    with pytest.raises(NotReadyToStep, match="batch 7 was never opened; batches: 0"):
+        grpo.step(7)
+    with pytest.raises(TrackerError, match="unknown batch 7; batches: 0"):
+        grpo.batch_state(7)
+
+
+def test_turns_must_increase_and_completions_must_match_declared_turns(grpo: Tracker) -> None:
+    grpo.add_turn("g", "a", 1)
+    with pytest.raises(TrackerError, match="turn 1 was added to trajectory 'a' of group 'g' after turn 1"):
+        grpo.add_turn("g", "a", 1)
+    grpo.complete(Need.TEACHER, "g", "b", 4)  # may arrive before its turn
+    with pytest.raises(TrackerError, match=r"ended at turn 0 but got teacher scores of turn 4, which it never declared"):
+        grpo.add_turn("g", "b", 0, final=True)
+
+
+def test_untracked_needs_and_wrong_turn_arguments_raise(grpo: Tracker) -> None:
+    with pytest.raises(TrackerError, match="this tracker does not wait for backward"):
+        grpo.complete(Need.BACKWARD, "g", "a", 0)
+    with pytest.raises(TrackerError, match="reward takes no turn, got turn=0"):
+        grpo.complete(Need.REWARD, "g", "a", 0)
+    with pytest.raises(TrackerError, match="teacher takes a turn, got turn=None"):
+        grpo.complete(Need.TEACHER, "g", "a")
+    with pytest.raises(TrackerError, match="prompt backward of group 'g' was reported, but this tracker does not"):
+        grpo.complete_prompt("g")
+
+
+def test_prompt_backward_before_the_trajectories_end_raises() -> None:
+    t = Tracker(needs=[Need.BACKWARD])
+    t.open_group("g", ["a"])
+    with pytest.raises(TrackerError, match=r"prompt backward of group 'g' was reported too early or twice "
+                                           r"\(open\): trajectory 'a' of group 'g' waits for its final turn"):
+        t.complete_prompt("g")
+
+
+def test_batch_misuse_raises(grpo: Tracker) -> None:
+    with pytest.raises(TrackerError, match="group 'g' was opened twice"):
+        grpo.open_group("g", ["a"])
+    with pytest.raises(TrackerError, match="group 'h' was opened in batch 0, which is sealed with 1 groups"):
+        grpo.open_group("h", ["a"], groups_in_batch=1)
+    with pytest.raises(TrackerError, match=r"group 'h' must declare distinct trajectory ids, got \['a', 'a'\]"):
+        grpo.open_group("h", ["a", "a"], batch_id=1)
+    grpo.open_group("h", ["a"], batch_id=1, groups_in_batch=2)
+    with pytest.raises(TrackerError, match="batch 1 was sealed with 1 of its 2 groups opened"):
+        grpo.seal_batch(1)
+    with pytest.raises(TrackerError, match="batch 1 expects 2 groups, but a group declared groups_in_batch=3"):
+        grpo.open_group("i", ["a"], batch_id=1, groups_in_batch=3)
+    with pytest.raises(TrackerError, match="batch 0 was sealed twice"):
+        grpo.seal_batch(0)
+
+
+def test_work_in_flight_holds_the_batch_and_is_checked() -> None:
+    t = Tracker(needs=[])
+    t.open_group("g", ["a"], groups_in_batch=1)
+    t.begin_work(0, "prompt-g")
+    with pytest.raises(TrackerError, match="work 'prompt-g' began twice in batch 0"):
+        t.begin_work(0, "prompt-g")
+    assert t.add_turn("g", "a", 0, final=True)[-1] == GroupClosed(group_id="g", num_trajectories=1)
+    with pytest.raises(NotReadyToStep, match="work in flight: 'prompt-g'"):
+        t.step(0)
+    with pytest.raises(TrackerError, match=r"work 'x' ended in batch 0 but never began; in flight: \['prompt-g'\]"):
+        t.end_work(0, "x")
+    assert t.end_work(0, "prompt-g") == [BatchReady(batch_id=0, num_groups=1, num_trajectories=1)]
+    with pytest.raises(TrackerError, match="work 'late' began in batch 0, which is already ready"):
+        t.begin_work(0, "late")
+
+
+def test_an_abandoned_trajectory_no_longer_holds_its_group() -> None:
+    t = Tracker(needs=[Need.REWARD])
+    t.open_group("g", ["a", "b"], groups_in_batch=1)
+    t.add_turn("g", "a", 0, final=True)
+    t.complete(Need.REWARD, "g", "a")
+    events = t.abandon("g", "b")
+    assert events == [GroupClosed(group_id="g", num_trajectories=1),
+                      BatchReady(batch_id=0, num_groups=1, num_trajectories=1)]
+    assert t.trajectory_state("g", "b") is TrajectoryState.ABANDONED
+
+
+def test_a_completion_for_a_turn_past_the_final_one_raises(grpo: Tracker) -> None:
+    grpo.add_turn("g", "a", 0, final=True)
+    with pytest.raises(TrackerError, match="teacher scores of turn 3 was reported for trajectory 'a' of group 'g', "
+                                           "which ended at turn 0"):
+        grpo.complete(Need.TEACHER, "g", "a", 3)

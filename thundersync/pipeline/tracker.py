@@ -1,0 +1,251 @@
+"""The dependency tracker: explicit state machines that gate trajectory, group and batch boundaries.
+
+Invariant: a trajectory is CLOSED exactly when its final turn was added and every dependency it
+declared is done; a group is CLOSED exactly when each of its trajectories is CLOSED or ABANDONED
+and (when backward is tracked) its prompt backward is done; a batch is READY exactly when it is
+sealed, every one of its groups is CLOSED and no work is in flight.
+
+The tracker is synchronous and pure bookkeeping: each call returns the events that became true
+(:class:`~thundersync.events.TrajectoryClosed`, :class:`~thundersync.events.GroupClosed`,
+:class:`~thundersync.events.BatchReady`), in that order, and misuse raises
+:class:`~thundersync.errors.TrackerError` naming what is wrong and what is still pending.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from thundersync.errors import NotReadyToStep, TrackerError
+from thundersync.events import BatchReady, EventBase, GroupClosed, Id, TrajectoryClosed
+from thundersync.pipeline._tracker_records import (
+    BatchRecord,
+    BatchState,
+    GroupRecord,
+    GroupState,
+    Need,
+    TrajectoryRecord,
+    TrajectoryState,
+)
+
+__all__ = ["BatchState", "GroupState", "Need", "Tracker", "TrajectoryState"]
+
+
+class Tracker:
+    """Trajectory, group and batch state machines; see the module docstring for the invariant.
+
+    ``needs`` says which dependencies a trajectory waits for: ``Need.BACKWARD`` (each turn's
+    backward work, and the group's prompt backward after its trajectories end),
+    ``Need.REWARD`` (GRPO) and ``Need.TEACHER`` (each turn's teacher scores, OPD). Completions
+    may arrive before the turn they belong to (events travel different edges); the tracker
+    checks them when the final turn arrives. A worked example (GRPO, one group of two)::
+
+        t = Tracker(needs=[Need.REWARD])
+        t.open_group("g", ["a", "b"], batch_id=0, groups_in_batch=1)
+                                     # batch 0 SEALED, group OPEN, a and b GENERATING
+        t.add_turn("g", "a", 0, final=True)      # a FINISHING (waits for reward)
+        t.complete(Need.REWARD, "g", "b")        # b GENERATING, reward already done
+        t.complete(Need.REWARD, "g", "a")        # -> [TrajectoryClosed(a)]
+        t.add_turn("g", "b", 0, final=True)      # -> [TrajectoryClosed(b), GroupClosed(g),
+                                                 #     BatchReady(0)]; batch 0 READY
+        t.step(0)                                # batch 0 STEPPED; stepping again raises
+    """
+
+    def __init__(self, needs: Iterable[Need] = (Need.REWARD,)) -> None:
+        self.needs = frozenset(needs)
+        self._batches: dict[Id, BatchRecord] = {}
+        self._groups: dict[Id, GroupRecord] = {}
+
+    # --- declarations --------------------------------------------------------------------------
+
+    def open_group(
+        self, group_id: Id, trajectory_ids: Sequence[Id], *, batch_id: Id = 0, groups_in_batch: int = 0
+    ) -> list[EventBase]:
+        """Open a group in a batch; ``groups_in_batch`` > 0 seals the batch once that many opened."""
+        if group_id in self._groups:
+            raise TrackerError(f"group {group_id!r} was opened twice")
+        if not trajectory_ids or len(set(trajectory_ids)) != len(trajectory_ids):
+            raise TrackerError(f"group {group_id!r} must declare distinct trajectory ids, "
+                               f"got {list(trajectory_ids)!r}")
+        batch = self._batch_for(batch_id, groups_in_batch)
+        if batch.state is not BatchState.OPEN:
+            raise TrackerError(f"group {group_id!r} was opened in batch {batch_id!r}, which is "
+                               f"{batch.state.value} with {len(batch.groups)} groups")
+        records = {t: TrajectoryRecord(group_id, t, self.needs) for t in trajectory_ids}
+        group = GroupRecord(group_id, batch_id, records, needs_prompt=Need.BACKWARD in self.needs)
+        self._groups[group_id] = group
+        batch.groups.append(group)
+        if batch.expected_groups is not None and len(batch.groups) == batch.expected_groups:
+            batch.state = BatchState.SEALED
+        return []
+
+    def add_turn(
+        self, group_id: Id, trajectory_id: Id, turn: int, *, final: bool = False,
+        num_tokens: int = 0, num_scored: int = 0,
+    ) -> list[EventBase]:
+        """Declare one action of a trajectory (and its per-turn dependencies); ``final`` ends it."""
+        trajectory = self._trajectory(group_id, trajectory_id)
+        trajectory.add_turn(turn, final=final, num_tokens=num_tokens, num_scored=num_scored)
+        return self._advance(trajectory)
+
+    def seal_batch(self, batch_id: Id) -> list[EventBase]:
+        """Declare that no more groups join ``batch_id`` (needed when its size was not given)."""
+        batch = self._batches.get(batch_id)
+        if batch is None:
+            raise TrackerError(f"batch {batch_id!r} was sealed but never opened; "
+                               f"batches: {self._names(self._batches)}")
+        if batch.state is not BatchState.OPEN:
+            raise TrackerError(f"batch {batch_id!r} was sealed twice (it is {batch.state.value})")
+        if batch.expected_groups is not None:
+            raise TrackerError(f"batch {batch_id!r} was sealed with {len(batch.groups)} of its "
+                               f"{batch.expected_groups} groups opened")
+        batch.state = BatchState.SEALED
+        return self._batch_events(batch)
+
+    def seal_all(self) -> list[EventBase]:
+        """Seal every batch still open whose size was not given (the input stream ended)."""
+        out: list[EventBase] = []
+        for batch in list(self._batches.values()):
+            if batch.state is BatchState.OPEN and batch.expected_groups is None:
+                out.extend(self.seal_batch(batch.batch_id))
+        return out
+
+    # --- completions ---------------------------------------------------------------------------
+
+    def complete(
+        self, need: Need, group_id: Id, trajectory_id: Id, turn: int | None = None
+    ) -> list[EventBase]:
+        """Record that a trajectory's dependency is done (``turn`` for backward and teacher only)."""
+        if (need is Need.REWARD) != (turn is None):
+            takes = "no turn" if need is Need.REWARD else "a turn"
+            raise TrackerError(f"{need.value} takes {takes}, got turn={turn!r}")
+        trajectory = self._trajectory(group_id, trajectory_id)
+        trajectory.complete((need, turn))
+        return self._advance(trajectory)
+
+    def complete_prompt(self, group_id: Id) -> list[EventBase]:
+        """Record that a group's prompt backward is done (only after all its trajectories ended)."""
+        group = self._group(group_id)
+        group.complete_prompt()
+        return [GroupClosed(group_id=group_id, num_trajectories=self._closed_count(group)),
+                *self._batch_events(self._batches[group.batch_id])]
+
+    def abandon(self, group_id: Id, trajectory_id: Id) -> list[EventBase]:
+        """Drop a trajectory whose work failed; its group goes on without it."""
+        trajectory = self._trajectory(group_id, trajectory_id)
+        trajectory.abandon()
+        return self._group_events(self._groups[group_id])
+
+    def begin_work(self, batch_id: Id, key: str) -> None:
+        """Record work in flight for a batch (it cannot become READY until :meth:`end_work`)."""
+        batch = self._open_batch(batch_id, f"work {key!r} began")
+        if key in batch.in_flight:
+            raise TrackerError(f"work {key!r} began twice in batch {batch_id!r}")
+        batch.in_flight.add(key)
+
+    def end_work(self, batch_id: Id, key: str) -> list[EventBase]:
+        """Record that work begun with :meth:`begin_work` finished."""
+        batch = self._open_batch(batch_id, f"work {key!r} ended")
+        if key not in batch.in_flight:
+            raise TrackerError(f"work {key!r} ended in batch {batch_id!r} but never began; "
+                               f"in flight: {sorted(batch.in_flight)!r}")
+        batch.in_flight.remove(key)
+        return self._batch_events(batch)
+
+    # --- the optimizer boundary ----------------------------------------------------------------
+
+    def assert_ready_to_step(self, batch_id: Id) -> None:
+        """Raise :class:`NotReadyToStep` naming what is pending unless ``batch_id`` is READY."""
+        batch = self._batches.get(batch_id)
+        if batch is None:
+            raise NotReadyToStep(f"batch {batch_id!r} was never opened; "
+                                 f"batches: {self._names(self._batches)}")
+        if batch.state is not BatchState.READY:
+            detail = "; ".join(batch.pending()) or "it was already stepped"
+            raise NotReadyToStep(f"batch {batch_id!r} is not ready to step ({batch.state.value}): {detail}")
+
+    def step(self, batch_id: Id) -> None:
+        """Mark a READY batch as STEPPED (the optimizer stepped on it)."""
+        self.assert_ready_to_step(batch_id)
+        self._batches[batch_id].state = BatchState.STEPPED
+
+    # --- queries -------------------------------------------------------------------------------
+
+    def trajectory_state(self, group_id: Id, trajectory_id: Id) -> TrajectoryState:
+        return self._trajectory(group_id, trajectory_id).state
+
+    def group_state(self, group_id: Id) -> GroupState:
+        return self._group(group_id).state
+
+    def batch_state(self, batch_id: Id) -> BatchState:
+        return self._batch(batch_id).state
+
+    def pending(self, batch_id: Id | None = None) -> list[str]:
+        """What is still pending, for one batch or (``None``) every batch not yet stepped."""
+        batches = [self._batch(batch_id)] if batch_id is not None else list(self._batches.values())
+        return [f"batch {b.batch_id!r}: {item}" for b in batches for item in b.pending()
+                if b.state not in (BatchState.READY, BatchState.STEPPED)]
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _advance(self, trajectory: TrajectoryRecord) -> list[EventBase]:
+        if not trajectory.try_close():
+            return []
+        closed = TrajectoryClosed(group_id=trajectory.group_id, trajectory_id=trajectory.trajectory_id,
+                                  num_tokens=trajectory.num_tokens, num_scored=trajectory.num_scored)
+        return [closed, *self._group_events(self._groups[trajectory.group_id])]
+
+    def _group_events(self, group: GroupRecord) -> list[EventBase]:
+        if not group.try_advance():
+            return []
+        closed = GroupClosed(group_id=group.group_id, num_trajectories=self._closed_count(group))
+        return [closed, *self._batch_events(self._batches[group.batch_id])]
+
+    def _batch_events(self, batch: BatchRecord) -> list[EventBase]:
+        if not batch.try_ready():
+            return []
+        closed = [t for g in batch.groups for t in g.trajectories.values()
+                  if t.state is TrajectoryState.CLOSED]
+        return [BatchReady(batch_id=batch.batch_id, num_groups=len(batch.groups),
+                           num_trajectories=len(closed), num_scored_tokens=sum(t.num_scored for t in closed))]
+
+    @staticmethod
+    def _closed_count(group: GroupRecord) -> int:
+        return sum(t.state is TrajectoryState.CLOSED for t in group.trajectories.values())
+
+    def _batch_for(self, batch_id: Id, groups_in_batch: int) -> BatchRecord:
+        expected = groups_in_batch or None
+        batch = self._batches.setdefault(batch_id, BatchRecord(batch_id, expected))
+        if batch.expected_groups != expected:
+            expects = batch.expected_groups or "an unknown number of"
+            raise TrackerError(f"batch {batch_id!r} expects {expects} groups, but a group declared "
+                               f"groups_in_batch={groups_in_batch}")
+        return batch
+
+    def _batch(self, batch_id: Id) -> BatchRecord:
+        if batch_id not in self._batches:
+            raise TrackerError(f"unknown batch {batch_id!r}; batches: {self._names(self._batches)}")
+        return self._batches[batch_id]
+
+    def _open_batch(self, batch_id: Id, what: str) -> BatchRecord:
+        batch = self._batch(batch_id)
+        if batch.state in (BatchState.READY, BatchState.STEPPED):
+            raise TrackerError(f"{what} in batch {batch_id!r}, which is already {batch.state.value}")
+        return batch
+
+    def _group(self, group_id: Id) -> GroupRecord:
+        if group_id not in self._groups:
+            open_groups = {k: g for k, g in self._groups.items() if g.state is not GroupState.CLOSED}
+            raise TrackerError(f"unknown group {group_id!r}; open groups: {self._names(open_groups)}")
+        return self._groups[group_id]
+
+    def _trajectory(self, group_id: Id, trajectory_id: Id) -> TrajectoryRecord:
+        group = self._group(group_id)
+        trajectory = group.trajectories.get(trajectory_id)
+        if trajectory is None:
+            raise TrackerError(f"unknown trajectory {trajectory_id!r} in group {group_id!r}; "
+                               f"it has {self._names(group.trajectories)}")
+        return trajectory
+
+    @staticmethod
+    def _names(mapping: dict[Id, object]) -> str:
+        return ", ".join(repr(k) for k in mapping) or "none"
