@@ -1,0 +1,207 @@
+"""`Graph`: stages composed by name, with typed, bounded edges between them.
+
+A graph is a list of named stages and, for each, the names it ``reads`` from. An edge
+``producer -> consumer`` carries only the event types the consumer ``consumes``: a producer that
+feeds several consumers sends each event to the consumers that accept its type (fan-out by type),
+and a consumer that reads from several producers gets one merged inbox in arrival order::
+
+    graph = Graph()
+    graph.add("source", PromptSource(cfg))                      # consumes == (): a source
+    graph.add("gen", Generate(cfg, generator=g), reads=["source"], capacity=64)
+    graph.add("tool", ToolExecute(), reads=["gen"])
+    graph.add("reward", Reward(), reads=["gen", "tool"])        # several producers, one inbox
+    graph.validate()
+
+``capacity`` bounds the consumer's inbox: a full inbox blocks its producers (backpressure). The
+reserved name ``"input"`` stands for events an application sends through
+:class:`~thundersync.pipeline.embed.Pipeline`.
+
+The graph must be acyclic. Feedback such as a published policy (step -> generate) goes through a
+runtime object that both stages share (the generator's weights), not through an edge: an edge
+cycle has no end-of-stream, since each stage would wait for the other to finish first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from thundersync.errors import GraphError
+from thundersync.pipeline.stage import Stage
+
+__all__ = ["DEFAULT_CAPACITY", "INPUT", "Graph", "Node"]
+
+INPUT = "input"
+"""The reserved name of the application's input (what ``Pipeline.send`` writes to)."""
+
+DEFAULT_CAPACITY = 64
+"""Inbox size of a stage when ``Graph.add`` is not given one."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """One stage in a graph: its name, the stage, the names it reads from, its inbox size."""
+
+    name: str
+    stage: Stage
+    reads: tuple[str, ...]
+    capacity: int
+    output: bool
+
+    @property
+    def is_source(self) -> bool:
+        return not self.stage.consumes
+
+
+def _names(types: Iterable[type]) -> str:
+    return ", ".join(t.__name__ for t in types) or "nothing"
+
+
+def _overlap(produces: Iterable[type], consumes: Iterable[type]) -> bool:
+    return any(issubclass(p, c) or issubclass(c, p) for p in produces for c in consumes)
+
+
+class Graph:
+    """Named stages and the edges between them; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[str, Node] = {}
+
+    def add(
+        self,
+        name: str,
+        stage: Stage,
+        *,
+        reads: Iterable[str] = (),
+        capacity: int = DEFAULT_CAPACITY,
+        output: bool = False,
+    ) -> Graph:
+        """Add ``stage`` under ``name``, reading from the stages named in ``reads``.
+
+        ``capacity`` is the size of its inbox (>= 1). ``output=True`` makes the events it
+        produces results of a :class:`Pipeline` (by default the results are the events of the
+        stages no other stage reads from). Returns the graph, so calls can be chained.
+        """
+        reads = (reads,) if isinstance(reads, str) else tuple(reads)
+        self._check_new(name, stage, reads, capacity)
+        self._nodes[name] = Node(name, stage, reads, capacity, output)
+        return self
+
+    def _check_new(self, name: str, stage: Stage, reads: tuple[str, ...], capacity: int) -> None:
+        if not isinstance(name, str) or not name:
+            raise GraphError(f"a stage name must be a non-empty string, got {name!r}")
+        if name == INPUT:
+            raise GraphError(f"{INPUT!r} is reserved for the application's input; pick another name")
+        if name in self._nodes:
+            raise GraphError(f"a stage named {name!r} already exists; stages: {self._listing()}")
+        if not isinstance(stage, Stage):
+            raise GraphError(
+                f"stage {name!r} is a {type(stage).__name__}, not a thundersync Stage; "
+                "subclass thundersync.pipeline.Stage"
+            )
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise GraphError(f"stage {name!r} has capacity {capacity!r}; it must be an int >= 1")
+        duplicates = sorted({r for r in reads if reads.count(r) > 1})
+        if duplicates:
+            raise GraphError(f"stage {name!r} reads from {', '.join(duplicates)} more than once")
+
+    # --- queries -------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self._nodes.values())
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._nodes
+
+    def __getitem__(self, name: str) -> Node:
+        try:
+            return self._nodes[name]
+        except KeyError:
+            raise GraphError(f"no stage named {name!r}; stages: {self._listing()}") from None
+
+    def readers(self, name: str) -> list[Node]:
+        """The stages that read from ``name`` (a stage name or ``"input"``), in insertion order."""
+        return [node for node in self._nodes.values() if name in node.reads]
+
+    def outputs(self) -> list[Node]:
+        """The stages whose events are a Pipeline's results: declared ones, else the terminal ones."""
+        declared = [node for node in self._nodes.values() if node.output]
+        if declared:
+            return declared
+        return [node for node in self._nodes.values() if not self.readers(node.name)]
+
+    def _listing(self) -> str:
+        return ", ".join(self._nodes) or "(none)"
+
+    # --- validation ----------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Raise :class:`GraphError` listing every problem, or return when the graph can run."""
+        if not self._nodes:
+            raise GraphError("the graph has no stages; add some with Graph.add(name, stage)")
+        problems = [p for node in self._nodes.values() for p in self._node_problems(node)]
+        if not problems:
+            problems = self._cycle_problems()
+        if problems:
+            raise GraphError("; ".join(problems))
+
+    def _node_problems(self, node: Node) -> Iterator[str]:
+        stage = node.stage
+        if node.is_source and node.reads:
+            yield (
+                f"stage {node.name!r} reads from {', '.join(node.reads)} but consumes no event "
+                f"types (it is a source); drop reads= or set {type(stage).__name__}.consumes"
+            )
+            return
+        if not node.is_source and not node.reads:
+            yield (
+                f"stage {node.name!r} consumes {_names(stage.consumes)} but reads from no stage; "
+                f"pass reads=[...] (stages: {self._listing()}, or {INPUT!r})"
+            )
+        for upstream in node.reads:
+            if upstream == INPUT:
+                continue
+            producer = self._nodes.get(upstream)
+            if producer is None:
+                yield (
+                    f"stage {node.name!r} reads from {upstream!r}, which no stage produces; "
+                    f"stages: {self._listing()}"
+                )
+            elif not _overlap(producer.stage.produces, stage.consumes):
+                yield (
+                    f"stage {node.name!r} reads from {upstream!r}, but {upstream!r} produces "
+                    f"{_names(producer.stage.produces)} and {node.name!r} consumes "
+                    f"{_names(stage.consumes)}: no event type in common"
+                )
+
+    def _cycle_problems(self) -> list[str]:
+        state: dict[str, int] = {}  # 1: on the current path, 2: finished
+        path: list[str] = []
+
+        def visit(name: str) -> list[str] | None:
+            state[name] = 1
+            path.append(name)
+            for upstream in self._nodes[name].reads:
+                if upstream == INPUT:
+                    continue
+                if state.get(upstream) == 1:
+                    return path[path.index(upstream) :] + [upstream]
+                if upstream not in state and (found := visit(upstream)) is not None:
+                    return found
+            path.pop()
+            state[name] = 2
+            return None
+
+        for name in self._nodes:
+            if name not in state and (cycle := visit(name)) is not None:
+                loop = " -> ".join(reversed(cycle))
+                return [
+                    f"stages form a cycle: {loop}; a graph must be acyclic (an edge cycle never "
+                    "reaches end-of-stream): pass feedback such as a published policy through a "
+                    "runtime object both stages share"
+                ]
+        return []
+
