@@ -1,0 +1,38 @@
+"""Tiny random causal LMs built in code (no download) for the engine and GRPO tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tiny_qwen3(dtype: torch.dtype = torch.float32, *, seed: int = 0, tie: bool = False, layers: int = 2) -> torch.nn.Module:
+    """A 2-layer Qwen3 with hidden 32, head_dim 16, GQA (4 query / 2 kv heads), vocab 97."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        tie_word_embeddings=tie, attn_implementation="eager",
+    )
+    model = Qwen3ForCausalLM(config).to(dtype)
+    with torch.no_grad():  # random norms, so a wrong norm placement cannot hide behind ones
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def with_lora(model: torch.nn.Module, *, seed: int = 1) -> torch.nn.Module:
+    """``model`` wrapped by peft LoRA on the attention and MLP projections, with non-zero B."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
+    wrapped = get_peft_model(model, config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    return wrapped.eval()

@@ -1,0 +1,142 @@
+"""Run a decoder's own submodules over packed chunks of new tokens, each after its own prefix.
+
+A *chunk* is a run of consecutive tokens of one sequence, starting at absolute position
+``start``. Its *prefix* is the per-layer key/value state of everything before it (post-norm,
+post-rotary, exactly what attention consumes), usually a detached proxy that requires grad, so
+the backward of the chunk stops there and leaves the prefix's adjoint in ``proxy.grad``.
+
+Several chunks are *packed*: their tokens are concatenated into one row, so every projection,
+norm and MLP runs once over all of them, and only attention runs per chunk (a chunk's queries see
+its own prefix and, causally, its own tokens; never another chunk)::
+
+    x      = embed(tokens)                                         [1, N, H]
+    layer: h = norm1(x);  q, k, v = proj(h) (+ q_norm/k_norm) + rotary(position)
+           a_c = chunk_attention(q_c, K_prefix(c), V_prefix(c), k_c, v_c)    per chunk c
+           x = x + o_proj(a);  x = x + mlp(norm2(x))
+    hidden = norm(x)                                               [N, H]
+
+Log-probabilities of chosen rows come from :func:`head_logprobs`: the fused
+``kernels.linear_logprobs`` for a plain linear head (never the [N, V] logits), the head module
+itself otherwise (a LoRA-wrapped head).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from thundersync.engine.anatomy import DecoderAnatomy, LayerParts
+
+__all__ = ["ChunkSpec", "PackOutput", "KV", "forward_pack", "head_logprobs", "empty_prefix"]
+
+KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values) of one layer, each [Hkv, L, D]
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One chunk of a pack: its tokens [T] (long, on the model's device), first position, prefix."""
+
+    tokens: torch.Tensor
+    start: int
+    prefix: Sequence[KV]  # per layer, each [Hkv, P, D]; P may be 0
+
+
+@dataclass
+class PackOutput:
+    """What a packed forward returns; ``kv[c][l]`` is chunk c's own (k, v) at layer l, with graph."""
+
+    hidden: torch.Tensor  # [N, H], the final-normed hidden states of all chunks, concatenated
+    offsets: list[int]  # chunk c occupies rows offsets[c] : offsets[c + 1]
+    kv: list[list[KV]]
+
+    def rows(self, chunk: int) -> slice:
+        return slice(self.offsets[chunk], self.offsets[chunk + 1])
+
+
+def empty_prefix(anatomy: DecoderAnatomy, device: torch.device | None = None) -> list[KV]:
+    """A zero-length prefix for a chunk that starts a sequence."""
+    shape = (anatomy.num_kv_heads, 0, anatomy.head_dim)
+    dev = device if device is not None else anatomy.device
+    empty = torch.empty(shape, dtype=anatomy.dtype, device=dev)
+    return [(empty, empty) for _ in anatomy.layers]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x cos + rotate_half(x) sin: the rotary embedding as transformers applies it."""
+    return (x * cos) + (_rotate_half(x) * sin)
+
+
+def _heads(proj: torch.Tensor, norm: nn.Module | None, head_dim: int) -> torch.Tensor:
+    """[1, N, heads * D] -> [1, heads, N, D], with the per-head norm (Qwen3) when there is one."""
+    shaped = proj.view(*proj.shape[:-1], -1, head_dim)
+    if norm is not None:
+        shaped = norm(shaped)
+    return shaped.transpose(1, 2)
+
+
+def _layer(
+    anatomy: DecoderAnatomy, parts: LayerParts, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    chunks: Sequence[ChunkSpec], offsets: list[int], kv_out: list[list[KV]],
+) -> torch.Tensor:
+    from thundersync.kernels import chunk_attention
+
+    h = parts.input_norm(x)
+    cos, sin = rope
+    q = _rotary(_heads(parts.q_proj(h), parts.q_norm, anatomy.head_dim), cos, sin)
+    k = _rotary(_heads(parts.k_proj(h), parts.k_norm, anatomy.head_dim), cos, sin)
+    v = _heads(parts.v_proj(h), None, anatomy.head_dim)
+    outs = []
+    for c, chunk in enumerate(chunks):
+        rows = slice(offsets[c], offsets[c + 1])
+        k_c, v_c = k[:, :, rows], v[:, :, rows]
+        k_p, v_p = chunk.prefix[layer]
+        outs.append(chunk_attention(q[:, :, rows], k_p[None], v_p[None], k_c, v_c, scale=anatomy.scaling))
+        kv_out[c].append((k_c[0], v_c[0]))
+    attn = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    attn = attn.transpose(1, 2).reshape(*x.shape[:-1], -1)
+    x = x + parts.o_proj(attn)
+    return x + parts.mlp(parts.post_norm(x))
+
+
+def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec]) -> PackOutput:
+    """Forward ``chunks`` packed into one row; gradients flow to parameters and to the prefixes."""
+    offsets = [0]
+    for chunk in chunks:
+        offsets.append(offsets[-1] + int(chunk.tokens.numel()))
+    tokens = torch.cat([chunk.tokens for chunk in chunks])[None]
+    device = tokens.device
+    positions = torch.cat(
+        [torch.arange(c.start, c.start + c.tokens.numel(), device=device) for c in chunks]
+    )[None]
+    x = anatomy.embed(tokens)
+    cos, sin = anatomy.rotary(x, positions)
+    rope = (cos[:, None], sin[:, None])
+    kv: list[list[KV]] = [[] for _ in chunks]
+    for index, parts in enumerate(anatomy.layers):
+        x = _layer(anatomy, parts, index, x, rope, chunks, offsets, kv)
+    return PackOutput(hidden=anatomy.norm(x)[0], offsets=offsets, kv=kv)
+
+
+def head_logprobs(anatomy: DecoderAnatomy, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log pi(targets[n] | hidden[n]) for hidden [M, H], targets [M]: fp32 [M] (fp64 for fp64)."""
+    head = anatomy.head
+    if type(head) is nn.Linear and head.bias is None:
+        from thundersync.kernels import linear_logprobs
+
+        return linear_logprobs(hidden, head.weight, targets)
+    # A wrapped head (LoRA on lm_head): call it, a bounded number of rows at a time.
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    pieces = []
+    step = max(1, (1 << 24) // max(anatomy.vocab_size, 1))
+    for start in range(0, hidden.shape[0], step):
+        logits = head(hidden[start : start + step]).to(acc)
+        pieces.append(logits.log_softmax(-1).gather(-1, targets[start : start + step, None])[:, 0])
+    return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=acc)
