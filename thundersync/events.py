@@ -27,6 +27,7 @@ import msgspec
 
 __all__ = [
     "ActionGenerated",
+    "BackwardDone",
     "BatchReady",
     "Event",
     "EVENT_TYPES",
@@ -87,6 +88,7 @@ class PromptSubmitted(EventBase):
     prompt_tokens: TokenIds
     num_trajectories: Annotated[int, msgspec.Meta(ge=1)] = 1
     batch_id: Id = 0
+    groups_in_batch: NonNegInt = 0  # groups of the batch in all; 0: unknown until the stream ends
 
 
 class GroupOpened(EventBase):
@@ -100,6 +102,7 @@ class GroupOpened(EventBase):
     trajectory_ids: list[Id] = []
     batch_id: Id = 0
     policy_version: NonNegInt = 0
+    groups_in_batch: NonNegInt = 0  # copied from PromptSubmitted: lets close seal the batch
 
 
 class ActionGenerated(EventBase):
@@ -169,6 +172,18 @@ class Rewarded(EventBase):
 
     def __post_init__(self) -> None:
         _require_finite("reward", [self.reward])
+
+
+class BackwardDone(EventBase):
+    """The backward work of one turn (``turn`` set) or of a group's prompt (``trajectory_id``
+    and ``turn`` None) finished; its gradient contribution is accumulated.
+
+    Produced by backward; consumed by close when it waits for backward work.
+    """
+
+    group_id: Id
+    trajectory_id: Id | None = None
+    turn: NonNegInt | None = None
 
 
 class TrajectoryClosed(EventBase):
@@ -247,6 +262,7 @@ Event: TypeAlias = Union[
     ToolObserved,
     TeacherScored,
     Rewarded,
+    BackwardDone,
     TrajectoryClosed,
     GroupClosed,
     BatchReady,
