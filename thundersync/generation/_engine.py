@@ -1,0 +1,295 @@
+"""The synchronous core of :class:`TorchGenerator`: slots, admission, prefill, decode, sampling.
+
+One :meth:`Engine.step` admits waiting requests into free slots and prefills them (packed in one
+forward pass), then decodes one token for every running sequence. A sequence that finishes leaves
+its slot at once, so the next step refills it (continuous batching). A sequence with a
+``session_id`` keeps its slot and cache when it finishes ("parked": no compute) until the session
+continues, is released, or its slot is needed by a waiting request (least recently used first).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from thundersync.errors import ConfigError, GenerationError
+from thundersync.generation._anatomy import decoder_anatomy
+from thundersync.generation._forward import Rows, forward_hidden, logits_of
+from thundersync.generation._kv_cache import KVCache
+from thundersync.generation._sampling import RowParams, sample
+from thundersync.generation.base import GenerationRequest, GenerationResult
+
+__all__ = ["Engine", "Ticket"]
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request inside the engine, from submission until its result or error."""
+
+    request: GenerationRequest
+    seed: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cached_tokens: int = 0
+    result: GenerationResult | None = None
+    error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+
+@dataclass(eq=False)
+class _Slot:
+    index: int
+    cached: list[int] = field(default_factory=list)  # tokens whose keys/values are in the cache
+    session: int | str | None = None
+    ticket: Ticket | None = None
+    last_used: int = 0
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+class Engine:
+    """Continuous batching over a fixed set of KV-cache slots (not thread-safe: one driver)."""
+
+    def __init__(self, model: nn.Module, *, slots: int, capacity: int, prefill_tokens: int, key_bucket: int) -> None:
+        self.model = model
+        self.anatomy = decoder_anatomy(model)
+        self.cache = KVCache(self.anatomy, slots, capacity)
+        self.slots = [_Slot(i) for i in range(slots)]
+        self.waiting: deque[Ticket] = deque()
+        self.sessions: dict[int | str, _Slot] = {}
+        self.prefill_tokens = prefill_tokens
+        self.key_bucket = key_bucket
+        self.decode_all: DecodeFn | None = None  # set to a captured fixed-shape decode step
+        self._clock = itertools.count(1)
+        self._weights = self._weights_version()
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest, seed: int) -> Ticket:
+        """Queue ``request``; raises ConfigError when it cannot ever be served."""
+        prompt = request.prompt_ids
+        if len(prompt) >= self.cache.capacity:
+            raise ConfigError(
+                f"prompt has {len(prompt)} tokens but the generator holds at most "
+                f"{self.cache.capacity} per sequence: raise max_seq_len"
+            )
+        if max(prompt) >= self.anatomy.vocab_size:
+            raise ConfigError(f"token id {max(prompt)} is outside the model's vocabulary of {self.anatomy.vocab_size}")
+        session = request.session_id
+        if session is not None and any(t.request.session_id == session for t in self._in_flight()):
+            raise ConfigError(f"session {session!r} already has a request in flight; await it first")
+        ticket = Ticket(request, seed)
+        self.waiting.append(ticket)
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Forget ``ticket`` (waiting or running); its slot's cache is dropped."""
+        if ticket in self.waiting:
+            self.waiting.remove(ticket)
+        for slot in self.slots:
+            if slot.ticket is ticket:
+                self._free(slot)
+
+    def release(self, session: int | str) -> None:
+        """Drop the cached prefix of ``session`` (no error when it holds none)."""
+        slot = self.sessions.get(session)
+        if slot is not None and slot.ticket is None:
+            self._free(slot)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(s.ticket is not None for s in self.slots)
+
+    def _in_flight(self) -> list[Ticket]:
+        return [*self.waiting, *(s.ticket for s in self.slots if s.ticket is not None)]
+
+    def _free(self, slot: _Slot) -> None:
+        if slot.session is not None:
+            self.sessions.pop(slot.session, None)
+        slot.cached, slot.session, slot.ticket = [], None, None
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every request in flight with ``error`` and drop every cache."""
+        for ticket in self._in_flight():
+            ticket.error = error
+        self.waiting.clear()
+        for slot in self.slots:
+            self._free(slot)
+
+    # --- stepping -------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Admit and prefill what fits, then decode one token for each running sequence."""
+        self._check_weights()
+        admitted = self._admit()
+        with torch.no_grad():
+            if admitted:
+                self._prefill(admitted)
+            running = [s for s in self.slots if s.ticket is not None and s.ticket.result is None]
+            if running:
+                self._decode(running)
+
+    def _weights_version(self) -> int:
+        return sum(p._version for p in self.model.parameters())
+
+    def _check_weights(self) -> None:
+        version = self._weights_version()
+        if version == self._weights:
+            return
+        self._weights = version
+        if any(s.ticket is not None and s.ticket.tokens for s in self.slots):
+            raise GenerationError(
+                "the model's parameters changed while sequences were being generated; "
+                "generate only while parameters are fixed (between optimizer steps)"
+            )
+        for slot in self.slots:  # cached prefixes were computed with the old weights
+            if slot.ticket is None:
+                self._free(slot)
+            else:
+                slot.cached = []
+
+    def _take_slot(self, session: int | str | None) -> _Slot | None:
+        if session is not None and session in self.sessions:
+            return self.sessions[session]
+        idle = [s for s in self.slots if s.ticket is None]
+        if not idle:
+            return None
+        slot = min(idle, key=lambda s: (s.session is not None, s.last_used))
+        self._free(slot)
+        if session is not None:
+            slot.session = session
+            self.sessions[session] = slot
+        return slot
+
+    def _admit(self) -> list[tuple[_Slot, int]]:
+        """Move waiting tickets into slots; returns (slot, first uncached position) pairs."""
+        admitted: list[tuple[_Slot, int]] = []
+        budget = self.prefill_tokens
+        while self.waiting and budget > 0:
+            ticket = self.waiting[0]
+            slot = self._take_slot(ticket.request.session_id)
+            if slot is None:
+                break
+            prompt = ticket.request.prompt_ids
+            start = min(_common_prefix(slot.cached, prompt), len(prompt) - 1)
+            if admitted and len(prompt) - start > budget:
+                break
+            self.waiting.popleft()
+            slot.ticket, slot.cached = ticket, list(prompt[:start])
+            ticket.cached_tokens = start
+            budget -= len(prompt) - start
+            admitted.append((slot, start))
+        return admitted
+
+    def _prefill(self, admitted: list[tuple[_Slot, int]]) -> None:
+        device = self.anatomy.device
+        segments = [(slot, start, slot.ticket.request.prompt_ids[start:]) for slot, start in admitted]  # type: ignore[union-attr]
+        qlen = max(len(seg) for _, _, seg in segments)
+        tokens, positions, slots, pad, unpad, row_pos = [], [], [], [], [], []
+        for r, (slot, start, seg) in enumerate(segments):
+            pad.append([len(tokens) + i if i < len(seg) else 0 for i in range(qlen)])
+            row_pos.append([start + i if i < len(seg) else 0 for i in range(qlen)])
+            unpad.extend(r * qlen + i for i in range(len(seg)))
+            tokens += seg
+            positions += range(start, start + len(seg))
+            slots += [slot.index] * len(seg)
+        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        rows = Rows(
+            slots=as_long([s.index for s, _, _ in segments]), positions=as_long(row_pos),
+            pad_index=as_long(pad), unpad_index=as_long(unpad),
+            key_len=max(start + len(seg) for _, start, seg in segments),
+        )
+        hidden = forward_hidden(self.anatomy, self.cache, as_long(tokens), as_long(positions), as_long(slots), rows)
+        last = as_long(list(itertools.accumulate(len(seg) for _, _, seg in segments)))
+        logits = logits_of(self.anatomy, hidden[last - 1])
+        for slot, _, seg in segments:
+            slot.cached += seg
+        self._sample([slot for slot, _, _ in segments], logits)
+
+    def _decode(self, running: list[_Slot]) -> None:
+        device = self.anatomy.device
+        lengths = [len(s.cached) for s in running]
+        key_len = min(self.cache.capacity + 1, -(-(max(lengths) + 1) // self.key_bucket) * self.key_bucket)
+        if self.decode_all is not None:
+            tokens = [0] * self.cache.slots
+            positions = [len(s.cached) for s in self.slots]
+            for slot in running:
+                tokens[slot.index] = slot.ticket.tokens[-1]  # type: ignore[union-attr]
+            as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+            all_logits = self.decode_all(as_long(tokens), as_long(positions), key_len)
+            logits = all_logits[as_long([s.index for s in running])]
+        else:
+            logits = self._decode_rows(running, key_len)
+        for slot in running:
+            slot.cached.append(slot.ticket.tokens[-1])  # type: ignore[union-attr]
+        self._sample(running, logits)
+
+    def _decode_rows(self, running: list[_Slot], key_len: int) -> torch.Tensor:
+        device = self.anatomy.device
+        slots = torch.tensor([s.index for s in running], dtype=torch.long, device=device)
+        tokens = torch.tensor([s.ticket.tokens[-1] for s in running], dtype=torch.long, device=device)  # type: ignore[union-attr]
+        positions = torch.tensor([len(s.cached) for s in running], dtype=torch.long, device=device)
+        rows = Rows(slots=slots, positions=positions[:, None], pad_index=None, unpad_index=None, key_len=key_len)
+        return logits_of(self.anatomy, forward_hidden(self.anatomy, self.cache, tokens, positions, slots, rows))
+
+    def decode_fixed(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
+        """Decode one token in every slot (fixed shapes, capturable): logits [slots, V]."""
+        slots = torch.arange(self.cache.slots, device=tokens.device)
+        rows = Rows(slots=None, positions=positions[:, None], pad_index=None, unpad_index=None, key_len=key_len)
+        return logits_of(self.anatomy, forward_hidden(self.anatomy, self.cache, tokens, positions, slots, rows))
+
+    # --- sampling and finishing ---------------------------------------------------------------------
+
+    def _sample(self, slots: list[_Slot], logits: torch.Tensor) -> None:
+        device = logits.device
+        tickets = [s.ticket for s in slots]
+        params = [t.request.params for t in tickets]  # type: ignore[union-attr]
+        row = RowParams(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            seed=torch.tensor([t.seed for t in tickets], dtype=torch.long, device=device),  # type: ignore[union-attr]
+            sampling_logprobs=torch.tensor([p.logprobs == "sampling" for p in params], device=device),
+            filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+        )
+        positions = torch.tensor([len(s.cached) for s in slots], dtype=torch.long, device=device)
+        out = sample(logits, row, positions)
+        for slot, token, logprob in zip(slots, out.tokens.tolist(), out.logprobs.tolist(), strict=True):
+            ticket = slot.ticket
+            assert ticket is not None
+            ticket.tokens.append(token)
+            ticket.logprobs.append(logprob)
+            self._maybe_finish(slot, ticket)
+
+    def _maybe_finish(self, slot: _Slot, ticket: Ticket) -> None:
+        params = ticket.request.params
+        if ticket.tokens[-1] in params.stop_token_ids:
+            reason = "stop"
+        elif len(ticket.tokens) >= params.max_new_tokens or len(slot.cached) + 1 >= self.cache.capacity:
+            reason = "length"
+        else:
+            return
+        ticket.result = GenerationResult(
+            token_ids=ticket.tokens, logprobs=ticket.logprobs, finish_reason=reason,  # type: ignore[arg-type]
+            prompt_len=len(ticket.request.prompt_ids), cached_tokens=ticket.cached_tokens,
+        )
+        slot.ticket, slot.last_used = None, next(self._clock)
+        if slot.session is None:
+            slot.cached = []

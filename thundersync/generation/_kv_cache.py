@@ -1,0 +1,44 @@
+"""A preallocated key/value cache: one row ("slot") per sequence the generator holds.
+
+``k`` and ``v`` have shape [layers, slots, kv_heads, capacity + 1, head_dim]. Positions
+``0 .. capacity - 1`` hold a sequence's keys and values; a slot that is not decoding in a
+fixed-shape (captured) step writes its throw-away keys at its own first free position, which is at
+most ``capacity``, so it never overwrites a cached token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from thundersync.generation._anatomy import DecoderAnatomy
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """Keys and values of ``slots`` sequences of up to ``capacity`` tokens each."""
+
+    def __init__(self, anatomy: DecoderAnatomy, slots: int, capacity: int) -> None:
+        shape = (len(anatomy.layers), slots, anatomy.num_kv_heads, capacity + 1, anatomy.head_dim)
+        options = {"dtype": anatomy.dtype, "device": anatomy.device}
+        self.k = torch.zeros(shape, **options)  # type: ignore[arg-type]
+        self.v = torch.zeros(shape, **options)  # type: ignore[arg-type]
+        self.slots = slots
+        self.capacity = capacity
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` [T, kv_heads, head_dim] of tokens at (``slots``[T], ``positions``[T])."""
+        self.k[layer][slots, :, positions] = k
+        self.v[layer][slots, :, positions] = v
+
+    def read(self, layer: int, slots: torch.Tensor | None, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [R, kv_heads, key_len, head_dim] of ``slots`` (``None``: every slot)."""
+        k = self.k[layer][:, :, :key_len]
+        v = self.v[layer][:, :, :key_len]
+        if slots is None:
+            return k, v
+        return k.index_select(0, slots), v.index_select(0, slots)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()

@@ -1,0 +1,101 @@
+"""Sampling on the device with counter-based random numbers.
+
+Every draw uses one uniform number ``u = U(seed, position)`` computed by hashing the request's seed
+and the absolute position of the token being sampled. A sequence's tokens therefore depend only on
+its own seed, context and weights: not on which other sequences share the batch, nor on whether
+its prefix was cached or recomputed.
+
+A token is drawn by inverting the CDF of the sampling distribution
+
+    p = softmax(mask_{top-k, top-p}(z / T)),     y = min { i : sum_{j <= i} p_j > u * sum_j p_j }
+
+where top-k keeps the k largest entries of ``z / T`` and top-p keeps the smallest prefix of the
+tokens sorted by probability whose mass reaches ``top_p`` (the token that crosses it included).
+Greedy rows (``T = 0``) take ``argmax z``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RowParams", "SampleOutput", "counter_uniform", "sample"]
+
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer on int64 tensors holding values in [0, 2^32)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def _hash(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    h = _fmix32((positions & _M32) ^ (0x9E3779B9 * (stream + 1) & _M32))
+    h = _fmix32(h ^ (seeds & _M32))
+    return _fmix32(h ^ ((seeds >> 32) & _M32) ^ 0x68E31DA4)
+
+
+def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A uniform float64 in [0, 1) for each (seed, position) pair, with 53 random bits.
+
+    ``seeds`` and ``positions`` are int64 tensors of the same shape (seeds in [0, 2^63)).
+    """
+    high = _hash(seeds, positions, 0) >> 5  # 27 bits
+    low = _hash(seeds, positions, 1) >> 6  # 26 bits
+    return (high * (1 << 26) + low).to(torch.float64) / float(1 << 53)
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """Per-row sampling parameters as device tensors of shape [R]."""
+
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor  # int64, 0 = off
+    top_p: torch.Tensor  # float32, 1 = off
+    seed: torch.Tensor  # int64
+    sampling_logprobs: torch.Tensor  # bool: behaviour log-prob under the sampling distribution
+    filtered: bool  # any row with top-k or top-p active
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    tokens: torch.Tensor  # [R] int64
+    logprobs: torch.Tensor  # [R] float32, the behaviour log-probs
+
+
+def _filter(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``scaled`` [R, V] with the entries outside top-k / top-p set to -inf."""
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(scaled.shape[-1], device=scaled.device)
+    drop = (top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None])
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = drop | (mass_before >= top_p[:, None])
+    drop[:, 0] = False  # the most likely token always stays
+    mask = torch.zeros_like(drop).scatter_(-1, order, drop)
+    return scaled.masked_fill(mask, float("-inf"))
+
+
+def sample(logits: torch.Tensor, params: RowParams, positions: torch.Tensor) -> SampleOutput:
+    """Draw one token per row of ``logits`` [R, V] for the tokens at ``positions`` [R]."""
+    logits = logits.float()
+    model_logprobs = logits.log_softmax(dim=-1)
+    greedy = params.temperature == 0.0
+    scaled = logits / torch.where(greedy, 1.0, params.temperature)[:, None]
+    if params.filtered:
+        scaled = _filter(scaled, params.top_k, params.top_p)
+    sampling_logprobs = scaled.log_softmax(dim=-1)
+    cdf = sampling_logprobs.exp().to(torch.float64).cumsum(dim=-1)
+    u = counter_uniform(params.seed, positions) * cdf[:, -1]
+    drawn = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
+    chosen = tokens[:, None]
+    sampled_lp = torch.where(greedy, 0.0, sampling_logprobs.gather(-1, chosen)[:, 0])
+    model_lp = model_logprobs.gather(-1, chosen)[:, 0]
+    return SampleOutput(tokens, torch.where(params.sampling_logprobs, sampled_lp, model_lp))

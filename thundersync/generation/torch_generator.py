@@ -1,0 +1,119 @@
+"""``TorchGenerator``: the embedded generator that samples from the very model the learner trains.
+
+No weight copy: the generator calls the model's own submodules (embeddings, attention
+projections, norms, rotary embedding, MLP, head; peft adapters apply themselves) over a
+preallocated KV cache. Requests are served by continuous batching: a finished sequence leaves its
+slot at once and a waiting request takes it on the next step. A request with a ``session_id``
+keeps its slot and cache when it finishes (a sequence paused for a tool call costs no compute);
+the next request of that session prefills only the tokens the cache does not hold yet.
+
+On CUDA the decode step is captured as CUDA graphs (one per 128-token key-length bucket), so a
+step costs one graph launch instead of hundreds of kernel launches.
+
+Sampling is done on the device with counter-based random numbers (``_sampling``), so a request's
+tokens depend only on its seed, its context and the weights, never on its batch neighbours.
+Behaviour log-probs follow :mod:`thundersync.generation.base`: by default the model's log-prob
+before temperature/top-k/top-p, ``SamplingParams(logprobs="sampling")`` for the sampling one.
+
+Generation must run while the parameters are fixed. The generator notices an in-place update of
+any parameter (an optimizer step): cached prefixes are dropped, and an update during a request
+fails it with :class:`~thundersync.errors.GenerationError`. Dropout layers (e.g. peft's
+``lora_dropout``) follow the model's train/eval mode: use ``lora_dropout=0`` or ``model.eval()``
+for exact on-policy sampling.
+"""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import anyio.to_thread
+import torch
+from torch import nn
+
+from thundersync.errors import ConfigError, GenerationError
+from thundersync.generation._cuda_graph import CapturedDecode
+from thundersync.generation._engine import Engine
+from thundersync.generation.base import GenerationRequest, GenerationResult
+
+__all__ = ["TorchGenerator"]
+
+
+class TorchGenerator:
+    """Generate with ``model`` (a transformers Qwen3/Qwen2/Llama causal LM, peft-wrapped or not).
+
+    ``max_batch`` sequences (running or parked) fit in the KV cache at once, each up to
+    ``max_seq_len`` tokens (prompt included). ``prefill_tokens`` bounds the prompt tokens prefilled
+    in one step. ``cuda_graphs`` defaults to "on when the model is on CUDA". ``seed`` seeds the
+    per-request seeds of requests that do not set one.
+
+    No background task: concurrent ``await generate(...)`` calls take turns driving the engine,
+    one step at a time in a worker thread, so the event loop stays responsive.
+
+        >>> generator = TorchGenerator(model, max_batch=64, max_seq_len=4096)  # doctest: +SKIP
+        >>> result = await generator.generate(GenerationRequest(prompt_ids=[1, 2, 3]))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, model: nn.Module, *, max_batch: int = 64, max_seq_len: int = 4096,
+        prefill_tokens: int = 8192, cuda_graphs: bool | None = None, seed: int = 0,
+    ) -> None:
+        if max_batch < 1 or max_seq_len < 2 or prefill_tokens < 1:
+            raise ConfigError(
+                f"need max_batch >= 1, max_seq_len >= 2 and prefill_tokens >= 1; got "
+                f"max_batch={max_batch}, max_seq_len={max_seq_len}, prefill_tokens={prefill_tokens}"
+            )
+        self._engine = Engine(model, slots=max_batch, capacity=max_seq_len, prefill_tokens=prefill_tokens, key_bucket=128)
+        device = self._engine.anatomy.device
+        if cuda_graphs is None:
+            cuda_graphs = device.type == "cuda"
+        if cuda_graphs:
+            if device.type != "cuda":
+                raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, it is on {device}")
+            self._engine.decode_all = CapturedDecode(self._engine.decode_fixed, max_batch, device)
+        self._seeds = random.Random(seed)
+        self._step_done: anyio.Event | None = None  # set while a step runs
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Generate a continuation of ``request.prompt_ids`` (see the class docstring)."""
+        seed = request.params.seed
+        if seed is None:
+            seed = self._seeds.getrandbits(63)
+        ticket = self._engine.submit(request, seed % (1 << 63))
+        try:
+            while not ticket.done:
+                if self._step_done is not None:
+                    await self._step_done.wait()
+                else:
+                    await self._drive_one_step()
+        except BaseException:
+            self._engine.cancel(ticket)
+            raise
+        if ticket.error is not None:
+            raise GenerationError(f"generation failed: {ticket.error}") from ticket.error
+        assert ticket.result is not None
+        return ticket.result
+
+    def release(self, session_id: int | str) -> None:
+        """Drop the cached prefix of a session that will not continue."""
+        self._engine.release(session_id)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes held by the preallocated KV cache."""
+        return self._engine.cache.nbytes
+
+    async def _drive_one_step(self) -> None:
+        self._step_done = done = anyio.Event()
+        try:
+            await anyio.to_thread.run_sync(self._step)
+        finally:
+            self._step_done = None
+            done.set()
+
+    def _step(self) -> None:
+        try:
+            self._engine.step()
+        except BaseException as error:
+            self._engine.fail_all(error)
+            raise
