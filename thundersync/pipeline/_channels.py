@@ -22,6 +22,7 @@ from anyio.lowlevel import checkpoint
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from thundersync.errors import PipelineError
+from thundersync.pipeline.graph import INPUT
 
 __all__ = ["Channel", "Edge", "EndedInbox", "StageInbox", "StageOutbox", "accepts"]
 
@@ -141,6 +142,11 @@ class StageOutbox:
 
     def _resolve(self, event_type: type) -> tuple[Edge, ...]:
         if not accepts(self._produces, event_type):
+            if self.stage == INPUT:
+                raise PipelineError(
+                    f"no stage that reads from {INPUT!r} consumes a {event_type.__name__}; "
+                    f"they consume {_names(self._produces)}"
+                )
             raise PipelineError(
                 f"stage {self.stage!r} sent a {event_type.__name__}, which is not among the types "
                 f"it produces ({_names(self._produces)}); add it to the stage's produces"

@@ -69,13 +69,18 @@ class Pipeline:
         runtime, task_group = self._active()
         runtime.close_input()
         self._results_inbox().close()  # nobody reads results any more: drop them
+        body_raised = exc is not None and not isinstance(exc, anyio.get_cancelled_exc_class())
+        if body_raised:
+            # stop the graph and let the body's exception through unwrapped (no ExceptionGroup)
+            task_group.cancel_scope.cancel()
+            exc_type = exc = traceback = None
         try:
             suppressed = await task_group.__aexit__(exc_type, exc, traceback)
         finally:
             runtime.finish()
         if runtime.failure is not None:
             raise runtime.failure
-        return suppressed
+        return bool(suppressed) and not body_raised
 
     def _active(self) -> tuple[GraphRuntime, TaskGroup]:
         if self._runtime is None or self._task_group is None:
