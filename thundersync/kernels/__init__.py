@@ -1,0 +1,39 @@
+"""GPU kernels with pure-torch references, chosen by probing (see ``probe``).
+
+- :func:`linear_logprobs`: log-probabilities (and entropy) of targets from hidden states and the
+  output head, chunked, never the full [N, V] logits;
+- :func:`chunk_attention`: a chunk's queries over a prefix state plus the chunk (causal), through
+  FA4, the split SDPA form, flex attention, one masked SDPA call, or the reference;
+- :func:`rms_norm`, :func:`lora_linear`, :func:`reduce_adjoints`.
+
+On CPU every function runs its pure-torch reference. ``THUNDERSYNC_FA4`` and
+``THUNDERSYNC_OPERATOR_PROFILE_RANGES`` are described in ``thundersync.kernels._env``.
+"""
+
+from __future__ import annotations
+
+from thundersync.kernels.adjoints import reduce_adjoints
+from thundersync.kernels.attention import (
+    ATTENTION_PATHS,
+    attention_path_counts,
+    chunk_attention,
+    reset_attention_path_counts,
+)
+from thundersync.kernels.logprobs import linear_logprobs
+from thundersync.kernels.lora import lora_linear
+from thundersync.kernels.norm import rms_norm
+from thundersync.kernels.probe import Capability, clear_capabilities, kernel_capabilities
+
+__all__ = [
+    "ATTENTION_PATHS",
+    "Capability",
+    "attention_path_counts",
+    "chunk_attention",
+    "clear_capabilities",
+    "kernel_capabilities",
+    "linear_logprobs",
+    "lora_linear",
+    "reduce_adjoints",
+    "reset_attention_path_counts",
+    "rms_norm",
+]

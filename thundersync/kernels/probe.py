@@ -1,0 +1,102 @@
+"""Capability probing: a kernel runs on a (device, dtype, shape class) only after a trial passed.
+
+A trial is an actual forward and backward on the executing device, checked against the pure-torch
+reference at a small shape of the same class. Outcomes are cached for the life of the process and
+listed by :func:`kernel_capabilities`. Only the trial is guarded by ``try``/``except``: real calls
+never are, so a bug in a kernel raises instead of silently falling back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import structlog
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Capability", "clear_capabilities", "kernel_capabilities", "probe", "record", "triton_usable", "use_triton"]
+
+_log = structlog.get_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """The outcome of one probe: whether ``kernel`` runs on ``device``/``dtype``/``shape_class``."""
+
+    kernel: str
+    device: str
+    dtype: str
+    shape_class: str
+    ok: bool
+    why: str
+
+
+_CACHE: dict[tuple[str, str, str, str], Capability] = {}
+
+
+def kernel_capabilities() -> list[Capability]:
+    """Every probe outcome of this process, in the order they were made."""
+    return list(_CACHE.values())
+
+
+def clear_capabilities() -> None:
+    """Forget every probe outcome (the next call of each kernel probes again)."""
+    _CACHE.clear()
+
+
+def _key(kernel: str, device: torch.device, dtype: torch.dtype, shape_class: str) -> tuple[str, str, str, str]:
+    return (kernel, str(device), str(dtype).removeprefix("torch."), shape_class)
+
+
+def record(kernel: str, device: torch.device, dtype: torch.dtype, shape_class: str, ok: bool, why: str) -> Capability:
+    """Cache an outcome decided without a trial (e.g. "Triton kernels need a CUDA device")."""
+    key = _key(kernel, device, dtype, shape_class)
+    cap = _CACHE.get(key)
+    if cap is None:
+        cap = _CACHE[key] = Capability(*key, ok=ok, why=why)
+    return cap
+
+
+def probe(
+    kernel: str, device: torch.device, dtype: torch.dtype, shape_class: str, trial: Callable[[], None]
+) -> Capability:
+    """Run ``trial`` once for this key (cached) and return the outcome.
+
+    ``trial`` must run a forward and a backward of the kernel on ``device`` and raise when its
+    values or gradients differ from the reference; any exception marks the kernel unusable here.
+    """
+    key = _key(kernel, device, dtype, shape_class)
+    cap = _CACHE.get(key)
+    if cap is not None:
+        return cap
+    try:
+        trial()
+    except Exception as error:  # the one place where failures turn into "use another path"
+        cap = Capability(*key, ok=False, why=f"trial failed: {type(error).__name__}: {error}"[:500])
+    else:
+        cap = Capability(*key, ok=True, why="forward+backward trial matched the reference")
+    _CACHE[key] = cap
+    _log.info("kernel probed", kernel=kernel, device=cap.device, dtype=cap.dtype, shape_class=shape_class, ok=cap.ok)
+    return cap
+
+
+def triton_usable(kernel: str, device: torch.device, dtype: torch.dtype, shape_class: str) -> Capability | None:
+    """``None`` when a Triton kernel could run here (so it should be probed), else the cached refusal."""
+    if device.type != "cuda":
+        return record(kernel, device, dtype, shape_class, False, "Triton kernels run on CUDA devices only")
+    if importlib.util.find_spec("triton") is None:
+        return record(kernel, device, dtype, shape_class, False, "triton is not installed: pip install 'thundersync[kernels]'")
+    return None
+
+
+def use_triton(
+    kernel: str, device: torch.device, dtype: torch.dtype, shape_class: str, trial: Callable[[], None]
+) -> bool:
+    """Whether the Triton ``kernel`` may serve this call: CUDA, triton importable, and its trial passed."""
+    if triton_usable(kernel, device, dtype, shape_class) is not None:
+        return False
+    return probe(kernel, device, dtype, shape_class, trial).ok
