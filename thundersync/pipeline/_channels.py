@@ -57,7 +57,13 @@ class Channel:
 
     @property
     def queued(self) -> int:
-        return self.sent - self.received
+        """Events waiting in the inbox now (not counting one handed to a waiting stage)."""
+        return self.receive_stream.statistics().current_buffer_used
+
+    def note_queued(self) -> None:
+        queued = self.queued
+        if queued > self.max_queued:
+            self.max_queued = queued
 
     @property
     def is_open(self) -> bool:
@@ -123,9 +129,10 @@ class StageOutbox:
             edge.sent += 1
             channel = edge.channel
             channel.sent += 1
-            queued = channel.sent - channel.received
-            if queued > channel.max_queued:
-                channel.max_queued = queued
+            # sent - received bounds the buffer from above (an event handed straight to a
+            # waiting stage is counted until the stage runs), so look at the buffer only then
+            if channel.sent - channel.received > channel.max_queued:
+                channel.note_queued()
 
     async def _send_blocking(self, edge: Edge, event: Any) -> bool:
         start = perf_counter()
