@@ -1,0 +1,28 @@
+"""The stage types a pipeline file can name: ``type = "reward"`` is ``thundersync/stages/reward.py``.
+
+Adding a stage type is one module and one line in :data:`REGISTRY`.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from thundersync.pipeline.stage import Stage
+from thundersync.stages.close import CloseStage
+from thundersync.stages.generate import GenerateStage
+from thundersync.stages.reward import RewardStage
+from thundersync.stages.source import SourceStage
+from thundersync.stages.step import StepStage
+from thundersync.stages.teacher import TeacherStage
+
+__all__ = ["REGISTRY"]
+
+REGISTRY: Final[dict[str, type[Stage]]] = {
+    "source": SourceStage,
+    "generate": GenerateStage,
+    "reward": RewardStage,
+    "teacher": TeacherStage,
+    "close": CloseStage,
+    "step": StepStage,
+}
+"""Stage class by the ``type`` a pipeline file gives it."""

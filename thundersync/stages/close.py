@@ -1,0 +1,89 @@
+"""``type = "close"``: drives the dependency tracker and announces closed trajectories, groups and
+batches.
+
+Consumes: GroupOpened, ActionGenerated, Rewarded, TeacherScored, BackwardDone, StageFailedEvent.
+Produces: TrajectoryClosed, GroupClosed, BatchReady. Waits for: every dependency listed in
+``wait_for`` (``reward``: GRPO, ``teacher``: OPD, ``backward``: each turn's and each prompt's
+backward work). Unblocked by: reward, teacher and backward reporting work done.
+
+When its inbox ends it seals batches of unknown size; if work is still pending then, it raises
+:class:`~thundersync.errors.TrackerError` naming it (a run never ends silently short).
+
+Runtime object: ``tracker`` (optional), to share or inspect the
+:class:`~thundersync.pipeline.tracker.Tracker` it drives; its needs must match ``wait_for``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from thundersync.errors import ConfigError, TrackerError
+from thundersync.events import (
+    ActionGenerated,
+    BackwardDone,
+    BatchReady,
+    EventBase,
+    GroupClosed,
+    GroupOpened,
+    Rewarded,
+    StageFailedEvent,
+    TeacherScored,
+    TrajectoryClosed,
+)
+from thundersync.pipeline.stage import Inbox, Outbox, Stage
+from thundersync.pipeline.tracker import Need, Tracker
+
+__all__ = ["CloseStage"]
+
+
+class CloseStage(Stage):
+    """Feed every event into a :class:`Tracker` and send the closures it reports."""
+
+    consumes: ClassVar[tuple[type[EventBase], ...]] = (
+        GroupOpened, ActionGenerated, Rewarded, TeacherScored, BackwardDone, StageFailedEvent)
+    produces: ClassVar[tuple[type[EventBase], ...]] = (TrajectoryClosed, GroupClosed, BatchReady)
+
+    class Config(Stage.Config):
+        wait_for: tuple[Literal["reward", "teacher", "backward"], ...] = ("reward",)
+
+    config: Config
+
+    def __init__(self, config: Config | None = None, /, *, tracker: Tracker | None = None) -> None:
+        super().__init__(config)
+        needs = frozenset(Need(name) for name in self.config.wait_for)
+        if tracker is not None and tracker.needs != needs:
+            raise ConfigError(f"the close stage waits for {sorted(n.value for n in needs)} but its tracker "
+                              f"needs {sorted(n.value for n in tracker.needs)}; make them match")
+        self.tracker = Tracker(needs) if tracker is None else tracker
+
+    async def run(self, inbox: Inbox, outbox: Outbox) -> None:
+        async for event in inbox:
+            for closure in self.handle(event):
+                await outbox.send(closure)
+        for closure in self.tracker.seal_all():
+            await outbox.send(closure)
+        pending = self.tracker.pending()
+        if pending:
+            raise TrackerError(f"the input ended while work is still pending: {'; '.join(pending)}")
+
+    def handle(self, event: EventBase) -> list[EventBase]:
+        """The closures that ``event`` causes (events the tracker does not wait for cause none)."""
+        t, needs = self.tracker, self.tracker.needs
+        if isinstance(event, GroupOpened):
+            return t.open_group(event.group_id, event.trajectory_ids, batch_id=event.batch_id,
+                                groups_in_batch=event.groups_in_batch)
+        if isinstance(event, ActionGenerated):
+            scored = sum(event.scored) if event.scored else len(event.token_ids)
+            return t.add_turn(event.group_id, event.trajectory_id, event.turn, final=event.final,
+                              num_tokens=len(event.token_ids), num_scored=scored)
+        if isinstance(event, Rewarded) and Need.REWARD in needs:
+            return t.complete(Need.REWARD, event.group_id, event.trajectory_id)
+        if isinstance(event, TeacherScored) and Need.TEACHER in needs:
+            return t.complete(Need.TEACHER, event.group_id, event.trajectory_id, event.turn)
+        if isinstance(event, BackwardDone) and Need.BACKWARD in needs:
+            if event.trajectory_id is None:
+                return t.complete_prompt(event.group_id)
+            return t.complete(Need.BACKWARD, event.group_id, event.trajectory_id, event.turn)
+        if isinstance(event, StageFailedEvent) and event.group_id is not None and event.trajectory_id is not None:
+            return t.abandon(event.group_id, event.trajectory_id)
+        return []

@@ -1,0 +1,62 @@
+"""``type = "source"``: emits one PromptSubmitted per configured prompt, in logical batches.
+
+Consumes: nothing (a source). Produces: PromptSubmitted. Waits for: nothing but backpressure
+from generate. Unblocked by: generate taking prompts from its inbox.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar
+
+import msgspec
+
+from thundersync.errors import ConfigError
+from thundersync.events import EventBase, PromptSubmitted
+from thundersync.pipeline.stage import Inbox, Outbox, Stage
+
+__all__ = ["SourceStage"]
+
+_TokenIds = list[Annotated[int, msgspec.Meta(ge=0)]]
+
+
+class SourceStage(Stage):
+    """Submit ``prompts`` (token ids), ``repeat`` times, ``groups_per_batch`` groups per batch.
+
+    Group ids count up from 0 over all repeats; batch ``b`` holds groups
+    ``b * groups_per_batch ... (b + 1) * groups_per_batch - 1`` (the last batch may be smaller;
+    ``groups_per_batch = 0`` puts every group in batch 0). Each prompt says how many groups its
+    batch has, so close can seal a batch without waiting for the end of the stream.
+    """
+
+    consumes: ClassVar[tuple[type[EventBase], ...]] = ()
+    produces: ClassVar[tuple[type[EventBase], ...]] = (PromptSubmitted,)
+
+    class Config(Stage.Config):
+        prompts: list[_TokenIds]
+        samples: Annotated[int, msgspec.Meta(ge=1)] = 1
+        groups_per_batch: Annotated[int, msgspec.Meta(ge=0)] = 0
+        repeat: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+        def __post_init__(self) -> None:
+            if not self.prompts or any(not prompt for prompt in self.prompts):
+                raise ConfigError("prompts must be a non-empty list of non-empty token id lists, "
+                                  f"got {self.prompts!r}")
+
+    config: Config
+
+    def submissions(self) -> list[PromptSubmitted]:
+        """Every prompt this source emits, in order."""
+        prompts = self.config.prompts * self.config.repeat
+        per_batch = self.config.groups_per_batch or len(prompts)
+        out = []
+        for index, prompt in enumerate(prompts):
+            batch = index // per_batch
+            size = min(per_batch, len(prompts) - batch * per_batch)
+            out.append(PromptSubmitted(group_id=index, prompt_tokens=list(prompt),
+                                       num_trajectories=self.config.samples, batch_id=batch,
+                                       groups_in_batch=size))
+        return out
+
+    async def run(self, inbox: Inbox, outbox: Outbox) -> None:
+        for event in self.submissions():
+            await outbox.send(event)

@@ -1,0 +1,177 @@
+"""Fakes that users and our own tests share, so a whole stage graph runs with no model.
+
+Each fake is deterministic (same inputs, same outputs) and satisfies the same protocol as the real
+runtime object it stands in for::
+
+    ScriptedSource       a source stage that emits given events (or prompts)
+    ScriptedGenerator    thundersync.generation.base.Generator: token ids in, tokens + log-probs out
+    ScriptedTool         thundersync.stages.generate.ToolRunner: observation tokens for an action
+    FakeScorer           thundersync.stages.reward.Scorer: a reward computed from the tokens
+    FakeTeacher          thundersync.stages.teacher.Teacher: teacher log-probs per token
+    RecordingTrainer     thundersync.stages.step.Trainer: records each step it is asked for
+
+``delay_s`` on each fake simulates latency (``anyio.sleep``); with 0 it still yields to the event
+loop once per call, like real I/O would.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import ClassVar
+
+import anyio
+from anyio.lowlevel import checkpoint
+
+from thundersync.events import EVENT_TYPES, ActionGenerated, BatchReady, EventBase, PromptSubmitted, ToolObserved
+from thundersync.generation.base import GenerationRequest, GenerationResult
+from thundersync.pipeline.stage import Inbox, Outbox, Stage
+from thundersync.stages.step import StepResult
+
+__all__ = ["FakeScorer", "FakeTeacher", "RecordingTrainer", "ScriptedGenerator", "ScriptedSource", "ScriptedTool",
+           "even_token_fraction"]
+
+
+async def _pause(delay_s: float) -> None:
+    if delay_s > 0:
+        await anyio.sleep(delay_s)
+    else:
+        await checkpoint()
+
+
+def _rng(*parts: object) -> random.Random:
+    return random.Random(zlib.crc32(repr(parts).encode()))
+
+
+class ScriptedSource(Stage):
+    """A source stage that sends ``events`` in order (e.g. to drive one stage in a test)."""
+
+    produces: ClassVar[tuple[type[EventBase], ...]] = tuple(EVENT_TYPES.values())
+
+    class Config(Stage.Config):
+        delay_s: float = 0.0
+
+    config: Config
+
+    def __init__(self, config: Config | None = None, /, *, events: Iterable[EventBase]) -> None:
+        super().__init__(config)
+        self.events = list(events)
+
+    @classmethod
+    def prompts(cls, prompts: Sequence[Sequence[int]], *, samples: int = 1, groups_per_batch: int = 0,
+                delay_s: float = 0.0) -> ScriptedSource:
+        """A source of one PromptSubmitted per prompt, ``groups_per_batch`` per batch (0: one batch)."""
+        per_batch = groups_per_batch or len(prompts)
+        events = [PromptSubmitted(group_id=i, prompt_tokens=list(p), num_trajectories=samples,
+                                  batch_id=i // per_batch,
+                                  groups_in_batch=min(per_batch, len(prompts) - i // per_batch * per_batch))
+                  for i, p in enumerate(prompts)]
+        return cls(cls.Config(delay_s=delay_s), events=events)
+
+    async def run(self, inbox: Inbox, outbox: Outbox) -> None:
+        for event in self.events:
+            await _pause(self.config.delay_s)
+            await outbox.send(event)
+
+
+class ScriptedGenerator:
+    """Deterministic tokens and log-probs derived from the request (prompt ids and seed).
+
+    Each call returns between ``min_new_tokens`` and ``params.max_new_tokens`` token ids below
+    ``vocab_size`` (stopping early after a token in ``params.stop_token_ids``) and one log-prob in
+    [-3.05, -0.05) per token. ``requests`` records every request in call order.
+    """
+
+    def __init__(self, *, vocab_size: int = 1000, min_new_tokens: int = 1, delay_s: float = 0.0) -> None:
+        self.vocab_size = vocab_size
+        self.min_new_tokens = min_new_tokens
+        self.delay_s = delay_s
+        self.requests: list[GenerationRequest] = []
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        self.requests.append(request)
+        await _pause(self.delay_s)
+        params = request.params
+        rng = _rng(request.prompt_ids, params.seed)
+        length = rng.randint(min(self.min_new_tokens, params.max_new_tokens), params.max_new_tokens)
+        tokens: list[int] = []
+        for _ in range(length):
+            tokens.append(rng.randrange(self.vocab_size))
+            if tokens[-1] in params.stop_token_ids:
+                break
+        stopped = bool(tokens) and tokens[-1] in params.stop_token_ids
+        return GenerationResult(token_ids=tokens, logprobs=[-0.05 - 3.0 * rng.random() for _ in tokens],
+                                finish_reason="stop" if stopped else "length", prompt_len=len(request.prompt_ids))
+
+
+class ScriptedTool:
+    """Every action calls a tool unless it contains ``end_token``; the observation is
+    ``observation_len`` tokens derived from the action."""
+
+    def __init__(self, *, observation_len: int = 3, vocab_size: int = 1000, end_token: int | None = None,
+                 delay_s: float = 0.0) -> None:
+        self.observation_len = observation_len
+        self.vocab_size = vocab_size
+        self.end_token = end_token
+        self.delay_s = delay_s
+
+    def calls_tool(self, action_ids: list[int]) -> bool:
+        return self.end_token is None or self.end_token not in action_ids
+
+    async def run(self, action: ActionGenerated) -> ToolObserved:
+        await _pause(self.delay_s)
+        rng = _rng(action.token_ids)
+        return ToolObserved(group_id=action.group_id, trajectory_id=action.trajectory_id, turn=action.turn,
+                            token_ids=[rng.randrange(self.vocab_size) for _ in range(self.observation_len)])
+
+
+def even_token_fraction(prompt_ids: list[int], completion_ids: list[int]) -> float:
+    """The default fake reward: the fraction of completion tokens that are even (0 when empty)."""
+    return sum(t % 2 == 0 for t in completion_ids) / len(completion_ids) if completion_ids else 0.0
+
+
+class FakeScorer:
+    """A reward computed from the tokens by ``fn`` (default :func:`even_token_fraction`)."""
+
+    def __init__(self, *, fn: Callable[[list[int], list[int]], float] = even_token_fraction,
+                 delay_s: float = 0.0) -> None:
+        self.fn = fn
+        self.delay_s = delay_s
+        self.calls: list[tuple[list[int], list[int]]] = []
+
+    async def score(self, prompt_ids: list[int], completion_ids: list[int]) -> float:
+        self.calls.append((list(prompt_ids), list(completion_ids)))
+        await _pause(self.delay_s)
+        return self.fn(prompt_ids, completion_ids)
+
+
+class FakeTeacher:
+    """Teacher log-probs that depend on the token and its absolute position only::
+
+        q(token y at position p) = -(((31 * p + 17 * y) mod 101) + 1) / 25      in [-4.04, -0.04]
+    """
+
+    def __init__(self, *, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+
+    @staticmethod
+    def logprob(position: int, token: int) -> float:
+        return -(((31 * position + 17 * token) % 101) + 1) / 25
+
+    async def logprobs(self, context_ids: list[int], token_ids: list[int]) -> list[float]:
+        await _pause(self.delay_s)
+        return [self.logprob(len(context_ids) + i, token) for i, token in enumerate(token_ids)]
+
+
+class RecordingTrainer:
+    """Records each batch it steps on; reports the batch's scored-token count as ``grad_norm``."""
+
+    def __init__(self, *, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.steps: list[BatchReady] = []
+
+    async def step(self, ready: BatchReady) -> StepResult:
+        await _pause(self.delay_s)
+        self.steps.append(ready)
+        return StepResult(grad_norm=float(ready.num_scored_tokens))
