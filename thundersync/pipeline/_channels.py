@@ -193,25 +193,38 @@ class StageInbox:
 
     async def __anext__(self) -> Any:
         try:
-            return await self.receive()
-        except EndOfStream:
+            event = self._stream.receive_nowait()  # the fast path, inlined: no extra frame
+        except WouldBlock:
+            try:
+                event = await self._receive_blocking()
+            except EndOfStream:
+                raise StopAsyncIteration from None
+        except (EndOfStream, ClosedResourceError):
             raise StopAsyncIteration from None
+        self._channel.received += 1
+        self.current = event
+        return event
 
     async def receive(self) -> Any:
         """The next event; raises ``anyio.EndOfStream`` once every producer has finished."""
         try:
             event = self._stream.receive_nowait()
         except WouldBlock:
-            start = perf_counter()
-            try:
-                event = await self._stream.receive()
-            finally:
-                self.waited_s += perf_counter() - start
+            event = await self._receive_blocking()
         except ClosedResourceError:
             raise EndOfStream from None
         self._channel.received += 1
         self.current = event
         return event
+
+    async def _receive_blocking(self) -> Any:
+        start = perf_counter()
+        try:
+            return await self._stream.receive()
+        except ClosedResourceError:
+            raise EndOfStream from None
+        finally:
+            self.waited_s += perf_counter() - start
 
     @property
     def received(self) -> int:
