@@ -200,8 +200,8 @@ class _CloseTwice(Stage):
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
         async for event in inbox:
             await outbox.send(event)
-        await outbox.aclose()  # type: ignore[attr-defined]
-        await outbox.aclose()  # type: ignore[attr-defined]
+        await outbox.aclose()
+        await outbox.aclose()
 
 
 async def test_a_stage_may_close_its_outbox_itself_and_closing_twice_is_harmless() -> None:
@@ -215,7 +215,7 @@ class _SendAfterClose(Stage):
     produces = (Tick,)
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
-        await outbox.aclose()  # type: ignore[attr-defined]
+        await outbox.aclose()
         await outbox.send(Tick(n=1))
 
 

@@ -50,6 +50,10 @@ class Outbox(Protocol):
         """Send one event; waits while a consumer's bounded channel is full (backpressure)."""
         ...
 
+    async def aclose(self) -> None:
+        """Signal end-of-stream early; the runner does it when ``run`` returns (twice is harmless)."""
+        ...
+
 
 class Stage:
     """Base class of every stage. Subclasses set ``consumes``/``produces`` and implement ``run``.
