@@ -73,3 +73,24 @@ def tiny_model(tiny_model_dir: Path) -> torch.nn.Module:
     from transformers import Qwen3ForCausalLM
 
     return Qwen3ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def make_qwen3() -> object:
+    """``make_qwen3(vocab_size=320, seed=0, **config_overrides)`` builds a tiny random Qwen3."""
+    return tiny_qwen3
+
+
+def chi_square_p_value(observed: list[int], expected: list[float]) -> float:
+    """Upper-tail p-value of Pearson's chi-square statistic (Wilson-Hilferty approximation)."""
+    import math
+
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True))
+    df = len(observed) - 1
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.fixture(scope="session")
+def chi_square() -> object:
+    return chi_square_p_value

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from thundersync.errors import ConfigError, GenerationError
-from thundersync.generation._anatomy import decoder_anatomy
+from thundersync.engine.anatomy import decoder_anatomy
 from thundersync.generation._forward import Rows, forward_hidden, logits_of
 from thundersync.generation._kv_cache import KVCache
 from thundersync.generation._sampling import RowParams, sample

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from thundersync.generation._anatomy import DecoderAnatomy
+from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.generation._kv_cache import KVCache
 
 __all__ = ["Rows", "forward_hidden", "logits_of"]
@@ -66,19 +66,18 @@ def _layer(
     cache: KVCache, slots: torch.Tensor, positions: torch.Tensor, rows: Rows,
 ) -> torch.Tensor:
     layer = an.layers[index]
-    attn = layer.self_attn
-    x = layer.input_layernorm(h)
+    x = layer.input_norm(h)
     t = x.shape[0]
-    q = attn.q_proj(x).view(t, an.num_heads, an.head_dim)
-    k = attn.k_proj(x).view(t, an.num_kv_heads, an.head_dim)
-    v = attn.v_proj(x).view(t, an.num_kv_heads, an.head_dim)
-    if hasattr(attn, "q_norm"):  # Qwen3
-        q, k = attn.q_norm(q), attn.k_norm(k)
+    q = layer.q_proj(x).view(t, an.num_heads, an.head_dim)
+    k = layer.k_proj(x).view(t, an.num_kv_heads, an.head_dim)
+    v = layer.v_proj(x).view(t, an.num_kv_heads, an.head_dim)
+    if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3
+        q, k = layer.q_norm(q), layer.k_norm(k)
     q, k = _rotate(q, *rope), _rotate(k, *rope)
     cache.write(index, slots, positions, k, v)
     keys, values = cache.read(index, rows.slots, rows.key_len)
-    h = h + attn.o_proj(_attend(an, q, keys, values, rows))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    h = h + layer.o_proj(_attend(an, q, keys, values, rows))
+    return h + layer.mlp(layer.post_norm(h))
 
 
 def forward_hidden(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from thundersync.generation._anatomy import DecoderAnatomy
+from thundersync.engine.anatomy import DecoderAnatomy
 
 __all__ = ["KVCache"]
 

@@ -1,0 +1,258 @@
+"""TorchGenerator against transformers on a tiny random Qwen3 (fp32, CPU)."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from thundersync.errors import ConfigError
+from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
+
+
+def run(generator: TorchGenerator, requests: list[GenerationRequest]) -> list:
+    return anyio.run(generate_many, generator, requests)
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], new: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].double()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+prompts_strategy = st.lists(st.lists(st.integers(2, 319), min_size=1, max_size=24), min_size=1, max_size=5)
+
+
+@settings(max_examples=6, deadline=None)
+@given(prompts=prompts_strategy, max_batch=st.integers(1, 3))
+def test_greedy_equals_transformers_generate_token_for_token(make_qwen3, prompts, max_batch) -> None:
+    model = make_qwen3()
+    generator = TorchGenerator(model, max_batch=max_batch, max_seq_len=64)
+    results = run(generator, [GenerationRequest(prompt_ids=p, params=GREEDY) for p in prompts])
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == hf_greedy(model, prompt, 12)
+        assert result.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0, max_new_tokens=16, seed=3),
+     SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=16, seed=4),
+     SamplingParams(temperature=0.0, max_new_tokens=16)],
+)
+def test_behaviour_logprobs_equal_teacher_forced_logprobs(make_qwen3, params) -> None:
+    model = make_qwen3()
+    prompts = [[5, 9, 33, 2], [100, 7], list(range(40, 70))]
+    results = run(TorchGenerator(model, max_batch=2, max_seq_len=64), [GenerationRequest(prompt_ids=p, params=params) for p in prompts])
+    for prompt, result in zip(prompts, results, strict=True):
+        expected = teacher_forced_logprobs(model, prompt, result.token_ids)
+        torch.testing.assert_close(torch.tensor(result.logprobs, dtype=torch.float64), expected, atol=1e-5, rtol=0)
+
+
+def reference_sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Plain per-token loop: keep top-k, then the smallest top-p prefix; log-softmax of the rest."""
+    scaled = (logits.double() / temperature).tolist()
+    order = sorted(range(len(scaled)), key=lambda i: -scaled[i])
+    kept = order[:top_k] if top_k else order
+    probs = torch.tensor([scaled[i] for i in kept]).softmax(0).tolist()
+    mass, final = 0.0, []
+    for index, p in zip(kept, probs):
+        if mass >= top_p and final:
+            break
+        final.append(index)
+        mass += p
+    masked = torch.full((len(scaled),), float("-inf"), dtype=torch.float64)
+    masked[final] = torch.tensor([scaled[i] for i in final], dtype=torch.float64)
+    return masked.log_softmax(0)
+
+
+def test_sampling_logprobs_are_those_of_the_filtered_distribution(make_qwen3) -> None:
+    model = make_qwen3()
+    prompt = [7, 8, 9]
+    params = SamplingParams(temperature=0.6, top_k=30, top_p=0.8, max_new_tokens=10, seed=11, logprobs="sampling")
+    (result,) = run(TorchGenerator(model, max_batch=1, max_seq_len=64), [GenerationRequest(prompt_ids=prompt, params=params)])
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + result.token_ids])).logits[0, len(prompt) - 1 : -1]
+    for step, token in enumerate(result.token_ids):
+        reference = reference_sampling_logprobs(logits[step], 0.6, 30, 0.8)
+        assert reference[token] > float("-inf"), "sampled a token outside top-k/top-p"
+        assert abs(result.logprobs[step] - reference[token].item()) < 1e-5
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.75)])
+def test_sampling_frequencies_match_the_distribution(make_qwen3, chi_square, temperature, top_k, top_p) -> None:
+    model = make_qwen3(vocab_size=8, seed=1, initializer_range=0.05)
+    prompt = [3, 1, 4, 1, 5]
+    n = 3000
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1, seed=s) for s in range(n)]
+    results = run(TorchGenerator(model, max_batch=64, max_seq_len=16), [GenerationRequest(prompt_ids=prompt, params=p) for p in params])
+    counts = [0] * 8
+    for result in results:
+        counts[result.token_ids[0]] += 1
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+    probs = reference_sampling_logprobs(logits, temperature, top_k, top_p).exp()
+    support = [i for i in range(8) if probs[i] > 0]
+    assert all(counts[i] == 0 for i in range(8) if i not in support)
+    assert len(support) > 2
+    p_value = chi_square([counts[i] for i in support], [n * probs[i].item() for i in support])
+    assert p_value > 1e-3, (counts, probs.tolist())
+
+
+def test_stop_tokens_end_generation_and_max_tokens_bounds_it(make_qwen3) -> None:
+    model = make_qwen3()
+    prompt = [11, 12, 13]
+    free = hf_greedy(model, prompt, 12)
+    stop = free[4]
+    first = free.index(stop)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop, 319 if stop != 319 else 318))
+    short = SamplingParams(temperature=0.0, max_new_tokens=3)
+    stopped, limited = run(TorchGenerator(model, max_batch=2, max_seq_len=64),
+                           [GenerationRequest(prompt_ids=prompt, params=params), GenerationRequest(prompt_ids=prompt, params=short)])
+    assert stopped.token_ids == free[: first + 1] and stopped.finish_reason == "stop"
+    assert limited.token_ids == free[:3] and limited.finish_reason == "length"
+
+
+def test_sequence_capacity_ends_generation_with_length(make_qwen3) -> None:
+    model = make_qwen3()
+    (result,) = run(TorchGenerator(model, max_batch=1, max_seq_len=10), [GenerationRequest(prompt_ids=[4, 5, 6, 7], params=GREEDY)])
+    assert len(result.token_ids) == 6 and result.finish_reason == "length"
+    assert result.token_ids == hf_greedy(model, [4, 5, 6, 7], 6)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_continuing_a_session_reuses_the_cache_and_equals_generating_from_the_full_prefix(make_qwen3, temperature) -> None:
+    model = make_qwen3()
+    params = SamplingParams(temperature=temperature, max_new_tokens=8, seed=5)
+    prompt, observation = [20, 21, 22, 23], [250, 251, 252]
+    generator = TorchGenerator(model, max_batch=2, max_seq_len=64)
+
+    async def two_turns() -> tuple:
+        first = await generator.generate(GenerationRequest(prompt_ids=prompt, params=params, session_id="a"))
+        full = prompt + first.token_ids + observation
+        second = await generator.generate(GenerationRequest(prompt_ids=full, params=params, session_id="a"))
+        return first, full, second
+
+    first, full, second = anyio.run(two_turns)
+    assert second.cached_tokens == len(prompt) + len(first.token_ids) - 1
+    (fresh,) = run(TorchGenerator(model, max_batch=2, max_seq_len=64), [GenerationRequest(prompt_ids=full, params=params)])
+    assert fresh.cached_tokens == 0
+    assert second.token_ids == fresh.token_ids
+    torch.testing.assert_close(torch.tensor(second.logprobs), torch.tensor(fresh.logprobs), atol=1e-5, rtol=0)
+
+
+def test_evicted_session_is_recomputed_correctly(make_qwen3) -> None:
+    model = make_qwen3()
+    generator = TorchGenerator(model, max_batch=1, max_seq_len=64)
+
+    async def scenario() -> tuple:
+        first = await generator.generate(GenerationRequest(prompt_ids=[30, 31], params=GREEDY, session_id=1))
+        await generator.generate(GenerationRequest(prompt_ids=[40, 41], params=GREEDY))  # takes the only slot
+        full = [30, 31, *first.token_ids, 99]
+        return full, await generator.generate(GenerationRequest(prompt_ids=full, params=GREEDY, session_id=1))
+
+    full, second = anyio.run(scenario)
+    assert second.cached_tokens == 0
+    assert second.token_ids == hf_greedy(model, full, 12)
+
+
+def test_batch_neighbours_do_not_change_a_seeded_sequence(make_qwen3) -> None:
+    model = make_qwen3()
+    target = GenerationRequest(prompt_ids=[60, 61, 62], params=SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=20, seed=42))
+    (alone,) = run(TorchGenerator(model, max_batch=1, max_seq_len=64), [target])
+    neighbours = [GenerationRequest(prompt_ids=[70 + i] * (i + 1), params=SamplingParams(temperature=0.5 + i / 10, top_k=i * 3, max_new_tokens=5 + 4 * i, seed=i)) for i in range(5)]
+    crowded = run(TorchGenerator(model, max_batch=4, max_seq_len=64), [*neighbours[:2], target, *neighbours[2:]])
+    assert crowded[2].token_ids == alone.token_ids
+    torch.testing.assert_close(torch.tensor(crowded[2].logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+    different_seed = GenerationRequest(prompt_ids=target.prompt_ids, params=SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=20, seed=43))
+    assert run(TorchGenerator(model, max_batch=1, max_seq_len=64), [different_seed])[0].token_ids != alone.token_ids
+
+
+def test_lora_model_generates_like_transformers(make_qwen3) -> None:
+    peft = pytest.importorskip("peft")
+    model = make_qwen3()
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0))
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)  # make the adapter change the outputs
+    prompt = [9, 8, 7, 6]
+    (result,) = run(TorchGenerator(lora, max_batch=1, max_seq_len=64), [GenerationRequest(prompt_ids=prompt, params=GREEDY)])
+    assert result.token_ids == hf_greedy(lora, prompt, 12)
+    with lora.disable_adapter():
+        assert result.token_ids != hf_greedy(lora, prompt, 12)
+
+
+def test_an_optimizer_step_drops_cached_prefixes(make_qwen3) -> None:
+    model = make_qwen3()
+    generator = TorchGenerator(model, max_batch=2, max_seq_len=64)
+    prompt = [50, 51, 52]
+
+    async def scenario() -> tuple:
+        first = await generator.generate(GenerationRequest(prompt_ids=prompt, params=GREEDY, session_id="s"))
+        with torch.no_grad():
+            model.lm_head.weight.mul_(-1.0)  # in place, like an optimizer step
+        full = prompt + first.token_ids
+        return full, await generator.generate(GenerationRequest(prompt_ids=full, params=GREEDY, session_id="s"))
+
+    full, second = anyio.run(scenario)
+    assert second.cached_tokens == 0
+    assert second.token_ids == hf_greedy(model, full, 12)
+
+
+def test_parameters_changing_mid_generation_fail_the_request(make_qwen3) -> None:
+    from thundersync.errors import GenerationError
+    from thundersync.generation._engine import Engine
+
+    model = make_qwen3()
+    engine = Engine(model, slots=1, capacity=32, prefill_tokens=64, key_bucket=16)
+    engine.submit(GenerationRequest(prompt_ids=[1, 2], params=GREEDY), seed=0)
+    engine.step()
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    with pytest.raises(GenerationError, match="parameters changed while sequences were being generated"):
+        engine.step()
+
+
+def test_invalid_requests_fail_with_clear_messages(make_qwen3) -> None:
+    generator = TorchGenerator(make_qwen3(), max_batch=1, max_seq_len=8)
+    with pytest.raises(ConfigError, match="prompt has 8 tokens but the generator holds at most 8"):
+        anyio.run(generator.generate, GenerationRequest(prompt_ids=[1] * 8))
+    with pytest.raises(ConfigError, match="token id 320 is outside the model's vocabulary of 320"):
+        anyio.run(generator.generate, GenerationRequest(prompt_ids=[320]))
+    with pytest.raises(ConfigError, match="cuda_graphs=True needs the model on a CUDA device"):
+        TorchGenerator(make_qwen3(), cuda_graphs=True)
+
+    async def same_session_twice() -> None:
+        async with anyio.create_task_group() as group:
+            group.start_soon(generator.generate, GenerationRequest(prompt_ids=[1], session_id="s"))
+            await anyio.sleep(0)
+            await generator.generate(GenerationRequest(prompt_ids=[1], session_id="s"))
+
+    with pytest.raises(ExceptionGroup) as caught:
+        anyio.run(same_session_twice)
+    assert caught.group_contains(ConfigError, match="session 's' already has a request in flight")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"temperature": -1.0}, "temperature must be >= 0"), ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+     ({"top_k": -2}, "top_k must be >= 0"), ({"max_new_tokens": 0}, "max_new_tokens must be >= 1")],
+)
+def test_sampling_params_validate_their_values(kwargs, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_an_empty_prompt_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="prompt_ids is empty"):
+        GenerationRequest(prompt_ids=[])
