@@ -1,0 +1,154 @@
+"""The msgspec schema of pipeline files, built from the stage and factory registries (private).
+
+Every stage type gets a tagged Struct whose fields are the graph fields (``reads``,
+``capacity``, ``output``, ``objects``) followed by the fields of the stage's own ``Config``;
+every factory gets a tagged Struct whose fields are its keyword arguments. msgspec then decodes
+a table straight into the right Struct, and :func:`definition_error` turns its error into a
+path-qualified :class:`~thundersync.errors.DefinitionError`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import typing
+from collections.abc import Callable
+from typing import Annotated, Any, Union
+
+import msgspec
+
+from thundersync.errors import DefinitionError
+from thundersync.pipeline.factories import FACTORIES
+from thundersync.pipeline.stage import Stage
+from thundersync.stages import REGISTRY
+
+__all__ = [
+    "GRAPH_FIELDS",
+    "convert",
+    "definition_error",
+    "factory_params",
+    "object_union",
+    "runtime_params",
+    "stage_union",
+]
+
+GRAPH_FIELDS: tuple[tuple[str, Any, Any], ...] = (
+    ("reads", tuple[str, ...], ()),
+    ("capacity", Union[Annotated[int, msgspec.Meta(ge=1)], None], None),
+    ("output", bool, False),
+    ("objects", dict[str, str], msgspec.field(default_factory=dict)),
+)
+"""Fields every stage table has besides ``type`` and its Config's fields."""
+
+_OPTIONS = {"kw_only": True, "frozen": True, "forbid_unknown_fields": True}
+
+
+def _config_fields(stage: type[Stage]) -> list[tuple[str, Any, Any]]:
+    out = []
+    for info in msgspec.structs.fields(stage.Config):
+        if info.default is not msgspec.NODEFAULT:
+            out.append((info.name, info.type, info.default))
+        elif info.default_factory is not msgspec.NODEFAULT:
+            out.append((info.name, info.type, msgspec.field(default_factory=info.default_factory)))
+        else:
+            out.append((info.name, info.type))
+    clash = sorted({name for name, *_ in out} & {name for name, *_ in GRAPH_FIELDS} | ({"type"} & {n for n, *_ in out}))
+    if clash:
+        raise TypeError(f"{stage.__name__}.Config uses reserved field names {clash}; rename them")
+    return out
+
+
+@functools.cache
+def stage_union() -> Any:
+    """The tagged union of every registered stage type (tag field ``type``)."""
+    specs = [msgspec.defstruct(f"{cls.__name__}Table", [*GRAPH_FIELDS, *_config_fields(cls)],
+                               tag=name, tag_field="type", **_OPTIONS)  # type: ignore[arg-type]
+             for name, cls in REGISTRY.items()]
+    return Union[tuple(specs)]  # noqa: UP007 (a runtime union of classes)
+
+
+def _decodable(hint: Any) -> bool:
+    try:
+        msgspec.json.Decoder(hint)
+    except TypeError:
+        return False
+    return True
+
+
+@functools.cache
+def factory_params(factory: str) -> dict[str, tuple[Any, Any]]:
+    """Keyword arguments a file may give a factory: name -> (type, default or NODEFAULT)."""
+    target: Callable[..., Any] = FACTORIES[factory]
+    hints = typing.get_type_hints(target.__init__ if isinstance(target, type) else target)
+    params = inspect.signature(target).parameters.values()
+    return {p.name: (hints[p.name], p.default if p.default is not p.empty else msgspec.NODEFAULT)
+            for p in params if p.name in hints and _decodable(hints[p.name])
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+@functools.cache
+def object_union() -> Any:
+    """The tagged union of every registered factory (tag field ``factory``)."""
+    specs = []
+    for name in FACTORIES:
+        fields = [(k, hint) if default is msgspec.NODEFAULT else (k, hint, default)
+                  for k, (hint, default) in factory_params(name).items()]
+        specs.append(msgspec.defstruct(f"Factory{len(specs)}", fields, tag=name, tag_field="factory", **_OPTIONS))
+    return Union[tuple(specs)]  # noqa: UP007
+
+
+def runtime_params(stage: type[Stage]) -> dict[str, tuple[Any, bool]]:
+    """The runtime objects a stage class takes: kwarg name -> (annotation, required)."""
+    hints = typing.get_type_hints(stage.__init__, localns=dict(vars(stage)))
+    params = inspect.signature(stage.__init__).parameters.values()
+    return {p.name: (hints.get(p.name, Any), p.default is p.empty) for p in params if p.kind is p.KEYWORD_ONLY}
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+_AT = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+
+
+def _join(prefix: str, path: str) -> str:
+    """``stages.reward`` + ``.factr`` -> ``stages.reward.factr`` (msgspec paths start with . or [)."""
+    return (prefix + path).lstrip(".")
+
+
+def definition_error(prefix: str, error: msgspec.ValidationError, fields: dict[str, list[str]],
+                     kind: str, known: list[str]) -> DefinitionError:
+    """A DefinitionError for ``error`` met while decoding the table at ``prefix``.
+
+    ``fields`` maps a sub-path of the table (``""`` for the table itself, ``".run"``...) to its
+    valid field names, ``kind`` is the tag field (``type`` or ``factory``) and ``known`` the
+    valid tags.
+    """
+    match = _AT.match(str(error))
+    assert match is not None
+    message, path = match["message"], _join(prefix, match["path"] or "")
+    if (unknown := re.fullmatch(r"Object contains unknown field `(.+)`", message)) is not None:
+        valid = fields.get(match["path"] or "")
+        hint = f"; valid fields: {', '.join(valid)}" if valid else ""
+        return DefinitionError(f"{_join(path, '.' + unknown[1])}: unknown field{hint}")
+    if (missing := re.fullmatch(r"Object missing required field `(.+)`", message)) is not None:
+        hint = f" (one of: {', '.join(known)})" if missing[1] == kind else ""
+        return DefinitionError(f"{_join(path, '.' + missing[1])}: missing required field{hint}")
+    if path.endswith(f".{kind}") and message.startswith("Invalid value"):
+        value = message.removeprefix("Invalid value ")
+        return DefinitionError(f"{path}: unknown {'stage type' if kind == 'type' else kind} {value}; "
+                               f"known: {', '.join(known)}")
+    return DefinitionError(f"{path}: {message}")
+
+
+def convert(value: Any, target: Any, prefix: str, *, kind: str = "type", known: list[str] | None = None,
+            fields: dict[str, list[str]] | list[str] | None = None) -> Any:
+    """``msgspec.convert`` with errors turned into path-qualified DefinitionErrors.
+
+    ``fields`` lists the valid field names of the table (a list) or of its sub-tables (a dict
+    keyed by msgspec sub-path); they are shown when a field is unknown.
+    """
+    try:
+        return msgspec.convert(value, target)
+    except msgspec.ValidationError as error:
+        by_path = fields if isinstance(fields, dict) else {"": fields} if fields else {}
+        raise definition_error(prefix, error, by_path, kind, known or []) from None
