@@ -23,6 +23,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from time import perf_counter
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -45,7 +46,8 @@ class Blue(EventBase):
     created: float
 
 
-KINDS = (Red, Green, Blue)
+KINDS: tuple[type[EventBase], ...] = (Red, Green, Blue)
+Queue = asyncio.Queue[Optional[Any]]
 
 
 # --- the stage graph -------------------------------------------------------------------------
@@ -106,7 +108,7 @@ def fan_out_graph(count: int, latencies: list[float]) -> Graph:
 # --- the asyncio.Queue floor -----------------------------------------------------------------
 
 
-async def _queue_source(count: int, kinds: tuple[type[EventBase], ...], queues: dict[type, asyncio.Queue]) -> None:
+async def _queue_source(count: int, kinds: tuple[type[EventBase], ...], queues: dict[type, Queue]) -> None:
     n = len(kinds)
     for i in range(count):
         event = kinds[i % n](created=perf_counter())
@@ -115,13 +117,13 @@ async def _queue_source(count: int, kinds: tuple[type[EventBase], ...], queues: 
         await queue.put(None)
 
 
-async def _queue_forward(inbox: asyncio.Queue, outbox: asyncio.Queue) -> None:
+async def _queue_forward(inbox: Queue, outbox: Queue) -> None:
     while (event := await inbox.get()) is not None:
         await outbox.put(event)
     await outbox.put(None)
 
 
-async def _queue_sink(inbox: asyncio.Queue, producers: int, latencies: list[float]) -> None:
+async def _queue_sink(inbox: Queue, producers: int, latencies: list[float]) -> None:
     record = latencies.append
     while producers:
         event = await inbox.get()
@@ -132,7 +134,7 @@ async def _queue_sink(inbox: asyncio.Queue, producers: int, latencies: list[floa
 
 
 async def queue_chain(count: int, latencies: list[float]) -> None:
-    queues = [asyncio.Queue(CAPACITY) for _ in range(6)]
+    queues: list[Queue] = [asyncio.Queue(CAPACITY) for _ in range(6)]
     await asyncio.gather(
         _queue_source(count, (Red,), {Red: queues[0]}),
         *(_queue_forward(queues[i], queues[i + 1]) for i in range(5)),
@@ -141,8 +143,8 @@ async def queue_chain(count: int, latencies: list[float]) -> None:
 
 
 async def queue_fan_out(count: int, latencies: list[float]) -> None:
-    inboxes = {kind: asyncio.Queue(CAPACITY) for kind in KINDS}
-    merged: asyncio.Queue = asyncio.Queue(CAPACITY)
+    inboxes: dict[type, Queue] = {kind: asyncio.Queue(CAPACITY) for kind in KINDS}
+    merged: Queue = asyncio.Queue(CAPACITY)
     await asyncio.gather(
         _queue_source(count, KINDS, inboxes),
         *(_queue_forward(inboxes[kind], merged) for kind in KINDS),

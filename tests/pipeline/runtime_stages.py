@@ -10,7 +10,7 @@ from thundersync.events import EventBase
 from thundersync.pipeline import Inbox, Outbox, Stage
 
 __all__ = [
-    "Boom", "Collect", "Count", "Emit", "Fail", "Forever", "Pass", "Slow", "Tick", "Tock", "Tack",
+    "Boom", "Collect", "Emit", "Fail", "Forever", "Pass", "Tack", "Tick", "Tock",
 ]
 
 
@@ -106,10 +106,8 @@ class Fail(Stage):
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
         async for event in inbox:
+            assert isinstance(event, Tick)
             if event.n == self.at:
                 raise Boom(f"tick {event.n} is cursed")
             await outbox.send(event)
 
-
-Slow = Collect
-Count = Collect
