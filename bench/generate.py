@@ -1,0 +1,146 @@
+"""TorchGenerator against transformers' `generate` on a random Qwen3-0.6B-shaped model.
+
+    python bench/generate.py                 # H200: bf16, batch 32/64/128, 128-token prompts, 256 new
+    python bench/generate.py --tiny          # CPU smoke run of the same code on a tiny model
+
+Both sample at temperature 1 with no top-k/top-p and no stop token, from the same random prompts.
+Ours runs through the public async API (`generate_many`); each engine step is timed (the first
+step prefills). The floor is the bytes one decode step must read (weights + the KV cache of the
+mean context) over the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench._common import header, markdown_table  # noqa: E402
+from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many  # noqa: E402
+
+
+def make_model(tiny: bool, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = (
+        dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=128, vocab_size=512)
+        if tiny else
+        dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936)
+    )
+    config = Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=4096, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * 10 * src.numel() / (start.elapsed_time(end) / 1e3)
+
+
+def run_ours(model: torch.nn.Module, prompts: torch.Tensor, new: int, device: torch.device) -> tuple[float, float, float]:
+    """(seconds, median decode-step seconds, first-step seconds) of a full batch through TorchGenerator."""
+    batch, prompt_len = prompts.shape
+    generator = TorchGenerator(model, max_batch=batch, max_seq_len=prompt_len + new, prefill_tokens=batch * prompt_len)
+    params = SamplingParams(temperature=1.0, max_new_tokens=new)
+    requests = [GenerationRequest(prompt_ids=p, params=params) for p in prompts.tolist()]
+    engine = generator._engine  # bench-only: time each engine step
+    steps: list[float] = []
+    plain_step = engine.step
+
+    def timed_step() -> None:
+        start = time.perf_counter()
+        plain_step()
+        sync(device)
+        steps.append(time.perf_counter() - start)
+
+    engine.step = timed_step  # type: ignore[method-assign]
+    anyio.run(generate_many, generator, requests)  # warm-up: captures the decode graphs
+    steps.clear()
+    sync(device)
+    start = time.perf_counter()
+    results = anyio.run(generate_many, generator, requests)
+    sync(device)
+    seconds = time.perf_counter() - start
+    assert all(len(r.token_ids) == new for r in results)
+    return seconds, statistics.median(steps[1:]), steps[0]
+
+
+def run_transformers(model: torch.nn.Module, prompts: torch.Tensor, new: int, device: torch.device) -> float:
+    kwargs = dict(max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
+    mask = torch.ones_like(prompts)
+    model.generate(prompts[:, :8], attention_mask=mask[:, :8], **{**kwargs, "max_new_tokens": 4})  # warm-up
+    sync(device)
+    start = time.perf_counter()
+    out = model.generate(prompts, attention_mask=mask, **kwargs)
+    sync(device)
+    assert out.shape[1] == prompts.shape[1] + new
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny model on CPU (a smoke run)")
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes")
+    parser.add_argument("--prompt", type=int, default=None)
+    parser.add_argument("--new", type=int, default=None)
+    parser.add_argument("--baseline-new", type=int, default=None, help="new tokens for transformers (it is slow)")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    batches = [int(b) for b in (args.batches or ("2,4" if args.tiny else "32,64,128")).split(",")]
+    prompt_len = args.prompt or (16 if args.tiny else 128)
+    new = args.new or (32 if args.tiny else 256)
+    baseline_new = args.baseline_new or new
+    model = make_model(args.tiny, device, dtype)
+    bandwidth = copy_bandwidth(device)
+    config = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * torch.finfo(dtype).bits // 8
+    rows = []
+    for batch in batches:
+        prompts = torch.randint(1, config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(batch)).to(device)
+        ours, step, first = run_ours(model, prompts, new, device)
+        theirs = run_transformers(model, prompts, baseline_new, device)
+        floor_bytes = weight_bytes + batch * (prompt_len + new / 2) * kv_per_token
+        floor_step = floor_bytes / bandwidth
+        rows.append([
+            batch, batch * new / ours, step * 1e3, first * 1e3, batch * baseline_new / theirs, theirs / baseline_new * 1e3,
+            theirs / baseline_new / (ours / new), floor_step * 1e3, batch / floor_step,
+        ])
+    print(header(" ".join(["python", *sys.argv])))
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtype}, prompt {prompt_len}, "
+          f"new {new} (transformers: {baseline_new}), copy bandwidth {bandwidth / 1e9:.0f} GB/s\n")
+    print(markdown_table(
+        ["batch", "ours tok/s", "ours ms/step", "ours first step ms", "transformers tok/s", "transformers ms/step",
+         "speed-up", "floor ms/step", "floor tok/s"],
+        rows,
+    ))
+
+
+if __name__ == "__main__":
+    main()
