@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from tests.pipeline.runtime_stages import Boom, Collect, Emit, Fail, Forever, Pass, Tick, Tock
-from thundersync.errors import PipelineError, StageFailed
+from thundersync.errors import ConfigError, PipelineError, StageFailed
 from thundersync.pipeline import Graph, Pipeline
 
 
@@ -173,3 +173,9 @@ async def test_a_pipeline_runs_once_and_only_inside_async_with() -> None:
     with pytest.raises(PipelineError, match="this Pipeline was already started; create a new one per run"):
         async with pipeline:
             pass
+
+
+@pytest.mark.parametrize("capacity", [0, -1, 2.0])
+def test_results_capacity_below_one_is_rejected(capacity: object) -> None:
+    with pytest.raises(ConfigError, match=rf"results_capacity is {capacity!r}; it must be an int >= 1"):
+        Pipeline(_relay(), results_capacity=capacity)  # type: ignore[arg-type]

@@ -122,3 +122,7 @@ def test_a_base_type_consumer_accepts_a_subclass_producer() -> None:
     from thundersync.events import EventBase
 
     Graph().add("src", Emit()).add("all", Collect(consumes=(EventBase,)), reads=["src"]).validate()
+
+
+def test_a_graph_shows_who_reads_from_whom() -> None:
+    assert repr(_chain()) == "Graph(gen; tool <- gen)"

@@ -225,6 +225,20 @@ async def test_sending_after_closing_the_outbox_fails_the_stage() -> None:
         await run_graph(graph)
 
 
+class _CloseThenSendNowhere(Stage):
+    produces = (Tick, Tock)
+
+    async def run(self, inbox: Inbox, outbox: Outbox) -> None:
+        await outbox.aclose()
+        await outbox.send(Tock(n=1))  # no consumer takes Tocks: still an error after closing
+
+
+async def test_sending_after_closing_is_an_error_even_for_events_nobody_consumes() -> None:
+    graph = Graph().add("src", _CloseThenSendNowhere()).add("sink", Collect(), reads=["src"])
+    with pytest.raises(StageFailed, match="stage 'src' sent a Tock after its outbox was closed"):
+        await run_graph(graph)
+
+
 async def test_sending_a_type_the_stage_does_not_produce_fails_with_the_declared_types() -> None:
     graph = Graph().add("src", Emit(count=2)).add("p", Pass(consumes=(Tick,), produces=(Tock,)), reads=["src"])
     graph.add("sink", Collect((Tock,)), reads=["p"])

@@ -111,6 +111,8 @@ class StageOutbox:
             routes = self._resolve(type(event))
         self.sent += 1
         if not routes:
+            if self._closed:
+                raise self._closed_error(event)
             self.unrouted += 1
             if self.unrouted % _CHECKPOINT_EVERY == 0:
                 await checkpoint()  # a source whose events go nowhere must still yield

@@ -29,7 +29,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from thundersync.errors import PipelineError
+from thundersync.errors import ConfigError, PipelineError
 from thundersync.pipeline._channels import StageInbox
 from thundersync.pipeline._runtime import GraphRuntime
 from thundersync.pipeline._stats import RunStatistics
@@ -43,6 +43,8 @@ class Pipeline:
 
     def __init__(self, graph: Graph, *, results_capacity: int = DEFAULT_CAPACITY) -> None:
         graph.validate()
+        if isinstance(results_capacity, bool) or not isinstance(results_capacity, int) or results_capacity < 1:
+            raise ConfigError(f"results_capacity is {results_capacity!r}; it must be an int >= 1")
         self._graph = graph
         self._results_capacity = results_capacity
         self._runtime: GraphRuntime | None = None

@@ -17,8 +17,9 @@ reserved name ``"input"`` stands for events an application sends through
 :class:`~thundersync.pipeline.embed.Pipeline`.
 
 The graph must be acyclic. Feedback such as a published policy (step -> generate) goes through a
-runtime object that both stages share (the generator's weights), not through an edge: an edge
-cycle has no end-of-stream, since each stage would wait for the other to finish first.
+runtime object that both stages share (:class:`~thundersync.pipeline.policy.PolicyClock`), not
+through an edge: an edge cycle has no end-of-stream, since each stage on it would wait for the
+others to finish first.
 """
 
 from __future__ import annotations
@@ -133,6 +134,12 @@ class Graph:
             return declared
         return [node for node in self._nodes.values() if not self.readers(node.name)]
 
+    def __repr__(self) -> str:
+        def describe(node: Node) -> str:
+            return f"{node.name} <- {', '.join(node.reads)}" if node.reads else node.name
+
+        return f"Graph({'; '.join(describe(node) for node in self._nodes.values())})"
+
     def _listing(self) -> str:
         return ", ".join(self._nodes) or "(none)"
 
@@ -201,7 +208,7 @@ class Graph:
                 return [
                     f"stages form a cycle: {loop}; a graph must be acyclic (an edge cycle never "
                     "reaches end-of-stream): pass feedback such as a published policy through a "
-                    "runtime object both stages share"
+                    "runtime object both stages share (e.g. thundersync.pipeline.policy.PolicyClock)"
                 ]
         return []
 
