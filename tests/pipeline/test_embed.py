@@ -179,3 +179,26 @@ async def test_a_pipeline_runs_once_and_only_inside_async_with() -> None:
 def test_results_capacity_below_one_is_rejected(capacity: object) -> None:
     with pytest.raises(ConfigError, match=rf"results_capacity is {capacity!r}; it must be an int >= 1"):
         Pipeline(_relay(), results_capacity=capacity)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_a_stage_failing_while_the_graph_drains_on_exit_raises_from_the_block() -> None:
+    graph = Graph().add("fail", Fail(at=2), reads=["input"]).add("sink", Collect(), reads=["fail"])
+    with pytest.raises(StageFailed, match=r"stage 'fail' failed while handling Tick\(n=2\)"):
+        async with Pipeline(graph) as pipeline:
+            for i in range(3):
+                await pipeline.send(Tick(n=i))
+    assert pipeline.statistics().stages["fail"].state == "failed"
+
+
+@pytest.mark.anyio
+async def test_a_timeout_around_the_block_cancels_the_graph() -> None:
+    graph = Graph().add("src", Forever()).add("a", Pass(), reads=["src"])
+    with pytest.raises(TimeoutError):
+        with anyio.fail_after(0.05):
+            async with Pipeline(graph) as pipeline:
+                async for _ in pipeline.results():
+                    pass
+    states = {name: s.state for name, s in pipeline.statistics().stages.items()}
+    assert states == {"src": "cancelled", "a": "cancelled"}
+    assert not any(inbox.open for inbox in pipeline.statistics().inboxes.values())
