@@ -22,21 +22,21 @@ def _stats_kernel(z_ptr, y_ptr, lp_ptr, lse_ptr, ent_ptr, n_vocab, stride_z, WIT
     row = tl.program_id(0)
     base = z_ptr + row.to(tl.int64) * stride_z
     offs = tl.arange(0, BLOCK)
-    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    m = tl.full([BLOCK], -1.0e38, tl.float32)  # finite, so no lane ever computes inf - inf
     s = tl.zeros([BLOCK], tl.float32)
     t = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n_vocab, BLOCK):
         mask = start + offs < n_vocab
         z = tl.load(base + start + offs, mask=mask, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, z)
-        scale = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))
-        e = tl.where(mask, tl.exp(z - m_new), 0.0)
+        scale = tl.exp(m - m_new)
+        e = tl.exp(z - m_new)
         s = s * scale + e
         if WITH_ENT:
-            t = t * scale + tl.where(mask, e * z, 0.0)
+            t = t * scale + e * tl.where(mask, z, 0.0)
         m = m_new
     m_all = tl.max(m, 0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))
+    w = tl.exp(m - m_all)
     s_all = tl.sum(s * w, 0)
     lse = m_all + tl.log(s_all)
     target = tl.load(y_ptr + row)

@@ -1,0 +1,116 @@
+"""Probing, path choice and the environment switches, on CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from thundersync import kernels
+from thundersync.errors import ConfigError, KernelUnavailable
+from thundersync.kernels import probe
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv("THUNDERSYNC_FA4", raising=False)
+    monkeypatch.delenv("THUNDERSYNC_OPERATOR_PROFILE_RANGES", raising=False)
+    kernels.clear_capabilities()
+    kernels.reset_attention_path_counts()
+    yield
+    kernels.clear_capabilities()
+    kernels.reset_attention_path_counts()
+
+
+def _attention_inputs(dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(1, 4, 3, 8), (1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 3, 8), (1, 2, 3, 8)]
+    return [torch.randn(*s, generator=gen).to(dtype) for s in shapes]
+
+
+def test_cpu_calls_fall_back_to_the_references_and_list_why() -> None:
+    h, w = torch.randn(4, 8), torch.randn(11, 8)
+    kernels.linear_logprobs(h, w, torch.zeros(4, dtype=torch.long))
+    kernels.rms_norm(h, torch.ones(8), 1e-6)
+    kernels.chunk_attention(*_attention_inputs())
+    caps = {c.kernel: c for c in kernels.kernel_capabilities()}
+    assert caps["linear_logprobs"] == probe.Capability(
+        "linear_logprobs", "cpu", "float32", "rows", False, "Triton kernels run on CUDA devices only"
+    )
+    assert not caps["rms_norm"].ok
+    assert caps["chunk_attention.sdpa_split"].shape_class == "head_dim=8,groups=2"
+    assert caps["chunk_attention.fa4"].why == "the fa4 path runs on CUDA devices only"
+    assert kernels.attention_path_counts() == {"reference": 1}
+
+
+def test_a_probe_runs_its_trial_once_and_caches_a_failure_with_the_reason() -> None:
+    calls = []
+
+    def failing_trial() -> None:
+        calls.append(1)
+        raise RuntimeError("no kernel image for sm_00")
+
+    device = torch.device("cpu")
+    first = probe.probe("demo", device, torch.bfloat16, "rows", failing_trial)
+    second = probe.probe("demo", device, torch.bfloat16, "rows", failing_trial)
+    assert calls == [1] and first is second
+    assert first == probe.Capability("demo", "cpu", "bfloat16", "rows", False, "trial failed: RuntimeError: no kernel image for sm_00")
+    assert probe.probe("demo", device, torch.float32, "rows", lambda: None).ok
+
+
+def test_fa4_switch_rejects_unknown_values_naming_the_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("THUNDERSYNC_FA4", "yes")
+    with pytest.raises(ConfigError, match=r"THUNDERSYNC_FA4='yes' is not one of: auto, require, off"):
+        kernels.chunk_attention(*_attention_inputs())
+
+
+def test_fa4_require_raises_with_the_reason_when_fa4_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("THUNDERSYNC_FA4", "require")
+    with pytest.raises(KernelUnavailable, match=r"THUNDERSYNC_FA4=require, but FlashAttention 4 cannot run on cpu float32 "
+                       r"\(head_dim=8,groups=2\): the fa4 path runs on CUDA devices only"):
+        kernels.chunk_attention(*_attention_inputs())
+    assert kernels.attention_path_counts() == {}
+
+
+def test_fa4_off_never_considers_fa4(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("THUNDERSYNC_FA4", "off")
+    kernels.chunk_attention(*_attention_inputs())
+    assert not any(c.kernel == "chunk_attention.fa4" for c in kernels.kernel_capabilities())
+    assert kernels.attention_path_counts() == {"reference": 1}
+
+
+def test_fa4_auto_without_fa4_picks_another_path() -> None:
+    out = kernels.chunk_attention(*_attention_inputs())
+    assert out.shape == (1, 4, 3, 8) and kernels.attention_path_counts() == {"reference": 1}
+
+
+def test_forcing_a_path_that_cannot_run_raises_and_unknown_paths_are_rejected() -> None:
+    with pytest.raises(KernelUnavailable, match=r"attention path 'sdpa_split' cannot run on cpu float32 \(head_dim=8,groups=2\)"):
+        kernels.chunk_attention(*_attention_inputs(), path="sdpa_split")
+    with pytest.raises(ConfigError, match=r"path='flash' is not one of: fa4, sdpa_split, flex, sdpa_masked, reference"):
+        kernels.chunk_attention(*_attention_inputs(), path="flash")
+    kernels.chunk_attention(*_attention_inputs(), path="reference")
+    assert kernels.attention_path_counts() == {"reference": 1}
+
+
+def test_profile_ranges_switch_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("THUNDERSYNC_OPERATOR_PROFILE_RANGES", "perfetto")
+    with pytest.raises(ConfigError, match=r"THUNDERSYNC_OPERATOR_PROFILE_RANGES='perfetto' is not one of: off, kineto, nvtx, both"):
+        kernels.rms_norm(torch.ones(2, 3), torch.ones(3), 1e-6)
+
+
+@pytest.mark.parametrize("mode", ["kineto", "both", "nvtx"])
+def test_profile_ranges_name_each_kernel_and_change_no_result(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    h, w = torch.randn(5, 8, generator=gen), torch.randn(13, 8, generator=gen)
+    y = torch.randint(0, 13, (5,), generator=gen)
+    plain = kernels.linear_logprobs(h, w, y)
+    monkeypatch.setenv("THUNDERSYNC_OPERATOR_PROFILE_RANGES", mode)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ranged = kernels.linear_logprobs(h, w, y)
+        kernels.chunk_attention(*_attention_inputs())
+    names = {e.name for e in prof.events()}
+    assert torch.equal(plain, ranged)
+    recorded = {"thundersync.linear_logprobs", "thundersync.chunk_attention.reference"} <= names
+    assert recorded == (mode != "nvtx")  # nvtx ranges go to the CUDA tools, not to kineto
