@@ -1,3 +1,79 @@
-# Sourced by .ci/run: sets up the container engines that the `docker` tests use.
-# (Filled in by the sandboxes work; until then the sandbox tests do not exist.)
-true
+# Sourced by .ci/run (as root, on a fresh Debian 12 machine): sets up the container engines that
+# the `docker`-marked sandbox tests use, so that they run for real instead of skipping.
+#
+#   1. apt: docker.io (dockerd + containerd + runc), proot, busybox-static, libseccomp2
+#   2. an offline busybox rootfs (no registry is reachable), imported into Docker and uDocker
+#   3. uDocker set up offline (UDOCKER_TARBALL empty, a proot wrapper that drops `-k <release>`)
+#   4. dockerd with networking switched off (never the default setup: it rewrites the host
+#      firewall), on a short socket path; an EXIT trap stops it by pid and removes everything
+#
+# Exports DOCKER_HOST, UDOCKER_DIR, UDOCKER_TARBALL, UDOCKER_USE_PROOT_EXECUTABLE,
+# THUNDERSYNC_TEST_IMAGE and THUNDERSYNC_REQUIRE_SANDBOXES=1 (missing engines then fail the tests).
+
+_ts_sb_start=$SECONDS
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends docker.io proot busybox-static libseccomp2 >/dev/null
+
+TS_SB_DIR=$(mktemp -d /tmp/tssb.XXXXXX)   # short: unix socket paths are limited to 107 bytes
+chmod 700 "$TS_SB_DIR"
+export THUNDERSYNC_TEST_IMAGE=thundersync-test/busybox:1
+
+# -- the offline busybox image: /bin/busybox, its applets, a user, a working tree -----------------
+_ts_rootfs="$TS_SB_DIR/rootfs"
+mkdir -p "$_ts_rootfs"/{bin,etc,root,tmp,work/src,home/sandbox}
+cp /bin/busybox "$_ts_rootfs/bin/busybox"
+for _ts_applet in $("$_ts_rootfs/bin/busybox" --list); do
+    [ "$_ts_applet" = busybox ] || ln -s busybox "$_ts_rootfs/bin/$_ts_applet"
+done
+printf 'root:x:0:0:root:/root:/bin/sh\nsandbox:x:1000:1000:sandbox:/home/sandbox:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/sh\n' >"$_ts_rootfs/etc/passwd"
+printf 'root:x:0:\nsandbox:x:1000:\nnogroup:x:65534:\n' >"$_ts_rootfs/etc/group"
+printf 'hello from the seed\n' >"$_ts_rootfs/work/README"
+printf 'print("seed")\n' >"$_ts_rootfs/work/src/main.py"
+chmod 1777 "$_ts_rootfs/tmp"
+tar -C "$_ts_rootfs" -cf "$TS_SB_DIR/rootfs.tar" .
+
+# -- uDocker, offline ---------------------------------------------------------------------------
+export UDOCKER_DIR="$TS_SB_DIR/udocker" UDOCKER_TARBALL=""
+export UDOCKER_USE_PROOT_EXECUTABLE="$TS_SB_DIR/proot"
+# Debian's proot 5.1.0 fails with `-k <release>` on this kernel: drop that pair of arguments.
+cat >"$UDOCKER_USE_PROOT_EXECUTABLE" <<'EOF'
+#!/bin/sh
+skip=0
+for a in "$@"; do
+    shift
+    if [ "$skip" = 1 ]; then skip=0; continue; fi
+    if [ "$a" = -k ]; then skip=1; continue; fi
+    set -- "$@" "$a"
+done
+exec /usr/bin/proot "$@"
+EOF
+chmod 755 "$UDOCKER_USE_PROOT_EXECUTABLE"
+udocker --allow-root import "$TS_SB_DIR/rootfs.tar" "$THUNDERSYNC_TEST_IMAGE" >/dev/null
+
+# -- dockerd without any network setup ----------------------------------------------------------
+mkdir -p "$TS_SB_DIR/docker"
+export DOCKER_HOST="unix://$TS_SB_DIR/docker.sock"
+dockerd --iptables=false --ip6tables=false --bridge=none --ip-forward=false --ip-masq=false \
+    --data-root "$TS_SB_DIR/docker/root" --exec-root "$TS_SB_DIR/docker/exec" \
+    --pidfile "$TS_SB_DIR/docker.pid" -H "$DOCKER_HOST" >"$TS_SB_DIR/dockerd.log" 2>&1 &
+TS_SB_DOCKERD_PID=$!
+
+_ts_sandboxes_cleanup() {
+    kill "$TS_SB_DOCKERD_PID" 2>/dev/null && wait "$TS_SB_DOCKERD_PID" 2>/dev/null
+    rm -rf "$TS_SB_DIR"
+}
+# Chain with an EXIT trap that may already be set, instead of replacing it.
+_ts_prev_exit_trap=$(trap -p EXIT | sed -e "s/^trap -- '//" -e "s/' EXIT\$//")
+trap "_ts_sandboxes_cleanup; ${_ts_prev_exit_trap:-true}" EXIT
+
+for _ts_i in $(seq 100); do
+    docker version >/dev/null 2>&1 && break
+    sleep 0.1
+done
+docker version --format 'dockerd {{.Server.Version}} ready' || { cat "$TS_SB_DIR/dockerd.log"; false; }
+docker import --change 'WORKDIR /work' --change 'CMD ["/bin/sh"]' \
+    "$TS_SB_DIR/rootfs.tar" "$THUNDERSYNC_TEST_IMAGE" >/dev/null
+
+export THUNDERSYNC_REQUIRE_SANDBOXES=1
+echo "sandboxes ready in $((SECONDS - _ts_sb_start))s: DOCKER_HOST=$DOCKER_HOST UDOCKER_DIR=$UDOCKER_DIR"

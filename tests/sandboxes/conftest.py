@@ -1,0 +1,180 @@
+"""Fixtures for the sandbox tests: a backend per parameter, private roots, and a host-clean check.
+
+Docker and uDocker tests carry the ``docker`` marker. They skip when the engine (or uDocker and
+its test image) is not reachable, and fail instead when ``THUNDERSYNC_REQUIRE_SANDBOXES=1``
+(CI sets it after ``.ci/sandboxes.sh`` started the engines). The image is
+``$THUNDERSYNC_TEST_IMAGE`` (CI's offline busybox image).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from thundersync.sandboxes import _process, select
+from thundersync.sandboxes.base import LABEL, Sandbox, SandboxLimits
+from thundersync.sandboxes.local import NotIsolatedWarning
+
+IMAGE = os.environ.get("THUNDERSYNC_TEST_IMAGE", "thundersync-test/busybox:1")
+BACKENDS = [
+    pytest.param("docker", marks=pytest.mark.docker),
+    pytest.param("udocker", marks=pytest.mark.docker),
+    "local",
+]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@functools.cache
+def backend_problem(backend: str) -> str | None:
+    if backend == "docker":
+        return anyio.run(select.docker_problem)
+    if backend == "udocker":
+        problem = select.udocker_problem()
+        if problem is None:
+            udocker_dir = Path(os.environ.get("UDOCKER_DIR") or Path.home() / ".udocker")
+            name, tag = IMAGE.rsplit(":", 1)
+            if not (udocker_dir / "repos" / name / tag).is_dir():
+                problem = f"uDocker has no test image {IMAGE} in {udocker_dir} (run .ci/sandboxes.sh)"
+        return problem
+    return _process.unshare_available()
+
+
+def require(backend: str) -> None:
+    problem = backend_problem(backend)
+    if problem is None:
+        return
+    message = f"{backend} sandboxes unavailable: {problem}"
+    if os.environ.get("THUNDERSYNC_REQUIRE_SANDBOXES") == "1":
+        pytest.fail(message + " (THUNDERSYNC_REQUIRE_SANDBOXES=1)")
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def seed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("seeds")
+    path.chmod(0o700)
+    return path
+
+
+@pytest.fixture
+def scratch(tmp_path: Path, seed_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "scratch"
+    monkeypatch.setenv("THUNDERSYNC_SANDBOX_SCRATCH", str(root))
+    monkeypatch.setenv("THUNDERSYNC_DOCKER_SEED_DIR", str(seed_dir))
+    return root
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    require(request.param)
+    return str(request.param)
+
+
+@pytest.fixture
+def new_sandbox(backend: str, scratch: Path) -> Callable[..., Sandbox]:
+    """Make a (not yet started) sandbox of the fixture's backend."""
+
+    def make(limits: SandboxLimits | None = None) -> Sandbox:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NotIsolatedWarning)
+            return select.make_sandbox(backend, IMAGE, limits=limits, template=seed_template())
+
+    return make
+
+
+@functools.cache
+def seed_template() -> Path:
+    """The local backend's template: the same files as the test image's working tree."""
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="ts-local-seed-"))
+    (root / "src").mkdir()
+    (root / "README").write_text("hello from the seed\n")
+    (root / "src" / "main.py").write_text('print("seed")\n')
+    return root
+
+
+@pytest.fixture
+async def sandbox(new_sandbox: Callable[..., Sandbox], backend: str, scratch: Path) -> AsyncIterator[Sandbox]:
+    async with new_sandbox() as opened:
+        yield opened
+    await assert_host_clean(backend, scratch)
+
+
+# -- what "the host is left clean" means ----------------------------------------------------------
+
+
+async def our_containers() -> list[Any]:
+    from thundersync.sandboxes.docker import docker_client
+
+    client = docker_client()
+    try:
+        return list(await client.containers.list(all=True, filters=f'{{"label": ["{LABEL}=1"]}}'))
+    finally:
+        await client.close()
+
+
+def processes_mentioning(text: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            continue
+        if text.encode() in cmdline or cwd.startswith(text):
+            found.append(f"{pid}: {cmdline[:120]!r} (cwd {cwd})")
+    return found
+
+
+def udocker_containers() -> list[str]:
+    root = Path(os.environ.get("UDOCKER_DIR") or Path.home() / ".udocker") / "containers"
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("ts-")) if root.is_dir() else []
+
+
+def cgroups() -> list[str]:
+    found = []
+    for base in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup")):
+        if base.is_dir():
+            found += [p.name for p in base.iterdir() if p.name.startswith("thundersync-")]
+    return found
+
+
+async def assert_host_clean(backend: str, scratch: Path) -> None:
+    """No containers with our label, no processes, no cgroups, no scratch directories are left."""
+    leftovers = sorted(os.listdir(scratch)) if scratch.exists() else []
+    assert not leftovers, f"scratch directories left behind: {leftovers}"
+    assert not processes_mentioning(str(scratch)), processes_mentioning(str(scratch))
+    assert not cgroups(), f"cgroups left behind: {cgroups()}"
+    if backend == "docker":
+        left = await our_containers()
+        assert not left, f"containers left behind: {[c.id[:12] for c in left]}"
+    if backend == "udocker":
+        assert not udocker_containers(), f"uDocker containers left behind: {udocker_containers()}"
+
+
+@pytest.fixture
+def loopback_listener() -> Iterator[int]:
+    """A TCP listener on 127.0.0.1 of the host; yields its port."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    try:
+        yield server.getsockname()[1]
+    finally:
+        server.close()

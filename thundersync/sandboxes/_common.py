@@ -1,0 +1,188 @@
+"""What every backend shares: the working tree's life cycle, file moves, reset and verification.
+
+A backend subclasses :class:`TreeSandbox` and implements ``_start`` (make the container or jail),
+``exec``, ``_kill_processes`` (end every process of the sandbox) and ``_stop`` (remove it). The
+base owns the scratch directory ``<scratch root>/<name>/``: ``tree/`` is the working tree and the
+rest is the backend's private space. ``close`` runs ``_stop`` and then removes the scratch
+directory whatever ``_stop`` raised, so nothing is left on any exit path.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import structlog
+
+from thundersync.sandboxes import _treefiles, trees
+from thundersync.sandboxes.base import ExecResult, SandboxLimits
+
+__all__ = ["TreeSandbox", "new_name", "scrub_env"]
+
+log = structlog.get_logger("thundersync.sandboxes")
+
+_SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|ACCESS_?KEY|PRIVATE|AUTH|COOKIE|SESSION", re.I)
+_digests: dict[Path, str] = {}
+
+
+def new_name(prefix: str = "ts") -> str:
+    return f"{prefix}-{secrets.token_hex(6)}"
+
+
+def scrub_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without NCCL_* variables and anything that looks like a secret (tokens, keys...)."""
+    return {k: v for k, v in env.items() if not k.startswith("NCCL_") and not _SECRET.search(k)}
+
+
+def seed_digest(seed: Path) -> str:
+    """The digest of a seed tree (seeds never change once published, so it is computed once)."""
+    if seed not in _digests:
+        _digests[seed] = trees.tree_digest(seed)
+    return _digests[seed]
+
+
+class TreeSandbox:
+    """Base of the backends: a working tree copied from ``seed`` and the files API over it."""
+
+    backend = "base"
+
+    def __init__(self, *, name: str | None, limits: SandboxLimits | None, workdir: str) -> None:
+        self.name = name or new_name()
+        self.limits = limits or SandboxLimits()
+        self.workdir = workdir
+        self._scratch: Path | None = None
+        self._seed: Path | None = None
+        self._owner: tuple[int, int] | None = None  # chown copied files to this (root + non-root user)
+        self._closed = False
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    @property
+    def scratch(self) -> Path:
+        if self._scratch is None:
+            raise RuntimeError(f"sandbox {self.name} is not started: use 'async with'")
+        return self._scratch
+
+    @property
+    def tree(self) -> Path:
+        return self.scratch / "tree"
+
+    async def __aenter__(self) -> Any:
+        root = trees.scratch_root()
+        self._scratch = root / self.name
+        self._scratch.mkdir(mode=0o700)
+        try:
+            self._seed = await self._prepare_seed()
+            await anyio.to_thread.run_sync(self._populate_tree)
+            await self._start()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.close()
+            raise
+        log.debug("sandbox started", backend=self.backend, name=self.name)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._stop()
+            finally:
+                if self._scratch is not None:
+                    await anyio.to_thread.run_sync(trees.remove_tree, self._scratch)
+        log.debug("sandbox closed", backend=self.backend, name=self.name)
+
+    # -- for backends -------------------------------------------------------------------------
+
+    async def _prepare_seed(self) -> Path | None:
+        return None
+
+    async def _start(self) -> None:
+        raise NotImplementedError
+
+    async def _stop(self) -> None:
+        raise NotImplementedError
+
+    async def _kill_processes(self) -> None:
+        raise NotImplementedError
+
+    async def _wipe_private(self) -> None:
+        """Empty the sandbox's private temporary directories (on reset)."""
+
+    async def _recreate_dirs(self, *names: str) -> None:
+        for name in names:
+            path = self.scratch / name
+            await anyio.to_thread.run_sync(trees.remove_tree, path)
+            path.mkdir(mode=0o700 if name == "home" else 0o1777)
+            path.chmod(0o700 if name == "home" else 0o1777)
+
+    async def exec(self, cmd: Sequence[str] | str, *, timeout: float | None = None,
+                   env: Mapping[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
+        raise NotImplementedError
+
+    @staticmethod
+    def _argv(cmd: Sequence[str] | str) -> list[str]:
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        if not argv:
+            raise ValueError("empty command: give an argv list or a shell string")
+        return argv
+
+    def _populate_tree(self) -> None:
+        tree = self.tree
+        if self._seed is None:
+            tree.mkdir(mode=0o755)
+        else:
+            trees.copy_tree(self._seed, tree)
+        if self._owner is not None:
+            trees.chown_tree(tree, *self._owner)
+
+    # -- files (host side of the tree; never through the sandbox's links) ---------------------
+
+    async def write_file(self, path: str | bytes, data: bytes) -> None:
+        await anyio.to_thread.run_sync(lambda: _treefiles.write_file(self.tree, path, data, owner=self._owner))
+
+    async def read_file(self, path: str | bytes) -> bytes:
+        return await anyio.to_thread.run_sync(_treefiles.read_file, self.tree, path)
+
+    async def copy_in(self, src: Path, dest: str | bytes) -> None:
+        await anyio.to_thread.run_sync(lambda: _treefiles.copy_in(self.tree, Path(src), dest, owner=self._owner))
+
+    async def copy_out(self, src: str | bytes, dest: Path) -> None:
+        await anyio.to_thread.run_sync(_treefiles.copy_out, self.tree, src, Path(dest))
+
+    # -- reset --------------------------------------------------------------------------------
+
+    async def reset(self) -> bool:
+        """Kill every process, restore the tree's contents from the seed, verify from the host."""
+        await self._kill_processes()
+        await self._wipe_private()
+        return await anyio.to_thread.run_sync(self._restore_tree)
+
+    def _restore_tree(self) -> bool:
+        tree = self.tree  # the directory itself stays: it may be bind-mounted
+        os.chmod(tree, 0o700)
+        for entry in os.listdir(os.fsencode(tree)):
+            trees.remove_tree(Path(os.fsdecode(os.path.join(os.fsencode(tree), entry))))
+        if self._seed is not None:
+            trees.copy_tree_into(self._seed, tree)
+        else:
+            os.chmod(tree, 0o755)
+        if self._owner is not None:
+            trees.chown_tree(tree, *self._owner)
+        expected = seed_digest(self._seed) if self._seed is not None else trees.tree_digest_of_empty()
+        return trees.tree_digest(tree) == expected and self._root_mode_matches()
+
+    def _root_mode_matches(self) -> bool:
+        want = os.stat(self._seed).st_mode if self._seed is not None else 0o40755
+        return os.lstat(self.tree).st_mode == want

@@ -1,0 +1,151 @@
+"""Run one command as a guarded host process tree (the uDocker and local backends' driver).
+
+The command runs as::
+
+    unshare --user --map-root-user --net --pid --fork --kill-child --mount-proc \\
+        python -I -S _guard.py [--cgroup DIR] --no-inet --rlimit AS=... -- CMD...
+
+in a new session. ``--net`` leaves it only a loopback that is down, the seccomp filter denies
+every non-Unix socket, and the pid namespace makes the kill total: SIGKILL to the session kills
+``unshare``, ``--kill-child`` then kills the namespace's init, and the kernel kills everything
+left in the namespace, wherever it ``setsid``-ed to. The pids cgroup (when there is one) bounds
+fork bombs and is emptied from the host as a second line.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import anyio
+from anyio.abc import ByteReceiveStream, Process
+
+from thundersync.errors import SandboxUnavailable
+from thundersync.sandboxes import _cgroup
+from thundersync.sandboxes.base import ExecResult, SandboxLimits
+from thundersync.sandboxes.output import OutputCollector
+
+__all__ = ["guarded_argv", "make_result", "run_guarded", "unshare_available"]
+
+_GUARD = Path(__file__).with_name("_guard.py")
+_UNSHARE = ["--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
+_probe_cache: dict[str, str | None] = {}
+
+
+def unshare_available() -> str | None:
+    """None if ``unshare`` can make the namespaces here, else why not."""
+    if "unshare" not in _probe_cache:
+        exe = shutil.which("unshare")
+        if exe is None:
+            reason: str | None = "the 'unshare' command (util-linux) is not installed"
+        else:
+            done = subprocess.run([exe, *_UNSHARE, "true"], capture_output=True, text=True, check=False)
+            reason = None if done.returncode == 0 else f"unshare {' '.join(_UNSHARE)} failed: {done.stderr.strip()}"
+        _probe_cache["unshare"] = reason
+    return _probe_cache["unshare"]
+
+
+def guarded_argv(command: Sequence[str], limits: SandboxLimits, cgroup: Path | None) -> list[str]:
+    reason = unshare_available()
+    if reason is not None:
+        raise SandboxUnavailable(f"process sandboxes need user and network namespaces: {reason}")
+    guard = [sys.executable, "-I", "-S", str(_GUARD), "--no-inet", "--rlimit", f"AS={limits.memory_bytes}"]
+    if cgroup is not None:
+        guard += ["--cgroup", str(cgroup)]
+    elif os.geteuid() != 0:  # root is exempt from RLIMIT_NPROC, and it counts the whole user
+        guard += ["--rlimit", f"NPROC={limits.pids}"]
+    return ["unshare", *_UNSHARE, *guard, "--", *command]
+
+
+def make_result(out: OutputCollector, exit_code: int | None, *, timed_out: bool, killed_for_output: bool,
+                started: float) -> ExecResult:
+    return ExecResult(
+        exit_code=exit_code,
+        stdout=out.stdout.text(),
+        stderr=out.stderr.text(),
+        stdout_total=out.stdout.total,
+        stderr_total=out.stderr.total,
+        stdout_elided=out.stdout.elided,
+        stderr_elided=out.stderr.elided,
+        timed_out=timed_out,
+        killed_for_output=killed_for_output,
+        duration_s=time.monotonic() - started,
+    )
+
+
+def _kill(process: Process, cgroup: Path | None) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if cgroup is not None:
+        _cgroup.kill_cgroup(cgroup)
+
+
+async def run_guarded(
+    command: Sequence[str],
+    *,
+    cwd: Path,
+    env: Mapping[str, str],
+    limits: SandboxLimits,
+    timeout: float,
+    stdin: bytes | None = None,
+    cgroup: Path | None = None,
+) -> ExecResult:
+    """Run ``command`` guarded; kill its whole tree on timeout, output cap or cancellation."""
+    out = OutputCollector(limits.output_bytes, limits.output_cap_bytes)
+    started = time.monotonic()
+    over_cap = anyio.Event()
+    process = await anyio.open_process(
+        guarded_argv(command, limits, cgroup), cwd=cwd, env=dict(env), start_new_session=True,
+        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+    )
+    timed_out = False
+    try:
+        async def pump(stream: ByteReceiveStream | None, which: int) -> None:
+            if stream is None:
+                return
+            async for chunk in stream:
+                out.feed(which, chunk)
+                if out.over_cap:
+                    over_cap.set()
+                    return
+
+        async def feed_stdin() -> None:
+            if stdin is not None and process.stdin is not None:
+                async with process.stdin:
+                    try:
+                        await process.stdin.send(stdin)
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        pass  # the command exited or closed its stdin without reading it all
+
+        async def watch() -> None:
+            await over_cap.wait()
+            tasks.cancel_scope.cancel()
+
+        with anyio.move_on_after(timeout) as scope:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(watch)
+                async with anyio.create_task_group() as pumps:
+                    pumps.start_soon(pump, process.stdout, 1)
+                    pumps.start_soon(pump, process.stderr, 2)
+                    pumps.start_soon(feed_stdin)
+                tasks.cancel_scope.cancel()  # both streams ended: stop the watcher
+            if not over_cap.is_set():
+                await process.wait()
+        timed_out = scope.cancelled_caught and not over_cap.is_set()
+    finally:
+        with anyio.CancelScope(shield=True):
+            if process.returncode is None or timed_out or over_cap.is_set():
+                _kill(process, cgroup)
+            await process.wait()
+            await process.aclose()
+    killed = timed_out or over_cap.is_set()
+    code = None if killed else process.returncode
+    return make_result(out, code, timed_out=timed_out, killed_for_output=over_cap.is_set(), started=started)

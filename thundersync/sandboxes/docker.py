@@ -1,0 +1,256 @@
+"""The Docker backend over aiodocker (Engine API on a Unix socket; Podman's compatible socket too).
+
+Each sandbox is one long-lived container: ``NetworkMode: none``, every capability dropped,
+``no-new-privileges``, memory/CPU/pids limits, a read-only root with a tmpfs ``/tmp`` and the
+working tree bind-mounted read-write at the image's working directory, a non-root user (the
+host's uid, or nobody when we are root; the tree is then chowned to it), and our labels (``io.
+thundersync.sandbox=1`` and the owner) so :func:`prune_containers` removes only our own.
+
+Its init is a tiny shell loop that reaps orphans. A command that times out or passes the output
+cap is ended with ``kill -9 -1`` run as the sandbox user (every process of the sandbox but init);
+if even that cannot start (a fork bomb at the pids limit), the container is killed and started
+again, which keeps the working tree (a host directory) and empties ``/tmp``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import tarfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from thundersync.errors import MissingExtraError, SandboxExecError, SandboxUnavailable
+from thundersync.sandboxes import trees
+from thundersync.sandboxes._common import TreeSandbox
+from thundersync.sandboxes._process import make_result
+from thundersync.sandboxes.base import LABEL, OWNER_LABEL, ExecResult, SandboxLimits
+from thundersync.sandboxes.output import OutputCollector
+
+__all__ = ["DockerSandbox", "default_owner", "docker_client", "prune_containers"]
+
+_INIT = "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done"
+_KILL_ALL = "kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null; true"
+_IO_DIR = "/run/thundersync"
+_seeds = trees.SeedCache()
+
+
+def default_owner() -> str:
+    """The owner label of this user on this host: ``uid<N>@<hostname>``."""
+    return f"uid{os.geteuid()}@{socket.gethostname()}"
+
+
+def docker_client() -> Any:
+    """A new ``aiodocker.Docker`` (``DOCKER_HOST`` honoured); close it with ``await client.close()``."""
+    try:
+        import aiodocker
+    except ImportError:
+        raise MissingExtraError("the Docker sandbox backend", "sandbox", "aiodocker") from None
+    try:
+        return aiodocker.Docker()
+    except Exception as error:  # aiodocker raises a bare exception when no socket is found
+        raise SandboxUnavailable(f"no Docker engine socket: {error} (set DOCKER_HOST=unix:///path/to/docker.sock)") from error
+
+
+async def prune_containers(owner: str | None = None, *, client: Any = None) -> int:
+    """Force-remove every container labelled as ours with ``owner`` (default: this user); count."""
+    own = client is None
+    client = client or docker_client()
+    try:
+        labels = [f"{LABEL}=1", f"{OWNER_LABEL}={owner or default_owner()}"]
+        found = await client.containers.list(all=True, filters=_json({"label": labels}))
+        for container in found:
+            await container.delete(force=True)
+        return len(found)
+    finally:
+        if own:
+            await client.close()
+
+
+def _json(value: object) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+class DockerSandbox(TreeSandbox):
+    """A container of ``image`` with its working tree bind-mounted at ``workdir``."""
+
+    backend = "docker"
+
+    def __init__(self, image: str, *, name: str | None = None, limits: SandboxLimits | None = None,
+                 workdir: str | None = None, user: str | None = None, owner: str | None = None,
+                 client: Any = None) -> None:
+        super().__init__(name=name, limits=limits, workdir=workdir or "")
+        self.image = image
+        self.owner = owner or default_owner()
+        uid = os.geteuid()
+        self.user = user or (f"{uid}:{os.getgid()}" if uid != 0 else "65534:65534")
+        if uid == 0 and self.user.split(":")[0].isdigit():
+            ids = [int(part) for part in self.user.split(":")]
+            self._owner = (ids[0], ids[1] if len(ids) > 1 else ids[0])
+        self._client = client
+        self._own_client = client is None
+        self._container: Any = None
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    async def _prepare_seed(self) -> Path | None:
+        if self._client is None:
+            self._client = docker_client()
+        try:
+            info = await self._client.images.inspect(self.image)
+        except Exception as error:
+            raise SandboxUnavailable(
+                f"Docker image {self.image!r} is not available ({error}): build or import it "
+                f"first (no registry is pulled from)"
+            ) from error
+        self.workdir = self.workdir or info.get("Config", {}).get("WorkingDir") or "/work"
+        key = "docker-" + hashlib.sha256(f"{info['Id']}\n{self.workdir}".encode()).hexdigest()[:24]
+        return await _seeds.get(key, self._fill_seed)
+
+    async def _fill_seed(self, dest: Path) -> None:
+        probe = await self._client.containers.create(
+            {"Image": self.image, "Entrypoint": ["/bin/true"], "Labels": self._labels(), "NetworkDisabled": True}
+        )
+        try:
+            archive = await probe.get_archive(self.workdir)
+        except Exception:
+            return  # the image has no working directory: an empty seed
+        finally:
+            await probe.delete(force=True)
+        await anyio.to_thread.run_sync(_extract_into, archive, dest)
+
+    def _labels(self) -> dict[str, str]:
+        return {LABEL: "1", OWNER_LABEL: self.owner}
+
+    def _config(self) -> dict[str, Any]:
+        io = self.scratch / "io"
+        io.mkdir(mode=0o755, exist_ok=True)
+        limits = self.limits
+        return {
+            "Image": self.image,
+            "Entrypoint": ["/bin/sh", "-c"],
+            "Cmd": [_INIT],
+            "User": self.user,
+            "WorkingDir": self.workdir,
+            "Labels": self._labels(),
+            "NetworkDisabled": True,
+            "HostConfig": {
+                "NetworkMode": "none",
+                "CapDrop": ["ALL"],
+                "SecurityOpt": ["no-new-privileges"],
+                "Memory": limits.memory_bytes,
+                "MemorySwap": limits.memory_bytes,
+                "NanoCpus": int(limits.cpus * 1e9),
+                "PidsLimit": limits.pids,
+                "ReadonlyRootfs": True,
+                "Tmpfs": {"/tmp": f"rw,nosuid,nodev,size={limits.tmp_bytes},mode=1777"},
+                "Binds": [f"{self.tree}:{self.workdir}:rw", f"{io}:{_IO_DIR}:ro"],
+                "IpcMode": "private",
+            },
+        }
+
+    async def _start(self) -> None:
+        self._container = await self._client.containers.create(self._config(), name=self.name)
+        await self._container.start()
+
+    async def _stop(self) -> None:
+        try:
+            if self._container is not None:
+                await self._container.delete(force=True)
+        finally:
+            if self._own_client and self._client is not None:
+                await self._client.close()
+
+    async def _kill_processes(self, *, wipe_tmp: bool = False) -> None:
+        """End every process but init, or restart the container when not even that can run."""
+        script = _KILL_ALL + ("; rm -rf /tmp/* /tmp/.[!.]* 2>/dev/null; true" if wipe_tmp else "")
+        with anyio.move_on_after(10):
+            try:
+                exe = await self._container.exec(["/bin/sh", "-c", script], user=self.user)
+                async with exe.start(detach=False) as stream:
+                    while await stream.read_out() is not None:
+                        pass
+                if await _exit_code(exe) == 0:
+                    return
+            except Exception:  # noqa: BLE001 - any failure: fall back to the restart below
+                pass
+        await self._container.kill()
+        await self._container.start()
+
+    async def reset(self) -> bool:
+        """Kill every process, empty /tmp, restore the tree from the seed, verify from the host."""
+        await self._kill_processes(wipe_tmp=True)
+        return await anyio.to_thread.run_sync(self._restore_tree)
+
+    # -- exec ---------------------------------------------------------------------------------
+
+    async def exec(self, cmd: Sequence[str] | str, *, timeout: float | None = None,
+                   env: Mapping[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
+        if self._closed or self._container is None:
+            raise SandboxExecError(f"sandbox {self.name} is closed or not started: use 'async with'")
+        argv = self._argv(cmd)
+        stdin_file = self._stdin_file(stdin) if stdin is not None else None
+        if stdin_file is not None:
+            argv = ["/bin/sh", "-c", f'exec "$@" < {_IO_DIR}/{stdin_file.name}', "sh", *argv]
+        out = OutputCollector(self.limits.output_bytes, self.limits.output_cap_bytes)
+        started = time.monotonic()
+        try:
+            exe = await self._container.exec(argv, user=self.user, workdir=self.workdir,
+                                             environment=dict(env or {}), stdout=True, stderr=True)
+        except Exception as error:
+            raise SandboxExecError(f"cannot start {argv[:3]!r} in sandbox {self.name}: {error}") from error
+        finished = False
+        try:
+            with anyio.move_on_after(timeout or self.limits.timeout_s):
+                async with exe.start(detach=False) as stream:
+                    while (message := await stream.read_out()) is not None:
+                        out.feed(message.stream, message.data)
+                        if out.over_cap:
+                            break
+                    else:
+                        finished = True
+        finally:
+            if stdin_file is not None:
+                stdin_file.unlink()
+            if not finished:
+                with anyio.CancelScope(shield=True):
+                    await self._kill_processes()
+        if not finished:
+            over = out.over_cap
+            return make_result(out, None, timed_out=not over, killed_for_output=over, started=started)
+        return make_result(out, await _exit_code(exe), timed_out=False, killed_for_output=False, started=started)
+
+    def _stdin_file(self, data: bytes) -> Path:
+        path = self.scratch / "io" / f"stdin-{os.urandom(6).hex()}"
+        path.write_bytes(data)
+        path.chmod(0o644)
+        return path
+
+
+async def _exit_code(exe: Any) -> int | None:
+    for _ in range(100):
+        info = await exe.inspect()
+        if not info.get("Running"):
+            code = info.get("ExitCode")
+            return int(code) if code is not None else None
+        await anyio.sleep(0.01)
+    return None
+
+
+def _extract_into(archive: tarfile.TarFile, dest: Path) -> None:
+    """Extract a ``get_archive`` tar (one top directory) into ``dest``, with tarfile's data filter."""
+    staging = dest.parent / ".extract"
+    with archive:
+        archive.extractall(staging, filter="data")
+    tops = os.listdir(staging)
+    if len(tops) == 1 and (staging / tops[0]).is_dir():
+        trees.copy_tree_into(staging / tops[0], dest)
+    trees.remove_tree(staging)

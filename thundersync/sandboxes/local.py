@@ -1,0 +1,82 @@
+"""The local backend: a plain host process in a private directory. NOT an isolation boundary.
+
+Commands run in the working tree (a private scratch directory) with the host's filesystem
+visible, under rlimits, a pids cgroup when one can be made, no network (``unshare --net`` plus the
+seccomp socket filter) and a pid namespace whose teardown kills every process on timeout. Use it
+for tests and trusted tools only; it is chosen only when asked for by name, and it warns.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import anyio.to_thread
+
+from thundersync.sandboxes import _cgroup, _process
+from thundersync.sandboxes._common import TreeSandbox, scrub_env
+from thundersync.sandboxes.base import ExecResult, SandboxLimits
+
+__all__ = ["LocalSandbox", "NotIsolatedWarning"]
+
+
+class NotIsolatedWarning(UserWarning):
+    """The local backend was used: its commands can read and write the host's files."""
+
+
+_BASE_ENV = ("PATH", "LANG", "LC_ALL", "TERM")
+
+
+class LocalSandbox(TreeSandbox):
+    """A private directory (copied from ``template`` if given) where commands run as host processes."""
+
+    backend = "local"
+
+    def __init__(self, template: Path | None = None, *, name: str | None = None,
+                 limits: SandboxLimits | None = None) -> None:
+        super().__init__(name=name, limits=limits, workdir="")
+        self._template = Path(template) if template is not None else None
+        self._cgroup: Path | None = None
+        warnings.warn(
+            "the local sandbox backend is not an isolation boundary: commands run as host "
+            "processes that can read and write your files; use backend='docker' or 'udocker' "
+            "for untrusted commands",
+            NotIsolatedWarning,
+            stacklevel=2,
+        )
+
+    async def _prepare_seed(self) -> Path | None:
+        return self._template
+
+    async def _start(self) -> None:
+        self.workdir = str(self.tree)
+        await self._recreate_dirs("home")
+        self._cgroup = await anyio.to_thread.run_sync(_cgroup.create_pids_cgroup, self.name, self.limits.pids)
+
+    async def _stop(self) -> None:
+        await self._kill_processes()
+        if self._cgroup is not None:
+            await anyio.to_thread.run_sync(_cgroup.remove_cgroup, self._cgroup)
+
+    async def _kill_processes(self) -> None:
+        # Each exec's pid namespace is gone when exec returns; the cgroup is a second check.
+        if self._cgroup is not None:
+            await anyio.to_thread.run_sync(_cgroup.kill_cgroup, self._cgroup)
+
+    async def _wipe_private(self) -> None:
+        await self._recreate_dirs("home")
+
+    def _env(self, extra: Mapping[str, str] | None) -> dict[str, str]:
+        env = scrub_env({k: os.environ[k] for k in _BASE_ENV if k in os.environ})
+        env.update(HOME=str(self.scratch / "home"), TMPDIR=str(self.scratch / "home"))
+        env.update(extra or {})
+        return env
+
+    async def exec(self, cmd: Sequence[str] | str, *, timeout: float | None = None,
+                   env: Mapping[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
+        return await _process.run_guarded(
+            self._argv(cmd), cwd=self.tree, env=self._env(env), limits=self.limits,
+            timeout=timeout or self.limits.timeout_s, stdin=stdin, cgroup=self._cgroup,
+        )

@@ -1,0 +1,101 @@
+"""Choosing a backend and opening sandboxes by name.
+
+``auto`` takes Docker when its daemon answers, else uDocker when it can run here; the ``local``
+backend (not an isolation boundary) is used only when asked for by name, and warns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Literal
+
+import anyio
+
+from thundersync.errors import SandboxUnavailable
+from thundersync.sandboxes.base import Sandbox, SandboxLimits
+
+__all__ = ["BackendName", "choose_backend", "docker_problem", "make_sandbox", "open_sandbox", "udocker_problem"]
+
+BackendName = Literal["auto", "docker", "udocker", "local"]
+_BACKENDS = ("auto", "docker", "udocker", "local")
+
+
+async def docker_problem() -> str | None:
+    """None if a Docker (or Podman) daemon answers on ``DOCKER_HOST``/the default socket, else why not."""
+    from thundersync.sandboxes.docker import docker_client
+
+    try:
+        client = docker_client()
+    except Exception as error:  # noqa: BLE001 - any failure is a reason to fall back
+        return str(error)
+    try:
+        with anyio.fail_after(3):
+            await client.version()
+        return None
+    except Exception as error:  # noqa: BLE001
+        return f"the Docker daemon does not answer: {type(error).__name__}: {error}"
+    finally:
+        await client.close()
+
+
+def udocker_problem() -> str | None:
+    """None if uDocker can run sandboxes here (udocker, PRoot, namespaces), else why not."""
+    from thundersync.sandboxes import _process
+    from thundersync.sandboxes.udocker import proot_wrapper, udocker_bin
+
+    try:
+        udocker_bin()
+        proot_wrapper()
+    except SandboxUnavailable as error:
+        return str(error)
+    return _process.unshare_available()
+
+
+async def choose_backend(backend: BackendName = "auto") -> str:
+    """The backend to use for ``backend``; raises :class:`SandboxUnavailable` saying what was tried."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown sandbox backend {backend!r}; choose one of {', '.join(_BACKENDS)}")
+    if backend != "auto":
+        return backend
+    docker_why = await docker_problem()
+    if docker_why is None:
+        return "docker"
+    udocker_why = udocker_problem()
+    if udocker_why is None:
+        return "udocker"
+    raise SandboxUnavailable(
+        f"no sandbox backend can run here. docker: {docker_why}. udocker: {udocker_why}. "
+        f"(The 'local' backend is not an isolation boundary; ask for it by name if you accept that.)"
+    )
+
+
+def make_sandbox(backend: str, image: str | None = None, *, limits: SandboxLimits | None = None,
+                 workdir: str | None = None, template: Path | None = None, name: str | None = None) -> Sandbox:
+    """A not-yet-started sandbox of a concrete backend (enter it with ``async with``)."""
+    if backend in ("docker", "udocker") and not image:
+        raise ValueError(f"the {backend} backend needs an image, e.g. image='busybox:latest'")
+    if backend == "docker":
+        from thundersync.sandboxes.docker import DockerSandbox
+
+        return DockerSandbox(image or "", name=name, limits=limits, workdir=workdir)
+    if backend == "udocker":
+        from thundersync.sandboxes.udocker import UDockerSandbox
+
+        return UDockerSandbox(image or "", name=name, limits=limits, workdir=workdir or "/work")
+    if backend == "local":
+        from thundersync.sandboxes.local import LocalSandbox
+
+        return LocalSandbox(template, name=name, limits=limits)
+    raise ValueError(f"unknown sandbox backend {backend!r}; choose one of docker, udocker, local")
+
+
+@asynccontextmanager
+async def open_sandbox(image: str | None = None, *, backend: BackendName = "auto",
+                       limits: SandboxLimits | None = None, workdir: str | None = None,
+                       template: Path | None = None) -> AsyncIterator[Sandbox]:
+    """``async with open_sandbox("img:tag") as sandbox:`` on the chosen backend; removed on exit."""
+    chosen = await choose_backend(backend)
+    async with make_sandbox(chosen, image, limits=limits, workdir=workdir, template=template) as sandbox:
+        yield sandbox

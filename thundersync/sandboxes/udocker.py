@@ -1,0 +1,178 @@
+"""The uDocker backend (rootless): PRoot containers driven as guarded subprocesses.
+
+Each sandbox is one ``udocker create``-d container. Every command is a ``udocker run`` with
+``--nosysdirs`` (only /proc of its own pid namespace and a few /dev nodes are bound), private
+``/tmp`` and ``/dev/shm``, the working tree bound at ``workdir`` and ``-w workdir`` always, run by
+:func:`_process.run_guarded` (user + network + pid namespaces, seccomp socket filter, rlimits,
+pids cgroup). The environment given to uDocker is built from an allow-list, so secrets and
+NCCL_* never reach it.
+
+Offline set-up: ``UDOCKER_TARBALL`` is set empty (no tools download) and PRoot is Debian's,
+through a wrapper that drops ``-k <release>`` (proot 5.1.0 fails with it on recent kernels).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+
+from thundersync.errors import SandboxExecError, SandboxUnavailable
+from thundersync.sandboxes import _cgroup, _process, trees
+from thundersync.sandboxes._common import TreeSandbox
+from thundersync.sandboxes.base import ExecResult, SandboxLimits
+
+__all__ = ["UDockerSandbox", "proot_wrapper", "udocker_bin", "udocker_env"]
+
+_WRAPPER = """#!/bin/sh
+# Written by thundersync: run {proot} without the `-k <release>` pair of arguments.
+skip=0
+for a in "$@"; do
+    shift
+    if [ "$skip" = 1 ]; then skip=0; continue; fi
+    if [ "$a" = -k ]; then skip=1; continue; fi
+    set -- "$@" "$a"
+done
+exec {proot} "$@"
+"""
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+_seeds = trees.SeedCache()
+
+
+def udocker_bin() -> str:
+    """``$THUNDERSYNC_UDOCKER_BIN``, else ``udocker`` on PATH or beside this Python."""
+    found = os.environ.get("THUNDERSYNC_UDOCKER_BIN") or shutil.which("udocker")
+    beside = Path(sys.executable).with_name("udocker")
+    if not found and beside.exists():
+        found = str(beside)
+    if not found:
+        raise SandboxUnavailable(
+            "uDocker is not installed: pip install 'thundersync[sandbox]' (or set THUNDERSYNC_UDOCKER_BIN)"
+        )
+    return found
+
+
+def proot_wrapper() -> str:
+    """``$UDOCKER_USE_PROOT_EXECUTABLE``, else a wrapper around the host's ``proot`` (written once)."""
+    given = os.environ.get("UDOCKER_USE_PROOT_EXECUTABLE")
+    if given:
+        return given
+    proot = shutil.which("proot")
+    if proot is None:
+        raise SandboxUnavailable(
+            "uDocker runs offline with the host's PRoot, which is not installed: apt-get install proot "
+            "(or set UDOCKER_USE_PROOT_EXECUTABLE)"
+        )
+    path = trees.seed_root() / "proot-wrapper"
+    text = _WRAPPER.format(proot=proot)
+    if not path.exists() or path.read_text() != text:
+        tmp = path.with_suffix(f".{os.getpid()}")
+        tmp.write_text(text)
+        tmp.chmod(0o700)
+        tmp.replace(path)
+    return str(path)
+
+
+def udocker_env(private: Path) -> dict[str, str]:
+    """The allow-listed environment for uDocker; ``private`` holds its temporary files."""
+    env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "UDOCKER_DIR") if k in os.environ}
+    env.update(
+        HOME=str(private), TMPDIR=str(private), PROOT_TMP_DIR=str(private),
+        UDOCKER_TARBALL="", UDOCKER_USE_PROOT_EXECUTABLE=proot_wrapper(),
+    )
+    return env
+
+
+class UDockerSandbox(TreeSandbox):
+    """A uDocker container of ``image`` whose working tree is bound at ``workdir``."""
+
+    backend = "udocker"
+
+    def __init__(self, image: str, *, name: str | None = None, limits: SandboxLimits | None = None,
+                 workdir: str = "/work") -> None:
+        super().__init__(name=name, limits=limits, workdir=workdir)
+        self.image = image
+        self._bin = udocker_bin()
+        self._cgroup: Path | None = None
+        self._created = False
+
+    async def _udocker(self, *args: str) -> str:
+        done = await anyio.run_process([self._bin, "--allow-root", "--quiet", *args],
+                                       env=udocker_env(self._private("home")), check=False)
+        if done.returncode != 0:
+            detail = (done.stderr or done.stdout).decode(errors="replace").strip()
+            raise SandboxUnavailable(f"udocker {' '.join(args)} failed (exit {done.returncode}): {detail}")
+        return done.stdout.decode(errors="replace").strip()
+
+    def _private(self, which: str) -> Path:
+        path = self.scratch / which
+        path.mkdir(mode=0o700, exist_ok=True)
+        return path
+
+    def _udocker_dir(self) -> Path:
+        return Path(os.environ.get("UDOCKER_DIR") or Path.home() / ".udocker")
+
+    def _image_key(self) -> str:
+        name, tag = self.image.rsplit(":", 1) if ":" in self.image.rsplit("/", 1)[-1] else (self.image, "latest")
+        repo = self._udocker_dir() / "repos" / name / tag
+        if not repo.is_dir():
+            raise SandboxUnavailable(
+                f"uDocker has no image {self.image!r} in {repo.parent.parent}: import it with "
+                f"'udocker import ROOTFS.tar {self.image}' (no registry is used)"
+            )
+        listing = "\n".join(sorted(os.listdir(repo)))
+        return "udocker-" + hashlib.sha256(f"{self.image}\n{listing}".encode()).hexdigest()[:24]
+
+    async def _prepare_seed(self) -> Path | None:
+        key = self._image_key()
+        await self._udocker("create", f"--name={self.name}", self.image)
+        self._created = True
+        root = self._udocker_dir() / "containers" / self.name / "ROOT"
+
+        async def fill(dest: Path) -> None:
+            source = root / self.workdir.lstrip("/")
+            if source.is_dir():
+                await anyio.to_thread.run_sync(trees.copy_tree_into, source, dest)
+
+        return await _seeds.get(key, fill)
+
+    async def _start(self) -> None:
+        await self._recreate_dirs("tmp", "shm", "home")
+        self._cgroup = await anyio.to_thread.run_sync(_cgroup.create_pids_cgroup, self.name, self.limits.pids)
+
+    async def _stop(self) -> None:
+        try:
+            await self._kill_processes()
+            if self._cgroup is not None:
+                await anyio.to_thread.run_sync(_cgroup.remove_cgroup, self._cgroup)
+        finally:
+            if self._created:
+                await self._udocker("rm", "-f", self.name)
+
+    async def _kill_processes(self) -> None:
+        # Each exec's pid namespace is gone when exec returns; the cgroup is a second check.
+        if self._cgroup is not None:
+            await anyio.to_thread.run_sync(_cgroup.kill_cgroup, self._cgroup)
+
+    async def _wipe_private(self) -> None:
+        await self._recreate_dirs("tmp", "shm")
+
+    async def exec(self, cmd: Sequence[str] | str, *, timeout: float | None = None,
+                   env: Mapping[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
+        if self._closed or not self._created:
+            raise SandboxExecError(f"sandbox {self.name} is closed or not started: use 'async with'")
+        binds = [f"{self.tree}:{self.workdir}", f"{self._private('tmp')}:/tmp",
+                 f"{self._private('shm')}:/dev/shm", "/proc", *_DEVICES]
+        argv = [self._bin, "--allow-root", "--quiet", "run", "--nobanner", "--nosysdirs",
+                *(f"--volume={b}" for b in binds), f"--workdir={self.workdir}",
+                *(f"--env={k}={v}" for k, v in (env or {}).items()), self.name, *self._argv(cmd)]
+        return await _process.run_guarded(
+            argv, cwd=self.scratch, env=udocker_env(self._private("home")), limits=self.limits,
+            timeout=timeout or self.limits.timeout_s, stdin=stdin, cgroup=self._cgroup,
+        )
