@@ -14,15 +14,17 @@ __all__ = ["flex_chunk_attention"]
 def _compiled() -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)
 
 
 @functools.lru_cache(maxsize=64)
 def _block_mask(chunk: int, prefix: int, device: torch.device) -> Any:
     from torch.nn.attention.flex_attention import create_block_mask
 
+    offset = torch.tensor(prefix, device=device)  # a captured tensor, so new prefixes reuse the kernel
+
     def visible(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return kv_idx <= q_idx + prefix
+        return kv_idx <= q_idx + offset
 
     return create_block_mask(visible, B=None, H=None, Q_LEN=chunk, KV_LEN=prefix + chunk, device=device)
 

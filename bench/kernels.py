@@ -1,0 +1,165 @@
+"""Kernels against torch eager (and liger-kernel where it applies), side by side, one table.
+
+    python bench/kernels.py [--out FILE]
+
+Each row times forward+backward (median of 5 after warm-up, CUDA synchronized) and measures the
+peak memory allocated above the inputs. Needs a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import header, markdown_table, median_seconds  # noqa: E402
+from thundersync import kernels  # noqa: E402
+
+BF16 = torch.bfloat16
+COLUMNS = ["kernel", "case", "ours", "ours ms", "baseline", "baseline ms", "speedup",
+           "ours peak MiB", "baseline peak MiB", "memory ratio", "liger ms", "liger peak MiB"]
+
+
+def measure(fn: Callable[[], object]) -> tuple[float, float]:
+    """(median milliseconds, peak MiB allocated above what was live before) of ``fn``."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return median_seconds(fn, warmup=1, repeat=5, cuda=True) * 1e3, peak
+
+
+def row(kernel: str, case: str, ours: str, ours_fn: Callable[[], object], base: str, base_fn: Callable[[], object],
+        liger_fn: Callable[[], object] | None = None) -> list[object]:
+    t_o, m_o = measure(ours_fn)
+    t_b, m_b = measure(base_fn)
+    t_l, m_l = measure(liger_fn) if liger_fn is not None else ("-", "-")
+    result = [kernel, case, ours, t_o, base, t_b, f"{t_b / t_o:.2f}x", m_o, m_b, f"{m_b / max(m_o, 1e-9):.1f}x", t_l, m_l]
+    print(" | ".join(str(x) for x in result), flush=True)
+    return result
+
+
+def backward(fn: Callable[..., torch.Tensor], leaves: list[torch.Tensor], *args: object) -> Callable[[], object]:
+    def run() -> None:
+        for leaf in leaves:
+            leaf.grad = None
+        fn(*leaves, *args).backward()
+
+    return run
+
+
+def logprob_rows(n: int = 16_384, width: int = 1024, vocab: int = 151_936) -> list[list[object]]:
+    h = torch.randn(n, width, device="cuda", dtype=BF16)
+    w = (torch.randn(vocab, width, device="cuda") * 0.05).to(BF16)
+    y = torch.randint(0, vocab, (n,), device="cuda")
+
+    def ours(hh: torch.Tensor, ww: torch.Tensor) -> torch.Tensor:
+        return -kernels.linear_logprobs(hh, ww, y).mean()
+
+    def eager(hh: torch.Tensor, ww: torch.Tensor) -> torch.Tensor:
+        return -torch.log_softmax((hh @ ww.t()).float(), -1).gather(1, y[:, None]).mean()
+
+    liger = _liger_loss()
+    rows = []
+    for train_head in (False, True):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_(train_head)
+        leaves = [hh, ww] if train_head else [hh]
+        bind = (lambda f: (lambda a, b=ww: f(a, b))) if not train_head else (lambda f: f)
+        case = f"T={n} H={width} V={vocab} bf16, grads: hidden" + (" + head" if train_head else "")
+        liger_fn = backward(bind(lambda a, b: liger(b, a, y)), leaves) if liger is not None else None
+        rows.append(row("linear_logprobs", case, "fused", backward(bind(ours), leaves),
+                        "log_softmax+gather", backward(bind(eager), leaves), liger_fn))
+    return rows
+
+
+def _liger_loss() -> Callable[..., torch.Tensor] | None:
+    if importlib.util.find_spec("liger_kernel") is None:
+        print("liger-kernel is not installed: its column stays empty", flush=True)
+        return None
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except Exception as error:  # an optional comparison column: say why it is empty and go on
+        print(f"liger-kernel does not import here ({type(error).__name__}: {error}): its column stays empty", flush=True)
+        return None
+    loss: Callable[..., torch.Tensor] = LigerFusedLinearCrossEntropyLoss()  # mean CE = -mean log p(y)
+    return loss
+
+
+ATTENTION_CASES = [(512, 64), (2048, 512), (4096, 1024), (8192, 2048), (8192, 128)]
+
+
+def attention_rows(b: int = 2, hq: int = 16, hkv: int = 8, d: int = 128) -> list[list[object]]:
+    paths = ["sdpa_split", "flex", "sdpa_masked"]
+    if importlib.util.find_spec("flash_attn") is not None:
+        paths.insert(0, "fa4")
+    rows = []
+    for p, t in ATTENTION_CASES:
+        shapes = [(b, hq, t, d), (b, hkv, p, d), (b, hkv, p, d), (b, hkv, t, d), (b, hkv, t, d)]
+        leaves = [torch.randn(*s, device="cuda", dtype=BF16, requires_grad=True) for s in shapes]
+        mask = torch.ones(t, p + t, dtype=torch.bool, device="cuda").tril(p)
+
+        def masked(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+            out = F.scaled_dot_product_attention(q, torch.cat([kp, kc], 2), torch.cat([vp, vc], 2), attn_mask=mask, enable_gqa=True)
+            return out.float().square().mean()
+
+        for path in paths:
+            def ours(*x: torch.Tensor, path: str = path) -> torch.Tensor:
+                return kernels.chunk_attention(*x, path=path).float().square().mean()
+
+            case = f"B={b} Hq={hq} Hkv={hkv} D={d} P={p} T={t} bf16"
+            rows.append(row("chunk_attention", case, path, backward(ours, leaves), "sdpa explicit mask", backward(masked, leaves)))
+    return rows
+
+
+def small_kernel_rows(n: int = 16_384, width: int = 1024) -> list[list[object]]:
+    x = torch.randn(n, width, device="cuda", dtype=BF16, requires_grad=True)
+    w = torch.ones(width, device="cuda", dtype=BF16, requires_grad=True)
+    rows = [row("rms_norm", f"[{n}, {width}] bf16", "triton", backward(lambda a, b: kernels.rms_norm(a, b, 1e-6).float().sum(), [x, w]),
+                "eager (transformers)", backward(lambda a, b: kernels.norm.reference_rms_norm(a, b, 1e-6).float().sum(), [x, w]))]
+    out_f, rank = 2048, 16
+    base_w = (torch.randn(out_f, width, device="cuda") * 0.02).to(BF16)
+    a = (torch.randn(rank, width, device="cuda") * 0.02).to(BF16).requires_grad_()
+    bb = torch.zeros(out_f, rank, device="cuda", dtype=BF16).requires_grad_()
+
+    def eager_lora(xx: torch.Tensor, aa: torch.Tensor, bbb: torch.Tensor) -> torch.Tensor:
+        return (F.linear(xx, base_w) + 2.0 * F.linear(F.linear(xx, aa), bbb)).float().sum()
+
+    rows.append(row("lora_linear", f"x [{n}, {width}] W [{out_f}, {width}] r={rank} bf16", "triton",
+                    backward(lambda xx, aa, bbb: kernels.lora_linear(xx, base_w, None, aa, bbb, 2.0).float().sum(), [x, a, bb]),
+                    "eager (peft layout)", backward(eager_lora, [x, a, bb])))
+    adj = [torch.randn(n, width, device="cuda", dtype=BF16) for _ in range(8)]
+
+    def eager_sum() -> torch.Tensor:
+        acc = adj[0].float()
+        for t in adj[1:]:
+            acc = acc + t
+        return acc.to(BF16)
+
+    rows.append(row("reduce_adjoints", f"8 x [{n}, {width}] bf16", "triton", lambda: kernels.reduce_adjoints(None, adj), "eager fp32 adds", eager_sum))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, help="also write the header and table to this file")
+    args = parser.parse_args()
+    rows = logprob_rows() + small_kernel_rows() + attention_rows()
+    text = header("python bench/kernels.py") + "\n" + markdown_table(COLUMNS, rows) + "\n\nprobes:\n"
+    text += "\n".join(f"- {c.kernel} {c.device} {c.dtype} {c.shape_class}: {'ok' if c.ok else c.why}" for c in kernels.kernel_capabilities())
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""GPU parity at real shapes: each kernel and attention path against fp64, beside torch's own bf16 path.
+
+Tolerances: fp32 paths within a stated relative error of fp64; bf16 paths no worse than torch's
+own bf16 computation of the same thing (times a stated slack where the two round differently).
+Relative error = ||got - exact|| / ||exact|| over the whole tensor.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from thundersync import kernels
+from thundersync.kernels.adjoints import reference_reduce_adjoints
+from thundersync.kernels.norm import reference_rms_norm
+
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning")]
+BF16 = torch.bfloat16
+
+
+def rel(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((got.double() - exact).norm() / exact.norm())
+
+
+def _capability(kernel: str) -> kernels.Capability:
+    return next(c for c in kernels.kernel_capabilities() if c.kernel == kernel and c.device.startswith("cuda"))
+
+
+def _grads(fn, inputs, grad):  # type: ignore[no-untyped-def]
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    out = fn(*leaves)
+    if isinstance(out, tuple):
+        out = out[0]
+    out.backward(grad.to(out.dtype))
+    return [out.detach()] + [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("train_head", [False, True])
+def test_linear_logprobs_bf16_is_no_worse_than_torch_bf16_at_qwen3_vocabulary(train_head: bool) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, width, vocab = 2048, 1024, 151_936
+    h = torch.randn(n, width, device="cuda", generator=gen)
+    w = torch.randn(vocab, width, device="cuda", generator=gen) * 0.05
+    y = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
+    g = torch.randn(n, device="cuda", generator=gen)
+
+    def torch_bf16(a, b):  # type: ignore[no-untyped-def]
+        return torch.log_softmax((a @ b.t()).float(), -1).gather(1, y[:, None]).squeeze(1)
+
+    def exact(a, b):  # type: ignore[no-untyped-def]
+        return torch.log_softmax(a @ b.t(), -1).gather(1, y[:, None]).squeeze(1)
+
+    want = _grads(exact, [h.double(), w.double()], g.double())
+    ours = _grads(lambda a, b: kernels.linear_logprobs(a, b, y), [h.to(BF16), w.to(BF16)], g)
+    base = _grads(torch_bf16, [h.to(BF16), w.to(BF16)], g)
+    assert _capability("linear_logprobs").ok
+    names = ["logprobs", "d hidden"] + (["d weight"] if train_head else [])
+    for i, name in enumerate(names):
+        print(f"{name}: ours {rel(ours[i], want[i]):.3e}  torch bf16 {rel(base[i], want[i]):.3e}")
+        assert rel(ours[i], want[i]) <= rel(base[i], want[i]) * 1.05, name
+    ours32 = _grads(lambda a, b: kernels.linear_logprobs(a, b, y, with_entropy=True), [h, w], g)
+    for i in range(3):
+        assert rel(ours32[i], want[i]) < 2e-5
+
+
+def test_linear_logprobs_entropy_matches_fp64_on_cuda() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(512, 256, device="cuda", generator=gen)
+    w = torch.randn(50_000, 256, device="cuda", generator=gen) * 0.1
+    y = torch.randint(0, 50_000, (512,), device="cuda", generator=gen)
+    _, ent = kernels.linear_logprobs(h, w, y, with_entropy=True)
+    logp = torch.log_softmax(h.double() @ w.double().t(), -1)
+    assert rel(ent, -(logp.exp() * logp).sum(-1)) < 1e-5
+
+
+ATTENTION_CASES = [(2, 16, 8, 128, 1024, 256), (1, 16, 8, 128, 0, 512), (1, 8, 8, 64, 333, 100)]
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "b{}_hq{}_hkv{}_d{}_p{}_t{}".format(*c))
+@pytest.mark.parametrize("path", ["fa4", "sdpa_split", "flex", "sdpa_masked", "reference"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
+def test_attention_path_matches_fp64(path: str, dtype: torch.dtype, case: tuple[int, ...]) -> None:
+    b, hq, hkv, d, p, t = case
+    if path == "fa4" and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn-4 is not installed on this machine")
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    shapes = [(b, hq, t, d), (b, hkv, p, d), (b, hkv, p, d), (b, hkv, t, d), (b, hkv, t, d)]
+    inputs = [torch.randn(*s, device="cuda", generator=gen) for s in shapes]
+    grad = torch.randn(*shapes[0], device="cuda", generator=gen)
+    cap = kernels.attention.capability(path, inputs[0].to(dtype), inputs[3].to(dtype)) if path != "reference" else None
+    if cap is not None and not cap.ok:
+        if path == "sdpa_split" and dtype == torch.float32:
+            pytest.skip(f"flash attention has no fp32 kernel: {cap.why}")
+        pytest.fail(f"{path} {dtype} failed its probe: {cap.why}")
+    fn = lambda *x: kernels.chunk_attention(*x, path=path)  # noqa: E731
+    want = _grads(lambda *x: kernels.chunk_attention(*x, path="reference"), [x.double() for x in inputs], grad.double())
+    ours = _grads(fn, [x.to(dtype) for x in inputs], grad)
+
+    def torch_sdpa(q, kp, vp, kc, vc):  # type: ignore[no-untyped-def]
+        k, v = torch.cat([kp, kc], 2), torch.cat([vp, vc], 2)
+        mask = torch.ones(t, p + t, dtype=torch.bool, device="cuda").tril(p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    base = _grads(torch_sdpa, [x.to(dtype) for x in inputs], grad)
+    slack = 1.5 if dtype == BF16 else 1.0
+    for i, name in enumerate(["out", "dq", "dk_prefix", "dv_prefix", "dk_chunk", "dv_chunk"]):
+        if p == 0 and name in ("dk_prefix", "dv_prefix"):
+            continue
+        ours_err, base_err = rel(ours[i], want[i]), rel(base[i], want[i])
+        print(f"{path} {dtype} {name}: ours {ours_err:.3e} torch sdpa {base_err:.3e}")
+        if dtype == BF16:
+            assert ours_err <= slack * base_err + 1e-4, name
+        else:
+            assert ours_err < 2e-5, name
+
+
+def test_rms_norm_bf16_is_bit_exact_with_transformers_and_gradients_close() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(8192, 1024, device="cuda", generator=gen)
+    w = 1 + 0.1 * torch.randn(1024, device="cuda", generator=gen)
+    g = torch.randn(8192, 1024, device="cuda", generator=gen)
+    ours = _grads(lambda a, b: kernels.rms_norm(a, b, 1e-6), [x.to(BF16), w.to(BF16)], g)
+    base = _grads(lambda a, b: reference_rms_norm(a, b, 1e-6), [x.to(BF16), w.to(BF16)], g)
+    want = _grads(lambda a, b: reference_rms_norm(a, b, 1e-6), [x.double(), w.double()], g.double())
+    assert _capability("rms_norm").ok
+    assert torch.equal(ours[0], base[0])
+    for i in (1, 2):
+        assert rel(ours[i], want[i]) <= rel(base[i], want[i]) * 1.05
+    ours32 = _grads(lambda a, b: kernels.rms_norm(a, b, 1e-6), [x, w], g)
+    for i in range(3):
+        assert rel(ours32[i], want[i]) < 1e-6
+
+
+def test_lora_linear_bf16_is_no_worse_than_peft_style_eager() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    shapes = ((4096, 1024), (3072, 1024), (3072,), (16, 1024), (3072, 16))
+    inputs = [torch.randn(*s, device="cuda", generator=gen) * 0.05 for s in shapes]
+    grad = torch.randn(4096, 3072, device="cuda", generator=gen)
+
+    def eager(x, w, b, a, bb):  # type: ignore[no-untyped-def]
+        return F.linear(x, w, b) + 2.0 * F.linear(F.linear(x, a), bb)
+
+    ours = _grads(lambda *t: kernels.lora_linear(*t, 2.0), [x.to(BF16) for x in inputs], grad)
+    base = _grads(eager, [x.to(BF16) for x in inputs], grad)
+    want = _grads(eager, [x.double() for x in inputs], grad.double())
+    assert _capability("lora_linear").ok
+    for i, name in enumerate(["out", "dx", "dW", "db", "dA", "dB"]):
+        print(f"lora {name}: ours {rel(ours[i], want[i]):.3e} eager {rel(base[i], want[i]):.3e}")
+        assert rel(ours[i], want[i]) <= rel(base[i], want[i]) * 1.05 + 1e-6, name
+
+
+def test_reduce_adjoints_on_cuda_equals_the_reference_bit_for_bit() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    tensors = [torch.randn(4096, 1024, device="cuda", generator=gen).to(BF16) for _ in range(7)]
+    got = kernels.reduce_adjoints(tensors[0], tensors[1:])
+    assert _capability("reduce_adjoints").ok
+    assert torch.equal(got, reference_reduce_adjoints(tensors[0], tensors[1:]))
+    exact = torch.stack([t.double() for t in tensors]).sum(0)
+    naive = sum(tensors[1:], tensors[0])  # bf16 additions, rounding at every step
+    assert rel(got, exact) < rel(naive, exact)
+
+
+def test_attention_auto_picks_a_probed_cuda_path_and_counts_it() -> None:
+    kernels.reset_attention_path_counts()
+    q = torch.randn(1, 16, 64, 128, device="cuda", dtype=BF16)
+    kv = [torch.randn(1, 8, n, 128, device="cuda", dtype=BF16) for n in (256, 256, 64, 64)]
+    kernels.chunk_attention(q, *kv)
+    counts = kernels.attention_path_counts()
+    assert sum(counts.values()) == 1 and "reference" not in counts, counts
