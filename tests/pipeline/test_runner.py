@@ -261,6 +261,29 @@ async def test_a_consumer_that_returns_early_drops_the_rest_and_its_producer_sti
     assert edge.sent + edge.dropped == 100 and edge.dropped >= 100 - 1 - 8
 
 
+class _Firehose(Stage):
+    """A source that never awaits anything but its outbox."""
+
+    produces = (Tick, Tock)
+
+    def __init__(self, kind: type[Tick] | type[Tock]) -> None:
+        super().__init__()
+        self.kind = kind
+
+    async def run(self, inbox: Inbox, outbox: Outbox) -> None:
+        while True:
+            await outbox.send(self.kind(n=0))
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", [Tick, Tock], ids=["consumer-gone", "no-consumer"])
+async def test_a_source_whose_events_are_all_dropped_still_lets_cancellation_in(kind: type[Tick] | type[Tock]) -> None:
+    graph = Graph().add("src", _Firehose(kind)).add("one", _TakeOne(), reads=["src"])
+    with anyio.move_on_after(0.05) as scope:
+        await run_graph(graph)
+    assert scope.cancelled_caught
+
+
 async def test_statistics_count_what_each_stage_and_edge_carried() -> None:
     events: list[EventBase] = [Tick(n=i) for i in range(20)] + [Tock(n=i) for i in range(10)]
     graph = Graph().add("src", Emit(events)).add("p", Pass((Tick, Tock)), reads=["src"], capacity=5)

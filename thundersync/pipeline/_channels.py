@@ -26,7 +26,7 @@ from thundersync.pipeline.graph import INPUT
 
 __all__ = ["Channel", "Edge", "EndedInbox", "StageInbox", "StageOutbox", "accepts"]
 
-_CHECKPOINT_EVERY = 64  # events sent to no consumer between two yields to the event loop
+_CHECKPOINT_EVERY = 64  # events dropped (no consumer) between two yields to the event loop
 
 
 def accepts(consumes: Iterable[type], event_type: type) -> bool:
@@ -125,6 +125,8 @@ class StageOutbox:
                     continue
             except BrokenResourceError:  # the consumer finished without reading everything
                 edge.dropped += 1
+                if edge.dropped % _CHECKPOINT_EVERY == 0:
+                    await checkpoint()  # a producer whose consumers are gone must still yield
                 continue
             except ClosedResourceError:
                 raise self._closed_error(event) from None
