@@ -17,13 +17,13 @@ from anyio.abc import TaskGroup
 
 from thundersync.errors import PipelineError, StageFailed
 from thundersync.pipeline._channels import Channel, Edge, EndedInbox, StageInbox, StageOutbox
-from thundersync.pipeline.graph import INPUT, Graph, Node
 from thundersync.pipeline._stats import (
     EdgeStatistics,
     InboxStatistics,
     RunStatistics,
     StageStatistics,
 )
+from thundersync.pipeline.graph import INPUT, Graph, Node
 
 __all__ = ["RESULTS", "GraphRuntime"]
 

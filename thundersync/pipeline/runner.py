@@ -19,6 +19,9 @@ Rules of a run:
   handed out, with the stage's exception as ``__cause__``.
 * **Cancellation.** Cancelling the caller (``anyio.move_on_after``, ``asyncio.Task.cancel``)
   cancels every stage; the channels are closed on the way out.
+* **Scheduling.** A stage does not yield to the event loop while its inbox has events and its
+  consumers have room; it yields when it must wait. Bounded inboxes keep that run short, and a
+  producer whose events are all dropped yields every 64 events, so cancellation always gets in.
 * **Dropped events.** Events of a type that no consumer accepts are counted as ``unrouted`` and
   dropped; so are events sent to a consumer that already returned (``dropped`` on the edge).
   A graph's terminal outputs go nowhere under ``run_graph``; use a
