@@ -8,10 +8,11 @@ its test image) is not reachable, and fail instead when ``THUNDERSYNC_REQUIRE_SA
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,9 @@ def anyio_backend() -> str:
 
 @functools.cache
 def backend_problem(backend: str) -> str | None:
-    if backend == "docker":
-        return anyio.run(select.docker_problem)
+    if backend == "docker":  # in a thread of its own: callers may already run an event loop
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(anyio.run, select.docker_problem).result()
     if backend == "udocker":
         problem = select.udocker_problem()
         if problem is None:
@@ -58,6 +60,17 @@ def require(backend: str) -> None:
     if os.environ.get("THUNDERSYNC_REQUIRE_SANDBOXES") == "1":
         pytest.fail(message + " (THUNDERSYNC_REQUIRE_SANDBOXES=1)")
     pytest.skip(message)
+
+
+@pytest.fixture
+def image() -> str:
+    return IMAGE
+
+
+@pytest.fixture
+def need() -> Callable[[str], None]:
+    """``need("docker")``: skip (or fail under THUNDERSYNC_REQUIRE_SANDBOXES=1) without that backend."""
+    return require
 
 
 @pytest.fixture(scope="session")
@@ -164,6 +177,12 @@ async def assert_host_clean(backend: str, scratch: Path) -> None:
         assert not left, f"containers left behind: {[c.id[:12] for c in left]}"
     if backend == "udocker":
         assert not udocker_containers(), f"uDocker containers left behind: {udocker_containers()}"
+
+
+@pytest.fixture
+def host_clean(backend: str, scratch: Path) -> Callable[[], Awaitable[None]]:
+    """``await host_clean()`` asserts that the fixture's backend left nothing on the host."""
+    return functools.partial(assert_host_clean, backend, scratch)
 
 
 @pytest.fixture

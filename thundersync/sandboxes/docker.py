@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import socket
 import tarfile
 import time
@@ -33,7 +34,7 @@ from thundersync.sandboxes._process import make_result
 from thundersync.sandboxes.base import LABEL, OWNER_LABEL, ExecResult, SandboxLimits
 from thundersync.sandboxes.output import OutputCollector
 
-__all__ = ["DockerSandbox", "default_owner", "docker_client", "prune_containers"]
+__all__ = ["DockerSandbox", "default_owner", "docker_cli", "docker_client", "prune_containers"]
 
 _INIT = "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done"
 _KILL_ALL = "kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null; true"
@@ -44,6 +45,14 @@ _seeds = trees.SeedCache()
 def default_owner() -> str:
     """The owner label of this user on this host: ``uid<N>@<hostname>``."""
     return f"uid{os.geteuid()}@{socket.gethostname()}"
+
+
+def docker_cli() -> str:
+    """The container CLI for the few things done through it: ``$THUNDERSYNC_DOCKER_BIN`` or ``docker``."""
+    found = os.environ.get("THUNDERSYNC_DOCKER_BIN") or shutil.which("docker")
+    if not found or not shutil.which(found):
+        raise SandboxUnavailable(f"no container CLI {found or 'docker'!r}: install it or set THUNDERSYNC_DOCKER_BIN")
+    return found
 
 
 def docker_client() -> Any:

@@ -51,9 +51,10 @@ def udocker_bin() -> str:
     beside = Path(sys.executable).with_name("udocker")
     if not found and beside.exists():
         found = str(beside)
-    if not found:
+    if not found or not shutil.which(found):
         raise SandboxUnavailable(
-            "uDocker is not installed: pip install 'thundersync[sandbox]' (or set THUNDERSYNC_UDOCKER_BIN)"
+            f"uDocker is not installed ({found or 'udocker'!r} not found): pip install "
+            f"'thundersync[sandbox]' (or set THUNDERSYNC_UDOCKER_BIN)"
         )
     return found
 

@@ -1,0 +1,122 @@
+"""The pool reuses sandboxes only after a verified reset and caps its members; many execs leave nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+
+import anyio
+import pytest
+
+from thundersync.errors import SandboxError
+from thundersync.sandboxes import PoolStats, Sandbox, SandboxPool, trees
+
+pytestmark = pytest.mark.anyio
+
+
+class FakeSandbox:
+    """Just enough of a sandbox for the pool: counts what happens to it."""
+
+    def __init__(self, log: list[str], reset_result: bool | Exception = True) -> None:
+        self.name = f"fake{log.count('made')}"
+        self.log = log
+        self.reset_result = reset_result
+        log.append("made")
+
+    async def __aenter__(self) -> FakeSandbox:
+        return self
+
+    async def reset(self) -> bool:
+        await anyio.sleep(0)
+        if isinstance(self.reset_result, Exception):
+            raise self.reset_result
+        return self.reset_result
+
+    async def close(self) -> None:
+        self.log.append(f"closed {self.name}")
+
+
+async def test_pool_reuses_a_sandbox_whose_reset_is_verified(new_sandbox: Callable[..., Sandbox],
+                                                             host_clean: Callable[[], Awaitable[None]]) -> None:
+    async with SandboxPool(new_sandbox, max_size=2) as pool:
+        async with pool.acquire() as first:
+            seed = trees.tree_digest(first.tree)
+            await first.exec("echo junk > junk; rm README")
+        async with pool.acquire() as second:
+            assert second is first and trees.tree_digest(second.tree) == seed
+        assert pool.stats == PoolStats(created=1, reused=1, reset_ok=2, discarded=0, in_use=0, idle=1)
+    await host_clean()
+
+
+@pytest.mark.parametrize("outcome", [False, RuntimeError("engine went away")])
+async def test_pool_discards_a_sandbox_whose_reset_fails_or_raises(outcome: bool | Exception) -> None:
+    log: list[str] = []
+    async with SandboxPool(lambda: FakeSandbox(log, outcome), max_size=1) as pool:  # type: ignore[arg-type,return-value]
+        async with pool.acquire():
+            pass
+        async with pool.acquire() as again:
+            assert again.name == "fake1"  # a new one
+    assert pool.stats.discarded == 2 and pool.stats.created == 2 and pool.stats.reused == 0
+    assert log == ["made", "closed fake0", "made", "closed fake1"]
+
+
+async def test_pool_never_has_more_than_max_size_members() -> None:
+    log: list[str] = []
+    busy = peak = 0
+
+    async def task() -> None:
+        nonlocal busy, peak
+        async with pool.acquire():
+            busy += 1
+            peak = max(peak, busy)
+            await anyio.sleep(0.01)
+            busy -= 1
+
+    async with SandboxPool(lambda: FakeSandbox(log), max_size=3) as pool:  # type: ignore[arg-type,return-value]
+        async with anyio.create_task_group() as tg:
+            for _ in range(20):
+                tg.start_soon(task)
+        assert peak == 3 and pool.stats.created == 3 and pool.stats.reused == 17
+    assert sorted(x for x in log if x.startswith("closed")) == ["closed fake0", "closed fake1", "closed fake2"]
+    with pytest.raises(SandboxError, match="the sandbox pool is closed"):
+        async with pool.acquire():
+            pass
+
+
+async def test_fifty_concurrent_execs_across_ten_sandboxes_complete_and_leave_nothing(
+    new_sandbox: Callable[..., Sandbox], host_clean: Callable[[], Awaitable[None]]
+) -> None:
+    outputs: dict[int, str] = {}
+    with anyio.fail_after(120):
+        async with AsyncExitStack() as stack:
+            sandboxes: list[Sandbox] = []
+
+            async def open_one() -> None:
+                sandboxes.append(await stack.enter_async_context(new_sandbox()))
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(10):
+                    tg.start_soon(open_one)
+
+            async def run(i: int) -> None:
+                sandbox = sandboxes[i % 10]
+                result = await sandbox.exec(f"echo {i} > out{i}; cat out{i}; cat README", timeout=60)
+                assert result.exit_code == 0, result
+                outputs[i] = result.stdout
+
+            async with anyio.create_task_group() as tg:
+                for i in range(50):
+                    tg.start_soon(run, i)
+    assert outputs == {i: f"{i}\nhello from the seed\n" for i in range(50)}
+    await host_clean()
+
+
+async def test_cancelling_an_exec_mid_run_kills_it_and_leaves_nothing(
+    new_sandbox: Callable[..., Sandbox], host_clean: Callable[[], Awaitable[None]]
+) -> None:
+    async with new_sandbox() as sandbox:
+        with anyio.move_on_after(0.5):
+            await sandbox.exec("sleep 30 & sleep 30", timeout=60)
+        result = await sandbox.exec("ps -o args", timeout=10)
+        assert "sleep 30" not in result.stdout, result.stdout
+    await host_clean()
