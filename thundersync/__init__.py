@@ -20,11 +20,13 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it. Adding a public name is one line here; the test
 # suite checks that every name resolves and that `import thundersync` does not import torch.
 _LAZY: dict[str, str] = {
-    "open_sandbox": "thundersync.sandboxes",
-    "SandboxPool": "thundersync.sandboxes",
     "Graph": "thundersync.pipeline.graph",
     "Pipeline": "thundersync.pipeline.embed",
     "run_graph": "thundersync.pipeline.runner",
+    "open_sandbox": "thundersync.sandboxes",
+    "SandboxPool": "thundersync.sandboxes",
+    "StreamingRun": "thundersync.engine",
+    "RewardLinearBackward": "thundersync.grpo",
 }
 
 __all__ = ["__version__", "errors", "events", *sorted(_LAZY)]

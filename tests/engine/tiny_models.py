@@ -5,6 +5,21 @@ from __future__ import annotations
 import torch
 
 
+class _NativeRMSNorm(torch.nn.Module):
+    """Qwen3's RMSNorm computed in the input's dtype.
+
+    transformers' Qwen3RMSNorm casts to fp32, which limits an fp64 model to fp32 accuracy (then no
+    fp64 comparison can go below ~1e-7). Same formula: w * x / sqrt(mean(x^2) + eps).
+    """
+
+    weight: torch.nn.Parameter
+    variance_epsilon: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
+
+
 def tiny_qwen3(dtype: torch.dtype = torch.float32, *, seed: int = 0, tie: bool = False, layers: int = 2) -> torch.nn.Module:
     """A 2-layer Qwen3 with hidden 32, head_dim 16, GQA (4 query / 2 kv heads), vocab 97."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -13,9 +28,13 @@ def tiny_qwen3(dtype: torch.dtype = torch.float32, *, seed: int = 0, tie: bool =
     config = Qwen3Config(
         vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        tie_word_embeddings=tie, attn_implementation="eager",
+        tie_word_embeddings=tie, attn_implementation="sdpa",  # eager softmax is fp32 even in fp64
     )
     model = Qwen3ForCausalLM(config).to(dtype)
+    if dtype == torch.float64:
+        for module in model.modules():
+            if type(module).__name__ == "Qwen3RMSNorm":
+                module.__class__ = _NativeRMSNorm
     with torch.no_grad():  # random norms, so a wrong norm placement cannot hide behind ones
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

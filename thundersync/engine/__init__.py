@@ -1,9 +1,13 @@
 """Streaming backward execution: the model adapter, the causal segment forest and the run.
 
-``anatomy`` finds the decoder's submodules, ``adapter`` runs them over packed chunks after a
-detached prefix state; the segment core and :class:`StreamingRun` build on them.
+``anatomy`` finds the decoder's submodules and ``adapter`` runs them over packed chunks after a
+detached prefix state; ``forest`` is the segment core that objectives build on (its docstring
+shows the API); :class:`StreamingRun` owns the parameters, accumulators and worker of a batch.
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
+from thundersync.engine.run import StreamingRun
+
+__all__ = ["AdjointLedger", "Segment", "SegmentPack", "StreamingRun"]

@@ -1,0 +1,129 @@
+"""Flat gradient accumulators and the capture of one backward's parameter gradients.
+
+:class:`ParamLayout` lays every trainable parameter out in one flat vector. A
+:class:`GradCapture` owns a flat scratch buffer in the parameters' dtype: inside ``capture()``
+each ``p.grad`` is temporarily a zeroed view of it, so a ``torch.autograd.backward(...,
+inputs=params)`` leaves that backward's gradient in the scratch (no per-parameter copies) and the
+user's ``.grad`` is untouched. A :class:`FlatAccumulator` is an fp32 (fp64 for fp64 models)
+vector, on the device or on the host, that absorbs scaled scratches.
+
+Every update is a sequence of separately rounded IEEE operations (``t = float(s) * c``, then
+``acc += t``; never a fused multiply-add), so an accumulator on the host ends bitwise equal to
+one on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+
+__all__ = ["ParamLayout", "GradCapture", "FlatAccumulator", "accumulate_dtype"]
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 for fp64 parameters, fp32 for everything else."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class ParamLayout:
+    """Trainable parameters grouped by dtype and laid out contiguously in that order."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        self.groups: list[tuple[torch.dtype, list[torch.nn.Parameter]]] = list(by_dtype.items())
+        self.params = [p for _, group in self.groups for p in group]
+        self.spans: list[tuple[int, int]] = []  # per dtype group: (start, stop) in the flat vector
+        start = 0
+        for _, group in self.groups:
+            size = sum(p.numel() for p in group)
+            self.spans.append((start, start + size))
+            start += size
+        self.numel = start
+        self.device = params[0].device if params else torch.device("cpu")
+        self.acc_dtype = accumulate_dtype(max((p.dtype for p in params), key=_width, default=torch.float32))
+
+    def views(self, flat: torch.Tensor, group: int) -> list[torch.Tensor]:
+        """Per-parameter views of one dtype group's part of ``flat``."""
+        out, offset = [], 0
+        for p in self.groups[group][1]:
+            out.append(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return out
+
+
+def _width(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits if dtype.is_floating_point else 0
+
+
+class GradCapture:
+    """A scratch that receives the parameter gradients of one backward at a time."""
+
+    def __init__(self, layout: ParamLayout) -> None:
+        self.layout = layout
+        self.scratch = [
+            torch.zeros(stop - start, dtype=dtype, device=layout.device)
+            for (dtype, _), (start, stop) in zip(layout.groups, layout.spans)
+        ]
+        self._views = [layout.views(s, g) for g, s in enumerate(self.scratch)]
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Within the block, every ``p.grad`` is a zeroed view of the scratch; restored after."""
+        saved = [p.grad for p in self.layout.params]
+        for s in self.scratch:
+            s.zero_()
+        try:
+            for (_, group), views in zip(self.layout.groups, self._views):
+                for p, view in zip(group, views):
+                    p.grad = view
+            yield
+        finally:
+            for p, grad in zip(self.layout.params, saved):
+                p.grad = grad
+
+    def nbytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self.scratch)
+
+
+class FlatAccumulator:
+    """``acc`` [numel] in the accumulation dtype, on ``device`` (the host when offloaded)."""
+
+    def __init__(self, layout: ParamLayout, device: torch.device) -> None:
+        self.layout = layout
+        self.acc = torch.zeros(layout.numel, dtype=layout.acc_dtype, device=device)
+
+    def add_scratch(self, capture: GradCapture, scale: float = 1.0) -> None:
+        """acc += scale * scratch (the product rounded first, then the sum)."""
+        if scale == 0.0:
+            return
+        for (start, stop), s in zip(self.layout.spans, capture.scratch):
+            t = s.to(device=self.acc.device, dtype=self.acc.dtype)
+            if scale != 1.0:
+                t = t * scale
+            self.acc[start:stop].add_(t)
+
+    def add_combination(self, terms: Sequence[tuple[float, FlatAccumulator]]) -> None:
+        """acc += sum_k c_k * other_k, each product and each partial sum rounded separately."""
+        total: torch.Tensor | None = None
+        for coefficient, other in terms:
+            term = other.acc * coefficient
+            total = term if total is None else total.add_(term)
+        if total is not None:
+            self.acc.add_(total)
+
+    def add_into_grads(self) -> None:
+        """p.grad += acc (cast to p's dtype once); creates ``p.grad`` where it is ``None``."""
+        for g, (start, stop) in enumerate(self.layout.spans):
+            flat = self.acc[start:stop].to(self.layout.device)
+            for p, view in zip(self.layout.groups[g][1], self.layout.views(flat, g)):
+                if p.grad is None:
+                    p.grad = view.to(p.dtype, copy=True)
+                else:
+                    p.grad.add_(view)  # computed in the accumulation dtype, rounded once
+
+    def nbytes(self) -> int:
+        return self.acc.numel() * self.acc.element_size()

@@ -1,0 +1,228 @@
+"""The causal segment forest: the core that GRPO and OPD objectives are built on.
+
+A :class:`Segment` is a run of tokens appended after its parent segment (``None`` for a root,
+e.g. a prompt). A group is a tree: the prompt is the root, each trajectory a chain below it.
+Once forwarded, a segment keeps its per-layer K/V ``state`` (detached, model dtype), which its
+descendants read as a prefix.
+
+:meth:`SegmentPack.forward` runs several segments packed into one row, each after a detached
+proxy of its ancestors' states (the proxy is an fp32 / fp64 leaf; every chunk reads its own cast
+of it). Log-probabilities of a segment's token ``j`` come from the hidden state of the token
+before it, so a non-root segment is fed as ``[last token of its parent] + its tokens`` and reads
+its ancestors' states for every position but that last one: the boundary token's K/V is
+recomputed inside the segment (the same values), so its first token is scored exactly and no
+hidden-state adjoint has to cross a segment boundary. Only K/V adjoints do.
+
+:meth:`SegmentPack.backward` takes a scalar objective over the scored log-probs and/or adjoints
+for the segments' own K/V outputs, sends the parameter gradients to a sink (a
+:class:`~thundersync.engine._accum.GradCapture` scratch, or ``p.grad`` directly when the sink is
+``None``) and returns the adjoint of every ancestor's state (accumulation dtype, full ancestor
+length), ready for an :class:`AdjointLedger`. Recomputing a segment later (a replay) gives the
+same forward: the engine runs no dropout.
+
+Example: on-policy distillation of one trajectory (prompt, scored action, observation, action)::
+
+    root = Segment(prompt_ids, parent=None)
+    SegmentPack.forward(anatomy, [root], grad=False, keep_state=True)     # root.state
+    a1 = Segment(action_ids, parent=root)
+    pack = SegmentPack.forward(anatomy, [a1], keep_state=True)
+    lp = pack.scored_logprobs([scored_index])[0]                            # fp32 [S]
+    adjoints = pack.backward(loss_of(lp), params=params, sink=None)         # grads -> p.grad
+    ledgers[root].add(adjoints[root])                                       # later turns add too
+    ...                                                                     # o1, a2 likewise
+    for seg in reversed([a1, o1, a2]):                                      # trajectory close
+        pack = SegmentPack.forward(anatomy, [seg])                          # recompute
+        adjoints = pack.backward(None, [ledgers[seg].tensors], params=params, sink=None)
+        for ancestor, adjoint in adjoints.items():
+            ledgers[ancestor].add(adjoint)
+    # group close: the same replay for the root, once, with ledgers[root]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+
+from thundersync.engine._accum import GradCapture, accumulate_dtype
+from thundersync.engine.adapter import KV, ChunkSpec, PackOutput, empty_prefix, forward_pack, head_logprobs
+from thundersync.engine.anatomy import DecoderAnatomy
+
+__all__ = ["Segment", "SegmentPack", "AdjointLedger"]
+
+
+class Segment:
+    """Tokens [T] (long, on the model's device) that follow ``parent``; positions start at parent.end."""
+
+    def __init__(self, tokens: torch.Tensor, parent: Segment | None = None) -> None:
+        if tokens.dim() != 1 or tokens.numel() == 0:
+            raise ValueError(f"a segment needs a non-empty 1-D token tensor, got shape {tuple(tokens.shape)}")
+        if parent is not None and parent.state is None:
+            raise ValueError("the parent segment has no K/V state yet: forward it with keep_state=True first")
+        self.tokens = tokens
+        self.parent = parent
+        self.start = parent.end if parent is not None else 0
+        self.state: list[KV] | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + int(self.tokens.numel())
+
+    def chain(self) -> list[Segment]:
+        """The ancestors of this segment, root first (the segment itself excluded)."""
+        out: list[Segment] = []
+        node = self.parent
+        while node is not None:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
+
+    def release(self) -> None:
+        """Drop the K/V state (after the last descendant has read it)."""
+        self.state = None
+
+
+class AdjointLedger:
+    """The fp32 (fp64) adjoint of one segment's K/V state, per layer; allocated on first add."""
+
+    def __init__(self) -> None:
+        self.tensors: list[KV] | None = None
+
+    def add(self, adjoint: Sequence[KV], scale: float = 1.0) -> None:
+        """ledger += scale * adjoint (product rounded first, then the sum)."""
+        if scale == 0.0:
+            return
+        scaled = [(k * scale, v * scale) if scale != 1.0 else (k, v) for k, v in adjoint]
+        if self.tensors is None:
+            self.tensors = [(k.clone(), v.clone()) for k, v in scaled]
+            return
+        for (lk, lv), (k, v) in zip(self.tensors, scaled):
+            lk.add_(k)
+            lv.add_(v)
+
+    def nbytes(self) -> int:
+        if self.tensors is None:
+            return 0
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.tensors)
+
+
+class SegmentPack:
+    """Segments forwarded together; holds the graph until :meth:`backward` (then drop the pack)."""
+
+    def __init__(self, anatomy: DecoderAnatomy, segments: Sequence[Segment], output: PackOutput,
+                 leaves: dict[int, tuple[list[Segment], list[KV]]]) -> None:
+        self.anatomy = anatomy
+        self.segments = list(segments)
+        self.output = output
+        self._leaves = leaves  # id(parent) -> (its chain incl. the parent, per-layer proxy leaves)
+
+    @classmethod
+    def forward(cls, anatomy: DecoderAnatomy, segments: Sequence[Segment], *, grad: bool = True,
+                keep_state: bool = False) -> SegmentPack:
+        """Forward ``segments`` packed; with ``keep_state`` each keeps its own K/V as ``state``."""
+        leaves: dict[int, tuple[list[Segment], list[KV]]] = {}
+        chunks = []
+        with torch.enable_grad() if grad else torch.no_grad():
+            for seg in segments:
+                chunks.append(_chunk(anatomy, seg, leaves, grad))
+            output = forward_pack(anatomy, chunks)
+        if keep_state:
+            for seg, kv in zip(segments, output.kv):
+                seg.state = [(k.detach().clone(), v.detach().clone()) for k, v in kv]
+        return cls(anatomy, segments, output, leaves)
+
+    def kv(self, index: int) -> list[KV]:
+        """Segment ``index``'s own per-layer (k, v) [Hkv, T, D], with graph (boundary token dropped)."""
+        seg = self.segments[index]
+        skip = 0 if seg.parent is None else 1
+        return [(k[:, skip:], v[:, skip:]) for k, v in self.output.kv[index]]
+
+    def scored_logprobs(self, selections: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Per segment, log pi(token j | everything before it) for the own-token indices given.
+
+        ``selections[i]`` is a long tensor of indices into segment i's tokens (``None``: none).
+        A root's token 0 has no context and cannot be selected. One fused head call for all.
+        """
+        rows, targets, sizes = [], [], []
+        for index, (seg, picked) in enumerate(zip(self.segments, selections)):
+            n = 0 if picked is None else int(picked.numel())
+            sizes.append(n)
+            if n:
+                assert picked is not None
+                shift = 1 if seg.parent is None else 0
+                rows.append(picked + (self.output.offsets[index] - shift))
+                targets.append(seg.tokens[picked])
+        if not rows:
+            empty = self.output.hidden.new_zeros(0, dtype=accumulate_dtype(self.output.hidden.dtype))
+            return [empty for _ in sizes]
+        lp = head_logprobs(self.anatomy, self.output.hidden[torch.cat(rows)], torch.cat(targets))
+        return list(torch.split(lp, sizes))
+
+    def backward(self, objective: torch.Tensor | None, kv_adjoints: Sequence[Sequence[KV] | None] | None = None,
+                 *, params: Sequence[torch.nn.Parameter], sink: GradCapture | None) -> dict[Segment, list[KV]]:
+        """Backpropagate ``objective`` (a scalar) and/or adjoints of the segments' own K/V.
+
+        Parameter gradients go to ``sink``'s scratch (``p.grad`` when ``None``); returns each
+        ancestor's state adjoint (accumulation dtype, full length: the direct parent's last
+        position, recomputed inside the child, gets zero).
+        """
+        outputs: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        if objective is not None and objective.requires_grad:
+            outputs.append(objective)
+            grads.append(torch.ones_like(objective))
+        for index, adjoint in enumerate(kv_adjoints or []):
+            if adjoint is not None:
+                for (k, v), (ak, av) in zip(self.kv(index), adjoint):
+                    outputs += [k, v]
+                    grads += [ak.to(k.dtype), av.to(v.dtype)]
+        leaves = [t for _, per_layer in self._leaves.values() for kv in per_layer for t in kv]
+        if outputs:
+            with sink.capture() if sink is not None else contextlib.nullcontext():
+                torch.autograd.backward(outputs, grads, inputs=[*params, *leaves])
+        result = self._ancestor_adjoints()
+        self.output = None  # type: ignore[assignment]  # free the activations now
+        self._leaves = {}
+        return result
+
+    def _ancestor_adjoints(self) -> dict[Segment, list[KV]]:
+        result: dict[Segment, list[KV]] = {}
+        for chain, per_layer in self._leaves.values():
+            lengths = [int(a.tokens.numel()) for a in chain]
+            split = [
+                tuple(zip(*(torch.split(_grad_or_zero(t), lengths, dim=1) for t in kv))) for kv in per_layer
+            ]  # per layer: tuple over ancestors of (k_adj, v_adj)
+            for position, ancestor in enumerate(chain):
+                pieces = [layer[position] for layer in split]
+                if ancestor in result:
+                    for (rk, rv), (k, v) in zip(result[ancestor], pieces):
+                        rk.add_(k)
+                        rv.add_(v)
+                else:
+                    result[ancestor] = [(k.clone(), v.clone()) for k, v in pieces]
+        return result
+
+
+def _grad_or_zero(leaf: torch.Tensor) -> torch.Tensor:
+    return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+
+
+def _chunk(anatomy: DecoderAnatomy, seg: Segment, leaves: dict[int, tuple[list[Segment], list[KV]]],
+           grad: bool) -> ChunkSpec:
+    if seg.parent is None:
+        return ChunkSpec(seg.tokens, 0, empty_prefix(anatomy, seg.tokens.device))
+    parent = seg.parent
+    if id(parent) not in leaves:
+        chain = [*parent.chain(), parent]
+        acc = accumulate_dtype(anatomy.dtype)
+        per_layer = []
+        for layer in range(len(anatomy.layers)):
+            k = torch.cat([a.state[layer][0] for a in chain], dim=1)  # type: ignore[index]
+            v = torch.cat([a.state[layer][1] for a in chain], dim=1)  # type: ignore[index]
+            per_layer.append((k.to(acc).requires_grad_(grad), v.to(acc).requires_grad_(grad)))
+        leaves[id(parent)] = (chain, per_layer)
+    _, per_layer = leaves[id(parent)]
+    prefix = [(k[:, :-1].to(anatomy.dtype), v[:, :-1].to(anatomy.dtype)) for k, v in per_layer]
+    tokens = torch.cat([parent.tokens[-1:], seg.tokens])
+    return ChunkSpec(tokens, seg.start - 1, prefix)

@@ -1,0 +1,7 @@
+"""GRPO-family objectives streamed through the engine: estimators and RewardLinearBackward."""
+
+from __future__ import annotations
+
+from thundersync.grpo.objective import RewardLinearBackward
+
+__all__ = ["RewardLinearBackward"]

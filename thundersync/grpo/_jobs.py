@@ -1,0 +1,125 @@
+"""The GPU work of a GRPO group, run by the engine's worker in submission order.
+
+A group's tensors live in a :class:`GroupWork`: the prompt segment (the root of the group's
+forest), the reward-linear pair of parameter accumulators (G1 = sum (r_i - r0) g_i, G2 = sum g_i)
+and of prompt-state adjoint ledgers (L1, L2), and the ledger F of adjoints that arrive already
+weighted by their final advantage. Only worker jobs touch them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from thundersync.engine._accum import FlatAccumulator
+from thundersync.engine.adapter import KV
+from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
+from thundersync.engine.run import StreamingRun
+
+__all__ = ["GroupWork", "Branch", "forward_prompt", "backward_linear", "backward_final", "close_prompt"]
+
+
+@dataclass
+class Branch:
+    """A closed trajectory as one chunk after the prompt: all its turns' tokens and scored flags."""
+
+    tokens: list[int]
+    scored: list[bool]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class GroupWork:
+    prompt: list[int]
+    root: Segment | None = None
+    g1: FlatAccumulator | None = None
+    g2: FlatAccumulator | None = None
+    l1: AdjointLedger = field(default_factory=AdjointLedger)
+    l2: AdjointLedger = field(default_factory=AdjointLedger)
+    final: AdjointLedger = field(default_factory=AdjointLedger)
+    cancelled: bool = False
+
+    def nbytes(self) -> int:
+        state = 0 if self.root is None or self.root.state is None else sum(
+            k.numel() * k.element_size() * 2 for k, _ in self.root.state)
+        accs = sum(a.nbytes() for a in (self.g1, self.g2) if a is not None)
+        return state + accs + self.l1.nbytes() + self.l2.nbytes() + self.final.nbytes()
+
+    def release(self) -> None:
+        self.root = None
+        self.g1 = self.g2 = None
+        self.l1, self.l2, self.final = AdjointLedger(), AdjointLedger(), AdjointLedger()
+
+
+def forward_prompt(run: StreamingRun, work: GroupWork) -> None:
+    """Compute the prompt's K/V state once (no graph); branches read it through a proxy."""
+    work.root = Segment(run.tensor(work.prompt))
+    SegmentPack.forward(run.anatomy, [work.root], grad=False, keep_state=True)
+
+
+def _forward_branches(run: StreamingRun, roots: Sequence[Segment], branches: Sequence[Branch]) -> tuple[SegmentPack, list[torch.Tensor]]:
+    segments = [Segment(run.tensor(b.tokens), root) for root, b in zip(roots, branches)]
+    pack = SegmentPack.forward(run.anatomy, segments)
+    device = run.layout.device
+    picks = [torch.tensor([j for j, s in enumerate(b.scored) if s], dtype=torch.long, device=device) for b in branches]
+    return pack, pack.scored_logprobs(picks)
+
+
+def backward_linear(run: StreamingRun, work: GroupWork, branches: Sequence[Branch], delta: float) -> None:
+    """Branches of one open group sharing the reward r = r0 + delta: G2 += g, G1 += delta * g."""
+    if work.cancelled or work.root is None:
+        return
+    pack, logprobs = _forward_branches(run, [work.root] * len(branches), branches)
+    objective = torch.stack([lp.sum() for lp in logprobs]).sum()
+    adjoints = pack.backward(objective, params=run.params, sink=run.capture)
+    if work.g2 is None:
+        work.g1, work.g2 = run.new_accumulator(), run.new_accumulator()
+    assert work.g1 is not None
+    work.g2.add_scratch(run.capture)
+    work.g1.add_scratch(run.capture, delta)
+    adjoint = adjoints.get(work.root)
+    if adjoint is not None:
+        work.l2.add(adjoint)
+        work.l1.add(adjoint, delta)
+
+
+def backward_final(run: StreamingRun, items: Sequence[tuple[GroupWork, Branch, float]]) -> None:
+    """Branches of closed groups, each weighted by its advantage, straight into the run's total."""
+    live = [(w, b, a) for w, b, a in items if not w.cancelled and w.root is not None]
+    if not live:
+        return
+    pack, logprobs = _forward_branches(run, [w.root for w, _, _ in live], [b for _, b, _ in live])  # type: ignore[misc]
+    objective = torch.stack([lp.sum() * a for (_, _, a), lp in zip(live, logprobs)]).sum()
+    adjoints = pack.backward(objective, params=run.params, sink=run.capture)
+    run.total.add_scratch(run.capture)
+    for work in {id(w): w for w, _, _ in live}.values():
+        adjoint = adjoints.get(work.root)  # type: ignore[arg-type]
+        if adjoint is not None:
+            work.final.add(adjoint)
+
+
+def _combined_adjoint(work: GroupWork, c1: float, c2: float) -> list[KV] | None:
+    combined = AdjointLedger()
+    for ledger, scale in ((work.l1, c1), (work.l2, c2), (work.final, 1.0)):
+        if ledger.tensors is not None:
+            combined.add(ledger.tensors, scale)
+    return combined.tensors
+
+
+def close_prompt(run: StreamingRun, work: GroupWork, c1: float, c2: float) -> None:
+    """Add c1 G1 + c2 G2 to the total, then backpropagate the prompt once with its combined adjoint."""
+    if work.cancelled or work.root is None:
+        work.release()
+        return
+    if work.g1 is not None and work.g2 is not None:
+        run.total.add_combination([(c1, work.g1), (c2, work.g2)])
+    adjoint = _combined_adjoint(work, c1, c2)
+    if adjoint is not None and work.root.tokens.numel() > 1:
+        pack = SegmentPack.forward(run.anatomy, [work.root])
+        pack.backward(None, [adjoint], params=run.params, sink=run.capture)
+        run.total.add_scratch(run.capture)
+    work.release()
