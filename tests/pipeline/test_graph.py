@@ -126,3 +126,9 @@ def test_a_base_type_consumer_accepts_a_subclass_producer() -> None:
 
 def test_a_graph_shows_who_reads_from_whom() -> None:
     assert repr(_chain()) == "Graph(gen; tool <- gen)"
+
+
+@pytest.mark.parametrize("name", ["", 3])
+def test_a_stage_name_must_be_a_non_empty_string(name: object) -> None:
+    with pytest.raises(GraphError, match=f"a stage name must be a non-empty string, got {name!r}"):
+        Graph().add(name, Emit())  # type: ignore[arg-type]

@@ -303,3 +303,9 @@ async def test_stages_reading_input_see_it_end_at_once_under_run_graph() -> None
     sink = Collect()
     stats = await run_graph(Graph().add("sink", sink, reads=["input"]))
     assert sink.events == [] and stats.stages["sink"].state == "done"
+
+
+async def test_asking_for_an_edge_that_does_not_exist_lists_the_edges() -> None:
+    stats = await run_graph(Graph().add("src", Emit(count=1)).add("sink", Collect(), reads=["src"]))
+    with pytest.raises(KeyError, match="no edge sink->src; edges: src->sink"):
+        stats.edge("sink", "src")
