@@ -127,10 +127,11 @@ class SegmentPack:
             for seg in segments:
                 chunks.append(_chunk(anatomy, seg, leaves, grad))
             output = forward_pack(anatomy, chunks)
+        pack = cls(anatomy, segments, output, leaves)
         if keep_state:
-            for seg, kv in zip(segments, output.kv):
-                seg.state = [(k.detach().clone(), v.detach().clone()) for k, v in kv]
-        return cls(anatomy, segments, output, leaves)
+            for index, seg in enumerate(segments):
+                seg.state = [(k.detach().clone(), v.detach().clone()) for k, v in pack.kv(index)]
+        return pack
 
     def kv(self, index: int) -> list[KV]:
         """Segment ``index``'s own per-layer (k, v) [Hkv, T, D], with graph (boundary token dropped)."""
