@@ -12,7 +12,7 @@ import signal
 import time
 from pathlib import Path
 
-__all__ = ["create_pids_cgroup", "kill_cgroup", "remove_cgroup"]
+__all__ = ["available", "create_pids_cgroup", "kill_cgroup", "remove_cgroup"]
 
 _V1 = Path("/sys/fs/cgroup/pids")
 _V2 = Path("/sys/fs/cgroup")
@@ -25,6 +25,11 @@ def _base() -> Path | None:
     if controllers.is_file() and os.access(_V2, os.W_OK) and "pids" in controllers.read_text().split():
         return _V2
     return None
+
+
+def available() -> bool:
+    """Whether this process may make pids cgroups here."""
+    return _base() is not None
 
 
 def create_pids_cgroup(name: str, pids_max: int) -> Path | None:
