@@ -21,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import header, markdown_table, median_seconds  # noqa: E402
 from thundersync import kernels  # noqa: E402
+from thundersync.kernels._lora_function import LoraLinear  # noqa: E402
+from thundersync.kernels.lora import gemm_by_name  # noqa: E402
 
 BF16 = torch.bfloat16
 COLUMNS = ["kernel", "case", "ours", "ours ms", "baseline", "baseline ms", "speedup",
@@ -95,11 +97,11 @@ def _liger_loss() -> Callable[..., torch.Tensor] | None:
     return loss
 
 
-ATTENTION_CASES = [(512, 64), (2048, 512), (4096, 1024), (8192, 2048), (8192, 128)]
+ATTENTION_CASES = [(0, 1024), (512, 64), (2048, 512), (4096, 1024), (8192, 2048), (8192, 128)]
 
 
 def attention_rows(b: int = 2, hq: int = 16, hkv: int = 8, d: int = 128) -> list[list[object]]:
-    paths = ["sdpa_split", "flex", "sdpa_masked"]
+    paths: list[str | None] = [None, "sdpa_split", "flex", "sdpa_masked"]  # None: the automatic choice
     if importlib.util.find_spec("flash_attn") is not None:
         paths.insert(0, "fa4")
     rows = []
@@ -113,11 +115,12 @@ def attention_rows(b: int = 2, hq: int = 16, hkv: int = 8, d: int = 128) -> list
             return out.float().square().mean()
 
         for path in paths:
-            def ours(*x: torch.Tensor, path: str = path) -> torch.Tensor:
+            def ours(*x: torch.Tensor, path: str | None = path) -> torch.Tensor:
                 return kernels.chunk_attention(*x, path=path).float().square().mean()
 
             case = f"B={b} Hq={hq} Hkv={hkv} D={d} P={p} T={t} bf16"
-            rows.append(row("chunk_attention", case, path, backward(ours, leaves), "sdpa explicit mask", backward(masked, leaves)))
+            rows.append(row("chunk_attention", case, path or "auto", backward(ours, leaves), "sdpa explicit mask", backward(masked, leaves)))
+        print(f"P={p} T={t}: automatic choice so far {kernels.attention_path_counts()}", flush=True)
     return rows
 
 
@@ -134,9 +137,11 @@ def small_kernel_rows(n: int = 16_384, width: int = 1024) -> list[list[object]]:
     def eager_lora(xx: torch.Tensor, aa: torch.Tensor, bbb: torch.Tensor) -> torch.Tensor:
         return (F.linear(xx, base_w) + 2.0 * F.linear(F.linear(xx, aa), bbb)).float().sum()
 
-    rows.append(row("lora_linear", f"x [{n}, {width}] W [{out_f}, {width}] r={rank} bf16", "triton",
-                    backward(lambda xx, aa, bbb: kernels.lora_linear(xx, base_w, None, aa, bbb, 2.0).float().sum(), [x, a, bb]),
-                    "eager (peft layout)", backward(eager_lora, [x, a, bb])))
+    for name in ("cublas", "triton"):
+        gemm = gemm_by_name(name)
+        rows.append(row("lora_linear", f"x [{n}, {width}] W [{out_f}, {width}] r={rank} bf16", name,
+                        backward(lambda xx, aa, bbb, g=gemm: LoraLinear.apply(xx, base_w, None, aa, bbb, 2.0, g).float().sum(), [x, a, bb]),
+                        "eager (peft layout)", backward(eager_lora, [x, a, bb])))
     adj = [torch.randn(n, width, device="cuda", dtype=BF16) for _ in range(8)]
 
     def eager_sum() -> torch.Tensor:

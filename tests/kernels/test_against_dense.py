@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from thundersync import kernels
 from thundersync.kernels import _logprobs_core
+from thundersync.kernels._lora_function import LoraLinear, cublas_lora_gemm
 
 SETTINGS = settings(max_examples=15, deadline=None)
 
@@ -115,6 +116,20 @@ def test_lora_linear_matches_the_merged_weight_and_its_gradients(
     torch.testing.assert_close(out, x @ merged.t() + (0 if b is None else b), rtol=1e-10, atol=1e-10)
     leaves = (x, w, a, bb) + ((b,) if b is not None else ())
     assert torch.autograd.gradcheck(lambda *t: kernels.lora_linear(t[0], t[1], t[4] if bias else None, t[2], t[3], scaling), leaves)
+
+
+@SETTINGS
+@given(m=st.integers(1, 9), i=st.integers(1, 12), o=st.integers(1, 12), r=st.integers(1, 5), bias=st.booleans(), seed=st.integers(0, 2**31))
+def test_lora_function_with_library_products_matches_the_merged_weight(
+    m: int, i: int, o: int, r: int, bias: bool, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x, w, a, bb = (torch.randn(*s, generator=gen, dtype=torch.float64, requires_grad=True) for s in ((2, m, i), (o, i), (r, i), (o, r)))
+    b = torch.randn(o, generator=gen, dtype=torch.float64, requires_grad=True) if bias else None
+    out = LoraLinear.apply(x, w, b, a, bb, -1.5, cublas_lora_gemm)
+    torch.testing.assert_close(out, x @ (w - 1.5 * bb @ a).t() + (0 if b is None else b), rtol=1e-10, atol=1e-10)
+    leaves = (x, w, a, bb) + ((b,) if b is not None else ())
+    assert torch.autograd.gradcheck(lambda *t: LoraLinear.apply(t[0], t[1], t[4] if bias else None, t[2], t[3], -1.5, cublas_lora_gemm), leaves)
 
 
 @SETTINGS

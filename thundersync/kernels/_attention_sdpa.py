@@ -48,10 +48,9 @@ class _SplitAttention(torch.autograd.Function):
         if kp.shape[2] > 0:
             head = _flash(group_queries(q, n_kv), kp, vp, False, scale)
             lse_head = head[1].reshape(lse.shape)
-            merged = torch.logaddexp(lse_head, lse)
-            out_f = torch.exp(lse_head - merged)[..., None] * head[0].reshape(q.shape).float()
-            out = (out_f + torch.exp(lse - merged)[..., None] * out.float()).to(q.dtype)
-            lse = merged
+            weight_head = torch.sigmoid(lse_head - lse)[..., None]  # = exp(l_1 - l)
+            out = torch.lerp(out.float(), head[0].reshape(q.shape).float(), weight_head).to(q.dtype)
+            lse = torch.logaddexp(lse_head, lse)
         ctx.save_for_backward(q, kp, vp, kc, vc, out, lse)
         ctx.head = None if head is None else head[2:8]  # flash metadata only, not its outputs
         ctx.tail, ctx.scale = tail[2:8], scale

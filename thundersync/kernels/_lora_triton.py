@@ -1,21 +1,16 @@
-"""Triton fused LoRA linear: one fp32 accumulator for the base and the scaled low-rank product.
+"""Triton fused LoRA GEMM: one fp32 accumulator for the base and the scaled low-rank product.
 
 The kernel computes C = X Wt + s U Bt (+ bias) for X [M, K], Wt [K, N], U [M, R], Bt [R, N] and
-rounds once. Forward: X = x, Wt = W^T, U = x A^T, Bt = B^T. Backward, with V = dy B:
-
-    dx = dy W + s V A        (the same kernel: X = dy, Wt = W, U = V, Bt = A)
-    dA = s V^T x,   dB = s dy^T U,   dW = dy^T x,   db = sum_rows dy
-
-(the three weight gradients are cuBLAS products with fp32 outputs, cast once).
+rounds once; :class:`~thundersync.kernels._lora_function.LoraLinear` uses it for y and for dx.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
+
+from thundersync.kernels._lora_function import LoraLinear
 
 __all__ = ["lora_gemm", "triton_lora_linear"]
 
@@ -76,42 +71,10 @@ def lora_gemm(
     return c
 
 
-def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with an fp32 result (fp32 accumulation of low-precision products)."""
-    if a.dtype != torch.float32 and a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
-
-
-class _LoraLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:  # type: ignore[override]
-        x2 = x.reshape(-1, x.shape[-1])
-        u = (x2 @ a.t()).contiguous()
-        y = lora_gemm(x2, w.t(), u, b.t(), bias, scaling)
-        ctx.save_for_backward(x2, w, a, b, u)
-        ctx.scaling, ctx.has_bias, ctx.in_shape = scaling, bias is not None, x.shape
-        return y.reshape(*x.shape[:-1], w.shape[0])
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x2, w, a, b, u = ctx.saved_tensors
-        s, needs = ctx.scaling, ctx.needs_input_grad
-        dy2 = dy.reshape(-1, w.shape[0]).contiguous()
-        v = (dy2 @ b).contiguous()
-        dx = lora_gemm(dy2, w, v, a, None, s).reshape(ctx.in_shape) if needs[0] else None
-        dw = _mm32(dy2.t(), x2).to(w.dtype) if needs[1] else None
-        db = dy2.float().sum(0).to(w.dtype) if ctx.has_bias and needs[2] else None
-        da = (s * _mm32(v.t(), x2)).to(a.dtype) if needs[3] else None
-        dbb = (s * _mm32(dy2.t(), u)).to(b.dtype) if needs[4] else None
-        return dx, dw, db, da, dbb, None
-
-
 def triton_lora_linear(
     x: torch.Tensor, base_weight: torch.Tensor, base_bias: torch.Tensor | None,
     lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
 ) -> torch.Tensor:
-    """y = x W^T + b + scaling (x A^T) B^T through the fused kernel; autograd-capable."""
-    out: torch.Tensor = _LoraLinear.apply(x, base_weight, base_bias, lora_a, lora_b, scaling)
+    """y = x W^T + b + scaling (x A^T) B^T through the fused Triton kernel; autograd-capable."""
+    out: torch.Tensor = LoraLinear.apply(x, base_weight, base_bias, lora_a, lora_b, scaling, lora_gemm)
     return out

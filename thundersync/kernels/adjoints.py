@@ -75,4 +75,5 @@ def _trial(device: torch.device, dtype: torch.dtype) -> None:
     gen = torch.Generator(device="cpu").manual_seed(0)
     tensors = [torch.randn(3, 1000, generator=gen).to(device, dtype) for _ in range(7)]
     got = triton_reduce_adjoints(tensors, dtype)
-    torch.testing.assert_close(got, reference_reduce_adjoints(None, tensors), rtol=1e-6, atol=1e-6)
+    if not torch.equal(got, reference_reduce_adjoints(None, tensors)):
+        raise AssertionError("the Triton sum differs from the fp32 reference sum")

@@ -2,9 +2,11 @@
 
     y = x W^T + b + s (x A^T) B^T          W [O, I], b [O], A [r, I], B [O, r], s = scaling
 
-On CUDA a probed Triton kernel adds the scaled low-rank product into the same fp32 accumulator as
-the base product and rounds once; the backward reuses that kernel for dx = dy W + s (dy B) A.
-Dropout on the LoRA input is the caller's business (pass the dropped x to a second call if needed).
+For bf16/fp16 on CUDA the base and the scaled low-rank product share one fp32 accumulator and are
+rounded once (:mod:`thundersync.kernels._lora_function`), through the first primitive in
+``CUDA_PREFERENCE`` that passed its probe: ``cublas`` (two library products into an fp32 buffer)
+or ``triton`` (one fused kernel). Elsewhere the fp32 reference runs. Dropout on the LoRA input is
+the caller's business.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import torch.nn.functional as F
 
 from thundersync.errors import ConfigError
 from thundersync.kernels._env import profile_range
-from thundersync.kernels.probe import use_triton
+from thundersync.kernels._lora_function import Gemm, LoraLinear, cublas_lora_gemm
+from thundersync.kernels.probe import check_close, probe, record, use_triton
 
-__all__ = ["lora_linear", "reference_lora_linear"]
+__all__ = ["CUDA_PREFERENCE", "lora_linear", "reference_lora_linear"]
 
-_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CUDA_PREFERENCE = ("cublas", "triton")
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def reference_lora_linear(
@@ -40,16 +44,39 @@ def lora_linear(
     """y = x W^T + b + scaling (x A^T) B^T for x [..., I] (see the module docstring)."""
     _check(x, base_weight, base_bias, lora_a, lora_b)
     with profile_range("lora_linear"):
-        if _use_triton(x, base_weight, lora_a, lora_b):
-            from thundersync.kernels._lora_triton import triton_lora_linear
+        gemm = _cuda_gemm(x, base_weight, lora_a, lora_b)
+        if gemm is None:
+            return reference_lora_linear(x, base_weight, base_bias, lora_a, lora_b, scaling)
+        out: torch.Tensor = LoraLinear.apply(x, base_weight, base_bias, lora_a, lora_b, scaling, gemm)
+        return out
 
-            return triton_lora_linear(x, base_weight, base_bias, lora_a, lora_b, scaling)
-        return reference_lora_linear(x, base_weight, base_bias, lora_a, lora_b, scaling)
+
+def gemm_by_name(name: str) -> Gemm:
+    """The "GEMM plus low-rank" primitive called ``name`` (``cublas`` or ``triton``)."""
+    if name == "triton":
+        from thundersync.kernels._lora_triton import lora_gemm
+
+        return lora_gemm
+    return cublas_lora_gemm
 
 
-def _check(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, a: torch.Tensor, bb: torch.Tensor
-) -> None:
+def _cuda_gemm(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Gemm | None:
+    if x.dtype not in _LOW_PRECISION or not (w.dtype == a.dtype == b.dtype == x.dtype):
+        return None
+    for name in CUDA_PREFERENCE:
+        trial = lambda name=name: _trial(name, x.device, x.dtype)  # noqa: E731
+        if name == "triton":
+            ok = use_triton("lora_linear.triton", x.device, x.dtype, "gemm", trial)
+        elif x.device.type != "cuda":
+            ok = record("lora_linear.cublas", x.device, x.dtype, "gemm", False, "fp32-output products need CUDA").ok
+        else:
+            ok = probe("lora_linear.cublas", x.device, x.dtype, "gemm", trial).ok
+        if ok:
+            return gemm_by_name(name)
+    return None
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, a: torch.Tensor, bb: torch.Tensor) -> None:
     o, i = w.shape
     r = a.shape[0]
     ok = x.shape[-1] == i and a.shape == (r, i) and bb.shape == (o, r) and (b is None or b.shape == (o,))
@@ -61,24 +88,16 @@ def _check(
         )
 
 
-def _use_triton(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
-    if x.dtype not in _TRITON_DTYPES or not (w.dtype == a.dtype == b.dtype == x.dtype):
-        return False
-    return use_triton("lora_linear", x.device, x.dtype, "gemm", lambda: _trial(x.device, x.dtype))
-
-
-def _trial(device: torch.device, dtype: torch.dtype) -> None:
-    from thundersync.kernels._lora_triton import triton_lora_linear
-
+def _trial(name: str, device: torch.device, dtype: torch.dtype) -> None:
+    gemm = gemm_by_name(name)
     gen = torch.Generator(device="cpu").manual_seed(0)
     args = [torch.randn(*s, generator=gen).to(device, dtype) for s in ((3, 37, 96), (80, 96), (80,), (8, 96), (80, 8))]
     grad = torch.randn(3, 37, 80, generator=gen).to(device, dtype)
     results = []
-    for fn in (triton_lora_linear, reference_lora_linear):
+    for fn in (lambda *t: LoraLinear.apply(*t, 0.5, gemm), lambda *t: reference_lora_linear(*t, 0.5)):
         leaves = [t.clone().requires_grad_() for t in args]
-        out = fn(*leaves, 0.5)
+        out = fn(*leaves)
         out.backward(grad)
         results.append((out, *(t.grad for t in leaves)))
-    tol = 1e-3 if dtype == torch.float32 else 5e-2
-    for got, want in zip(*results, strict=True):
-        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    for i, (got, want) in enumerate(zip(*results, strict=True)):
+        check_close(got, want, 2e-2, f"{name} output {i}")

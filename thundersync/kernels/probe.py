@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,7 @@ import structlog
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Capability", "clear_capabilities", "kernel_capabilities", "probe", "record", "triton_usable", "use_triton"]
+__all__ = ["Capability", "check_close", "clear_capabilities", "kernel_capabilities", "probe", "record", "triton_usable", "use_triton"]
 
 _log = structlog.get_logger(__name__)
 
@@ -74,7 +75,9 @@ def probe(
     if cap is not None:
         return cap
     try:
-        trial()
+        with warnings.catch_warnings():  # a trial judges values; library warnings are not failures
+            warnings.simplefilter("ignore")
+            trial()
     except Exception as error:  # the one place where failures turn into "use another path"
         cap = Capability(*key, ok=False, why=f"trial failed: {type(error).__name__}: {error}"[:500])
     else:
@@ -100,3 +103,14 @@ def use_triton(
     if triton_usable(kernel, device, dtype, shape_class) is not None:
         return False
     return probe(kernel, device, dtype, shape_class, trial).ok
+
+
+def check_close(got: torch.Tensor | None, want: torch.Tensor | None, tol: float, what: str = "result") -> None:
+    """Raise AssertionError unless ||got - want|| <= tol ||want|| (a trial's verdict on one tensor)."""
+    if got is None or want is None:
+        if got is not want:
+            raise AssertionError(f"{what}: one side has no value")
+        return
+    diff, scale = float((got.double() - want.double()).norm()), float(want.double().norm())
+    if not diff <= tol * scale + 1e-12:  # also fails on NaN
+        raise AssertionError(f"{what}: relative error {diff / max(scale, 1e-30):.3g} exceeds {tol:g}")
