@@ -72,11 +72,12 @@ def run_ours(model: torch.nn.Module, prompts: torch.Tensor, new: int, device: to
     steps: list[float] = []
     plain_step = engine.step
 
-    def timed_step() -> None:
+    def timed_step() -> list:
         start = time.perf_counter()
-        plain_step()
+        finished = plain_step()
         sync(device)
         steps.append(time.perf_counter() - start)
+        return finished
 
     engine.step = timed_step  # type: ignore[method-assign]
     anyio.run(generate_many, generator, requests)  # warm-up: captures the decode graphs

@@ -23,14 +23,17 @@ def scenario(generator: TorchGenerator, params: SamplingParams) -> list:
 
 
 def fixed_shape(generator: TorchGenerator) -> TorchGenerator:
-    generator._engine.decode_all = generator._engine.decode_fixed
+    generator._engine.use_fixed_step(capture=False)
     return generator
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_fixed_shape_decode_equals_row_decode_and_keeps_parked_caches(make_qwen3, temperature) -> None:
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0, max_new_tokens=9), SamplingParams(temperature=1.0, max_new_tokens=9, seed=8),
+     SamplingParams(temperature=0.8, top_k=12, top_p=0.9, max_new_tokens=9, seed=9, logprobs="sampling")],
+)
+def test_fixed_shape_decode_equals_row_decode_and_keeps_parked_caches(make_qwen3, params) -> None:
     model = make_qwen3()
-    params = SamplingParams(temperature=temperature, max_new_tokens=9, seed=8)
     rows = scenario(TorchGenerator(model, max_batch=4, max_seq_len=48), params)
     fixed = scenario(fixed_shape(TorchGenerator(model, max_batch=4, max_seq_len=48)), params)
     assert fixed[-1].cached_tokens > 0
@@ -45,7 +48,7 @@ def test_cuda_graph_decode_matches_transformers_and_eager(make_qwen3) -> None:
     model = make_qwen3().cuda()
     params = SamplingParams(temperature=0.0, max_new_tokens=9)
     graphs = TorchGenerator(model, max_batch=4, max_seq_len=300)
-    assert graphs._engine.decode_all is not None
+    assert graphs._engine.run_fixed is not None
     captured = scenario(graphs, params)
     eager = scenario(TorchGenerator(model, max_batch=4, max_seq_len=300, cuda_graphs=False), params)
     for a, b in zip(captured, eager, strict=True):
@@ -59,4 +62,4 @@ def test_cuda_graph_decode_matches_transformers_and_eager(make_qwen3) -> None:
         logits = model(torch.tensor([prompt + long.token_ids], device="cuda")).logits[0, len(prompt) - 1 : -1].double()
     expected = logits.log_softmax(-1).gather(-1, torch.tensor(long.token_ids, device="cuda")[:, None])[:, 0].cpu()
     torch.testing.assert_close(torch.tensor(long.logprobs, dtype=torch.float64), expected, atol=1e-5, rtol=0)
-    assert graphs._engine.decode_all.captured >= 2
+    assert graphs._engine.run_fixed.captured >= 2

@@ -256,3 +256,31 @@ def test_sampling_params_validate_their_values(kwargs, message) -> None:
 def test_an_empty_prompt_is_rejected() -> None:
     with pytest.raises(ConfigError, match="prompt_ids is empty"):
         GenerationRequest(prompt_ids=[])
+
+
+def test_cancelling_the_driving_request_hands_the_engine_to_the_others(make_qwen3) -> None:
+    model = make_qwen3()
+    generator = TorchGenerator(model, max_batch=4, max_seq_len=128)
+    long = GenerationRequest(prompt_ids=[1, 2, 3], params=SamplingParams(temperature=0.0, max_new_tokens=100))
+    others = [GenerationRequest(prompt_ids=[5 + i, 6], params=GREEDY) for i in range(3)]
+    results: list = []
+
+    async def scenario() -> None:
+        async def cancelled_long() -> None:
+            with anyio.move_on_after(0.05):
+                await generator.generate(long)  # the first request drives the engine
+
+        async def other(request: GenerationRequest) -> None:
+            results.append((request.prompt_ids, await generator.generate(request)))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(cancelled_long)
+            await anyio.sleep(0)
+            for request in others:
+                group.start_soon(other, request)
+
+    anyio.run(scenario)
+    assert len(results) == 3
+    for prompt, result in results:
+        assert result.token_ids == hf_greedy(model, prompt, 12)
+    assert not generator._engine.busy

@@ -19,6 +19,7 @@ from torch import nn
 
 from thundersync.errors import ConfigError, GenerationError
 from thundersync.engine.anatomy import decoder_anatomy
+from thundersync.generation._fixed_step import CapturedStep, FixedStep
 from thundersync.generation._forward import Rows, forward_hidden, logits_of
 from thundersync.generation._kv_cache import KVCache
 from thundersync.generation._sampling import RowParams, sample
@@ -61,7 +62,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+StepFn = Callable[[int, bool], tuple[torch.Tensor, torch.Tensor]]
 
 
 class Engine:
@@ -76,9 +77,16 @@ class Engine:
         self.sessions: dict[int | str, _Slot] = {}
         self.prefill_tokens = prefill_tokens
         self.key_bucket = key_bucket
-        self.decode_all: DecodeFn | None = None  # set to a captured fixed-shape decode step
+        self.fixed: FixedStep | None = None  # see use_fixed_step
+        self.run_fixed: StepFn | None = None
         self._clock = itertools.count(1)
+        self._finished: list[Ticket] = []
         self._weights = self._weights_version()
+
+    def use_fixed_step(self, *, capture: bool) -> None:
+        """Decode every slot with device-resident state (:mod:`._fixed_step`), CUDA graphs if ``capture``."""
+        self.fixed = FixedStep(self.decode_fixed, self.cache.slots, self.anatomy.device)
+        self.run_fixed = CapturedStep(self.fixed) if capture else self.fixed
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -121,6 +129,8 @@ class Engine:
         return [*self.waiting, *(s.ticket for s in self.slots if s.ticket is not None)]
 
     def _free(self, slot: _Slot) -> None:
+        if self.fixed is not None:
+            self.fixed.deactivate(slot.index)
         if slot.session is not None:
             self.sessions.pop(slot.session, None)
         slot.cached, slot.session, slot.ticket = [], None, None
@@ -135,8 +145,10 @@ class Engine:
 
     # --- stepping -------------------------------------------------------------------------------
 
-    def step(self) -> None:
-        """Admit and prefill what fits, then decode one token for each running sequence."""
+    def step(self) -> list[Ticket]:
+        """Admit and prefill what fits, decode one token for each running sequence; returns the
+        tickets that finished."""
+        self._finished = []
         self._check_weights()
         admitted = self._admit()
         with torch.no_grad():
@@ -145,6 +157,7 @@ class Engine:
             running = [s for s in self.slots if s.ticket is not None and s.ticket.result is None]
             if running:
                 self._decode(running)
+        return self._finished
 
     def _weights_version(self) -> int:
         return sum(p._version for p in self.model.parameters())
@@ -224,22 +237,23 @@ class Engine:
         self._sample([slot for slot, _, _ in segments], logits)
 
     def _decode(self, running: list[_Slot]) -> None:
-        device = self.anatomy.device
         lengths = [len(s.cached) for s in running]
         key_len = min(self.cache.capacity + 1, -(-(max(lengths) + 1) // self.key_bucket) * self.key_bucket)
-        if self.decode_all is not None:
-            tokens = [0] * self.cache.slots
-            positions = [len(s.cached) for s in self.slots]
-            for slot in running:
-                tokens[slot.index] = slot.ticket.tokens[-1]  # type: ignore[union-attr]
-            as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-            all_logits = self.decode_all(as_long(tokens), as_long(positions), key_len)
-            logits = all_logits[as_long([s.index for s in running])]
-        else:
-            logits = self._decode_rows(running, key_len)
+        if self.fixed is None or self.run_fixed is None:
+            self._sample(running, self._decode_rows(running, key_len))
+            return
+        self.fixed.flush()
+        filtered = any(s.ticket.request.params.top_k > 0 or s.ticket.request.params.top_p < 1.0 for s in running)  # type: ignore[union-attr]
+        tokens, logprobs = self.run_fixed(key_len, filtered)
+        tokens_list, logprobs_list = tokens.tolist(), logprobs.tolist()
         for slot in running:
-            slot.cached.append(slot.ticket.tokens[-1])  # type: ignore[union-attr]
-        self._sample(running, logits)
+            ticket = slot.ticket
+            assert ticket is not None
+            slot.cached.append(ticket.tokens[-1])
+            ticket.tokens.append(tokens_list[slot.index])
+            ticket.logprobs.append(logprobs_list[slot.index])
+            if self._maybe_finish(slot, ticket):
+                self.fixed.deactivate(slot.index)
 
     def _decode_rows(self, running: list[_Slot], key_len: int) -> torch.Tensor:
         device = self.anatomy.device
@@ -247,7 +261,10 @@ class Engine:
         tokens = torch.tensor([s.ticket.tokens[-1] for s in running], dtype=torch.long, device=device)  # type: ignore[union-attr]
         positions = torch.tensor([len(s.cached) for s in running], dtype=torch.long, device=device)
         rows = Rows(slots=slots, positions=positions[:, None], pad_index=None, unpad_index=None, key_len=key_len)
-        return logits_of(self.anatomy, forward_hidden(self.anatomy, self.cache, tokens, positions, slots, rows))
+        logits = logits_of(self.anatomy, forward_hidden(self.anatomy, self.cache, tokens, positions, slots, rows))
+        for slot in running:
+            slot.cached.append(slot.ticket.tokens[-1])  # type: ignore[union-attr]
+        return logits
 
     def decode_fixed(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
         """Decode one token in every slot (fixed shapes, capturable): logits [slots, V]."""
@@ -276,20 +293,24 @@ class Engine:
             assert ticket is not None
             ticket.tokens.append(token)
             ticket.logprobs.append(logprob)
-            self._maybe_finish(slot, ticket)
+            if not self._maybe_finish(slot, ticket) and self.fixed is not None:
+                self.fixed.activate(slot.index, token, len(slot.cached), ticket.request.params, ticket.seed)
 
-    def _maybe_finish(self, slot: _Slot, ticket: Ticket) -> None:
+    def _maybe_finish(self, slot: _Slot, ticket: Ticket) -> bool:
+        """Finish ``ticket`` if its last token ends it; returns whether it did."""
         params = ticket.request.params
         if ticket.tokens[-1] in params.stop_token_ids:
             reason = "stop"
         elif len(ticket.tokens) >= params.max_new_tokens or len(slot.cached) + 1 >= self.cache.capacity:
             reason = "length"
         else:
-            return
+            return False
         ticket.result = GenerationResult(
             token_ids=ticket.tokens, logprobs=ticket.logprobs, finish_reason=reason,  # type: ignore[arg-type]
             prompt_len=len(ticket.request.prompt_ids), cached_tokens=ticket.cached_tokens,
         )
+        self._finished.append(ticket)
         slot.ticket, slot.last_used = None, next(self._clock)
         if slot.session is None:
             slot.cached = []
+        return True

@@ -9,7 +9,15 @@ slot s attends to the cached keys of slot s at positions 0..p (its own key was j
     attn(q) = softmax(q K^T * scaling + mask) V,     mask = 0 where key_pos <= p, else -inf
 
 Grouped-query attention is computed without copying keys: the G = heads / kv_heads query heads
-that share a key head are stacked along the query axis.
+that share a key head are stacked along the query axis. Decoding (one query per row) takes a
+shorter path of four kernels (``baddbmm`` with the mask as bias, softmax, cast, ``bmm``).
+
+Kernel count matters when decoding (each step is hundreds of tiny kernels), so two parts of the
+model are computed with fewer kernels than their modules use, with the same arithmetic:
+transformers' RMSNorm (``weight * rmsnorm_fp32(x).to(dtype)``, two roundings kept) becomes
+``F.rms_norm`` and a multiply, and the rotary embedding ``x cos + rotate_half(x) sin`` becomes
+``addcmul(x cos, roll(x, D/2), sin')`` with ``sin' = (-sin_{:D/2}, sin_{D/2:})``. Any other norm
+module is called as is.
 """
 
 from __future__ import annotations
@@ -17,11 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from thundersync.engine.anatomy import DecoderAnatomy
+from thundersync.engine.anatomy import DecoderAnatomy, LayerParts
 from thundersync.generation._kv_cache import KVCache
 
-__all__ = ["Rows", "forward_hidden", "logits_of"]
+__all__ = ["Rows", "forward_hidden", "logits_of", "norm"]
 
 
 @dataclass(frozen=True)
@@ -35,18 +45,21 @@ class Rows:
     key_len: int  # keys 0..key_len-1 are read
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``; transformers' RMSNorm in two kernels instead of seven."""
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is None or not type(module).__name__.endswith("RMSNorm"):
+        return module(x)
+    return module.weight * F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
-def _attend(an: DecoderAnatomy, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """``q`` [T, H, D] against ``k``/``v`` [R, Hkv, L, D]; returns [T, H * D]."""
-    if rows.pad_index is not None:
-        q = q[rows.pad_index]  # [R, Q, H, D]
-    else:
-        q = q[:, None]
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def _attend_rows(an: DecoderAnatomy, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """``q`` [T, H, D] against ``k``/``v`` [R, Hkv, L, D] in padded rows; returns [T, H * D]."""
+    q = q[rows.pad_index] if rows.pad_index is not None else q[:, None]  # [R, Q, H, D]
     r, qlen, heads, dim = q.shape
     groups = heads // an.num_kv_heads
     # [R, Q, Hkv, G, D] -> [R, Hkv, G * Q, D]
@@ -61,23 +74,41 @@ def _attend(an: DecoderAnatomy, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out if rows.unpad_index is None else out[rows.unpad_index]
 
 
+def _attend_decode(an: DecoderAnatomy, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """One query per row: ``q`` [R, H, D], ``k``/``v`` [R, Hkv, L, D], ``bias`` [R * Hkv, 1, L]."""
+    r, heads, dim = q.shape
+    batch = r * an.num_kv_heads
+    scores = torch.baddbmm(bias, q.view(batch, heads // an.num_kv_heads, dim), k.reshape(batch, -1, dim).transpose(1, 2), alpha=an.scaling)
+    weights = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.bmm(weights, v.reshape(batch, -1, dim)).view(r, heads * dim)
+
+
+def _decode_bias(an: DecoderAnatomy, rows: Rows, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [R * Hkv, 1, L] for one query per row."""
+    key_pos = torch.arange(rows.key_len, device=rows.positions.device)
+    bias = torch.zeros(rows.positions.shape[0], 1, rows.key_len, dtype=dtype, device=key_pos.device)
+    bias = bias.masked_fill(key_pos[None, None, :] > rows.positions[:, :, None], float("-inf"))
+    return bias.repeat_interleave(an.num_kv_heads, dim=0)
+
+
 def _layer(
     an: DecoderAnatomy, index: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-    cache: KVCache, slots: torch.Tensor, positions: torch.Tensor, rows: Rows,
+    cache: KVCache, slots: torch.Tensor, positions: torch.Tensor, rows: Rows, bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    layer = an.layers[index]
-    x = layer.input_norm(h)
+    layer: LayerParts = an.layers[index]
+    x = norm(layer.input_norm, h)
     t = x.shape[0]
     q = layer.q_proj(x).view(t, an.num_heads, an.head_dim)
     k = layer.k_proj(x).view(t, an.num_kv_heads, an.head_dim)
     v = layer.v_proj(x).view(t, an.num_kv_heads, an.head_dim)
     if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3
-        q, k = layer.q_norm(q), layer.k_norm(k)
-    q, k = _rotate(q, *rope), _rotate(k, *rope)
+        q, k = norm(layer.q_norm, q), norm(layer.k_norm, k)
+    q, k = _rope(q, *rope), _rope(k, *rope)
     cache.write(index, slots, positions, k, v)
     keys, values = cache.read(index, rows.slots, rows.key_len)
-    h = h + layer.o_proj(_attend(an, q, keys, values, rows))
-    return h + layer.mlp(layer.post_norm(h))
+    attended = _attend_decode(an, q, keys, values, bias) if bias is not None else _attend_rows(an, q, keys, values, rows)
+    h = h + layer.o_proj(attended)
+    return h + layer.mlp(norm(layer.post_norm, h))
 
 
 def forward_hidden(
@@ -87,12 +118,16 @@ def forward_hidden(
     """Final hidden states [T, hidden] of the packed tokens; their keys/values enter the cache."""
     h = an.embed(tokens)
     cos, sin = an.rotary(h, positions[None])
-    rope = (cos[0, :, None], sin[0, :, None])  # [T, 1, D]
+    half = sin.shape[-1] // 2
+    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    rope = (cos[0, :, None], signed_sin[0, :, None])  # [T, 1, D]
+    one_query = rows.pad_index is None
+    bias = _decode_bias(an, rows, h.dtype) if one_query else None
     for index in range(len(an.layers)):
-        h = _layer(an, index, h, rope, cache, slots, positions, rows)
+        h = _layer(an, index, h, rope, cache, slots, positions, rows, bias)
     return h
 
 
 def logits_of(an: DecoderAnatomy, hidden: torch.Tensor) -> torch.Tensor:
     """fp32 logits [N, V] of final hidden states [N, hidden]."""
-    return an.head(an.norm(hidden)).float()
+    return an.head(norm(an.norm, hidden)).float()

@@ -7,8 +7,9 @@ slot at once and a waiting request takes it on the next step. A request with a `
 keeps its slot and cache when it finishes (a sequence paused for a tool call costs no compute);
 the next request of that session prefills only the tokens the cache does not hold yet.
 
-On CUDA the decode step is captured as CUDA graphs (one per 128-token key-length bucket), so a
-step costs one graph launch instead of hundreds of kernel launches.
+On CUDA the decode step (forward pass and sampling of every slot, from device-resident state) is
+captured as CUDA graphs, one per 128-token key-length bucket, so a step costs one graph launch and
+one read-back of the sampled tokens instead of hundreds of kernel launches.
 
 Sampling is done on the device with counter-based random numbers (``_sampling``), so a request's
 tokens depend only on its seed, its context and the weights, never on its batch neighbours.
@@ -32,8 +33,7 @@ import torch
 from torch import nn
 
 from thundersync.errors import ConfigError, GenerationError
-from thundersync.generation._cuda_graph import CapturedDecode
-from thundersync.generation._engine import Engine
+from thundersync.generation._engine import Engine, Ticket
 from thundersync.generation.base import GenerationRequest, GenerationResult
 
 __all__ = ["TorchGenerator"]
@@ -47,8 +47,9 @@ class TorchGenerator:
     in one step. ``cuda_graphs`` defaults to "on when the model is on CUDA". ``seed`` seeds the
     per-request seeds of requests that do not set one.
 
-    No background task: concurrent ``await generate(...)`` calls take turns driving the engine,
-    one step at a time in a worker thread, so the event loop stays responsive.
+    No background task: one of the concurrent ``await generate(...)`` calls drives the engine
+    (one step at a time in a worker thread, so the event loop stays responsive) until its own
+    request is done, then hands over to a waiting one; a request is woken only when it finishes.
 
         >>> generator = TorchGenerator(model, max_batch=64, max_seq_len=4096)  # doctest: +SKIP
         >>> result = await generator.generate(GenerationRequest(prompt_ids=[1, 2, 3]))  # doctest: +SKIP
@@ -70,9 +71,10 @@ class TorchGenerator:
         if cuda_graphs:
             if device.type != "cuda":
                 raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, it is on {device}")
-            self._engine.decode_all = CapturedDecode(self._engine.decode_fixed, max_batch, device)
+            self._engine.use_fixed_step(capture=True)
         self._seeds = random.Random(seed)
-        self._step_done: anyio.Event | None = None  # set while a step runs
+        self._driver: Ticket | None = None  # the request whose task steps the engine now
+        self._wakes: dict[Ticket, anyio.Event] = {}  # waiting requests
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate a continuation of ``request.prompt_ids`` (see the class docstring)."""
@@ -82,13 +84,17 @@ class TorchGenerator:
         ticket = self._engine.submit(request, seed % (1 << 63))
         try:
             while not ticket.done:
-                if self._step_done is not None:
-                    await self._step_done.wait()
+                if self._driver is None:
+                    await self._drive(ticket)
                 else:
-                    await self._drive_one_step()
+                    self._wakes[ticket] = wake = anyio.Event()
+                    await wake.wait()
         except BaseException:
             self._engine.cancel(ticket)
             raise
+        finally:
+            self._wakes.pop(ticket, None)
+            self._hand_off()
         if ticket.error is not None:
             raise GenerationError(f"generation failed: {ticket.error}") from ticket.error
         assert ticket.result is not None
@@ -103,13 +109,19 @@ class TorchGenerator:
         """Bytes held by the preallocated KV cache."""
         return self._engine.cache.nbytes
 
-    async def _drive_one_step(self) -> None:
-        self._step_done = done = anyio.Event()
+    async def _drive(self, ticket: Ticket) -> None:
+        """Step the engine until ``ticket`` is done, waking each request that finishes."""
+        self._driver = ticket
         try:
-            await anyio.to_thread.run_sync(self._step)
+            while not ticket.done:
+                try:
+                    await anyio.to_thread.run_sync(self._step)
+                finally:  # also when the driver is cancelled: the step ran to its end
+                    for waiting, wake in self._wakes.items():
+                        if waiting.done:
+                            wake.set()
         finally:
-            self._step_done = None
-            done.set()
+            self._driver = None
 
     def _step(self) -> None:
         try:
@@ -117,3 +129,12 @@ class TorchGenerator:
         except BaseException as error:
             self._engine.fail_all(error)
             raise
+
+    def _hand_off(self) -> None:
+        """With no driver, wake one waiting request so that it drives the engine."""
+        if self._driver is not None:
+            return
+        for waiting, wake in self._wakes.items():
+            if not waiting.done and not wake.is_set():
+                wake.set()
+                return
