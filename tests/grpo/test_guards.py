@@ -142,3 +142,14 @@ def test_retained_memory_does_not_grow_with_closed_trajectories() -> None:
     grpo.close_group("g")
     grpo.assert_safe_to_step()
     assert grpo.retained_bytes() == grpo.run.retained_bytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_host_offload_on_cuda_gives_bitwise_equal_gradients(dtype: torch.dtype) -> None:
+    results = []
+    for offload in (None, "cpu"):
+        model = tiny_qwen3(seed=5).to("cuda", dtype)
+        _batch(_grpo(model, pack_tokens=0, source_offload_device=offload), [0.0, 1.0, 0.25])
+        results.append(_grads(model))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
