@@ -34,7 +34,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from thundersync.errors import ConfigError, DefinitionError
+from thundersync.errors import ConfigError, DefinitionError, GraphError
 from thundersync.pipeline._definition_schema import (
     GRAPH_FIELDS,
     convert,
@@ -44,7 +44,7 @@ from thundersync.pipeline._definition_schema import (
     stage_union,
 )
 from thundersync.pipeline.factories import FACTORIES
-from thundersync.pipeline.graph import DEFAULT_CAPACITY, Graph
+from thundersync.pipeline.graph import DEFAULT_CAPACITY, INPUT, Graph
 from thundersync.pipeline.stage import Stage
 from thundersync.stages import REGISTRY
 
@@ -175,7 +175,23 @@ def build_graph(spec: PipelineSpec, /, **objects: Any) -> Graph:
         graph.add(name, _make_stage(name, node, built), reads=node.reads,
                   capacity=node.capacity or spec.run.capacity, output=node.output)
     graph.validate()
+    _check_required_inputs(graph)
     return graph
+
+
+def _check_required_inputs(graph: Graph) -> None:
+    """Stages with ``required_inputs()`` (close) must read from producers of each type, or they
+    would wait forever (the graph would never finish)."""
+    for node in graph:
+        required = getattr(node.stage, "required_inputs", None)
+        if required is None or INPUT in node.reads:  # an application may send anything
+            continue
+        producers = [graph[name].stage for name in node.reads if name in graph]
+        for wanted in required():
+            if not any(issubclass(made, wanted) for stage in producers for made in stage.produces):
+                raise GraphError(f"stage {node.name!r} waits for {wanted.__name__} events, but none of the "
+                                 f"stages it reads from ({', '.join(node.reads)}) produces them; add the "
+                                 f"stage that does to its reads, or stop waiting for it")
 
 
 def _make_stage(name: str, node: StageSpec, objects: dict[str, Any]) -> Stage:

@@ -56,6 +56,11 @@ class CloseStage(Stage):
                               f"needs {sorted(n.value for n in tracker.needs)}; make them match")
         self.tracker = Tracker(needs) if tracker is None else tracker
 
+    def required_inputs(self) -> tuple[type[EventBase], ...]:
+        """The event types some stage it reads from must produce, or the tracker would wait forever."""
+        by_need = {"reward": Rewarded, "teacher": TeacherScored, "backward": BackwardDone}
+        return (GroupOpened, ActionGenerated, *(by_need[need] for need in self.config.wait_for))
+
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
         async for event in inbox:
             for closure in self.handle(event):

@@ -1,0 +1,132 @@
+"""The ``thundersync`` command: ``run`` a pipeline definition file, or ``check`` one.
+
+::
+
+    thundersync check examples/pipeline_fake.toml        # validate: schema, objects, graph wiring
+    thundersync run examples/pipeline_fake.toml          # run it to completion
+    thundersync run FILE --metrics out.jsonl --progress  # metrics as JSON lines, a live stderr line
+
+Exit status: 0 on success, 1 when the run failed, 2 when the file (or the command line) is
+invalid, 130 when interrupted. Errors are one paragraph on stderr; ``--verbose`` adds the
+traceback and info-level logs. This is the only place that configures logging (structlog, to
+stderr); the library itself configures no handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+import structlog
+
+from thundersync.errors import ConfigError, ThunderSyncError
+from thundersync.pipeline._cli_run import run_pipeline
+from thundersync.pipeline.definition import PipelineSpec, build_graph, build_objects, load
+from thundersync.pipeline.graph import Graph
+from thundersync.pipeline.metrics import JsonlMetrics
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="thundersync", description="Run ThunderSync pipeline definition files.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    check = commands.add_parser("check", help="validate a pipeline file without running it")
+    run = commands.add_parser("run", help="run a pipeline file to completion")
+    for sub in (check, run):
+        sub.add_argument("file", type=Path, metavar="FILE", help="the pipeline definition (TOML)")
+        sub.add_argument("-v", "--verbose", action="store_true", help="tracebacks and info-level logs")
+    run.add_argument("--metrics", type=Path, metavar="PATH", help="write JSON-lines metrics here (overrides run.metrics)")
+    shown = run.add_mutually_exclusive_group()
+    shown.add_argument("--progress", dest="progress", action="store_const", const="on",
+                       help="show a live progress line on stderr even when it is not a terminal")
+    shown.add_argument("--no-progress", dest="progress", action="store_const", const="off",
+                       help="never show the progress line")
+    run.add_argument("--timeout", type=float, metavar="SECONDS", help="fail the run after this long (overrides run.timeout_s)")
+    return parser
+
+
+def _configure_logging(verbose: bool) -> None:
+    level = logging.INFO if verbose else logging.WARNING
+    structlog.configure(
+        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"),
+                    structlog.dev.ConsoleRenderer(colors=False)],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def _error(message: str, error: BaseException, verbose: bool, *, hint_verbose: bool = True) -> None:
+    if verbose:
+        traceback.print_exception(error, file=sys.stderr)
+    hint = " (run with --verbose for the traceback)" if hint_verbose and not verbose else ""
+    sys.stderr.write(f"thundersync: {message}: {error}{hint}\n")
+
+
+def _prepare(path: Path) -> tuple[PipelineSpec, dict[str, object], Graph]:
+    spec = load(path)
+    objects = build_objects(spec)
+    try:
+        graph = build_graph(spec, **objects)
+    except ConfigError as error:  # graph wiring errors are not path-qualified by themselves
+        raise type(error)(f"{path}: {error}") from None
+    return spec, objects, graph
+
+
+def _check(path: Path) -> int:
+    spec, objects, graph = _prepare(path)
+    lines = [f"{path}: ok, {len(graph)} stages, {len(objects)} runtime objects"]
+    for node in graph:
+        reads = f"reads {', '.join(node.reads)}" if node.reads else "a source"
+        lines.append(f"  {node.name}: type {spec.stages[node.name].type}, {reads}")
+    sys.stdout.write("\n".join(lines) + "\n")
+    return EXIT_OK
+
+
+def _run(path: Path, args: argparse.Namespace) -> int:
+    spec, objects, graph = _prepare(path)
+    settings = spec.run
+    metrics_path = args.metrics if args.metrics is not None else settings.metrics
+    mode = args.progress or settings.progress
+    show = mode == "on" or (mode == "auto" and sys.stderr.isatty())
+    log = structlog.get_logger("thundersync.cli")
+    with JsonlMetrics(metrics_path) as metrics:
+        metrics.write("run_started", file=str(path), stages=[node.name for node in graph])
+        log.info("run started", file=str(path), stages=len(graph))
+        try:
+            stats = anyio.run(lambda: run_pipeline(graph, objects, metrics, progress=sys.stderr if show else None,
+                                                   timeout_s=args.timeout or settings.timeout_s))
+        except BaseException as error:
+            metrics.write("run_finished", status="failed", error=f"{type(error).__name__}: {error}")
+            raise
+        metrics.write("run_finished", status="ok", elapsed_s=stats.elapsed_s)
+    log.info("run finished", file=str(path), elapsed_s=round(stats.elapsed_s, 3))
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``thundersync`` command; returns the exit status."""
+    args = _parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    try:
+        return _check(args.file) if args.command == "check" else _run(args.file, args)
+    except ConfigError as error:
+        _error(f"invalid pipeline ({type(error).__name__})", error, args.verbose, hint_verbose=False)
+        return EXIT_INVALID
+    except ThunderSyncError as error:
+        _error(f"{args.command} failed ({type(error).__name__})", error, args.verbose)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        sys.stderr.write("thundersync: interrupted\n")
+        return EXIT_INTERRUPTED
+    except Exception as error:  # a bug, not a pipeline error: still one paragraph
+        _error(f"{args.command} failed with an unexpected {type(error).__name__}", error, args.verbose)
+        return EXIT_FAILED
