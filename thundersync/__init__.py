@@ -27,6 +27,7 @@ _LAZY: dict[str, str] = {
     "SandboxPool": "thundersync.sandboxes",
     "StreamingRun": "thundersync.engine",
     "RewardLinearBackward": "thundersync.grpo",
+    "OPDStream": "thundersync.opd",
 }
 
 __all__ = ["__version__", "errors", "events", *sorted(_LAZY)]

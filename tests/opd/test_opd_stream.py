@@ -1,0 +1,221 @@
+"""Streamed OPD gradients equal the dense full-batch gradient, whatever the interleaving."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import thundersync
+from tests.opd.opd_cases import (
+    VOCAB,
+    collect_grads,
+    dense_reference_grads,
+    drive,
+    interleaving,
+    plans,
+    relative_error,
+    tiny_qwen3,
+)
+from thundersync.errors import ConfigError, StreamingError, UnknownIdError, UnsafeStepError
+
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+_MODELS: dict[tuple[torch.dtype, bool], torch.nn.Module] = {}
+
+
+def _model(dtype: torch.dtype, lora: bool) -> torch.nn.Module:
+    key = (dtype, lora)
+    if key not in _MODELS:
+        _MODELS[key] = tiny_qwen3(dtype, lora=lora)
+    return _MODELS[key]
+
+
+def _streamed_grads(model: torch.nn.Module, plan, ops, normalization: str) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    opd = thundersync.OPDStream(thundersync.StreamingRun(model), normalization=normalization)
+    for _ in drive(opd, plan, ops):
+        pass
+    opd.assert_safe_to_step()
+    grads = collect_grads(model)
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("normalization", ["token_mean", "sum"])
+@pytest.mark.parametrize("with_behaviour", [False, True], ids=["on_policy", "behaviour"])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_streamed_gradient_equals_dense_reference(
+    data: st.DataObject, dtype: torch.dtype, lora: bool, normalization: str, with_behaviour: bool
+) -> None:
+    plan = data.draw(plans(with_behaviour=with_behaviour))
+    ops = interleaving(plan, random.Random(data.draw(st.integers(0, 2**32))))
+    model = _model(dtype, lora)
+    want = dense_reference_grads(model, plan, normalization)
+    got = _streamed_grads(model, plan, ops, normalization)
+    assert set(got) == set(want)
+    assert relative_error(got, want) < TOLERANCE[dtype]
+
+
+def _single_trajectory_plan(tokens_by_turn: list[list[int]], scored_by_turn: list[list[bool]]):
+    from tests.opd.opd_cases import Group, Trajectory, Turn
+
+    rng = random.Random(0)
+    turns = [
+        Turn(tokens, scored, [rng.uniform(-4, -0.1) for _ in range(sum(scored))], None)
+        for tokens, scored in zip(tokens_by_turn, scored_by_turn)
+    ]
+    return {"g": Group([1, 2, 3], {"t": Trajectory(turns)})}
+
+
+def test_a_late_turn_loss_reaches_parameters_only_through_an_early_turns_kv() -> None:
+    """Token 60 appears only inside turn 0 (unscored): its embedding row gets gradient only
+    through turn 0's K/V, which later turns read. That gradient must arrive by replay at close."""
+    special = VOCAB - 1
+    plan = _single_trajectory_plan(
+        [[5, special, 7, 8], [9, 10], [11, 12, 13]],
+        [[False] * 4, [False, False], [True, True, True]],
+    )
+    model = _model(torch.float64, False)
+    embedding = model.get_input_embeddings().weight
+    want = dense_reference_grads(model, plan, "sum")
+    assert want["model.embed_tokens.weight"][special].abs().sum() > 0
+
+    model.zero_grad(set_to_none=True)
+    opd = thundersync.OPDStream(thundersync.StreamingRun(model), normalization="sum")
+    group, traj = plan["g"], plan["g"].trajectories["t"]
+    opd.open_group("g", group.prompt)
+    for turn in traj.turns:
+        opd.append_turn("g", "t", turn.tokens, turn.scored,
+                        teacher_logprobs=turn.teacher if any(turn.scored) else None)
+    before = torch.zeros(()) if embedding.grad is None else embedding.grad[special].abs().sum()
+    assert before == 0, "the early turn's parameters must not see the late loss before replay"
+    opd.close_trajectory("g", "t")
+    opd.close_group("g")
+    opd.assert_safe_to_step()
+    got = collect_grads(model)
+    torch.testing.assert_close(got["model.embed_tokens.weight"][special],
+                               want["model.embed_tokens.weight"][special], rtol=1e-10, atol=1e-14)
+    assert relative_error(got, want) < 1e-10
+    model.zero_grad(set_to_none=True)
+
+
+def test_retained_memory_returns_to_zero_after_each_trajectory_closes() -> None:
+    model = _model(torch.float32, False)
+    opd = thundersync.OPDStream(thundersync.StreamingRun(model))
+    opd.open_group("g", [1, 2, 3, 4])
+    group_level = None  # the prompt's state and ledger: held until the group closes
+    for tid in range(4):
+        before = opd.retained_bytes()
+        opd.append_turn("g", tid, [5, 6, 7], [True, False, True], teacher_logprobs=[-1.0, -2.0])
+        opd.append_turn("g", tid, [8, 9], [False, False])
+        opd.append_turn("g", tid, [10, 11, 12], [True, True, True], teacher_logprobs=[-1.0, -2.0, -3.0])
+        assert opd.retained_bytes() > before
+        opd.close_trajectory("g", tid)
+        group_level = group_level or opd.retained_bytes()
+        assert opd.retained_bytes() == group_level
+    opd.close_group("g")
+    assert opd.retained_bytes() == 0
+    opd.assert_safe_to_step()
+    model.zero_grad(set_to_none=True)
+
+
+def test_existing_grad_is_added_to_not_replaced() -> None:
+    plan = _single_trajectory_plan([[5, 6, 7], [8, 9]], [[True, True, False], [False, True]])
+    model = _model(torch.float64, False)
+    want = dense_reference_grads(model, plan, "token_mean")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opd = thundersync.OPDStream(thundersync.StreamingRun(model))
+    for _ in drive(opd, plan, interleaving(plan, random.Random(1))):
+        pass
+    opd.assert_safe_to_step()
+    got = {k: v - 1.0 for k, v in collect_grads(model).items()}
+    assert relative_error(got, want) < 1e-10
+    model.zero_grad(set_to_none=True)
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def opd() -> thundersync.OPDStream:
+    model = _model(torch.float32, False)
+    model.zero_grad(set_to_none=True)
+    stream = thundersync.OPDStream(thundersync.StreamingRun(model))
+    stream.open_group("g", [1, 2])
+    return stream
+
+
+def test_teacher_logprobs_of_the_wrong_length_are_refused(opd: thundersync.OPDStream) -> None:
+    with pytest.raises(ConfigError, match=r"teacher_logprobs has 1 entries but the turn has 2 scored tokens"):
+        opd.append_turn("g", "t", [3, 4, 5], [True, False, True], teacher_logprobs=[-1.0])
+
+
+def test_a_scored_turn_without_teacher_logprobs_is_refused(opd: thundersync.OPDStream) -> None:
+    with pytest.raises(ConfigError, match=r"teacher_logprobs are required: the turn has 1 scored tokens"):
+        opd.append_turn("g", "t", [3, 4], [True, False])
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_teacher_or_behaviour_logprobs_are_refused(opd: thundersync.OPDStream, bad: float) -> None:
+    with pytest.raises(ConfigError, match=r"teacher_logprobs\[1\] is (nan|inf|-inf)"):
+        opd.append_turn("g", "t", [3, 4], [True, True], teacher_logprobs=[-1.0, bad])
+    with pytest.raises(ConfigError, match=r"behaviour_logprobs\[0\] is (nan|inf|-inf)"):
+        opd.append_turn("g", "t", [3, 4], [True, True], teacher_logprobs=[-1.0, -1.0],
+                        behaviour_logprobs=[bad, -1.0])
+
+
+def test_appending_after_close_is_refused(opd: thundersync.OPDStream) -> None:
+    opd.append_turn("g", "t", [3, 4], [True, False], teacher_logprobs=[-1.0])
+    opd.close_trajectory("g", "t")
+    with pytest.raises(StreamingError, match=r"trajectory 't' of group 'g' is closed"):
+        opd.append_turn("g", "t", [5], [False])
+    with pytest.raises(StreamingError, match=r"trajectory 't' of group 'g' is closed"):
+        opd.close_trajectory("g", "t")
+
+
+def test_unknown_ids_are_refused(opd: thundersync.OPDStream) -> None:
+    with pytest.raises(UnknownIdError, match=r"group 'nope' is not open"):
+        opd.append_turn("nope", "t", [3], [False])
+    with pytest.raises(UnknownIdError, match=r"trajectory 'zz' of group 'g' was never appended to"):
+        opd.close_trajectory("g", "zz")
+
+
+def test_stepping_with_open_groups_or_unreplayed_ledgers_names_them(opd: thundersync.OPDStream) -> None:
+    opd.append_turn("g", "t", [3, 4], [False, False])
+    opd.append_turn("g", "t", [5, 6], [True, True], teacher_logprobs=[-1.0, -2.0])
+    with pytest.raises(UnsafeStepError, match=r"open groups: 'g'.*unclosed trajectories: 'g'/'t'.*unreplayed ledgers: 'g'/'t' turns \[0\]"):
+        opd.assert_safe_to_step()
+
+
+def test_a_model_with_active_dropout_in_training_mode_is_refused() -> None:
+    model = tiny_qwen3(torch.float32)
+    model.config.attention_dropout = 0.1
+    model.train()
+    opd = thundersync.OPDStream(thundersync.StreamingRun(model))
+    with pytest.raises(ConfigError, match=r"training mode with active attention_dropout=0.1.*model.eval\(\)"):
+        opd.open_group("g", [1, 2])
+
+
+def test_a_bf16_model_accumulates_in_fp32_and_matches_the_fp32_reference() -> None:
+    """Low-precision parameters: gradients gather in an fp32 accumulator, reaching .grad at the step."""
+    plan = _single_trajectory_plan([[5, 6, 7, 8], [9, 10], [11, 12, 13, 14]],
+                                   [[True, False, True, True], [False, False], [True, True, True, False]])
+    reference = tiny_qwen3(torch.float32)
+    want = dense_reference_grads(reference, plan, "token_mean")
+    model = tiny_qwen3(torch.float32).to(torch.bfloat16)
+    opd = thundersync.OPDStream(thundersync.StreamingRun(model))
+    for kind, *_ in drive(opd, plan, interleaving(plan, random.Random(2))):
+        if kind == "append":
+            assert all(p.grad is None for p in model.parameters()), "bf16 .grad is written once, at the step"
+    opd.assert_safe_to_step()
+    got = collect_grads(model)
+    assert all(g.dtype == torch.bfloat16 for g in got.values())
+    assert relative_error(got, want) < 2e-2

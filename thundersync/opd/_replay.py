@@ -1,0 +1,175 @@
+"""The work behind :class:`~thundersync.opd.stream.OPDStream`: per-turn backward and ledger replay.
+
+Everything here runs as run jobs (in submission order, possibly on the run's worker thread); the
+caller's thread only creates the states and hands over snapshots of the turns a job may read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from thundersync.engine._accum import FlatAccumulator
+from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
+from thundersync.engine.run import StreamingRun
+from thundersync.opd.objective import surrogate_sum
+
+__all__ = ["GradientSink", "GroupState", "TrajectoryState", "TurnState",
+           "backward_turn", "forward_root", "replay_root", "replay_trajectory"]
+
+
+@dataclass(eq=False)
+class TurnState:
+    ids: list[int]
+    scored: list[int]                  # indices of the scored tokens within the turn
+    teacher: torch.Tensor | None       # fp64 [len(scored)], on the host
+    behaviour: torch.Tensor | None
+    segment: Segment | None = None     # set once forwarded; released after its replay
+    ledger: AdjointLedger = field(default_factory=AdjointLedger)
+
+    def nbytes(self) -> int:
+        state = self.segment.state if self.segment is not None and self.segment.state is not None else []
+        return self.ledger.nbytes() + sum(k.nbytes + v.nbytes for k, v in state)
+
+
+@dataclass(eq=False)
+class TrajectoryState:
+    turns: list[TurnState] = field(default_factory=list)
+    closed: bool = False
+
+    def turns_with_ledgers(self) -> list[int]:
+        """Turns that a later scored turn reads: their ledgers wait for the replay at close."""
+        last_scored = max((k for k, t in enumerate(self.turns) if t.scored), default=0)
+        return list(range(last_scored))
+
+    def nbytes(self) -> int:
+        return sum(turn.nbytes() for turn in self.turns)
+
+
+@dataclass(eq=False)
+class GroupState:
+    prompt: list[int]
+    root: Segment | None = None
+    ledger: AdjointLedger = field(default_factory=AdjointLedger)
+    trajectories: dict[object, TrajectoryState] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        state = self.root.state if self.root is not None and self.root.state is not None else []
+        held = self.ledger.nbytes() + sum(k.nbytes + v.nbytes for k, v in state)
+        return held + sum(t.nbytes() for t in self.trajectories.values())
+
+
+class GradientSink:
+    """Where the batch's unnormalized parameter gradients go, and their division by N.
+
+    fp32/fp64 parameters: straight into ``p.grad`` (earlier contents set aside at the batch's
+    start and added back at its end). Lower precision: an fp32 accumulator, added into
+    ``p.grad`` at the end.
+    """
+
+    def __init__(self, run: StreamingRun) -> None:
+        self.run = run
+        self.direct = all(p.dtype in (torch.float32, torch.float64) for p in run.params)
+        self._earlier: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._total: FlatAccumulator | None = None
+        self._open = False
+
+    def begin_batch(self) -> None:
+        if self._open:
+            return
+        self._open = True
+        if self.direct:
+            for p in self.run.params:
+                if p.grad is not None:
+                    self._earlier[p] = p.grad
+                    p.grad = None
+
+    def backward(self, pack: SegmentPack, objective: torch.Tensor | None,
+                 adjoints: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]] | None] | None) -> dict:
+        """``pack.backward`` with the parameter gradients sent where they belong."""
+        if self.direct:
+            return pack.backward(objective, adjoints, params=self.run.params, sink=None)
+        result = pack.backward(objective, adjoints, params=self.run.params, sink=self.run.capture)
+        if self._total is None:
+            self._total = self.run.new_accumulator()
+        self._total.add_scratch(self.run.capture)
+        return result
+
+    def finish_batch(self, n: float) -> None:
+        """Divide the batch's gradient by ``n`` once and hand it to ``p.grad``."""
+        if self.direct:
+            for p in self.run.params:
+                if p.grad is not None and n != 1.0:
+                    p.grad.div_(n)
+                earlier = self._earlier.pop(p, None)
+                if earlier is not None:
+                    if p.grad is not None:
+                        earlier.add_(p.grad)
+                    p.grad = earlier
+        elif self._total is not None:
+            if n != 1.0:
+                self._total.acc.div_(n)
+            self._total.add_into_grads()
+            self._total = None
+        self._open = False
+
+
+def forward_root(run: StreamingRun, group: GroupState) -> None:
+    group.root = Segment(run.tensor(group.prompt))
+    SegmentPack.forward(run.anatomy, [group.root], grad=False, keep_state=True)
+
+
+def backward_turn(run: StreamingRun, sink: GradientSink, group: GroupState, prior: Sequence[TurnState],
+                  turn: TurnState) -> None:
+    """Forward a scored turn after its ancestors' state, backpropagate its loss now."""
+    parent = _forward_prior(run, group, prior)
+    turn.segment = Segment(run.tensor(turn.ids), parent)
+    pack = SegmentPack.forward(run.anatomy, [turn.segment], keep_state=True)
+    logprobs = pack.scored_logprobs([torch.tensor(turn.scored, device=turn.segment.tokens.device)])[0]
+    assert turn.teacher is not None
+    behaviour = None if turn.behaviour is None else turn.behaviour.to(logprobs)
+    loss = surrogate_sum(logprobs, turn.teacher.to(logprobs), behaviour)
+    _deposit(sink.backward(pack, loss, None), group, prior)
+
+
+def replay_trajectory(run: StreamingRun, sink: GradientSink, group: GroupState, turns: Sequence[TurnState]) -> None:
+    """Replay the turns' ledgers, last turn first; then drop the trajectory's states."""
+    for k in range(len(turns) - 1, -1, -1):
+        turn = turns[k]
+        if turn.segment is not None and turn.ledger.tensors is not None:
+            pack = SegmentPack.forward(run.anatomy, [turn.segment])
+            _deposit(sink.backward(pack, None, [turn.ledger.tensors]), group, turns[:k])
+        if turn.segment is not None:
+            turn.segment.release()
+        turn.segment, turn.ledger = None, AdjointLedger()
+
+
+def replay_root(run: StreamingRun, sink: GradientSink, group: GroupState) -> None:
+    """Backpropagate the prompt once with its ledger (the sum over its trajectories)."""
+    assert group.root is not None
+    if group.ledger.tensors is not None:
+        pack = SegmentPack.forward(run.anatomy, [group.root])
+        sink.backward(pack, None, [group.ledger.tensors])
+    group.root.release()
+    group.root, group.ledger = None, AdjointLedger()
+
+
+def _forward_prior(run: StreamingRun, group: GroupState, prior: Sequence[TurnState]) -> Segment:
+    """Make sure every earlier turn has its K/V state (observation turns are forwarded lazily)."""
+    assert group.root is not None
+    parent = group.root
+    for turn in prior:
+        if turn.segment is None:
+            turn.segment = Segment(run.tensor(turn.ids), parent)
+            SegmentPack.forward(run.anatomy, [turn.segment], grad=False, keep_state=True)
+        parent = turn.segment
+    return parent
+
+
+def _deposit(adjoints: dict, group: GroupState, prior: Sequence[TurnState]) -> None:
+    """Add each ancestor's adjoint to its ledger (the prompt's or an earlier turn's)."""
+    ledgers = {id(group.root): group.ledger, **{id(t.segment): t.ledger for t in prior}}
+    for ancestor, adjoint in adjoints.items():
+        ledgers[id(ancestor)].add(adjoint)

@@ -1,0 +1,186 @@
+"""OPDStream: action-ready on-policy distillation with deferred state adjoints.
+
+The loss of a logical batch (:mod:`thundersync.opd.objective`)::
+
+    loss = (1/N) * sum_{scored t} exp(lp_t - b_t) * stopgrad(b_t - q_t)
+
+Each trajectory is a chain of segments below its group's prompt: one per turn. A turn with
+scored tokens is backpropagated when it is appended (its teacher scores are there): it is
+forwarded after detached proxies of the earlier turns' K/V state, its surrogate loss is
+backpropagated into the parameters at once, unnormalized, and the adjoints it sends into the
+earlier turns' K/V state are added to their ledgers. Observation turns need no backward of their
+own: they are forwarded (without grad) only when a later scored turn reads their state. When the
+trajectory closes, the ledgers are replayed in reverse turn order (recompute the turn, backward
+its ledger, which adds to the ledgers before it), so every earlier turn's parameters receive
+what later turns sent them. The prompt's ledger is replayed once, when its group closes. The
+division by N happens once, in :meth:`OPDStream.assert_safe_to_step`.
+
+Where gradients go: for fp32/fp64 models straight into ``p.grad`` (what the user had in
+``.grad`` before the batch is set aside and added back, unscaled, after the division by N). For
+lower-precision models (bf16, fp16) they go into an fp32 accumulator instead and reach
+``p.grad`` in :meth:`~OPDStream.assert_safe_to_step`, because hundreds of additions into a bf16
+``.grad`` would lose the precision that the rest of the engine keeps (ARCHITECTURE.md, "Finite
+precision").
+
+    >>> run = StreamingRun(student.eval())                                       # doctest: +SKIP
+    >>> opd = OPDStream(run, normalization="token_mean")                         # doctest: +SKIP
+    >>> opd.open_group("g", prompt)                                              # doctest: +SKIP
+    >>> opd.append_turn("g", 0, action, [True] * len(action), teacher_logprobs=q)  # doctest: +SKIP
+    >>> opd.append_turn("g", 0, observation, [False] * len(observation))        # doctest: +SKIP
+    >>> opd.close_trajectory("g", 0); opd.close_group("g")                       # doctest: +SKIP
+    >>> opd.assert_safe_to_step(); optimizer.step()                              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from thundersync.engine.run import StreamingRun
+from thundersync.errors import ConfigError, StreamingError, UnknownIdError
+from thundersync.opd import _replay
+from thundersync.opd._replay import GroupState, TrajectoryState, TurnState
+from thundersync.opd.objective import NORMALIZATIONS, Normalization, normalizer
+
+__all__ = ["OPDStream"]
+
+
+class OPDStream:
+    """Streams the OPD loss gradient of one logical batch at a time into ``run``'s model."""
+
+    def __init__(self, run: StreamingRun, normalization: Normalization = "token_mean") -> None:
+        if normalization not in NORMALIZATIONS:
+            raise ConfigError(f"unknown normalization {normalization!r}; choose one of {', '.join(NORMALIZATIONS)}")
+        self.run = run
+        self.normalization: Normalization = normalization
+        self._sink = _replay.GradientSink(run)
+        self._groups: dict[Hashable, GroupState] = {}
+        self._scored_tokens = 0
+
+    # --- the public protocol -------------------------------------------------------------------
+
+    def open_group(self, group_id: Hashable, prompt_tokens: Any) -> None:
+        """Open a group: its prompt's K/V state is computed once and read by every trajectory."""
+        if not self._groups and self._scored_tokens == 0:
+            self._sink.begin_batch()
+        self.run.begin()
+        if group_id in self._groups:
+            raise StreamingError(f"group {group_id!r} is already open; close it before opening it again")
+        prompt = self.run.token_ids(prompt_tokens, f"prompt of group {group_id!r}")
+        if not prompt:
+            raise ConfigError(f"prompt of group {group_id!r} is empty; a group needs at least one prompt token")
+        group = self._groups[group_id] = GroupState(prompt)
+        self.run.submit(f"prompt forward of group {group_id!r}", lambda: _replay.forward_root(self.run, group))
+
+    def append_turn(self, group_id: Hashable, trajectory_id: Hashable, tokens: Any, scored: Sequence[bool],
+                    teacher_logprobs: Any = None, behaviour_logprobs: Any = None) -> None:
+        """Append a turn; a turn with scored tokens is backpropagated now (its scores are here)."""
+        group = self._group(group_id)
+        trajectory = group.trajectories.get(trajectory_id)
+        where = f"trajectory {trajectory_id!r} of group {group_id!r}"
+        if trajectory is not None and trajectory.closed:
+            raise StreamingError(f"{where} is closed; cannot append to it")
+        ids = self.run.token_ids(tokens, f"turn of {where}")
+        if not ids:
+            raise ConfigError(f"the turn of {where} is empty; a turn needs at least one token")
+        flags = [bool(s) for s in scored]
+        if len(flags) != len(ids):
+            raise ConfigError(f"scored has {len(flags)} flags but the turn of {where} has {len(ids)} tokens; "
+                              "give one flag per token")
+        count = sum(flags)
+        teacher = _scores(teacher_logprobs, "teacher_logprobs", count, where, required=True)
+        behaviour = _scores(behaviour_logprobs, "behaviour_logprobs", count, where, required=False)
+        if trajectory is None:
+            trajectory = group.trajectories[trajectory_id] = TrajectoryState()
+        turn = TurnState(ids, [j for j, s in enumerate(flags) if s], teacher, behaviour)
+        trajectory.turns.append(turn)
+        self._scored_tokens += count
+        if count:
+            prior = trajectory.turns[:-1]
+            self.run.submit(f"backward of turn {len(prior)} of {where}",
+                            lambda: _replay.backward_turn(self.run, self._sink, group, prior, turn))
+
+    def close_trajectory(self, group_id: Hashable, trajectory_id: Hashable) -> None:
+        """Close a trajectory: its turns' ledgers are replayed in reverse order."""
+        group = self._group(group_id)
+        trajectory = group.trajectories.get(trajectory_id)
+        where = f"trajectory {trajectory_id!r} of group {group_id!r}"
+        if trajectory is None:
+            raise UnknownIdError(f"{where} was never appended to; append a turn before closing it")
+        if trajectory.closed:
+            raise StreamingError(f"{where} is closed; it cannot be closed twice")
+        trajectory.closed = True
+        turns = list(trajectory.turns)
+        self.run.submit(f"replay of {where}", lambda: _replay.replay_trajectory(self.run, self._sink, group, turns))
+
+    def close_group(self, group_id: Hashable) -> None:
+        """Close a group: every trajectory must be closed; the prompt's ledger is replayed once."""
+        group = self._group(group_id)
+        unclosed = [tid for tid, t in group.trajectories.items() if not t.closed]
+        if unclosed:
+            raise StreamingError(f"group {group_id!r} has unclosed trajectories {unclosed!r}; close them first")
+        del self._groups[group_id]
+        self.run.submit(f"prompt replay of group {group_id!r}", lambda: _replay.replay_root(self.run, self._sink, group))
+
+    def assert_safe_to_step(self) -> None:
+        """Raise :class:`~thundersync.errors.UnsafeStepError` naming what is pending; else divide by N.
+
+        Afterwards every trainable ``p.grad`` holds the gradient of the batch's loss (plus what it
+        held before the batch), and the next ``open_group`` starts a new logical batch.
+        """
+        self.run.assert_safe_to_step(self._pending())  # raises if pending; waits for the work
+        self._sink.finish_batch(normalizer(self.normalization, self._scored_tokens))
+        self._scored_tokens = 0
+
+    def retained_bytes(self) -> int:
+        """Bytes of K/V states and ledgers held for open groups (after queued work has run)."""
+        self.run.worker.join()
+        return sum(group.nbytes() for group in self._groups.values())
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _group(self, group_id: Hashable) -> GroupState:
+        self.run.worker.raise_if_failed()
+        group = self._groups.get(group_id)
+        if group is None:
+            raise UnknownIdError(f"group {group_id!r} is not open (never opened, or already closed); open_group() it first")
+        return group
+
+    def _pending(self) -> list[str]:
+        if not self._groups:
+            return []
+        groups = ", ".join(repr(gid) for gid in self._groups)
+        unclosed, ledgers = [], []
+        for gid, group in self._groups.items():
+            for tid, trajectory in group.trajectories.items():
+                if not trajectory.closed:
+                    unclosed.append(f"{gid!r}/{tid!r}")
+                    waiting = trajectory.turns_with_ledgers()
+                    if waiting:
+                        ledgers.append(f"{gid!r}/{tid!r} turns {waiting}")
+        parts = [f"open groups: {groups}"]
+        if unclosed:
+            parts.append(f"unclosed trajectories: {', '.join(unclosed)}")
+        if ledgers:
+            parts.append(f"unreplayed ledgers: {', '.join(ledgers)}")
+        parts.append("close every trajectory and group of the batch first")
+        return parts
+
+
+def _scores(values: Any, name: str, count: int, where: str, *, required: bool) -> torch.Tensor | None:
+    """Validate one log-prob per scored token: right length, every value finite; fp64 on the host."""
+    if values is None:
+        if required and count:
+            raise ConfigError(f"{name} are required: the turn has {count} scored tokens ({where})")
+        return None
+    tensor = torch.as_tensor(values, dtype=torch.float64).reshape(-1).cpu()
+    if tensor.numel() != count:
+        raise ConfigError(f"{name} has {tensor.numel()} entries but the turn has {count} scored tokens ({where}); "
+                          "give one log-prob per scored token")
+    bad = (~torch.isfinite(tensor)).nonzero()
+    if bad.numel():
+        index = int(bad[0])
+        raise ConfigError(f"{name}[{index}] is {float(tensor[index])} ({where}); log-probs must be finite")
+    return tensor
