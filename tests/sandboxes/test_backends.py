@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import resource
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import anyio
 import pytest
 
 from thundersync.errors import SandboxExecError, UnsafePathError
@@ -157,3 +158,23 @@ async def test_close_is_idempotent_and_exec_after_close_is_refused(new_sandbox: 
     if backend != "local":
         with pytest.raises(SandboxExecError, match="is closed or not started: use 'async with'"):
             await sandbox.exec("true")
+
+
+async def test_commands_run_without_privileges_and_without_network_devices(sandbox: Sandbox, backend: str) -> None:
+    status = (await sandbox.exec("grep -E '^(CapEff|NoNewPrivs|Seccomp):' /proc/self/status; ls /sys/class/net")).stdout
+    assert "NoNewPrivs:\t1" in status
+    if backend == "docker":
+        assert "CapEff:\t0000000000000000" in status and status.endswith("lo\n")  # only a loopback
+        assert (await sandbox.exec("id -u")).stdout.strip() != "0"
+    else:
+        assert "Seccomp:\t2" in status  # the socket filter is loaded
+
+
+async def test_cancelling_the_creation_of_a_sandbox_leaves_nothing(
+    new_sandbox: Callable[..., Sandbox], host_clean: Callable[[], Awaitable[None]]
+) -> None:
+    for delay in (0.0, 0.02, 0.1):
+        with anyio.move_on_after(delay):
+            async with new_sandbox() as sandbox:
+                await sandbox.exec("sleep 30")
+        await host_clean()

@@ -88,6 +88,17 @@ def _kill(process: Process, cgroup: Path | None) -> None:
         _cgroup.kill_cgroup(cgroup)
 
 
+async def _group_gone(pgid: int, deadline_s: float = 5.0) -> None:
+    """Wait until no process of the group is left (the namespace's init exits after its members)."""
+    with anyio.move_on_after(deadline_s):
+        while True:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            await anyio.sleep(0.005)
+
+
 async def run_guarded(
     command: Sequence[str],
     *,
@@ -142,10 +153,13 @@ async def run_guarded(
         timed_out = scope.cancelled_caught and not over_cap.is_set()
     finally:
         with anyio.CancelScope(shield=True):
-            if process.returncode is None or timed_out or over_cap.is_set():
+            must_kill = process.returncode is None or timed_out or over_cap.is_set()
+            if must_kill:
                 _kill(process, cgroup)
             await process.wait()
             await process.aclose()
+            if must_kill:
+                await _group_gone(process.pid)
     killed = timed_out or over_cap.is_set()
     code = None if killed else process.returncode
     return make_result(out, code, timed_out=timed_out, killed_for_output=over_cap.is_set(), started=started)

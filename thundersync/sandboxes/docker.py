@@ -125,15 +125,17 @@ class DockerSandbox(TreeSandbox):
         return await _seeds.get(key, self._fill_seed)
 
     async def _fill_seed(self, dest: Path) -> None:
-        probe = await self._client.containers.create(
-            {"Image": self.image, "Entrypoint": ["/bin/true"], "Labels": self._labels(), "NetworkDisabled": True}
-        )
+        with anyio.CancelScope(shield=True):  # a create cancelled in flight would leak the container
+            probe = await self._client.containers.create(
+                {"Image": self.image, "Entrypoint": ["/bin/true"], "Labels": self._labels(), "NetworkDisabled": True}
+            )
         try:
             archive = await probe.get_archive(self.workdir)
         except Exception:
             return  # the image has no working directory: an empty seed
         finally:
-            await probe.delete(force=True)
+            with anyio.CancelScope(shield=True):
+                await probe.delete(force=True)
         await anyio.to_thread.run_sync(_extract_into, archive, dest)
 
     def _labels(self) -> dict[str, str]:
@@ -167,7 +169,8 @@ class DockerSandbox(TreeSandbox):
         }
 
     async def _start(self) -> None:
-        self._container = await self._client.containers.create(self._config(), name=self.name)
+        with anyio.CancelScope(shield=True):  # a create cancelled in flight would leak the container
+            self._container = await self._client.containers.create(self._config(), name=self.name)
         await self._container.start()
 
     async def _stop(self) -> None:

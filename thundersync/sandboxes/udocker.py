@@ -132,8 +132,9 @@ class UDockerSandbox(TreeSandbox):
 
     async def _prepare_seed(self) -> Path | None:
         key = self._image_key()
-        await self._udocker("create", f"--name={self.name}", self.image)
-        self._created = True
+        with anyio.CancelScope(shield=True):  # a create cut short would leave a partial container
+            self._created = True
+            await self._udocker("create", f"--name={self.name}", self.image)
         root = self._udocker_dir() / "containers" / self.name / "ROOT"
 
         async def fill(dest: Path) -> None:
@@ -153,7 +154,7 @@ class UDockerSandbox(TreeSandbox):
             if self._cgroup is not None:
                 await anyio.to_thread.run_sync(_cgroup.remove_cgroup, self._cgroup)
         finally:
-            if self._created:
+            if self._created and os.path.lexists(self._udocker_dir() / "containers" / self.name):
                 await self._udocker("rm", "-f", self.name)
 
     async def _kill_processes(self) -> None:
