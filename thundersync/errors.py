@@ -104,10 +104,19 @@ class StageFailed(PipelineError):
     """
 
     def __init__(self, stage: str, event: object | None, cause: BaseException) -> None:
-        handling = f"while handling {event!r}" if event is not None else "outside any event"
+        handling = f"while handling {_bounded_repr(event)}" if event is not None else "outside any event"
         super().__init__(f"stage {stage!r} failed {handling}: {type(cause).__name__}: {cause}")
         self.stage = stage
         self.event = event
+
+
+def _bounded_repr(value: object, limit: int = 300) -> str:
+    """``repr(value)``, its middle elided past ``limit`` characters (events can hold many tokens)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    tail = limit // 4
+    return f"{text[: limit - tail]} ...({len(text) - limit} characters elided)... {text[-tail:]}"
 
 
 # --- dependency tracker ------------------------------------------------------------------------
