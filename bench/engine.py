@@ -182,6 +182,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny model and batch on CPU (seconds)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--skip", nargs="*", default=[], help="substrings of mode names to skip")
+    parser.add_argument("--profile", action="store_true", help="after the table, profile one streaming run")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
@@ -215,6 +216,23 @@ def main() -> None:
           f"({responses} response tokens), dtype {next(model.parameters()).dtype}\n")
     print(markdown_table(
         ["mode", "seconds", "tokens/s", "time vs dense", "peak GiB", "peak vs dense", "rel. err vs fp32 dense"], rows))
+    if args.profile:
+        profile(model, batch, cuda)
+
+
+def profile(model: torch.nn.Module, batch: Batch, cuda: bool) -> None:
+    """The top device kernels of one dense and one streaming run (diagnostics only)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for name, mode in (("dense", dense), ("streaming", streaming)):
+        with torch_profile(activities=activities) as prof:
+            mode(model, batch)
+            if cuda:
+                torch.cuda.synchronize()
+        key = "cuda_time_total" if cuda else "cpu_time_total"
+        print(f"\n## profile: {name}\n" + prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
 
 
 if __name__ == "__main__":
