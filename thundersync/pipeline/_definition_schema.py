@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, Union
 
 import msgspec
+import msgspec.inspect
 
 from thundersync.errors import DefinitionError
 from thundersync.pipeline.factories import FACTORIES
@@ -69,10 +70,23 @@ def stage_union() -> Any:
 
 
 def _decodable(hint: Any) -> bool:
+    """Whether a file can give a value of this type (plain data, not e.g. a callable)."""
     try:
-        msgspec.json.Decoder(hint)
+        info = msgspec.inspect.type_info(hint)
     except TypeError:
         return False
+    return _plain(info)
+
+
+def _plain(info: msgspec.inspect.Type) -> bool:
+    if isinstance(info, msgspec.inspect.CustomType):
+        return False
+    if isinstance(info, msgspec.inspect.UnionType):
+        return all(_plain(t) for t in info.types)
+    if isinstance(info, (msgspec.inspect.ListType, msgspec.inspect.VarTupleType, msgspec.inspect.SetType)):
+        return _plain(info.item_type)
+    if isinstance(info, msgspec.inspect.DictType):
+        return _plain(info.key_type) and _plain(info.value_type)
     return True
 
 

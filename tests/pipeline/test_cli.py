@@ -1,0 +1,156 @@
+"""`thundersync check` and `thundersync run` on pipeline files: exit codes, messages, metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+
+from thundersync.pipeline.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "pipeline_fake.toml"
+SMALL = """\
+# thundersync run small.toml
+[objects.generator]
+factory = "scripted-generator"
+{generator}
+[objects.scorer]
+factory = "fake-scorer"
+[objects.policy]
+factory = "policy-clock"
+[stages.source]
+type = "source"
+prompts = [[1, 2], [3], [4, 5, 6]]
+samples = 2
+groups_per_batch = 1
+[stages.generate]
+type = "generate"
+reads = ["source"]
+[stages.reward]
+type = "reward"
+reads = ["generate"]
+[stages.close]
+type = "close"
+reads = ["generate", "reward"]
+output = true
+[stages.step]
+type = "step"
+reads = ["close"]
+output = true
+{extra}"""
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    yield
+    structlog.reset_defaults()  # main() configures logging for the process, as a CLI does
+
+
+def _small(tmp_path: Path, generator: str = "", extra: str = "") -> Path:
+    path = tmp_path / "small.toml"
+    path.write_text(SMALL.format(generator=generator, extra=extra))
+    return path
+
+
+def _records(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_check_validates_the_example_and_lists_its_stages(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(EXAMPLE)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{EXAMPLE}: ok, 6 stages, 5 runtime objects\n")
+    assert "  close: type close, reads generate, reward, teacher\n" in out
+
+
+def test_run_writes_one_metrics_line_per_lifecycle_event_and_stage(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    assert main(["run", str(EXAMPLE), "--metrics", str(metrics)]) == 0
+    records = _records(metrics)
+    kinds = Counter(record["type"] for record in records)
+    assert records[0]["type"] == "run_started" and records[0]["stages"] == [
+        "source", "generate", "reward", "teacher", "close", "step"]
+    assert records[-1]["type"] == "run_finished" and records[-1]["status"] == "ok"
+    # 4 prompts x 25 repeats = 100 groups of 4 samples, 2 groups per batch
+    assert kinds["GroupClosed"] == 100 and kinds["TrajectoryClosed"] == 400
+    assert kinds["BatchReady"] == kinds["StepDone"] == kinds["PolicyPublished"] == 50
+    assert kinds["stage_statistics"] == 6
+    versions = [r["policy_version"] for r in records if r["type"] == "StepDone"]
+    assert versions == list(range(1, 51))
+    assert capsys.readouterr().err == ""  # not a terminal: no progress line, and logs are quiet
+
+
+def test_run_shows_progress_when_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(_small(tmp_path)), "--progress"]) == 0
+    err = capsys.readouterr().err
+    last = err.rstrip("\n").split("\r\x1b[K")[-1]
+    assert last.endswith("source 3  generate 3  reward 9  close 15  step 3"), err
+
+
+def test_run_settings_in_the_file_name_the_metrics_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = _small(tmp_path, extra='[run]\nmetrics = "from-file.jsonl"\nprogress = "off"\n')
+    assert main(["run", str(path)]) == 0
+    assert _records(tmp_path / "from-file.jsonl")[-1]["status"] == "ok"
+
+
+def test_an_invalid_file_exits_2_with_one_paragraph_and_no_traceback(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[stages.reward]\ntype = "reward"\nfactr = 1\n')
+    for command in ("check", "run"):
+        assert main([command, str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"thundersync: invalid pipeline (DefinitionError): {bad}: stages.reward.factr: unknown "
+                       "field; valid fields: reads, capacity, output, objects, concurrency\n")
+
+
+def test_a_graph_error_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _small(tmp_path).read_text().replace('reads = ["generate", "reward"]', 'reads = ["generate"]')
+    (tmp_path / "g.toml").write_text(path)
+    assert main(["check", str(tmp_path / "g.toml")]) == 2
+    assert f"(GraphError): {tmp_path / 'g.toml'}: stage 'close' waits for Rewarded events" in capsys.readouterr().err
+
+
+def test_a_failing_stage_exits_1_naming_the_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # two step stages publish to one policy clock: the second publishes version 1 again
+    path = _small(tmp_path, extra='[stages.step2]\ntype = "step"\nreads = ["close"]\n')
+    metrics = tmp_path / "m.jsonl"
+    assert main(["run", str(path), "--metrics", str(metrics)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("thundersync: run failed (StageFailed): stage 'step")
+    assert "ConfigError: policy version 1 was published after version 1" in err
+    assert err.endswith("(run with --verbose for the traceback)\n") and err.count("\n") == 1
+    assert _records(metrics)[-1]["status"] == "failed"
+    assert main(["run", str(path), "--verbose"]) == 1
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+def test_a_run_past_its_timeout_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _small(tmp_path, generator="delay_s = 5.0")
+    assert main(["run", str(path), "--timeout", "0.2"]) == 1
+    assert "the run took longer than its timeout of 0.2 s" in capsys.readouterr().err
+
+
+def test_python_dash_m_thundersync_checks_and_runs_the_example(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    check = subprocess.run([sys.executable, "-m", "thundersync", "check", str(EXAMPLE)],
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert check.returncode == 0 and "ok, 6 stages" in check.stdout, check.stderr
+    metrics = tmp_path / "m.jsonl"
+    run = subprocess.run([sys.executable, "-m", "thundersync", "run", str(EXAMPLE), "--metrics", str(metrics)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert _records(metrics)[-1]["status"] == "ok"
+    bad = subprocess.run([sys.executable, "-m", "thundersync", "check", str(tmp_path / "none.toml")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "cannot read the pipeline file" in bad.stderr

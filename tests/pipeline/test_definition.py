@@ -1,0 +1,187 @@
+"""Pipeline files decode straight into specs, build the graph they describe, and fail with paths."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from thundersync.errors import DefinitionError, GraphError
+from thundersync.pipeline._definition_schema import factory_params, stage_union
+from thundersync.pipeline.definition import (
+    ObjectSpec,
+    PipelineSpec,
+    RunSettings,
+    StageSpec,
+    build_graph,
+    load,
+    loads,
+)
+from thundersync.pipeline.factories import FACTORIES
+from thundersync.pipeline.policy import PolicyClock
+from thundersync.stages import REGISTRY
+from thundersync.stages.close import CloseStage
+from thundersync.stages.generate import GenerateStage
+from thundersync.stages.reward import RewardStage
+from thundersync.stages.source import SourceStage
+from thundersync.stages.step import StepStage
+from thundersync.stages.teacher import TeacherStage
+from thundersync.testing import FakeScorer, ScriptedGenerator
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pipeline_fake.toml"
+SOURCE = '[stages.source]\ntype = "source"\nprompts = [[1, 2]]\n'
+
+
+def _example_in_python() -> PipelineSpec:
+    return PipelineSpec(
+        run=RunSettings(progress="auto", capacity=64),
+        objects={
+            "generator": ObjectSpec("scripted-generator", {"vocab_size": 512}),
+            "tools": ObjectSpec("scripted-tool", {"end_token": 7}),
+            "scorer": ObjectSpec("fake-scorer"),
+            "teacher": ObjectSpec("fake-teacher"),
+            "policy": ObjectSpec("policy-clock"),
+        },
+        stages={
+            "source": StageSpec("source", SourceStage.Config(
+                prompts=[[11, 12, 13], [21, 22], [31, 32, 33, 34], [41]], samples=4, groups_per_batch=2, repeat=25)),
+            "generate": StageSpec("generate", GenerateStage.Config(max_new_tokens=12, turns=3), reads=("source",)),
+            "reward": StageSpec("reward", RewardStage.Config(), reads=("generate",)),
+            "teacher": StageSpec("teacher", TeacherStage.Config(), reads=("generate",)),
+            "close": StageSpec("close", CloseStage.Config(wait_for=("reward", "teacher")),
+                               reads=("generate", "reward", "teacher"), output=True),
+            "step": StageSpec("step", StepStage.Config(), reads=("close",), output=True),
+        },
+    )
+
+
+def test_the_example_file_equals_the_same_spec_built_in_python() -> None:
+    assert load(EXAMPLE) == _example_in_python()
+
+
+def test_the_example_file_starts_with_the_command_that_runs_it() -> None:
+    assert EXAMPLE.read_text().splitlines()[0] == "# thundersync run examples/pipeline_fake.toml"
+
+
+def test_build_graph_wires_the_stages_and_shares_named_objects() -> None:
+    graph = build_graph(_example_in_python())
+    assert [node.name for node in graph] == ["source", "generate", "reward", "teacher", "close", "step"]
+    assert graph["close"].reads == ("generate", "reward", "teacher") and graph["close"].capacity == 64
+    generate, step = graph["generate"].stage, graph["step"].stage
+    assert isinstance(generate, GenerateStage) and isinstance(step, StepStage)
+    assert isinstance(generate.policy, PolicyClock) and generate.policy is step.policy
+    assert isinstance(generate.generator, ScriptedGenerator) and generate.generator.vocab_size == 512
+
+
+def test_objects_passed_in_python_replace_the_files_factories() -> None:
+    mine = FakeScorer(fn=lambda prompt, completion: 1.0)
+    graph = build_graph(_example_in_python(), scorer=mine)
+    assert graph["reward"].stage.scorer is mine  # type: ignore[attr-defined]
+
+
+def test_a_stage_can_bind_an_object_under_another_name() -> None:
+    spec = loads(SOURCE + '[objects.gen2]\nfactory = "scripted-generator"\n'
+                 '[stages.generate]\ntype = "generate"\nreads = ["source"]\nobjects = {generator = "gen2"}\n')
+    assert spec.stages["generate"].objects == {"generator": "gen2"}
+    assert isinstance(build_graph(spec)["generate"].stage.generator, ScriptedGenerator)  # type: ignore[attr-defined]
+
+
+def test_stage_capacity_overrides_the_run_default() -> None:
+    spec = loads('[run]\ncapacity = 8\n' + SOURCE + '[stages.generate]\ntype = "generate"\nreads = ["source"]\n'
+                 'capacity = 3\n[objects.generator]\nfactory = "scripted-generator"\n')
+    graph = build_graph(spec)
+    assert graph["generate"].capacity == 3 and graph["source"].capacity == 8
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[stages.reward]\ntype = "reward"\nfactr = 1\n',
+         r"^stages\.reward\.factr: unknown field; valid fields: reads, capacity, output, objects, concurrency$"),
+        ('[stages.reward]\ntype = "rewrd"\n',
+         r"^stages\.reward\.type: unknown stage type 'rewrd'; known: source, generate, reward, teacher, close, step$"),
+        ('[stages.reward]\nconcurrency = 1\n', r"^stages\.reward\.type: missing required field \(one of: source, "),
+        ('[stages.src]\ntype = "source"\nprompts = [[1], [-2]]\n', r"^stages\.src\.prompts\[1\]\[0\]: Expected `int` >= 0$"),
+        ('[stages.src]\ntype = "source"\n', r"^stages\.src\.prompts: missing required field$"),
+        ('[stages.src]\ntype = "source"\nprompts = []\n', r"^stages\.src: prompts must be a non-empty list"),
+        ('[stages.g]\ntype = "generate"\nturns = 0\n', r"^stages\.g\.turns: Expected `int` >= 1$"),
+        ('[stages.g]\ntype = "generate"\ncapacity = 0\n', r"^stages\.g\.capacity: Expected `int` >= 1$"),
+        ('[stages.c]\ntype = "close"\nwait_for = ["rewards"]\n', r"^stages\.c\.wait_for\[0\]: Invalid enum value 'rewards'$"),
+        ('[run]\nprogres = "on"\n[stages]\n',
+         r"^run\.progres: unknown field; valid fields: metrics, progress, capacity, timeout_s$"),
+        ('[run]\nprogress = "yes"\n[stages]\n', r"^run\.progress: Invalid enum value 'yes'$"),
+        ('x = 1\n[stages]\n', r"^x: unknown field; valid fields: run, objects, stages$"),
+        ('run = {}\n', r"^stages: missing required field$"),
+        ('[objects.g]\nfactory = "scripted-generatr"\n[stages]\n',
+         r"^objects\.g\.factory: unknown factory 'scripted-generatr'; known: scripted-generator, "),
+        ('[objects.g]\nfactory = "scripted-generator"\nvocab = 3\n[stages]\n',
+         r"^objects\.g\.vocab: unknown field; valid fields: factory, vocab_size, min_new_tokens, delay_s$"),
+        ('[objects.g]\nfactory = "scripted-generator"\nvocab_size = "x"\n[stages]\n',
+         r"^objects\.g\.vocab_size: Expected `int`, got `str`$"),
+        ('[stages]\nx =\n', r"^not valid TOML: "),
+    ],
+)
+def test_invalid_files_fail_with_a_path_qualified_message(text: str, message: str) -> None:
+    with pytest.raises(DefinitionError, match=message):
+        loads(text)
+
+
+def test_load_prefixes_errors_with_the_file_path(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('[stages.reward]\ntype = "reward"\nfactr = 1\n')
+    with pytest.raises(DefinitionError, match=rf"^{path}: stages\.reward\.factr: unknown field"):
+        load(path)
+    with pytest.raises(DefinitionError, match=rf"^{tmp_path / 'missing.toml'}: cannot read the pipeline file"):
+        load(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize(
+    ("tables", "error", "message"),
+    [
+        ('[stages.r]\ntype = "reward"\nreads = ["source"]\n', DefinitionError,
+         r"^stages\.r: a 'reward' stage needs a runtime object 'scorer'; add an \[objects\.scorer\] table "
+         r"\(factories: scripted-generator, .*\) or pass scorer=\.\.\. to build_graph$"),
+        ('[objects.scorer]\nfactory = "fake-teacher"\n[stages.r]\ntype = "reward"\nreads = ["source"]\n',
+         DefinitionError, r"^stages\.r: runtime object 'scorer' is a FakeTeacher, but a 'reward' stage needs a "
+                          r"Scorer for 'scorer'$"),
+        ('[stages.r]\ntype = "reward"\nreads = ["source"]\nobjects = {scorer = "s2"}\n', DefinitionError,
+         r"^stages\.r\.objects\.scorer: names 's2', which is neither defined under \[objects\] nor passed"),
+        ('[stages.r]\ntype = "reward"\nreads = ["source"]\nobjects = {scorr = "s2"}\n', DefinitionError,
+         r"^stages\.r\.objects\.scorr: a 'reward' stage takes no runtime object 'scorr'; it takes: scorer$"),
+        ('[objects.scorer]\nfactory = "fake-scorer"\n[stages.r]\ntype = "reward"\nreads = ["gen2"]\n', GraphError,
+         r"stage 'r' reads from 'gen2', which no stage produces; stages: source, r"),
+        ('[objects.generator]\nfactory = "scripted-generator"\n[stages.g]\ntype = "generate"\nreads = ["source"]\n'
+         '[stages.c]\ntype = "close"\nreads = ["g"]\nwait_for = ["reward"]\n', GraphError,
+         r"^stage 'c' waits for Rewarded events, but none of the stages it reads from \(g\) produces them"),
+    ],
+)
+def test_unbuildable_specs_fail_naming_the_stage(tables: str, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        build_graph(loads(SOURCE + tables))
+
+
+def test_a_python_spec_with_an_unknown_type_fails_like_a_file() -> None:
+    spec = PipelineSpec(stages={"x": StageSpec("rewrd")})
+    with pytest.raises(DefinitionError, match=r"^stages\.x\.type: unknown stage type 'rewrd'; known: source, "):
+        build_graph(spec)
+    bad_object = PipelineSpec(stages={}, objects={"g": ObjectSpec("scripted-generator", {"vocab_size": "x"})})
+    with pytest.raises(DefinitionError, match=r"^objects\.g\.vocab_size: Expected `int`, got `str`$"):
+        build_graph(bad_object)
+
+
+def test_every_stage_type_lives_in_the_module_of_its_name_and_documents_its_flow() -> None:
+    for name, cls in REGISTRY.items():
+        assert cls.__module__ == f"thundersync.stages.{name}"
+        doc = sys.modules[cls.__module__].__doc__ or ""
+        for part in ("Consumes:", "Produces:", "Waits for:", "Unblocked by:"):
+            assert part in doc, f"thundersync/stages/{name}.py docstring lacks {part!r}"
+
+
+def test_every_factory_argument_and_stage_type_has_a_schema() -> None:
+    assert len(stage_union().__args__) == len(REGISTRY)
+    for factory in FACTORIES:
+        for hint, _default in factory_params(factory).values():
+            msgspec.json.Decoder(hint)  # decodable from a file
+    assert "fn" not in factory_params("fake-scorer")  # callables cannot come from a file
