@@ -1,0 +1,221 @@
+"""``VLLMGenerator``: an in-process vLLM engine behind the async :class:`Generator` protocol.
+
+Token ids in and out (prompts are ``TokensPrompt``; nothing is detokenized), one behaviour
+log-prob per token, per-request seeds, and prefix caching, so a multi-turn request that resends
+the conversation so far reuses the cached prefix (``GenerationResult.cached_tokens``).
+
+Behaviour log-probs: vLLM chooses them per engine (``logprobs_mode``). ``logprobs="model"`` (the
+default, vLLM's ``raw_logprobs``) gives the model's log-prob before temperature/top-k/top-p;
+``"sampling"`` (``processed_logprobs``) gives the log-prob under the sampling distribution.
+A request that asks for the other mode fails with :class:`BackendCapabilityError`.
+
+Weight sync after each optimizer step, while no generation is in flight:
+
+- :meth:`sync_from` a plain transformers model: every parameter is copied into the engine
+  (``collective_rpc("reload_weights", ...)``), then the prefix cache is reset.
+- :meth:`sync_from` a peft LoRA model with ``enable_lora=True``: only the adapter moves. It is
+  saved to a private folder and served as a new ``LoRARequest``; the base weights stay.
+  Without ``enable_lora`` the adapter is merged (``W + B A``) and the full weights are reloaded.
+
+Concurrent ``generate`` calls are gathered into one ``LLM.generate`` batch, run in a worker
+thread by one of the callers (no background task).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import structlog
+import torch
+from torch import nn
+
+from thundersync.errors import BackendCapabilityError, GenerationError, MissingExtraError
+from thundersync.generation._peft_weights import is_peft_model, merged_weights
+from thundersync.generation.base import GenerationRequest, GenerationResult, LogprobMode
+
+__all__ = ["VLLMGenerator"]
+
+_log = structlog.get_logger(__name__)
+
+
+def _import_vllm() -> Any:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+    try:
+        import vllm
+    except ImportError as error:
+        raise MissingExtraError("VLLMGenerator", "rollout", "vllm") from error
+    return vllm
+
+
+class _Pending:
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request = request
+        self.result: GenerationResult | None = None
+        self.error: BaseException | None = None
+        self.wake = anyio.Event()
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+
+class VLLMGenerator:
+    """Generate with an in-process ``vllm.LLM`` loaded from ``model`` (a folder or hub name).
+
+    ``engine_kwargs`` go to ``vllm.LLM`` unchanged (``gpu_memory_utilization``, ``max_model_len``,
+    ``dtype``...). On a CPU build the engine runs eagerly in this process (``enforce_eager``,
+    ``distributed_executor_backend="uni"``) unless those are given.
+    """
+
+    def __init__(
+        self, model: str | os.PathLike[str], *, logprobs: LogprobMode = "model", enable_lora: bool = False,
+        max_lora_rank: int = 16, seed: int = 0, **engine_kwargs: Any,
+    ) -> None:
+        vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
+        options: dict[str, Any] = {"distributed_executor_backend": "uni", "enable_prefix_caching": True, "seed": seed}
+        if current_platform.is_cpu():
+            options["enforce_eager"] = True
+        if enable_lora:
+            options.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        options["logprobs_mode"] = "raw_logprobs" if logprobs == "model" else "processed_logprobs"
+        options.update(engine_kwargs)
+        self._vllm = vllm
+        self.llm = vllm.LLM(model=str(model), **options)
+        self.logprobs_mode: LogprobMode = logprobs
+        self._enable_lora = enable_lora
+        self._lora: Any = None  # the LoRARequest serving the current adapter
+        self._lora_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._queue: list[_Pending] = []
+        self._driving = False
+        self.policy_version = 0
+
+    # --- generation -----------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Generate a continuation of ``request.prompt_ids`` (batched with concurrent calls)."""
+        if request.params.logprobs != self.logprobs_mode:
+            raise BackendCapabilityError(
+                f"this VLLMGenerator returns {self.logprobs_mode!r} log-probs (vLLM chooses them per "
+                f"engine) but the request asks for {request.params.logprobs!r}; create the generator "
+                f"with logprobs={request.params.logprobs!r}"
+            )
+        pending = _Pending(request)
+        self._queue.append(pending)
+        try:
+            while not pending.done:
+                if self._driving:
+                    pending.wake = anyio.Event()
+                    await pending.wake.wait()
+                else:
+                    await self._drive()
+        except BaseException:
+            if pending in self._queue:
+                self._queue.remove(pending)
+            self._hand_off()
+            raise
+        if pending.error is not None:
+            raise GenerationError(f"vLLM generation failed: {pending.error}") from pending.error
+        assert pending.result is not None
+        return pending.result
+
+    async def _drive(self) -> None:
+        batch, self._queue = self._queue, []
+        self._driving = True
+        try:
+            results = await anyio.to_thread.run_sync(self._run_batch, [p.request for p in batch])
+            for pending, result in zip(batch, results, strict=True):
+                pending.result = result
+        except BaseException as error:
+            for pending in batch:
+                pending.error = error
+            raise
+        finally:
+            self._driving = False
+            for pending in batch:
+                pending.wake.set()
+            self._hand_off()
+
+    def _hand_off(self) -> None:
+        """Wake one request that came in during a batch, so that it runs the next batch."""
+        if not self._driving and self._queue:
+            self._queue[0].wake.set()
+
+    def _sampling_params(self, request: GenerationRequest) -> Any:
+        p = request.params
+        return self._vllm.SamplingParams(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_new_tokens,
+            stop_token_ids=list(p.stop_token_ids), ignore_eos=True, seed=p.seed, logprobs=0, detokenize=False,
+        )
+
+    def _run_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        outputs = self.llm.generate(
+            prompts, [self._sampling_params(r) for r in requests], use_tqdm=False, lora_request=self._lora,
+        )
+        return [self._result(r, out) for r, out in zip(requests, outputs, strict=True)]
+
+    @staticmethod
+    def _result(request: GenerationRequest, output: Any) -> GenerationResult:
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)
+        logprobs = [step[token].logprob for token, step in zip(tokens, completion.logprobs or [], strict=True)]
+        reason = "stop" if tokens and tokens[-1] in request.params.stop_token_ids else "length"
+        return GenerationResult(
+            token_ids=tokens, logprobs=logprobs, finish_reason=reason, prompt_len=len(request.prompt_ids),
+            cached_tokens=int(output.num_cached_tokens or 0),
+        )
+
+    # --- weight sync ----------------------------------------------------------------------------
+
+    async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load ``(checkpoint name, tensor)`` pairs into the engine and drop its prefix cache."""
+        self._require_idle()
+        await anyio.to_thread.run_sync(self._reload, weights)
+
+    def _reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.reset_prefix_cache()
+        self.policy_version += 1
+
+    async def sync_from(self, model: nn.Module) -> None:
+        """Make the engine serve ``model``'s current weights (see the module docstring)."""
+        self._require_idle()
+        if is_peft_model(model) and self._enable_lora:
+            await anyio.to_thread.run_sync(self._publish_adapter, model)
+        else:
+            await anyio.to_thread.run_sync(self._reload, merged_weights(model))
+        _log.info("vllm_weights_synced", policy_version=self.policy_version, lora_only=self._lora is not None)
+
+    def _publish_adapter(self, model: nn.Module) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.TemporaryDirectory(prefix="thundersync-lora-")
+        self.policy_version += 1
+        path = Path(self._lora_dir.name) / f"v{self.policy_version}"
+        model.save_pretrained(path)  # peft saves the adapter only
+        self._lora = LoRARequest(f"policy-v{self.policy_version}", self.policy_version, str(path))
+        self.llm.reset_prefix_cache()
+
+    def _require_idle(self) -> None:
+        if self._driving or self._queue:
+            raise GenerationError(
+                "weights can only be synced while no generation is in flight; await the running "
+                "requests (the end of the rollout batch) first"
+            )
+
+    def close(self) -> None:
+        """Remove the adapter folder (the engine itself is freed with the object)."""
+        if self._lora_dir is not None:
+            self._lora_dir.cleanup()
+            self._lora_dir = None
