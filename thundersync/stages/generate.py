@@ -111,7 +111,7 @@ class GenerateStage(Stage):
             assert self.tools is not None
             observed = await self.tools.run(action)
             await outbox.send(observed)
-            context += result.token_ids + observed.token_ids
+            context = context + result.token_ids + observed.token_ids  # a new list: requests keep theirs
 
     def _request(self, group_id: Id, trajectory_id: int, turn: int, context: list[int]) -> GenerationRequest:
         key = f"{self.config.seed}/{group_id!r}/{trajectory_id}/{turn}".encode()

@@ -1,0 +1,103 @@
+"""The generate stage opens each group, then streams every trajectory's turns and observations."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import pytest
+
+from thundersync.errors import StageFailed
+from thundersync.events import ActionGenerated, GroupOpened, PromptSubmitted, ToolObserved
+from thundersync.generation.base import GenerationRequest
+from thundersync.pipeline import Graph, Pipeline
+from thundersync.pipeline.policy import PolicyClock
+from thundersync.stages.generate import GenerateStage
+from thundersync.testing import ScriptedGenerator, ScriptedTool
+
+pytestmark = pytest.mark.anyio
+
+
+def _prompt(group: int, tokens: list[int], samples: int = 2, batch: int = 0, size: int = 1) -> PromptSubmitted:
+    return PromptSubmitted(group_id=group, prompt_tokens=tokens, num_trajectories=samples, batch_id=batch,
+                           groups_in_batch=size)
+
+
+async def test_single_turn_groups_open_first_and_carry_the_generators_output(run_stage: Callable[..., Any]) -> None:
+    generator = ScriptedGenerator(vocab_size=50)
+    stage = GenerateStage(GenerateStage.Config(max_new_tokens=5), generator=generator)
+    out = await run_stage(stage, [_prompt(0, [1, 2]), _prompt(1, [3], samples=3)])
+    for group, samples in ((0, 2), (1, 3)):
+        mine = [e for e in out if e.group_id == group]
+        assert isinstance(mine[0], GroupOpened) and mine[0].trajectory_ids == list(range(samples))
+        actions = mine[1:]
+        assert sorted(a.trajectory_id for a in actions) == list(range(samples))
+        assert all(isinstance(a, ActionGenerated) and a.final and a.turn == 0 for a in actions)
+    requests = {(r.session_id): r for r in generator.requests}
+    assert len(requests) == 5
+    for action in (e for e in out if isinstance(e, ActionGenerated)):
+        request = requests[f"{action.group_id!r}/{action.trajectory_id}"]
+        again = await ScriptedGenerator(vocab_size=50).generate(request)  # an independent replay
+        assert (action.token_ids, action.behaviour_logprobs) == (again.token_ids, again.logprobs)
+        assert 1 <= len(action.token_ids) <= 5
+    seeds = {r.params.seed for r in generator.requests}
+    assert len(seeds) == 5  # every trajectory samples with its own seed
+
+
+async def test_multi_turn_trajectories_alternate_actions_and_observations(run_stage: Callable[..., Any]) -> None:
+    generator = ScriptedGenerator(vocab_size=20)
+    stage = GenerateStage(GenerateStage.Config(turns=4, max_new_tokens=3), generator=generator,
+                          tools=ScriptedTool(observation_len=2, end_token=5))
+    out = await run_stage(stage, [_prompt(0, [9, 9], samples=6)])
+    by_session: dict[Any, list[GenerationRequest]] = {}
+    for request in generator.requests:
+        by_session.setdefault(request.session_id, []).append(request)
+    for trajectory in range(6):
+        steps = [e for e in out if not isinstance(e, GroupOpened) and e.trajectory_id == trajectory]
+        kinds = [type(e) for e in steps]
+        assert kinds[::2] == [ActionGenerated] * len(kinds[::2]) and kinds[1::2] == [ToolObserved] * len(kinds[1::2])
+        actions = steps[::2]
+        assert [a.turn for a in actions] == list(range(len(actions))) and len(actions) <= 4
+        assert [a.final for a in actions] == [False] * (len(actions) - 1) + [True]
+        assert all(5 not in a.token_ids for a in actions[:-1])  # the end token ends a trajectory
+        if len(actions) < 4:
+            assert 5 in actions[-1].token_ids
+        context = [9, 9]  # each request continues prompt + action + observation + ...
+        for turn, request in enumerate(by_session[f"0/{trajectory}"]):
+            assert request.prompt_ids == context
+            context = context + [t for step in steps[2 * turn:2 * turn + 2] for t in step.token_ids]
+
+
+async def test_with_a_policy_clock_the_next_batch_waits_for_the_published_policy() -> None:
+    clock = PolicyClock()
+    stage = GenerateStage(generator=ScriptedGenerator(), policy=clock)
+    graph = Graph().add("generate", stage, reads=["input"])
+    seen: list[Any] = []
+    async with Pipeline(graph) as pipeline:
+        for group, batch in ((0, 0), (1, 0), (2, 1)):
+            await pipeline.send(_prompt(group, [1], samples=1, batch=batch, size=2 if batch == 0 else 1))
+        await pipeline.close()
+        results = pipeline.results()
+        with anyio.move_on_after(0.3):
+            async for event in results:
+                seen.append(event)
+        assert {e.group_id for e in seen} == {0, 1}  # batch 1 is held back
+        assert all(e.policy_version == 0 for e in seen)
+        clock.publish(1)
+        async for event in results:
+            seen.append(event)
+    late = [e for e in seen if e.group_id == 2]
+    assert [type(e) for e in late] == [GroupOpened, ActionGenerated] and late[1].policy_version == 1
+
+
+async def test_waiting_for_the_policy_needs_batch_sizes(run_stage: Callable[..., Any]) -> None:
+    stage = GenerateStage(generator=ScriptedGenerator(), policy=PolicyClock())
+    with pytest.raises(StageFailed, match=r"stage 'stage' failed .*prompts must say how many groups their batch "
+                                          r"has; group 0 has groups_in_batch=0"):
+        await run_stage(stage, [_prompt(0, [1], size=0)])
+
+
+def test_generate_needs_a_generator() -> None:
+    with pytest.raises(TypeError, match="generator"):
+        GenerateStage()  # type: ignore[call-arg]
