@@ -101,9 +101,9 @@ class FlatAccumulator:
         if scale == 0.0:
             return
         for (start, stop), s in zip(self.layout.spans, capture.scratch):
-            t = s.to(device=self.acc.device, dtype=self.acc.dtype)
+            t = s.to(self.acc.device)  # the sum below widens exactly, in one kernel
             if scale != 1.0:
-                t = t * scale
+                t = t.to(self.acc.dtype) * scale
             self.acc[start:stop].add_(t)
 
     def add_combination(self, terms: Sequence[tuple[float, FlatAccumulator]]) -> None:
