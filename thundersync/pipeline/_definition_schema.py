@@ -54,7 +54,8 @@ def _config_fields(stage: type[Stage]) -> list[tuple[str, Any, Any]]:
             out.append((info.name, info.type, msgspec.field(default_factory=info.default_factory)))
         else:
             out.append((info.name, info.type))
-    clash = sorted({name for name, *_ in out} & {name for name, *_ in GRAPH_FIELDS} | ({"type"} & {n for n, *_ in out}))
+    reserved = {name for name, *_ in GRAPH_FIELDS} | {"type"}
+    clash = sorted({name for name, *_ in out} & reserved)
     if clash:
         raise TypeError(f"{stage.__name__}.Config uses reserved field names {clash}; rename them")
     return out

@@ -43,13 +43,15 @@ def _parser() -> argparse.ArgumentParser:
     for sub in (check, run):
         sub.add_argument("file", type=Path, metavar="FILE", help="the pipeline definition (TOML)")
         sub.add_argument("-v", "--verbose", action="store_true", help="tracebacks and info-level logs")
-    run.add_argument("--metrics", type=Path, metavar="PATH", help="write JSON-lines metrics here (overrides run.metrics)")
+    run.add_argument("--metrics", type=Path, metavar="PATH",
+                     help="write JSON-lines metrics here (overrides run.metrics)")
     shown = run.add_mutually_exclusive_group()
     shown.add_argument("--progress", dest="progress", action="store_const", const="on",
                        help="show a live progress line on stderr even when it is not a terminal")
     shown.add_argument("--no-progress", dest="progress", action="store_const", const="off",
                        help="never show the progress line")
-    run.add_argument("--timeout", type=float, metavar="SECONDS", help="fail the run after this long (overrides run.timeout_s)")
+    run.add_argument("--timeout", type=float, metavar="SECONDS",
+                     help="fail the run after this long (overrides run.timeout_s)")
     return parser
 
 

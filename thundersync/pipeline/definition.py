@@ -48,7 +48,9 @@ from thundersync.pipeline.graph import DEFAULT_CAPACITY, INPUT, Graph
 from thundersync.pipeline.stage import Stage
 from thundersync.stages import REGISTRY
 
-__all__ = ["ObjectSpec", "PipelineSpec", "RunSettings", "StageSpec", "build_graph", "build_objects", "load", "loads"]
+__all__ = [
+    "ObjectSpec", "PipelineSpec", "RunSettings", "StageSpec", "build_graph", "build_objects", "load", "loads",
+]
 
 
 class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -157,7 +159,8 @@ def build_objects(spec: PipelineSpec, /, **given: Any) -> dict[str, Any]:
             continue
         prefix = f"objects.{name}"
         if obj.factory not in FACTORIES:
-            raise DefinitionError(f"{prefix}.factory: unknown factory {obj.factory!r}; known: {', '.join(FACTORIES)}")
+            raise DefinitionError(f"{prefix}.factory: unknown factory {obj.factory!r}; "
+                                  f"known: {', '.join(FACTORIES)}")
         node = convert({"factory": obj.factory, **obj.args}, object_union(), prefix, kind="factory",
                        known=list(FACTORIES), fields=["factory", *factory_params(obj.factory)])
         try:

@@ -99,7 +99,8 @@ class GenerateStage(Stage):
         context = list(prompt.prompt_tokens)
         for turn in range(self.config.turns):
             async with limiter:
-                result = await self.generator.generate(self._request(prompt.group_id, trajectory_id, turn, context))
+                request = self._request(prompt.group_id, trajectory_id, turn, context)
+                result = await self.generator.generate(request)
             final = (turn == self.config.turns - 1 or self.tools is None
                      or not self.tools.calls_tool(result.token_ids))
             action = ActionGenerated(group_id=prompt.group_id, trajectory_id=trajectory_id, turn=turn,

@@ -58,7 +58,8 @@ class TeacherStage(Stage):
                     continue
                 assert isinstance(event, (ActionGenerated, ToolObserved))
                 if isinstance(event, ActionGenerated):
-                    context = contexts.prompt(event.group_id) + contexts.completion(event.group_id, event.trajectory_id)
+                    group_id, trajectory_id = event.group_id, event.trajectory_id
+                    context = contexts.prompt(group_id) + contexts.completion(group_id, trajectory_id)
                     group.start_soon(self._score, event, context, outbox, limiter)
                 contexts.append(event)
                 if isinstance(event, ActionGenerated) and event.final:
@@ -73,5 +74,6 @@ class TeacherStage(Stage):
                                 f"trajectory {action.trajectory_id!r} (group {action.group_id!r}), which has "
                                 f"{len(action.token_ids)} tokens")
         scored = action.scored or [True] * len(logprobs)
+        kept = [lp for lp, keep in zip(logprobs, scored) if keep]
         await outbox.send(TeacherScored(group_id=action.group_id, trajectory_id=action.trajectory_id,
-                                        turn=action.turn, teacher_logprobs=[lp for lp, s in zip(logprobs, scored) if s]))
+                                        turn=action.turn, teacher_logprobs=kept))
