@@ -49,7 +49,7 @@ class ScriptedSource(Stage):
 
     produces: ClassVar[tuple[type[EventBase], ...]] = tuple(EVENT_TYPES.values())
 
-    class Config(Stage.Config):
+    class Config(Stage.Config, frozen=True):
         delay_s: float = 0.0
 
     config: Config

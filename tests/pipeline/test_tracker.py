@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thundersync.errors import NotReadyToStep, TrackerError
-from thundersync.events import BatchReady, GroupClosed, TrajectoryClosed
+from thundersync.events import BatchReady, EventBase, GroupClosed, TrajectoryClosed
 from thundersync.pipeline.tracker import BatchState, GroupState, Need, Tracker, TrajectoryState
 
 # --- an independent model: a scenario is a set of operations with precedence constraints ---------
@@ -18,7 +19,7 @@ from thundersync.pipeline.tracker import BatchState, GroupState, Need, Tracker, 
 @dataclass(frozen=True)
 class Op:
     kind: str  # open, turn, done, prompt, seal, begin, end, abandon
-    args: tuple[object, ...]
+    args: tuple[Any, ...]
 
 
 @dataclass
@@ -77,9 +78,9 @@ def scenarios(draw: st.DrawFn) -> Scenario:
                     s.scored[(g, t)] = sum(scored)
                 for op in ops:
                     add(op, opened)
-                for first, second in zip(ops, ops[1:]):  # turns in order; abandon last
-                    if second.kind in ("turn", "abandon") and first.kind == "turn":
-                        add(second, first)
+                for earlier, later in zip(ops, ops[1:]):  # turns in order; abandon last
+                    if later.kind in ("turn", "abandon") and earlier.kind == "turn":
+                        add(later, earlier)
                 if ops[-1].kind == "abandon":
                     for op in ops[:-1]:
                         add(ops[-1], op)
@@ -124,7 +125,7 @@ def _model(s: Scenario, applied: set[Op]) -> tuple[set[tuple[str, str]], set[str
     return closed, groups, batches
 
 
-def _apply(tracker: Tracker, op: Op) -> list[object]:
+def _apply(tracker: Tracker, op: Op) -> list[EventBase]:
     a = op.args
     if op.kind == "open":
         return tracker.open_group(a[0], list(a[1]), batch_id=a[2], groups_in_batch=a[3])

@@ -42,11 +42,8 @@ GRAPH_FIELDS: tuple[tuple[str, Any, Any], ...] = (
 )
 """Fields every stage table has besides ``type`` and its Config's fields."""
 
-_OPTIONS = {"kw_only": True, "frozen": True, "forbid_unknown_fields": True}
-
-
-def _config_fields(stage: type[Stage]) -> list[tuple[str, Any, Any]]:
-    out = []
+def _config_fields(stage: type[Stage]) -> list[tuple[Any, ...]]:
+    out: list[tuple[Any, ...]] = []
     for info in msgspec.structs.fields(stage.Config):
         if info.default is not msgspec.NODEFAULT:
             out.append((info.name, info.type, info.default))
@@ -65,7 +62,7 @@ def _config_fields(stage: type[Stage]) -> list[tuple[str, Any, Any]]:
 def stage_union() -> Any:
     """The tagged union of every registered stage type (tag field ``type``)."""
     specs = [msgspec.defstruct(f"{cls.__name__}Table", [*GRAPH_FIELDS, *_config_fields(cls)],
-                               tag=name, tag_field="type", **_OPTIONS)  # type: ignore[arg-type]
+                               tag=name, tag_field="type", kw_only=True, frozen=True, forbid_unknown_fields=True)
              for name, cls in REGISTRY.items()]
     return Union[tuple(specs)]  # noqa: UP007 (a runtime union of classes)
 
@@ -95,7 +92,7 @@ def _plain(info: msgspec.inspect.Type) -> bool:
 def factory_params(factory: str) -> dict[str, tuple[Any, Any]]:
     """Keyword arguments a file may give a factory: name -> (type, default or NODEFAULT)."""
     target: Callable[..., Any] = FACTORIES[factory]
-    hints = typing.get_type_hints(target.__init__ if isinstance(target, type) else target)
+    hints = typing.get_type_hints(typing.cast(Any, target).__init__ if isinstance(target, type) else target)
     params = inspect.signature(target).parameters.values()
     return {p.name: (hints[p.name], p.default if p.default is not p.empty else msgspec.NODEFAULT)
             for p in params if p.name in hints and _decodable(hints[p.name])
@@ -105,11 +102,12 @@ def factory_params(factory: str) -> dict[str, tuple[Any, Any]]:
 @functools.cache
 def object_union() -> Any:
     """The tagged union of every registered factory (tag field ``factory``)."""
-    specs = []
+    specs: list[Any] = []
     for name in FACTORIES:
         fields = [(k, hint) if default is msgspec.NODEFAULT else (k, hint, default)
                   for k, (hint, default) in factory_params(name).items()]
-        specs.append(msgspec.defstruct(f"Factory{len(specs)}", fields, tag=name, tag_field="factory", **_OPTIONS))
+        specs.append(msgspec.defstruct(f"Factory{len(specs)}", fields, tag=name, tag_field="factory",
+                                       kw_only=True, frozen=True, forbid_unknown_fields=True))
     return Union[tuple(specs)]  # noqa: UP007
 
 

@@ -13,7 +13,7 @@ The tracker is synchronous and pure bookkeeping: each call returns the events th
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from thundersync.errors import NotReadyToStep, TrackerError
 from thundersync.events import BatchReady, EventBase, GroupClosed, Id, TrajectoryClosed
@@ -247,5 +247,5 @@ class Tracker:
         return trajectory
 
     @staticmethod
-    def _names(mapping: dict[Id, object]) -> str:
+    def _names(mapping: Mapping[Id, object]) -> str:
         return ", ".join(repr(k) for k in mapping) or "none"

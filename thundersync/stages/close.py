@@ -43,7 +43,7 @@ class CloseStage(Stage):
         GroupOpened, ActionGenerated, Rewarded, TeacherScored, BackwardDone, StageFailedEvent)
     produces: ClassVar[tuple[type[EventBase], ...]] = (TrajectoryClosed, GroupClosed, BatchReady)
 
-    class Config(Stage.Config):
+    class Config(Stage.Config, frozen=True):
         wait_for: tuple[Literal["reward", "teacher", "backward"], ...] = ("reward",)
 
     config: Config
@@ -58,7 +58,8 @@ class CloseStage(Stage):
 
     def required_inputs(self) -> tuple[type[EventBase], ...]:
         """The event types some stage it reads from must produce, or the tracker would wait forever."""
-        by_need = {"reward": Rewarded, "teacher": TeacherScored, "backward": BackwardDone}
+        by_need: dict[str, type[EventBase]] = {"reward": Rewarded, "teacher": TeacherScored,
+                                              "backward": BackwardDone}
         return (GroupOpened, ActionGenerated, *(by_need[need] for need in self.config.wait_for))
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:

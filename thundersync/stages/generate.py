@@ -47,7 +47,7 @@ class GenerateStage(Stage):
     consumes: ClassVar[tuple[type[EventBase], ...]] = (PromptSubmitted,)
     produces: ClassVar[tuple[type[EventBase], ...]] = (GroupOpened, ActionGenerated, ToolObserved)
 
-    class Config(Stage.Config):
+    class Config(Stage.Config, frozen=True):
         max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
         temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
         turns: Annotated[int, msgspec.Meta(ge=1)] = 1

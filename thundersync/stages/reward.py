@@ -37,7 +37,7 @@ class RewardStage(Stage):
     consumes: ClassVar[tuple[type[EventBase], ...]] = (GroupOpened, ActionGenerated, ToolObserved)
     produces: ClassVar[tuple[type[EventBase], ...]] = (Rewarded,)
 
-    class Config(Stage.Config):
+    class Config(Stage.Config, frozen=True):
         concurrency: Annotated[int, msgspec.Meta(ge=1)] = 16
 
     config: Config

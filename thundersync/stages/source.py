@@ -31,7 +31,7 @@ class SourceStage(Stage):
     consumes: ClassVar[tuple[type[EventBase], ...]] = ()
     produces: ClassVar[tuple[type[EventBase], ...]] = (PromptSubmitted,)
 
-    class Config(Stage.Config):
+    class Config(Stage.Config, frozen=True):
         prompts: list[_TokenIds]
         samples: Annotated[int, msgspec.Meta(ge=1)] = 1
         groups_per_batch: Annotated[int, msgspec.Meta(ge=0)] = 0

@@ -39,7 +39,7 @@ class TeacherStage(Stage):
     consumes: ClassVar[tuple[type[EventBase], ...]] = (GroupOpened, ActionGenerated, ToolObserved)
     produces: ClassVar[tuple[type[EventBase], ...]] = (TeacherScored,)
 
-    class Config(Stage.Config):
+    class Config(Stage.Config, frozen=True):
         concurrency: Annotated[int, msgspec.Meta(ge=1)] = 16
 
     config: Config
