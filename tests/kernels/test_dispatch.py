@@ -114,3 +114,14 @@ def test_profile_ranges_name_each_kernel_and_change_no_result(monkeypatch: pytes
     assert torch.equal(plain, ranged)
     recorded = {"thundersync.linear_logprobs", "thundersync.chunk_attention.reference"} <= names
     assert recorded == (mode != "nvtx")  # nvtx ranges go to the CUDA tools, not to kineto
+
+
+def test_split_attention_is_preferred_without_prefix_or_for_large_prefix_times_chunk() -> None:
+    from thundersync.kernels.attention import _preference
+
+    assert _preference(0, 64)[0] == "sdpa_split"
+    assert _preference(8192, 2048)[0] == "sdpa_split"
+    assert _preference(4096, 1024)[0] == "sdpa_split"
+    assert _preference(2048, 512)[0] == "sdpa_masked"
+    assert _preference(8192, 128)[0] == "sdpa_masked"
+    assert set(_preference(512, 64)) == {"sdpa_split", "sdpa_masked", "flex"}

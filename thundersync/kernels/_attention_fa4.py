@@ -30,5 +30,5 @@ def fa4_chunk_attention(
     k = torch.cat([kp, kc], dim=2).transpose(1, 2)
     v = torch.cat([vp, vc], dim=2).transpose(1, 2)
     result = _fa4()(q.transpose(1, 2), k, v, softmax_scale=scale, causal=True)
-    out = result[0] if isinstance(result, tuple) else result
+    out: torch.Tensor = result[0] if isinstance(result, tuple) else result
     return out.transpose(1, 2)

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-call"
+# (torch.autograd.Function.apply and Tensor.backward are untyped in torch's stubs)
 """SDPA paths of the chunk attention: the split form merged by log-sum-exp, and one masked call.
 
 Split form. With o_1, l_1 the flash attention of the (grouped) queries over the prefix (no mask) and
@@ -12,6 +14,7 @@ the full attention restricted to that part's keys, and dq is the sum of the two 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -40,11 +43,13 @@ def _flash_backward(
 
 class _SplitAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float) -> torch.Tensor:
         q = q.contiguous()
         n_kv = kc.shape[1]
         tail = _flash(q, kc, vc, True, scale)
-        out, lse, head = tail[0], tail[1], None
+        out: torch.Tensor = tail[0]
+        lse: torch.Tensor = tail[1]
+        head = None
         if kp.shape[2] > 0:
             head = _flash(group_queries(q, n_kv), kp, vp, False, scale)
             lse_head = head[1].reshape(lse.shape)
@@ -58,7 +63,7 @@ class _SplitAttention(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, kp, vp, kc, vc, out, lse = ctx.saved_tensors
         grad = grad.contiguous()
         dq, dkc, dvc = _flash_backward(ctx.tail, grad, q, kc, vc, out, lse, True, ctx.scale)
@@ -81,13 +86,18 @@ def sdpa_split_chunk_attention(
     return out
 
 
+@functools.lru_cache(maxsize=8)  # masks of recent (rows, chunk, prefix) shapes
+def _cached_mask(rows: int, chunk: int, prefix: int, device: torch.device) -> torch.Tensor:
+    return visible_mask(rows, chunk, prefix, device)
+
+
 def sdpa_masked_chunk_attention(
     q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """One SDPA call over [prefix; chunk] with an explicit mask, queries grouped per K/V head."""
     n_kv, t = kc.shape[1], kc.shape[2]
     qg = group_queries(q.contiguous(), n_kv)
-    mask = visible_mask(qg.shape[2], t, kp.shape[2], q.device)
+    mask = _cached_mask(qg.shape[2], t, kp.shape[2], q.device)
     k, v = torch.cat([kp, kc], dim=2), torch.cat([vp, vc], dim=2)
-    out = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    out: torch.Tensor = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     return out.reshape(q.shape)

@@ -76,7 +76,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _stats_and_coefficients(
     ops: RowOps, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, with_entropy: bool, want_dh: bool
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     n, width = h.shape
     acc = _acc_dtype(h.dtype)
     lp = torch.empty(n, dtype=acc, device=h.device)
@@ -105,7 +105,7 @@ class LinearLogprobs(torch.autograd.Function):
     """Autograd function of chunked linear log-probabilities (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, with_entropy: bool, ops: RowOps) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, with_entropy: bool, ops: RowOps) -> tuple[torch.Tensor, ...]:
         want_dh = ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]
         lp, lse, ent, a, b = _stats_and_coefficients(ops, h, w, y, with_entropy, want_dh)
         ctx.ops, ctx.with_entropy, ctx.precomputed = ops, with_entropy, want_dh
@@ -115,7 +115,7 @@ class LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
         h, w, y, lse, mean_z, a, b = ctx.saved_tensors
         if ctx.precomputed:
             dh = a * g_lp[:, None] if g_lp is not None else torch.zeros_like(a)

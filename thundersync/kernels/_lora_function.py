@@ -48,7 +48,7 @@ class LoraLinear(torch.autograd.Function):
     """y = x W^T + b + s (x A^T) B^T through ``gemm`` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, scaling: float, gemm: Gemm) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, scaling: float, gemm: Gemm) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         u = (x2 @ a.t()).contiguous()
         y = gemm(x2, w.t(), u, b.t(), bias, scaling)
@@ -58,7 +58,7 @@ class LoraLinear(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x2, w, a, b, u = ctx.saved_tensors
         s, needs = ctx.scaling, ctx.needs_input_grad
         dy2 = dy.reshape(-1, w.shape[0]).contiguous()

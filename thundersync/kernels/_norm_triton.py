@@ -1,3 +1,4 @@
+# mypy: disable-error-code="untyped-decorator,no-untyped-def,no-untyped-call,no-any-return"
 """Triton RMSNorm, forward and backward, one row per program step, fp32 arithmetic.
 
 Forward (per row x of length H): r = 1 / sqrt(mean(x^2) + eps), n = cast(x r), y = cast(n w).
@@ -60,7 +61,7 @@ def _block(n_cols: int) -> int:
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         rows, cols = x2.shape
         y = torch.empty_like(x2)
@@ -71,7 +72,7 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x2, w, r = ctx.saved_tensors
         rows, cols = x2.shape
         progs = max(1, min(rows, 4 * _sm_count(x2.device)))

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-call"
+# (torch.autograd.Function.apply and Tensor.backward are untyped in torch's stubs)
 """Attention of a streaming chunk over its prefix state, with the path chosen by probing.
 
 ``chunk_attention(q, k_prefix, v_prefix, k_chunk, v_chunk)``: every query of the chunk sees the
@@ -40,7 +42,7 @@ _MODULES = {
     "sdpa_masked": "thundersync.kernels._attention_sdpa",
 }
 _COUNTS: collections.Counter[str] = collections.Counter()
-SPLIT_MIN_PREFIX = 4096
+SPLIT_MIN_WORK = 4096 * 1024  # prefix * chunk from which the split form is preferred
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
@@ -58,7 +60,7 @@ def chunk_attention(
     """
     _check(q, k_prefix, v_prefix, k_chunk, v_chunk)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    name = _forced(path, q, k_chunk) if path is not None else _choose(q, k_chunk, k_prefix.shape[2])
+    name = _forced(path, q, k_chunk) if path is not None else _choose(q, k_chunk, k_prefix.shape[2], q.shape[2])
     _COUNTS[name] += 1
     with profile_range(f"chunk_attention.{name}"):
         return _function(name)(q, k_prefix, v_prefix, k_chunk, v_chunk, scale)
@@ -81,7 +83,7 @@ def _function(name: str) -> AttentionFn:
     return fn
 
 
-def _choose(q: torch.Tensor, k_chunk: torch.Tensor, prefix: int) -> str:
+def _choose(q: torch.Tensor, k_chunk: torch.Tensor, prefix: int, chunk: int) -> str:
     mode = fa4_mode()
     if mode != "off":
         cap = capability("fa4", q, k_chunk)
@@ -92,17 +94,17 @@ def _choose(q: torch.Tensor, k_chunk: torch.Tensor, prefix: int) -> str:
                 f"THUNDERSYNC_FA4=require, but FlashAttention 4 cannot run on {cap.device} {cap.dtype} "
                 f"({cap.shape_class}): {cap.why}; install flash-attn-4 on a supported GPU or set THUNDERSYNC_FA4=auto"
             )
-    for name in _preference(prefix):
+    for name in _preference(prefix, chunk):
         if capability(name, q, k_chunk).ok:
             return name
     return "reference"
 
 
-def _preference(prefix: int) -> tuple[str, ...]:
-    """Split when it measured faster than one masked call on the H200 (bench/RESULTS.md): no
-    prefix (a single causal flash call) or long prefixes; below that the split form's extra
-    launches cost more than the masked call's wasted work."""
-    if prefix == 0 or prefix >= SPLIT_MIN_PREFIX:
+def _preference(prefix: int, chunk: int) -> tuple[str, ...]:
+    """Split where it measured at least as fast as one masked call on the H200 (bench/RESULTS.md):
+    no prefix (one causal flash call) or prefix * chunk >= 4096 * 1024; below that the split
+    form's extra launches cost more than the masked call's wasted work."""
+    if prefix == 0 or prefix * chunk >= SPLIT_MIN_WORK:
         return ("sdpa_split", "sdpa_masked", "flex")
     return ("sdpa_masked", "sdpa_split", "flex")
 
@@ -134,9 +136,10 @@ def _trial(name: str, device: torch.device, dtype: torch.dtype, d: int, groups: 
     inputs = [torch.randn(*s, generator=gen).to(device, dtype) for s in shapes]
     grad = torch.randn(*shapes[0], generator=gen).to(device, dtype)
     results = []
-    for fn in (_function(name), reference_chunk_attention):
+    candidates: tuple[AttentionFn, AttentionFn] = (_function(name), reference_chunk_attention)
+    for fn in candidates:
         leaves = [t.clone().requires_grad_() for t in inputs]
-        out = fn(*leaves, d**-0.5)
+        out = fn(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], d**-0.5)
         out.backward(grad)
         results.append((out, *(t.grad for t in leaves)))
     tol = 1e-4 if dtype == torch.float32 else 2e-2

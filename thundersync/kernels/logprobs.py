@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-call"
+# (torch.autograd.Function.apply and Tensor.backward are untyped in torch's stubs)
 """Log-probabilities of target tokens straight from hidden states and the output head.
 
 ``linear_logprobs(h, W, y)[n] = log softmax(h W^T)[n, y_n]`` without ever holding the [N, V]

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-call"
+# (torch.autograd.Function.apply and Tensor.backward are untyped in torch's stubs)
 """RMSNorm with Qwen3/Llama semantics: normalize in fp32, cast back, then scale by the weight.
 
     rms_norm(x, w)[..., i] = w_i * cast_x((x_i / sqrt(mean_j x_j^2 + eps)))
