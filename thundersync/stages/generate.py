@@ -63,7 +63,7 @@ class GenerateStage(Stage):
         self.generator = generator
         self.tools = tools
         self.policy = policy
-        self._batches: list[Id] = []  # batch ids in the order they started
+        self._batches: set[Id] = set()  # batch ids already started
         self._base_version = 0 if policy is None else policy.version  # batch n needs base + n
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
@@ -83,7 +83,7 @@ class GenerateStage(Stage):
                                   f"many groups their batch has; group {prompt.group_id!r} has "
                                   "groups_in_batch=0 (set groups_per_batch on the source)")
             await self.policy.wait_for(self._base_version + len(self._batches))
-        self._batches.append(prompt.batch_id)
+        self._batches.add(prompt.batch_id)
 
     async def _group(self, prompt: PromptSubmitted, outbox: Outbox, limiter: anyio.CapacityLimiter) -> None:
         ids = list(range(prompt.num_trajectories))
