@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thundersync.errors import ConfigError
 from thundersync.events import ActionGenerated, BatchReady, GroupClosed, StepDone, TrajectoryClosed
 from thundersync.generation.base import GenerationRequest, Generator, SamplingParams
 from thundersync.pipeline import Graph, Pipeline
@@ -75,14 +74,6 @@ def test_the_scripted_tool_observes_until_the_end_token() -> None:
     observed = anyio.run(tool.run, action)
     assert (observed.group_id, observed.trajectory_id, observed.turn, len(observed.token_ids)) == (0, 1, 2, 4)
     assert observed == anyio.run(ScriptedTool(observation_len=4).run, action)
-
-
-def test_the_policy_clock_only_moves_forward() -> None:
-    clock = PolicyClock()
-    clock.publish(2)
-    with pytest.raises(ConfigError, match="policy version 2 was published after version 2; versions must increase"):
-        clock.publish(2)
-    assert anyio.run(clock.wait_for, 1) == 2
 
 
 def _graph(wait_for: tuple[str, ...], trainer: RecordingTrainer) -> Graph:
