@@ -12,7 +12,8 @@ A request that asks for the other mode fails with :class:`BackendCapabilityError
 Weight sync after each optimizer step, while no generation is in flight:
 
 - :meth:`sync_from` a plain transformers model: every parameter is copied into the engine
-  (``collective_rpc("reload_weights", ...)``), then the prefix cache is reset.
+  (``collective_rpc("reload_weights", ...)``, a tied head sent under both names), then the
+  prefix cache is reset.
 - :meth:`sync_from` a peft LoRA model with ``enable_lora=True``: only the adapter moves. It is
   saved to a private folder and served as a new ``LoRARequest``; the base weights stay.
   Without ``enable_lora`` the adapter is merged (``W + B A``) and the full weights are reloaded.
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ import structlog
 import torch
 from torch import nn
 
+from thundersync.engine.anatomy import unwrap_peft
 from thundersync.errors import BackendCapabilityError, GenerationError, MissingExtraError
 from thundersync.generation._peft_weights import is_peft_model, merged_weights
 from thundersync.generation.base import GenerationRequest, GenerationResult, LogprobMode
@@ -51,6 +53,21 @@ def _import_vllm() -> Any:
     except ImportError as error:
         raise MissingExtraError("VLLMGenerator", "rollout", "vllm") from error
     return vllm
+
+
+def _with_tied_head(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` plus ``lm_head.weight`` when it is tied to the embedding.
+
+    transformers lists a tied head once (as the embedding); vLLM's in-place reload needs both
+    names, or its head keeps the old values.
+    """
+    sent = set()
+    for name, tensor in weights:
+        sent.add(name)
+        yield name, tensor
+    embedding = "model.embed_tokens.weight"
+    if getattr(unwrap_peft(model).config, "tie_word_embeddings", False) and "lm_head.weight" not in sent and embedding in sent:
+        yield "lm_head.weight", unwrap_peft(model).get_input_embeddings().weight.detach()
 
 
 class _Pending:
@@ -178,7 +195,10 @@ class VLLMGenerator:
     # --- weight sync ----------------------------------------------------------------------------
 
     async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load ``(checkpoint name, tensor)`` pairs into the engine and drop its prefix cache."""
+        """Load ``(checkpoint name, tensor)`` pairs into the engine and drop its prefix cache.
+
+        With tied embeddings send ``lm_head.weight`` as well (:meth:`sync_from` does).
+        """
         self._require_idle()
         await anyio.to_thread.run_sync(self._reload, weights)
 
@@ -193,7 +213,7 @@ class VLLMGenerator:
         if is_peft_model(model) and self._enable_lora:
             await anyio.to_thread.run_sync(self._publish_adapter, model)
         else:
-            await anyio.to_thread.run_sync(self._reload, merged_weights(model))
+            await anyio.to_thread.run_sync(self._reload, _with_tied_head(model, merged_weights(model)))
         _log.info("vllm_weights_synced", policy_version=self.policy_version, lora_only=self._lora is not None)
 
     def _publish_adapter(self, model: nn.Module) -> None:
