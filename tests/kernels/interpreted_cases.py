@@ -57,7 +57,7 @@ def test_triton_logprob_rows_match_the_torch_rows(
     results = []
     for ops in (interpreted._logprobs_triton.TritonRowOps(), TorchRowOps()):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_(train_head)
-        lp, ent = LinearLogprobs.apply(hh, ww, y, True, ops)
+        lp, ent = LinearLogprobs.apply(hh, ww, y, True, ops, True)
         ((lp * g[0]).sum() + (ent * g[1]).sum()).backward()
         results.append([lp, ent, hh.grad] + ([ww.grad] if train_head else []))
     _assert_all_close(results[0], results[1], 2e-4)  # fp32 sums over the vocabulary, in another order

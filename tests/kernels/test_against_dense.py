@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 from thundersync import kernels
 from thundersync.kernels import _logprobs_core
+from thundersync.kernels._logprobs_core import LinearLogprobs
+from thundersync.kernels._logprobs_torch import TorchRowOps
 from thundersync.kernels._lora_function import LoraLinear, cublas_lora_gemm
 
 SETTINGS = settings(max_examples=15, deadline=None)
@@ -44,6 +46,28 @@ def _check_logprobs_against_dense(n: int, width: int, vocab: int, seed: int, tra
         grads.append((lp, ent, hh.grad, ww.grad if train_head else torch.zeros(())))
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+class _CountingRows(TorchRowOps):
+    def __init__(self) -> None:
+        self.grad_calls = 0
+
+    def grad(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.grad_calls += 1
+        return super().grad(*args, **kwargs)
+
+
+def test_linear_logprobs_prepare_hidden_gradients_only_when_a_backward_can_follow() -> None:
+    h = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    w, y = torch.randn(9, 4, dtype=torch.float64), torch.randint(0, 9, (6,))
+    ops = _CountingRows()
+    with torch.no_grad():
+        LinearLogprobs.apply(h, w, y, False, ops, torch.is_grad_enabled())
+    assert ops.grad_calls == 0
+    (lp,) = LinearLogprobs.apply(h, w, y, False, ops, torch.is_grad_enabled())
+    assert ops.grad_calls == 1  # the frozen head's d lp / d h, formed in the forward
+    lp.sum().backward()
+    assert ops.grad_calls == 1 and h.grad is not None
 
 
 def test_linear_logprobs_bf16_accumulates_in_fp32_like_an_fp32_reference() -> None:

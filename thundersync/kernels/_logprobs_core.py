@@ -105,8 +105,12 @@ class LinearLogprobs(torch.autograd.Function):
     """Autograd function of chunked linear log-probabilities (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, with_entropy: bool, ops: RowOps) -> tuple[torch.Tensor, ...]:
-        want_dh = ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]
+    def forward(
+        ctx: Any, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, with_entropy: bool, ops: RowOps, grad_enabled: bool
+    ) -> tuple[torch.Tensor, ...]:
+        # grad_enabled: the caller's grad mode (forward always runs without it); under no_grad the
+        # frozen-head precomputation would be wasted work.
+        want_dh = grad_enabled and ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]
         lp, lse, ent, a, b = _stats_and_coefficients(ops, h, w, y, with_entropy, want_dh)
         ctx.ops, ctx.with_entropy, ctx.precomputed = ops, with_entropy, want_dh
         mean_z = lse - ent if ent is not None else None
@@ -121,8 +125,8 @@ class LinearLogprobs(torch.autograd.Function):
             dh = a * g_lp[:, None] if g_lp is not None else torch.zeros_like(a)
             if b is not None and g_ent is not None:
                 dh += b * g_ent[:, None]
-            return dh.to(h.dtype), None, None, None, None
-        return (*_recompute_grads(ctx, h, w, y, lse, mean_z, g_lp, g_ent), None, None, None)
+            return dh.to(h.dtype), None, None, None, None, None
+        return (*_recompute_grads(ctx, h, w, y, lse, mean_z, g_lp, g_ent), None, None, None, None)
 
 
 def _recompute_grads(

@@ -43,7 +43,7 @@ def linear_logprobs(
     _check(hidden, weight, targets)
     ops = _row_ops(hidden)
     with profile_range("linear_logprobs"):
-        out = LinearLogprobs.apply(hidden, weight, targets, with_entropy, ops)
+        out = LinearLogprobs.apply(hidden, weight, targets, with_entropy, ops, torch.is_grad_enabled())
     return (out[0], out[1]) if with_entropy else out[0]
 
 
@@ -52,7 +52,7 @@ def reference_linear_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The same function in pure torch on any device (chunked, never the full [N, V])."""
     _check(hidden, weight, targets)
-    out = LinearLogprobs.apply(hidden, weight, targets, with_entropy, TorchRowOps())
+    out = LinearLogprobs.apply(hidden, weight, targets, with_entropy, TorchRowOps(), torch.is_grad_enabled())
     return (out[0], out[1]) if with_entropy else out[0]
 
 
@@ -93,7 +93,7 @@ def _trial(device: torch.device, dtype: torch.dtype) -> None:
     results = []
     for ops in (TritonRowOps(), TorchRowOps()):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        lp, ent = LinearLogprobs.apply(hh, ww, y, True, ops)
+        lp, ent = LinearLogprobs.apply(hh, ww, y, True, ops, True)
         (lp.sum() + 0.5 * ent.sum()).backward()
         results.append((lp, ent, hh.grad, ww.grad))
     tol = 1e-4 if dtype == torch.float32 else 2e-2
