@@ -17,7 +17,7 @@ import anyio
 import structlog
 
 from thundersync.errors import PipelineError
-from thundersync.pipeline._stats import RunStatistics
+from thundersync.pipeline.runner import RunStatistics
 from thundersync.pipeline.embed import Pipeline
 from thundersync.pipeline.graph import Graph
 from thundersync.pipeline.metrics import JsonlMetrics

@@ -22,7 +22,7 @@ from typing import IO, Any
 import msgspec
 
 from thundersync.events import EventBase
-from thundersync.pipeline._stats import RunStatistics
+from thundersync.pipeline.runner import RunStatistics
 
 __all__ = ["JsonlMetrics"]
 

@@ -11,7 +11,7 @@ arguments of ``__init__``, never config fields::
         consumes = (Rewarded,)
         produces = (Rewarded,)
 
-        class Config(Stage.Config):
+        class Config(Stage.Config, frozen=True):
             factor: float = 2.0
 
         async def run(self, inbox: Inbox, outbox: Outbox) -> None:
