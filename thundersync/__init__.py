@@ -35,6 +35,14 @@ _LAZY: dict[str, str] = {
     "StreamingRun": "thundersync.engine",
     "RewardLinearBackward": "thundersync.grpo",
     "OPDStream": "thundersync.opd",
+    "TorchGenerator": "thundersync.generation.torch_generator",
+    "VLLMGenerator": "thundersync.generation.vllm_generator",
+    "OpenAIGenerator": "thundersync.generation.openai_generator",
+    "SamplingParams": "thundersync.generation.base",
+    "GenerationRequest": "thundersync.generation.base",
+    "GenerationResult": "thundersync.generation.base",
+    "Generator": "thundersync.generation.base",
+    "generate_many": "thundersync.generation.base",
 }
 
 __all__ = ["__version__", "errors", "events", *sorted(_LAZY)]
