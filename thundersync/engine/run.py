@@ -53,6 +53,7 @@ class StreamingRun:
         self._capture: GradCapture | None = None
         self._total: FlatAccumulator | None = None
         self._versions: list[int] | None = None
+        self._probed = False
 
     # --- shared resources (worker side) --------------------------------------------------------
 
@@ -83,6 +84,8 @@ class StreamingRun:
 
         def run() -> None:
             with torch.enable_grad():
+                if not self._probed:
+                    self._probe_attention()
                 job()
 
         self.worker.submit(label, run)
@@ -141,6 +144,29 @@ class StreamingRun:
         """Bytes of tensors the run itself holds (scratch and total; objectives add theirs)."""
         held = [self._capture, self._total]
         return sum(h.nbytes() for h in held if h is not None)
+
+    def _probe_attention(self) -> None:
+        """Probe every attention path once with gradients enabled, on this model's head shape.
+
+        A kernel probe runs a forward+backward trial and caches its verdict; the engine's first
+        attention call is often a no-grad prompt forward, where that trial cannot backpropagate
+        and would mark fast paths unusable for the whole process. (Remove once
+        ``kernels.probe.probe`` enables gradients around its trials.)
+        """
+        self._probed = True
+        if self.layout.device.type != "cuda":
+            return
+        from thundersync.errors import KernelError
+        from thundersync.kernels import ATTENTION_PATHS, chunk_attention
+
+        a = self.anatomy
+        q = torch.zeros(1, a.num_heads, 2, a.head_dim, dtype=a.dtype, device=self.layout.device, requires_grad=True)
+        kv = torch.zeros(1, a.num_kv_heads, 2, a.head_dim, dtype=a.dtype, device=self.layout.device, requires_grad=True)
+        for path in ATTENTION_PATHS:
+            try:
+                chunk_attention(q, kv, kv, kv, kv, scale=a.scaling, path=path)
+            except KernelError:
+                pass  # the probe recorded why; dispatch will skip this path
 
     def _check_deterministic(self) -> None:
         model = self.anatomy.model
