@@ -1,22 +1,36 @@
 # Sourced by .ci/run (as root, on a fresh Debian 12 machine): sets up the container engines that
 # the `docker`-marked sandbox tests use, so that they run for real instead of skipping.
 #
-#   1. apt: docker.io (dockerd + containerd + runc), proot, busybox-static, libseccomp2
-#   2. an offline busybox rootfs (no registry is reachable), imported into Docker and uDocker
+#   1. apt: docker.io (dockerd + containerd + runc), podman, proot, busybox-static, libseccomp2
+#   2. an offline busybox rootfs (no registry is reachable), imported into Docker, Podman, uDocker
 #   3. uDocker set up offline (UDOCKER_TARBALL empty, a proot wrapper that drops `-k <release>`)
 #   4. dockerd with networking switched off (never the default setup: it rewrites the host
-#      firewall), on a short socket path; an EXIT trap stops it by pid and removes everything
+#      firewall), on a short socket path, and `podman system service` (Docker-compatible API,
+#      containers without a network by default); an EXIT trap removes their containers, stops
+#      both by pid and removes everything
 #
-# Exports DOCKER_HOST, UDOCKER_DIR, UDOCKER_TARBALL, UDOCKER_USE_PROOT_EXECUTABLE,
-# THUNDERSYNC_TEST_IMAGE and THUNDERSYNC_REQUIRE_SANDBOXES=1 (missing engines then fail the tests).
+# Exports DOCKER_HOST, THUNDERSYNC_TEST_PODMAN_HOST, UDOCKER_DIR, UDOCKER_TARBALL,
+# UDOCKER_USE_PROOT_EXECUTABLE, THUNDERSYNC_TEST_IMAGE and THUNDERSYNC_REQUIRE_SANDBOXES=1
+# (missing engines then fail the tests instead of skipping them).
 
 _ts_sb_start=$SECONDS
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq --no-install-recommends docker.io proot busybox-static libseccomp2 >/dev/null
+apt-get install -y -qq --no-install-recommends docker.io podman proot busybox-static libseccomp2 >/dev/null
 
 TS_SB_DIR=$(mktemp -d /tmp/tssb.XXXXXX)   # short: unix socket paths are limited to 107 bytes
 chmod 700 "$TS_SB_DIR"
+_ts_podman=(podman --root "$TS_SB_DIR/podman/root" --runroot "$TS_SB_DIR/podman/run" --storage-driver vfs)
+_ts_sandboxes_cleanup() {
+    docker ps -aq 2>/dev/null | xargs -r docker rm -f >/dev/null 2>&1 || true
+    "${_ts_podman[@]}" rm -af -t 0 >/dev/null 2>&1 || true
+    kill ${TS_SB_DOCKERD_PID:-} ${TS_SB_PODMAN_PID:-} 2>/dev/null || true
+    wait ${TS_SB_DOCKERD_PID:-} ${TS_SB_PODMAN_PID:-} 2>/dev/null || true
+    rm -rf "$TS_SB_DIR" || true
+}
+# Chain with an EXIT trap that may already be set, instead of replacing it.
+_ts_prev_exit_trap=$(trap -p EXIT | sed -e "s/^trap -- '//" -e "s/' EXIT\$//")
+trap "_ts_sandboxes_cleanup; ${_ts_prev_exit_trap:-true}" EXIT
 export THUNDERSYNC_TEST_IMAGE=thundersync-test/busybox:1
 
 # -- the offline busybox image: /bin/busybox, its applets, a user, a working tree -----------------
@@ -59,19 +73,27 @@ dockerd --iptables=false --ip6tables=false --bridge=none --ip-forward=false --ip
     --pidfile "$TS_SB_DIR/docker.pid" -H "$DOCKER_HOST" >"$TS_SB_DIR/dockerd.log" 2>&1 &
 TS_SB_DOCKERD_PID=$!
 
-_ts_sandboxes_cleanup() {
-    kill "$TS_SB_DOCKERD_PID" 2>/dev/null && wait "$TS_SB_DOCKERD_PID" 2>/dev/null
-    rm -rf "$TS_SB_DIR"
-}
-# Chain with an EXIT trap that may already be set, instead of replacing it.
-_ts_prev_exit_trap=$(trap -p EXIT | sed -e "s/^trap -- '//" -e "s/' EXIT\$//")
-trap "_ts_sandboxes_cleanup; ${_ts_prev_exit_trap:-true}" EXIT
+# -- Podman's Docker-compatible service (the same DockerSandbox code is tested against it) -------
+export CONTAINERS_CONF="$TS_SB_DIR/containers.conf"
+printf '[containers]\ndefault_ulimits = ["nofile=1024:1024", "nproc=4096:4096"]\nnetns = "none"\n[engine]\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\n' >"$CONTAINERS_CONF"
+"${_ts_podman[@]}" import --quiet --change 'WORKDIR /work' --change 'CMD ["/bin/sh"]' \
+    "$TS_SB_DIR/rootfs.tar" "$THUNDERSYNC_TEST_IMAGE" >/dev/null
+export THUNDERSYNC_TEST_PODMAN_HOST="unix://$TS_SB_DIR/podman.sock"
+"${_ts_podman[@]}" system service --time=0 "$THUNDERSYNC_TEST_PODMAN_HOST" >"$TS_SB_DIR/podman.log" 2>&1 &
+TS_SB_PODMAN_PID=$!
+
 
 for _ts_i in $(seq 100); do
     docker version >/dev/null 2>&1 && break
     sleep 0.1
 done
 docker version --format 'dockerd {{.Server.Version}} ready' || { cat "$TS_SB_DIR/dockerd.log"; false; }
+for _ts_i in $(seq 100); do
+    DOCKER_HOST=$THUNDERSYNC_TEST_PODMAN_HOST docker version >/dev/null 2>&1 && break
+    sleep 0.1
+done
+DOCKER_HOST=$THUNDERSYNC_TEST_PODMAN_HOST docker version --format 'podman {{.Server.Version}} ready' \
+    || { cat "$TS_SB_DIR/podman.log"; false; }
 docker import --change 'WORKDIR /work' --change 'CMD ["/bin/sh"]' \
     "$TS_SB_DIR/rootfs.tar" "$THUNDERSYNC_TEST_IMAGE" >/dev/null
 

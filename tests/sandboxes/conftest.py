@@ -24,8 +24,10 @@ from thundersync.sandboxes.base import LABEL, Sandbox, SandboxLimits
 from thundersync.sandboxes.local import NotIsolatedWarning
 
 IMAGE = os.environ.get("THUNDERSYNC_TEST_IMAGE", "thundersync-test/busybox:1")
+PODMAN_HOST = os.environ.get("THUNDERSYNC_TEST_PODMAN_HOST")  # Podman's Docker-compatible socket
 BACKENDS = [
     pytest.param("docker", marks=pytest.mark.docker),
+    pytest.param("podman", marks=pytest.mark.docker),  # the docker backend against Podman
     pytest.param("udocker", marks=pytest.mark.docker),
     "local",
 ]
@@ -38,9 +40,12 @@ def anyio_backend() -> str:
 
 @functools.cache
 def backend_problem(backend: str) -> str | None:
-    if backend == "docker":  # in a thread of its own: callers may already run an event loop
+    if backend == "podman" and not PODMAN_HOST:
+        return "set THUNDERSYNC_TEST_PODMAN_HOST=unix:///path/to/podman.sock to test the docker backend on Podman"
+    if backend in ("docker", "podman"):  # in a thread of its own: callers may already run an event loop
+        host = {"DOCKER_HOST": PODMAN_HOST} if backend == "podman" else {}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            return pool.submit(anyio.run, select.docker_problem).result()
+            return pool.submit(_with_env, host, select.docker_problem).result()
     if backend == "udocker":
         problem = select.udocker_problem()
         if problem is None:
@@ -50,6 +55,19 @@ def backend_problem(backend: str) -> str | None:
                 problem = f"uDocker has no test image {IMAGE} in {udocker_dir} (run .ci/sandboxes.sh)"
         return problem
     return _process.unshare_available()
+
+
+def _with_env(env: dict[str, str], probe: Callable[[], Awaitable[str | None]]) -> str | None:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return anyio.run(probe)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def require(backend: str) -> None:
@@ -89,8 +107,11 @@ def scratch(tmp_path: Path, seed_dir: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The backend under test; ``podman`` is the docker backend with DOCKER_HOST on Podman."""
     require(request.param)
+    if request.param == "podman":
+        monkeypatch.setenv("DOCKER_HOST", str(PODMAN_HOST))
     return str(request.param)
 
 
@@ -101,7 +122,8 @@ def new_sandbox(backend: str, scratch: Path) -> Callable[..., Sandbox]:
     def make(limits: SandboxLimits | None = None) -> Sandbox:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NotIsolatedWarning)
-            return select.make_sandbox(backend, IMAGE, limits=limits, template=seed_template())
+            kind = "docker" if backend == "podman" else backend
+            return select.make_sandbox(kind, IMAGE, limits=limits, template=seed_template())
 
     return make
 
@@ -172,7 +194,7 @@ async def assert_host_clean(backend: str, scratch: Path) -> None:
     assert not leftovers, f"scratch directories left behind: {leftovers}"
     assert not processes_mentioning(str(scratch)), processes_mentioning(str(scratch))
     assert not cgroups(), f"cgroups left behind: {cgroups()}"
-    if backend == "docker":
+    if backend in ("docker", "podman"):
         left = await our_containers()
         assert not left, f"containers left behind: {[c.id[:12] for c in left]}"
     if backend == "udocker":

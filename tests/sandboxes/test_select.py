@@ -70,7 +70,7 @@ async def test_a_missing_image_is_reported_with_how_to_fix(backend: str, scratch
     if backend == "local":
         pytest.skip("the local backend has no images")
     with pytest.raises(SandboxUnavailable, match="no-such/image:0.*(build or import it|import it with 'udocker import)"):
-        async with make_sandbox(backend, "no-such/image:0"):
+        async with make_sandbox("docker" if backend == "podman" else backend, "no-such/image:0"):
             pass
     await host_clean()
 

@@ -31,7 +31,7 @@ async def docker_problem() -> str | None:
     except Exception as error:  # noqa: BLE001 - any failure is a reason to fall back
         return str(error)
     try:
-        with anyio.fail_after(3):
+        with anyio.fail_after(10):  # Podman's first answer can take seconds on a busy machine
             await client.version()
         return None
     except Exception as error:  # noqa: BLE001
