@@ -7,7 +7,8 @@ backend, side by side in one run:
 - create+exec+destroy: `async with make_sandbox(...) as s: await s.exec("true")`, median and p95;
 - exec: one `exec("true")` in a started sandbox, median;
 - concurrent execs/s: `--execs` commands, `--concurrency` in flight, spread over 4 sandboxes.
-The baseline row does the same with the CLI: `docker run --rm IMAGE true` (one container per
+With a Podman socket (``--podman-host``, default ``$THUNDERSYNC_TEST_PODMAN_HOST``) the docker
+backend is measured on Podman as well. The baseline row does the same with the CLI: `docker run --rm IMAGE true` (one container per
 command, so create+exec+destroy and exec are the same thing), and concurrent `docker run --rm`.
 """
 
@@ -95,6 +96,14 @@ async def main(args: argparse.Namespace) -> str:
     rows = [await bench_cli(args.image, args.n, args.execs, args.concurrency)]
     for backend in args.backends.split(","):
         rows.append(await bench_backend(backend, args.image, args.n, args.execs, args.concurrency))
+    if args.podman_host:  # the same docker backend, on Podman's Docker-compatible service
+        docker_host = os.environ.get("DOCKER_HOST")
+        os.environ["DOCKER_HOST"] = args.podman_host
+        try:
+            row = await bench_backend("docker", args.image, args.n, args.execs, args.concurrency)
+        finally:
+            os.environ.pop("DOCKER_HOST") if docker_host is None else os.environ.update(DOCKER_HOST=docker_host)
+        rows.append(["docker backend on Podman", *row[1:]])
     columns = ["backend", "create+exec+destroy median (ms)", "p95 (ms)", "exec median (ms)",
                f"concurrent execs/s ({args.concurrency} in flight)"]
     command = "python bench/sandboxes.py " + " ".join(sys.argv[1:])
@@ -108,5 +117,7 @@ if __name__ == "__main__":
     parser.add_argument("--n", type=int, default=20, help="sequential repetitions for the latencies")
     parser.add_argument("--execs", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--podman-host", default=os.environ.get("THUNDERSYNC_TEST_PODMAN_HOST"),
+                        help="also run the docker backend on this Podman socket (unix://...)")
     warnings.simplefilter("ignore", NotIsolatedWarning)
     print(anyio.run(main, parser.parse_args()))
