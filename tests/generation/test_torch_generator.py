@@ -284,3 +284,27 @@ def test_cancelling_the_driving_request_hands_the_engine_to_the_others(make_qwen
     for prompt, result in results:
         assert result.token_ids == hf_greedy(model, prompt, 12)
     assert not generator._engine.busy
+
+
+def test_releasing_a_session_drops_its_cache(make_qwen3) -> None:
+    model = make_qwen3()
+    generator = TorchGenerator(model, max_batch=2, max_seq_len=64)
+
+    async def scenario() -> tuple:
+        first = await generator.generate(GenerationRequest(prompt_ids=[30, 31, 32], params=GREEDY, session_id="r"))
+        full = [30, 31, 32, *first.token_ids, 5]
+        generator.release("r")
+        return full, await generator.generate(GenerationRequest(prompt_ids=full, params=GREEDY, session_id="r"))
+
+    full, second = anyio.run(scenario)
+    assert second.cached_tokens == 0
+    assert second.token_ids == hf_greedy(model, full, 12)
+
+
+def test_a_small_prefill_budget_admits_prompts_over_several_steps(make_qwen3) -> None:
+    model = make_qwen3()
+    prompts = [[40 + i] * (10 + i) for i in range(4)]
+    generator = TorchGenerator(model, max_batch=4, max_seq_len=64, prefill_tokens=12)
+    results = run(generator, [GenerationRequest(prompt_ids=p, params=GREEDY) for p in prompts])
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == hf_greedy(model, prompt, 12)

@@ -197,12 +197,13 @@ class Engine:
         budget = self.prefill_tokens
         while self.waiting and budget > 0:
             ticket = self.waiting[0]
-            slot = self._take_slot(ticket.request.session_id)
-            if slot is None:
-                break
-            prompt = ticket.request.prompt_ids
-            start = min(_common_prefix(slot.cached, prompt), len(prompt) - 1)
+            prompt, session = ticket.request.prompt_ids, ticket.request.session_id
+            held = self.sessions.get(session) if session is not None else None
+            start = min(_common_prefix(held.cached, prompt), len(prompt) - 1) if held is not None else 0
             if admitted and len(prompt) - start > budget:
+                break  # the first admitted prompt may exceed the budget, later ones may not
+            slot = self._take_slot(session)
+            if slot is None:
                 break
             self.waiting.popleft()
             slot.ticket, slot.cached = ticket, list(prompt[:start])

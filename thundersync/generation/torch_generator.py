@@ -44,7 +44,7 @@ class TorchGenerator:
 
     ``max_batch`` sequences (running or parked) fit in the KV cache at once, each up to
     ``max_seq_len`` tokens (prompt included). ``prefill_tokens`` bounds the prompt tokens prefilled
-    in one step. ``cuda_graphs`` defaults to "on when the model is on CUDA". ``seed`` seeds the
+    in one step (a single longer prompt is prefilled alone). ``cuda_graphs`` defaults to "on when the model is on CUDA". ``seed`` seeds the
     per-request seeds of requests that do not set one.
 
     No background task: one of the concurrent ``await generate(...)`` calls drives the engine
