@@ -146,19 +146,23 @@ class VLLMGenerator:
     async def _drive(self) -> None:
         batch, self._queue = self._queue, []
         self._driving = True
-        try:
-            results = await anyio.to_thread.run_sync(self._run_batch, [p.request for p in batch])
-            for pending, result in zip(batch, results, strict=True):
-                pending.result = result
-        except BaseException as error:
-            for pending in batch:
-                pending.error = error
-            raise
+        try:  # the worker thread stores the outcome, so a cancelled driver loses no result
+            await anyio.to_thread.run_sync(self._run_into, batch)
         finally:
             self._driving = False
             for pending in batch:
                 pending.wake.set()
             self._hand_off()
+
+    def _run_into(self, batch: list[_Pending]) -> None:
+        try:
+            results = self._run_batch([p.request for p in batch])
+        except BaseException as error:
+            for pending in batch:
+                pending.error = error
+            raise
+        for pending, result in zip(batch, results, strict=True):
+            pending.result = result
 
     def _hand_off(self) -> None:
         """Wake one request that came in during a batch, so that it runs the next batch."""
