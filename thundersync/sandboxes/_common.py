@@ -20,6 +20,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
+from thundersync.errors import ConfigError
 from thundersync.sandboxes import _treefiles, trees
 from thundersync.sandboxes.base import ExecResult, SandboxLimits
 
@@ -135,7 +136,7 @@ class TreeSandbox:
     def _argv(cmd: Sequence[str] | str) -> list[str]:
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         if not argv:
-            raise ValueError("empty command: give an argv list or a shell string")
+            raise ConfigError("empty command: give an argv list or a shell string")
         return argv
 
     def _populate_tree(self) -> None:

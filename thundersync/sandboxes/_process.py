@@ -2,8 +2,8 @@
 
 The command runs as::
 
-    unshare --user --map-root-user --net --pid --fork --kill-child --mount-proc \\
-        python -I -S _guard.py [--cgroup DIR] --no-inet --rlimit AS=... -- CMD...
+    [python -I -S _guard.py --cgroup DIR --]  unshare --user --map-root-user --net --pid --fork \\
+        --kill-child --mount-proc  python -I -S _guard.py --no-inet --rlimit AS=... -- CMD...
 
 in a new session. ``--net`` leaves it only a loopback that is down, the seccomp filter denies
 every non-Unix socket, and the pid namespace makes the kill total: SIGKILL to the session kills
@@ -52,15 +52,18 @@ def unshare_available() -> str | None:
 
 
 def guarded_argv(command: Sequence[str], limits: SandboxLimits, cgroup: Path | None) -> list[str]:
+    """The full argv: [join the cgroup as ourselves, then] unshare, the guard, the command."""
     reason = unshare_available()
     if reason is not None:
         raise SandboxUnavailable(f"process sandboxes need user and network namespaces: {reason}")
-    guard = [sys.executable, "-I", "-S", str(_GUARD), "--no-inet", "--rlimit", f"AS={limits.memory_bytes}"]
-    if cgroup is not None:
-        guard += ["--cgroup", str(cgroup)]
-    elif os.geteuid() != 0:  # root is exempt from RLIMIT_NPROC, and it counts the whole user
-        guard += ["--rlimit", f"NPROC={limits.pids}"]
-    return ["unshare", *_UNSHARE, *guard, "--", *command]
+    python = [sys.executable, "-I", "-S", str(_GUARD)]
+    inner = [*python, "--no-inet", "--rlimit", f"AS={limits.memory_bytes}"]
+    if cgroup is None and os.geteuid() != 0:  # root is exempt from RLIMIT_NPROC, and it counts the whole user
+        inner += ["--rlimit", f"NPROC={limits.pids}"]
+    argv = [shutil.which("unshare") or "unshare", *_UNSHARE, *inner, "--", *command]
+    if cgroup is not None:  # joined before unshare: inside the new user namespace it may be refused
+        argv = [*python, "--cgroup", str(cgroup), "--", *argv]
+    return argv
 
 
 def make_result(out: OutputCollector, exit_code: int | None, *, timed_out: bool, killed_for_output: bool,

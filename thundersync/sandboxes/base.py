@@ -16,6 +16,8 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
+from thundersync.errors import ConfigError
+
 __all__ = ["LABEL", "OWNER_LABEL", "ExecResult", "Sandbox", "SandboxLimits"]
 
 LABEL = "io.thundersync.sandbox"
@@ -42,11 +44,11 @@ class SandboxLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "pids", "output_bytes", "tmp_bytes"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
         if self.cpus <= 0 or self.timeout_s <= 0:
-            raise ValueError(f"SandboxLimits.cpus and timeout_s must be > 0, got {self.cpus}, {self.timeout_s}")
+            raise ConfigError(f"SandboxLimits.cpus and timeout_s must be > 0, got {self.cpus}, {self.timeout_s}")
         if self.output_cap_bytes < 2 * self.output_bytes:
-            raise ValueError(
+            raise ConfigError(
                 f"SandboxLimits.output_cap_bytes ({self.output_cap_bytes}) must be at least twice "
                 f"output_bytes ({self.output_bytes}): both streams are kept whole below the cap"
             )

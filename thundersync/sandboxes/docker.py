@@ -6,7 +6,7 @@ working tree bind-mounted read-write at the image's working directory, a non-roo
 host's uid, or nobody when we are root; the tree is then chowned to it), and our labels (``io.
 thundersync.sandbox=1`` and the owner) so :func:`prune_containers` removes only our own.
 
-Its init is a tiny shell loop that reaps orphans. A command that times out or passes the output
+The image needs ``/bin/sh``: the container's init is a tiny shell loop that reaps orphans. A command that times out or passes the output
 cap is ended with ``kill -9 -1`` run as the sandbox user (every process of the sandbox but init);
 if even that cannot start (a fork bomb at the pids limit), the container is killed and started
 again, which keeps the working tree (a host directory) and empties ``/tmp``.
@@ -15,6 +15,7 @@ again, which keeps the working tree (a host directory) and empties ``/tmp``.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import socket
@@ -73,19 +74,13 @@ async def prune_containers(owner: str | None = None, *, client: Any = None) -> i
     client = client or docker_client()
     try:
         labels = [f"{LABEL}=1", f"{OWNER_LABEL}={owner or default_owner()}"]
-        found = await client.containers.list(all=True, filters=_json({"label": labels}))
+        found = await client.containers.list(all=True, filters=json.dumps({"label": labels}))
         for container in found:
             await container.delete(force=True)
         return len(found)
     finally:
         if own:
             await client.close()
-
-
-def _json(value: object) -> str:
-    import json
-
-    return json.dumps(value)
 
 
 class DockerSandbox(TreeSandbox):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from thundersync.errors import ConfigError
+
 __all__ = ["BoundedStream", "OutputCollector", "Tokenizer", "elision_marker", "truncate_tokens"]
 
 
@@ -29,7 +31,7 @@ class BoundedStream:
 
     def __init__(self, budget: int) -> None:
         if budget < 0:
-            raise ValueError(f"output budget must be >= 0 bytes, got {budget}")
+            raise ConfigError(f"output budget must be >= 0 bytes, got {budget}")
         self._head_budget = budget // 2
         self._tail_budget = budget - self._head_budget
         self._head = bytearray()
@@ -76,7 +78,7 @@ class OutputCollector:
 
     def __init__(self, budget: int, hard_cap: int) -> None:
         if hard_cap < budget:
-            raise ValueError(f"hard output cap ({hard_cap} bytes) is below the kept budget ({budget} bytes)")
+            raise ConfigError(f"hard output cap ({hard_cap} bytes) is below the kept budget ({budget} bytes)")
         self.stdout = BoundedStream(budget)
         self.stderr = BoundedStream(budget)
         self.hard_cap = hard_cap
@@ -109,7 +111,7 @@ def truncate_tokens(text: str, tokenizer: Tokenizer, max_tokens: int) -> str:
     marker (not counted) says how many tokens were dropped between them.
     """
     if max_tokens < 0:
-        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        raise ConfigError(f"max_tokens must be >= 0, got {max_tokens}")
     ids = list(tokenizer.encode(text))
     if len(ids) <= max_tokens:
         return text

@@ -20,7 +20,7 @@ import anyio
 import msgspec
 import structlog
 
-from thundersync.errors import SandboxError
+from thundersync.errors import ConfigError, SandboxError
 from thundersync.sandboxes.base import Sandbox
 
 __all__ = ["PoolStats", "SandboxPool"]
@@ -44,7 +44,7 @@ class SandboxPool:
 
     def __init__(self, factory: Callable[[], Sandbox], *, max_size: int) -> None:
         if max_size < 1:
-            raise ValueError(f"SandboxPool max_size must be >= 1, got {max_size}")
+            raise ConfigError(f"SandboxPool max_size must be >= 1, got {max_size}")
         self._factory = factory
         self._slots = anyio.Semaphore(max_size)
         self._idle: list[Sandbox] = []

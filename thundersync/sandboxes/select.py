@@ -13,7 +13,7 @@ from typing import Literal
 
 import anyio
 
-from thundersync.errors import SandboxUnavailable
+from thundersync.errors import ConfigError, SandboxUnavailable
 from thundersync.sandboxes.base import Sandbox, SandboxLimits
 
 __all__ = ["BackendName", "choose_backend", "docker_problem", "make_sandbox", "open_sandbox", "udocker_problem"]
@@ -56,7 +56,7 @@ def udocker_problem() -> str | None:
 async def choose_backend(backend: BackendName = "auto") -> str:
     """The backend to use for ``backend``; raises :class:`SandboxUnavailable` saying what was tried."""
     if backend not in _BACKENDS:
-        raise ValueError(f"unknown sandbox backend {backend!r}; choose one of {', '.join(_BACKENDS)}")
+        raise ConfigError(f"unknown sandbox backend {backend!r}; choose one of {', '.join(_BACKENDS)}")
     if backend != "auto":
         return backend
     docker_why = await docker_problem()
@@ -75,7 +75,7 @@ def make_sandbox(backend: str, image: str | None = None, *, limits: SandboxLimit
                  workdir: str | None = None, template: Path | None = None, name: str | None = None) -> Sandbox:
     """A not-yet-started sandbox of a concrete backend (enter it with ``async with``)."""
     if backend in ("docker", "udocker") and not image:
-        raise ValueError(f"the {backend} backend needs an image, e.g. image='busybox:latest'")
+        raise ConfigError(f"the {backend} backend needs an image, e.g. image='busybox:latest'")
     if backend == "docker":
         from thundersync.sandboxes.docker import DockerSandbox
 
@@ -88,7 +88,7 @@ def make_sandbox(backend: str, image: str | None = None, *, limits: SandboxLimit
         from thundersync.sandboxes.local import LocalSandbox
 
         return LocalSandbox(template, name=name, limits=limits)
-    raise ValueError(f"unknown sandbox backend {backend!r}; choose one of docker, udocker, local")
+    raise ConfigError(f"unknown sandbox backend {backend!r}; choose one of docker, udocker, local")
 
 
 @asynccontextmanager

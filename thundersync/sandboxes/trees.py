@@ -23,7 +23,7 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 
-from thundersync.errors import UnsafePathError
+from thundersync.errors import ConfigError, UnsafePathError
 
 __all__ = [
     "SCRATCH_ENV",
@@ -170,7 +170,7 @@ class SeedCache:
     async def get(self, key: str, fill: Callable[[Path], Awaitable[None]]) -> Path:
         """The seed tree for ``key``; if missing, ``await fill(tmp_dir)`` and publish it atomically."""
         if not key or "/" in key or key.startswith("."):
-            raise ValueError(f"seed key must be a plain name, got {key!r}")
+            raise ConfigError(f"seed key must be a plain name, got {key!r}")
         root = self.root
         tree = root / key / "tree"
         if tree.is_dir():
