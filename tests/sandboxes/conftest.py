@@ -116,24 +116,22 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.fixture
-def new_sandbox(backend: str, scratch: Path) -> Callable[..., Sandbox]:
+def new_sandbox(backend: str, scratch: Path, local_template: Path) -> Callable[..., Sandbox]:
     """Make a (not yet started) sandbox of the fixture's backend."""
 
     def make(limits: SandboxLimits | None = None) -> Sandbox:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NotIsolatedWarning)
             kind = "docker" if backend == "podman" else backend
-            return select.make_sandbox(kind, IMAGE, limits=limits, template=seed_template())
+            return select.make_sandbox(kind, IMAGE, limits=limits, template=local_template)
 
     return make
 
 
-@functools.cache
-def seed_template() -> Path:
+@pytest.fixture(scope="session")
+def local_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The local backend's template: the same files as the test image's working tree."""
-    import tempfile
-
-    root = Path(tempfile.mkdtemp(prefix="ts-local-seed-"))
+    root = tmp_path_factory.mktemp("local-seed")
     (root / "src").mkdir()
     (root / "README").write_text("hello from the seed\n")
     (root / "src" / "main.py").write_text('print("seed")\n')
