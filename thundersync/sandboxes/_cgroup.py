@@ -12,7 +12,7 @@ import signal
 import time
 from pathlib import Path
 
-__all__ = ["available", "create_pids_cgroup", "kill_cgroup", "remove_cgroup"]
+__all__ = ["available", "create_pids_cgroup", "kill_cgroup", "members", "remove_cgroup"]
 
 _V1 = Path("/sys/fs/cgroup/pids")
 _V2 = Path("/sys/fs/cgroup")
