@@ -189,3 +189,13 @@ async def test_cancelling_the_creation_of_a_sandbox_leaves_nothing(
             async with new_sandbox() as sandbox:
                 await sandbox.exec("sleep 30")
         await host_clean()
+
+
+async def test_a_workdir_missing_from_the_image_starts_as_an_empty_tree(backend: str, image: str, scratch: Path) -> None:
+    if backend not in ("docker", "podman"):
+        pytest.skip("the working directory is read from the image only by the docker backend")
+    from thundersync.sandboxes import DockerSandbox
+
+    async with DockerSandbox(image, workdir="/elsewhere") as sandbox:
+        assert (await sandbox.exec("pwd; ls -A")).stdout == "/elsewhere\n"
+        assert os.listdir(sandbox.tree) == []

@@ -126,8 +126,10 @@ class DockerSandbox(TreeSandbox):
             )
         try:
             archive = await probe.get_archive(self.workdir)
-        except Exception:
-            return  # the image has no working directory: an empty seed
+        except Exception as error:
+            if getattr(error, "status", None) == 404:
+                return  # the image has no working directory: an empty seed
+            raise
         finally:
             with anyio.CancelScope(shield=True):
                 await probe.delete(force=True)
