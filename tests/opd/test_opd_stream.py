@@ -219,3 +219,51 @@ def test_a_bf16_model_accumulates_in_fp32_and_matches_the_fp32_reference() -> No
     got = collect_grads(model)
     assert all(g.dtype == torch.bfloat16 for g in got.values())
     assert relative_error(got, want) < 2e-2
+
+
+def test_background_work_packs_queued_turns_and_still_equals_the_dense_reference() -> None:
+    rng = random.Random(5)
+    from tests.opd.opd_cases import Group, Trajectory, Turn
+
+    def turn(action: bool) -> Turn:
+        tokens = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
+        scored = [action and rng.random() < 0.8 for _ in tokens]
+        return Turn(tokens, scored, [rng.uniform(-5, -0.1) for _ in range(sum(scored))], None)
+
+    plan = {f"g{g}": Group([rng.randrange(VOCAB) for _ in range(5)],
+                           {f"t{i}": Trajectory([turn(k % 2 == 0) for k in range(5)]) for i in range(4)})
+            for g in range(2)}
+    model = _model(torch.float64, False)
+    want = dense_reference_grads(model, plan, "token_mean")
+    model.zero_grad(set_to_none=True)
+    opd = thundersync.OPDStream(thundersync.StreamingRun(model, background=True))
+    for _ in drive(opd, plan, interleaving(plan, random.Random(3))):
+        pass
+    opd.assert_safe_to_step()
+    assert relative_error(collect_grads(model), want) < 1e-10
+    model.zero_grad(set_to_none=True)
+
+
+def test_the_pack_queue_takes_a_fifo_prefix_with_one_turn_per_trajectory_and_a_token_limit() -> None:
+    from thundersync.opd._replay import GroupState, PendingTurn, TrajectoryState, TurnState
+    from thundersync.opd.stream import _PackQueue
+
+    group = GroupState([1])
+    a, b, c = TrajectoryState(), TrajectoryState(), TrajectoryState()
+
+    def item(trajectory: TrajectoryState, length: int) -> PendingTurn:
+        return PendingTurn(group, [], TurnState([0] * length, [0], None, None), trajectory)
+
+    queue = _PackQueue(limit=20)
+    items = [item(a, 4), item(b, 4), item(a, 4), item(c, 4)]
+    for it in items:
+        queue.push(it)
+    assert queue.take() == items[:2]          # stops at the second turn of trajectory a
+    assert queue.take() == items[2:]
+    assert queue.take() == []
+    big = [item(a, 15), item(b, 15), item(c, 30)]
+    for it in big:
+        queue.push(it)
+    assert queue.take() == big[:1]            # 16 + 16 tokens would pass the limit of 20
+    assert queue.take() == big[1:2]
+    assert queue.take() == big[2:]            # a turn over the limit still runs, alone

@@ -16,8 +16,8 @@ from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.run import StreamingRun
 from thundersync.opd.objective import surrogate_sum
 
-__all__ = ["GradientSink", "GroupState", "TrajectoryState", "TurnState",
-           "backward_turn", "forward_root", "replay_root", "replay_trajectory"]
+__all__ = ["GradientSink", "GroupState", "PendingTurn", "TrajectoryState", "TurnState",
+           "backward_turns", "forward_root", "replay_root", "replay_trajectory"]
 
 
 @dataclass(eq=False)
@@ -121,17 +121,37 @@ def forward_root(run: StreamingRun, group: GroupState) -> None:
     SegmentPack.forward(run.anatomy, [group.root], grad=False, keep_state=True)
 
 
-def backward_turn(run: StreamingRun, sink: GradientSink, group: GroupState, prior: Sequence[TurnState],
-                  turn: TurnState) -> None:
-    """Forward a scored turn after its ancestors' state, backpropagate its loss now."""
-    parent = _forward_prior(run, group, prior)
-    turn.segment = Segment(run.tensor(turn.ids), parent)
-    pack = SegmentPack.forward(run.anatomy, [turn.segment], keep_state=True)
-    logprobs = pack.scored_logprobs([torch.tensor(turn.scored, device=turn.segment.tokens.device)])[0]
-    assert turn.teacher is not None
-    behaviour = None if turn.behaviour is None else turn.behaviour.to(logprobs)
-    loss = surrogate_sum(logprobs, turn.teacher.to(logprobs), behaviour)
-    _deposit(sink.backward(pack, loss, None), group, prior)
+@dataclass(eq=False)
+class PendingTurn:
+    """A scored turn waiting for its backward: its group, the turns before it, and itself."""
+
+    group: GroupState
+    prior: Sequence[TurnState]
+    turn: TurnState
+    trajectory: TrajectoryState
+
+    def __len__(self) -> int:
+        return len(self.turn.ids) + 1
+
+
+def backward_turns(run: StreamingRun, sink: GradientSink, pending: Sequence[PendingTurn]) -> None:
+    """Forward scored turns (of distinct trajectories) packed, each after its ancestors' state,
+    and backpropagate the sum of their losses now; each adjoint goes to its ancestor's ledger."""
+    segments, selections, ledgers = [], [], {}
+    for item in pending:
+        parent = _forward_prior(run, item.group, item.prior)
+        item.turn.segment = Segment(run.tensor(item.turn.ids), parent)
+        segments.append(item.turn.segment)
+        selections.append(torch.tensor(item.turn.scored, device=parent.tokens.device))
+        ledgers.update(_ledgers(item.group, item.prior))
+    pack = SegmentPack.forward(run.anatomy, segments, keep_state=True)
+    losses = []
+    for item, logprobs in zip(pending, pack.scored_logprobs(selections)):
+        assert item.turn.teacher is not None
+        behaviour = None if item.turn.behaviour is None else item.turn.behaviour.to(logprobs)
+        losses.append(surrogate_sum(logprobs, item.turn.teacher.to(logprobs), behaviour))
+    for ancestor, adjoint in sink.backward(pack, torch.stack(losses).sum(), None).items():
+        ledgers[id(ancestor)].add(adjoint)
 
 
 def replay_trajectory(run: StreamingRun, sink: GradientSink, group: GroupState, turns: Sequence[TurnState]) -> None:
@@ -140,7 +160,9 @@ def replay_trajectory(run: StreamingRun, sink: GradientSink, group: GroupState, 
         turn = turns[k]
         if turn.segment is not None and turn.ledger.tensors is not None:
             pack = SegmentPack.forward(run.anatomy, [turn.segment])
-            _deposit(sink.backward(pack, None, [turn.ledger.tensors]), group, turns[:k])
+            ledgers = _ledgers(group, turns[:k])
+            for ancestor, adjoint in sink.backward(pack, None, [turn.ledger.tensors]).items():
+                ledgers[id(ancestor)].add(adjoint)
         if turn.segment is not None:
             turn.segment.release()
         turn.segment, turn.ledger = None, AdjointLedger()
@@ -168,8 +190,6 @@ def _forward_prior(run: StreamingRun, group: GroupState, prior: Sequence[TurnSta
     return parent
 
 
-def _deposit(adjoints: dict, group: GroupState, prior: Sequence[TurnState]) -> None:
-    """Add each ancestor's adjoint to its ledger (the prompt's or an earlier turn's)."""
-    ledgers = {id(group.root): group.ledger, **{id(t.segment): t.ledger for t in prior}}
-    for ancestor, adjoint in adjoints.items():
-        ledgers[id(ancestor)].add(adjoint)
+def _ledgers(group: GroupState, prior: Sequence[TurnState]) -> dict[int, AdjointLedger]:
+    """The ledger of every ancestor a turn reads (the prompt's and the earlier turns'), by id."""
+    return {id(group.root): group.ledger, **{id(t.segment): t.ledger for t in prior}}

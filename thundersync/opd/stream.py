@@ -33,6 +33,8 @@ precision").
 
 from __future__ import annotations
 
+import collections
+import threading
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -57,6 +59,7 @@ class OPDStream:
         self.normalization: Normalization = normalization
         self._sink = _replay.GradientSink(run)
         self._groups: dict[Hashable, GroupState] = {}
+        self._queue = _PackQueue(run.pack_tokens)
         self._scored_tokens = 0
 
     # --- the public protocol -------------------------------------------------------------------
@@ -98,9 +101,8 @@ class OPDStream:
         trajectory.turns.append(turn)
         self._scored_tokens += count
         if count:
-            prior = trajectory.turns[:-1]
-            self.run.submit(f"backward of turn {len(prior)} of {where}",
-                            lambda: _replay.backward_turn(self.run, self._sink, group, prior, turn))
+            self._queue.push(_replay.PendingTurn(group, trajectory.turns[:-1], turn, trajectory))
+            self.run.submit(f"backward of turn {len(trajectory.turns) - 1} of {where}", self._backward_queued)
 
     def close_trajectory(self, group_id: Hashable, trajectory_id: Hashable) -> None:
         """Close a trajectory: its turns' ledgers are replayed in reverse order."""
@@ -141,6 +143,12 @@ class OPDStream:
 
     # --- helpers -------------------------------------------------------------------------------
 
+    def _backward_queued(self) -> None:
+        """A run job: backpropagate the scored turns queued so far, packed (none left: no-op)."""
+        pack = self._queue.take()
+        if pack:
+            _replay.backward_turns(self.run, self._sink, pack)
+
     def _group(self, group_id: Hashable) -> GroupState:
         self.run.worker.raise_if_failed()
         group = self._groups.get(group_id)
@@ -167,6 +175,39 @@ class OPDStream:
             parts.append(f"unreplayed ledgers: {', '.join(ledgers)}")
         parts.append("close every trajectory and group of the batch first")
         return parts
+
+
+class _PackQueue:
+    """Scored turns waiting for their backward, taken in FIFO packs by the run's jobs.
+
+    Each append submits one job; a job takes the longest FIFO prefix of waiting turns that holds
+    at most one turn per trajectory (a turn needs the state of its trajectory's earlier turns)
+    and at most ``limit`` tokens (at least one turn). On CUDA the jobs run on the run's worker
+    thread, so turns appended while a pack runs are packed together by the next job; on the
+    caller's thread every turn runs alone, at once. Packing changes only the summation order.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._waiting: collections.deque[_replay.PendingTurn] = collections.deque()
+        self._lock = threading.Lock()
+
+    def push(self, item: _replay.PendingTurn) -> None:
+        with self._lock:
+            self._waiting.append(item)
+
+    def take(self) -> list[_replay.PendingTurn]:
+        with self._lock:
+            pack: list[_replay.PendingTurn] = []
+            size = 0
+            while self._waiting:
+                item = self._waiting[0]
+                full = pack and (size + len(item) > self.limit or any(p.trajectory is item.trajectory for p in pack))
+                if full:
+                    break
+                pack.append(self._waiting.popleft())
+                size += len(item)
+            return pack
 
 
 def _scores(values: Any, name: str, count: int, where: str, *, required: bool) -> torch.Tensor | None:

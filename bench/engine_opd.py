@@ -1,0 +1,174 @@
+"""Streaming OPD benchmark: per-action backward latency and total streamed compute vs dense.
+
+    python bench/engine_opd.py            # H200: bf16 Qwen3-0.6B-shaped student, 4 groups x 8 trajectories
+    python bench/engine_opd.py --tiny     # CPU, tiny model, seconds (checks the script)
+
+One table, one run, the same batch for every row: multi-turn trajectories (2-4 actions of
+64-512 tokens with 32-256-token tool observations between them, ~512-token prompts), teacher
+log-probs for every action token. ``dense`` runs whole sequences in padded micro-batches of 8
+through transformers' forward with fused log-probs and forms the loss directly; ``streaming``
+appends turns round-robin across all trajectories (agents in flight) to an ``OPDStream``, each
+action backpropagated at its append, ledgers replayed at close. The latency columns come from a
+separate pass that waits for each action's backward (time from ``append_turn`` to its gradient
+being done). Relative errors are against the dense gradient of an fp32 copy of the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import thundersync  # noqa: E402
+from bench._common import header, markdown_table  # noqa: E402
+from bench.engine import make_model, measure, relative_error  # noqa: E402
+from thundersync.kernels import linear_logprobs  # noqa: E402
+@dataclass
+class OPDTrajectory:
+    turns: list[list[int]]      # alternating action, observation, action, ...
+    teacher: list[list[float]]  # per action turn: one teacher log-prob per token ([] for observations)
+
+
+@dataclass
+class OPDGroup:
+    prompt: list[int]
+    trajectories: list[OPDTrajectory]
+
+
+def make_opd_batch(rng: random.Random, vocab: int, groups: int, size: int, prompt: tuple[int, int],
+                   action: tuple[int, int], observation: tuple[int, int], actions: tuple[int, int]) -> list[OPDGroup]:
+    """Multi-turn agent trajectories: 2-4 actions with tool observations between them."""
+    batch = []
+    for _ in range(groups):
+        trajs = []
+        for _ in range(size):
+            turns, teacher = [], []
+            count = rng.randint(*actions)
+            for k in range(2 * count - 1):
+                length = rng.randint(*(action if k % 2 == 0 else observation))
+                turns.append([rng.randrange(vocab) for _ in range(length)])
+                teacher.append([-rng.uniform(0.5, 8.0) for _ in range(length)] if k % 2 == 0 else [])
+            trajs.append(OPDTrajectory(turns, teacher))
+        batch.append(OPDGroup([rng.randrange(vocab) for _ in range(rng.randint(*prompt))], trajs))
+    return batch
+
+
+def opd_dense(model: torch.nn.Module, batch: list[OPDGroup], micro: int = 8) -> None:
+    """Synchronous OPD: whole sequences in padded micro-batches, the loss formed directly."""
+    device = next(model.parameters()).device
+    items = []
+    for group in batch:
+        for traj in group.trajectories:
+            seq, positions, teacher = list(group.prompt), [], []
+            for turn, q in zip(traj.turns, traj.teacher):
+                if q:
+                    positions += range(len(seq) - 1, len(seq) - 1 + len(turn))
+                    teacher += q
+                seq += turn
+            items.append((seq, positions, teacher))
+    count = sum(len(t) for _, _, t in items)
+    items.sort(key=lambda item: len(item[0]))
+    for start in range(0, len(items), micro):
+        chunk = items[start : start + micro]
+        width = max(len(seq) for seq, _, _ in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        rows, targets, teacher = [], [], []
+        for b, (seq, positions, q) in enumerate(chunk):
+            ids[b, : len(seq)] = torch.tensor(seq)
+            mask[b, : len(seq)] = 1
+            pos = torch.tensor(positions)
+            rows.append(b * width + pos)
+            targets.append(torch.tensor(seq)[pos + 1])
+            teacher.append(torch.tensor(q))
+        ids, mask = ids.to(device), mask.to(device)
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state.flatten(0, 1)
+        lp = linear_logprobs(hidden[torch.cat(rows).to(device)], model.lm_head.weight, torch.cat(targets).to(device))
+        b = lp.detach()
+        (torch.exp(lp - b) * (b - torch.cat(teacher).to(lp))).sum().div(count).backward()
+
+
+def opd_streaming(model: torch.nn.Module, batch: list[OPDGroup], latencies: list[float] | None = None) -> None:
+    """OPDStream: every group open, turns appended round-robin across trajectories (agents in
+    flight), each action's backward queued at its append. With ``latencies``, wait for each
+    action's backward and record its latency (that serializes the run: a separate measurement)."""
+    opd = thundersync.OPDStream(thundersync.StreamingRun(model))
+    cuda = next(model.parameters()).is_cuda
+    for g, group in enumerate(batch):
+        opd.open_group(g, group.prompt)
+    depth = max(len(t.turns) for group in batch for t in group.trajectories)
+    for k in range(depth):
+        for g, group in enumerate(batch):
+            for i, traj in enumerate(group.trajectories):
+                if k >= len(traj.turns):
+                    continue
+                turn, q = traj.turns[k], traj.teacher[k]
+                start = time.perf_counter()
+                opd.append_turn(g, i, turn, [bool(q)] * len(turn), teacher_logprobs=q or None)
+                if latencies is not None and q:
+                    opd.run.worker.join()
+                    if cuda:
+                        torch.cuda.synchronize()
+                    latencies.append(time.perf_counter() - start)
+                if k == len(traj.turns) - 1:
+                    opd.close_trajectory(g, i)
+    for g in range(len(batch)):
+        opd.close_group(g)
+    opd.assert_safe_to_step()
+
+
+def opd_table(model: torch.nn.Module, tiny: bool, cuda: bool, repeat: int) -> tuple[str, list[list[object]]]:
+    vocab = model.config.vocab_size
+    if tiny:
+        batch = make_opd_batch(random.Random(1), vocab, 2, 3, (16, 24), (4, 24), (2, 12), (2, 3))
+    else:
+        batch = make_opd_batch(random.Random(1), vocab, 4, 8, (480, 544), (64, 512), (32, 256), (2, 4))
+    tokens = sum(len(g.prompt) + sum(map(len, t.turns)) for g in batch for t in g.trajectories)
+    scored = sum(len(q) for g in batch for t in g.trajectories for q in t.teacher)
+    reference = copy.deepcopy(model).float()
+    _, _, want = measure(opd_dense, reference, batch, cuda, repeat=0)
+    del reference
+    if cuda:
+        torch.cuda.empty_cache()
+    rows = []
+    dense_s, dense_peak, dense_grads = measure(opd_dense, model, batch, cuda, repeat)
+    stream_s, stream_peak, stream_grads = measure(opd_streaming, model, batch, cuda, repeat)
+    latencies: list[float] = []
+    opd_streaming(model, batch, latencies)
+    latencies.sort()
+    p50 = latencies[len(latencies) // 2] * 1e3
+    p95 = latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))] * 1e3
+    rows.append(["dense OPD (padded micro-batches of 8, fused log-probs)", dense_s, tokens / dense_s, 1.0,
+                 dense_peak, "", "", relative_error(dense_grads, want)])
+    rows.append(["streaming OPD (OPDStream, backward at each action)", stream_s, tokens / stream_s,
+                 stream_s / dense_s, stream_peak, p50, p95, relative_error(stream_grads, want)])
+    info = (f"OPD batch: {len(batch)} groups x {len(batch[0].trajectories)} trajectories, {tokens} tokens, "
+            f"{scored} scored, {len(latencies)} actions")
+    return info, rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny model and batch on CPU (seconds)")
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda" if cuda else "cpu")
+    model = make_model(args.tiny, device, torch.float32 if args.tiny else torch.bfloat16)
+    info, rows = opd_table(model, args.tiny, cuda, args.repeat)
+    print(header("python bench/engine_opd.py" + (" --tiny" if args.tiny else "")))
+    print(f"{info}, dtype {next(model.parameters()).dtype}\n")
+    print(markdown_table(["mode", "seconds", "tokens/s", "time vs dense", "peak GiB",
+                          "per-action backward p50 ms", "p95 ms", "rel. err vs fp32 dense"], rows))
+
+
+if __name__ == "__main__":
+    main()
