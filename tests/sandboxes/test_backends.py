@@ -165,9 +165,10 @@ async def test_close_is_idempotent_and_exec_after_close_is_refused(new_sandbox: 
     async with sandbox:
         pass
     await sandbox.close()
-    if backend != "local":
-        with pytest.raises(SandboxExecError, match="is closed or not started: use 'async with'"):
-            await sandbox.exec("true")
+    with pytest.raises(SandboxExecError, match="is closed or not started: use 'async with'"):
+        await sandbox.exec("true")
+    with pytest.raises(SandboxExecError, match="is closed or not started"):
+        await new_sandbox().exec("true")
 
 
 async def test_commands_run_without_privileges_and_without_network_devices(sandbox: Sandbox, backend: str) -> None:

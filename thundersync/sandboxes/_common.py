@@ -20,7 +20,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
-from thundersync.errors import ConfigError
+from thundersync.errors import ConfigError, SandboxExecError
 from thundersync.sandboxes import _treefiles, trees
 from thundersync.sandboxes.base import ExecResult, SandboxLimits
 
@@ -131,6 +131,10 @@ class TreeSandbox:
     async def exec(self, cmd: Sequence[str] | str, *, timeout: float | None = None,
                    env: Mapping[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
         raise NotImplementedError
+
+    def _check_open(self) -> None:
+        if self._closed or self._scratch is None:
+            raise SandboxExecError(f"sandbox {self.name} is closed or not started: use 'async with'")
 
     @staticmethod
     def _argv(cmd: Sequence[str] | str) -> list[str]:

@@ -203,8 +203,7 @@ class DockerSandbox(TreeSandbox):
 
     async def exec(self, cmd: Sequence[str] | str, *, timeout: float | None = None,
                    env: Mapping[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
-        if self._closed or self._container is None:
-            raise SandboxExecError(f"sandbox {self.name} is closed or not started: use 'async with'")
+        self._check_open()
         argv = self._argv(cmd)
         stdin_file = self._stdin_file(stdin) if stdin is not None else None
         if stdin_file is not None:

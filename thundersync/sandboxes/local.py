@@ -76,6 +76,7 @@ class LocalSandbox(TreeSandbox):
 
     async def exec(self, cmd: Sequence[str] | str, *, timeout: float | None = None,
                    env: Mapping[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
+        self._check_open()
         return await _process.run_guarded(
             self._argv(cmd), cwd=self.tree, env=self._env(env), limits=self.limits,
             timeout=timeout or self.limits.timeout_s, stdin=stdin, cgroup=self._cgroup,

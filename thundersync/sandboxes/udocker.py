@@ -23,7 +23,7 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 
-from thundersync.errors import SandboxExecError, SandboxUnavailable
+from thundersync.errors import SandboxUnavailable
 from thundersync.sandboxes import _cgroup, _process, trees
 from thundersync.sandboxes._common import TreeSandbox
 from thundersync.sandboxes.base import ExecResult, SandboxLimits
@@ -167,8 +167,7 @@ class UDockerSandbox(TreeSandbox):
 
     async def exec(self, cmd: Sequence[str] | str, *, timeout: float | None = None,
                    env: Mapping[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
-        if self._closed or not self._created:
-            raise SandboxExecError(f"sandbox {self.name} is closed or not started: use 'async with'")
+        self._check_open()
         binds = [f"{self.tree}:{self.workdir}", f"{self._private('tmp')}:/tmp",
                  f"{self._private('shm')}:/dev/shm", "/proc", *_DEVICES]
         argv = [self._bin, "--allow-root", "--quiet", "run", "--nobanner", "--nosysdirs",
