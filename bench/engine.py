@@ -200,6 +200,7 @@ def main() -> None:
     _, _, want = measure(dense, reference, batch, cuda, repeat=0)
     _, _, fp32_streamed = measure(streaming, reference, batch, cuda, repeat=0)
     engine_error = relative_error(fp32_streamed, want)
+    print(f"[done] fp32 reference; engine error {engine_error:.3g}", file=sys.stderr, flush=True)
     del reference, fp32_streamed
     if cuda:
         torch.cuda.empty_cache()
@@ -209,6 +210,7 @@ def main() -> None:
         if any(s in name for s in args.skip):
             continue
         seconds, peak, grads = measure(mode, model, batch, cuda, args.repeat)
+        print(f"[done] {name}: {seconds:.3f} s, peak {peak:.2f} GiB", file=sys.stderr, flush=True)
         dense_time = dense_time or seconds
         dense_peak = dense_peak or peak
         rows.append([name, seconds, tokens / seconds, seconds / dense_time, peak,
