@@ -69,5 +69,39 @@ def test_turn_by_turn_backward_with_ledger_replay_equals_dense(lora: bool) -> No
 
 
 def test_a_segment_needs_a_forwarded_parent() -> None:
+    anatomy = decoder_anatomy(tiny_qwen3())
     with pytest.raises(ValueError, match="parent segment has no K/V state yet"):
-        Segment(torch.tensor([1]), Segment(torch.tensor([2])))
+        SegmentPack.forward(anatomy, [Segment(torch.tensor([1]), Segment(torch.tensor([2])))])
+
+
+@pytest.mark.parametrize("root_in_pack", [True, False], ids=["root-in-pack", "root-by-proxy"])
+def test_parents_forwarded_in_the_same_pack_as_their_children_equal_dense(root_in_pack: bool) -> None:
+    """[root, a, b (after a), c (after root)] in one pack: children read in-pack parents' K/V."""
+    model = tiny_qwen3(torch.float64)
+    reference = copy.deepcopy(model)
+    prompt, a, b, c = [5, 9, 2, 7], [11, 12, 13], [40, 41], [20, 21, 22]
+    for ids in (prompt + a + b, prompt + c):
+        t = torch.tensor(ids)
+        logp = reference(input_ids=t[None]).logits[0].log_softmax(-1)[:-1].gather(-1, t[1:, None])[:, 0]
+        logp[len(prompt) - 1 :].sum().backward()
+
+    anatomy = decoder_anatomy(model)
+    params = anatomy.trainable_parameters()
+    root = Segment(torch.tensor(prompt))
+    if not root_in_pack:
+        SegmentPack.forward(anatomy, [root], grad=False, keep_state=True)
+    seg_a = Segment(torch.tensor(a), root)
+    segments = [seg_a, Segment(torch.tensor(b), seg_a), Segment(torch.tensor(c), root)]
+    if root_in_pack:
+        segments.insert(0, root)
+    pack = SegmentPack.forward(anatomy, segments)
+    picks = [torch.arange(1 if s is root else 0, s.tokens.numel()) if s is not root else None for s in segments]
+    objective = sum(lp.sum() for lp in pack.scored_logprobs(picks))
+    adjoints = pack.backward(objective, params=params, sink=None)  # type: ignore[arg-type]
+    assert (root in adjoints) != root_in_pack
+    if not root_in_pack:
+        replay = SegmentPack.forward(anatomy, [root])
+        replay.backward(None, [adjoints[root]], params=params, sink=None)
+    diff = sum(float((p.grad - q.grad).pow(2).sum()) for p, q in zip(model.parameters(), reference.parameters()))
+    norm = sum(float(q.grad.pow(2).sum()) for q in reference.parameters())
+    assert (diff / norm) ** 0.5 < 1e-10

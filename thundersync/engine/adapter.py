@@ -7,7 +7,8 @@ the backward of the chunk stops there and leaves the prefix's adjoint in ``proxy
 
 Several chunks are *packed*: their tokens are concatenated into one row, so every projection,
 norm and MLP runs once over all of them, and only attention runs per chunk (a chunk's queries see
-its own prefix and, causally, its own tokens; never another chunk)::
+its own prefix and, causally, its own tokens; never another chunk, except that a chunk may name
+an earlier chunk of the pack as the end of its prefix, e.g. a prompt packed with its branches)::
 
     x      = embed(tokens)                                         [1, N, H]
     layer: h = norm1(x);  q, k, v = proj(h) (+ q_norm/k_norm) + rotary(position)
@@ -42,6 +43,10 @@ class ChunkSpec:
     tokens: torch.Tensor
     start: int
     prefix: Sequence[KV]  # per layer, each [Hkv, P, D]; P may be 0
+    # The prefix continues with rows [offsets[c] + skip, offsets[c + 1] - trim) of earlier chunks
+    # c of the same pack, in this order (ancestors forwarded together with their descendants:
+    # the gradient flows through the graph).
+    in_pack: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass
@@ -98,6 +103,10 @@ def _layer(
         rows = slice(offsets[c], offsets[c + 1])
         k_c, v_c = k[:, :, rows], v[:, :, rows]
         k_p, v_p = chunk.prefix[layer]
+        if chunk.in_pack:
+            spans = [slice(offsets[i] + skip, offsets[i + 1] - trim) for i, skip, trim in chunk.in_pack]
+            k_p = torch.cat([k_p, *(k[0, :, r] for r in spans)], dim=1)
+            v_p = torch.cat([v_p, *(v[0, :, r] for r in spans)], dim=1)
         outs.append(chunk_attention(q[:, :, rows], k_p[None], v_p[None], k_c, v_c, scale=anatomy.scaling))
         kv_out[c].append((k_c[0], v_c[0]))
     attn = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]

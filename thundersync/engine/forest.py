@@ -58,8 +58,6 @@ class Segment:
     def __init__(self, tokens: torch.Tensor, parent: Segment | None = None) -> None:
         if tokens.dim() != 1 or tokens.numel() == 0:
             raise ValueError(f"a segment needs a non-empty 1-D token tensor, got shape {tuple(tokens.shape)}")
-        if parent is not None and parent.state is None:
-            raise ValueError("the parent segment has no K/V state yet: forward it with keep_state=True first")
         self.tokens = tokens
         self.parent = parent
         self.start = parent.end if parent is not None else 0
@@ -122,10 +120,11 @@ class SegmentPack:
                 keep_state: bool = False) -> SegmentPack:
         """Forward ``segments`` packed; with ``keep_state`` each keeps its own K/V as ``state``."""
         leaves: dict[int, tuple[list[Segment], list[KV]]] = {}
-        chunks = []
+        chunks: list[ChunkSpec] = []
+        index = {id(seg): i for i, seg in enumerate(segments)}
         with torch.enable_grad() if grad else torch.no_grad():
             for seg in segments:
-                chunks.append(_chunk(anatomy, seg, leaves, grad))
+                chunks.append(_chunk(anatomy, seg, index, leaves, grad))
             output = forward_pack(anatomy, chunks)
         pack = cls(anatomy, segments, output, leaves)
         if keep_state:
@@ -209,21 +208,44 @@ def _grad_or_zero(leaf: torch.Tensor) -> torch.Tensor:
     return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
 
 
-def _chunk(anatomy: DecoderAnatomy, seg: Segment, leaves: dict[int, tuple[list[Segment], list[KV]]],
-           grad: bool) -> ChunkSpec:
-    if seg.parent is None:
-        return ChunkSpec(seg.tokens, 0, empty_prefix(anatomy, seg.tokens.device))
-    parent = seg.parent
-    if id(parent) not in leaves:
-        chain = [*parent.chain(), parent]
+def _proxy(anatomy: DecoderAnatomy, chain: list[Segment], leaves: dict[int, tuple[list[Segment], list[KV]]],
+           grad: bool) -> list[KV]:
+    """Per-layer fp32 (fp64) leaves holding the concatenated states of ``chain`` (shared per pack)."""
+    key = id(chain[-1])
+    if key not in leaves:
+        missing = [a for a in chain if a.state is None]
+        if missing:
+            raise ValueError("the parent segment has no K/V state yet: forward it with keep_state=True first, "
+                             "or in the same pack before its children")
         acc = accumulate_dtype(anatomy.dtype)
         per_layer = []
         for layer in range(len(anatomy.layers)):
             k = torch.cat([a.state[layer][0] for a in chain], dim=1)  # type: ignore[index]
             v = torch.cat([a.state[layer][1] for a in chain], dim=1)  # type: ignore[index]
             per_layer.append((k.to(acc).requires_grad_(grad), v.to(acc).requires_grad_(grad)))
-        leaves[id(parent)] = (chain, per_layer)
-    _, per_layer = leaves[id(parent)]
-    prefix = [(k[:, :-1].to(anatomy.dtype), v[:, :-1].to(anatomy.dtype)) for k, v in per_layer]
-    tokens = torch.cat([parent.tokens[-1:], seg.tokens])
-    return ChunkSpec(tokens, seg.start - 1, prefix)
+        leaves[key] = (chain, per_layer)
+    return leaves[key][1]
+
+
+def _chunk(anatomy: DecoderAnatomy, seg: Segment, index: dict[int, int],
+           leaves: dict[int, tuple[list[Segment], list[KV]]], grad: bool) -> ChunkSpec:
+    if seg.parent is None:
+        return ChunkSpec(seg.tokens, 0, empty_prefix(anatomy, seg.tokens.device))
+    chain = [*seg.parent.chain(), seg.parent]
+    position = index[id(seg)]
+    packed = [index.get(id(a), position) < position for a in chain]  # forwarded earlier in this pack
+    first = packed.index(True) if any(packed) else len(chain)
+    if not all(packed[first:]):
+        raise ValueError("a segment's ancestors in the same pack must be the lowest ones of its chain")
+    above, inside = chain[:first], chain[first:]
+    if above:
+        per_layer = _proxy(anatomy, above, leaves, grad)
+        cut = -1 if not inside else None  # the direct parent's last token is recomputed in the chunk
+        prefix = [(k[:, :cut].to(anatomy.dtype), v[:, :cut].to(anatomy.dtype)) for k, v in per_layer]
+    else:
+        prefix = empty_prefix(anatomy, seg.tokens.device)
+    in_pack = tuple(
+        (index[id(a)], 0 if a.parent is None else 1, 1 if a is seg.parent else 0) for a in inside
+    )
+    tokens = torch.cat([seg.parent.tokens[-1:], seg.tokens])
+    return ChunkSpec(tokens, seg.start - 1, prefix, in_pack=in_pack)
