@@ -11,7 +11,9 @@ of it). Log-probabilities of a segment's token ``j`` come from the hidden state 
 before it, so a non-root segment is fed as ``[last token of its parent] + its tokens`` and reads
 its ancestors' states for every position but that last one: the boundary token's K/V is
 recomputed inside the segment (the same values), so its first token is scored exactly and no
-hidden-state adjoint has to cross a segment boundary. Only K/V adjoints do.
+hidden-state adjoint has to cross a segment boundary. Only K/V adjoints do. An ancestor may
+instead be forwarded in the same pack, before its descendants: they then read its K/V through
+the graph (e.g. a prompt packed with its last branches, backpropagated once for all of them).
 
 :meth:`SegmentPack.backward` takes a scalar objective over the scored log-probs and/or adjoints
 for the segments' own K/V outputs, sends the parameter gradients to a sink (a

@@ -1,7 +1,7 @@
 """The GPU work of a GRPO group, run by the engine's worker in submission order.
 
 A group's tensors live in a :class:`GroupWork`: the prompt segment (the root of the group's
-forest), the reward-linear pair of parameter accumulators (G1 = sum (r_i - r0) g_i, G2 = sum g_i)
+forest; its K/V state is computed only when a branch must run before the group closes), the reward-linear pair of parameter accumulators (G1 = sum (r_i - r0) g_i, G2 = sum g_i)
 and of prompt-state adjoint ledgers (L1, L2), and the ledger F of adjoints that arrive already
 weighted by their final advantage. Only worker jobs touch them.
 """
@@ -18,7 +18,7 @@ from thundersync.engine.adapter import KV
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.run import StreamingRun
 
-__all__ = ["GroupWork", "Branch", "forward_prompt", "backward_linear", "backward_final", "close_prompt"]
+__all__ = ["GroupWork", "Branch", "forward_prompt", "backward_linear", "backward_final", "close_group"]
 
 
 @dataclass
@@ -61,12 +61,16 @@ def forward_prompt(run: StreamingRun, work: GroupWork) -> None:
     SegmentPack.forward(run.anatomy, [work.root], grad=False, keep_state=True)
 
 
-def _forward_branches(run: StreamingRun, roots: Sequence[Segment], branches: Sequence[Branch]) -> tuple[SegmentPack, list[torch.Tensor]]:
+def _forward_branches(run: StreamingRun, roots: Sequence[Segment], branches: Sequence[Branch],
+                      prompt: Segment | None = None) -> tuple[SegmentPack, list[torch.Tensor]]:
+    """Forward branches (after ``prompt`` in the same pack when given); their scored log-probs."""
     segments = [Segment(run.tensor(b.tokens), root) for root, b in zip(roots, branches)]
-    pack = SegmentPack.forward(run.anatomy, segments)
+    head = [prompt] if prompt is not None else []
+    pack = SegmentPack.forward(run.anatomy, [*head, *segments])
     device = run.layout.device
     picks = [torch.tensor([j for j, s in enumerate(b.scored) if s], dtype=torch.long, device=device) for b in branches]
-    return pack, pack.scored_logprobs(picks)
+    logprobs = pack.scored_logprobs([None] * len(head) + picks)
+    return pack, logprobs[len(head):]
 
 
 def backward_linear(run: StreamingRun, work: GroupWork, branches: Sequence[Branch], delta: float) -> None:
@@ -110,16 +114,28 @@ def _combined_adjoint(work: GroupWork, c1: float, c2: float) -> list[KV] | None:
     return combined.tensors
 
 
-def close_prompt(run: StreamingRun, work: GroupWork, c1: float, c2: float) -> None:
-    """Add c1 G1 + c2 G2 to the total, then backpropagate the prompt once with its combined adjoint."""
-    if work.cancelled or work.root is None:
+def close_group(run: StreamingRun, work: GroupWork, last: Sequence[tuple[GroupWork, Branch, float]],
+                c1: float, c2: float) -> None:
+    """The group's last pack: the prompt forwarded together with its ``last`` waiting branches.
+
+    The total receives c1 G1 + c2 G2; then one backward of ``sum_i A_i S_i`` over ``last`` plus
+    the prompt's combined adjoint c1 L1 + c2 L2 + F for its K/V outputs (the branches of the
+    pack reach the prompt through the graph, the earlier ones through that adjoint).
+    """
+    if work.cancelled:
         work.release()
         return
     if work.g1 is not None and work.g2 is not None:
         run.total.add_combination([(c1, work.g1), (c2, work.g2)])
     adjoint = _combined_adjoint(work, c1, c2)
-    if adjoint is not None and work.root.tokens.numel() > 1:
-        pack = SegmentPack.forward(run.anatomy, [work.root])
-        pack.backward(None, [adjoint], params=run.params, sink=run.capture)
-        run.total.add_scratch(run.capture)
+    if adjoint is None and not last:
+        work.release()
+        return
+    root = Segment(run.tensor(work.prompt))
+    pack, logprobs = _forward_branches(run, [root] * len(last), [b for _, b, _ in last], prompt=root)
+    terms = [lp.sum() * a for (_, _, a), lp in zip(last, logprobs)]
+    objective = torch.stack(terms).sum() if terms else None
+    kv_adjoints = [adjoint] + [None] * len(last)
+    pack.backward(objective, kv_adjoints, params=run.params, sink=run.capture)
+    run.total.add_scratch(run.capture)
     work.release()

@@ -9,10 +9,12 @@ A trajectory is one branch after its group's prompt (all its turns in one chunk)
 g_i = grad S_i does not depend on any reward, so a closed branch can run before its group
 closes: ready branches of an open group are packed by equal reward r and add G2 += g_pack,
 G1 += (r - r0) g_pack (r0: the first such reward of the group), with the same pair of ledgers
-for the adjoint of the prompt's K/V state. Branches still waiting when their group closes run
-with their final advantages as weights, straight into the total. At the group's close the
-total receives c1 G1 + c2 G2 (:func:`~thundersync.grpo.estimators.accumulator_coefficients`)
-and the prompt is backpropagated once with the combined adjoint. A group whose rewards are all
+for the adjoint of the prompt's K/V state (computed once, when the first such pack runs).
+Branches still waiting when their group closes run with their final advantages as weights,
+straight into the total: the last of those packs holds the prompt too, which is forwarded with
+them and backpropagated once, through the graph for its own branches and with the combined
+adjoint of all the others. At the group's close the total also receives c1 G1 + c2 G2
+(:func:`~thundersync.grpo.estimators.accumulator_coefficients`). A group whose rewards are all
 equal contributes exactly zero and its remaining work is skipped.
 
     >>> run = StreamingRun(model)                                              # doctest: +SKIP
@@ -49,6 +51,7 @@ class _Group:
     trajectories: dict[Hashable, _Trajectory] = field(default_factory=dict)
     waiting: list[_Trajectory] = field(default_factory=list)  # closed, scored, not yet submitted
     reference: float | None = None  # r0 of the G1 accumulator
+    prompt_forwarded: bool = False
 
     def unclosed(self) -> list[Hashable]:
         return [tid for tid, t in self.trajectories.items() if t.reward is None]
@@ -66,16 +69,14 @@ class RewardLinearBackward:
         self._groups: dict[Hashable, _Group] = {}
 
     def open_group(self, group_id: Hashable, prompt_tokens: Any) -> None:
-        """Open a group: its prompt's K/V state is computed once and shared by its trajectories."""
+        """Open a group; its prompt is forwarded once, shared by its trajectories (never before needed)."""
         self.run.begin()
         if group_id in self._groups:
             raise StreamingError(f"group {group_id!r} is already open; close it before opening it again")
         prompt = self.run.token_ids(prompt_tokens, f"prompt of group {group_id!r}")
         if not prompt:
             raise ConfigError(f"prompt of group {group_id!r} is empty; a group needs at least one prompt token")
-        work = _jobs.GroupWork(prompt)
-        self._groups[group_id] = _Group(work)
-        self.run.submit(f"prompt forward of group {group_id!r}", lambda: _jobs.forward_prompt(self.run, work))
+        self._groups[group_id] = _Group(_jobs.GroupWork(prompt))
 
     def append_turn(self, group_id: Hashable, trajectory_id: Hashable, tokens: Any, scored: Sequence[bool]) -> None:
         """Append a turn (policy turn: some tokens scored; observation turn: none)."""
@@ -129,13 +130,18 @@ class RewardLinearBackward:
         weights = advantages(rewards, self.estimator, self.eps)
         by_trajectory = {id(t): a for t, a in zip(group.trajectories.values(), weights)}
         items = [(group.work, t.branch, by_trajectory[id(t)]) for t in group.waiting]
-        for pack in _packs(items, self.run.pack_tokens, key=lambda item: len(item[1])):
+        budget = max(self.run.pack_tokens - len(group.work.prompt), 0)
+        packs = _packs(items, budget, key=lambda item: len(item[1])) if items else [[]]
+        if len(packs) > 1:
+            self._ensure_prompt_state(group_id, group)
+        for pack in packs[:-1]:
             self.run.submit(f"final backward of {len(pack)} branches of group {group_id!r}",
                             lambda pack=pack: _jobs.backward_final(self.run, pack))
         reference = group.reference if group.reference is not None else 0.0
         c1, c2 = accumulator_coefficients(rewards, self.estimator, self.eps, reference)
-        work = group.work
-        self.run.submit(f"prompt backward of group {group_id!r}", lambda: _jobs.close_prompt(self.run, work, c1, c2))
+        work, last = group.work, packs[-1]
+        self.run.submit(f"close of group {group_id!r} with {len(last)} branches",
+                        lambda: _jobs.close_group(self.run, work, last, c1, c2))
 
     def assert_safe_to_step(self) -> None:
         """Raise :class:`~thundersync.errors.UnsafeStepError` naming pending work; else ``.grad`` is final."""
@@ -158,7 +164,15 @@ class RewardLinearBackward:
             raise UnknownIdError(f"group {group_id!r} is not open (never opened, or already closed); open_group() it first")
         return group
 
+    def _ensure_prompt_state(self, group_id: Hashable, group: _Group) -> None:
+        """Branches that run apart from the prompt read its K/V state: compute it once, first."""
+        if not group.prompt_forwarded:
+            group.prompt_forwarded = True
+            work = group.work
+            self.run.submit(f"prompt forward of group {group_id!r}", lambda: _jobs.forward_prompt(self.run, work))
+
     def _submit_linear(self, group_id: Hashable, group: _Group) -> None:
+        self._ensure_prompt_state(group_id, group)
         if group.reference is None:
             group.reference = group.waiting[0].reward
         by_reward: dict[float, list[_jobs.Branch]] = {}
