@@ -35,6 +35,10 @@ class StreamingRun:
     (0: every closed trajectory runs alone, as soon as it closes). ``source_offload_device``:
     where the param-sized accumulators live (``"cpu"`` to keep them on the host; results are
     bitwise equal). ``background``: run the work on a worker thread (default: on CUDA only).
+
+    Between a batch's first ``open_group`` and ``assert_safe_to_step()`` leave ``p.grad`` alone
+    (the worker briefly points it at its scratch during each backward) and do not change the
+    parameters.
     """
 
     def __init__(self, model: nn.Module, *, pack_tokens: int = 8192, source_offload_device: str | torch.device | None = None,
@@ -43,6 +47,10 @@ class StreamingRun:
         self.params = self.anatomy.trainable_parameters()
         if not self.params:
             raise ConfigError("the model has no trainable parameter (requires_grad=True); nothing to stream")
+        devices = sorted({str(p.device) for p in self.params})
+        if len(devices) > 1:
+            raise ConfigError(f"trainable parameters live on several devices ({', '.join(devices)}); "
+                              "the streaming engine needs the model on one device")
         if pack_tokens < 0:
             raise ConfigError(f"pack_tokens must be >= 0, got {pack_tokens}")
         self.pack_tokens = pack_tokens
