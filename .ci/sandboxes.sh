@@ -25,6 +25,10 @@ _ts_sandboxes_cleanup() {
     docker ps -aq 2>/dev/null | xargs -r docker rm -f >/dev/null 2>&1 || true
     "${_ts_podman[@]}" rm -af -t 0 >/dev/null 2>&1 || true
     kill ${TS_SB_DOCKERD_PID:-} ${TS_SB_PODMAN_PID:-} 2>/dev/null || true
+    for _ts_proc in /proc/[0-9]*; do  # Podman's per-container monitors (conmon), by pid
+        [ "$(cat "$_ts_proc/comm" 2>/dev/null)" = conmon ] && grep -qaF "$TS_SB_DIR" "$_ts_proc/cmdline" 2>/dev/null \
+            && kill "${_ts_proc#/proc/}" 2>/dev/null || true
+    done
     wait ${TS_SB_DOCKERD_PID:-} ${TS_SB_PODMAN_PID:-} 2>/dev/null || true
     rm -rf "$TS_SB_DIR" || true
 }
@@ -75,7 +79,8 @@ TS_SB_DOCKERD_PID=$!
 
 # -- Podman's Docker-compatible service (the same DockerSandbox code is tested against it) -------
 export CONTAINERS_CONF="$TS_SB_DIR/containers.conf"
-printf '[containers]\ndefault_ulimits = ["nofile=1024:1024", "nproc=4096:4096"]\nnetns = "none"\n[engine]\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\n' >"$CONTAINERS_CONF"
+# exit_command_delay: each exec's conmon otherwise lingers 5 minutes after the command ended.
+printf '[containers]\ndefault_ulimits = ["nofile=1024:1024", "nproc=4096:4096"]\nnetns = "none"\n[engine]\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\nexit_command_delay = 10\n' >"$CONTAINERS_CONF"
 "${_ts_podman[@]}" import --quiet --change 'WORKDIR /work' --change 'CMD ["/bin/sh"]' \
     "$TS_SB_DIR/rootfs.tar" "$THUNDERSYNC_TEST_IMAGE" >/dev/null
 export THUNDERSYNC_TEST_PODMAN_HOST="unix://$TS_SB_DIR/podman.sock"
