@@ -61,7 +61,6 @@ class StreamingRun:
         self._capture: GradCapture | None = None
         self._total: FlatAccumulator | None = None
         self._versions: list[int] | None = None
-        self._probed = False
 
     # --- shared resources (worker side) --------------------------------------------------------
 
@@ -92,8 +91,6 @@ class StreamingRun:
 
         def run() -> None:
             with torch.enable_grad():
-                if not self._probed:
-                    self._probe_attention()
                 job()
 
         self.worker.submit(label, run)
@@ -152,34 +149,6 @@ class StreamingRun:
         """Bytes of tensors the run itself holds (scratch and total; objectives add theirs)."""
         held = [self._capture, self._total]
         return sum(h.nbytes() for h in held if h is not None)
-
-    def _probe_attention(self) -> None:
-        """Probe the attention paths once with gradients enabled, on this model's head shape.
-
-        A kernel probe runs a forward+backward trial and caches its verdict; the engine's first
-        attention call is often a no-grad prompt forward, where that trial cannot backpropagate
-        and would mark fast paths unusable for the whole process. (Remove once
-        ``kernels.probe.probe`` enables gradients around its trials.)
-        """
-        self._probed = True
-        if self.layout.device.type != "cuda":
-            return
-        from thundersync.errors import KernelError
-        from thundersync.kernels import ATTENTION_PATHS, chunk_attention
-
-        a = self.anatomy
-        q = torch.zeros(1, a.num_heads, 2, a.head_dim, dtype=a.dtype, device=self.layout.device, requires_grad=True)
-        kv = torch.zeros(1, a.num_kv_heads, 2, a.head_dim, dtype=a.dtype, device=self.layout.device, requires_grad=True)
-        passed = False
-        order = [p for p in ("fa4", "sdpa_split", "sdpa_masked", "flex") if p in ATTENTION_PATHS]
-        for path in order:  # the reference needs no probe
-            if path == "flex" and passed:
-                break  # compiling flex's trial costs tens of seconds; only needed as a fallback
-            try:
-                chunk_attention(q, kv, kv, kv, kv, scale=a.scaling, path=path)
-                passed = passed or path != "fa4"
-            except KernelError:
-                pass  # the probe recorded why; dispatch will skip this path
 
     def _check_deterministic(self) -> None:
         model = self.anatomy.model

@@ -74,8 +74,12 @@ def probe(
     cap = _CACHE.get(key)
     if cap is not None:
         return cap
+    import torch
+
     try:
-        with warnings.catch_warnings():  # a trial judges values; library warnings are not failures
+        # A trial backpropagates: give it gradients even when the first real call runs under
+        # no_grad (e.g. a prompt forward), or a working kernel would be refused for the process.
+        with warnings.catch_warnings(), torch.enable_grad():  # library warnings are not failures
             warnings.simplefilter("ignore")
             trial()
     except Exception as error:  # the one place where failures turn into "use another path"

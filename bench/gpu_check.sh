@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One call on the H200 machine: the engine benchmarks, the CUDA examples and every `gpu` test.
+#   device run (carry .whl): bash bench/gpu_check.sh
+# Each step has its own time limit and writes its log under $OUT (or /tmp/gpu_check).
+set -u
+out=${OUT:-/tmp/gpu_check}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2; shift 2
+    echo "== $name"
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    echo "== $name: exit $? after ${SECONDS}s"
+}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+step grpo_bench "${GRPO_LIMIT:-150}" python3 bench/engine.py --repeat 2 --skip pack_tokens=0
+step opd_bench "${OPD_LIMIT:-100}" python3 bench/engine_opd.py --repeat 1
+step examples 60 bash -c "python3 examples/streaming_grpo.py && python3 examples/streaming_opd.py"
+step gpu_tests "${TESTS_LIMIT:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 \
+    tests/kernels/test_gpu.py tests/grpo tests/opd tests/generation/test_fixed_shape_decode.py
+for f in "$out"/*.log; do echo "---- $f"; tail -n 25 "$f"; done
