@@ -130,7 +130,7 @@ def opd_table(model: torch.nn.Module, tiny: bool, cuda: bool, repeat: int) -> tu
     if tiny:
         batch = make_opd_batch(random.Random(1), vocab, 2, 3, (16, 24), (4, 24), (2, 12), (2, 3))
     else:
-        batch = make_opd_batch(random.Random(1), vocab, 4, 8, (480, 544), (64, 512), (32, 256), (2, 4))
+        batch = make_opd_batch(random.Random(1), vocab, 2, 8, (480, 544), (64, 512), (32, 256), (2, 4))
     tokens = sum(len(g.prompt) + sum(map(len, t.turns)) for g in batch for t in g.trajectories)
     scored = sum(len(q) for g in batch for t in g.trajectories for q in t.teacher)
     reference = copy.deepcopy(model).float()

@@ -117,13 +117,14 @@ def dense_reference_grads(model: torch.nn.Module, plan: Plan, normalization: str
                     ids.append(token)
             if not targets:
                 continue
-            logits = model(torch.tensor([ids])).logits[0]
+            device = next(model.parameters()).device
+            logits = model(torch.tensor([ids], device=device)).logits[0]
             logp = torch.log_softmax(logits, -1)
-            pos = torch.tensor(targets)
-            lp = logp[pos - 1, torch.tensor(ids)[pos]]
+            pos = torch.tensor(targets, device=device)
+            lp = logp[pos - 1, torch.tensor(ids, device=device)[pos]]
             for k in range(len(targets)):
-                b = lp[k].detach() if behaviour[k] is None else torch.tensor(behaviour[k], dtype=lp.dtype)
-                q = torch.tensor(teacher[k], dtype=lp.dtype)
+                b = lp[k].detach() if behaviour[k] is None else torch.tensor(behaviour[k], dtype=lp.dtype, device=device)
+                q = torch.tensor(teacher[k], dtype=lp.dtype, device=device)
                 terms.append(torch.exp(lp[k] - b) * (b - q).detach())
     count = len(terms)
     if terms:
