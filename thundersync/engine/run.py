@@ -112,6 +112,22 @@ class StreamingRun:
             raise ConfigError(f"{what} holds token id {bad}, outside the vocabulary of size {vocab} (valid ids: 0..{vocab - 1})")
         return ids
 
+    def prompt_ids(self, group_id: Any, tokens: Any) -> list[int]:
+        """Validate a group's prompt: token ids in the vocabulary, at least one of them."""
+        prompt = self.token_ids(tokens, f"prompt of group {group_id!r}")
+        if not prompt:
+            raise ConfigError(f"prompt of group {group_id!r} is empty; a group needs at least one prompt token")
+        return prompt
+
+    def turn_ids(self, where: str, tokens: Any, scored: Sequence[bool]) -> tuple[list[int], list[bool]]:
+        """Validate a turn of ``where`` (a trajectory): its token ids and one scored flag per token."""
+        ids = self.token_ids(tokens, f"turn of {where}")
+        flags = [bool(s) for s in scored]
+        if len(flags) != len(ids):
+            raise ConfigError(f"scored has {len(flags)} flags but the turn of {where} has {len(ids)} tokens; "
+                              "give one flag per token")
+        return ids, flags
+
     def begin(self) -> None:
         """Start a logical batch if none is running: check the model, record parameter versions."""
         self.worker.raise_if_failed()

@@ -73,10 +73,7 @@ class RewardLinearBackward:
         self.run.begin()
         if group_id in self._groups:
             raise StreamingError(f"group {group_id!r} is already open; close it before opening it again")
-        prompt = self.run.token_ids(prompt_tokens, f"prompt of group {group_id!r}")
-        if not prompt:
-            raise ConfigError(f"prompt of group {group_id!r} is empty; a group needs at least one prompt token")
-        self._groups[group_id] = _Group(_jobs.GroupWork(prompt))
+        self._groups[group_id] = _Group(_jobs.GroupWork(self.run.prompt_ids(group_id, prompt_tokens)))
 
     def append_turn(self, group_id: Hashable, trajectory_id: Hashable, tokens: Any, scored: Sequence[bool]) -> None:
         """Append a turn (policy turn: some tokens scored; observation turn: none)."""
@@ -84,13 +81,7 @@ class RewardLinearBackward:
         trajectory = group.trajectories.get(trajectory_id)
         if trajectory is not None and trajectory.reward is not None:
             raise StreamingError(f"trajectory {trajectory_id!r} of group {group_id!r} is closed; cannot append to it")
-        ids = self.run.token_ids(tokens, f"turn of trajectory {trajectory_id!r} in group {group_id!r}")
-        flags = [bool(s) for s in scored]
-        if len(flags) != len(ids):
-            raise ConfigError(
-                f"scored has {len(flags)} flags but the turn of trajectory {trajectory_id!r} in group "
-                f"{group_id!r} has {len(ids)} tokens; give one flag per token"
-            )
+        ids, flags = self.run.turn_ids(f"trajectory {trajectory_id!r} in group {group_id!r}", tokens, scored)
         if trajectory is None:
             trajectory = group.trajectories[trajectory_id] = _Trajectory()
         trajectory.branch.tokens += ids

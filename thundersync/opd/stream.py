@@ -71,10 +71,7 @@ class OPDStream:
         self.run.begin()
         if group_id in self._groups:
             raise StreamingError(f"group {group_id!r} is already open; close it before opening it again")
-        prompt = self.run.token_ids(prompt_tokens, f"prompt of group {group_id!r}")
-        if not prompt:
-            raise ConfigError(f"prompt of group {group_id!r} is empty; a group needs at least one prompt token")
-        group = self._groups[group_id] = GroupState(prompt)
+        group = self._groups[group_id] = GroupState(self.run.prompt_ids(group_id, prompt_tokens))
         self.run.submit(f"prompt forward of group {group_id!r}", lambda: _replay.forward_root(self.run, group))
 
     def append_turn(self, group_id: Hashable, trajectory_id: Hashable, tokens: Any, scored: Sequence[bool],
@@ -85,13 +82,9 @@ class OPDStream:
         where = f"trajectory {trajectory_id!r} of group {group_id!r}"
         if trajectory is not None and trajectory.closed:
             raise StreamingError(f"{where} is closed; cannot append to it")
-        ids = self.run.token_ids(tokens, f"turn of {where}")
+        ids, flags = self.run.turn_ids(where, tokens, scored)
         if not ids:
             raise ConfigError(f"the turn of {where} is empty; a turn needs at least one token")
-        flags = [bool(s) for s in scored]
-        if len(flags) != len(ids):
-            raise ConfigError(f"scored has {len(flags)} flags but the turn of {where} has {len(ids)} tokens; "
-                              "give one flag per token")
         count = sum(flags)
         teacher = _scores(teacher_logprobs, "teacher_logprobs", count, where, required=True)
         behaviour = _scores(behaviour_logprobs, "behaviour_logprobs", count, where, required=False)
