@@ -23,14 +23,14 @@ import random
 from typing import Any
 
 import anyio
-import structlog
+from thundersync._logging import get_logger
 
 from thundersync.errors import BackendCapabilityError, ConfigError, GenerationError, MissingExtraError
 from thundersync.generation.base import GenerationRequest, GenerationResult, LogprobMode
 
 __all__ = ["OpenAIGenerator"]
 
-_log = structlog.get_logger(__name__)
+_log = get_logger(__name__)
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 

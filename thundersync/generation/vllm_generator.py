@@ -32,7 +32,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-import structlog
+from thundersync._logging import get_logger
 import torch
 from torch import nn
 
@@ -43,7 +43,7 @@ from thundersync.generation.base import GenerationRequest, GenerationResult, Log
 
 __all__ = ["VLLMGenerator"]
 
-_log = structlog.get_logger(__name__)
+_log = get_logger(__name__)
 
 
 def _import_vllm() -> Any:

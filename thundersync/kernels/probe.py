@@ -14,14 +14,14 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import structlog
+from thundersync._logging import get_logger
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["Capability", "check_close", "clear_capabilities", "kernel_capabilities", "probe", "record", "triton_usable", "use_triton"]
 
-_log = structlog.get_logger(__name__)
+_log = get_logger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,6 +64,9 @@ def _configure_logging(verbose: bool) -> None:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=False,
     )
+    # The library's own loggers write through the standard logging module (thundersync._logging).
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s [%(levelname)s] %(name)s: %(message)s",
+                        force=True)
 
 
 def _error(message: str, error: BaseException, verbose: bool, *, hint_verbose: bool = True) -> None:

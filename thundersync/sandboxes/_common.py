@@ -18,7 +18,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-import structlog
+from thundersync._logging import get_logger
 
 from thundersync.errors import ConfigError, SandboxExecError
 from thundersync.sandboxes import _treefiles, trees
@@ -26,7 +26,7 @@ from thundersync.sandboxes.base import ExecResult, SandboxLimits
 
 __all__ = ["TreeSandbox", "new_name", "scrub_env"]
 
-log = structlog.get_logger("thundersync.sandboxes")
+log = get_logger("thundersync.sandboxes")
 
 _SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|ACCESS_?KEY|PRIVATE|AUTH|COOKIE|SESSION", re.I)
 _digests: dict[Path, str] = {}

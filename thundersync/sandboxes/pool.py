@@ -18,14 +18,14 @@ from contextlib import asynccontextmanager
 
 import anyio
 import msgspec
-import structlog
+from thundersync._logging import get_logger
 
 from thundersync.errors import ConfigError, SandboxError
 from thundersync.sandboxes.base import Sandbox
 
 __all__ = ["PoolStats", "SandboxPool"]
 
-log = structlog.get_logger("thundersync.sandboxes")
+log = get_logger("thundersync.sandboxes")
 
 
 class PoolStats(msgspec.Struct):
