@@ -28,9 +28,10 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -226,13 +227,14 @@ def main() -> None:
         profile(model, batch, cuda)
 
 
-def profile(model: torch.nn.Module, batch: Batch, cuda: bool) -> None:
-    """The top device kernels of one dense and one streaming run (diagnostics only)."""
+def profile(model: torch.nn.Module, batch: Any, cuda: bool,
+            modes: Sequence[tuple[str, Callable[[torch.nn.Module, Any], None]]] | None = None) -> None:
+    """The top device kernels of one run of each mode (default: GRPO dense and streaming)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    for name, mode in (("dense", dense), ("streaming", streaming)):
+    for name, mode in modes or (("dense", dense), ("streaming", streaming)):
         with torch_profile(activities=activities) as prof:
             mode(model, batch)
             if cuda:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import thundersync  # noqa: E402
 from bench._common import header, markdown_table  # noqa: E402
-from bench.engine import make_model, measure, relative_error  # noqa: E402
+from bench.engine import make_model, measure, profile, relative_error  # noqa: E402
 from thundersync.kernels import linear_logprobs  # noqa: E402
 @dataclass
 class OPDTrajectory:
@@ -159,6 +159,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model and batch on CPU (seconds)")
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--profile", action="store_true", help="after the table, profile one run of each mode")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
@@ -168,6 +169,9 @@ def main() -> None:
     print(f"{info}, dtype {next(model.parameters()).dtype}\n")
     print(markdown_table(["mode", "seconds", "tokens/s", "time vs dense", "peak GiB",
                           "per-action backward p50 ms", "p95 ms", "rel. err vs fp32 dense"], rows))
+    if args.profile:
+        batch = make_opd_batch(random.Random(1), model.config.vocab_size, 1, 4, (480, 544), (64, 512), (32, 256), (2, 4))
+        profile(model, batch, cuda, (("dense OPD", opd_dense), ("streaming OPD", opd_streaming)))
 
 
 if __name__ == "__main__":
