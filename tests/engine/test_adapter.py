@@ -65,3 +65,33 @@ def test_adapter_gradients_reach_parameters_and_prefix() -> None:
 def test_anatomy_rejects_a_model_without_the_transformers_layout() -> None:
     with pytest.raises(ConfigError, match="cannot find the decoder of Linear"):
         decoder_anatomy(torch.nn.Linear(2, 2))
+
+
+def _tiny_family(family: str) -> torch.nn.Module:
+    """Tiny random Qwen2 (q/k/v biases, no q/k norms) and Llama models, built in code."""
+    import transformers
+
+    common = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    if family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, head_dim=8))
+    with torch.no_grad():  # non-trivial norms and biases, so a misplaced one shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_adapter_logprobs_equal_the_models_own_forward_for_qwen2_and_llama(family: str) -> None:
+    model = _tiny_family(family)
+    tokens = torch.randint(0, 97, (29,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = _model_logprobs(model, tokens)
+        for cut in (1, 13, 28):
+            torch.testing.assert_close(_adapter_logprobs_split(model, tokens, cut), expected, rtol=1e-5, atol=1e-6)
