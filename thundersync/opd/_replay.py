@@ -135,21 +135,36 @@ class PendingTurn:
 
 
 def backward_turns(run: StreamingRun, sink: GradientSink, pending: Sequence[PendingTurn]) -> None:
-    """Forward scored turns (of distinct trajectories) packed, each after its ancestors' state,
-    and backpropagate the sum of their losses now; each adjoint goes to its ancestor's ledger."""
-    segments, selections, ledgers = [], [], {}
+    """Forward scored turns (of distinct trajectories) packed and backpropagate their losses now.
+
+    Each turn reads its ancestors' states through proxies, except the turns before it that were
+    never forwarded (observations since its trajectory's last scored turn): those go into the same
+    pack, just before it, so one forward serves both and their own parameters get this turn's
+    gradient through the graph. Adjoints for the proxied ancestors go to their ledgers.
+    """
+    segments: list[Segment] = []
+    selections: list[torch.Tensor | None] = []
+    ledgers: dict[int, AdjointLedger] = {}
     for item in pending:
-        parent = _forward_prior(run, item.group, item.prior)
+        assert item.group.root is not None
+        parent = item.group.root
+        for turn in item.prior:
+            if turn.segment is None:  # not forwarded yet: the lowest turns of the chain
+                turn.segment = Segment(run.tensor(turn.ids), parent)
+                segments.append(turn.segment)
+                selections.append(None)
+            parent = turn.segment
         item.turn.segment = Segment(run.tensor(item.turn.ids), parent)
         segments.append(item.turn.segment)
         selections.append(torch.tensor(item.turn.scored, device=parent.tokens.device))
         ledgers.update(_ledgers(item.group, item.prior))
     pack = SegmentPack.forward(run.anatomy, segments, keep_state=True)
+    logprobs = [lp for lp, picked in zip(pack.scored_logprobs(selections), selections) if picked is not None]
     losses = []
-    for item, logprobs in zip(pending, pack.scored_logprobs(selections)):
+    for item, lp in zip(pending, logprobs):
         assert item.turn.teacher is not None
-        behaviour = None if item.turn.behaviour is None else item.turn.behaviour.to(logprobs)
-        losses.append(surrogate_sum(logprobs, item.turn.teacher.to(logprobs), behaviour))
+        behaviour = None if item.turn.behaviour is None else item.turn.behaviour.to(lp)
+        losses.append(surrogate_sum(lp, item.turn.teacher.to(lp), behaviour))
     for ancestor, adjoint in sink.backward(pack, torch.stack(losses).sum(), None).items():
         ledgers[id(ancestor)].add(adjoint)
 
@@ -176,18 +191,6 @@ def replay_root(run: StreamingRun, sink: GradientSink, group: GroupState) -> Non
         sink.backward(pack, None, [group.ledger.tensors])
     group.root.release()
     group.root, group.ledger = None, AdjointLedger()
-
-
-def _forward_prior(run: StreamingRun, group: GroupState, prior: Sequence[TurnState]) -> Segment:
-    """Make sure every earlier turn has its K/V state (observation turns are forwarded lazily)."""
-    assert group.root is not None
-    parent = group.root
-    for turn in prior:
-        if turn.segment is None:
-            turn.segment = Segment(run.tensor(turn.ids), parent)
-            SegmentPack.forward(run.anatomy, [turn.segment], grad=False, keep_state=True)
-        parent = turn.segment
-    return parent
 
 
 def _ledgers(group: GroupState, prior: Sequence[TurnState]) -> dict[int, AdjointLedger]:

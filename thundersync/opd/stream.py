@@ -9,7 +9,8 @@ scored tokens is backpropagated when it is appended (its teacher scores are ther
 forwarded after detached proxies of the earlier turns' K/V state, its surrogate loss is
 backpropagated into the parameters at once, unnormalized, and the adjoints it sends into the
 earlier turns' K/V state are added to their ledgers. Observation turns need no backward of their
-own: they are forwarded (without grad) only when a later scored turn reads their state. When the
+own: they are forwarded only when a scored turn reads them, in the same pack just before it (so
+that turn's gradient reaches them through the graph, not a ledger). When the
 trajectory closes, the ledgers are replayed in reverse turn order (recompute the turn, backward
 its ledger, which adds to the ledgers before it), so every earlier turn's parameters receive
 what later turns sent them. The prompt's ledger is replayed once, when its group closes. The
