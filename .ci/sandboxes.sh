@@ -53,20 +53,11 @@ tar -C "$_ts_rootfs" -cf "$TS_SB_DIR/rootfs.tar" .
 
 # -- uDocker, offline ---------------------------------------------------------------------------
 export UDOCKER_DIR="$TS_SB_DIR/udocker" UDOCKER_TARBALL=""
-export UDOCKER_USE_PROOT_EXECUTABLE="$TS_SB_DIR/proot"
-# Debian's proot 5.1.0 fails with `-k <release>` on this kernel: drop that pair of arguments.
-cat >"$UDOCKER_USE_PROOT_EXECUTABLE" <<'EOF'
-#!/bin/sh
-skip=0
-for a in "$@"; do
-    shift
-    if [ "$skip" = 1 ]; then skip=0; continue; fi
-    if [ "$a" = -k ]; then skip=1; continue; fi
-    set -- "$@" "$a"
-done
-exec /usr/bin/proot "$@"
-EOF
-chmod 755 "$UDOCKER_USE_PROOT_EXECUTABLE"
+# Debian's proot 5.1.0 fails with `-k <release>` on this kernel: the library writes a wrapper that
+# drops that pair of arguments (the same one it uses when UDOCKER_USE_PROOT_EXECUTABLE is unset).
+UDOCKER_USE_PROOT_EXECUTABLE="$(THUNDERSYNC_DOCKER_SEED_DIR="$TS_SB_DIR/wrapper" python -c \
+    'from thundersync.sandboxes.udocker import proot_wrapper; print(proot_wrapper())')"
+export UDOCKER_USE_PROOT_EXECUTABLE
 udocker --allow-root import "$TS_SB_DIR/rootfs.tar" "$THUNDERSYNC_TEST_IMAGE" >/dev/null
 
 # -- dockerd without any network setup ----------------------------------------------------------
