@@ -2,6 +2,10 @@
 # One call on the H200 machine: the engine benchmarks, the CUDA examples and every `gpu` test.
 #   device run (carry .whl): bash bench/gpu_check.sh
 # Each step has its own time limit and writes its log under $OUT (or /tmp/gpu_check).
+# The GPU machine lacks msgspec, structlog and pytest-asyncio: fetch their Python 3.12 wheels once
+# (`.whl/` is git-ignored via .git/info/exclude):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl msgspec structlog pytest-asyncio
 set -u
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
