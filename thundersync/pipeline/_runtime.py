@@ -25,10 +25,15 @@ from thundersync.pipeline._stats import (
 )
 from thundersync.pipeline.graph import INPUT, Graph, Node
 
-__all__ = ["RESULTS", "GraphRuntime"]
+__all__ = ["EVENT_ATTRIBUTE", "RESULTS", "GraphRuntime"]
 
 RESULTS = "(results)"
 """The name under which the results channel of a Pipeline appears in the statistics."""
+
+EVENT_ATTRIBUTE = "thundersync_event"
+"""An exception raised while handling an event in a stage's own task may carry that event under
+this attribute (``stages._tasks.Slots`` sets it); ``StageFailed`` names it instead of the event
+the stage's inbox returned last."""
 
 
 class _StageClock:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import zlib
 from typing import Annotated, ClassVar, Protocol, runtime_checkable
 
-import anyio
 import msgspec
 
 from thundersync.errors import ConfigError
@@ -23,7 +22,7 @@ from thundersync.events import ActionGenerated, EventBase, GroupOpened, Id, Prom
 from thundersync.generation.base import GenerationRequest, Generator, SamplingParams
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
-from thundersync.stages._tasks import task_group
+from thundersync.stages._tasks import Slots, task_group
 
 __all__ = ["GenerateStage", "ToolRunner"]
 
@@ -42,7 +41,12 @@ class ToolRunner(Protocol):
 
 
 class GenerateStage(Stage):
-    """Sample ``num_trajectories`` trajectories per prompt, up to ``turns`` actions each."""
+    """Sample ``num_trajectories`` trajectories per prompt, up to ``turns`` actions each.
+
+    At most ``concurrency`` trajectories are in flight (each makes one generator or tool call at
+    a time); while they all are, the stage stops reading prompts, so a slow generator or a full
+    outbox throttles the source through the bounded channels.
+    """
 
     consumes: ClassVar[tuple[type[EventBase], ...]] = (PromptSubmitted,)
     produces: ClassVar[tuple[type[EventBase], ...]] = (GroupOpened, ActionGenerated, ToolObserved)
@@ -67,12 +71,12 @@ class GenerateStage(Stage):
         self._base_version = 0 if policy is None else policy.version  # batch n needs base + n
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
-        limiter = anyio.CapacityLimiter(self.config.concurrency)
         async with task_group() as group:
+            trajectories = Slots(group, self.config.concurrency)
             async for event in inbox:
                 assert isinstance(event, PromptSubmitted)
                 await self._wait_for_policy(event)
-                group.start_soon(self._group, event, outbox, limiter)
+                await self._open(event, outbox, trajectories)
 
     async def _wait_for_policy(self, prompt: PromptSubmitted) -> None:
         if prompt.batch_id in self._batches:
@@ -85,22 +89,20 @@ class GenerateStage(Stage):
             await self.policy.wait_for(self._base_version + len(self._batches))
         self._batches.add(prompt.batch_id)
 
-    async def _group(self, prompt: PromptSubmitted, outbox: Outbox, limiter: anyio.CapacityLimiter) -> None:
+    async def _open(self, prompt: PromptSubmitted, outbox: Outbox, trajectories: Slots) -> None:
+        """Announce the group, then start its trajectories as slots free up (backpressure)."""
         ids = list(range(prompt.num_trajectories))
         await outbox.send(GroupOpened(group_id=prompt.group_id, prompt_tokens=prompt.prompt_tokens,
                                       trajectory_ids=list(ids), batch_id=prompt.batch_id,
                                       policy_version=self._version(), groups_in_batch=prompt.groups_in_batch))
-        async with task_group() as group:
-            for trajectory_id in ids:
-                group.start_soon(self._trajectory, prompt, trajectory_id, outbox, limiter)
+        for trajectory_id in ids:
+            await trajectories.start(prompt, self._trajectory, prompt, trajectory_id, outbox)
 
-    async def _trajectory(self, prompt: PromptSubmitted, trajectory_id: int, outbox: Outbox,
-                          limiter: anyio.CapacityLimiter) -> None:
+    async def _trajectory(self, prompt: PromptSubmitted, trajectory_id: int, outbox: Outbox) -> None:
         context = list(prompt.prompt_tokens)
         for turn in range(self.config.turns):
-            async with limiter:
-                request = self._request(prompt.group_id, trajectory_id, turn, context)
-                result = await self.generator.generate(request)
+            request = self._request(prompt.group_id, trajectory_id, turn, context)
+            result = await self.generator.generate(request)
             final = (turn == self.config.turns - 1 or self.tools is None
                      or not self.tools.calls_tool(result.token_ids))
             action = ActionGenerated(group_id=prompt.group_id, trajectory_id=trajectory_id, turn=turn,

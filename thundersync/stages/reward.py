@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Protocol, runtime_checkable
 
-import anyio
 import msgspec
 
 from thundersync.events import ActionGenerated, EventBase, GroupOpened, Id, Rewarded, ToolObserved
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
-from thundersync.stages._tasks import task_group
+from thundersync.stages._tasks import Slots, task_group
 from thundersync.stages._context import Contexts
 
 __all__ = ["RewardStage", "Scorer"]
@@ -32,7 +31,11 @@ class Scorer(Protocol):
 
 
 class RewardStage(Stage):
-    """Score every trajectory once its final action arrives, ``concurrency`` at a time."""
+    """Score every trajectory once its final action arrives, ``concurrency`` at a time.
+
+    While ``concurrency`` scorings are in flight the stage stops reading its inbox, so a slow
+    scorer throttles generate (and the source) through the bounded channels.
+    """
 
     consumes: ClassVar[tuple[type[EventBase], ...]] = (GroupOpened, ActionGenerated, ToolObserved)
     produces: ClassVar[tuple[type[EventBase], ...]] = (Rewarded,)
@@ -48,8 +51,8 @@ class RewardStage(Stage):
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
         contexts = Contexts("reward")
-        limiter = anyio.CapacityLimiter(self.config.concurrency)
         async with task_group() as group:
+            slots = Slots(group, self.config.concurrency)
             async for event in inbox:
                 if isinstance(event, GroupOpened):
                     contexts.open(event)
@@ -60,11 +63,10 @@ class RewardStage(Stage):
                     prompt = contexts.prompt(event.group_id)
                     completion = contexts.completion(event.group_id, event.trajectory_id)
                     contexts.finish(event.group_id, event.trajectory_id)
-                    group.start_soon(self._score, event.group_id, event.trajectory_id, prompt,
-                                     completion, outbox, limiter)
+                    await slots.start(event, self._score, event.group_id, event.trajectory_id, prompt,
+                                      completion, outbox)
 
     async def _score(self, group_id: Id, trajectory_id: Id, prompt: list[int], completion: list[int],
-                     outbox: Outbox, limiter: anyio.CapacityLimiter) -> None:
-        async with limiter:
-            reward = await self.scorer.score(prompt, completion)
+                     outbox: Outbox) -> None:
+        reward = await self.scorer.score(prompt, completion)
         await outbox.send(Rewarded(group_id=group_id, trajectory_id=trajectory_id, reward=float(reward)))

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Protocol, runtime_checkable
 
-import anyio
 import msgspec
 
 from thundersync.errors import PipelineError
 from thundersync.events import ActionGenerated, EventBase, GroupOpened, TeacherScored, ToolObserved
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
-from thundersync.stages._tasks import task_group
+from thundersync.stages._tasks import Slots, task_group
 from thundersync.stages._context import Contexts
 
 __all__ = ["Teacher", "TeacherStage"]
@@ -34,7 +33,11 @@ class Teacher(Protocol):
 
 
 class TeacherStage(Stage):
-    """Score every action in its context, ``concurrency`` actions at a time."""
+    """Score every action in its context, ``concurrency`` actions at a time.
+
+    While ``concurrency`` scorings are in flight the stage stops reading its inbox, so a slow
+    teacher throttles generate (and the source) through the bounded channels.
+    """
 
     consumes: ClassVar[tuple[type[EventBase], ...]] = (GroupOpened, ActionGenerated, ToolObserved)
     produces: ClassVar[tuple[type[EventBase], ...]] = (TeacherScored,)
@@ -50,8 +53,8 @@ class TeacherStage(Stage):
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
         contexts = Contexts("teacher")
-        limiter = anyio.CapacityLimiter(self.config.concurrency)
         async with task_group() as group:
+            slots = Slots(group, self.config.concurrency)
             async for event in inbox:
                 if isinstance(event, GroupOpened):
                     contexts.open(event)
@@ -60,15 +63,13 @@ class TeacherStage(Stage):
                 if isinstance(event, ActionGenerated):
                     group_id, trajectory_id = event.group_id, event.trajectory_id
                     context = contexts.prompt(group_id) + contexts.completion(group_id, trajectory_id)
-                    group.start_soon(self._score, event, context, outbox, limiter)
+                    await slots.start(event, self._score, event, context, outbox)
                 contexts.append(event)
                 if isinstance(event, ActionGenerated) and event.final:
                     contexts.finish(event.group_id, event.trajectory_id)
 
-    async def _score(self, action: ActionGenerated, context: list[int], outbox: Outbox,
-                     limiter: anyio.CapacityLimiter) -> None:
-        async with limiter:
-            logprobs = await self.teacher.logprobs(context, list(action.token_ids))
+    async def _score(self, action: ActionGenerated, context: list[int], outbox: Outbox) -> None:
+        logprobs = await self.teacher.logprobs(context, list(action.token_ids))
         if len(logprobs) != len(action.token_ids):
             raise PipelineError(f"the teacher returned {len(logprobs)} log-probs for turn {action.turn} of "
                                 f"trajectory {action.trajectory_id!r} (group {action.group_id!r}), which has "
