@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 import pytest
 
 from thundersync.errors import StageFailed
@@ -42,3 +43,23 @@ async def test_each_trajectory_is_scored_once_on_prompt_and_all_its_tokens(run_s
 async def test_an_action_before_its_group_opened_names_the_missing_event(run_stage: Callable[..., Any]) -> None:
     with pytest.raises(StageFailed, match=r"stage 'reward' got an event of group 3 before its GroupOpened"):
         await run_stage(RewardStage(scorer=FakeScorer()), [_action(3, 0, 0, [1], final=True)])
+
+
+class _FailsOnGroupZero:
+    """Scores group 0's prompt slowly and then fails; later trajectories arrive meanwhile."""
+
+    async def score(self, prompt_ids: list[int], completion_ids: list[int]) -> float:
+        if prompt_ids == [100]:
+            await anyio.sleep(0.05)
+            raise RuntimeError("scorer crashed on prompt [100]")
+        return 0.0
+
+
+async def test_a_failing_scoring_names_the_trajectory_it_scored_not_the_last_event_read(
+        run_stage: Callable[..., Any]) -> None:
+    events: list[Any] = [GroupOpened(group_id=g, prompt_tokens=[100 if g == 0 else g], trajectory_ids=[0])
+                         for g in range(5)]
+    events += [_action(g, 0, 0, [7], final=True) for g in range(5)]
+    with pytest.raises(StageFailed, match=r"stage 'reward' failed while handling ActionGenerated\(group_id=0,") as info:
+        await run_stage(RewardStage(RewardStage.Config(concurrency=4), scorer=_FailsOnGroupZero()), events)
+    assert info.value.event == _action(0, 0, 0, [7], final=True)

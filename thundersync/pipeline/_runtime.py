@@ -103,7 +103,7 @@ class GraphRuntime:
             await node.stage.run(inbox, outbox)
         except Exception as error:  # cancellation is a BaseException and passes through
             clock.state = "failed"
-            self._fail(node.name, inbox.current, error)
+            self._fail(node.name, getattr(error, EVENT_ATTRIBUTE, inbox.current), error)
         except BaseException:
             clock.state = "cancelled"
             raise
