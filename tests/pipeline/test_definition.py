@@ -121,6 +121,12 @@ def test_stage_capacity_overrides_the_run_default() -> None:
         ('[objects.g]\nfactory = "scripted-generator"\nvocab_size = "x"\n[stages]\n',
          r"^objects\.g\.vocab_size: Expected `int`, got `str`$"),
         ('[stages]\nx =\n', r"^not valid TOML: "),
+        ('[stages.a]\ntype = ["x"]\n', r"^stages\.a\.type: unknown stage type \['x'\]; known: source, "),
+        ('[stages.a]\ntype = {x = 1}\n', r"^stages\.a\.type: unknown stage type \{'x': 1\}; known: source, "),
+        ('[objects.x]\nfactory = ["a"]\n[stages]\n',
+         r"^objects\.x\.factory: unknown factory \['a'\]; known: scripted-generator, "),
+        ('stages = {a = 5}\n', r"^stages\.a: expected a table, got int 5$"),
+        ('objects = {g = "x"}\n[stages]\n', r"^objects\.g: expected a table, got str 'x'$"),
     ],
 )
 def test_invalid_files_fail_with_a_path_qualified_message(text: str, message: str) -> None:
@@ -135,6 +141,13 @@ def test_load_prefixes_errors_with_the_file_path(tmp_path: Path) -> None:
         load(path)
     with pytest.raises(DefinitionError, match=rf"^{tmp_path / 'missing.toml'}: cannot read the pipeline file"):
         load(tmp_path / "missing.toml")
+
+
+def test_a_file_that_is_not_utf8_fails_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "binary.toml"
+    path.write_bytes(b"\xff\xfe[stages]\n")
+    with pytest.raises(DefinitionError, match=rf"^{path}: the pipeline file is not UTF-8 text: .*position 0"):
+        load(path)
 
 
 @pytest.mark.parametrize(

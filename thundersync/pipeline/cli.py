@@ -78,10 +78,10 @@ def _error(message: str, error: BaseException, verbose: bool, *, hint_verbose: b
 
 def _prepare(path: Path) -> tuple[PipelineSpec, dict[str, object], Graph]:
     spec = load(path)
-    objects = build_objects(spec)
     try:
+        objects = build_objects(spec)
         graph = build_graph(spec, **objects)
-    except ConfigError as error:  # graph wiring errors are not path-qualified by themselves
+    except ConfigError as error:  # object and graph errors are not path-qualified by themselves
         raise type(error)(f"{path}: {error}") from None
     return spec, objects, graph
 

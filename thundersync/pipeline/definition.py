@@ -94,8 +94,8 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class _File(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    stages: dict[str, dict[str, Any]]
-    objects: dict[str, dict[str, Any]] = {}
+    stages: dict[str, Any]  # each a table; checked per entry so errors name it
+    objects: dict[str, Any] = {}
     run: RunSettings = RunSettings()
 
 
@@ -109,6 +109,8 @@ def load(path: str | Path) -> PipelineSpec:
         text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise DefinitionError(f"{path}: cannot read the pipeline file: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise DefinitionError(f"{path}: the pipeline file is not UTF-8 text: {error}") from None
     try:
         return loads(text)
     except DefinitionError as error:
@@ -128,9 +130,25 @@ def loads(text: str) -> PipelineSpec:
                         run=top.run)
 
 
-def _stage(name: str, table: dict[str, Any]) -> StageSpec:
+def _table(prefix: str, table: Any) -> dict[str, Any]:
+    if not isinstance(table, dict):
+        raise DefinitionError(f"{prefix}: expected a table, got {type(table).__name__} {table!r}")
+    return table
+
+
+def _tag(table: dict[str, Any], kind: str, prefix: str, known: list[str]) -> str | None:
+    """The table's ``type``/``factory`` if it is a string; a clear error if it is a list or table."""
+    tag = table.get(kind)
+    if isinstance(tag, (list, dict)):
+        noun = "stage type" if kind == "type" else kind
+        raise DefinitionError(f"{prefix}.{kind}: unknown {noun} {tag!r}; known: {', '.join(known)}")
+    return tag if isinstance(tag, str) else None
+
+
+def _stage(name: str, table: Any) -> StageSpec:
     prefix = f"stages.{name}"
-    cls = REGISTRY.get(table.get("type"))  # type: ignore[arg-type]
+    table = _table(prefix, table)
+    cls = REGISTRY.get(_tag(table, "type", prefix, list(REGISTRY)) or "")
     fields = None if cls is None else [n for n, *_ in GRAPH_FIELDS] + list(cls.Config.__struct_fields__)
     node = convert(table, stage_union(), prefix, known=list(REGISTRY), fields=fields)
     assert cls is not None  # the tagged union accepted the type
@@ -140,9 +158,10 @@ def _stage(name: str, table: dict[str, Any]) -> StageSpec:
                      objects=dict(node.objects))
 
 
-def _object(name: str, table: dict[str, Any]) -> ObjectSpec:
+def _object(name: str, table: Any) -> ObjectSpec:
     prefix = f"objects.{name}"
-    factory = table.get("factory")
+    table = _table(prefix, table)
+    factory = _tag(table, "factory", prefix, list(FACTORIES))
     fields = ["factory", *factory_params(factory)] if factory in FACTORIES else None
     node = convert(table, object_union(), prefix, kind="factory", known=list(FACTORIES), fields=fields)
     return ObjectSpec(table["factory"], {k: getattr(node, k) for k in table if k != "factory"})
