@@ -175,6 +175,19 @@ def test_unbuildable_specs_fail_naming_the_stage(tables: str, error: type[Except
         build_graph(loads(SOURCE + tables))
 
 
+POLICY = ('[objects.generator]\nfactory = "scripted-generator"\n[objects.scorer]\nfactory = "fake-scorer"\n'
+          '[objects.clock]\nfactory = "policy-clock"\n[stages.source]\ntype = "source"\nprompts = [[1], [2]]\n'
+          'groups_per_batch = 1\n[stages.gen]\ntype = "generate"\nreads = ["source"]\nobjects = {policy = "clock"}\n'
+          '[stages.reward]\ntype = "reward"\nreads = ["gen"]\n[stages.close]\ntype = "close"\nreads = ["gen", "reward"]\n')
+
+
+def test_a_policy_clock_that_generate_waits_on_needs_a_step_stage_publishing_to_it() -> None:
+    with pytest.raises(DefinitionError, match=r"^stages\.gen\.objects\.policy: generate waits on the policy clock "
+                                              r"'clock' before each batch, but no step stage publishes to it"):
+        build_graph(loads(POLICY))
+    build_graph(loads(POLICY + '[stages.step]\ntype = "step"\nreads = ["close"]\nobjects = {policy = "clock"}\n'))
+
+
 def test_a_python_spec_with_an_unknown_type_fails_like_a_file() -> None:
     spec = PipelineSpec(stages={"x": StageSpec("rewrd")})
     with pytest.raises(DefinitionError, match=r"^stages\.x\.type: unknown stage type 'rewrd'; known: source, "):

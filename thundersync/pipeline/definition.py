@@ -47,6 +47,8 @@ from thundersync.pipeline.factories import FACTORIES
 from thundersync.pipeline.graph import DEFAULT_CAPACITY, INPUT, Graph
 from thundersync.pipeline.stage import Stage
 from thundersync.stages import REGISTRY
+from thundersync.stages.generate import GenerateStage
+from thundersync.stages.step import StepStage
 
 __all__ = [
     "ObjectSpec", "PipelineSpec", "RunSettings", "StageSpec", "build_graph", "build_objects", "load", "loads",
@@ -198,7 +200,22 @@ def build_graph(spec: PipelineSpec, /, **objects: Any) -> Graph:
                   capacity=node.capacity or spec.run.capacity, output=node.output)
     graph.validate()
     _check_required_inputs(graph)
+    _check_policy_published(spec, graph)
     return graph
+
+
+def _check_policy_published(spec: PipelineSpec, graph: Graph) -> None:
+    """A generate stage waiting on a PolicyClock needs a step stage publishing to that same clock,
+    or it would wait forever for the policy of its second batch."""
+    published = {id(node.stage.policy) for node in graph if isinstance(node.stage, StepStage)}
+    for node in graph:
+        if isinstance(node.stage, GenerateStage) and node.stage.policy is not None \
+                and id(node.stage.policy) not in published:
+            clock = spec.stages[node.name].objects.get("policy", "policy")
+            raise DefinitionError(f"stages.{node.name}.objects.policy: generate waits on the policy clock "
+                                  f"{clock!r} before each batch, but no step stage publishes to it, so a run of more "
+                                  f"than one batch would hang; add a step stage with the same policy "
+                                  f"(reads = [\"<close stage>\"]), or drop the policy from {node.name!r}")
 
 
 def _check_required_inputs(graph: Graph) -> None:
