@@ -348,6 +348,23 @@ def test_an_abandoned_trajectory_no_longer_holds_its_group() -> None:
     assert t.trajectory_state("g", "b") is TrajectoryState.ABANDONED
 
 
+def test_late_work_for_an_abandoned_trajectory_is_ignored_and_counted() -> None:
+    t = Tracker(needs=[Need.TEACHER])
+    t.open_group("g", ["a", "b"], groups_in_batch=1)
+    t.add_turn("g", "a", 0)
+    assert t.abandon("g", "a") == []
+    assert t.complete(Need.TEACHER, "g", "a", 0) == []  # its score was already in flight
+    assert t.add_turn("g", "a", 1, final=True) == []  # so was its next turn
+    assert t.abandon("g", "a") == []  # a second stage failed on it too
+    assert t.ignored == 3
+    t.add_turn("g", "b", 0, final=True)
+    assert t.complete(Need.TEACHER, "g", "b", 0)[-1] == BatchReady(batch_id=0, num_groups=1, num_trajectories=1)
+    assert t.complete(Need.TEACHER, "g", "a", 1) == [] and t.ignored == 4  # even after its batch is ready
+    with pytest.raises(TrackerError, match="reward was reported for trajectory 'a' of group 'g', but this tracker "
+                                           "does not wait for reward"):
+        t.complete(Need.REWARD, "g", "a")  # misuse stays an error
+
+
 def test_a_completion_for_a_turn_past_the_final_one_raises(grpo: Tracker) -> None:
     grpo.add_turn("g", "a", 0, final=True)
     with pytest.raises(TrackerError, match="teacher scores of turn 3 was reported for trajectory 'a' of group 'g', "

@@ -77,6 +77,20 @@ async def test_a_failed_trajectory_is_abandoned_and_ignored_events_do_nothing(ru
                         BatchReady(batch_id=0, num_groups=1, num_trajectories=1, num_scored_tokens=2)]
 
 
+async def test_work_arriving_after_a_trajectory_was_abandoned_is_ignored(run_stage: Callable[..., Any]) -> None:
+    events = [_opened(), ActionGenerated(group_id=0, trajectory_id=0, turn=0, token_ids=[5]),
+              StageFailedEvent(stage="tool", reason="sandbox died", group_id=0, trajectory_id=0),
+              TeacherScored(group_id=0, trajectory_id=0, turn=0, teacher_logprobs=[-1.0]),
+              StageFailedEvent(stage="teacher", reason="timeout", group_id=0, trajectory_id=0),
+              ActionGenerated(group_id=0, trajectory_id=1, turn=0, token_ids=[5], final=True),
+              TeacherScored(group_id=0, trajectory_id=1, turn=0, teacher_logprobs=[-1.0])]
+    close = CloseStage(CloseStage.Config(wait_for=("teacher",)))
+    out = await run_stage(close, events)
+    assert out[-2:] == [GroupClosed(group_id=0, num_trajectories=1),
+                        BatchReady(batch_id=0, num_groups=1, num_trajectories=1, num_scored_tokens=1)]
+    assert close.tracker.ignored == 2
+
+
 def test_a_shared_tracker_must_wait_for_the_same_work() -> None:
     with pytest.raises(ConfigError, match=r"the close stage waits for \['reward'\] but its tracker needs \['teacher'\]"):
         CloseStage(tracker=Tracker([Need.TEACHER]))

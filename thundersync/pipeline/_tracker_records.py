@@ -33,7 +33,11 @@ class Need(enum.Enum):
 
 
 class TrajectoryState(enum.Enum):
-    """GENERATING -> FINISHING (final turn seen) -> CLOSED; ABANDONED from either open state."""
+    """GENERATING -> FINISHING (final turn seen) -> CLOSED; ABANDONED from either open state.
+
+    Work for an ABANDONED trajectory may still arrive (it was in flight on other edges): late
+    turns, completions and repeated abandons are ignored and counted in ``late``.
+    """
 
     GENERATING = "generating"
     FINISHING = "finishing"
@@ -84,6 +88,7 @@ class TrajectoryRecord:
     done: set[Key] = field(default_factory=set)
     num_tokens: int = 0
     num_scored: int = 0
+    late: int = 0  # events ignored because they arrived after the trajectory was abandoned
 
     def __post_init__(self) -> None:
         if Need.REWARD in self.needs:
@@ -106,7 +111,15 @@ class TrajectoryRecord:
             waits.insert(0, "its final turn")
         return waits
 
+    def _ignore_late(self) -> bool:
+        if self.state is TrajectoryState.ABANDONED:
+            self.late += 1
+            return True
+        return False
+
     def add_turn(self, turn: int, *, final: bool, num_tokens: int, num_scored: int) -> None:
+        if self._ignore_late():
+            return
         if self.state is not TrajectoryState.GENERATING:
             raise TrackerError(f"turn {turn} was added to {self.name}, which is {self.state.value}")
         if self.last_turn is not None and turn <= self.last_turn:
@@ -127,6 +140,8 @@ class TrajectoryRecord:
         if key[0] not in self.needs:
             raise TrackerError(f"{describe(key)} was reported for {self.name}, but this tracker "
                                f"does not wait for {key[0].value}")
+        if self._ignore_late():
+            return
         if self.ended:
             raise TrackerError(f"{describe(key)} was reported for {self.name}, which is {self.state.value}")
         if key in self.done:
@@ -144,6 +159,8 @@ class TrajectoryRecord:
         return False
 
     def abandon(self) -> None:
+        if self._ignore_late():
+            return
         if self.ended:
             raise TrackerError(f"{self.name} was abandoned, but it is already {self.state.value}")
         self.state = TrajectoryState.ABANDONED

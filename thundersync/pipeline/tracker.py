@@ -8,7 +8,9 @@ sealed, every one of its groups is CLOSED and no work is in flight.
 The tracker is synchronous and pure bookkeeping: each call returns the events that became true
 (:class:`~thundersync.events.TrajectoryClosed`, :class:`~thundersync.events.GroupClosed`,
 :class:`~thundersync.events.BatchReady`), in that order, and misuse raises
-:class:`~thundersync.errors.TrackerError` naming what is wrong and what is still pending.
+:class:`~thundersync.errors.TrackerError` naming what is wrong and what is still pending. Work
+that arrives for an abandoned trajectory (it was in flight when the trajectory failed) is not
+misuse: it is ignored and counted in :attr:`Tracker.ignored`.
 """
 
 from __future__ import annotations
@@ -178,6 +180,11 @@ class Tracker:
 
     def batch_state(self, batch_id: Id) -> BatchState:
         return self._batch(batch_id).state
+
+    @property
+    def ignored(self) -> int:
+        """Turns, completions and repeated abandons that arrived after their trajectory was abandoned."""
+        return sum(t.late for g in self._groups.values() for t in g.trajectories.values())
 
     def pending(self, batch_id: Id | None = None) -> list[str]:
         """What is still pending, for one batch or (``None``) every batch not yet stepped."""

@@ -7,7 +7,9 @@ Produces: TrajectoryClosed, GroupClosed, BatchReady. Waits for: every dependency
 backward work). Unblocked by: reward, teacher and backward reporting work done.
 
 When its inbox ends it seals batches of unknown size; if work is still pending then, it raises
-:class:`~thundersync.errors.TrackerError` naming it (a run never ends silently short).
+:class:`~thundersync.errors.TrackerError` naming it (a run never ends silently short). A
+StageFailedEvent naming a trajectory abandons it; its work still in flight then is ignored and
+counted (``tracker.ignored``).
 
 Runtime object: ``tracker`` (optional), to share or inspect the
 :class:`~thundersync.pipeline.tracker.Tracker` it drives; its needs must match ``wait_for``.
