@@ -254,29 +254,13 @@ def test_the_pack_queue_takes_a_fifo_prefix_with_one_turn_per_trajectory_and_a_t
 
     queue = _PackQueue(limit=20)
     items = [item(a, 4), item(b, 4), item(a, 4), item(c, 4)]
-    for it in items:
-        queue.push(it)
-    assert queue.take() == items[:2]          # stops at the second turn of trajectory a
-    assert queue.take() == items[2:]
-    assert queue.take() == []
+    tickets = [queue.push(it) for it in items]
+    assert queue.take(tickets[-1]) == items[:2]   # stops at the second turn of trajectory a
+    assert queue.take(tickets[-1]) == items[2:]
+    assert queue.take(tickets[-1]) == []
     big = [item(a, 15), item(b, 15), item(c, 30)]
-    for it in big:
-        queue.push(it)
-    assert queue.take() == big[:1]            # 16 + 16 tokens would pass the limit of 20
-    assert queue.take() == big[1:2]
-    assert queue.take() == big[2:]            # a turn over the limit still runs, alone
-
-
-def test_malformed_turns_and_prompts_are_refused_with_the_values(opd: thundersync.OPDStream) -> None:
-    with pytest.raises(ConfigError, match=r"scored has 1 flags but the turn of trajectory 't' of group 'g' has 2 tokens"):
-        opd.append_turn("g", "t", [3, 4], [True], teacher_logprobs=[-1.0])
-    with pytest.raises(ConfigError, match=r"the turn of trajectory 't' of group 'g' is empty"):
-        opd.append_turn("g", "t", [], [])
-    with pytest.raises(ConfigError, match=r"holds token id 97, outside the vocabulary of size 97"):
-        opd.append_turn("g", "t", [3, 97], [False, False])
-    with pytest.raises(ConfigError, match=r"prompt of group 'h' is empty"):
-        opd.open_group("h", [])
-    with pytest.raises(StreamingError, match=r"group 'g' is already open"):
-        opd.open_group("g", [1])
-    with pytest.raises(ConfigError, match=r"unknown normalization 'mean'; choose one of token_mean, sum"):
-        thundersync.OPDStream(opd.run, normalization="mean")  # type: ignore[arg-type]
+    tickets = [queue.push(it) for it in big]
+    assert queue.take(tickets[-1]) == big[:1]     # 16 + 16 tokens would pass the limit of 20
+    assert queue.take(tickets[0]) == []           # a job never takes turns pushed after its own
+    assert queue.take(tickets[1]) == big[1:2]
+    assert queue.take(tickets[2]) == big[2:]      # a turn over the limit still runs, alone

@@ -45,13 +45,21 @@ class Worker:
 
     def join(self) -> None:
         """Wait until every queued job has run; raises the first failure."""
+        self._wait()
+        self.raise_if_failed()
+
+    def clear(self) -> None:
+        """Wait for the thread to finish, then forget a failure (the caller abandons its batch)."""
+        self._wait()
+        self._error = None
+
+    def _wait(self) -> None:
         while True:
             with self._lock:
                 thread = self._thread
             if thread is None:
-                break
+                return
             thread.join()
-        self.raise_if_failed()
 
     def pending(self) -> list[str]:
         """Labels of the running and queued jobs."""
@@ -63,8 +71,8 @@ class Worker:
         if self._error is not None:
             label, error = self._error
             raise StreamingError(
-                f"background engine work failed in {label}: {type(error).__name__}: {error}; "
-                "the run's gradients are incomplete: discard this logical batch"
+                f"engine work failed in {label}: {type(error).__name__}: {error}; the batch's gradients "
+                "are incomplete: call discard() on the objective (or the run) and start the batch again"
             ) from error
 
     def _loop(self) -> None:

@@ -143,6 +143,6 @@ def decoder_anatomy(model: nn.Module) -> DecoderAnatomy:
         num_heads=num_heads,
         num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
         head_dim=head_dim,
-        vocab_size=int(decoder.embed_tokens.num_embeddings),
+        vocab_size=int(causal_lm.get_input_embeddings().weight.shape[0]),  # also under peft wrappers
         scaling=float(getattr(first_attention, "scaling", head_dim**-0.5)),
     )

@@ -177,8 +177,10 @@ class SegmentPack:
         for index, adjoint in enumerate(kv_adjoints or []):
             if adjoint is not None:
                 for (k, v), (ak, av) in zip(self.kv(index), adjoint):
-                    outputs += [k, v]
-                    grads += [ak.to(k.dtype), av.to(v.dtype)]
+                    for out, adj in ((k, ak), (v, av)):
+                        if out.requires_grad:  # e.g. layer-0 keys under LoRA on q/v only: no graph
+                            outputs.append(out)
+                            grads.append(adj.to(out.dtype))
         leaves = [t for _, per_layer in self._leaves.values() for kv in per_layer for t in kv]
         if outputs:
             with sink.capture() if sink is not None else contextlib.nullcontext():

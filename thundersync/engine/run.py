@@ -61,6 +61,7 @@ class StreamingRun:
         self._capture: GradCapture | None = None
         self._total: FlatAccumulator | None = None
         self._versions: list[int] | None = None
+        self._owner: object | None = None  # the objective whose logical batch is running
 
     # --- shared resources (worker side) --------------------------------------------------------
 
@@ -128,33 +129,53 @@ class StreamingRun:
                               "give one flag per token")
         return ids, flags
 
-    def begin(self) -> None:
-        """Start a logical batch if none is running: check the model, record parameter versions."""
+    def begin(self, owner: object) -> None:
+        """Start a logical batch of ``owner`` (an objective) if none is running: check the model,
+        record parameter versions. One objective at a time: batches of two would mix their sums."""
         self.worker.raise_if_failed()
+        if self._owner is not None and self._owner is not owner:
+            raise ConfigError(
+                f"this StreamingRun is in a logical batch of another objective ({type(self._owner).__name__}); "
+                "finish that batch (assert_safe_to_step() or discard()) first, or give each objective its own "
+                "StreamingRun"
+            )
         self._check_deterministic()
         if self._versions is None:
             self._versions = [p._version for p in self.params]
+            self._owner = owner
 
     def assert_safe_to_step(self, pending: Sequence[str] = ()) -> None:
         """Raise :class:`UnsafeStepError` naming ``pending`` work or moved parameters; else flush.
 
-        Waits for queued work, then adds the run's total into ``p.grad`` and ends the batch.
+        Waits for queued work, then adds the run's total into ``p.grad`` and ends the batch. Moved
+        parameters end the batch too (its gradients belong to the old values and are dropped).
         """
         if pending:
             raise UnsafeStepError("not safe to step: " + "; ".join(pending))
         self.worker.join()
         moved = self.moved_parameters()
         if moved:
+            self.discard()
             shown = ", ".join(moved[:5]) + (f" and {len(moved) - 5} more" if len(moved) > 5 else "")
             raise UnsafeStepError(
                 f"not safe to step: trainable parameters were modified in place since the batch began: {shown}; "
-                "the streamed gradients belong to the old values: discard this batch and do not change "
+                "the streamed gradients belong to the old values and were dropped with the batch: do not change "
                 "parameters until assert_safe_to_step() passes"
             )
         if self._total is not None:
             self._total.add_into_grads()
-            self._total = None
+        self._end_batch()
+
+    def discard(self) -> None:
+        """Abandon the logical batch: wait for queued work and forget its failure, drop the run's
+        total and the recorded parameter versions. The run can start a new batch afterwards."""
+        self.worker.clear()
+        self._end_batch()
+
+    def _end_batch(self) -> None:
+        self._total = None
         self._versions = None
+        self._owner = None
 
     def moved_parameters(self) -> list[str]:
         if self._versions is None:

@@ -70,7 +70,7 @@ class RewardLinearBackward:
 
     def open_group(self, group_id: Hashable, prompt_tokens: Any) -> None:
         """Open a group; its prompt is forwarded once, shared by its trajectories (never before needed)."""
-        self.run.begin()
+        self.run.begin(self)
         if group_id in self._groups:
             raise StreamingError(f"group {group_id!r} is already open; close it before opening it again")
         self._groups[group_id] = _Group(_jobs.GroupWork(self.run.prompt_ids(group_id, prompt_tokens)))
@@ -142,6 +142,14 @@ class RewardLinearBackward:
             detail = f" (unclosed trajectories: {unclosed!r})" if unclosed else ""
             pending.append(f"group {gid!r} is open{detail}")
         self.run.assert_safe_to_step(pending)
+
+    def discard(self) -> None:
+        """Abandon the logical batch (after a failure): drop every open group and the run's total.
+
+        ``p.grad`` is left as it was before the batch (GRPO adds to it only at the step).
+        """
+        self._groups.clear()
+        self.run.discard()
 
     def retained_bytes(self) -> int:
         """Bytes of tensors held for open groups plus the run's scratch and total."""

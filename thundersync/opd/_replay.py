@@ -97,6 +97,15 @@ class GradientSink:
         self._total.add_scratch(self.run.capture)
         return result
 
+    def abandon(self) -> None:
+        """Drop the batch's gradients: ``p.grad`` gets back what it held before the batch."""
+        if self.direct and self._open:
+            for p in self.run.params:
+                p.grad = self._earlier.pop(p, None)
+        self._earlier.clear()
+        self._total = None
+        self._open = False
+
     def finish_batch(self, n: float) -> None:
         """Divide the batch's gradient by ``n`` once and hand it to ``p.grad``."""
         if self.direct:

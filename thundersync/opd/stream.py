@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from thundersync.engine.run import StreamingRun
-from thundersync.errors import ConfigError, StreamingError, UnknownIdError
+from thundersync.errors import ConfigError, StreamingError, UnknownIdError, UnsafeStepError
 from thundersync.opd import _replay
 from thundersync.opd._replay import GroupState, TrajectoryState, TurnState
 from thundersync.opd.objective import NORMALIZATIONS, Normalization, normalizer
@@ -67,9 +67,8 @@ class OPDStream:
 
     def open_group(self, group_id: Hashable, prompt_tokens: Any) -> None:
         """Open a group: its prompt's K/V state is computed once and read by every trajectory."""
-        if not self._groups and self._scored_tokens == 0:
-            self._sink.begin_batch()
-        self.run.begin()
+        self.run.begin(self)
+        self._sink.begin_batch()  # once per batch: sets earlier .grad contents aside
         if group_id in self._groups:
             raise StreamingError(f"group {group_id!r} is already open; close it before opening it again")
         group = self._groups[group_id] = GroupState(self.run.prompt_ids(group_id, prompt_tokens))
@@ -95,8 +94,9 @@ class OPDStream:
         trajectory.turns.append(turn)
         self._scored_tokens += count
         if count:
-            self._queue.push(_replay.PendingTurn(group, trajectory.turns[:-1], turn, trajectory))
-            self.run.submit(f"backward of turn {len(trajectory.turns) - 1} of {where}", self._backward_queued)
+            ticket = self._queue.push(_replay.PendingTurn(group, trajectory.turns[:-1], turn, trajectory))
+            self.run.submit(f"backward of the scored turns queued up to turn {len(trajectory.turns) - 1} of {where}",
+                            lambda: self._backward_queued(ticket))
 
     def close_trajectory(self, group_id: Hashable, trajectory_id: Hashable) -> None:
         """Close a trajectory: its turns' ledgers are replayed in reverse order."""
@@ -126,8 +126,26 @@ class OPDStream:
         Afterwards every trainable ``p.grad`` holds the gradient of the batch's loss (plus what it
         held before the batch), and the next ``open_group`` starts a new logical batch.
         """
-        self.run.assert_safe_to_step(self._pending())  # raises if pending; waits for the work
+        pending = self._pending()
+        try:
+            self.run.assert_safe_to_step(pending)  # raises if pending; waits for the work
+        except UnsafeStepError:
+            if not pending:  # parameters moved: the run dropped the batch, drop ours too
+                self._end_batch()
+            raise
         self._sink.finish_batch(normalizer(self.normalization, self._scored_tokens))
+        self._scored_tokens = 0
+
+    def discard(self) -> None:
+        """Abandon the logical batch (after a failure): drop every open group and queued turn, and
+        give ``p.grad`` back what it held before the batch. A new batch can start afterwards."""
+        self._groups.clear()
+        self._queue.clear()
+        self.run.discard()
+        self._end_batch()
+
+    def _end_batch(self) -> None:
+        self._sink.abandon()
         self._scored_tokens = 0
 
     def retained_bytes(self) -> int:
@@ -137,9 +155,9 @@ class OPDStream:
 
     # --- helpers -------------------------------------------------------------------------------
 
-    def _backward_queued(self) -> None:
-        """A run job: backpropagate the scored turns queued so far, packed (none left: no-op)."""
-        pack = self._queue.take()
+    def _backward_queued(self, ticket: int) -> None:
+        """A run job: backpropagate scored turns queued up to ``ticket``, packed (none left: no-op)."""
+        pack = self._queue.take(ticket)
         if pack:
             _replay.backward_turns(self.run, self._sink, pack)
 
@@ -174,34 +192,42 @@ class OPDStream:
 class _PackQueue:
     """Scored turns waiting for their backward, taken in FIFO packs by the run's jobs.
 
-    Each append submits one job; a job takes the longest FIFO prefix of waiting turns that holds
-    at most one turn per trajectory (a turn needs the state of its trajectory's earlier turns)
-    and at most ``limit`` tokens (at least one turn). On CUDA the jobs run on the run's worker
-    thread, so turns appended while a pack runs are packed together by the next job; on the
-    caller's thread every turn runs alone, at once. Packing changes only the summation order.
+    Each append pushes its turn (getting a ticket) and submits one job. A job takes the longest
+    FIFO prefix of waiting turns that were pushed no later than its own ticket (so every turn it
+    takes had its group's prompt job queued before it), holds at most one turn per trajectory (a
+    turn needs the state of its trajectory's earlier turns) and at most ``limit`` tokens (at least
+    one turn). On CUDA the jobs run on the run's worker thread, so turns appended while a pack
+    runs are packed together by the next job; on the caller's thread every turn runs alone, at
+    once. Packing changes only the summation order.
     """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._waiting: collections.deque[_replay.PendingTurn] = collections.deque()
+        self._waiting: collections.deque[tuple[int, _replay.PendingTurn]] = collections.deque()
         self._lock = threading.Lock()
+        self._tickets = 0
 
-    def push(self, item: _replay.PendingTurn) -> None:
+    def push(self, item: _replay.PendingTurn) -> int:
         with self._lock:
-            self._waiting.append(item)
+            self._tickets += 1
+            self._waiting.append((self._tickets, item))
+            return self._tickets
 
-    def take(self) -> list[_replay.PendingTurn]:
+    def take(self, ticket: int) -> list[_replay.PendingTurn]:
         with self._lock:
             pack: list[_replay.PendingTurn] = []
             size = 0
-            while self._waiting:
-                item = self._waiting[0]
-                full = pack and (size + len(item) > self.limit or any(p.trajectory is item.trajectory for p in pack))
-                if full:
+            while self._waiting and self._waiting[0][0] <= ticket:
+                item = self._waiting[0][1]
+                if pack and (size + len(item) > self.limit or any(p.trajectory is item.trajectory for p in pack)):
                     break
-                pack.append(self._waiting.popleft())
+                pack.append(self._waiting.popleft()[1])
                 size += len(item)
             return pack
+
+    def clear(self) -> None:
+        with self._lock:
+            self._waiting.clear()
 
 
 def _scores(values: Any, name: str, count: int, where: str, *, required: bool) -> torch.Tensor | None:
@@ -210,7 +236,8 @@ def _scores(values: Any, name: str, count: int, where: str, *, required: bool) -
         if required and count:
             raise ConfigError(f"{name} are required: the turn has {count} scored tokens ({where})")
         return None
-    tensor = torch.as_tensor(values, dtype=torch.float64).reshape(-1).cpu()
+    # A copy: the caller may reuse its buffer while the turn waits for the worker.
+    tensor = torch.as_tensor(values, dtype=torch.float64).reshape(-1).to("cpu", copy=True)
     if tensor.numel() != count:
         raise ConfigError(f"{name} has {tensor.numel()} entries but the turn has {count} scored tokens ({where}); "
                           "give one log-prob per scored token")
