@@ -207,3 +207,13 @@ def test_a_failed_job_is_discarded_and_the_run_goes_on_with_grad_restored() -> N
     want = O.dense_reference_grads(model, plan, "token_mean")
     _stream_opd(opd, plan)
     assert O.relative_error(O.collect_grads(model), want) < 1e-10
+
+
+def test_objectives_work_when_called_under_inference_mode() -> None:
+    """A caller that generates under torch.inference_mode() may feed the objective from there."""
+    model = tiny_qwen3(torch.float64)
+    plan = _grpo_plan()
+    want = _dense_grpo(model, plan)
+    with torch.inference_mode():
+        _stream_grpo(thundersync.RewardLinearBackward(thundersync.StreamingRun(model)), plan)
+    assert G.relative_error(G.grads(model), want) < 1e-10

@@ -90,8 +90,8 @@ class StreamingRun:
     def submit(self, label: str, job: Callable[[], None]) -> None:
         """Queue GPU work (FIFO); it runs with gradients enabled whatever the caller's mode."""
 
-        def run() -> None:
-            with torch.enable_grad():
+        def run() -> None:  # inference_mode(False): enable_grad alone cannot lift inference mode
+            with torch.inference_mode(False), torch.enable_grad():
                 job()
 
         self.worker.submit(label, run)
