@@ -150,6 +150,15 @@ def test_a_run_past_its_timeout_fails(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "the run took longer than its timeout of 0.2 s" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_a_timeout_that_is_not_positive_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         value: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", str(_small(tmp_path)), "--timeout", value])
+    assert exit_.value.code == 2
+    assert f"argument --timeout: must be a number of seconds > 0, got {value!r}" in capsys.readouterr().err
+
+
 def test_python_dash_m_thundersync_checks_and_runs_the_example(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     check = subprocess.run([sys.executable, "-m", "thundersync", "check", str(EXAMPLE)],

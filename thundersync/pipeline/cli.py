@@ -50,9 +50,20 @@ def _parser() -> argparse.ArgumentParser:
                        help="show a live progress line on stderr even when it is not a terminal")
     shown.add_argument("--no-progress", dest="progress", action="store_const", const="off",
                        help="never show the progress line")
-    run.add_argument("--timeout", type=float, metavar="SECONDS",
+    run.add_argument("--timeout", type=_seconds, metavar="SECONDS",
                      help="fail the run after this long (overrides run.timeout_s)")
     return parser
+
+
+def _seconds(text: str) -> float:
+    """A positive number of seconds (argparse turns the ValueError into a usage error, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 def _configure_logging(verbose: bool) -> None:
@@ -100,6 +111,7 @@ def _run(path: Path, args: argparse.Namespace) -> int:
     spec, objects, graph = _prepare(path)
     settings = spec.run
     metrics_path = args.metrics if args.metrics is not None else settings.metrics
+    timeout_s = args.timeout if args.timeout is not None else settings.timeout_s
     mode = args.progress or settings.progress
     show = mode == "on" or (mode == "auto" and sys.stderr.isatty())
     log = structlog.get_logger("thundersync.cli")
@@ -108,7 +120,7 @@ def _run(path: Path, args: argparse.Namespace) -> int:
         log.info("run started", file=str(path), stages=len(graph))
         try:
             stats = anyio.run(lambda: run_pipeline(graph, objects, metrics, progress=sys.stderr if show else None,
-                                                   timeout_s=args.timeout or settings.timeout_s))
+                                                   timeout_s=timeout_s))
         except BaseException as error:
             metrics.write("run_finished", status="failed", error=f"{type(error).__name__}: {error}")
             raise
