@@ -57,6 +57,11 @@ class Tracker:
         self._batches: dict[Id, BatchRecord] = {}
         self._groups: dict[Id, GroupRecord] = {}
 
+    def clear(self) -> None:
+        """Forget every batch, group and trajectory (the close stage does it when a run starts)."""
+        self._batches.clear()
+        self._groups.clear()
+
     # --- declarations --------------------------------------------------------------------------
 
     def open_group(

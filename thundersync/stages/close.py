@@ -13,6 +13,7 @@ counted (``tracker.ignored``).
 
 Runtime object: ``tracker`` (optional), to share or inspect the
 :class:`~thundersync.pipeline.tracker.Tracker` it drives; its needs must match ``wait_for``.
+It is cleared when a run starts, so a graph can run again.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class CloseStage(Stage):
         return (GroupOpened, ActionGenerated, *(by_need[need] for need in self.config.wait_for))
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
+        self.tracker.clear()  # each run of the graph starts from no groups
         async for event in inbox:
             for closure in self.handle(event):
                 await outbox.send(closure)

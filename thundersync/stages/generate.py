@@ -67,10 +67,11 @@ class GenerateStage(Stage):
         self.generator = generator
         self.tools = tools
         self.policy = policy
-        self._batches: set[Id] = set()  # batch ids already started
-        self._base_version = 0 if policy is None else policy.version  # batch n needs base + n
+        self._batches: set[Id] = set()  # batch ids started in this run
+        self._base_version = 0  # batch n of this run needs policy version base + n
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
+        self._batches, self._base_version = set(), self._version()  # a graph can run again
         async with task_group() as group:
             trajectories = Slots(group, self.config.concurrency)
             async for event in inbox:

@@ -52,6 +52,8 @@ class StepStage(Stage):
         self.version = 0 if policy is None else policy.version
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
+        if self.policy is not None:
+            self.version = self.policy.version  # a graph can run again: count on from the clock
         async for ready in inbox:
             assert isinstance(ready, BatchReady)
             result = StepResult() if self.trainer is None else await self.trainer.step(ready)
