@@ -308,3 +308,30 @@ def test_a_small_prefill_budget_admits_prompts_over_several_steps(make_qwen3) ->
     results = run(generator, [GenerationRequest(prompt_ids=p, params=GREEDY) for p in prompts])
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == hf_greedy(model, prompt, 12)
+
+
+def test_cancelling_a_waiting_request_never_disturbs_the_running_ones(make_qwen3) -> None:
+    model = make_qwen3()
+    long = GenerationRequest(prompt_ids=[1, 2, 3], params=SamplingParams(max_new_tokens=40, seed=1))
+    expected = run(TorchGenerator(model, max_batch=2, max_seq_len=128), [long])[0]
+
+    async def trial(delay: float) -> list:
+        generator = TorchGenerator(model, max_batch=2, max_seq_len=128)
+        cancelled = GenerationRequest(prompt_ids=[4, 5, 6], params=SamplingParams(max_new_tokens=40, seed=2), session_id="b")
+        results: list = []
+
+        async def keep(request: GenerationRequest) -> None:
+            results.append(await generator.generate(request))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(keep, long)  # drives the engine in a worker thread
+            await anyio.sleep(0.001)
+            with anyio.move_on_after(delay):  # cancelled while the driver's step runs
+                await generator.generate(cancelled)
+            await keep(long)  # runs beside the first one, in a slot the cancelled request may have held
+        assert not generator._engine.busy and not generator._engine.sessions
+        return results
+
+    for i in range(20):
+        results = anyio.run(trial, 0.001 * (i % 5))
+        assert [r.token_ids for r in results] == [expected.token_ids] * 2

@@ -90,8 +90,8 @@ class Engine:
 
     # --- requests ------------------------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest, seed: int) -> Ticket:
-        """Queue ``request``; raises ConfigError when it cannot ever be served."""
+    def check(self, request: GenerationRequest) -> None:
+        """Raise ConfigError when ``request`` can never be served (independent of the engine's state)."""
         prompt = request.prompt_ids
         if len(prompt) >= self.cache.capacity:
             raise ConfigError(
@@ -100,12 +100,20 @@ class Engine:
             )
         if max(prompt) >= self.anatomy.vocab_size:
             raise ConfigError(f"token id {max(prompt)} is outside the model's vocabulary of {self.anatomy.vocab_size}")
+
+    def submit(self, request: GenerationRequest, seed: int) -> Ticket:
+        """Queue ``request``; raises ConfigError when it cannot be served."""
+        self.check(request)
         session = request.session_id
         if session is not None and any(t.request.session_id == session for t in self._in_flight()):
             raise ConfigError(f"session {session!r} already has a request in flight; await it first")
         ticket = Ticket(request, seed)
-        self.waiting.append(ticket)
+        self.enqueue(ticket)
         return ticket
+
+    def enqueue(self, ticket: Ticket) -> None:
+        """Queue a ticket whose request passed :meth:`check` (no other checks)."""
+        self.waiting.append(ticket)
 
     def cancel(self, ticket: Ticket) -> None:
         """Forget ``ticket`` (waiting or running); its slot's cache is dropped."""

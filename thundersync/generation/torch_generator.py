@@ -26,6 +26,8 @@ for exact on-policy sampling.
 from __future__ import annotations
 
 import random
+from collections import deque
+from collections.abc import Callable
 
 import anyio
 import anyio.to_thread
@@ -75,14 +77,23 @@ class TorchGenerator:
         self._seeds = random.Random(seed)
         self._driver: Ticket | None = None  # the request whose task steps the engine now
         self._wakes: dict[Ticket, anyio.Event] = {}  # waiting requests
+        self._changes: deque[Callable[[], None]] = deque()  # engine changes queued for the driver
+        self._sessions: set[int | str] = set()  # sessions with a request in flight
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate a continuation of ``request.prompt_ids`` (see the class docstring)."""
+        self._engine.check(request)
+        session = request.session_id
+        if session is not None and session in self._sessions:
+            raise ConfigError(f"session {session!r} already has a request in flight; await it first")
         seed = request.params.seed
         if seed is None:
             seed = self._seeds.getrandbits(63)
-        ticket = self._engine.submit(request, seed % (1 << 63))
+        ticket = Ticket(request, seed % (1 << 63))
+        if session is not None:
+            self._sessions.add(session)
         try:
+            self._apply(lambda: self._engine.enqueue(ticket))
             while not ticket.done:
                 if self._driver is None:
                     await self._drive(ticket)
@@ -90,9 +101,10 @@ class TorchGenerator:
                     self._wakes[ticket] = wake = anyio.Event()
                     await wake.wait()
         except BaseException:
-            self._engine.cancel(ticket)
+            self._apply(lambda: self._engine.cancel(ticket))
             raise
         finally:
+            self._sessions.discard(session)
             self._wakes.pop(ticket, None)
             self._hand_off()
         if ticket.error is not None:
@@ -102,18 +114,34 @@ class TorchGenerator:
 
     def release(self, session_id: int | str) -> None:
         """Drop the cached prefix of a session that will not continue."""
-        self._engine.release(session_id)
+        self._apply(lambda: self._engine.release(session_id))
 
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes held by the preallocated KV cache."""
         return self._engine.cache.nbytes
 
+    def _apply(self, change: Callable[[], None]) -> None:
+        """Change the engine now if no step can be running, else before the driver's next step.
+
+        The engine is not thread-safe and a driver steps it in a worker thread, so other tasks
+        never touch it while a driver is active.
+        """
+        if self._driver is None:
+            change()
+        else:
+            self._changes.append(change)
+
+    def _apply_queued(self) -> None:
+        while self._changes:
+            self._changes.popleft()()
+
     async def _drive(self, ticket: Ticket) -> None:
         """Step the engine until ``ticket`` is done, waking each request that finishes."""
         self._driver = ticket
         try:
             while not ticket.done:
+                self._apply_queued()
                 try:
                     await anyio.to_thread.run_sync(self._step)
                 finally:  # also when the driver is cancelled: the step ran to its end
@@ -121,6 +149,7 @@ class TorchGenerator:
                         if waiting.done:
                             wake.set()
         finally:
+            self._apply_queued()
             self._driver = None
 
     def _step(self) -> None:
