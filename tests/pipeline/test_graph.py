@@ -76,6 +76,20 @@ def test_a_cycle_is_rejected_and_shown_in_flow_order() -> None:
         graph.validate()
 
 
+def test_a_long_chain_and_a_long_cycle_are_checked_without_recursion() -> None:
+    graph = Graph()
+    for i in range(3000, 0, -1):  # downstream first: the check walks the whole chain from s3000
+        graph.add(f"s{i}", Pass(), reads=[f"s{i - 1}"])
+    graph.add("s0", Pass(), reads=["input"])
+    graph.validate()
+    looped = Graph()
+    for i in range(3000, 0, -1):
+        looped.add(f"s{i}", Pass(), reads=[f"s{i - 1}"])
+    looped.add("s0", Pass(), reads=["s3000"])
+    with pytest.raises(GraphError, match=r"^stages form a cycle: s3000 -> s0 -> s1 -> s2 -> .* -> s2999 -> s3000; a graph"):
+        looped.validate()
+
+
 def test_a_stage_reading_itself_is_a_cycle() -> None:
     graph = Graph().add("src", Emit()).add("loop", Pass(), reads=["src", "loop"])
     with pytest.raises(GraphError, match="stages form a cycle: loop -> loop"):

@@ -186,20 +186,25 @@ class Graph:
 
     def _cycle_problems(self) -> list[str]:
         state: dict[str, int] = {}  # 1: on the current path, 2: finished
-        path: list[str] = []
 
-        def visit(name: str) -> list[str] | None:
-            state[name] = 1
-            path.append(name)
-            for upstream in self._nodes[name].reads:
-                if upstream == INPUT:
+        def visit(start: str) -> list[str] | None:
+            """Depth-first along ``reads`` with an explicit stack (a long chain must not overflow)."""
+            path = [start]
+            stack = [iter(self._nodes[start].reads)]
+            state[start] = 1
+            while stack:
+                upstream = next(stack[-1], None)
+                if upstream is None:
+                    state[path.pop()] = 2
+                    stack.pop()
+                elif upstream == INPUT or upstream not in self._nodes or state.get(upstream) == 2:
                     continue
-                if state.get(upstream) == 1:
+                elif state.get(upstream) == 1:
                     return path[path.index(upstream) :] + [upstream]
-                if upstream not in state and (found := visit(upstream)) is not None:
-                    return found
-            path.pop()
-            state[name] = 2
+                else:
+                    state[upstream] = 1
+                    path.append(upstream)
+                    stack.append(iter(self._nodes[upstream].reads))
             return None
 
         for name in self._nodes:
