@@ -150,6 +150,13 @@ def test_a_run_past_its_timeout_fails(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "the run took longer than its timeout of 0.2 s" in capsys.readouterr().err
 
 
+def test_a_metrics_path_that_cannot_be_written_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(_small(tmp_path)), "--metrics", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"thundersync: invalid pipeline (ConfigError): cannot write the metrics file "
+                                       f"{tmp_path}: Is a directory; give --metrics (or run.metrics) the path of "
+                                       "a file in a writable directory\n")
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "nan"])
 def test_a_timeout_that_is_not_positive_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                          value: str) -> None:

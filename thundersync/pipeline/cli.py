@@ -18,7 +18,8 @@ import argparse
 import logging
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
@@ -97,6 +98,21 @@ def _prepare(path: Path) -> tuple[PipelineSpec, dict[str, object], Graph]:
     return spec, objects, graph
 
 
+@contextmanager
+def _metrics(path: Path | None) -> Iterator[JsonlMetrics]:
+    """The metrics sink, open; a path that cannot be written is a usage error (exit 2)."""
+    sink = JsonlMetrics(path)
+    try:
+        sink.__enter__()
+    except OSError as error:
+        raise ConfigError(f"cannot write the metrics file {path}: {error.strerror or error}; give --metrics "
+                          "(or run.metrics) the path of a file in a writable directory") from None
+    try:
+        yield sink
+    finally:
+        sink.__exit__(None, None, None)
+
+
 def _check(path: Path) -> int:
     spec, objects, graph = _prepare(path)
     lines = [f"{path}: ok, {len(graph)} stages, {len(objects)} runtime objects"]
@@ -115,7 +131,7 @@ def _run(path: Path, args: argparse.Namespace) -> int:
     mode = args.progress or settings.progress
     show = mode == "on" or (mode == "auto" and sys.stderr.isatty())
     log = structlog.get_logger("thundersync.cli")
-    with JsonlMetrics(metrics_path) as metrics:
+    with _metrics(metrics_path) as metrics:
         metrics.write("run_started", file=str(path), stages=[node.name for node in graph])
         log.info("run started", file=str(path), stages=len(graph))
         try:
