@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import anyio
 import pytest
@@ -113,3 +114,14 @@ def test_whole_graphs_run_on_the_fakes_and_close_everything(wait_for: tuple[str,
     assert all(e.policy_version == e.group_id // 2 for e in actions)  # batch n runs on policy n: zero staleness
     again = anyio.run(_results, _graph(wait_for, RecordingTrainer()))
     assert sorted(map(repr, out)) == sorted(map(repr, again))  # deterministic up to arrival order
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: ScriptedGenerator(vocab_size=0), r"^vocab_size must be >= 1, got 0$"),
+    (lambda: ScriptedGenerator(min_new_tokens=-1), r"^min_new_tokens must be >= 0, got -1$"),
+    (lambda: ScriptedTool(vocab_size=0), r"^vocab_size must be >= 1, got 0$"),
+    (lambda: ScriptedTool(delay_s=-0.5), r"^delay_s must be >= 0, got -0.5$"),
+])
+def test_fakes_reject_settings_they_cannot_honour(make: Callable[[], object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make()

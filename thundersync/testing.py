@@ -19,9 +19,10 @@ from __future__ import annotations
 import random
 import zlib
 from collections.abc import Callable, Iterable, Sequence
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import anyio
+import msgspec
 from anyio.lowlevel import checkpoint
 
 from thundersync.events import EVENT_TYPES, ActionGenerated, BatchReady, EventBase, PromptSubmitted, ToolObserved
@@ -31,6 +32,18 @@ from thundersync.stages.step import StepResult
 
 __all__ = ["FakeScorer", "FakeTeacher", "RecordingTrainer", "ScriptedGenerator", "ScriptedSource", "ScriptedTool",
            "even_token_fraction"]
+
+
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+_Positive = Annotated[int, msgspec.Meta(ge=1)]
+_Seconds = Annotated[float, msgspec.Meta(ge=0)]
+# (pipeline files validate factory arguments against these annotations; Python callers get _at_least)
+
+
+def _at_least(low: float, **values: float) -> None:
+    for name, value in values.items():
+        if not value >= low:
+            raise ValueError(f"{name} must be >= {low}, got {value!r}")
 
 
 async def _pause(delay_s: float) -> None:
@@ -83,7 +96,9 @@ class ScriptedGenerator:
     [-3.05, -0.05) per token. ``requests`` records every request in call order.
     """
 
-    def __init__(self, *, vocab_size: int = 1000, min_new_tokens: int = 1, delay_s: float = 0.0) -> None:
+    def __init__(self, *, vocab_size: _Positive = 1000, min_new_tokens: _Count = 1, delay_s: _Seconds = 0.0) -> None:
+        _at_least(1, vocab_size=vocab_size)
+        _at_least(0, min_new_tokens=min_new_tokens, delay_s=delay_s)
         self.vocab_size = vocab_size
         self.min_new_tokens = min_new_tokens
         self.delay_s = delay_s
@@ -109,8 +124,10 @@ class ScriptedTool:
     """Every action calls a tool unless it contains ``end_token``; the observation is
     ``observation_len`` tokens derived from the action."""
 
-    def __init__(self, *, observation_len: int = 3, vocab_size: int = 1000, end_token: int | None = None,
-                 delay_s: float = 0.0) -> None:
+    def __init__(self, *, observation_len: _Count = 3, vocab_size: _Positive = 1000, end_token: _Count | None = None,
+                 delay_s: _Seconds = 0.0) -> None:
+        _at_least(1, vocab_size=vocab_size)
+        _at_least(0, observation_len=observation_len, delay_s=delay_s)
         self.observation_len = observation_len
         self.vocab_size = vocab_size
         self.end_token = end_token
@@ -135,7 +152,7 @@ class FakeScorer:
     """A reward computed from the tokens by ``fn`` (default :func:`even_token_fraction`)."""
 
     def __init__(self, *, fn: Callable[[list[int], list[int]], float] = even_token_fraction,
-                 delay_s: float = 0.0) -> None:
+                 delay_s: _Seconds = 0.0) -> None:
         self.fn = fn
         self.delay_s = delay_s
         self.calls: list[tuple[list[int], list[int]]] = []
@@ -152,7 +169,7 @@ class FakeTeacher:
         q(token y at position p) = -(((31 * p + 17 * y) mod 101) + 1) / 25      in [-4.04, -0.04]
     """
 
-    def __init__(self, *, delay_s: float = 0.0) -> None:
+    def __init__(self, *, delay_s: _Seconds = 0.0) -> None:
         self.delay_s = delay_s
 
     @staticmethod
@@ -167,7 +184,7 @@ class FakeTeacher:
 class RecordingTrainer:
     """Records each batch it steps on; reports the batch's scored-token count as ``grad_norm``."""
 
-    def __init__(self, *, delay_s: float = 0.0) -> None:
+    def __init__(self, *, delay_s: _Seconds = 0.0) -> None:
         self.delay_s = delay_s
         self.steps: list[BatchReady] = []
 

@@ -92,7 +92,8 @@ def _plain(info: msgspec.inspect.Type) -> bool:
 def factory_params(factory: str) -> dict[str, tuple[Any, Any]]:
     """Keyword arguments a file may give a factory: name -> (type, default or NODEFAULT)."""
     target: Callable[..., Any] = FACTORIES[factory]
-    hints = typing.get_type_hints(typing.cast(Any, target).__init__ if isinstance(target, type) else target)
+    hints = typing.get_type_hints(typing.cast(Any, target).__init__ if isinstance(target, type) else target,
+                                  include_extras=True)  # keep msgspec.Meta constraints
     params = inspect.signature(target).parameters.values()
     return {p.name: (hints[p.name], p.default if p.default is not p.empty else msgspec.NODEFAULT)
             for p in params if p.name in hints and _decodable(hints[p.name])
