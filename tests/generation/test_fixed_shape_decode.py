@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import anyio
+import msgspec
 import pytest
 import torch
 
+from thundersync.errors import ConfigError
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many
 
 
@@ -40,6 +42,24 @@ def test_fixed_shape_decode_equals_row_decode_and_keeps_parked_caches(make_qwen3
     for a, b in zip(rows, fixed, strict=True):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_integer_temperature_and_top_p_decode_like_floats(make_qwen3) -> None:
+    model = make_qwen3()
+    as_ints = SamplingParams(temperature=0, top_p=1, max_new_tokens=9)
+    assert (type(as_ints.temperature), type(as_ints.top_p)) == (float, float)
+    floats = scenario(fixed_shape(TorchGenerator(model, max_batch=4, max_seq_len=48)), SamplingParams(temperature=0.0, max_new_tokens=9))
+    ints = scenario(fixed_shape(TorchGenerator(model, max_batch=4, max_seq_len=48)), as_ints)
+    assert [r.token_ids for r in ints] == [r.token_ids for r in floats]
+    step = fixed_shape(TorchGenerator(model, max_batch=2, max_seq_len=48))._engine.fixed
+    raw = SamplingParams(temperature=0.5, top_p=0.5)
+    msgspec.structs.force_setattr(raw, "temperature", 2)  # an int that bypassed the normalization
+    msgspec.structs.force_setattr(raw, "top_p", 1)
+    step.activate(1, token=3, position=2, params=raw, seed=0)
+    step.flush()
+    assert (step.temperature.tolist(), step.top_p.tolist()) == ([1.0, 2.0], [1.0, 1.0])
+    with pytest.raises(ConfigError, match="temperature must be a number, got '0.5'"):
+        SamplingParams(temperature="0.5")
 
 
 @pytest.mark.gpu

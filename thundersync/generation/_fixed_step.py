@@ -66,9 +66,9 @@ class FixedStep:
         values = list(started.values())
         self.tokens[index] = torch.tensor([c[0] for c in values], dtype=torch.long, device=device)
         self.positions[index] = torch.tensor([c[1] for c in values], dtype=torch.long, device=device)
-        self.temperature[index] = torch.tensor([c[2].temperature for c in values], device=device)
+        self.temperature[index] = torch.tensor([c[2].temperature for c in values], dtype=torch.float32, device=device)
         self.top_k[index] = torch.tensor([c[2].top_k for c in values], dtype=torch.long, device=device)
-        self.top_p[index] = torch.tensor([c[2].top_p for c in values], device=device)
+        self.top_p[index] = torch.tensor([c[2].top_p for c in values], dtype=torch.float32, device=device)
         self.seed[index] = torch.tensor([c[3] for c in values], dtype=torch.long, device=device)
         self.sampling_logprobs[index] = torch.tensor([c[2].logprobs == "sampling" for c in values], device=device)
 

@@ -65,6 +65,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     logprobs: LogprobMode = "model"
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):  # stored as float whatever number was given (0, 1, 0.5)
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"{name} must be a number, got {value!r}")
+            msgspec.structs.force_setattr(self, name, float(value))
         if not self.temperature >= 0.0:
             raise ConfigError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
