@@ -105,6 +105,14 @@ def test_tree_paths_must_be_relative_without_dotdot(tmp_path: Path, bad: str) ->
         _treefiles.read_file(tmp_path, bad)
 
 
+@pytest.mark.parametrize("bad", ["..", "../..", "./..", "a/..", "/", "/..", "a/../.."])
+def test_copy_out_refuses_dotdot_and_absolute_paths_instead_of_copying_the_tree(tmp_path: Path, bad: str) -> None:
+    (tmp_path / "tree" / "a").mkdir(parents=True)
+    with pytest.raises(UnsafePathError, match="must be relative to the working tree, without '..'"):
+        _treefiles.copy_out(tmp_path / "tree", bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_copy_out_refuses_a_symlink_to_a_host_file_anywhere_in_the_path(tmp_path: Path) -> None:
     tree, secret = tmp_path / "tree", tmp_path / "secret"
     (tree / "dir").mkdir(parents=True)

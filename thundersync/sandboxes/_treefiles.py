@@ -151,7 +151,8 @@ def copy_out(tree: Path, path: str | bytes, dest: Path) -> None:
 
     Any symlink met on the way or inside refuses the copy.
     """
-    if os.fsencode(path).strip(b"/.") == b"" and not os.fsencode(path).startswith(b"/"):
+    raw = os.fsencode(path)
+    if not raw.startswith(b"/") and all(part in (b"", b".") for part in raw.split(b"/")):
         fd = os.open(tree, _DIR)
         try:
             _copy_dir(fd, os.fsencode(dest), b".")
