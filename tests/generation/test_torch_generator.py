@@ -209,6 +209,65 @@ def test_an_optimizer_step_drops_cached_prefixes(make_qwen3) -> None:
     assert second.token_ids == hf_greedy(model, full, 12)
 
 
+def continue_session_after(generator: TorchGenerator, change) -> tuple:
+    """Generate in a session, run ``change()``, continue the session: (full prompt, second result)."""
+    prompt = [50, 51, 52]
+
+    async def scenario() -> tuple:
+        first = await generator.generate(GenerationRequest(prompt_ids=prompt, params=GREEDY, session_id="s"))
+        change()
+        full = prompt + first.token_ids
+        return full, await generator.generate(GenerationRequest(prompt_ids=full, params=GREEDY, session_id="s"))
+
+    return anyio.run(scenario)
+
+
+def optimizer_step(model: torch.nn.Module, parameters, **kwargs) -> None:
+    optimizer = torch.optim.AdamW(parameters, lr=0.05, **kwargs)
+    model.zero_grad()
+    model(torch.tensor([[7, 8, 9]])).logits.sum().backward()
+    optimizer.step()
+
+
+def test_invalidate_drops_cached_prefixes_after_unversioned_weight_writes(make_qwen3) -> None:
+    model = make_qwen3()
+    generator = TorchGenerator(model, max_batch=2, max_seq_len=64)
+    k_proj = model.model.layers[0].self_attn.k_proj.weight
+
+    def change() -> None:
+        k_proj.data.add_(torch.randn_like(k_proj))  # torch does not version .data writes
+        generator.invalidate()
+
+    full, second = continue_session_after(generator, change)
+    assert second.cached_tokens == 0
+    assert second.token_ids == hf_greedy(model, full, 12)
+
+
+def test_a_fused_optimizer_step_drops_cached_prefixes(make_qwen3) -> None:
+    model = make_qwen3()
+    generator = TorchGenerator(model, max_batch=2, max_seq_len=64)
+    full, second = continue_session_after(generator, lambda: optimizer_step(model, model.parameters(), fused=True))
+    assert second.cached_tokens == 0
+    assert second.token_ids == hf_greedy(model, full, 12)
+
+
+def test_the_optimizer_hook_ignores_other_models_and_goes_away_with_the_generator(make_qwen3) -> None:
+    import gc
+
+    from torch.optim import optimizer as optim_module
+
+    gc.collect()  # earlier tests' generators
+    hooks = len(optim_module._global_optimizer_post_hooks)
+    model, other = make_qwen3(), make_qwen3(seed=1)
+    generator = TorchGenerator(model, max_batch=2, max_seq_len=64)
+    assert len(optim_module._global_optimizer_post_hooks) == hooks + 1
+    _, second = continue_session_after(generator, lambda: optimizer_step(other, other.parameters(), fused=True))
+    assert second.cached_tokens > 0
+    del generator
+    gc.collect()
+    assert len(optim_module._global_optimizer_post_hooks) == hooks
+
+
 def test_parameters_changing_mid_generation_fail_the_request(make_qwen3) -> None:
     from thundersync.errors import GenerationError
     from thundersync.generation._engine import Engine

@@ -10,12 +10,14 @@ continues, is released, or its slot is needed by a waiting request (least recent
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from thundersync.errors import ConfigError, GenerationError
 from thundersync.engine.anatomy import decoder_anatomy
@@ -54,6 +56,26 @@ class _Slot:
     last_used: int = 0
 
 
+def _invalidate_on_optimizer_steps(engine: Engine) -> None:
+    """Invalidate ``engine`` after every optimizer step over its model's parameters.
+
+    Fused optimizers write the parameters without bumping their ``_version``. The global hook holds
+    the engine weakly and is removed when the engine is garbage-collected.
+    """
+    engine_ref = weakref.ref(engine)
+
+    def after_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        live = engine_ref()
+        if live is None:
+            return
+        mine = {id(p) for p in live.model.parameters()}
+        if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+            live.invalidate()
+
+    handle = register_optimizer_step_post_hook(after_step)
+    weakref.finalize(engine, handle.remove)
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -81,7 +103,9 @@ class Engine:
         self.run_fixed: StepFn | None = None
         self._clock = itertools.count(1)
         self._finished: list[Ticket] = []
+        self._unversioned_changes = 0  # see invalidate
         self._weights = self._weights_version()
+        _invalidate_on_optimizer_steps(self)
 
     def use_fixed_step(self, *, capture: bool) -> None:
         """Decode every slot with device-resident state (:mod:`._fixed_step`), CUDA graphs if ``capture``."""
@@ -167,8 +191,13 @@ class Engine:
                 self._decode(running)
         return self._finished
 
-    def _weights_version(self) -> int:
-        return sum(p._version for p in self.model.parameters())
+    def invalidate(self) -> None:
+        """Treat the weights as changed: the next step drops cached prefixes (or fails running
+        sequences). Safe to call from another thread: it only bumps a counter."""
+        self._unversioned_changes += 1
+
+    def _weights_version(self) -> tuple[int, int]:
+        return sum(p._version for p in self.model.parameters()), self._unversioned_changes
 
     def _check_weights(self) -> None:
         version = self._weights_version()

@@ -17,8 +17,10 @@ Behaviour log-probs follow :mod:`thundersync.generation.base`: by default the mo
 before temperature/top-k/top-p, ``SamplingParams(logprobs="sampling")`` for the sampling one.
 
 Generation must run while the parameters are fixed. The generator notices an in-place update of
-any parameter (an optimizer step): cached prefixes are dropped, and an update during a request
-fails it with :class:`~thundersync.errors.GenerationError`. Dropout layers (e.g. peft's
+any parameter that torch versions and every optimizer step over the model's parameters (fused
+optimizers included): cached prefixes are dropped, and an update during a request fails it with
+:class:`~thundersync.errors.GenerationError`. Writes torch does not version (``param.data.add_``,
+``param.data = ...``) go unnoticed: call :meth:`TorchGenerator.invalidate` after them. Dropout layers (e.g. peft's
 ``lora_dropout``) follow the model's train/eval mode: use ``lora_dropout=0`` or ``model.eval()``
 for exact on-policy sampling.
 """
@@ -115,6 +117,15 @@ class TorchGenerator:
     def release(self, session_id: int | str) -> None:
         """Drop the cached prefix of a session that will not continue."""
         self._apply(lambda: self._engine.release(session_id))
+
+    def invalidate(self) -> None:
+        """Drop every cached prefix: call after changing weights in a way torch does not version.
+
+        Autograd-visible in-place updates and optimizer steps (fused ones included) are noticed
+        without it; writes through ``.data`` (``param.data.add_(...)``, ``param.data = ...``,
+        loading a state dict into ``.data``) are not. A request generating meanwhile fails.
+        """
+        self._engine.invalidate()
 
     @property
     def kv_cache_bytes(self) -> int:
