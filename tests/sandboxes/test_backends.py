@@ -7,8 +7,11 @@ containers with our label, no processes, no cgroups and no scratch directories.
 from __future__ import annotations
 
 import os
+import threading
+import time
 import tracemalloc
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
@@ -130,6 +133,50 @@ async def test_copy_out_refuses_a_symlink_the_sandbox_planted_to_a_host_file(san
     with pytest.raises(UnsafePathError, match="symlink"):
         await sandbox.write_file("leak", b"overwritten")
     assert secret.read_text() == "host secret"
+
+
+@contextmanager
+def reader_after(fifo: Path, delay_s: float) -> Iterator[None]:
+    """Open ``fifo`` for reading after ``delay_s`` (unless the block ended): a writer stuck on it gets free."""
+    done = threading.Event()
+
+    def read() -> None:
+        if done.wait(delay_s):
+            return
+        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as pipe:
+            pipe.read()
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+async def test_writes_into_a_fifo_the_sandbox_planted_are_refused_without_blocking(
+    sandbox: Sandbox, tmp_path: Path
+) -> None:
+    (tmp_path / "file").write_bytes(b"data")
+    await sandbox.exec("mkfifo pipe")
+    started = time.monotonic()
+    with reader_after(sandbox.tree / "pipe", 3.0):
+        with pytest.raises(UnsafePathError, match="'pipe' in the working tree is not a regular file"):
+            await sandbox.write_file("pipe", b"x")
+        with pytest.raises(UnsafePathError, match="'pipe' in the working tree is not a regular file"):
+            await sandbox.copy_in(tmp_path / "file", "pipe")
+    assert time.monotonic() - started < 2.0
+    reader = os.open(sandbox.tree / "pipe", os.O_RDONLY | os.O_NONBLOCK)  # with a reader, open succeeds
+    try:
+        with pytest.raises(UnsafePathError, match="'pipe' in the working tree is not a regular file"):
+            await sandbox.write_file("pipe", b"x")
+    finally:
+        os.close(reader)
+    await sandbox.write_file("README", b"short")  # a regular file is still truncated and rewritten
+    assert await sandbox.read_file("README") == b"short"
 
 
 async def test_file_names_with_newlines_and_non_utf8_bytes_cross_both_ways(sandbox: Sandbox, tmp_path: Path) -> None:

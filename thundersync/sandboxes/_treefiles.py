@@ -46,6 +46,10 @@ def _refuse(path: bytes, error: OSError) -> UnsafePathError:
     return UnsafePathError(f"cannot use {shown!r} in the working tree: {error.strerror}")
 
 
+def _not_regular(shown: bytes) -> UnsafePathError:
+    return UnsafePathError(f"{os.fsdecode(shown)!r} in the working tree is not a regular file")
+
+
 @contextmanager
 def _parent(tree: Path, parts: list[bytes], *, create: bool, owner: Owner) -> Iterator[int]:
     fd = os.open(tree, _DIR)
@@ -76,7 +80,7 @@ def _open_regular(name: bytes, dir_fd: int, shown: bytes) -> int:
         raise _refuse(shown, error) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise UnsafePathError(f"{os.fsdecode(shown)!r} in the working tree is not a regular file")
+        raise _not_regular(shown)
     os.set_blocking(fd, True)
     return fd
 
@@ -89,12 +93,27 @@ def read_file(tree: Path, path: str | bytes) -> bytes:
             return file.read()
 
 
-def _write_at(dir_fd: int, name: bytes, data: bytes | Path, mode: int, owner: Owner, shown: bytes) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+def _open_for_writing(name: bytes, dir_fd: int, mode: int, shown: bytes) -> int:
+    """Open (or create) a regular file for writing; a FIFO or device the sandbox planted is refused.
+
+    ``O_NONBLOCK`` keeps the open of a FIFO from waiting for a reader (no reader: ``ENXIO``), and
+    the file is truncated only once ``fstat`` says it is a regular file.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(name, flags, mode, dir_fd=dir_fd)
     except OSError as error:
-        raise _refuse(shown, error) from None
+        raise (_not_regular(shown) if error.errno == errno.ENXIO else _refuse(shown, error)) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _not_regular(shown)
+    os.set_blocking(fd, True)
+    os.ftruncate(fd, 0)
+    return fd
+
+
+def _write_at(dir_fd: int, name: bytes, data: bytes | Path, mode: int, owner: Owner, shown: bytes) -> None:
+    fd = _open_for_writing(name, dir_fd, mode, shown)
     with os.fdopen(fd, "wb") as out:
         if isinstance(data, Path):
             with open(data, "rb") as src:
