@@ -119,11 +119,11 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 def new_sandbox(backend: str, scratch: Path, local_template: Path) -> Callable[..., Sandbox]:
     """Make a (not yet started) sandbox of the fixture's backend."""
 
-    def make(limits: SandboxLimits | None = None) -> Sandbox:
+    def make(limits: SandboxLimits | None = None, name: str | None = None) -> Sandbox:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NotIsolatedWarning)
             kind = "docker" if backend == "podman" else backend
-            return select.make_sandbox(kind, IMAGE, limits=limits, template=local_template)
+            return select.make_sandbox(kind, IMAGE, limits=limits, template=local_template, name=name)
 
     return make
 

@@ -75,9 +75,15 @@ class TreeSandbox:
         return self.scratch / "tree"
 
     async def __aenter__(self) -> Any:
-        root = trees.scratch_root()
-        self._scratch = root / self.name
-        self._scratch.mkdir(mode=0o700)
+        scratch = trees.scratch_root() / self.name
+        try:
+            scratch.mkdir(mode=0o700)
+        except FileExistsError:
+            raise ConfigError(
+                f"a sandbox named {self.name!r} already exists under {scratch.parent}: give each "
+                f"sandbox a unique name (or none: a random one is made)"
+            ) from None
+        self._scratch = scratch  # only now ours: close() removes it
         try:
             self._seed = await self._prepare_seed()
             await anyio.to_thread.run_sync(self._populate_tree)
