@@ -394,3 +394,38 @@ def test_cancelling_a_waiting_request_never_disturbs_the_running_ones(make_qwen3
     for i in range(20):
         results = anyio.run(trial, 0.001 * (i % 5))
         assert [r.token_ids for r in results] == [expected.token_ids] * 2
+
+
+def test_an_engine_failure_raises_generation_error_in_the_driver_and_the_waiting_requests(make_qwen3) -> None:
+    from thundersync.errors import GenerationError
+
+    generator = TorchGenerator(make_qwen3(), max_batch=1, max_seq_len=64)  # one slot: the second request waits
+    engine, decode, calls = generator._engine, generator._engine._decode, []
+
+    def failing_decode(running) -> None:
+        calls.append(len(running))
+        if len(calls) == 3:
+            raise RuntimeError("boom in decode")
+        decode(running)
+
+    engine._decode = failing_decode
+    caught: list[BaseException] = []
+
+    async def one(prompt: list[int]) -> None:
+        try:
+            await generator.generate(GenerationRequest(prompt_ids=prompt, params=GREEDY))
+        except Exception as error:
+            caught.append(error)
+
+    async def scenario() -> None:
+        async with anyio.create_task_group() as group:
+            group.start_soon(one, [1, 2])  # drives the engine
+            await anyio.sleep(0)
+            group.start_soon(one, [3, 4])
+
+    anyio.run(scenario)
+    assert len(caught) == 2
+    for error in caught:
+        assert isinstance(error, GenerationError) and isinstance(error.__cause__, RuntimeError)
+        assert str(error) == "generation failed: boom in decode"
+    assert not engine.busy

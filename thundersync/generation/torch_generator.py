@@ -83,7 +83,11 @@ class TorchGenerator:
         self._sessions: set[int | str] = set()  # sessions with a request in flight
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        """Generate a continuation of ``request.prompt_ids`` (see the class docstring)."""
+        """Generate a continuation of ``request.prompt_ids`` (see the class docstring).
+
+        Raises :class:`~thundersync.errors.GenerationError`, the cause chained, when the engine
+        fails, whether this request was driving it or waiting.
+        """
         self._engine.check(request)
         session = request.session_id
         if session is not None and session in self._sessions:
@@ -164,8 +168,12 @@ class TorchGenerator:
             self._driver = None
 
     def _step(self) -> None:
+        """One engine step; an error fails every request in flight, the driver's included, so
+        each of them raises GenerationError from it."""
         try:
             self._engine.step()
+        except Exception as error:
+            self._engine.fail_all(error)
         except BaseException as error:
             self._engine.fail_all(error)
             raise
