@@ -8,6 +8,7 @@ are writable (root), and fall back to RLIMIT_NPROC otherwise.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -33,18 +34,29 @@ def available() -> bool:
 
 
 def create_pids_cgroup(name: str, pids_max: int) -> Path | None:
-    """A new cgroup ``thundersync-<name>`` with ``pids.max``, or None where we may not make one."""
+    """A new cgroup ``thundersync-<name>-<random>`` with ``pids.max``, or None where we may not make one.
+
+    Sandbox names are unique only per scratch root, so the random suffix keeps two sandboxes of
+    one name (other jobs, other roots) apart; a cgroup that already exists is never touched.
+    """
     base = _base()
     if base is None:
         return None
-    path = base / f"thundersync-{name}"
-    try:
-        path.mkdir()
-        (path / "pids.max").write_text(str(pids_max))
-    except OSError:
-        remove_cgroup(path)
-        return None
-    return path
+    for _ in range(8):
+        path = base / f"thundersync-{name}-{secrets.token_hex(4)}"
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue  # someone else's: not ours to remove
+        except OSError:
+            return None
+        try:
+            (path / "pids.max").write_text(str(pids_max))
+        except OSError:
+            remove_cgroup(path)
+            return None
+        return path
+    return None
 
 
 def members(path: Path) -> list[int]:
