@@ -155,11 +155,15 @@ class VLLMGenerator:
             self._hand_off()
 
     def _run_into(self, batch: list[_Pending]) -> None:
+        """Run ``batch``; an error is stored in every request (the driver's too: each raises
+        GenerationError from it)."""
         try:
             results = self._run_batch([p.request for p in batch])
         except BaseException as error:
             for pending in batch:
                 pending.error = error
+            if isinstance(error, Exception):
+                return
             raise
         for pending, result in zip(batch, results, strict=True):
             pending.result = result
