@@ -15,6 +15,33 @@ from thundersync.sandboxes import Sandbox
 pytestmark = pytest.mark.anyio
 
 
+async def test_reset_empties_tmp_and_dev_shm_dot_names_and_locked_directories_included(
+    sandbox: Sandbox, backend: str
+) -> None:
+    if backend == "local":
+        pytest.skip("the local backend's /tmp and /dev/shm are the host's")
+    made = ("/tmp/plain /tmp/.hidden /tmp/..dots /tmp/... /dev/shm/plain /dev/shm/.hidden /dev/shm/..dots "
+            "/tmp/locked/f /dev/shm/locked/f")
+    await sandbox.exec("mkdir /tmp/locked /dev/shm/locked; for f in " + made + "; do echo x > $f; done; "
+                       "chmod 0 /tmp/locked /dev/shm/locked")
+    listing = "ls -A /tmp /dev/shm"
+    assert "..dots" in (await sandbox.exec(listing)).stdout
+    assert await sandbox.reset()
+    assert (await sandbox.exec(listing)).stdout == "/dev/shm:\n\n/tmp:\n"
+
+
+async def test_a_docker_reset_that_leaves_files_in_tmp_reports_failure(
+    sandbox: Sandbox, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if backend not in ("docker", "podman"):
+        pytest.skip("only the docker backend empties /tmp from inside the container")
+    from thundersync.sandboxes import docker
+
+    monkeypatch.setattr(docker, "_WIPE", "true")  # a wipe that misses everything
+    await sandbox.exec("echo x > /dev/shm/..left")
+    assert not await sandbox.reset()
+
+
 async def test_a_second_sandbox_of_the_same_name_is_refused_and_its_close_spares_the_first(
     new_sandbox: Callable[..., Sandbox], host_clean: Callable[[], Awaitable[None]]
 ) -> None:

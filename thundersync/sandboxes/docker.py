@@ -39,6 +39,10 @@ __all__ = ["DockerSandbox", "default_owner", "docker_cli", "docker_client", "pru
 
 _INIT = "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done"
 _KILL_ALL = "kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null; true"
+# Every name in /tmp and /dev/shm, dot-names included (``.[!.]*`` and ``..?*``): plain sh, no find.
+_PRIVATE = " ".join(f"{d}/* {d}/.[!.]* {d}/..?*" for d in ("/tmp", "/dev/shm"))
+_WIPE = f"chmod -R u+rwx {_PRIVATE} 2>/dev/null; rm -rf {_PRIVATE} 2>/dev/null; true"
+_LEFT = f'for f in {_PRIVATE}; do if [ -e "$f" ] || [ -L "$f" ]; then echo "$f"; fi; done'
 _IO_DIR = "/run/thundersync"
 _seeds = trees.SeedCache()
 
@@ -180,7 +184,7 @@ class DockerSandbox(TreeSandbox):
 
     async def _kill_processes(self, *, wipe_tmp: bool = False) -> None:
         """End every process but init, or restart the container when not even that can run."""
-        script = _KILL_ALL + ("; rm -rf /tmp/* /tmp/.[!.]* 2>/dev/null; true" if wipe_tmp else "")
+        script = _KILL_ALL + (f"; {_WIPE}" if wipe_tmp else "")
         with anyio.move_on_after(10):
             try:
                 exe = await self._container.exec(["/bin/sh", "-c", script], user=self.user)
@@ -195,8 +199,11 @@ class DockerSandbox(TreeSandbox):
         await self._container.start()
 
     async def reset(self) -> bool:
-        """Kill every process, empty /tmp, restore the tree from the seed, verify from the host."""
+        """Kill every process, empty /tmp and /dev/shm, restore the tree from the seed, verify both."""
         await self._kill_processes(wipe_tmp=True)
+        left = await self.exec(["/bin/sh", "-c", _LEFT], timeout=10)
+        if left.exit_code != 0 or left.stdout:
+            return False  # something in /tmp or /dev/shm survived: the pool discards the sandbox
         return await anyio.to_thread.run_sync(self._restore_tree)
 
     # -- exec ---------------------------------------------------------------------------------
