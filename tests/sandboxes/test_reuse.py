@@ -10,9 +10,24 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from thundersync.errors import ConfigError
-from thundersync.sandboxes import Sandbox
+from thundersync.sandboxes import Sandbox, SandboxPool
 
 pytestmark = pytest.mark.anyio
+
+
+async def test_writes_outside_the_tree_do_not_reach_the_next_task_of_a_pool(
+    new_sandbox: Callable[..., Sandbox], backend: str, host_clean: Callable[[], Awaitable[None]]
+) -> None:
+    if backend == "local":
+        pytest.skip("the local backend is not an isolation boundary: /etc is the host's")
+    async with SandboxPool(new_sandbox, max_size=1) as pool:
+        async with pool.acquire() as first:
+            await first.exec("echo leak > /etc/leak; echo leak > /leak; echo leak > /bin/leak; true")
+        async with pool.acquire() as second:
+            seen = await second.exec("cat /etc/leak /leak /bin/leak 2>/dev/null; true")
+        assert second is first, "the pool must reuse the sandbox for this test to mean anything"
+        assert seen.stdout == ""
+    await host_clean()
 
 
 async def test_reset_empties_tmp_and_dev_shm_dot_names_and_locked_directories_included(

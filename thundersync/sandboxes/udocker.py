@@ -1,6 +1,7 @@
 """The uDocker backend (rootless): PRoot containers driven as guarded subprocesses.
 
-Each sandbox is one ``udocker create``-d container. Every command is a ``udocker run`` with
+Each sandbox is one ``udocker create``-d container, re-created on reset (commands may write
+anywhere in its root filesystem, a plain host directory). Every command is a ``udocker run`` with
 ``--nosysdirs`` (only /proc of its own pid namespace and a few /dev nodes are bound), private
 ``/tmp`` and ``/dev/shm``, the working tree bound at ``workdir`` and ``-w workdir`` always, run by
 :func:`_process.run_guarded` (user + network + pid namespaces, seccomp socket filter, rlimits,
@@ -163,7 +164,11 @@ class UDockerSandbox(TreeSandbox):
             await anyio.to_thread.run_sync(_cgroup.kill_cgroup, self._cgroup)
 
     async def _wipe_private(self) -> None:
+        """Empty /tmp and /dev/shm, and re-create the container: its root filesystem is writable."""
         await self._recreate_dirs("tmp", "shm")
+        with anyio.CancelScope(shield=True):  # cut short, it would leave no container or a partial one
+            await self._udocker("rm", "-f", self.name)
+            await self._udocker("create", f"--name={self.name}", self.image)
 
     async def exec(self, cmd: Sequence[str] | str, *, timeout: float | None = None,
                    env: Mapping[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
