@@ -116,10 +116,14 @@ async def run_guarded(
     out = OutputCollector(limits.output_bytes, limits.output_cap_bytes)
     started = time.monotonic()
     over_cap = anyio.Event()
-    process = await anyio.open_process(
-        guarded_argv(command, limits, cgroup), cwd=cwd, env=dict(env), start_new_session=True,
-        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-    )
+    # Shielded: a cancellation landing inside the spawn would lose the handle of a process that
+    # already started (it would outlive the sandbox). Delivered at the next checkpoint instead,
+    # where the ``finally`` below kills the whole tree.
+    with anyio.CancelScope(shield=True):
+        process = await anyio.open_process(
+            guarded_argv(command, limits, cgroup), cwd=cwd, env=dict(env), start_new_session=True,
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        )
     timed_out = False
     try:
         async def pump(stream: ByteReceiveStream | None, which: int) -> None:
