@@ -80,9 +80,26 @@ def advantages(rewards: list[float]) -> list[float]:
     return [(r - mean) / (std + EPS) for r in rewards]
 
 
+def padded_logprobs(model: torch.nn.Module, seqs: list[list[int]], positions: list[list[int]]) -> torch.Tensor:
+    """log pi(seq[p + 1] | seq[: p + 1]) at each sequence's ``positions``, concatenated: one padded
+    forward through transformers' own model, log-probs from the fused kernel (no [N, V] logits)."""
+    device = next(model.parameters()).device
+    width = max(len(seq) for seq in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    rows, targets = [], []
+    for b, (seq, pos) in enumerate(zip(seqs, positions)):
+        ids[b, : len(seq)] = torch.tensor(seq)
+        mask[b, : len(seq)] = 1
+        index = torch.tensor(pos, dtype=torch.long)
+        rows.append(b * width + index)
+        targets.append(torch.tensor(seq)[index + 1])
+    hidden = model.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state.flatten(0, 1)
+    return linear_logprobs(hidden[torch.cat(rows).to(device)], model.lm_head.weight, torch.cat(targets).to(device))
+
+
 def dense(model: torch.nn.Module, batch: Batch, micro: int = 8) -> None:
     """The synchronous baseline: padded micro-batches of whole sequences, sorted by length."""
-    device = next(model.parameters()).device
     items = []
     for group in batch:
         for traj, a in zip(group.trajectories, advantages([t.reward for t in group.trajectories])):
@@ -91,22 +108,10 @@ def dense(model: torch.nn.Module, batch: Batch, micro: int = 8) -> None:
     items.sort(key=lambda item: len(item[0]))
     for start in range(0, len(items), micro):
         chunk = items[start : start + micro]
-        width = max(len(ids) for ids, _, _ in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros(len(chunk), width, dtype=torch.long)
-        rows, targets, weights = [], [], []
-        for b, (seq, prompt_len, a) in enumerate(chunk):
-            ids[b, : len(seq)] = torch.tensor(seq)
-            mask[b, : len(seq)] = 1
-            positions = torch.arange(prompt_len - 1, len(seq) - 1)
-            rows.append(b * width + positions)
-            targets.append(torch.tensor(seq[prompt_len:]))
-            weights.append(torch.full((len(positions),), a))
-        ids, mask = ids.to(device), mask.to(device)
-        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state.flatten(0, 1)
-        picked = hidden[torch.cat(rows).to(device)]
-        lp = linear_logprobs(picked, model.lm_head.weight, torch.cat(targets).to(device))
-        (lp * torch.cat(weights).to(device)).sum().backward()
+        positions = [list(range(prompt_len - 1, len(seq) - 1)) for seq, prompt_len, _ in chunk]
+        lp = padded_logprobs(model, [seq for seq, _, _ in chunk], positions)
+        weights = torch.cat([torch.full((len(pos),), a) for pos, (_, _, a) in zip(positions, chunk)])
+        (lp * weights.to(lp.device)).sum().backward()
 
 
 def streaming(model: torch.nn.Module, batch: Batch, pack_tokens: int = 8192) -> None:

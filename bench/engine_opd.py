@@ -29,8 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import thundersync  # noqa: E402
 from bench._common import header, markdown_table  # noqa: E402
-from bench.engine import make_model, measure, profile, relative_error  # noqa: E402
-from thundersync.kernels import linear_logprobs  # noqa: E402
+from bench.engine import make_model, measure, padded_logprobs, profile, relative_error  # noqa: E402
 @dataclass
 class OPDTrajectory:
     turns: list[list[int]]      # alternating action, observation, action, ...
@@ -63,7 +62,6 @@ def make_opd_batch(rng: random.Random, vocab: int, groups: int, size: int, promp
 
 def opd_dense(model: torch.nn.Module, batch: list[OPDGroup], micro: int = 8) -> None:
     """Synchronous OPD: whole sequences in padded micro-batches, the loss formed directly."""
-    device = next(model.parameters()).device
     items = []
     for group in batch:
         for traj in group.trajectories:
@@ -78,22 +76,10 @@ def opd_dense(model: torch.nn.Module, batch: list[OPDGroup], micro: int = 8) -> 
     items.sort(key=lambda item: len(item[0]))
     for start in range(0, len(items), micro):
         chunk = items[start : start + micro]
-        width = max(len(seq) for seq, _, _ in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros(len(chunk), width, dtype=torch.long)
-        rows, targets, teacher = [], [], []
-        for b, (seq, positions, q) in enumerate(chunk):
-            ids[b, : len(seq)] = torch.tensor(seq)
-            mask[b, : len(seq)] = 1
-            pos = torch.tensor(positions)
-            rows.append(b * width + pos)
-            targets.append(torch.tensor(seq)[pos + 1])
-            teacher.append(torch.tensor(q))
-        ids, mask = ids.to(device), mask.to(device)
-        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state.flatten(0, 1)
-        lp = linear_logprobs(hidden[torch.cat(rows).to(device)], model.lm_head.weight, torch.cat(targets).to(device))
+        lp = padded_logprobs(model, [seq for seq, _, _ in chunk], [pos for _, pos, _ in chunk])
+        teacher = torch.tensor([q for _, _, qs in chunk for q in qs]).to(lp)
         b = lp.detach()
-        (torch.exp(lp - b) * (b - torch.cat(teacher).to(lp))).sum().div(count).backward()
+        (torch.exp(lp - b) * (b - teacher)).sum().div(count).backward()
 
 
 def opd_streaming(model: torch.nn.Module, batch: list[OPDGroup], latencies: list[float] | None = None) -> None:

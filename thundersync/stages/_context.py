@@ -3,14 +3,21 @@
 Stages that score a trajectory (reward) or an action in its context (teacher) see only events,
 which carry the new tokens of each turn. This book keeps ``prompt + action + observation + ...``
 per trajectory and frees it when the trajectory's final action has been handled.
+:class:`ContextStage` is the loop both stages share around it.
 """
 
 from __future__ import annotations
 
-from thundersync.errors import PipelineError
-from thundersync.events import ActionGenerated, GroupOpened, Id, ToolObserved
+from typing import Annotated, ClassVar
 
-__all__ = ["Contexts"]
+import msgspec
+
+from thundersync.errors import PipelineError
+from thundersync.events import ActionGenerated, EventBase, GroupOpened, Id, ToolObserved
+from thundersync.pipeline.stage import Inbox, Outbox, Stage
+from thundersync.stages._tasks import Slots, task_group
+
+__all__ = ["ContextStage", "Contexts"]
 
 
 class Contexts:
@@ -49,3 +56,43 @@ class Contexts:
 
     def __len__(self) -> int:
         return len(self._tokens)
+
+
+class ContextStage(Stage):
+    """Rebuilds each trajectory's tokens and hands every action, with what came before it, to
+    :meth:`on_action`, at most ``concurrency`` pieces of work in flight.
+
+    While ``concurrency`` are in flight the stage stops reading its inbox, so slow work throttles
+    generate (and the source) through the bounded channels.
+    """
+
+    consumes: ClassVar[tuple[type[EventBase], ...]] = (GroupOpened, ActionGenerated, ToolObserved)
+    kind: ClassVar[str]  # the stage's type name, for messages
+
+    class Config(Stage.Config, frozen=True):
+        concurrency: Annotated[int, msgspec.Meta(ge=1)] = 16
+
+    config: Config
+
+    async def run(self, inbox: Inbox, outbox: Outbox) -> None:
+        contexts = Contexts(self.kind)
+        async with task_group() as group:
+            slots = Slots(group, self.config.concurrency)
+            async for event in inbox:
+                if isinstance(event, GroupOpened):
+                    contexts.open(event)
+                    continue
+                assert isinstance(event, (ActionGenerated, ToolObserved))
+                if isinstance(event, ActionGenerated):
+                    prompt = contexts.prompt(event.group_id)
+                    before = list(contexts.completion(event.group_id, event.trajectory_id))
+                    await self.on_action(event, prompt, before, slots, outbox)
+                contexts.append(event)
+                if isinstance(event, ActionGenerated) and event.final:
+                    contexts.finish(event.group_id, event.trajectory_id)
+
+    async def on_action(self, action: ActionGenerated, prompt: list[int], before: list[int], slots: Slots,
+                        outbox: Outbox) -> None:
+        """Start the work for ``action`` (``before``: the trajectory's tokens after the prompt,
+        up to the action) with ``await slots.start(action, fn, *args)``."""
+        raise NotImplementedError

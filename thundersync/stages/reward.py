@@ -9,14 +9,12 @@ Runtime object: ``scorer``, any :class:`Scorer` (a verifier, a reward model, a u
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
-import msgspec
-
-from thundersync.events import ActionGenerated, EventBase, GroupOpened, Id, Rewarded, ToolObserved
-from thundersync.pipeline.stage import Inbox, Outbox, Stage
-from thundersync.stages._tasks import Slots, task_group
-from thundersync.stages._context import Contexts
+from thundersync.events import ActionGenerated, EventBase, Id, Rewarded
+from thundersync.pipeline.stage import Outbox
+from thundersync.stages._context import ContextStage
+from thundersync.stages._tasks import Slots
 
 __all__ = ["RewardStage", "Scorer"]
 
@@ -30,41 +28,21 @@ class Scorer(Protocol):
         ...
 
 
-class RewardStage(Stage):
-    """Score every trajectory once its final action arrives, ``concurrency`` at a time.
+class RewardStage(ContextStage):
+    """Score every trajectory once its final action arrives, ``concurrency`` at a time."""
 
-    While ``concurrency`` scorings are in flight the stage stops reading its inbox, so a slow
-    scorer throttles generate (and the source) through the bounded channels.
-    """
-
-    consumes: ClassVar[tuple[type[EventBase], ...]] = (GroupOpened, ActionGenerated, ToolObserved)
     produces: ClassVar[tuple[type[EventBase], ...]] = (Rewarded,)
+    kind = "reward"
 
-    class Config(Stage.Config, frozen=True):
-        concurrency: Annotated[int, msgspec.Meta(ge=1)] = 16
-
-    config: Config
-
-    def __init__(self, config: Config | None = None, /, *, scorer: Scorer) -> None:
+    def __init__(self, config: ContextStage.Config | None = None, /, *, scorer: Scorer) -> None:
         super().__init__(config)
         self.scorer = scorer
 
-    async def run(self, inbox: Inbox, outbox: Outbox) -> None:
-        contexts = Contexts("reward")
-        async with task_group() as group:
-            slots = Slots(group, self.config.concurrency)
-            async for event in inbox:
-                if isinstance(event, GroupOpened):
-                    contexts.open(event)
-                    continue
-                assert isinstance(event, (ActionGenerated, ToolObserved))
-                contexts.append(event)
-                if isinstance(event, ActionGenerated) and event.final:
-                    prompt = contexts.prompt(event.group_id)
-                    completion = contexts.completion(event.group_id, event.trajectory_id)
-                    contexts.finish(event.group_id, event.trajectory_id)
-                    await slots.start(event, self._score, event.group_id, event.trajectory_id, prompt,
-                                      completion, outbox)
+    async def on_action(self, action: ActionGenerated, prompt: list[int], before: list[int], slots: Slots,
+                        outbox: Outbox) -> None:
+        if action.final:
+            completion = before + list(action.token_ids)
+            await slots.start(action, self._score, action.group_id, action.trajectory_id, prompt, completion, outbox)
 
     async def _score(self, group_id: Id, trajectory_id: Id, prompt: list[int], completion: list[int],
                      outbox: Outbox) -> None:

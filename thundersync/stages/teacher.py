@@ -10,15 +10,13 @@ scoring with prompt log-probs).
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Protocol, runtime_checkable
-
-import msgspec
+from typing import ClassVar, Protocol, runtime_checkable
 
 from thundersync.errors import PipelineError
-from thundersync.events import ActionGenerated, EventBase, GroupOpened, TeacherScored, ToolObserved
-from thundersync.pipeline.stage import Inbox, Outbox, Stage
-from thundersync.stages._tasks import Slots, task_group
-from thundersync.stages._context import Contexts
+from thundersync.events import ActionGenerated, EventBase, TeacherScored
+from thundersync.pipeline.stage import Outbox
+from thundersync.stages._context import ContextStage
+from thundersync.stages._tasks import Slots
 
 __all__ = ["Teacher", "TeacherStage"]
 
@@ -32,41 +30,19 @@ class Teacher(Protocol):
         ...
 
 
-class TeacherStage(Stage):
-    """Score every action in its context, ``concurrency`` actions at a time.
+class TeacherStage(ContextStage):
+    """Score every action in its context, ``concurrency`` actions at a time."""
 
-    While ``concurrency`` scorings are in flight the stage stops reading its inbox, so a slow
-    teacher throttles generate (and the source) through the bounded channels.
-    """
-
-    consumes: ClassVar[tuple[type[EventBase], ...]] = (GroupOpened, ActionGenerated, ToolObserved)
     produces: ClassVar[tuple[type[EventBase], ...]] = (TeacherScored,)
+    kind = "teacher"
 
-    class Config(Stage.Config, frozen=True):
-        concurrency: Annotated[int, msgspec.Meta(ge=1)] = 16
-
-    config: Config
-
-    def __init__(self, config: Config | None = None, /, *, teacher: Teacher) -> None:
+    def __init__(self, config: ContextStage.Config | None = None, /, *, teacher: Teacher) -> None:
         super().__init__(config)
         self.teacher = teacher
 
-    async def run(self, inbox: Inbox, outbox: Outbox) -> None:
-        contexts = Contexts("teacher")
-        async with task_group() as group:
-            slots = Slots(group, self.config.concurrency)
-            async for event in inbox:
-                if isinstance(event, GroupOpened):
-                    contexts.open(event)
-                    continue
-                assert isinstance(event, (ActionGenerated, ToolObserved))
-                if isinstance(event, ActionGenerated):
-                    group_id, trajectory_id = event.group_id, event.trajectory_id
-                    context = contexts.prompt(group_id) + contexts.completion(group_id, trajectory_id)
-                    await slots.start(event, self._score, event, context, outbox)
-                contexts.append(event)
-                if isinstance(event, ActionGenerated) and event.final:
-                    contexts.finish(event.group_id, event.trajectory_id)
+    async def on_action(self, action: ActionGenerated, prompt: list[int], before: list[int], slots: Slots,
+                        outbox: Outbox) -> None:
+        await slots.start(action, self._score, action, prompt + before, outbox)
 
     async def _score(self, action: ActionGenerated, context: list[int], outbox: Outbox) -> None:
         logprobs = await self.teacher.logprobs(context, list(action.token_ids))
