@@ -88,7 +88,7 @@ def test_fa4_auto_without_fa4_picks_another_path() -> None:
 def test_forcing_a_path_that_cannot_run_raises_and_unknown_paths_are_rejected() -> None:
     with pytest.raises(KernelUnavailable, match=r"attention path 'sdpa_split' cannot run on cpu float32 \(head_dim=8,groups=2\)"):
         kernels.chunk_attention(*_attention_inputs(), path="sdpa_split")
-    with pytest.raises(ConfigError, match=r"path='flash' is not one of: fa4, sdpa_split, flex, sdpa_masked, reference"):
+    with pytest.raises(ConfigError, match=r"path='flash' is not one of: fa4, varlen, sdpa_split, flex, sdpa_masked, reference"):
         kernels.chunk_attention(*_attention_inputs(), path="flash")
     kernels.chunk_attention(*_attention_inputs(), path="reference")
     assert kernels.attention_path_counts() == {"reference": 1}
@@ -116,12 +116,58 @@ def test_profile_ranges_name_each_kernel_and_change_no_result(monkeypatch: pytes
     assert recorded == (mode != "nvtx")  # nvtx ranges go to the CUDA tools, not to kineto
 
 
-def test_split_attention_is_preferred_without_prefix_or_for_large_prefix_times_chunk() -> None:
+def test_varlen_comes_first_then_split_without_prefix_or_for_large_prefix_times_chunk() -> None:
     from thundersync.kernels.attention import _preference
 
-    assert _preference(0, 64)[0] == "sdpa_split"
-    assert _preference(8192, 2048)[0] == "sdpa_split"
-    assert _preference(4096, 1024)[0] == "sdpa_split"
-    assert _preference(2048, 512)[0] == "sdpa_masked"
-    assert _preference(8192, 128)[0] == "sdpa_masked"
-    assert set(_preference(512, 64)) == {"sdpa_split", "sdpa_masked", "flex"}
+    assert _preference(2048, 512)[0] == "varlen"
+    assert _preference(0, 64)[1] == "sdpa_split"
+    assert _preference(8192, 2048)[1] == "sdpa_split"
+    assert _preference(4096, 1024)[1] == "sdpa_split"
+    assert _preference(2048, 512)[1] == "sdpa_masked"
+    assert _preference(8192, 128)[1] == "sdpa_masked"
+    assert set(_preference(512, 64)) == {"varlen", "sdpa_split", "sdpa_masked", "flex"}
+
+
+def _packed_case(q_lens: list[int], prefixes: list[int], dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(len(q_lens))
+    n, m = sum(q_lens), sum(q_lens) + sum(prefixes)
+    return tuple(torch.randn(*s, generator=gen, dtype=dtype) for s in ((n, 4, 8), (m, 2, 8), (m, 2, 8)))
+
+
+def test_packed_attention_equals_each_chunk_on_its_own_and_its_gradients_too() -> None:
+    q_lens, prefixes = [3, 1, 5, 2], [4, 0, 2, 7]
+    q, k, v = (x.requires_grad_() for x in _packed_case(q_lens, prefixes))
+    layout = kernels.PackedLayout(q_lens, [t + p for t, p in zip(q_lens, prefixes)], torch.device("cpu"))
+    got = kernels.packed_chunk_attention(q, k, v, layout, scale=0.3)
+    grad = torch.randn_like(got)
+    got_grads = torch.autograd.grad(got, (q, k, v), grad)
+    outs = []
+    for c, (t, p) in enumerate(zip(q_lens, prefixes)):  # one chunk at a time, [B, H, T, D] layout
+        qs, ks = sum(q_lens[:c]), sum(q_lens[:c]) + sum(prefixes[:c])
+        heads = lambda x, a, b: x[a:b].transpose(0, 1)[None]  # noqa: E731
+        outs.append(kernels.chunk_attention(
+            heads(q, qs, qs + t), heads(k, ks, ks + p), heads(v, ks, ks + p), heads(k, ks + p, ks + p + t),
+            heads(v, ks + p, ks + p + t), scale=0.3,
+        )[0].transpose(0, 1))
+    want = torch.cat(outs)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    assert torch.equal(got, want)
+    for a, b in zip(got_grads, want_grads):
+        assert torch.equal(a, b)
+    # Chunk 1 (query row 3, key row 7) has no prefix and one token: it attends to itself only.
+    assert torch.allclose(got[3], v[7].detach().repeat_interleave(2, dim=0))
+
+
+def test_packed_layout_and_shapes_are_checked_with_the_values() -> None:
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"chunk 1 of a packed layout has 4 queries and 3 keys"):
+        kernels.PackedLayout([2, 4], [2, 3], cpu)
+    with pytest.raises(ConfigError, match=r"one key length per chunk.*2 query lengths and 1 key lengths"):
+        kernels.PackedLayout([2, 4], [2], cpu)
+    layout = kernels.PackedLayout([2, 4], [3, 4], cpu)
+    assert layout.cu.tolist() == [[0, 2, 6], [0, 3, 7]] and layout.rows == (6, 7)
+    q, k, v = _packed_case([2, 4], [1, 0])
+    with pytest.raises(ConfigError, match=r"q \[N=6, Hq, D\] and k/v \[M=7, Hkv, D\].*got q \(5, 4, 8\)"):
+        kernels.packed_chunk_attention(q[:5], k, v, layout)
+    with pytest.raises(KernelUnavailable, match=r"'varlen' cannot run on cpu float64"):
+        kernels.packed_chunk_attention(q, k, v, layout, path="varlen")

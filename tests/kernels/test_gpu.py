@@ -91,10 +91,14 @@ def test_rms_norm_bf16_rounds_like_transformers_and_gradients_close() -> None:
     base = _grads(lambda a, b: reference_rms_norm(a, b, 1e-6), [x.to(BF16), w.to(BF16)], g)
     want = _grads(lambda a, b: reference_rms_norm(a, b, 1e-6), [x.double(), w.double()], g.double())
     assert _capability("rms_norm").ok
-    # Same formula and casts; 1 / sqrt(mean) may differ from torch's rsqrt in the last fp32 bit,
-    # which moves a few outputs by one bf16 step (2^-8 relative), never more.
+    # Same formula and casts; r = 1 / sqrt(mean) differs from torch's rsqrt in the last fp32 bits
+    # (another summation order, rsqrt's approximation), which can move n = bf16(x r) by one bf16
+    # step (relative 2^-7 at most) and then y = bf16(n w) by one more step of its own rounding:
+    # a few outputs move by at most 2 * 2^-7 relative, none by more.
     step = (ours[0].float() - base[0].float()).abs() / base[0].float().abs().clamp_min(1e-30)
-    assert float(step.max()) <= 2**-7 and float((step > 0).float().mean()) < 1e-3
+    moved = float((step > 0).float().mean())
+    print(f"rms_norm bf16: largest relative step {float(step.max()):.3g}, outputs moved {moved:.2e}")
+    assert float(step.max()) <= 2 * 2**-7 and moved < 1e-3
     for i in range(3):
         assert rel(ours[i], want[i]) <= rel(base[i], want[i]) * 1.05
     ours32 = _grads(lambda a, b: kernels.rms_norm(a, b, 1e-6), [x, w], g)
@@ -153,7 +157,7 @@ ATTENTION_PARAMS = [
     pytest.param(dtype, path, case, id=f"{name}-{path}-" + "b{}_hq{}_hkv{}_d{}_p{}_t{}".format(*case),
                  marks=_FLEX_WARNINGS if path == "flex" else ())
     for dtype, name in ((BF16, "bf16"), (torch.float32, "fp32"))
-    for path in ("fa4", "sdpa_split", "sdpa_masked", "reference", "flex")
+    for path in ("fa4", "varlen", "sdpa_split", "sdpa_masked", "reference", "flex")
     for case in ATTENTION_CASES
     if not (path == "flex" and dtype == torch.float32 and case != ATTENTION_CASES[0])
 ]
@@ -170,7 +174,7 @@ def test_attention_path_matches_fp64(path: str, dtype: torch.dtype, case: tuple[
     grad = torch.randn(*shapes[0], device="cuda", generator=gen)
     cap = kernels.attention.capability(path, inputs[0].to(dtype), inputs[3].to(dtype)) if path != "reference" else None
     if cap is not None and not cap.ok:
-        if path == "sdpa_split" and dtype == torch.float32:
+        if path in ("sdpa_split", "varlen") and dtype == torch.float32:
             pytest.skip(f"flash attention has no fp32 kernel: {cap.why}")
         pytest.fail(f"{path} {dtype} failed its probe: {cap.why}")
     fn = lambda *x: kernels.chunk_attention(*x, path=path)  # noqa: E731
@@ -193,3 +197,32 @@ def test_attention_path_matches_fp64(path: str, dtype: torch.dtype, case: tuple[
             assert ours_err <= slack * base_err + 1e-4, name
         else:
             assert ours_err < 2e-5, name
+
+
+def test_packed_attention_one_varlen_call_matches_fp64_no_worse_than_per_chunk_sdpa() -> None:
+    """A pack like the engine's: chunks of 1-700 tokens after prefixes of 0-1500, Qwen3-0.6B heads."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q_lens, prefixes = [700, 1, 64, 333, 17, 512], [1500, 0, 511, 513, 2, 0]
+    layout = kernels.PackedLayout(q_lens, [t + p for t, p in zip(q_lens, prefixes)], torch.device("cuda"))
+    n, m = layout.rows
+    inputs = [torch.randn(*s, device="cuda", generator=gen) for s in ((n, 16, 128), (m, 8, 128), (m, 8, 128))]
+    grad = torch.randn(n, 16, 128, device="cuda", generator=gen)
+    kernels.reset_attention_path_counts()
+    ours = _grads(lambda q, k, v: kernels.packed_chunk_attention(q, k, v, layout), [x.to(BF16) for x in inputs], grad)
+    assert kernels.attention_path_counts() == {"varlen": 1}
+    want = _grads(lambda q, k, v: kernels.packed_chunk_attention(q, k, v, layout, path="reference"),
+                  [x.double() for x in inputs], grad.double())
+
+    def per_chunk_sdpa(q, k, v):  # type: ignore[no-untyped-def]
+        outs = []
+        for q_c, k_c, v_c, t in zip(q.split(q_lens), k.split(layout.k_lens), v.split(layout.k_lens), q_lens):
+            mask = torch.ones(t, k_c.shape[0], dtype=torch.bool, device="cuda").tril(k_c.shape[0] - t)
+            heads = [x.transpose(0, 1)[None] for x in (q_c, k_c, v_c)]
+            outs.append(F.scaled_dot_product_attention(*heads, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1))
+        return torch.cat(outs)
+
+    base = _grads(per_chunk_sdpa, [x.to(BF16) for x in inputs], grad)
+    for i, name in enumerate(["out", "dq", "dk", "dv"]):
+        ours_err, base_err = rel(ours[i], want[i]), rel(base[i], want[i])
+        print(f"packed varlen {name}: ours {ours_err:.3e} torch sdpa {base_err:.3e}")
+        assert ours_err <= 1.5 * base_err + 1e-4, name

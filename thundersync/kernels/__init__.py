@@ -3,7 +3,8 @@
 - :func:`linear_logprobs`: log-probabilities (and entropy) of targets from hidden states and the
   output head, chunked, never the full [N, V] logits;
 - :func:`chunk_attention`: a chunk's queries over a prefix state plus the chunk (causal), through
-  FA4, the split SDPA form, flex attention, one masked SDPA call, or the reference;
+  FA4, flash varlen, the split SDPA form, flex attention, one masked SDPA call, or the reference;
+  :func:`packed_chunk_attention` for every chunk of a pack at once (one varlen call);
 - :func:`rms_norm`, :func:`lora_linear`, :func:`reduce_adjoints`.
 
 On CPU every function runs its pure-torch reference. ``THUNDERSYNC_FA4`` and
@@ -15,8 +16,10 @@ from __future__ import annotations
 from thundersync.kernels.adjoints import reduce_adjoints
 from thundersync.kernels.attention import (
     ATTENTION_PATHS,
+    PackedLayout,
     attention_path_counts,
     chunk_attention,
+    packed_chunk_attention,
     reset_attention_path_counts,
 )
 from thundersync.kernels.logprobs import linear_logprobs
@@ -27,12 +30,14 @@ from thundersync.kernels.probe import Capability, clear_capabilities, kernel_cap
 __all__ = [
     "ATTENTION_PATHS",
     "Capability",
+    "PackedLayout",
     "attention_path_counts",
     "chunk_attention",
     "clear_capabilities",
     "kernel_capabilities",
     "linear_logprobs",
     "lora_linear",
+    "packed_chunk_attention",
     "reduce_adjoints",
     "reset_attention_path_counts",
     "rms_norm",

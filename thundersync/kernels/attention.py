@@ -5,10 +5,13 @@
 ``chunk_attention(q, k_prefix, v_prefix, k_chunk, v_chunk)``: every query of the chunk sees the
 whole prefix and the chunk causally, bottom-right aligned (query t sees chunk keys 0..t); formula in
 :mod:`thundersync.kernels._attention_reference`. Grouped K/V heads (Hq = G * Hkv) are never
-repeated in memory. Paths on CUDA (FA4 first when allowed; split or masked SDPA first by prefix length, see
-``_preference``; then flex):
+repeated in memory. ``packed_chunk_attention`` does the same for several chunks packed in one
+token-major row (one call per layer for a whole pack of the engine). Paths on CUDA (FA4 first when
+allowed, then in the order of ``_preference``):
 
 - ``fa4``: FlashAttention 4 (``flash_attn.cute``), governed by ``THUNDERSYNC_FA4`` (auto/require/off);
+- ``varlen``: torch's flash-attention operator over variable-length sequences (one call for a
+  whole pack; no execution plan per shape, unlike cuDNN, which SDPA picks on Hopper);
 - ``sdpa_split``: two flash calls, the prefix unmasked and the chunk causal, merged by log-sum-exp;
   the backward hands each call the merged output and log-sum-exp, which makes it exact;
 - ``flex``: ``torch.compile(flex_attention)`` with a block mask;
@@ -22,8 +25,10 @@ the reference passed there. :func:`attention_path_counts` tells which paths ran.
 from __future__ import annotations
 
 import collections
+import functools
 import importlib
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -32,11 +37,15 @@ from thundersync.kernels._attention_reference import reference_chunk_attention
 from thundersync.kernels._env import fa4_mode, profile_range
 from thundersync.kernels.probe import Capability, check_close, probe, record
 
-__all__ = ["ATTENTION_PATHS", "attention_path_counts", "chunk_attention", "reset_attention_path_counts"]
+__all__ = [
+    "ATTENTION_PATHS", "PackedLayout", "attention_path_counts", "chunk_attention", "packed_chunk_attention",
+    "reset_attention_path_counts",
+]
 
-ATTENTION_PATHS = ("fa4", "sdpa_split", "flex", "sdpa_masked", "reference")
+ATTENTION_PATHS = ("fa4", "varlen", "sdpa_split", "flex", "sdpa_masked", "reference")
 _MODULES = {
     "fa4": "thundersync.kernels._attention_fa4",
+    "varlen": "thundersync.kernels._attention_varlen",
     "sdpa_split": "thundersync.kernels._attention_sdpa",
     "flex": "thundersync.kernels._attention_flex",
     "sdpa_masked": "thundersync.kernels._attention_sdpa",
@@ -64,6 +73,87 @@ def chunk_attention(
     _COUNTS[name] += 1
     with profile_range(f"chunk_attention.{name}"):
         return _function(name)(q, k_prefix, v_prefix, k_chunk, v_chunk, scale)
+
+
+class PackedLayout:
+    """Where the chunks of a pack sit in the token-major rows of :func:`packed_chunk_attention`.
+
+    Chunk c owns ``q_lens[c]`` query rows and ``k_lens[c]`` key rows (its prefix, then the chunk
+    itself, so ``k_lens[c] >= q_lens[c] >= 1``); rows of consecutive chunks follow each other.
+    Build one per pack and reuse it for every layer (it holds the offsets on ``device``).
+    """
+
+    def __init__(self, q_lens: Sequence[int], k_lens: Sequence[int], device: torch.device) -> None:
+        if len(q_lens) != len(k_lens) or not q_lens:
+            raise ConfigError(f"a packed layout needs one key length per chunk and at least one chunk; got "
+                              f"{len(q_lens)} query lengths and {len(k_lens)} key lengths")
+        bad = [(c, t, k) for c, (t, k) in enumerate(zip(q_lens, k_lens)) if not 1 <= t <= k]
+        if bad:
+            c, t, k = bad[0]
+            raise ConfigError(f"chunk {c} of a packed layout has {t} queries and {k} keys; each chunk needs "
+                              "1 <= queries <= keys (its keys are its prefix followed by the chunk itself)")
+        self.q_lens, self.k_lens = tuple(int(t) for t in q_lens), tuple(int(k) for k in k_lens)
+        self.max_q, self.max_k = max(self.q_lens), max(self.k_lens)
+        bounds = torch.tensor([list(itertools.accumulate(self.q_lens, initial=0)),
+                               list(itertools.accumulate(self.k_lens, initial=0))], dtype=torch.int32)
+        self.cu = bounds.to(device)  # rows: cumulative query offsets, cumulative key offsets
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        """(query rows, key rows) of the whole pack."""
+        return sum(self.q_lens), sum(self.k_lens)
+
+
+def packed_chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, *, scale: float | None = None,
+    path: str | None = None,
+) -> torch.Tensor:
+    """:func:`chunk_attention` of every chunk of a pack, token-major: q [N, Hq, D], k/v [M, Hkv, D].
+
+    Chunk c's queries (rows ``layout.cu[0, c]`` onwards) see its keys (rows ``layout.cu[1, c]``
+    onwards: its prefix, then the chunk), causally bottom-right aligned. Returns [N, Hq, D] in q's
+    dtype, differentiable in q, k and v. By default one ``varlen`` call serves the pack when that
+    path passed its probe (and FA4 is not in use); otherwise each chunk runs through
+    :func:`chunk_attention`. ``path`` forces a path as there.
+    """
+    _check_packed(q, k, v, layout)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    usable = functools.partial(_capability, device=q.device, dtype=q.dtype, d=q.shape[2], groups=q.shape[1] // k.shape[1])
+    if path is None:
+        mode = fa4_mode()
+        fa4 = mode == "require" or (mode == "auto" and usable("fa4").ok)
+        path = "varlen" if not fa4 and usable("varlen").ok else None
+    elif path == "varlen" and not (cap := usable("varlen")).ok:
+        raise KernelUnavailable(f"attention path 'varlen' cannot run on {cap.device} {cap.dtype} ({cap.shape_class}): {cap.why}")
+    if path != "varlen":
+        return _per_chunk(q, k, v, layout, scale, path)
+    from thundersync.kernels._attention_varlen import varlen_packed_attention
+
+    _COUNTS["varlen"] += 1
+    with profile_range("chunk_attention.varlen"):
+        return varlen_packed_attention(q, k, v, layout.cu[0], layout.cu[1], layout.max_q, layout.max_k, scale)
+
+
+def _per_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, scale: float,
+               path: str | None) -> torch.Tensor:
+    outs = []
+    for q_c, k_c, v_c, t in zip(q.split(layout.q_lens), k.split(layout.k_lens), v.split(layout.k_lens), layout.q_lens):
+        heads = [x.transpose(0, 1)[None] for x in (q_c, k_c[:-t], v_c[:-t], k_c[-t:], v_c[-t:])]
+        outs.append(chunk_attention(*heads, scale=scale, path=path)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout) -> None:
+    n, m = layout.rows
+    ok = q.dim() == k.dim() == v.dim() == 3 and k.shape == v.shape and q.shape[0] == n and k.shape[0] == m
+    if not ok or k.shape[1] == 0 or q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2]:
+        raise ConfigError(
+            f"packed_chunk_attention needs q [N={n}, Hq, D] and k/v [M={m}, Hkv, D] (N and M from the layout, "
+            f"Hq a multiple of Hkv); got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if any(x.dtype != q.dtype or x.device != q.device for x in (k, v)):
+        raise ConfigError(f"packed_chunk_attention needs one dtype and one device; got q {q.dtype} on {q.device}, "
+                          f"k {k.dtype} on {k.device}, v {v.dtype} on {v.device}")
 
 
 def attention_path_counts() -> dict[str, int]:
@@ -101,12 +191,13 @@ def _choose(q: torch.Tensor, k_chunk: torch.Tensor, prefix: int, chunk: int) -> 
 
 
 def _preference(prefix: int, chunk: int) -> tuple[str, ...]:
-    """Split where it measured at least as fast as one masked call on the H200 (bench/RESULTS.md):
-    no prefix (one causal flash call) or prefix * chunk >= 4096 * 1024; below that the split
-    form's extra launches cost more than the masked call's wasted work."""
+    """``varlen`` first: one flash call with no wasted work and no per-shape plan. Then split where
+    it measured at least as fast as one masked call on the H200 (bench/RESULTS.md): no prefix (one
+    causal flash call) or prefix * chunk >= 4096 * 1024; below that the split form's extra
+    launches cost more than the masked call's wasted work."""
     if prefix == 0 or prefix * chunk >= SPLIT_MIN_WORK:
-        return ("sdpa_split", "sdpa_masked", "flex")
-    return ("sdpa_masked", "sdpa_split", "flex")
+        return ("varlen", "sdpa_split", "sdpa_masked", "flex")
+    return ("varlen", "sdpa_masked", "sdpa_split", "flex")
 
 
 def _forced(path: str, q: torch.Tensor, k_chunk: torch.Tensor) -> str:
@@ -121,12 +212,15 @@ def _forced(path: str, q: torch.Tensor, k_chunk: torch.Tensor) -> str:
 
 def capability(name: str, q: torch.Tensor, k_chunk: torch.Tensor) -> Capability:
     """The cached probe outcome of attention path ``name`` for calls shaped like (q, k_chunk)."""
-    d, groups = q.shape[-1], q.shape[1] // k_chunk.shape[1]
+    return _capability(name, q.device, q.dtype, q.shape[-1], q.shape[1] // k_chunk.shape[1])
+
+
+def _capability(name: str, device: torch.device, dtype: torch.dtype, d: int, groups: int) -> Capability:
     shape_class = f"head_dim={d},groups={groups}"
     kernel = f"chunk_attention.{name}"
-    if q.device.type != "cuda":
-        return record(kernel, q.device, q.dtype, shape_class, False, f"the {name} path runs on CUDA devices only")
-    return probe(kernel, q.device, q.dtype, shape_class, lambda: _trial(name, q.device, q.dtype, d, groups))
+    if device.type != "cuda":
+        return record(kernel, device, dtype, shape_class, False, f"the {name} path runs on CUDA devices only")
+    return probe(kernel, device, dtype, shape_class, lambda: _trial(name, device, dtype, d, groups))
 
 
 def _trial(name: str, device: torch.device, dtype: torch.dtype, d: int, groups: int) -> None:

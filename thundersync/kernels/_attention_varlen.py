@@ -1,0 +1,64 @@
+# mypy: disable-error-code="no-untyped-call"
+# (torch.autograd.Function.apply is untyped in torch's stubs)
+"""The ``varlen`` path of the packed chunk attention: one flash-attention call for a whole pack.
+
+Chunk c's queries ``q[cu_q[c]:cu_q[c + 1]]`` attend to its keys ``k[cu_k[c]:cu_k[c + 1]]`` (its
+prefix, then the chunk itself), causally with the bottom-right alignment that flash attention
+uses when a sequence has more keys than queries. Grouped K/V heads are handled by the kernel.
+This calls torch's own flash-attention operators directly (``aten._flash_attention_forward`` and
+``_backward``): no cuDNN execution plan is built per shape (cuDNN attention builds one for every
+new (chunk, prefix) shape, which cost more than the attention itself on a stream of chunks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["varlen_chunk_attention", "varlen_packed_attention"]
+
+_aten = torch.ops.aten
+
+
+class _VarlenAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                max_q: int, max_k: int, scale: float) -> torch.Tensor:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse, rng, unused, _ = _aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng, unused)
+        ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse, cu_q, cu_k, rng, unused = ctx.saved_tensors
+        dq, dk, dv = _aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True, rng, unused,
+            scale=ctx.scale,
+        )
+        return dq, dk, dv, None, None, None, None, None
+
+
+def varlen_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                            cu_k: torch.Tensor, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """q [N, Hq, D], k/v [M, Hkv, D], cu_q/cu_k int32 [C + 1] -> [N, Hq, D] (module docstring)."""
+    out: torch.Tensor = _VarlenAttention.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+    return out
+
+
+def varlen_chunk_attention(
+    q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The per-chunk form ([B, H, T, D] layout): the B rows become B sequences of one varlen call."""
+    b, hq, t, d = q.shape
+    keys = kp.shape[2] + t
+    k = torch.cat([kp, kc], dim=2).transpose(1, 2).reshape(b * keys, -1, d)
+    v = torch.cat([vp, vc], dim=2).transpose(1, 2).reshape(b * keys, -1, d)
+    steps = torch.arange(b + 1, dtype=torch.int32, device=q.device)
+    out = varlen_packed_attention(q.transpose(1, 2).reshape(b * t, hq, d), k, v, steps * t, steps * keys, t, keys, scale)
+    return out.view(b, t, hq, d).transpose(1, 2)
