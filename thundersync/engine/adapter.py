@@ -6,13 +6,15 @@ post-rotary, exactly what attention consumes), usually a detached proxy that req
 the backward of the chunk stops there and leaves the prefix's adjoint in ``proxy.grad``.
 
 Several chunks are *packed*: their tokens are concatenated into one row, so every projection,
-norm and MLP runs once over all of them, and only attention runs per chunk (a chunk's queries see
-its own prefix and, causally, its own tokens; never another chunk, except that a chunk may name
-an earlier chunk of the pack as the end of its prefix, e.g. a prompt packed with its branches)::
+norm and MLP runs once over all of them, and attention runs once per layer over the pack with
+each chunk's own keys (a chunk's queries see its own prefix and, causally, its own tokens; never
+another chunk, except that a chunk may name an earlier chunk of the pack as the end of its
+prefix, e.g. a prompt packed with its branches)::
 
     x      = embed(tokens)                                         [1, N, H]
-    layer: h = norm1(x);  q, k, v = proj(h) (+ q_norm/k_norm) + rotary(position)
-           a_c = chunk_attention(q_c, K_prefix(c), V_prefix(c), k_c, v_c)    per chunk c
+    layer: h = norm1(x);  q, k, v = proj(h) (+ q_norm/k_norm) + rotary(position)    [N, heads, D]
+           keys = cat over chunks c of [K_prefix(c); k_c]          (likewise values)
+           a = packed_chunk_attention(q, keys, values)             chunk c: q_c over its keys, causal
            x = x + o_proj(a);  x = x + mlp(norm2(x))
     hidden = norm(x)                                               [N, H]
 
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 
 from thundersync.engine.anatomy import DecoderAnatomy, LayerParts
+from thundersync.kernels.attention import PackedLayout, packed_chunk_attention
 
 __all__ = ["ChunkSpec", "PackOutput", "KV", "forward_pack", "head_logprobs", "empty_prefix"]
 
@@ -80,38 +83,34 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _heads(proj: torch.Tensor, norm: nn.Module | None, head_dim: int) -> torch.Tensor:
-    """[1, N, heads * D] -> [1, heads, N, D], with the per-head norm (Qwen3) when there is one."""
-    shaped = proj.view(*proj.shape[:-1], -1, head_dim)
-    if norm is not None:
-        shaped = norm(shaped)
-    return shaped.transpose(1, 2)
+    """[1, N, heads * D] -> [N, heads, D] (token-major), with the per-head norm (Qwen3) when there is one."""
+    shaped = proj[0].view(proj.shape[1], -1, head_dim)
+    return norm(shaped) if norm is not None else shaped
 
 
 def _layer(
     anatomy: DecoderAnatomy, parts: LayerParts, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-    chunks: Sequence[ChunkSpec], offsets: list[int], kv_out: list[list[KV]],
+    chunks: Sequence[ChunkSpec], offsets: list[int], layout: PackedLayout, kv_out: list[list[KV]],
 ) -> torch.Tensor:
-    from thundersync.kernels import chunk_attention
-
     h = parts.input_norm(x)
     cos, sin = rope
-    q = _rotary(_heads(parts.q_proj(h), parts.q_norm, anatomy.head_dim), cos, sin)
-    k = _rotary(_heads(parts.k_proj(h), parts.k_norm, anatomy.head_dim), cos, sin)
+    q = _rotary(_heads(parts.q_proj(h), parts.q_norm, anatomy.head_dim), cos, sin)  # [N, Hq, D]
+    k = _rotary(_heads(parts.k_proj(h), parts.k_norm, anatomy.head_dim), cos, sin)  # [N, Hkv, D]
     v = _heads(parts.v_proj(h), None, anatomy.head_dim)
-    outs = []
+    keys, values = [], []  # per chunk, in order: its prefix state, its in-pack ancestors, itself
     for c, chunk in enumerate(chunks):
-        rows = slice(offsets[c], offsets[c + 1])
-        k_c, v_c = k[:, :, rows], v[:, :, rows]
         k_p, v_p = chunk.prefix[layer]
-        if chunk.in_pack:
-            spans = [slice(offsets[i] + skip, offsets[i + 1] - trim) for i, skip, trim in chunk.in_pack]
-            k_p = torch.cat([k_p, *(k[0, :, r] for r in spans)], dim=1)
-            v_p = torch.cat([v_p, *(v[0, :, r] for r in spans)], dim=1)
-        outs.append(chunk_attention(q[:, :, rows], k_p[None], v_p[None], k_c, v_c, scale=anatomy.scaling))
-        kv_out[c].append((k_c[0], v_c[0]))
-    attn = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
-    attn = attn.transpose(1, 2).reshape(*x.shape[:-1], -1)
-    x = x + parts.o_proj(attn)
+        keys.append(k_p.transpose(0, 1))
+        values.append(v_p.transpose(0, 1))
+        for i, skip, trim in chunk.in_pack:
+            keys.append(k[offsets[i] + skip : offsets[i + 1] - trim])
+            values.append(v[offsets[i] + skip : offsets[i + 1] - trim])
+        rows = slice(offsets[c], offsets[c + 1])
+        keys.append(k[rows])
+        values.append(v[rows])
+        kv_out[c].append((k[rows].transpose(0, 1), v[rows].transpose(0, 1)))
+    attn = packed_chunk_attention(q, torch.cat(keys), torch.cat(values), layout, scale=anatomy.scaling)
+    x = x + parts.o_proj(attn.view(*x.shape[:-1], -1))
     return x + parts.mlp(parts.post_norm(x))
 
 
@@ -125,12 +124,18 @@ def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec]) -> PackOu
     positions = torch.cat(
         [torch.arange(c.start, c.start + c.tokens.numel(), device=device) for c in chunks]
     )[None]
+    key_lengths = [
+        int(c.prefix[0][0].shape[1]) + sum(offsets[i + 1] - trim - offsets[i] - skip for i, skip, trim in c.in_pack)
+        + (offsets[n + 1] - offsets[n])
+        for n, c in enumerate(chunks)
+    ]
+    layout = PackedLayout([offsets[n + 1] - offsets[n] for n in range(len(chunks))], key_lengths, device)
     x = anatomy.embed(tokens)
     cos, sin = anatomy.rotary(x, positions)
-    rope = (cos[:, None], sin[:, None])
+    rope = (cos[0, :, None], sin[0, :, None])  # [N, 1, D]: broadcast over heads
     kv: list[list[KV]] = [[] for _ in chunks]
     for index, parts in enumerate(anatomy.layers):
-        x = _layer(anatomy, parts, index, x, rope, chunks, offsets, kv)
+        x = _layer(anatomy, parts, index, x, rope, chunks, offsets, layout, kv)
     return PackOutput(hidden=anatomy.norm(x)[0], offsets=offsets, kv=kv)
 
 
