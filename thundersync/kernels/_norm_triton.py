@@ -1,6 +1,10 @@
 # mypy: disable-error-code="untyped-decorator,no-untyped-def,no-untyped-call,no-any-return"
 """Triton RMSNorm, forward and backward, one row per program step, fp32 arithmetic.
 
+The square root and the divisions are IEEE-rounded (``sqrt_rn``/``div_rn``, not the ``.approx``
+instructions that ``tl.sqrt`` and ``/`` compile to), so ``r`` is within a couple of fp32 ulps of
+torch's ``rsqrt`` (the sum of squares is reduced in another order).
+
 Forward (per row x of length H): r = 1 / sqrt(mean(x^2) + eps), n = cast(x r), y = cast(n w).
 Backward with g = dy * w (fp32), xh = x r:
 
@@ -27,7 +31,7 @@ def _forward(x_ptr, w_ptr, y_ptr, r_ptr, n_cols, eps, BLOCK: tl.constexpr):
     mask = cols < n_cols
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+    r = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, 0), n_cols * 1.0) + eps))  # IEEE-rounded, not .approx
     normed = (x * r).to(y_ptr.dtype.element_ty).to(tl.float32)
     tl.store(y_ptr + row * n_cols + cols, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(r_ptr + row, r)
