@@ -101,7 +101,7 @@ ATTENTION_CASES = [(0, 1024), (512, 64), (2048, 512), (4096, 1024), (8192, 2048)
 
 
 def attention_rows(b: int = 2, hq: int = 16, hkv: int = 8, d: int = 128) -> list[list[object]]:
-    paths: list[str | None] = [None, "sdpa_split", "flex", "sdpa_masked"]  # None: the automatic choice
+    paths: list[str | None] = [None, "varlen", "sdpa_split", "flex", "sdpa_masked"]  # None: the automatic choice
     if importlib.util.find_spec("flash_attn") is not None:
         paths.insert(0, "fa4")
     rows = []
@@ -122,6 +122,30 @@ def attention_rows(b: int = 2, hq: int = 16, hkv: int = 8, d: int = 128) -> list
             rows.append(row("chunk_attention", case, path or "auto", backward(ours, leaves), "sdpa explicit mask", backward(masked, leaves)))
         print(f"P={p} T={t}: automatic choice so far {kernels.attention_path_counts()}", flush=True)
     return rows
+
+
+def packed_rows(hq: int = 16, hkv: int = 8, d: int = 128) -> list[list[object]]:
+    """A pack as the streaming engine forms it: 8 branches of 64-2048 tokens after a 512-token
+    prompt, one ``varlen`` call against a per-chunk loop of SDPA with an explicit mask."""
+    q_lens, prefix = [64, 96, 150, 256, 384, 640, 1024, 2048], 512
+    layout = kernels.PackedLayout(q_lens, [t + prefix for t in q_lens], torch.device("cuda"))
+    n, m = layout.rows
+    leaves = [torch.randn(*s, device="cuda", dtype=BF16, requires_grad=True) for s in ((n, hq, d), (m, hkv, d), (m, hkv, d))]
+    masks = [torch.ones(t, t + prefix, dtype=torch.bool, device="cuda").tril(prefix) for t in q_lens]
+
+    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return kernels.packed_chunk_attention(q, k, v, layout, path="varlen").float().square().mean()
+
+    def per_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for q_c, k_c, v_c, mask in zip(q.split(q_lens), k.split(layout.k_lens), v.split(layout.k_lens), masks):
+            heads = [x.transpose(0, 1)[None] for x in (q_c, k_c, v_c)]
+            outs.append(F.scaled_dot_product_attention(*heads, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1))
+        return torch.cat(outs).float().square().mean()
+
+    case = f"8 chunks T=64..2048 (N={n}) after P={prefix}, Hq={hq} Hkv={hkv} D={d} bf16"
+    return [row("packed_chunk_attention", case, "varlen (1 call)", backward(ours, leaves),
+                "sdpa explicit mask per chunk", backward(per_chunk, leaves))]
 
 
 def small_kernel_rows(n: int = 16_384, width: int = 1024) -> list[list[object]]:
@@ -154,12 +178,20 @@ def small_kernel_rows(n: int = 16_384, width: int = 1024) -> list[list[object]]:
     return rows
 
 
+SECTIONS: dict[str, Callable[[], list[list[object]]]] = {
+    "logprobs": logprob_rows, "small": small_kernel_rows, "packed": packed_rows, "attention": attention_rows,
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, help="also write the header and table to this file")
+    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS),
+                        help="which parts of the table to measure (default: all)")
     args = parser.parse_args()
-    rows = logprob_rows() + small_kernel_rows() + attention_rows()
-    text = header("python bench/kernels.py") + "\n" + markdown_table(COLUMNS, rows) + "\n\nprobes:\n"
+    rows = [r for name in args.sections for r in SECTIONS[name]()]
+    sections = "" if args.sections == list(SECTIONS) else " --sections " + " ".join(args.sections)
+    text = header("python bench/kernels.py" + sections) + "\n" + markdown_table(COLUMNS, rows) + "\n\nprobes:\n"
     text += "\n".join(f"- {c.kernel} {c.device} {c.dtype} {c.shape_class}: {'ok' if c.ok else c.why}" for c in kernels.kernel_capabilities())
     print(text)
     if args.out:
