@@ -73,6 +73,20 @@ def test_fa4_require_raises_with_the_reason_when_fa4_cannot_run(monkeypatch: pyt
     assert kernels.attention_path_counts() == {}
 
 
+def test_fa4_require_governs_packed_calls_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v = _packed_case([2, 3], [1, 4], torch.float32)
+    layout = kernels.PackedLayout([2, 3], [3, 7], torch.device("cpu"))
+    monkeypatch.setenv("THUNDERSYNC_FA4", "require")
+    with pytest.raises(KernelUnavailable, match=r"THUNDERSYNC_FA4=require, but FlashAttention 4 cannot run on cpu float32 "
+                       r"\(head_dim=8,groups=2\)"):
+        kernels.packed_chunk_attention(q, k, v, layout)
+    monkeypatch.setenv("THUNDERSYNC_FA4", "off")
+    kernels.packed_chunk_attention(q, k, v, layout)
+    assert kernels.attention_path_counts() == {"reference": 2}
+    with pytest.raises(KernelUnavailable, match=r"attention path 'fa4' cannot run on cpu float32"):
+        kernels.packed_chunk_attention(q, k, v, layout, path="fa4")
+
+
 def test_fa4_off_never_considers_fa4(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("THUNDERSYNC_FA4", "off")
     kernels.chunk_attention(*_attention_inputs())

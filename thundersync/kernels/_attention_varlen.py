@@ -12,11 +12,12 @@ new (chunk, prefix) shape, which cost more than the attention itself on a stream
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["varlen_chunk_attention", "varlen_packed_attention"]
+__all__ = ["as_sequences", "varlen_chunk_attention", "varlen_packed_attention"]
 
 _aten = torch.ops.aten
 
@@ -51,14 +52,23 @@ def varlen_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return out
 
 
-def varlen_chunk_attention(
-    q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """The per-chunk form ([B, H, T, D] layout): the B rows become B sequences of one varlen call."""
+PackedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float], torch.Tensor]
+
+
+def as_sequences(packed: PackedFn, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kc: torch.Tensor,
+                 vc: torch.Tensor, scale: float) -> torch.Tensor:
+    """A chunk in the [B, H, T, D] layout through a packed function: its B rows are B sequences."""
     b, hq, t, d = q.shape
     keys = kp.shape[2] + t
     k = torch.cat([kp, kc], dim=2).transpose(1, 2).reshape(b * keys, -1, d)
     v = torch.cat([vp, vc], dim=2).transpose(1, 2).reshape(b * keys, -1, d)
     steps = torch.arange(b + 1, dtype=torch.int32, device=q.device)
-    out = varlen_packed_attention(q.transpose(1, 2).reshape(b * t, hq, d), k, v, steps * t, steps * keys, t, keys, scale)
+    out = packed(q.transpose(1, 2).reshape(b * t, hq, d), k, v, steps * t, steps * keys, t, keys, scale)
     return out.view(b, t, hq, d).transpose(1, 2)
+
+
+def varlen_chunk_attention(
+    q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The per-chunk form ([B, H, T, D] layout) of :func:`varlen_packed_attention`."""
+    return as_sequences(varlen_packed_attention, q, kp, vp, kc, vc, scale)

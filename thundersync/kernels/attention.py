@@ -11,7 +11,8 @@ allowed, then in the order of ``_preference``):
 
 - ``fa4``: FlashAttention 4 (``flash_attn.cute``), governed by ``THUNDERSYNC_FA4`` (auto/require/off);
 - ``varlen``: torch's flash-attention operator over variable-length sequences (one call for a
-  whole pack; no execution plan per shape, unlike cuDNN, which SDPA picks on Hopper);
+  whole pack; no execution plan per shape, unlike cuDNN, which SDPA picks on Hopper). FA4 and
+  ``varlen`` serve a pack in one call; the other paths loop over its chunks;
 - ``sdpa_split``: two flash calls, the prefix unmasked and the chunk causal, merged by log-sum-exp;
   the backward hands each call the merged output and log-sum-exp, which makes it exact;
 - ``flex``: ``torch.compile(flex_attention)`` with a block mask;
@@ -50,6 +51,7 @@ _MODULES = {
     "flex": "thundersync.kernels._attention_flex",
     "sdpa_masked": "thundersync.kernels._attention_sdpa",
 }
+_PACKED = ("fa4", "varlen")  # paths with a one-call packed form, ``{name}_packed_attention``
 _COUNTS: collections.Counter[str] = collections.Counter()
 SPLIT_MIN_WORK = 4096 * 1024  # prefix * chunk from which the split form is preferred
 
@@ -112,26 +114,25 @@ def packed_chunk_attention(
 
     Chunk c's queries (rows ``layout.cu[0, c]`` onwards) see its keys (rows ``layout.cu[1, c]``
     onwards: its prefix, then the chunk), causally bottom-right aligned. Returns [N, Hq, D] in q's
-    dtype, differentiable in q, k and v. By default one ``varlen`` call serves the pack when that
-    path passed its probe (and FA4 is not in use); otherwise each chunk runs through
-    :func:`chunk_attention`. ``path`` forces a path as there.
+    dtype, differentiable in q, k and v. By default one call serves the pack: FA4's when
+    ``THUNDERSYNC_FA4`` allows it and it passed its probe, else ``varlen``'s when that passed;
+    otherwise each chunk runs through :func:`chunk_attention`. ``path`` forces a path as there.
     """
     _check_packed(q, k, v, layout)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     usable = functools.partial(_capability, device=q.device, dtype=q.dtype, d=q.shape[2], groups=q.shape[1] // k.shape[1])
     if path is None:
-        mode = fa4_mode()
-        fa4 = mode == "require" or (mode == "auto" and usable("fa4").ok)
-        path = "varlen" if not fa4 and usable("varlen").ok else None
-    elif path == "varlen" and not (cap := usable("varlen")).ok:
-        raise KernelUnavailable(f"attention path 'varlen' cannot run on {cap.device} {cap.dtype} ({cap.shape_class}): {cap.why}")
-    if path != "varlen":
+        path = "fa4" if _fa4_allowed(usable("fa4") if fa4_mode() != "off" else None) else "varlen"
+        path = path if usable(path).ok else None
+    elif path in _PACKED and not (cap := usable(path)).ok:
+        raise KernelUnavailable(f"attention path {path!r} cannot run on {cap.device} {cap.dtype} ({cap.shape_class}): {cap.why}")
+    if path not in _PACKED:
         return _per_chunk(q, k, v, layout, scale, path)
-    from thundersync.kernels._attention_varlen import varlen_packed_attention
-
-    _COUNTS["varlen"] += 1
-    with profile_range("chunk_attention.varlen"):
-        return varlen_packed_attention(q, k, v, layout.cu[0], layout.cu[1], layout.max_q, layout.max_k, scale)
+    fn = getattr(importlib.import_module(_MODULES[path]), f"{path}_packed_attention")
+    _COUNTS[path] += 1
+    with profile_range(f"chunk_attention.{path}"):
+        out: torch.Tensor = fn(q, k, v, layout.cu[0], layout.cu[1], layout.max_q, layout.max_k, scale)
+    return out
 
 
 def _per_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, scale: float,
@@ -174,20 +175,25 @@ def _function(name: str) -> AttentionFn:
 
 
 def _choose(q: torch.Tensor, k_chunk: torch.Tensor, prefix: int, chunk: int) -> str:
-    mode = fa4_mode()
-    if mode != "off":
-        cap = capability("fa4", q, k_chunk)
-        if cap.ok:
-            return "fa4"
-        if mode == "require":
-            raise KernelUnavailable(
-                f"THUNDERSYNC_FA4=require, but FlashAttention 4 cannot run on {cap.device} {cap.dtype} "
-                f"({cap.shape_class}): {cap.why}; install flash-attn-4 on a supported GPU or set THUNDERSYNC_FA4=auto"
-            )
+    if _fa4_allowed(capability("fa4", q, k_chunk) if fa4_mode() != "off" else None):
+        return "fa4"
     for name in _preference(prefix, chunk):
         if capability(name, q, k_chunk).ok:
             return name
     return "reference"
+
+
+def _fa4_allowed(cap: Capability | None) -> bool:
+    """Whether FA4 serves a call (``cap``: its probe outcome, ``None`` under THUNDERSYNC_FA4=off);
+    raises under ``require`` when it cannot."""
+    if cap is None or cap.ok:
+        return cap is not None
+    if fa4_mode() == "require":
+        raise KernelUnavailable(
+            f"THUNDERSYNC_FA4=require, but FlashAttention 4 cannot run on {cap.device} {cap.dtype} "
+            f"({cap.shape_class}): {cap.why}; install flash-attn-4 on a supported GPU or set THUNDERSYNC_FA4=auto"
+        )
+    return False
 
 
 def _preference(prefix: int, chunk: int) -> tuple[str, ...]:
