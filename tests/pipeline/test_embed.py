@@ -124,7 +124,9 @@ async def test_leaving_the_block_drops_unread_results_drains_and_closes_every_ch
         stats = pipeline.statistics()
         gc.collect()
     assert len(sink.events) == 3  # the graph drained after the block
-    assert stats.edge("b", "(results)").sent + stats.edge("b", "(results)").dropped == 3
+    results, edge = stats.inboxes["(results)"], stats.edge("b", "(results)")
+    assert edge.sent + edge.dropped == 3
+    assert edge.sent == results.received + results.queued + results.discarded and results.received == 0
     assert not any(inbox.open for inbox in stats.inboxes.values())
     assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
 

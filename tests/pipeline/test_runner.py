@@ -256,9 +256,12 @@ class _TakeOne(Stage):
 
 async def test_a_consumer_that_returns_early_drops_the_rest_and_its_producer_still_finishes() -> None:
     stats = await run_graph(Graph().add("src", Emit(count=100)).add("one", _TakeOne(), reads=["src"], capacity=8))
-    edge = stats.edge("src", "one")
-    assert stats.stages["one"].received == 1
+    edge, inbox = stats.edge("src", "one"), stats.inboxes["one"]
+    assert stats.stages["one"].received == inbox.received == 1
     assert edge.sent + edge.dropped == 100 and edge.dropped >= 100 - 1 - 8
+    # every delivered event is accounted for: read, or discarded with the inbox
+    assert edge.sent == inbox.received + inbox.queued + inbox.discarded and inbox.discarded >= 1
+    assert inbox.queued == 0 and not inbox.open
 
 
 class _Firehose(Stage):

@@ -42,7 +42,7 @@ class Channel:
     """The inbox of one consumer: a bounded stream plus counters shared by its producers."""
 
     __slots__ = ("consumer", "capacity", "consumes", "send_stream", "receive_stream", "sent",
-                 "received", "max_queued")
+                 "received", "max_queued", "discarded", "_reading")
 
     def __init__(self, consumer: str, capacity: int, consumes: tuple[type, ...]) -> None:
         self.consumer = consumer
@@ -54,11 +54,13 @@ class Channel:
         self.sent = 0
         self.received = 0
         self.max_queued = 0
+        self.discarded = 0  # events still queued when the inbox closed: never read
+        self._reading = True
 
     @property
     def queued(self) -> int:
         """Events waiting in the inbox now (not counting one handed to a waiting stage)."""
-        return self.receive_stream.statistics().current_buffer_used
+        return self.receive_stream.statistics().current_buffer_used if self._reading else 0
 
     def note_queued(self) -> None:
         queued = self.queued
@@ -70,9 +72,16 @@ class Channel:
         stats = self.receive_stream.statistics()
         return stats.open_send_streams > 0 or stats.open_receive_streams > 0
 
+    def close_receiving(self) -> None:
+        """Close the reading end (the consumer is done); what is still queued is discarded."""
+        if self._reading:
+            self.discarded = self.queued
+            self._reading = False
+        self.receive_stream.close()
+
     def close(self) -> None:
         self.send_stream.close()
-        self.receive_stream.close()
+        self.close_receiving()
 
 
 class Edge:
@@ -235,7 +244,7 @@ class StageInbox:
         return self._channel.received
 
     def close(self) -> None:
-        self._stream.close()
+        self._channel.close_receiving()
 
 
 class EndedInbox:

@@ -200,4 +200,5 @@ def _inbox_stats(channel: Channel) -> InboxStatistics:
         max_queued=channel.max_queued,
         received=channel.received,
         open=channel.is_open,
+        discarded=channel.discarded,
     )

@@ -29,7 +29,9 @@ class StageStatistics(msgspec.Struct, frozen=True, kw_only=True):
 class InboxStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """One consumer's inbox: events ``queued`` now, the most ever queued, and whether it is open.
 
-    ``max_queued <= capacity`` always holds: that is the memory bound of the graph.
+    ``max_queued <= capacity`` always holds: that is the memory bound of the graph. ``discarded``
+    counts events that were delivered but still queued when the consumer returned (never read):
+    for every inbox, the ``sent`` of its edges = ``received + queued + discarded``.
     """
 
     consumer: str
@@ -38,6 +40,7 @@ class InboxStatistics(msgspec.Struct, frozen=True, kw_only=True):
     max_queued: int
     received: int
     open: bool
+    discarded: int = 0
 
 
 class EdgeStatistics(msgspec.Struct, frozen=True, kw_only=True):

@@ -23,7 +23,8 @@ Rules of a run:
   consumers have room; it yields when it must wait. Bounded inboxes keep that run short, and a
   producer whose events are all dropped yields every 64 events, so cancellation always gets in.
 * **Dropped events.** Events of a type that no consumer accepts are counted as ``unrouted`` and
-  dropped; so are events sent to a consumer that already returned (``dropped`` on the edge).
+  dropped; so are events sent to a consumer that already returned (``dropped`` on the edge), and
+  events still queued in its inbox when it returned (``discarded`` on the inbox).
   A graph's terminal outputs go nowhere under ``run_graph``; use a
   :class:`~thundersync.pipeline.embed.Pipeline` to receive them. Stages that read from
   ``"input"`` see their input end at once.
