@@ -1,0 +1,39 @@
+"""The engine benchmarks run end to end on CPU (--tiny), so a change cannot break them unseen.
+
+The GPU numbers come from the H200 (bench/RESULTS.md); here only the scripts and, for GRPO, the
+engine's own fp32 error against the dense reference are checked.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, f"bench/{script}", "--tiny", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_grpo_engine_bench_runs_and_its_fp32_engine_error_is_tiny() -> None:
+    out = _run("engine.py", "--repeat", "1")
+    assert "| streaming (RewardLinearBackward) |" in out
+    error = float(re.search(r"engine error alone .*: ([0-9.e+-]+)", out).group(1))  # type: ignore[union-attr]
+    assert error < 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_opd_engine_bench_and_the_phase_timings_run() -> None:
+    assert "| streaming OPD (OPDStream, backward at each action) |" in _run("engine_opd.py", "--repeat", "1")
+    table = _run("engine_phases.py")
+    for phase in ("wall time", "pack.forward", "pack.backward", "head log-probs", "accumulate"):
+        assert f"| {phase} |" in table
