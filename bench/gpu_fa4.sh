@@ -31,3 +31,6 @@ timeout "${TESTS_LIMIT:-150}" python3 -m pytest -m gpu -q -s -p no:cacheprovider
 echo "== fa4 tests: exit $?"; tail -n 5 "$out/fa4_tests.log"
 timeout "${GRPO_LIMIT:-120}" python3 bench/engine.py --repeat 1 --skip pack_tokens=0 > "$out/grpo_fa4.log" 2>&1
 echo "== grpo bench with FA4: exit $?"; grep -v Warning "$out/grpo_fa4.log" | tail -n 8
+timeout "${KERNELS_LIMIT:-200}" python3 bench/kernels.py --sections packed attention --out "$out/kernels_fa4.md" \
+    > "$out/kernels_fa4.log" 2>&1
+echo "== kernels bench with FA4: exit $?"; grep -E "fa4|varlen" "$out/kernels_fa4.md" | head -n 20

@@ -126,15 +126,16 @@ def attention_rows(b: int = 2, hq: int = 16, hkv: int = 8, d: int = 128) -> list
 
 def packed_rows(hq: int = 16, hkv: int = 8, d: int = 128) -> list[list[object]]:
     """A pack as the streaming engine forms it: 8 branches of 64-2048 tokens after a 512-token
-    prompt, one ``varlen`` call against a per-chunk loop of SDPA with an explicit mask."""
+    prompt, one ``varlen`` call (and one FA4 call, when installed) against a per-chunk loop of SDPA
+    with an explicit mask."""
     q_lens, prefix = [64, 96, 150, 256, 384, 640, 1024, 2048], 512
     layout = kernels.PackedLayout(q_lens, [t + prefix for t in q_lens], torch.device("cuda"))
     n, m = layout.rows
     leaves = [torch.randn(*s, device="cuda", dtype=BF16, requires_grad=True) for s in ((n, hq, d), (m, hkv, d), (m, hkv, d))]
     masks = [torch.ones(t, t + prefix, dtype=torch.bool, device="cuda").tril(prefix) for t in q_lens]
 
-    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return kernels.packed_chunk_attention(q, k, v, layout, path="varlen").float().square().mean()
+    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, path: str) -> torch.Tensor:
+        return kernels.packed_chunk_attention(q, k, v, layout, path=path).float().square().mean()
 
     def per_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         outs = []
@@ -144,8 +145,9 @@ def packed_rows(hq: int = 16, hkv: int = 8, d: int = 128) -> list[list[object]]:
         return torch.cat(outs).float().square().mean()
 
     case = f"8 chunks T=64..2048 (N={n}) after P={prefix}, Hq={hq} Hkv={hkv} D={d} bf16"
-    return [row("packed_chunk_attention", case, "varlen (1 call)", backward(ours, leaves),
-                "sdpa explicit mask per chunk", backward(per_chunk, leaves))]
+    paths = ["varlen"] + (["fa4"] if importlib.util.find_spec("flash_attn") is not None else [])
+    return [row("packed_chunk_attention", case, f"{path} (1 call)", backward(ours, leaves, path),
+                "sdpa explicit mask per chunk", backward(per_chunk, leaves)) for path in paths]
 
 
 def small_kernel_rows(n: int = 16_384, width: int = 1024) -> list[list[object]]:
