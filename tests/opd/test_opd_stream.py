@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 
 import pytest
 import torch
@@ -242,7 +243,45 @@ def test_background_work_packs_queued_turns_and_still_equals_the_dense_reference
     model.zero_grad(set_to_none=True)
 
 
-def test_the_pack_queue_takes_a_fifo_prefix_with_one_turn_per_trajectory_and_a_token_limit() -> None:
+def test_trajectories_closed_while_the_worker_is_busy_replay_together_level_by_level(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Everything is queued behind a held worker, so each job finds many turns and many closed
+    trajectories waiting: turns pack one per trajectory, replays pack across trajectories."""
+    from tests.opd.opd_cases import Group, Trajectory, Turn
+    from thundersync.opd import _replay
+
+    rng = random.Random(11)
+
+    def turn(action: bool) -> Turn:
+        tokens = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
+        scored = [action and rng.random() < 0.8 for _ in tokens]
+        return Turn(tokens, scored, [rng.uniform(-5, -0.1) for _ in range(sum(scored))], None)
+
+    plan = {f"g{g}": Group([rng.randrange(VOCAB) for _ in range(5)],
+                           {f"t{i}": Trajectory([turn(k % 2 == 0) for k in range(rng.randint(1, 5))]) for i in range(4)})
+            for g in range(2)}
+    model = _model(torch.float64, False)
+    want = dense_reference_grads(model, plan, "token_mean")
+    model.zero_grad(set_to_none=True)
+    replayed: list[int] = []
+    real = _replay.replay_trajectories
+    monkeypatch.setattr(_replay, "replay_trajectories", lambda run, sink, closed: (replayed.append(len(closed)), real(run, sink, closed)))
+    run = thundersync.StreamingRun(model, background=True)
+    opd = thundersync.OPDStream(run)
+    release = threading.Event()
+    run.submit("hold the worker", lambda: release.wait(30))
+    for _ in drive(opd, plan, interleaving(plan, random.Random(5))):
+        pass
+    release.set()
+    opd.assert_safe_to_step()
+    assert relative_error(collect_grads(model), want) < 1e-10
+    model.zero_grad(set_to_none=True)
+    assert sum(replayed) == 8 and max(replayed) > 1, replayed
+    print("replay packs", replayed)
+
+
+def test_the_pack_queue_takes_a_ready_fifo_prefix_with_one_item_per_trajectory_and_a_token_limit() -> None:
     from thundersync.opd._replay import GroupState, PendingTurn, TrajectoryState, TurnState
     from thundersync.opd.stream import _PackQueue
 
@@ -252,15 +291,21 @@ def test_the_pack_queue_takes_a_fifo_prefix_with_one_turn_per_trajectory_and_a_t
     def item(trajectory: TrajectoryState, length: int) -> PendingTurn:
         return PendingTurn(group, [], TurnState([0] * length, [0], None, None), trajectory)
 
-    queue = _PackQueue(limit=20)
+    blocked: set[int] = set()
+    queue = _PackQueue[PendingTurn](limit=20, ready=lambda it: id(it) not in blocked)
     items = [item(a, 4), item(b, 4), item(a, 4), item(c, 4)]
-    tickets = [queue.push(it) for it in items]
-    assert queue.take(tickets[-1]) == items[:2]   # stops at the second turn of trajectory a
-    assert queue.take(tickets[-1]) == items[2:]
-    assert queue.take(tickets[-1]) == []
-    big = [item(a, 15), item(b, 15), item(c, 30)]
-    tickets = [queue.push(it) for it in big]
-    assert queue.take(tickets[-1]) == big[:1]     # 16 + 16 tokens would pass the limit of 20
-    assert queue.take(tickets[0]) == []           # a job never takes turns pushed after its own
-    assert queue.take(tickets[1]) == big[1:2]
-    assert queue.take(tickets[2]) == big[2:]      # a turn over the limit still runs, alone
+    for it in items:
+        queue.push(it)
+    assert queue.holds(a) and queue.holds(c)
+    assert queue.take() == items[:2]   # stops at the second turn of trajectory a
+    assert queue.take() == items[2:]
+    assert queue.take() == [] and not queue.holds(a)
+    big = [item(a, 15), item(b, 15), item(c, 30), item(a, 1)]
+    blocked.add(id(big[1]))
+    for it in big:
+        queue.push(it)
+    assert queue.take() == big[:1]     # the next one is not ready: nothing behind it is taken
+    blocked.clear()
+    assert queue.take() == big[1:2]    # 16 + 31 tokens would pass the limit of 20
+    assert queue.take() == big[2:3]    # a turn over the limit still runs, alone
+    assert queue.take() == big[3:]

@@ -16,8 +16,8 @@ from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.run import StreamingRun
 from thundersync.opd.objective import surrogate_sum
 
-__all__ = ["GradientSink", "GroupState", "PendingTurn", "TrajectoryState", "TurnState",
-           "backward_turns", "forward_root", "replay_root", "replay_trajectory"]
+__all__ = ["ClosedTrajectory", "GradientSink", "GroupState", "PendingTurn", "TrajectoryState", "TurnState",
+           "backward_turns", "forward_root", "replay_root", "replay_trajectories"]
 
 
 @dataclass(eq=False)
@@ -178,18 +178,42 @@ def backward_turns(run: StreamingRun, sink: GradientSink, pending: Sequence[Pend
         ledgers[id(ancestor)].add(adjoint)
 
 
-def replay_trajectory(run: StreamingRun, sink: GradientSink, group: GroupState, turns: Sequence[TurnState]) -> None:
-    """Replay the turns' ledgers, last turn first; then drop the trajectory's states."""
-    for k in range(len(turns) - 1, -1, -1):
-        turn = turns[k]
-        if turn.segment is not None and turn.ledger.tensors is not None:
-            pack = SegmentPack.forward(run.anatomy, [turn.segment])
-            ledgers = _ledgers(group, turns[:k])
-            for ancestor, adjoint in sink.backward(pack, None, [turn.ledger.tensors]).items():
+@dataclass(eq=False)
+class ClosedTrajectory:
+    """A closed trajectory waiting for its ledger replay: its group and its turns."""
+
+    group: GroupState
+    turns: Sequence[TurnState]
+    trajectory: TrajectoryState
+
+    def __len__(self) -> int:
+        return sum(len(turn.ids) + 1 for turn in self.turns)
+
+
+def replay_trajectories(run: StreamingRun, sink: GradientSink, closed: Sequence[ClosedTrajectory]) -> None:
+    """Replay the turns' ledgers, last turn first, for several closed trajectories at once.
+
+    Level k packs turn k of every trajectory that has one with a ledger (the trajectories are
+    independent; within one, turn k's replay adds to the ledgers of turns < k, which run at later
+    levels). Each turn's state is dropped after its level, and every state of a trajectory at the end.
+    """
+    for k in range(max((len(item.turns) for item in closed), default=0) - 1, -1, -1):
+        level = [item for item in closed if k < len(item.turns) and item.turns[k].segment is not None
+                 and item.turns[k].ledger.tensors is not None]
+        if level:
+            pack = SegmentPack.forward(run.anatomy, [item.turns[k].segment for item in level])
+            ledgers: dict[int, AdjointLedger] = {}
+            for item in level:
+                ledgers.update(_ledgers(item.group, item.turns[:k]))
+            adjoints = sink.backward(pack, None, [item.turns[k].ledger.tensors for item in level])
+            for ancestor, adjoint in adjoints.items():
                 ledgers[id(ancestor)].add(adjoint)
-        if turn.segment is not None:
-            turn.segment.release()
-        turn.segment, turn.ledger = None, AdjointLedger()
+        for item in closed:
+            if k < len(item.turns):
+                turn = item.turns[k]
+                if turn.segment is not None:
+                    turn.segment.release()
+                turn.segment, turn.ledger = None, AdjointLedger()
 
 
 def replay_root(run: StreamingRun, sink: GradientSink, group: GroupState) -> None:

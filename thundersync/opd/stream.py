@@ -13,7 +13,8 @@ own: they are forwarded only when a scored turn reads them, in the same pack jus
 that turn's gradient reaches them through the graph, not a ledger). When the
 trajectory closes, the ledgers are replayed in reverse turn order (recompute the turn, backward
 its ledger, which adds to the ledgers before it), so every earlier turn's parameters receive
-what later turns sent them. The prompt's ledger is replayed once, when its group closes. The
+what later turns sent them; trajectories that closed while the worker was busy replay together,
+turn k of each in one pack. The prompt's ledger is replayed once, when its group closes. The
 division by N happens once, in :meth:`OPDStream.assert_safe_to_step`.
 
 Where gradients go: for fp32/fp64 models straight into ``p.grad`` (what the user had in
@@ -36,8 +37,8 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Hashable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -50,6 +51,15 @@ from thundersync.opd.objective import NORMALIZATIONS, Normalization, normalizer
 __all__ = ["OPDStream"]
 
 
+class _Queued(Protocol):
+    trajectory: TrajectoryState
+
+    def __len__(self) -> int: ...
+
+
+_Item = TypeVar("_Item", bound=_Queued)
+
+
 class OPDStream:
     """Streams the OPD loss gradient of one logical batch at a time into ``run``'s model."""
 
@@ -60,7 +70,10 @@ class OPDStream:
         self.normalization: Normalization = normalization
         self._sink = _replay.GradientSink(run)
         self._groups: dict[Hashable, GroupState] = {}
-        self._queue = _PackQueue(run.pack_tokens)
+        # scored turns waiting for their backward; closed trajectories waiting for their replay
+        self._queue = _PackQueue[_replay.PendingTurn](run.pack_tokens, ready=_prompt_forwarded)
+        self._replays = _PackQueue[_replay.ClosedTrajectory](
+            run.pack_tokens, ready=lambda closed: not self._queue.holds(closed.trajectory))
         self._scored_tokens = 0
 
     # --- the public protocol -------------------------------------------------------------------
@@ -94,9 +107,9 @@ class OPDStream:
         trajectory.turns.append(turn)
         self._scored_tokens += count
         if count:
-            ticket = self._queue.push(_replay.PendingTurn(group, trajectory.turns[:-1], turn, trajectory))
+            self._queue.push(_replay.PendingTurn(group, trajectory.turns[:-1], turn, trajectory))
             self.run.submit(f"backward of the scored turns queued up to turn {len(trajectory.turns) - 1} of {where}",
-                            lambda: self._backward_queued(ticket))
+                            self._backward_queued)
 
     def close_trajectory(self, group_id: Hashable, trajectory_id: Hashable) -> None:
         """Close a trajectory: its turns' ledgers are replayed in reverse order."""
@@ -108,8 +121,8 @@ class OPDStream:
         if trajectory.closed:
             raise StreamingError(f"{where} is closed; it cannot be closed twice")
         trajectory.closed = True
-        turns = list(trajectory.turns)
-        self.run.submit(f"replay of {where}", lambda: _replay.replay_trajectory(self.run, self._sink, group, turns))
+        self._replays.push(_replay.ClosedTrajectory(group, list(trajectory.turns), trajectory))
+        self.run.submit(f"replay of the trajectories closed up to {where}", self._replay_queued)
 
     def close_group(self, group_id: Hashable) -> None:
         """Close a group: every trajectory must be closed; the prompt's ledger is replayed once."""
@@ -141,6 +154,7 @@ class OPDStream:
         give ``p.grad`` back what it held before the batch. A new batch can start afterwards."""
         self._groups.clear()
         self._queue.clear()
+        self._replays.clear()
         self.run.discard()
         self._end_batch()
 
@@ -155,11 +169,17 @@ class OPDStream:
 
     # --- helpers -------------------------------------------------------------------------------
 
-    def _backward_queued(self, ticket: int) -> None:
-        """A run job: backpropagate scored turns queued up to ``ticket``, packed (none left: no-op)."""
-        pack = self._queue.take(ticket)
+    def _backward_queued(self) -> None:
+        """A run job: backpropagate the ready scored turns, packed (none left: no-op)."""
+        pack = self._queue.take()
         if pack:
             _replay.backward_turns(self.run, self._sink, pack)
+
+    def _replay_queued(self) -> None:
+        """A run job: replay the ready closed trajectories, level by level (none left: no-op)."""
+        closed = self._replays.take()
+        if closed:
+            _replay.replay_trajectories(self.run, self._sink, closed)
 
     def _group(self, group_id: Hashable) -> GroupState:
         self.run.worker.raise_if_failed()
@@ -189,45 +209,54 @@ class OPDStream:
         return parts
 
 
-class _PackQueue:
-    """Scored turns waiting for their backward, taken in FIFO packs by the run's jobs.
+class _PackQueue(Generic[_Item]):
+    """Work items waiting for a run job, taken in FIFO packs: scored turns waiting for their
+    backward, or closed trajectories waiting for their replay.
 
-    Each append pushes its turn (getting a ticket) and submits one job. A job takes the longest
-    FIFO prefix of waiting turns that were pushed no later than its own ticket (so every turn it
-    takes had its group's prompt job queued before it), holds at most one turn per trajectory (a
-    turn needs the state of its trajectory's earlier turns) and at most ``limit`` tokens (at least
-    one turn). On CUDA the jobs run on the run's worker thread, so turns appended while a pack
-    runs are packed together by the next job; on the caller's thread every turn runs alone, at
-    once. Packing changes only the summation order.
+    Each push is followed by one submitted job. A job takes the longest FIFO prefix of waiting
+    items that are ``ready`` (what they read was computed by an earlier job: the group's prompt
+    state for a turn; every backward of its turns for a closed trajectory), with at most one item
+    per trajectory (a turn needs the state of its trajectory's earlier turns) and at most
+    ``limit`` tokens (at least one item). An item is always ready by the time its own job runs
+    (jobs run in submission order), so no item waits past its own job. On CUDA the jobs run on
+    the run's worker thread, so items pushed while a pack runs are packed together by the next
+    job; on the caller's thread every item runs alone, at once. Packing changes only the
+    summation order.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, ready: Callable[[_Item], bool]) -> None:
         self.limit = limit
-        self._waiting: collections.deque[tuple[int, _replay.PendingTurn]] = collections.deque()
+        self._ready = ready
+        self._waiting: collections.deque[_Item] = collections.deque()
         self._lock = threading.Lock()
-        self._tickets = 0
 
-    def push(self, item: _replay.PendingTurn) -> int:
+    def push(self, item: _Item) -> None:
         with self._lock:
-            self._tickets += 1
-            self._waiting.append((self._tickets, item))
-            return self._tickets
+            self._waiting.append(item)
 
-    def take(self, ticket: int) -> list[_replay.PendingTurn]:
+    def take(self) -> list[_Item]:
         with self._lock:
-            pack: list[_replay.PendingTurn] = []
+            pack: list[_Item] = []
             size = 0
-            while self._waiting and self._waiting[0][0] <= ticket:
-                item = self._waiting[0][1]
+            while self._waiting and self._ready(item := self._waiting[0]):
                 if pack and (size + len(item) > self.limit or any(p.trajectory is item.trajectory for p in pack)):
                     break
-                pack.append(self._waiting.popleft()[1])
+                pack.append(self._waiting.popleft())
                 size += len(item)
             return pack
+
+    def holds(self, trajectory: TrajectoryState) -> bool:
+        """Whether an item of ``trajectory`` is waiting."""
+        with self._lock:
+            return any(item.trajectory is trajectory for item in self._waiting)
 
     def clear(self) -> None:
         with self._lock:
             self._waiting.clear()
+
+
+def _prompt_forwarded(item: _replay.PendingTurn) -> bool:
+    return item.group.root is not None and item.group.root.state is not None
 
 
 def _scores(values: Any, name: str, count: int, where: str, *, required: bool) -> torch.Tensor | None:
