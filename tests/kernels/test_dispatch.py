@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from thundersync import kernels
@@ -185,3 +187,39 @@ def test_packed_layout_and_shapes_are_checked_with_the_values() -> None:
         kernels.packed_chunk_attention(q[:5], k, v, layout)
     with pytest.raises(KernelUnavailable, match=r"'varlen' cannot run on cpu float64"):
         kernels.packed_chunk_attention(q, k, v, layout, path="varlen")
+
+
+def _dense_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: list[int], k_lens: list[int],
+                           scale: float) -> torch.Tensor:
+    """Another way to the same thing: one dense softmax over all keys of the pack with a mask that
+    lets row r of chunk c see key j of chunk c iff j <= (keys of c) - (queries of c) + r."""
+    chunk_q = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    chunk_k = torch.repeat_interleave(torch.arange(len(k_lens)), torch.tensor(k_lens))
+    row = torch.cat([torch.arange(t) for t in q_lens])
+    col = torch.cat([torch.arange(n) for n in k_lens])
+    shift = torch.tensor(k_lens)[chunk_q] - torch.tensor(q_lens)[chunk_q]
+    visible = (chunk_q[:, None] == chunk_k[None, :]) & (col[None, :] <= (shift + row)[:, None])
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [M, Hq, D]
+    scores = torch.einsum("nhd,mhd->hnm", q, kk) * scale
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hnm,mhd->nhd", weights, vv)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chunks=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 7)), min_size=1, max_size=5),
+       heads=st.sampled_from([(2, 2), (4, 2), (6, 2), (3, 1)]), seed=st.integers(0, 2**16))
+def test_packed_attention_equals_one_dense_block_masked_softmax(chunks: list[tuple[int, int]], heads: tuple[int, int],
+                                                                 seed: int) -> None:
+    q_lens, k_lens = [t for t, _ in chunks], [t + p for t, p in chunks]
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv = heads
+    q = torch.randn(sum(q_lens), hq, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(sum(k_lens), hkv, 4, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    layout = kernels.PackedLayout(q_lens, k_lens, torch.device("cpu"))
+    got = kernels.packed_chunk_attention(q, k, v, layout, scale=0.7)
+    want = _dense_block_attention(q, k, v, q_lens, k_lens, 0.7)
+    grad = torch.randn(got.shape, generator=gen, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

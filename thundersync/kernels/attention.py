@@ -122,8 +122,8 @@ def packed_chunk_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     usable = functools.partial(_capability, device=q.device, dtype=q.dtype, d=q.shape[2], groups=q.shape[1] // k.shape[1])
     if path is None:
-        path = "fa4" if _fa4_allowed(usable("fa4") if fa4_mode() != "off" else None) else "varlen"
-        path = path if usable(path).ok else None
+        fa4 = _fa4_allowed(usable("fa4") if fa4_mode() != "off" else None)
+        path = "fa4" if fa4 else "varlen" if usable("varlen").ok else None
     elif path in _PACKED and not (cap := usable(path)).ok:
         raise KernelUnavailable(f"attention path {path!r} cannot run on {cap.device} {cap.dtype} ({cap.shape_class}): {cap.why}")
     if path not in _PACKED:
@@ -152,9 +152,9 @@ def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Pac
             f"packed_chunk_attention needs q [N={n}, Hq, D] and k/v [M={m}, Hkv, D] (N and M from the layout, "
             f"Hq a multiple of Hkv); got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if any(x.dtype != q.dtype or x.device != q.device for x in (k, v)):
+    if any(x.dtype != q.dtype or x.device != q.device for x in (k, v)) or layout.cu.device != q.device:
         raise ConfigError(f"packed_chunk_attention needs one dtype and one device; got q {q.dtype} on {q.device}, "
-                          f"k {k.dtype} on {k.device}, v {v.dtype} on {v.device}")
+                          f"k {k.dtype} on {k.device}, v {v.dtype} on {v.device}, the layout on {layout.cu.device}")
 
 
 def attention_path_counts() -> dict[str, int]:
