@@ -90,25 +90,20 @@ def _heads(proj: torch.Tensor, norm: nn.Module | None, head_dim: int) -> torch.T
 
 def _layer(
     anatomy: DecoderAnatomy, parts: LayerParts, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-    chunks: Sequence[ChunkSpec], offsets: list[int], layout: PackedLayout, kv_out: list[list[KV]],
+    chunks: Sequence[ChunkSpec], rows: list[list[slice]], layout: PackedLayout, kv_out: list[list[KV]],
 ) -> torch.Tensor:
     h = parts.input_norm(x)
     cos, sin = rope
     q = _rotary(_heads(parts.q_proj(h), parts.q_norm, anatomy.head_dim), cos, sin)  # [N, Hq, D]
     k = _rotary(_heads(parts.k_proj(h), parts.k_norm, anatomy.head_dim), cos, sin)  # [N, Hkv, D]
     v = _heads(parts.v_proj(h), None, anatomy.head_dim)
-    keys, values = [], []  # per chunk, in order: its prefix state, its in-pack ancestors, itself
-    for c, chunk in enumerate(chunks):
+    keys, values = [], []  # per chunk, in order: its prefix state, then its rows of this pack
+    for chunk, spans, out in zip(chunks, rows, kv_out):
         k_p, v_p = chunk.prefix[layer]
-        keys.append(k_p.transpose(0, 1))
-        values.append(v_p.transpose(0, 1))
-        for i, skip, trim in chunk.in_pack:
-            keys.append(k[offsets[i] + skip : offsets[i + 1] - trim])
-            values.append(v[offsets[i] + skip : offsets[i + 1] - trim])
-        rows = slice(offsets[c], offsets[c + 1])
-        keys.append(k[rows])
-        values.append(v[rows])
-        kv_out[c].append((k[rows].transpose(0, 1), v[rows].transpose(0, 1)))
+        keys += [k_p.transpose(0, 1), *(k[span] for span in spans)]
+        values += [v_p.transpose(0, 1), *(v[span] for span in spans)]
+        own = spans[-1]
+        out.append((k[own].transpose(0, 1), v[own].transpose(0, 1)))
     attn = packed_chunk_attention(q, torch.cat(keys), torch.cat(values), layout, scale=anatomy.scaling)
     x = x + parts.o_proj(attn.view(*x.shape[:-1], -1))
     return x + parts.mlp(parts.post_norm(x))
@@ -124,18 +119,20 @@ def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec]) -> PackOu
     positions = torch.cat(
         [torch.arange(c.start, c.start + c.tokens.numel(), device=device) for c in chunks]
     )[None]
-    key_lengths = [
-        int(c.prefix[0][0].shape[1]) + sum(offsets[i + 1] - trim - offsets[i] - skip for i, skip, trim in c.in_pack)
-        + (offsets[n + 1] - offsets[n])
+    # Rows of this pack that each chunk's keys continue with after its prefix: its in-pack
+    # ancestors, then itself (always last).
+    rows = [
+        [slice(offsets[i] + skip, offsets[i + 1] - trim) for i, skip, trim in c.in_pack] + [slice(offsets[n], offsets[n + 1])]
         for n, c in enumerate(chunks)
     ]
-    layout = PackedLayout([offsets[n + 1] - offsets[n] for n in range(len(chunks))], key_lengths, device)
+    key_lengths = [int(c.prefix[0][0].shape[1]) + sum(r.stop - r.start for r in spans) for c, spans in zip(chunks, rows)]
+    layout = PackedLayout([int(c.tokens.numel()) for c in chunks], key_lengths, device)
     x = anatomy.embed(tokens)
     cos, sin = anatomy.rotary(x, positions)
     rope = (cos[0, :, None], sin[0, :, None])  # [N, 1, D]: broadcast over heads
     kv: list[list[KV]] = [[] for _ in chunks]
     for index, parts in enumerate(anatomy.layers):
-        x = _layer(anatomy, parts, index, x, rope, chunks, offsets, layout, kv)
+        x = _layer(anatomy, parts, index, x, rope, chunks, rows, layout, kv)
     return PackOutput(hidden=anatomy.norm(x)[0], offsets=offsets, kv=kv)
 
 
