@@ -195,7 +195,7 @@ def replay_trajectories(run: StreamingRun, sink: GradientSink, closed: Sequence[
 
     Level k packs turn k of every trajectory that has one with a ledger (the trajectories are
     independent; within one, turn k's replay adds to the ledgers of turns < k, which run at later
-    levels). Each turn's state is dropped after its level, and every state of a trajectory at the end.
+    levels). Each turn's state and ledger are dropped after its level.
     """
     for k in range(max((len(item.turns) for item in closed), default=0) - 1, -1, -1):
         level = [item for item in closed if k < len(item.turns) and item.turns[k].segment is not None
