@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -220,8 +221,9 @@ def test_a_bf16_model_accumulates_in_fp32_and_matches_the_fp32_reference() -> No
     assert relative_error(got, want) < 2e-2
 
 
-def test_background_work_packs_queued_turns_and_still_equals_the_dense_reference() -> None:
-    rng = random.Random(5)
+def _agent_plan(rng: random.Random, turns: Callable[[], int]):  # type: ignore[no-untyped-def]
+    """2 groups x 4 trajectories of ``turns()`` turns each, actions (mostly scored) and
+    observations alternating."""
     from tests.opd.opd_cases import Group, Trajectory, Turn
 
     def turn(action: bool) -> Turn:
@@ -229,9 +231,13 @@ def test_background_work_packs_queued_turns_and_still_equals_the_dense_reference
         scored = [action and rng.random() < 0.8 for _ in tokens]
         return Turn(tokens, scored, [rng.uniform(-5, -0.1) for _ in range(sum(scored))], None)
 
-    plan = {f"g{g}": Group([rng.randrange(VOCAB) for _ in range(5)],
-                           {f"t{i}": Trajectory([turn(k % 2 == 0) for k in range(5)]) for i in range(4)})
+    return {f"g{g}": Group([rng.randrange(VOCAB) for _ in range(5)],
+                           {f"t{i}": Trajectory([turn(k % 2 == 0) for k in range(turns())]) for i in range(4)})
             for g in range(2)}
+
+
+def test_background_work_packs_queued_turns_and_still_equals_the_dense_reference() -> None:
+    plan = _agent_plan(random.Random(5), lambda: 5)
     model = _model(torch.float64, False)
     want = dense_reference_grads(model, plan, "token_mean")
     model.zero_grad(set_to_none=True)
@@ -248,19 +254,10 @@ def test_trajectories_closed_while_the_worker_is_busy_replay_together_level_by_l
 ) -> None:
     """Everything is queued behind a held worker, so each job finds many turns and many closed
     trajectories waiting: turns pack one per trajectory, replays pack across trajectories."""
-    from tests.opd.opd_cases import Group, Trajectory, Turn
     from thundersync.opd import _replay
 
     rng = random.Random(11)
-
-    def turn(action: bool) -> Turn:
-        tokens = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
-        scored = [action and rng.random() < 0.8 for _ in tokens]
-        return Turn(tokens, scored, [rng.uniform(-5, -0.1) for _ in range(sum(scored))], None)
-
-    plan = {f"g{g}": Group([rng.randrange(VOCAB) for _ in range(5)],
-                           {f"t{i}": Trajectory([turn(k % 2 == 0) for k in range(rng.randint(1, 5))]) for i in range(4)})
-            for g in range(2)}
+    plan = _agent_plan(rng, lambda: rng.randint(1, 5))
     model = _model(torch.float64, False)
     want = dense_reference_grads(model, plan, "token_mean")
     model.zero_grad(set_to_none=True)
@@ -278,7 +275,6 @@ def test_trajectories_closed_while_the_worker_is_busy_replay_together_level_by_l
     assert relative_error(collect_grads(model), want) < 1e-10
     model.zero_grad(set_to_none=True)
     assert sum(replayed) == 8 and max(replayed) > 1, replayed
-    print("replay packs", replayed)
 
 
 def test_the_pack_queue_takes_a_ready_fifo_prefix_with_one_item_per_trajectory_and_a_token_limit() -> None:
