@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One call on the H200 machine: the engine benchmarks and phase timings, the CUDA examples and every
-# `gpu` test.
+# One call on the H200 machine: the engine benchmarks, phase and pack-cost timings, the CUDA
+# examples and every `gpu` test.
 #   device run (carry .whl): bash bench/gpu_check.sh
 # Each step has its own time limit and writes its log under $OUT (or /tmp/gpu_check).
 # The GPU machine lacks msgspec, structlog and pytest-asyncio: fetch their Python 3.12 wheels once
@@ -22,7 +22,9 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 step grpo_bench "${GRPO_LIMIT:-150}" python3 bench/engine.py --repeat 2 --skip pack_tokens=0
 step opd_bench "${OPD_LIMIT:-100}" python3 bench/engine_opd.py --repeat 1
 step phases "${PHASES_LIMIT:-90}" python3 bench/engine_phases.py
+step pack_cost "${PACK_LIMIT:-90}" python3 bench/engine_pack.py
 step examples 60 bash -c "python3 examples/streaming_grpo.py && python3 examples/streaming_opd.py"
+# GPU_TESTS narrows the tests (default: every file that has `gpu` tests).
 step gpu_tests "${TESTS_LIMIT:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 \
-    tests/kernels/test_gpu.py tests/grpo tests/opd tests/generation/test_fixed_shape_decode.py
+    ${GPU_TESTS:-tests/kernels/test_gpu.py tests/grpo tests/opd tests/generation/test_fixed_shape_decode.py}
 for f in "$out"/*.log; do echo "---- $f"; tail -n 25 "$f"; done

@@ -13,6 +13,7 @@ prefix, e.g. a prompt packed with its branches)::
 
     x      = embed(tokens)                                         [1, N, H]
     layer: h = norm1(x);  q, k, v = proj(h) (+ q_norm/k_norm) + rotary(position)    [N, heads, D]
+           (norms and rotary in the fewer-kernel forms of ``anatomy.apply_norm``/``apply_rotary``)
            keys = cat over chunks c of [K_prefix(c); k_c]          (likewise values)
            a = packed_chunk_attention(q, keys, values)             chunk c: q_c over its keys, causal
            x = x + o_proj(a);  x = x + mlp(norm2(x))
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from thundersync.engine.anatomy import DecoderAnatomy, LayerParts
+from thundersync.engine.anatomy import DecoderAnatomy, LayerParts, apply_norm, apply_rotary, rotary_tables
 from thundersync.kernels.attention import PackedLayout, packed_chunk_attention
 
 __all__ = ["ChunkSpec", "PackOutput", "KV", "forward_pack", "head_logprobs", "empty_prefix"]
@@ -72,30 +73,19 @@ def empty_prefix(anatomy: DecoderAnatomy, device: torch.device | None = None) ->
     return [(empty, empty) for _ in anatomy.layers]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x cos + rotate_half(x) sin: the rotary embedding as transformers applies it."""
-    return (x * cos) + (_rotate_half(x) * sin)
-
-
 def _heads(proj: torch.Tensor, norm: nn.Module | None, head_dim: int) -> torch.Tensor:
     """[1, N, heads * D] -> [N, heads, D] (token-major), with the per-head norm (Qwen3) when there is one."""
     shaped = proj[0].view(proj.shape[1], -1, head_dim)
-    return norm(shaped) if norm is not None else shaped
+    return apply_norm(norm, shaped) if norm is not None else shaped
 
 
 def _layer(
     anatomy: DecoderAnatomy, parts: LayerParts, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
     chunks: Sequence[ChunkSpec], rows: list[list[slice]], layout: PackedLayout, kv_out: list[list[KV]],
 ) -> torch.Tensor:
-    h = parts.input_norm(x)
-    cos, sin = rope
-    q = _rotary(_heads(parts.q_proj(h), parts.q_norm, anatomy.head_dim), cos, sin)  # [N, Hq, D]
-    k = _rotary(_heads(parts.k_proj(h), parts.k_norm, anatomy.head_dim), cos, sin)  # [N, Hkv, D]
+    h = apply_norm(parts.input_norm, x)
+    q = apply_rotary(_heads(parts.q_proj(h), parts.q_norm, anatomy.head_dim), *rope)  # [N, Hq, D]
+    k = apply_rotary(_heads(parts.k_proj(h), parts.k_norm, anatomy.head_dim), *rope)  # [N, Hkv, D]
     v = _heads(parts.v_proj(h), None, anatomy.head_dim)
     keys, values = [], []  # per chunk, in order: its prefix state, then its rows of this pack
     for chunk, spans, out in zip(chunks, rows, kv_out):
@@ -106,7 +96,7 @@ def _layer(
         out.append((k[own].transpose(0, 1), v[own].transpose(0, 1)))
     attn = packed_chunk_attention(q, torch.cat(keys), torch.cat(values), layout, scale=anatomy.scaling)
     x = x + parts.o_proj(attn.view(*x.shape[:-1], -1))
-    return x + parts.mlp(parts.post_norm(x))
+    return x + parts.mlp(apply_norm(parts.post_norm, x))
 
 
 def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec]) -> PackOutput:
@@ -116,9 +106,7 @@ def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec]) -> PackOu
         offsets.append(offsets[-1] + int(chunk.tokens.numel()))
     tokens = torch.cat([chunk.tokens for chunk in chunks])[None]
     device = tokens.device
-    positions = torch.cat(
-        [torch.arange(c.start, c.start + c.tokens.numel(), device=device) for c in chunks]
-    )[None]
+    positions = torch.cat([torch.arange(c.start, c.start + c.tokens.numel(), device=device) for c in chunks])
     # Rows of this pack that each chunk's keys continue with after its prefix: its in-pack
     # ancestors, then itself (always last).
     rows = [
@@ -128,12 +116,11 @@ def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec]) -> PackOu
     key_lengths = [int(c.prefix[0][0].shape[1]) + sum(r.stop - r.start for r in spans) for c, spans in zip(chunks, rows)]
     layout = PackedLayout([int(c.tokens.numel()) for c in chunks], key_lengths, device)
     x = anatomy.embed(tokens)
-    cos, sin = anatomy.rotary(x, positions)
-    rope = (cos[0, :, None], sin[0, :, None])  # [N, 1, D]: broadcast over heads
+    rope = rotary_tables(anatomy, x, positions)  # [N, 1, D] each: broadcast over heads
     kv: list[list[KV]] = [[] for _ in chunks]
     for index, parts in enumerate(anatomy.layers):
         x = _layer(anatomy, parts, index, x, rope, chunks, rows, layout, kv)
-    return PackOutput(hidden=anatomy.norm(x)[0], offsets=offsets, kv=kv)
+    return PackOutput(hidden=apply_norm(anatomy.norm, x)[0], offsets=offsets, kv=kv)
 
 
 def head_logprobs(anatomy: DecoderAnatomy, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

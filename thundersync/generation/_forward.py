@@ -12,12 +12,9 @@ Grouped-query attention is computed without copying keys: the G = heads / kv_hea
 that share a key head are stacked along the query axis. Decoding (one query per row) takes a
 shorter path of four kernels (``baddbmm`` with the mask as bias, softmax, cast, ``bmm``).
 
-Kernel count matters when decoding (each step is hundreds of tiny kernels), so two parts of the
-model are computed with fewer kernels than their modules use, with the same arithmetic:
-transformers' RMSNorm (``weight * rmsnorm_fp32(x).to(dtype)``, two roundings kept) becomes
-``F.rms_norm`` and a multiply, and the rotary embedding ``x cos + rotate_half(x) sin`` becomes
-``addcmul(x cos, roll(x, D/2), sin')`` with ``sin' = (-sin_{:D/2}, sin_{D/2:})``. Any other norm
-module is called as is.
+Kernel count matters when decoding (each step is hundreds of tiny kernels), so norms and the
+rotary embedding take the engine's fewer-kernel forms (:func:`~thundersync.engine.anatomy.apply_norm`,
+:func:`~thundersync.engine.anatomy.apply_rotary`), with the same arithmetic as the modules.
 """
 
 from __future__ import annotations
@@ -25,13 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from thundersync.engine.anatomy import DecoderAnatomy, LayerParts
+from thundersync.engine.anatomy import DecoderAnatomy, LayerParts, apply_norm, apply_rotary, rotary_tables
 from thundersync.generation._kv_cache import KVCache
 
-__all__ = ["Rows", "forward_hidden", "logits_of", "norm"]
+__all__ = ["Rows", "forward_hidden", "logits_of"]
 
 
 @dataclass(frozen=True)
@@ -43,18 +38,6 @@ class Rows:
     pad_index: torch.Tensor | None  # [R, Q] into the packed tokens; None when Q == 1 and R == T
     unpad_index: torch.Tensor | None  # [T] into the flattened [R * Q]
     key_len: int  # keys 0..key_len-1 are read
-
-
-def norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``; transformers' RMSNorm in two kernels instead of seven."""
-    eps = getattr(module, "variance_epsilon", None)
-    if eps is None or not type(module).__name__.endswith("RMSNorm"):
-        return module(x)
-    return module.weight * F.rms_norm(x, (x.shape[-1],), None, eps)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 def _attend_rows(an: DecoderAnatomy, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> torch.Tensor:
@@ -96,19 +79,19 @@ def _layer(
     cache: KVCache, slots: torch.Tensor, positions: torch.Tensor, rows: Rows, bias: torch.Tensor | None,
 ) -> torch.Tensor:
     layer: LayerParts = an.layers[index]
-    x = norm(layer.input_norm, h)
+    x = apply_norm(layer.input_norm, h)
     t = x.shape[0]
     q = layer.q_proj(x).view(t, an.num_heads, an.head_dim)
     k = layer.k_proj(x).view(t, an.num_kv_heads, an.head_dim)
     v = layer.v_proj(x).view(t, an.num_kv_heads, an.head_dim)
     if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3
-        q, k = norm(layer.q_norm, q), norm(layer.k_norm, k)
-    q, k = _rope(q, *rope), _rope(k, *rope)
+        q, k = apply_norm(layer.q_norm, q), apply_norm(layer.k_norm, k)
+    q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
     cache.write(index, slots, positions, k, v)
     keys, values = cache.read(index, rows.slots, rows.key_len)
     attended = _attend_decode(an, q, keys, values, bias) if bias is not None else _attend_rows(an, q, keys, values, rows)
     h = h + layer.o_proj(attended)
-    return h + layer.mlp(norm(layer.post_norm, h))
+    return h + layer.mlp(apply_norm(layer.post_norm, h))
 
 
 def forward_hidden(
@@ -117,10 +100,7 @@ def forward_hidden(
 ) -> torch.Tensor:
     """Final hidden states [T, hidden] of the packed tokens; their keys/values enter the cache."""
     h = an.embed(tokens)
-    cos, sin = an.rotary(h, positions[None])
-    half = sin.shape[-1] // 2
-    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-    rope = (cos[0, :, None], signed_sin[0, :, None])  # [T, 1, D]
+    rope = rotary_tables(an, h, positions)  # [T, 1, D] each
     one_query = rows.pad_index is None
     bias = _decode_bias(an, rows, h.dtype) if one_query else None
     for index in range(len(an.layers)):
@@ -130,4 +110,4 @@ def forward_hidden(
 
 def logits_of(an: DecoderAnatomy, hidden: torch.Tensor) -> torch.Tensor:
     """fp32 logits [N, V] of final hidden states [N, hidden]."""
-    return an.head(norm(an.norm, hidden)).float()
+    return an.head(apply_norm(an.norm, hidden)).float()

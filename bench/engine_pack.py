@@ -1,0 +1,130 @@
+"""The fixed cost of one pack: forward+backward through the adapter, three forms side by side.
+
+    python bench/engine_pack.py            # H200: Qwen3-0.6B-shaped, bf16, 28 layers
+    python bench/engine_pack.py --tiny     # the same on CPU with a tiny model, in seconds
+
+A small pack (one OPD action of 64-512 tokens) costs far more than its arithmetic: every eager op
+of every layer pays a fixed host cost. Each row times ``forward_pack`` + backward of one pack after
+a 512-token prefix (a detached proxy that requires grad, as the engine builds it), median of 5
+after warm-up, synchronized, in three forms of the norms and the rotary embedding:
+
+- ``modules``: the model's own RMSNorm modules and transformers' ``x cos + rotate_half(x) sin``
+  (what the adapter did before);
+- ``ours``: the adapter as it is (``anatomy.apply_norm``: ``F.rms_norm`` and a multiply;
+  ``anatomy.apply_rotary``: ``addcmul`` with ``roll``);
+- ``triton norm``: as ``ours`` but the norms through ``kernels.rms_norm`` (the Triton kernel on
+  CUDA once probed; the reference elsewhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import header, markdown_table, median_seconds  # noqa: E402
+from bench.engine import make_model  # noqa: E402
+from thundersync import kernels  # noqa: E402
+from thundersync.engine import adapter, anatomy  # noqa: E402
+from thundersync.engine.adapter import ChunkSpec, forward_pack  # noqa: E402
+
+
+def _module_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+def _module_rotary_tables(an: anatomy.DecoderAnatomy, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = an.rotary(x, positions[None])
+    return cos[0, :, None], sin[0, :, None]
+
+
+def _rotate_half_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _triton_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if type(module).__name__ not in anatomy._PLAIN_RMS_NORMS or x.dtype == torch.float64:
+        return module(x)
+    return kernels.rms_norm(x, module.weight, module.variance_epsilon)
+
+
+FORMS: dict[str, dict[str, Callable[..., torch.Tensor] | None]] = {
+    "modules": {"apply_norm": _module_norm, "rotary_tables": _module_rotary_tables, "apply_rotary": _rotate_half_rotary},
+    "ours": {},
+    "triton norm": {"apply_norm": _triton_norm},
+}
+
+
+@contextlib.contextmanager
+def form(name: str) -> Iterator[None]:
+    """Within the block the adapter uses the named form (its module globals are swapped)."""
+    saved = {attr: getattr(adapter, attr) for attr in FORMS[name]}
+    for attr, fn in FORMS[name].items():
+        setattr(adapter, attr, fn)
+    try:
+        yield
+    finally:
+        for attr, fn in saved.items():
+            setattr(adapter, attr, fn)
+
+
+def make_prefix(an: anatomy.DecoderAnatomy, vocab: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A prompt's per-layer K/V state, detached proxies that require grad."""
+    tokens = torch.randint(0, vocab, (length,), device=an.device)
+    with torch.no_grad():
+        out = forward_pack(an, [ChunkSpec(tokens, 0, adapter.empty_prefix(an))])
+    return [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in out.kv[0]]
+
+
+def pack_step(an: anatomy.DecoderAnatomy, chunks: list[ChunkSpec]) -> Callable[[], None]:
+    def run() -> None:
+        out = forward_pack(an, chunks)
+        out.hidden.float().pow(2).mean().backward()
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny model on CPU (seconds)")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda" if cuda else "cpu")
+    model = make_model(args.tiny, device, torch.bfloat16 if cuda else torch.float32)
+    model.requires_grad_(True)
+    an = anatomy.decoder_anatomy(model)
+    vocab = an.vocab_size
+    prefix_len = 512 if cuda else 32
+    sizes = (64, 256, 1024) if cuda else (8, 32)
+    prefix = make_prefix(an, vocab, prefix_len)
+
+    def chunk(length: int) -> ChunkSpec:
+        return ChunkSpec(torch.randint(0, vocab, (length,), device=device), prefix_len, prefix)
+
+    cases = [(f"1 chunk of {n} after P={prefix_len}", [chunk(n)]) for n in sizes]
+    cases.append((f"8 chunks of {sizes[1]} after P={prefix_len}", [chunk(sizes[1]) for _ in range(8)]))
+    rows = []
+    for label, chunks in cases:
+        ms = {}
+        for name in FORMS:
+            with form(name):
+                ms[name] = 1e3 * median_seconds(pack_step(an, chunks), cuda=cuda)
+            model.zero_grad(set_to_none=True)
+        tokens = sum(int(c.tokens.numel()) for c in chunks)
+        rows.append([label, tokens, ms["modules"], ms["ours"], f"{ms['modules'] / ms['ours']:.2f}x",
+                     ms["triton norm"], f"{ms['modules'] / ms['triton norm']:.2f}x"])
+    layers = len(an.layers)
+    print(header("python bench/engine_pack.py" + (" --tiny" if args.tiny else "")))
+    print(f"model: {layers} layers, hidden {model.config.hidden_size}, dtype {an.dtype}; forward+backward of one pack\n")
+    print(markdown_table(["pack", "tokens", "modules ms", "ours ms", "ours speedup", "triton norm ms", "triton speedup"], rows))
+
+
+if __name__ == "__main__":
+    main()
