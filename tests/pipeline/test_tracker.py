@@ -85,8 +85,8 @@ def scenarios(draw: st.DrawFn) -> Scenario:
                     for op in ops[:-1]:
                         add(ops[-1], op)
                 group_ops[g] += ops
-            if Need.BACKWARD in needs:
-                group_ops[g].append(add(Op("prompt", (g,)), *group_ops[g]))
+            if Need.BACKWARD in needs:  # any time after the group opened: it is held until it ends
+                group_ops[g].append(add(Op("prompt", (g,)), opened))
         first = s.batches[b][0]
         if not s.sized[b]:
             add(Op("seal", (b,)), *(Op("open", (g, tuple(s.trajectories[g]), b, 0)) for g in s.batches[b]))
@@ -297,11 +297,15 @@ def test_untracked_needs_and_wrong_turn_arguments_raise(grpo: Tracker) -> None:
         grpo.complete_prompt("g")
 
 
-def test_prompt_backward_before_the_trajectories_end_raises() -> None:
+def test_a_prompt_backward_before_the_trajectories_end_is_held_and_a_second_one_raises() -> None:
     t = Tracker(needs=[Need.BACKWARD])
-    t.open_group("g", ["a"])
-    with pytest.raises(TrackerError, match=r"prompt backward of group 'g' was reported too early or twice "
-                                           r"\(open\): trajectory 'a' of group 'g' waits for its final turn"):
+    t.open_group("g", ["a"], groups_in_batch=1)
+    assert t.complete_prompt("g") == []  # it came by another edge than the trajectory's last events
+    assert t.add_turn("g", "a", 0, final=True, num_tokens=2, num_scored=2) == []
+    assert t.group_state("g") is GroupState.OPEN
+    closed = t.complete(Need.BACKWARD, "g", "a", 0)
+    assert [type(e) for e in closed] == [TrajectoryClosed, GroupClosed, BatchReady]
+    with pytest.raises(TrackerError, match=r"prompt backward of group 'g' was reported twice"):
         t.complete_prompt("g")
 
 

@@ -179,6 +179,7 @@ class GroupRecord:
     trajectories: dict[Id, TrajectoryRecord]
     needs_prompt: bool
     state: GroupState = GroupState.OPEN
+    prompt_done: bool = False  # reported while trajectories were still open (it came by another edge)
 
     def pending(self) -> list[str]:
         if self.state is GroupState.PROMPT_PENDING:
@@ -189,19 +190,22 @@ class GroupRecord:
     def try_advance(self) -> bool:
         """Move on once every trajectory ended; return True when the group closed now."""
         if self.state is GroupState.OPEN and all(t.ended for t in self.trajectories.values()):
-            self.state = GroupState.PROMPT_PENDING if self.needs_prompt else GroupState.CLOSED
+            waits = self.needs_prompt and not self.prompt_done
+            self.state = GroupState.PROMPT_PENDING if waits else GroupState.CLOSED
             return self.state is GroupState.CLOSED
         return False
 
     def complete_prompt(self) -> None:
+        """Record the prompt backward; one that arrives before the trajectories ended is held
+        (the events that end them may still be on other edges)."""
         if not self.needs_prompt:
             raise TrackerError(f"the prompt backward of group {self.group_id!r} was reported, but "
                                "this tracker does not wait for backward")
-        if self.state is not GroupState.PROMPT_PENDING:
-            detail = "; ".join(self.pending()) if self.state is GroupState.OPEN else "it is closed"
-            raise TrackerError(f"the prompt backward of group {self.group_id!r} was reported too "
-                               f"early or twice ({self.state.value}): {detail}")
-        self.state = GroupState.CLOSED
+        if self.prompt_done or self.state is GroupState.CLOSED:
+            raise TrackerError(f"the prompt backward of group {self.group_id!r} was reported twice")
+        self.prompt_done = True
+        if self.state is GroupState.PROMPT_PENDING:
+            self.state = GroupState.CLOSED
 
 
 @dataclass
