@@ -35,6 +35,7 @@ _LAZY: dict[str, str] = {
     "StreamingRun": "thundersync.engine",
     "RewardLinearBackward": "thundersync.grpo",
     "OPDStream": "thundersync.opd",
+    "StreamingTrainer": "thundersync.stages.step",
     "TorchGenerator": "thundersync.generation.torch_generator",
     "VLLMGenerator": "thundersync.generation.vllm_generator",
     "OpenAIGenerator": "thundersync.generation.openai_generator",

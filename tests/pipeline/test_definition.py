@@ -101,7 +101,7 @@ def test_stage_capacity_overrides_the_run_default() -> None:
         ('[stages.reward]\ntype = "reward"\nfactr = 1\n',
          r"^stages\.reward\.factr: unknown field; valid fields: reads, capacity, output, objects, concurrency$"),
         ('[stages.reward]\ntype = "rewrd"\n',
-         r"^stages\.reward\.type: unknown stage type 'rewrd'; known: source, generate, reward, teacher, close, step$"),
+         r"^stages\.reward\.type: unknown stage type 'rewrd'; known: source, generate, reward, teacher, backward, close, step$"),
         ('[stages.reward]\nconcurrency = 1\n', r"^stages\.reward\.type: missing required field \(one of: source, "),
         ('[stages.src]\ntype = "source"\nprompts = [[1], [-2]]\n', r"^stages\.src\.prompts\[1\]\[0\]: Expected `int` >= 0$"),
         ('[stages.src]\ntype = "source"\n', r"^stages\.src\.prompts: missing required field$"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Final
 
 from thundersync.pipeline.stage import Stage
+from thundersync.stages.backward import BackwardStage
 from thundersync.stages.close import CloseStage
 from thundersync.stages.generate import GenerateStage
 from thundersync.stages.reward import RewardStage
@@ -22,6 +23,7 @@ REGISTRY: Final[dict[str, type[Stage]]] = {
     "generate": GenerateStage,
     "reward": RewardStage,
     "teacher": TeacherStage,
+    "backward": BackwardStage,
     "close": CloseStage,
     "step": StepStage,
 }

@@ -4,22 +4,25 @@ Consumes: BatchReady. Produces: StepDone, then PolicyPublished. Waits for: the `
 step (without one it only counts versions, as in tests and dry runs). Unblocked by: close
 announcing BatchReady.
 
-Runtime objects: ``trainer``, any :class:`Trainer` (the streaming engine's safe-to-step check,
-clipping and optimizer step live behind it), and ``policy``, the
+Runtime objects: ``trainer``, any :class:`Trainer` (:class:`StreamingTrainer` puts the streaming
+engine's safe-to-step check, clipping and the optimizer step behind it), and ``policy``, the
 :class:`~thundersync.pipeline.policy.PolicyClock` that generate waits on.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol, runtime_checkable
+import math
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import anyio
 import msgspec
 
+from thundersync.errors import ConfigError
 from thundersync.events import BatchReady, EventBase, PolicyPublished, StepDone
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
 
-__all__ = ["StepResult", "StepStage", "Trainer"]
+__all__ = ["StepResult", "StepStage", "StreamingTrainer", "Trainer"]
 
 
 class StepResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,6 +39,38 @@ class Trainer(Protocol):
     async def step(self, ready: BatchReady) -> StepResult:
         """Check it is safe to step, clip, step; return once the new weights are live."""
         ...
+
+
+class StreamingTrainer:
+    """The :class:`Trainer` of a streaming objective (the backward stage's): one full-batch update.
+
+    ``step`` waits for the objective's queued work and checks that nothing is pending
+    (``assert_safe_to_step``: afterwards ``p.grad`` holds the batch's gradient), clips the total
+    gradient norm to ``max_grad_norm`` (``None``: no clipping; the norm is reported either way),
+    steps ``optimizer`` and sets the gradients to ``None``. A generator that shares the model
+    (``TorchGenerator``) sees the new weights at once. The work runs in a worker thread.
+    """
+
+    def __init__(self, objective: Any, optimizer: Any, *, max_grad_norm: float | None = None) -> None:
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ConfigError(f"max_grad_norm is {max_grad_norm!r}; give a positive norm, or None for no clipping")
+        self.objective = objective
+        self.optimizer = optimizer
+        self.max_grad_norm = max_grad_norm
+
+    async def step(self, ready: BatchReady) -> StepResult:
+        return await anyio.to_thread.run_sync(self._step)
+
+    def _step(self) -> StepResult:
+        import torch
+
+        self.objective.assert_safe_to_step()
+        params = self.objective.run.params
+        limit = math.inf if self.max_grad_norm is None else self.max_grad_norm
+        norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(grad_norm=norm)
 
 
 class StepStage(Stage):

@@ -1,0 +1,293 @@
+"""The backward stage: events in any order that the edges allow give the dense full-batch gradient.
+
+Each case draws a batch shaped like a pipeline's (trajectories of actions with observations between
+them, ending with a final action), sends its events to the stage in a random order that keeps
+each trajectory's turns in order but lets rewards and teacher scores arrive early or late, and
+compares the gradient after ``assert_safe_to_step`` with the ordinary forward + ``backward()`` of
+the same batch (fp64, 1e-10). A whole graph (generate, tools, reward, backward, close, step)
+is checked the same way.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import anyio
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import thundersync
+from tests.engine.tiny_models import tiny_qwen3
+from tests.grpo import grpo_cases
+from tests.opd import opd_cases
+from thundersync.errors import ConfigError, StageFailed
+from thundersync.events import (
+    ActionGenerated,
+    BackwardDone,
+    EventBase,
+    GroupOpened,
+    PromptSubmitted,
+    Rewarded,
+    StepDone,
+    TeacherScored,
+    ToolObserved,
+)
+from thundersync.pipeline import Graph, Pipeline, Stage
+from thundersync.pipeline.policy import PolicyClock
+from thundersync.pipeline.stage import Inbox, Outbox
+from thundersync.stages.backward import BackwardStage
+from thundersync.stages.close import CloseStage
+from thundersync.stages.generate import GenerateStage
+from thundersync.stages.reward import RewardStage
+from thundersync.stages.step import StepStage, StreamingTrainer
+from thundersync.testing import FakeScorer, ScriptedGenerator, ScriptedTool
+
+VOCAB = grpo_cases.VOCAB
+RunStage = Callable[[Stage, Sequence[EventBase]], Any]
+CASES = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _kinds(draw: st.DrawFn) -> list[bool]:
+    """Action (True) and observation turns, alternating, starting and ending with an action."""
+    actions = draw(st.integers(1, 3))
+    return [k % 2 == 0 for k in range(2 * actions - 1)]
+
+
+@st.composite
+def grpo_plans(draw: st.DrawFn) -> list[grpo_cases.Group]:
+    plan = []
+    for _ in range(draw(st.integers(1, 2))):
+        prompt = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6))
+        trajectories = []
+        for _ in range(draw(st.integers(1, 4))):
+            turns = []
+            for action in _kinds(draw):
+                n = draw(st.integers(1, 5))
+                tokens = draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n))
+                scored = draw(st.lists(st.booleans(), min_size=n, max_size=n)) if action else [False] * n
+                turns.append(grpo_cases.Turn(tokens, scored))
+            trajectories.append(grpo_cases.Trajectory(turns, draw(st.sampled_from([0.0, 1.0, -0.5, 2.0]))))
+        plan.append(grpo_cases.Group(prompt, trajectories))
+    return plan
+
+
+@st.composite
+def opd_plans(draw: st.DrawFn) -> opd_cases.Plan:
+    plan: opd_cases.Plan = {}
+    for g in range(draw(st.integers(1, 2))):
+        group = opd_cases.Group(draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6)))
+        for i in range(draw(st.integers(1, 3))):
+            turns = [draw(opd_cases.turns(action=a, with_behaviour=draw(st.booleans()))) for a in _kinds(draw)]
+            group.trajectories[f"t{i}"] = opd_cases.Trajectory(turns)
+        plan[f"g{g}"] = group
+    return plan
+
+
+def _turn_events(group: Any, trajectory: Any, turns: list[Any], early: Callable[[int, Any], EventBase | None]
+                 ) -> tuple[list[EventBase], list[EventBase]]:
+    """(turn events in order, events of other edges), with action ``k``'s extra event from ``early``."""
+    ordered: list[EventBase] = []
+    others: list[EventBase] = []
+    for k, turn in enumerate(turns):
+        if k % 2:
+            ordered.append(ToolObserved(group_id=group, trajectory_id=trajectory, turn=k, token_ids=turn.tokens))
+            continue
+        behaviour = getattr(turn, "behaviour", None)
+        per_token = iter(behaviour or [])
+        ordered.append(ActionGenerated(
+            group_id=group, trajectory_id=trajectory, turn=k, token_ids=turn.tokens, scored=turn.scored,
+            behaviour_logprobs=[next(per_token) if s else -9.0 for s in turn.scored] if behaviour else [],
+            final=k == len(turns) - 1))
+        extra = early(k, turn)
+        if extra is not None:
+            others.append(extra)
+    return ordered, others
+
+
+def _shuffle(opened: list[EventBase], queues: list[list[EventBase]], loose: list[EventBase],
+             rng: random.Random) -> list[EventBase]:
+    """Group openings first; each queue keeps its order; loose events land anywhere after them."""
+    events = list(opened)
+    merged: list[EventBase] = []
+    pending = [list(q) for q in queues if q]
+    while pending:
+        queue = rng.choice(pending)
+        merged.append(queue.pop(0))
+        if not queue:
+            pending.remove(queue)
+    for event in loose:
+        merged.insert(rng.randrange(len(merged) + 1), event)
+    return events + merged
+
+
+def _check_done(out: list[EventBase], expected_turns: set[tuple[Any, Any, int]], groups: set[Any]) -> None:
+    assert all(isinstance(e, BackwardDone) for e in out)
+    turns = [(e.group_id, e.trajectory_id, e.turn) for e in out if e.trajectory_id is not None]
+    assert sorted(map(repr, turns)) == sorted(map(repr, expected_turns))  # each action turn once
+    prompt_at = {e.group_id: i for i, e in enumerate(out) if e.trajectory_id is None}
+    assert set(prompt_at) == groups
+    for i, e in enumerate(out):  # a group's prompt comes after all of its turns
+        if e.trajectory_id is not None:
+            assert i < prompt_at[e.group_id]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+@CASES
+@given(plan=grpo_plans(), seed=st.integers(0, 2**16))
+def test_grpo_events_in_any_edge_order_give_the_dense_gradient(run_stage: RunStage, estimator: str,
+                                                             plan: list[grpo_cases.Group], seed: int) -> None:
+    model = tiny_qwen3(torch.float64)
+    grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model, pack_tokens=int(seed % 3) * 8),
+                                            estimator=estimator)
+    rng = random.Random(seed)
+    opened, queues, loose, turns = [], [], [], set()
+    for g, group in enumerate(plan):
+        ids = list(range(len(group.trajectories)))
+        opened.append(GroupOpened(group_id=g, prompt_tokens=group.prompt, trajectory_ids=ids))
+        for i, traj in enumerate(group.trajectories):
+            ordered, _ = _turn_events(g, i, traj.turns, lambda k, turn: None)
+            queues.append(ordered)
+            loose.append(Rewarded(group_id=g, trajectory_id=i, reward=traj.reward))  # before or after the final action
+            turns.update((g, i, k) for k in range(0, len(traj.turns), 2))
+    out = anyio.run(run_stage, BackwardStage(objective=grpo), _shuffle(opened, queues, loose, rng))
+    _check_done(out, turns, set(range(len(plan))))
+    grpo.assert_safe_to_step()
+    got = grpo_cases.grads(model)
+    model.zero_grad(set_to_none=True)
+    grpo_cases.dense_objective(model, plan, estimator, 1e-6).backward()
+    assert grpo_cases.relative_error(got, grpo_cases.grads(model)) < 1e-10
+
+
+@CASES
+@given(plan=opd_plans(), seed=st.integers(0, 2**16))
+def test_opd_actions_wait_for_their_teacher_scores_and_give_the_dense_gradient(run_stage: RunStage,
+                                                                            plan: opd_cases.Plan, seed: int) -> None:
+    model = tiny_qwen3(torch.float64)
+    opd = thundersync.OPDStream(thundersync.StreamingRun(model), normalization="token_mean")
+    rng = random.Random(seed)
+    opened, queues, loose, turns = [], [], [], set()
+    for g, group in plan.items():
+        opened.append(GroupOpened(group_id=g, prompt_tokens=group.prompt, trajectory_ids=list(group.trajectories)))
+        for t, traj in group.trajectories.items():
+            ordered, scores = _turn_events(g, t, traj.turns, lambda k, turn, g=g, t=t: TeacherScored(
+                group_id=g, trajectory_id=t, turn=k, teacher_logprobs=turn.teacher))
+            queues.append(ordered)
+            loose += scores  # teacher scores may come before their action
+            turns.update((g, t, k) for k in range(0, len(traj.turns), 2))
+    out = anyio.run(run_stage, BackwardStage(objective=opd), _shuffle(opened, queues, loose, rng))
+    _check_done(out, turns, set(plan))
+    opd.assert_safe_to_step()
+    got = opd_cases.collect_grads(model)
+    assert opd_cases.relative_error(got, opd_cases.dense_reference_grads(model, plan, "token_mean")) < 1e-10
+
+
+class _Recorder(Stage):
+    """Keeps what generate and reward send: the batch for the dense reference."""
+
+    consumes: ClassVar[tuple[type[EventBase], ...]] = (GroupOpened, ActionGenerated, ToolObserved, Rewarded)
+    produces: ClassVar[tuple[type[EventBase], ...]] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[EventBase] = []
+
+    async def run(self, inbox: Inbox, outbox: Outbox) -> None:
+        async for event in inbox:
+            self.events.append(event)
+
+
+class _GradientsOnly:
+    """An optimizer that keeps each step's gradients and leaves the parameters alone."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.steps: list[list[torch.Tensor | None]] = []
+
+    def step(self) -> None:
+        self.steps.append([None if p.grad is None else p.grad.clone() for p in self.params])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+def _plans_by_batch(events: list[EventBase]) -> dict[Any, list[grpo_cases.Group]]:
+    groups: dict[Any, tuple[Any, grpo_cases.Group, dict[Any, grpo_cases.Trajectory]]] = {}
+    for e in events:
+        if isinstance(e, GroupOpened):
+            trajectories = {t: grpo_cases.Trajectory([], 0.0) for t in e.trajectory_ids}
+            groups[e.group_id] = (e.batch_id, grpo_cases.Group(list(e.prompt_tokens), list(trajectories.values())),
+                                  trajectories)
+        elif isinstance(e, ActionGenerated | ToolObserved):
+            scored = (e.scored or [True] * len(e.token_ids)) if isinstance(e, ActionGenerated) else [False] * len(e.token_ids)
+            groups[e.group_id][2][e.trajectory_id].turns.append(grpo_cases.Turn(list(e.token_ids), scored))
+        elif isinstance(e, Rewarded):
+            groups[e.group_id][2][e.trajectory_id].reward = e.reward
+    batches: dict[Any, list[grpo_cases.Group]] = {}
+    for batch, group, _ in groups.values():
+        batches.setdefault(batch, []).append(group)
+    return batches
+
+
+def test_a_whole_grpo_graph_steps_on_the_dense_gradient_of_each_batch(run_stage: RunStage) -> None:
+    model = tiny_qwen3(torch.float64)
+    run = thundersync.StreamingRun(model, pack_tokens=16)
+    grpo = thundersync.RewardLinearBackward(run)
+    optimizer = _GradientsOnly(run.params)
+    policy, recorder = PolicyClock(), _Recorder()
+    graph = (Graph()
+             .add("generate", GenerateStage(GenerateStage.Config(turns=3, max_new_tokens=6),
+                                            generator=ScriptedGenerator(vocab_size=VOCAB),
+                                            tools=ScriptedTool(vocab_size=VOCAB, end_token=5), policy=policy),
+                  reads=["input"])
+             .add("reward", RewardStage(scorer=FakeScorer()), reads=["generate"])
+             .add("record", recorder, reads=["generate", "reward"])
+             .add("backward", BackwardStage(objective=grpo), reads=["generate", "reward"])
+             .add("close", CloseStage(CloseStage.Config(wait_for=("reward", "backward"))),
+                  reads=["generate", "reward", "backward"])
+             .add("step", StepStage(trainer=StreamingTrainer(grpo, optimizer), policy=policy), reads=["close"],
+                  output=True))
+    prompts = [PromptSubmitted(group_id=(b, g), prompt_tokens=[10 + g, 20 + b, 30], num_trajectories=3, batch_id=b,
+                               groups_in_batch=2) for b in range(2) for g in range(2)]
+
+    async def main() -> list[EventBase]:
+        out = []
+        async with Pipeline(graph) as pipeline:
+            for prompt in prompts:
+                await pipeline.send(prompt)
+            await pipeline.close()
+            async for event in pipeline.results():
+                out.append(event)
+        return out
+
+    out = anyio.run(main)
+    assert [e.policy_version for e in out if isinstance(e, StepDone)] == [1, 2]
+    batches = _plans_by_batch(recorder.events)
+    assert sorted(batches) == [0, 1] and len(optimizer.steps) == 2
+    for batch, got in zip(sorted(batches), optimizer.steps):
+        model.zero_grad(set_to_none=True)
+        grpo_cases.dense_objective(model, batches[batch], "grpo", 1e-6).backward()
+        assert grpo_cases.relative_error(got, grpo_cases.grads(model)) < 1e-10
+
+
+def test_misuse_is_refused_with_clear_messages(run_stage: RunStage) -> None:
+    with pytest.raises(ConfigError, match="objective is a dict; give it a thundersync.RewardLinearBackward"):
+        BackwardStage(objective={})
+    grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(tiny_qwen3(torch.float64)))
+    early = [ActionGenerated(group_id="g", trajectory_id=0, turn=0, token_ids=[1], final=True)]
+    with pytest.raises(StageFailed, match="got a ActionGenerated of group 'g' before its GroupOpened"):
+        anyio.run(run_stage, BackwardStage(objective=grpo), early)
+    unlisted = [GroupOpened(group_id="g", prompt_tokens=[1])]
+    with pytest.raises(StageFailed, match="GroupOpened of group 'g' lists no trajectory ids"):
+        anyio.run(run_stage, BackwardStage(objective=grpo), unlisted)
+    grpo.discard()
+    unfinished = [GroupOpened(group_id="g", prompt_tokens=[1], trajectory_ids=[0]),
+                  ActionGenerated(group_id="g", trajectory_id=0, turn=0, token_ids=[1, 2], final=True)]
+    with pytest.raises(StageFailed, match=r"groups 'g' are still open in the objective; .* their reward"):
+        anyio.run(run_stage, BackwardStage(objective=grpo), unfinished)
+    with pytest.raises(ConfigError, match="max_grad_norm is 0"):
+        StreamingTrainer(grpo, None, max_grad_norm=0)
