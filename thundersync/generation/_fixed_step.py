@@ -111,7 +111,9 @@ class CapturedStep:
                 self.step(key_len, filtered)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: in a pipeline the engine's worker thread keeps launching backward work
+        # while generation captures; "global" would forbid its CUDA calls during the capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self.step(key_len, filtered)
         for tensor, value in zip(state, saved, strict=True):
             tensor.copy_(value)
