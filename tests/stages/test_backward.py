@@ -44,7 +44,8 @@ from thundersync.stages.close import CloseStage
 from thundersync.stages.generate import GenerateStage
 from thundersync.stages.reward import RewardStage
 from thundersync.stages.step import StepStage, StreamingTrainer
-from thundersync.testing import FakeScorer, ScriptedGenerator, ScriptedTool
+from thundersync.stages.teacher import TeacherStage
+from thundersync.testing import FakeScorer, FakeTeacher, ScriptedGenerator, ScriptedTool
 
 VOCAB = grpo_cases.VOCAB
 RunStage = Callable[[Stage, Sequence[EventBase]], Any]
@@ -186,9 +187,10 @@ def test_opd_actions_wait_for_their_teacher_scores_and_give_the_dense_gradient(r
 
 
 class _Recorder(Stage):
-    """Keeps what generate and reward send: the batch for the dense reference."""
+    """Keeps what generate, reward and teacher send: the batch for the dense reference."""
 
-    consumes: ClassVar[tuple[type[EventBase], ...]] = (GroupOpened, ActionGenerated, ToolObserved, Rewarded)
+    consumes: ClassVar[tuple[type[EventBase], ...]] = (GroupOpened, ActionGenerated, ToolObserved, Rewarded,
+                                                       TeacherScored)
     produces: ClassVar[tuple[type[EventBase], ...]] = ()
 
     def __init__(self) -> None:
@@ -215,63 +217,93 @@ class _GradientsOnly:
             p.grad = None
 
 
-def _plans_by_batch(events: list[EventBase]) -> dict[Any, list[grpo_cases.Group]]:
-    groups: dict[Any, tuple[Any, grpo_cases.Group, dict[Any, grpo_cases.Trajectory]]] = {}
-    for e in events:
-        if isinstance(e, GroupOpened):
-            trajectories = {t: grpo_cases.Trajectory([], 0.0) for t in e.trajectory_ids}
-            groups[e.group_id] = (e.batch_id, grpo_cases.Group(list(e.prompt_tokens), list(trajectories.values())),
-                                  trajectories)
-        elif isinstance(e, ActionGenerated | ToolObserved):
-            scored = (e.scored or [True] * len(e.token_ids)) if isinstance(e, ActionGenerated) else [False] * len(e.token_ids)
-            groups[e.group_id][2][e.trajectory_id].turns.append(grpo_cases.Turn(list(e.token_ids), scored))
-        elif isinstance(e, Rewarded):
-            groups[e.group_id][2][e.trajectory_id].reward = e.reward
-    batches: dict[Any, list[grpo_cases.Group]] = {}
-    for batch, group, _ in groups.values():
-        batches.setdefault(batch, []).append(group)
-    return batches
-
-
-def test_a_whole_grpo_graph_steps_on_the_dense_gradient_of_each_batch(run_stage: RunStage) -> None:
-    model = tiny_qwen3(torch.float64)
-    run = thundersync.StreamingRun(model, pack_tokens=16)
-    grpo = thundersync.RewardLinearBackward(run)
-    optimizer = _GradientsOnly(run.params)
+def _run_graph(objective: Any, scores: tuple[str, Stage]) -> tuple[_Recorder, _GradientsOnly]:
+    """generate (3 turns, a tool) -> reward or teacher -> backward -> close -> step, two batches of two groups."""
+    optimizer = _GradientsOnly(objective.run.params)
     policy, recorder = PolicyClock(), _Recorder()
+    name, stage = scores
     graph = (Graph()
              .add("generate", GenerateStage(GenerateStage.Config(turns=3, max_new_tokens=6),
                                             generator=ScriptedGenerator(vocab_size=VOCAB),
                                             tools=ScriptedTool(vocab_size=VOCAB, end_token=5), policy=policy),
                   reads=["input"])
-             .add("reward", RewardStage(scorer=FakeScorer()), reads=["generate"])
-             .add("record", recorder, reads=["generate", "reward"])
-             .add("backward", BackwardStage(objective=grpo), reads=["generate", "reward"])
-             .add("close", CloseStage(CloseStage.Config(wait_for=("reward", "backward"))),
-                  reads=["generate", "reward", "backward"])
-             .add("step", StepStage(trainer=StreamingTrainer(grpo, optimizer), policy=policy), reads=["close"],
+             .add(name, stage, reads=["generate"])
+             .add("record", recorder, reads=["generate", name])
+             .add("backward", BackwardStage(objective=objective), reads=["generate", name])
+             .add("close", CloseStage(CloseStage.Config(wait_for=(name, "backward"))),  # type: ignore[arg-type]
+                  reads=["generate", name, "backward"])
+             .add("step", StepStage(trainer=StreamingTrainer(objective, optimizer), policy=policy), reads=["close"],
                   output=True))
-    prompts = [PromptSubmitted(group_id=(b, g), prompt_tokens=[10 + g, 20 + b, 30], num_trajectories=3, batch_id=b,
-                               groups_in_batch=2) for b in range(2) for g in range(2)]
+    prompts = [PromptSubmitted(group_id=f"{b}.{g}", prompt_tokens=[10 + g, 20 + b, 30], num_trajectories=3,
+                               batch_id=b, groups_in_batch=2) for b in range(2) for g in range(2)]
 
     async def main() -> list[EventBase]:
-        out = []
         async with Pipeline(graph) as pipeline:
             for prompt in prompts:
                 await pipeline.send(prompt)
             await pipeline.close()
-            async for event in pipeline.results():
-                out.append(event)
-        return out
+            return [event async for event in pipeline.results()]
 
     out = anyio.run(main)
     assert [e.policy_version for e in out if isinstance(e, StepDone)] == [1, 2]
-    batches = _plans_by_batch(recorder.events)
-    assert sorted(batches) == [0, 1] and len(optimizer.steps) == 2
-    for batch, got in zip(sorted(batches), optimizer.steps):
+    assert len(optimizer.steps) == 2
+    return recorder, optimizer
+
+
+def _batches(events: list[EventBase]) -> dict[Any, dict[Any, tuple[GroupOpened, dict[Any, list[EventBase]]]]]:
+    """batch -> group -> (its GroupOpened, trajectory -> its events in arrival order)."""
+    batches: dict[Any, dict[Any, tuple[GroupOpened, dict[Any, list[EventBase]]]]] = {}
+    where: dict[Any, dict[Any, list[EventBase]]] = {}
+    for e in events:
+        if isinstance(e, GroupOpened):
+            where[e.group_id] = {t: [] for t in e.trajectory_ids}
+            batches.setdefault(e.batch_id, {})[e.group_id] = (e, where[e.group_id])
+        else:
+            where[e.group_id][e.trajectory_id].append(e)  # type: ignore[attr-defined]
+    return batches
+
+
+def test_a_whole_grpo_graph_steps_on_the_dense_gradient_of_each_batch() -> None:
+    model = tiny_qwen3(torch.float64)
+    grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model, pack_tokens=16))
+    recorder, optimizer = _run_graph(grpo, ("reward", RewardStage(scorer=FakeScorer())))
+    for (_, groups), got in zip(sorted(_batches(recorder.events).items()), optimizer.steps, strict=True):
+        plan = []
+        for opened, trajectories in groups.values():
+            group = grpo_cases.Group(list(opened.prompt_tokens), [])
+            for events in trajectories.values():
+                turns = [grpo_cases.Turn(list(e.token_ids), (e.scored or [True] * len(e.token_ids))
+                                         if isinstance(e, ActionGenerated) else [False] * len(e.token_ids))
+                         for e in events if isinstance(e, ActionGenerated | ToolObserved)]
+                reward = next(e.reward for e in events if isinstance(e, Rewarded))
+                group.trajectories.append(grpo_cases.Trajectory(turns, reward))
+            plan.append(group)
         model.zero_grad(set_to_none=True)
-        grpo_cases.dense_objective(model, batches[batch], "grpo", 1e-6).backward()
+        grpo_cases.dense_objective(model, plan, "grpo", 1e-6).backward()
         assert grpo_cases.relative_error(got, grpo_cases.grads(model)) < 1e-10
+
+
+def test_a_whole_opd_graph_steps_on_the_dense_gradient_of_each_batch() -> None:
+    model = tiny_qwen3(torch.float64)
+    opd = thundersync.OPDStream(thundersync.StreamingRun(model, pack_tokens=16))
+    recorder, optimizer = _run_graph(opd, ("teacher", TeacherStage(teacher=FakeTeacher())))
+    for (_, groups), got in zip(sorted(_batches(recorder.events).items()), optimizer.steps, strict=True):
+        plan: opd_cases.Plan = {}
+        for gid, (opened, trajectories) in groups.items():
+            group = plan[gid] = opd_cases.Group(list(opened.prompt_tokens))
+            for tid, events in trajectories.items():
+                teacher = {e.turn: e.teacher_logprobs for e in events if isinstance(e, TeacherScored)}
+                turns = []
+                for e in events:
+                    if isinstance(e, ToolObserved):
+                        turns.append(opd_cases.Turn(list(e.token_ids), [False] * len(e.token_ids), [], None))
+                    elif isinstance(e, ActionGenerated):  # ScriptedGenerator scores every token
+                        turns.append(opd_cases.Turn(list(e.token_ids), [True] * len(e.token_ids), teacher[e.turn],
+                                                    list(e.behaviour_logprobs)))
+                group.trajectories[tid] = opd_cases.Trajectory(turns)
+        want = opd_cases.dense_reference_grads(model, plan, "token_mean")
+        names = [name for name, p in model.named_parameters() if p.requires_grad]
+        assert opd_cases.relative_error(dict(zip(names, got, strict=True)), want) < 1e-10  # type: ignore[arg-type]
 
 
 def test_misuse_is_refused_with_clear_messages(run_stage: RunStage) -> None:
