@@ -4,8 +4,8 @@ Each case draws a batch shaped like a pipeline's (trajectories of actions with o
 them, ending with a final action), sends its events to the stage in a random order that keeps
 each trajectory's turns in order but lets rewards and teacher scores arrive early or late, and
 compares the gradient after ``assert_safe_to_step`` with the ordinary forward + ``backward()`` of
-the same batch (fp64, 1e-10). A whole graph (generate, tools, reward, backward, close, step)
-is checked the same way.
+the same batch (fp64, 1e-10). Whole graphs (generate, tools, reward or teacher, backward, close,
+step) are checked the same way.
 """
 
 from __future__ import annotations
@@ -304,6 +304,27 @@ def test_a_whole_opd_graph_steps_on_the_dense_gradient_of_each_batch() -> None:
         want = opd_cases.dense_reference_grads(model, plan, "token_mean")
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         assert opd_cases.relative_error(dict(zip(names, got, strict=True)), want) < 1e-10  # type: ignore[arg-type]
+
+
+def test_a_run_that_failed_mid_batch_is_discarded_when_the_graph_runs_again(run_stage: RunStage) -> None:
+    model = tiny_qwen3(torch.float64)
+    grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model))
+    stage = BackwardStage(objective=grpo)
+    plan = [grpo_cases.Group([3, 4], [grpo_cases.Trajectory([grpo_cases.Turn([5, 6, 7], [True, False, True])], r)
+                                      for r in (0.0, 1.0)])]
+    opened = GroupOpened(group_id="g", prompt_tokens=[3, 4], trajectory_ids=[0, 1])
+    actions = [ActionGenerated(group_id="g", trajectory_id=i, turn=0, token_ids=[5, 6, 7], scored=[True, False, True],
+                               final=True) for i in (0, 1)]
+    rewards = [Rewarded(group_id="g", trajectory_id=i, reward=r) for i, r in ((0, 0.0), (1, 1.0))]
+    with pytest.raises(StageFailed, match="groups 'g' are still open"):  # the second reward never came
+        anyio.run(run_stage, stage, [opened, *actions, rewards[0]])
+    out = anyio.run(run_stage, stage, [opened, *actions, *rewards])
+    assert out[-1] == BackwardDone(group_id="g")
+    grpo.assert_safe_to_step()
+    got = grpo_cases.grads(model)
+    model.zero_grad(set_to_none=True)
+    grpo_cases.dense_objective(model, plan, "grpo", 1e-6).backward()
+    assert grpo_cases.relative_error(got, grpo_cases.grads(model)) < 1e-10
 
 
 def test_misuse_is_refused_with_clear_messages(run_stage: RunStage) -> None:

@@ -23,6 +23,9 @@ BackwardDone means the work is in the objective's queue; the step stage's
 before the optimizer steps, so the update is the full-batch one. The objective's calls run in a
 worker thread, one at a time, so a CPU backward never blocks the event loop.
 
+A run that fails mid-batch leaves the batch in the objective; the next run of the graph discards
+it first (``objective.discard()``: ``p.grad`` goes back to what it was before the batch).
+
 Logical batches must not overlap: give generate and step one
 :class:`~thundersync.pipeline.policy.PolicyClock`, so that the next batch's groups open only after
 the step (the objective refuses to step with a group still open). No stage reports failed
@@ -102,7 +105,9 @@ class BackwardStage(Stage):
         return (GroupOpened, ActionGenerated, Rewarded if self.grpo else TeacherScored)
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
-        self._groups.clear()  # each run of the graph starts from no groups
+        if self._groups:  # an earlier run of the graph failed mid-batch: its partial batch is dropped
+            await self._call(self.objective.discard)
+            self._groups.clear()
         async for event in inbox:
             for done in await self.handle(event):
                 await outbox.send(done)
