@@ -342,5 +342,10 @@ def test_misuse_is_refused_with_clear_messages(run_stage: RunStage) -> None:
                   ActionGenerated(group_id="g", trajectory_id=0, turn=0, token_ids=[1, 2], final=True)]
     with pytest.raises(StageFailed, match=r"groups 'g' are still open in the objective; .* their reward"):
         anyio.run(run_stage, BackwardStage(objective=grpo), unfinished)
+    grpo.discard()
+    twice = [GroupOpened(group_id="g", prompt_tokens=[1], trajectory_ids=[0]),
+             Rewarded(group_id="g", trajectory_id=0, reward=1.0), Rewarded(group_id="g", trajectory_id=0, reward=0.5)]
+    with pytest.raises(StageFailed, match=r"the reward of trajectory 0 of group 'g' came twice \(1.0, then 0.5\)"):
+        anyio.run(run_stage, BackwardStage(objective=grpo), twice)
     with pytest.raises(ConfigError, match="max_grad_norm is 0"):
         StreamingTrainer(grpo, None, max_grad_norm=0)

@@ -128,9 +128,14 @@ class BackwardStage(Stage):
                 raise PipelineError(f"the backward stage got a {type(event).__name__} of group {event.group_id!r} "
                                     "before its GroupOpened; make it read from the stage that opens groups")
             trajectory = group.trajectory(event.group_id, event.trajectory_id)
+            where = f"trajectory {event.trajectory_id!r} of group {event.group_id!r}"
             if isinstance(event, TeacherScored):
+                if event.turn in trajectory.teacher:
+                    raise PipelineError(f"teacher scores of turn {event.turn} of {where} came twice")
                 trajectory.teacher[event.turn] = list(event.teacher_logprobs)
             elif isinstance(event, Rewarded):
+                if trajectory.reward is not None:
+                    raise PipelineError(f"the reward of {where} came twice ({trajectory.reward}, then {event.reward})")
                 trajectory.reward = event.reward
             else:
                 trajectory.waiting.append(event)
