@@ -94,6 +94,8 @@ def pack_step(an: anatomy.DecoderAnatomy, chunks: list[ChunkSpec]) -> Callable[[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model on CPU (seconds)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the table, profile one 64-token pack (ours): ops and kernels by count and host time")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
@@ -124,6 +126,26 @@ def main() -> None:
     print(header("python bench/engine_pack.py" + (" --tiny" if args.tiny else "")))
     print(f"model: {layers} layers, hidden {model.config.hidden_size}, dtype {an.dtype}; forward+backward of one pack\n")
     print(markdown_table(["pack", "tokens", "modules ms", "ours ms", "ours speedup", "triton norm ms", "triton speedup"], rows))
+    if args.profile:
+        profile(pack_step(an, cases[0][1]), cuda)
+
+
+def profile(step: Callable[[], None], cuda: bool) -> None:
+    """One profiled pack step (after a warm-up): where the host time goes, op by op."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    step()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with torch_profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
+    ops = sum(e.count for e in events if e.key.startswith("aten::") and e.device_type.name == "CPU")
+    print(f"\nprofile of one pack step: {ops} aten op calls (nested calls included), {kernels} CUDA kernels\n")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 if __name__ == "__main__":
