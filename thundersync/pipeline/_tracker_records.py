@@ -195,9 +195,9 @@ class GroupRecord:
             return self.state is GroupState.CLOSED
         return False
 
-    def complete_prompt(self) -> None:
-        """Record the prompt backward; one that arrives before the trajectories ended is held
-        (the events that end them may still be on other edges)."""
+    def complete_prompt(self) -> bool:
+        """Record the prompt backward; return True when the group closed now. One that arrives
+        before the trajectories ended is held (the events that end them may still be on other edges)."""
         if not self.needs_prompt:
             raise TrackerError(f"the prompt backward of group {self.group_id!r} was reported, but "
                                "this tracker does not wait for backward")
@@ -206,6 +206,8 @@ class GroupRecord:
         self.prompt_done = True
         if self.state is GroupState.PROMPT_PENDING:
             self.state = GroupState.CLOSED
+            return True
+        return False
 
 
 @dataclass

@@ -132,9 +132,7 @@ class Tracker:
     def complete_prompt(self, group_id: Id) -> list[EventBase]:
         """Record that a group's prompt backward is done; the group closes once its trajectories ended."""
         group = self._group(group_id)
-        pending = group.state is GroupState.PROMPT_PENDING
-        group.complete_prompt()
-        if not pending:
+        if not group.complete_prompt():
             return []  # held until the trajectories end
         return [GroupClosed(group_id=group_id, num_trajectories=self._closed_count(group)),
                 *self._batch_events(self._batches[group.batch_id])]

@@ -72,6 +72,7 @@ class _Trajectory:
 class _Group:
     trajectory_ids: frozenset[Id]
     trajectories: dict[Id, _Trajectory] = field(default_factory=dict)
+    closed: int = 0  # trajectories closed in the objective
 
     def trajectory(self, group_id: Id, trajectory_id: Id) -> _Trajectory:
         if trajectory_id not in self.trajectory_ids:
@@ -177,7 +178,8 @@ class BackwardStage(Stage):
             else:
                 await self._call(self.objective.close_trajectory, group_id, trajectory_id)
             trajectory.closed = True
-            if all(t.closed for t in group.trajectories.values()) and len(group.trajectories) == len(group.trajectory_ids):
+            group.closed += 1
+            if group.closed == len(group.trajectory_ids):
                 await self._call(self.objective.close_group, group_id)
                 del self._groups[group_id]
                 done.append(BackwardDone(group_id=group_id))
