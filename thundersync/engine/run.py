@@ -14,8 +14,8 @@ call then adds the total into ``p.grad`` (one cast per parameter) and ends the b
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -23,9 +23,11 @@ from torch import nn
 from thundersync.engine._accum import FlatAccumulator, GradCapture, ParamLayout
 from thundersync.engine._worker import Worker
 from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy
-from thundersync.errors import ConfigError, UnsafeStepError
+from thundersync.errors import ConfigError, UnknownIdError, UnsafeStepError
 
 __all__ = ["StreamingRun"]
+
+_Group = TypeVar("_Group")
 
 
 class StreamingRun:
@@ -95,6 +97,14 @@ class StreamingRun:
                 job()
 
         self.worker.submit(label, run)
+
+    def lookup_group(self, groups: Mapping[Hashable, _Group], group_id: Hashable) -> _Group:
+        """An objective's open group ``groups[group_id]``, after raising any failure of queued work."""
+        self.worker.raise_if_failed()
+        group = groups.get(group_id)
+        if group is None:
+            raise UnknownIdError(f"group {group_id!r} is not open (never opened, or already closed); open_group() it first")
+        return group
 
     def token_ids(self, tokens: Any, what: str) -> list[int]:
         """Validate token ids (a list of ints or a 1-D integer tensor) against the vocabulary."""

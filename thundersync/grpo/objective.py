@@ -77,7 +77,7 @@ class RewardLinearBackward:
 
     def append_turn(self, group_id: Hashable, trajectory_id: Hashable, tokens: Any, scored: Sequence[bool]) -> None:
         """Append a turn (policy turn: some tokens scored; observation turn: none)."""
-        group = self._group(group_id)
+        group = self.run.lookup_group(self._groups, group_id)
         trajectory = group.trajectories.get(trajectory_id)
         if trajectory is not None and trajectory.reward is not None:
             raise StreamingError(f"trajectory {trajectory_id!r} of group {group_id!r} is closed; cannot append to it")
@@ -89,7 +89,7 @@ class RewardLinearBackward:
 
     def close_trajectory(self, group_id: Hashable, trajectory_id: Hashable, reward: float) -> None:
         """Close a trajectory with its reward; its backward may run now (packed with others)."""
-        group = self._group(group_id)
+        group = self.run.lookup_group(self._groups, group_id)
         trajectory = group.trajectories.get(trajectory_id)
         if trajectory is None:
             raise UnknownIdError(
@@ -108,7 +108,7 @@ class RewardLinearBackward:
 
     def close_group(self, group_id: Hashable) -> None:
         """Close a group: every trajectory must be closed; its combined gradient joins the total."""
-        group = self._group(group_id)
+        group = self.run.lookup_group(self._groups, group_id)
         unclosed = group.unclosed()
         if unclosed:
             raise StreamingError(f"group {group_id!r} has unclosed trajectories {unclosed!r}; close them first")
@@ -155,13 +155,6 @@ class RewardLinearBackward:
         """Bytes of tensors held for open groups plus the run's scratch and total."""
         self.run.worker.join()
         return self.run.retained_bytes() + sum(g.work.nbytes() for g in self._groups.values())
-
-    def _group(self, group_id: Hashable) -> _Group:
-        self.run.worker.raise_if_failed()
-        group = self._groups.get(group_id)
-        if group is None:
-            raise UnknownIdError(f"group {group_id!r} is not open (never opened, or already closed); open_group() it first")
-        return group
 
     def _ensure_prompt_state(self, group_id: Hashable, group: _Group) -> None:
         """Branches that run apart from the prompt read its K/V state: compute it once, first."""

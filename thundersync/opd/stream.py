@@ -90,7 +90,7 @@ class OPDStream:
     def append_turn(self, group_id: Hashable, trajectory_id: Hashable, tokens: Any, scored: Sequence[bool],
                     teacher_logprobs: Any = None, behaviour_logprobs: Any = None) -> None:
         """Append a turn; a turn with scored tokens is backpropagated now (its scores are here)."""
-        group = self._group(group_id)
+        group = self.run.lookup_group(self._groups, group_id)
         trajectory = group.trajectories.get(trajectory_id)
         where = f"trajectory {trajectory_id!r} of group {group_id!r}"
         if trajectory is not None and trajectory.closed:
@@ -113,7 +113,7 @@ class OPDStream:
 
     def close_trajectory(self, group_id: Hashable, trajectory_id: Hashable) -> None:
         """Close a trajectory: its turns' ledgers are replayed in reverse order."""
-        group = self._group(group_id)
+        group = self.run.lookup_group(self._groups, group_id)
         trajectory = group.trajectories.get(trajectory_id)
         where = f"trajectory {trajectory_id!r} of group {group_id!r}"
         if trajectory is None:
@@ -126,7 +126,7 @@ class OPDStream:
 
     def close_group(self, group_id: Hashable) -> None:
         """Close a group: every trajectory must be closed; the prompt's ledger is replayed once."""
-        group = self._group(group_id)
+        group = self.run.lookup_group(self._groups, group_id)
         unclosed = [tid for tid, t in group.trajectories.items() if not t.closed]
         if unclosed:
             raise StreamingError(f"group {group_id!r} has unclosed trajectories {unclosed!r}; close them first")
@@ -180,13 +180,6 @@ class OPDStream:
         closed = self._replays.take()
         if closed:
             _replay.replay_trajectories(self.run, self._sink, closed)
-
-    def _group(self, group_id: Hashable) -> GroupState:
-        self.run.worker.raise_if_failed()
-        group = self._groups.get(group_id)
-        if group is None:
-            raise UnknownIdError(f"group {group_id!r} is not open (never opened, or already closed); open_group() it first")
-        return group
 
     def _pending(self) -> list[str]:
         if not self._groups:
