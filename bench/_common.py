@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["machine", "markdown_table", "median_seconds", "header"]
+__all__ = ["header", "machine", "markdown_table", "median_seconds"]
 
 
 def machine() -> str:

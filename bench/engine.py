@@ -37,9 +37,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import thundersync  # noqa: E402
-from bench._common import header, markdown_table  # noqa: E402
-from thundersync.kernels import linear_logprobs  # noqa: E402
+import thundersync
+from bench._common import header, markdown_table
+from thundersync.kernels import linear_logprobs
 
 EPS = 1e-6
 
@@ -59,7 +59,9 @@ class Group:
 Batch = list[Group]
 
 
-def make_batch(rng: random.Random, vocab: int, groups: int, size: int, prompt: tuple[int, int], response: tuple[int, int]) -> Batch:
+def make_batch(
+    rng: random.Random, vocab: int, groups: int, size: int, prompt: tuple[int, int], response: tuple[int, int]
+) -> Batch:
     """Long-tailed response lengths: 64 * lognormal(1.5, 1.0) clipped to ``response`` (mean ~470)."""
     lo, hi = response
     scale = lo
@@ -143,12 +145,27 @@ def make_model(tiny: bool, device: torch.device, dtype: torch.dtype) -> torch.nn
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     if tiny:
-        config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        config = Qwen3Config(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
     else:
-        config = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                             num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                             max_position_embeddings=40960)
+        config = Qwen3Config(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            tie_word_embeddings=True,
+            max_position_embeddings=40960,
+        )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
@@ -156,8 +173,9 @@ def make_model(tiny: bool, device: torch.device, dtype: torch.dtype) -> torch.nn
     return model.eval()
 
 
-def measure(mode: Callable[[torch.nn.Module, Batch], None], model: torch.nn.Module, batch: Batch,
-            cuda: bool, repeat: int) -> tuple[float, float, list[torch.Tensor]]:
+def measure(
+    mode: Callable[[torch.nn.Module, Batch], None], model: torch.nn.Module, batch: Batch, cuda: bool, repeat: int
+) -> tuple[float, float, list[torch.Tensor]]:
     """(median seconds, peak GiB, gradients) of ``mode``; .grad starts as None every run."""
     times, peak = [], 0.0
     for attempt in range(repeat + 1):  # the first run warms up (probes, autotuning, allocator)
@@ -219,21 +237,40 @@ def main() -> None:
         print(f"[done] {name}: {seconds:.3f} s, peak {peak:.2f} GiB", file=sys.stderr, flush=True)
         dense_time = dense_time or seconds
         dense_peak = dense_peak or peak
-        rows.append([name, seconds, tokens / seconds, seconds / dense_time, peak,
-                     peak / dense_peak if dense_peak else float("nan"), relative_error(grads, want)])
+        rows.append(
+            [
+                name,
+                seconds,
+                tokens / seconds,
+                seconds / dense_time,
+                peak,
+                peak / dense_peak if dense_peak else float("nan"),
+                relative_error(grads, want),
+            ]
+        )
     command = "python bench/engine.py" + (" --tiny" if args.tiny else "")
     print(header(command))
-    print(f"batch: {len(batch)} groups x {len(batch[0].trajectories)} trajectories, {tokens} tokens "
-          f"({responses} response tokens), dtype {next(model.parameters()).dtype}\n")
-    print(markdown_table(
-        ["mode", "seconds", "tokens/s", "time vs dense", "peak GiB", "peak vs dense", "rel. err vs fp32 dense"], rows))
+    print(
+        f"batch: {len(batch)} groups x {len(batch[0].trajectories)} trajectories, {tokens} tokens "
+        f"({responses} response tokens), dtype {next(model.parameters()).dtype}\n"
+    )
+    print(
+        markdown_table(
+            ["mode", "seconds", "tokens/s", "time vs dense", "peak GiB", "peak vs dense", "rel. err vs fp32 dense"],
+            rows,
+        )
+    )
     print(f"\nengine error alone (fp32 copy of the model, streaming vs dense): {engine_error:.3g}")
     if args.profile:
         profile(model, batch, cuda)
 
 
-def profile(model: torch.nn.Module, batch: Any, cuda: bool,
-            modes: Sequence[tuple[str, Callable[[torch.nn.Module, Any], None]]] | None = None) -> None:
+def profile(
+    model: torch.nn.Module,
+    batch: Any,
+    cuda: bool,
+    modes: Sequence[tuple[str, Callable[[torch.nn.Module, Any], None]]] | None = None,
+) -> None:
     """The top device kernels of one run of each mode (default: GRPO dense and streaming)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -245,7 +282,9 @@ def profile(model: torch.nn.Module, batch: Any, cuda: bool,
             if cuda:
                 torch.cuda.synchronize()
         key = "cuda_time_total" if cuda else "cpu_time_total"
-        print(f"\n## profile: {name}\n" + prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
+        print(
+            f"\n## profile: {name}\n" + prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60)
+        )
 
 
 if __name__ == "__main__":

@@ -27,12 +27,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import thundersync  # noqa: E402
-from bench._common import header, markdown_table  # noqa: E402
-from bench.engine import make_model, measure, padded_logprobs, profile, relative_error  # noqa: E402
+import thundersync
+from bench._common import header, markdown_table
+from bench.engine import make_model, measure, padded_logprobs, profile, relative_error
+
+
 @dataclass
 class OPDTrajectory:
-    turns: list[list[int]]      # alternating action, observation, action, ...
+    turns: list[list[int]]  # alternating action, observation, action, ...
     teacher: list[list[float]]  # per action turn: one teacher log-prob per token ([] for observations)
 
 
@@ -42,8 +44,16 @@ class OPDGroup:
     trajectories: list[OPDTrajectory]
 
 
-def make_opd_batch(rng: random.Random, vocab: int, groups: int, size: int, prompt: tuple[int, int],
-                   action: tuple[int, int], observation: tuple[int, int], actions: tuple[int, int]) -> list[OPDGroup]:
+def make_opd_batch(
+    rng: random.Random,
+    vocab: int,
+    groups: int,
+    size: int,
+    prompt: tuple[int, int],
+    action: tuple[int, int],
+    observation: tuple[int, int],
+    actions: tuple[int, int],
+) -> list[OPDGroup]:
     """Multi-turn agent trajectories: 2-4 actions with tool observations between them."""
     batch = []
     for _ in range(groups):
@@ -132,12 +142,34 @@ def opd_table(model: torch.nn.Module, tiny: bool, cuda: bool, repeat: int) -> tu
     latencies.sort()
     p50 = latencies[len(latencies) // 2] * 1e3
     p95 = latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))] * 1e3
-    rows.append(["dense OPD (padded micro-batches of 8, fused log-probs)", dense_s, tokens / dense_s, 1.0,
-                 dense_peak, "", "", relative_error(dense_grads, want)])
-    rows.append(["streaming OPD (OPDStream, backward at each action)", stream_s, tokens / stream_s,
-                 stream_s / dense_s, stream_peak, p50, p95, relative_error(stream_grads, want)])
-    info = (f"OPD batch: {len(batch)} groups x {len(batch[0].trajectories)} trajectories, {tokens} tokens, "
-            f"{scored} scored, {len(latencies)} actions")
+    rows.append(
+        [
+            "dense OPD (padded micro-batches of 8, fused log-probs)",
+            dense_s,
+            tokens / dense_s,
+            1.0,
+            dense_peak,
+            "",
+            "",
+            relative_error(dense_grads, want),
+        ]
+    )
+    rows.append(
+        [
+            "streaming OPD (OPDStream, backward at each action)",
+            stream_s,
+            tokens / stream_s,
+            stream_s / dense_s,
+            stream_peak,
+            p50,
+            p95,
+            relative_error(stream_grads, want),
+        ]
+    )
+    info = (
+        f"OPD batch: {len(batch)} groups x {len(batch[0].trajectories)} trajectories, {tokens} tokens, "
+        f"{scored} scored, {len(latencies)} actions"
+    )
     return info, rows
 
 
@@ -153,10 +185,25 @@ def main() -> None:
     info, rows = opd_table(model, args.tiny, cuda, args.repeat)
     print(header("python bench/engine_opd.py" + (" --tiny" if args.tiny else "")))
     print(f"{info}, dtype {next(model.parameters()).dtype}\n")
-    print(markdown_table(["mode", "seconds", "tokens/s", "time vs dense", "peak GiB",
-                          "per-action backward p50 ms", "p95 ms", "rel. err vs fp32 dense"], rows))
+    print(
+        markdown_table(
+            [
+                "mode",
+                "seconds",
+                "tokens/s",
+                "time vs dense",
+                "peak GiB",
+                "per-action backward p50 ms",
+                "p95 ms",
+                "rel. err vs fp32 dense",
+            ],
+            rows,
+        )
+    )
     if args.profile:
-        batch = make_opd_batch(random.Random(1), model.config.vocab_size, 1, 4, (480, 544), (64, 512), (32, 256), (2, 4))
+        batch = make_opd_batch(
+            random.Random(1), model.config.vocab_size, 1, 4, (480, 544), (64, 512), (32, 256), (2, 4)
+        )
         profile(model, batch, cuda, (("dense OPD", opd_dense), ("streaming OPD", opd_streaming)))
 
 

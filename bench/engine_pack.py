@@ -28,18 +28,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import header, markdown_table, median_seconds  # noqa: E402
-from bench.engine import make_model  # noqa: E402
-from thundersync import kernels  # noqa: E402
-from thundersync.engine import adapter, anatomy  # noqa: E402
-from thundersync.engine.adapter import ChunkSpec, forward_pack  # noqa: E402
+from bench._common import header, markdown_table, median_seconds
+from bench.engine import make_model
+from thundersync import kernels
+from thundersync.engine import adapter, anatomy
+from thundersync.engine.adapter import ChunkSpec, forward_pack
 
 
 def _module_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
-def _module_rotary_tables(an: anatomy.DecoderAnatomy, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _module_rotary_tables(
+    an: anatomy.DecoderAnatomy, x: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = an.rotary(x, positions[None])
     return cos[0, :, None], sin[0, :, None]
 
@@ -56,7 +58,11 @@ def _triton_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 FORMS: dict[str, dict[str, Callable[..., torch.Tensor] | None]] = {
-    "modules": {"apply_norm": _module_norm, "rotary_tables": _module_rotary_tables, "apply_rotary": _rotate_half_rotary},
+    "modules": {
+        "apply_norm": _module_norm,
+        "rotary_tables": _module_rotary_tables,
+        "apply_rotary": _rotate_half_rotary,
+    },
     "ours": {},
     "triton norm": {"apply_norm": _triton_norm},
 }
@@ -94,8 +100,11 @@ def pack_step(an: anatomy.DecoderAnatomy, chunks: list[ChunkSpec]) -> Callable[[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model on CPU (seconds)")
-    parser.add_argument("--profile", action="store_true",
-                        help="after the table, profile one 64-token pack (ours): ops and kernels by count and host time")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the table, profile one 64-token pack (ours): ops and kernels by count and host time",
+    )
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
@@ -120,12 +129,27 @@ def main() -> None:
                 ms[name] = 1e3 * median_seconds(pack_step(an, chunks), cuda=cuda)
             model.zero_grad(set_to_none=True)
         tokens = sum(int(c.tokens.numel()) for c in chunks)
-        rows.append([label, tokens, ms["modules"], ms["ours"], f"{ms['modules'] / ms['ours']:.2f}x",
-                     ms["triton norm"], f"{ms['modules'] / ms['triton norm']:.2f}x"])
+        rows.append(
+            [
+                label,
+                tokens,
+                ms["modules"],
+                ms["ours"],
+                f"{ms['modules'] / ms['ours']:.2f}x",
+                ms["triton norm"],
+                f"{ms['modules'] / ms['triton norm']:.2f}x",
+            ]
+        )
     layers = len(an.layers)
     print(header("python bench/engine_pack.py" + (" --tiny" if args.tiny else "")))
-    print(f"model: {layers} layers, hidden {model.config.hidden_size}, dtype {an.dtype}; forward+backward of one pack\n")
-    print(markdown_table(["pack", "tokens", "modules ms", "ours ms", "ours speedup", "triton norm ms", "triton speedup"], rows))
+    print(
+        f"model: {layers} layers, hidden {model.config.hidden_size}, dtype {an.dtype}; forward+backward of one pack\n"
+    )
+    print(
+        markdown_table(
+            ["pack", "tokens", "modules ms", "ours ms", "ours speedup", "triton norm ms", "triton speedup"], rows
+        )
+    )
     if args.profile:
         profile(pack_step(an, cases[0][1]), cuda)
 

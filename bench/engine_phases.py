@@ -34,11 +34,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import thundersync  # noqa: E402
-from bench._common import header, markdown_table  # noqa: E402
-from bench.engine import make_batch, make_model, streaming  # noqa: E402
-from bench.engine_opd import make_opd_batch, opd_streaming  # noqa: E402
-from thundersync.engine import _accum, forest  # noqa: E402
+import thundersync
+from bench._common import header, markdown_table
+from bench.engine import make_batch, make_model, streaming
+from bench.engine_opd import make_opd_batch, opd_streaming
+from thundersync.engine import _accum, forest
 
 PHASES = {  # label: (owner, attribute)
     "pack.forward": (forest.SegmentPack, "forward"),
@@ -81,8 +81,9 @@ def timed_phases(totals: dict[str, float], counts: collections.Counter[str], cud
             setattr(owner, name, saved[label])
 
 
-def measure(mode: Callable[[torch.nn.Module, Any], None], model: torch.nn.Module, batch: Any,
-            cuda: bool) -> tuple[float, dict[str, float], collections.Counter[str]]:
+def measure(
+    mode: Callable[[torch.nn.Module, Any], None], model: torch.nn.Module, batch: Any, cuda: bool
+) -> tuple[float, dict[str, float], collections.Counter[str]]:
     """(wall seconds, phase seconds, phase counts) of the second of two inline runs of ``mode``."""
     real_run = thundersync.StreamingRun
     thundersync.StreamingRun = functools.partial(real_run, background=False)  # type: ignore[misc]
@@ -111,7 +112,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny model and batches on CPU (seconds)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
-    model = make_model(args.tiny, torch.device("cuda" if cuda else "cpu"), torch.float32 if args.tiny else torch.bfloat16)
+    model = make_model(
+        args.tiny, torch.device("cuda" if cuda else "cpu"), torch.float32 if args.tiny else torch.bfloat16
+    )
     vocab = model.config.vocab_size
     if args.tiny:
         grpo_batch = make_batch(random.Random(0), vocab, groups=2, size=4, prompt=(24, 40), response=(4, 64))
@@ -119,16 +122,23 @@ def main() -> None:
     else:
         grpo_batch = make_batch(random.Random(0), vocab, groups=2, size=8, prompt=(480, 544), response=(64, 2048))
         opd_batch = make_opd_batch(random.Random(1), vocab, 1, 4, (480, 544), (64, 512), (32, 256), (2, 4))
-    results = {"GRPO": measure(streaming, model, grpo_batch, cuda), "OPD": measure(opd_streaming, model, opd_batch, cuda)}
+    results = {
+        "GRPO": measure(streaming, model, grpo_batch, cuda),
+        "OPD": measure(opd_streaming, model, opd_batch, cuda),
+    }
     rows = [["wall time", *(f"{wall * 1e3:.1f}" for wall, _, _ in results.values())]]
     for label in PHASES:
-        rows.append([label, *(f"{totals[label] * 1e3:.1f} (x{counts[label]})" for _, totals, counts in results.values())])
+        rows.append(
+            [label, *(f"{totals[label] * 1e3:.1f} (x{counts[label]})" for _, totals, counts in results.values())]
+        )
     grpo_tokens = sum(len(g.prompt) + len(t.response) for g in grpo_batch for t in g.trajectories)
     opd_tokens = sum(len(g.prompt) + sum(map(len, t.turns)) for g in opd_batch for t in g.trajectories)
     print(header("python bench/engine_phases.py" + (" --tiny" if args.tiny else "")))
-    print(f"GRPO: {len(grpo_batch)} groups x {len(grpo_batch[0].trajectories)} trajectories, {grpo_tokens} tokens; "
-          f"OPD: {len(opd_batch)} group x {len(opd_batch[0].trajectories)} trajectories, {opd_tokens} tokens; "
-          f"dtype {next(model.parameters()).dtype}\n")
+    print(
+        f"GRPO: {len(grpo_batch)} groups x {len(grpo_batch[0].trajectories)} trajectories, {grpo_tokens} tokens; "
+        f"OPD: {len(opd_batch)} group x {len(opd_batch[0].trajectories)} trajectories, {opd_tokens} tokens; "
+        f"dtype {next(model.parameters()).dtype}\n"
+    )
     print(markdown_table(["phase", *(f"{name} ms (count)" for name in results)], rows))
 
 

@@ -21,19 +21,42 @@ import anyio
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._common import header, markdown_table  # noqa: E402
-from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many  # noqa: E402
+from bench._common import header, markdown_table
+from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many
 
 
 def make_model(tiny: bool, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     shape = (
-        dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=128, vocab_size=512)
-        if tiny else
-        dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936)
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=128,
+            vocab_size=512,
+        )
+        if tiny
+        else dict(
+            hidden_size=1024,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=3072,
+            vocab_size=151936,
+        )
     )
-    config = Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=4096, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    config = Qwen3Config(
+        **shape,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3ForCausalLM(config)
@@ -62,7 +85,9 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * 10 * src.numel() / (start.elapsed_time(end) / 1e3)
 
 
-def run_ours(model: torch.nn.Module, prompts: torch.Tensor, new: int, device: torch.device) -> tuple[float, float, float]:
+def run_ours(
+    model: torch.nn.Module, prompts: torch.Tensor, new: int, device: torch.device
+) -> tuple[float, float, float]:
     """(seconds, median decode-step seconds, first-step seconds) of a full batch through TorchGenerator."""
     batch, prompt_len = prompts.shape
     generator = TorchGenerator(model, max_batch=batch, max_seq_len=prompt_len + new, prefill_tokens=batch * prompt_len)
@@ -92,7 +117,9 @@ def run_ours(model: torch.nn.Module, prompts: torch.Tensor, new: int, device: to
 
 
 def run_transformers(model: torch.nn.Module, prompts: torch.Tensor, new: int, device: torch.device) -> float:
-    kwargs = dict(max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
+    kwargs = dict(
+        max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None
+    )
     mask = torch.ones_like(prompts)
     model.generate(prompts[:, :8], attention_mask=mask[:, :8], **{**kwargs, "max_new_tokens": 4})  # warm-up
     sync(device)
@@ -121,26 +148,52 @@ def main() -> None:
     bandwidth = copy_bandwidth(device)
     config = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * torch.finfo(dtype).bits // 8
+    kv_per_token = (
+        2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * torch.finfo(dtype).bits // 8
+    )
     rows = []
     for batch in batches:
-        prompts = torch.randint(1, config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(batch)).to(device)
+        prompts = torch.randint(
+            1, config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(batch)
+        ).to(device)
         ours, step, first = run_ours(model, prompts, new, device)
         theirs = run_transformers(model, prompts, baseline_new, device)
         floor_bytes = weight_bytes + batch * (prompt_len + new / 2) * kv_per_token
         floor_step = floor_bytes / bandwidth
-        rows.append([
-            batch, batch * new / ours, step * 1e3, first * 1e3, batch * baseline_new / theirs, theirs / baseline_new * 1e3,
-            theirs / baseline_new / (ours / new), floor_step * 1e3, batch / floor_step,
-        ])
+        rows.append(
+            [
+                batch,
+                batch * new / ours,
+                step * 1e3,
+                first * 1e3,
+                batch * baseline_new / theirs,
+                theirs / baseline_new * 1e3,
+                theirs / baseline_new / (ours / new),
+                floor_step * 1e3,
+                batch / floor_step,
+            ]
+        )
     print(header(" ".join(["python", *sys.argv])))
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtype}, prompt {prompt_len}, "
-          f"new {new} (transformers: {baseline_new}), copy bandwidth {bandwidth / 1e9:.0f} GB/s\n")
-    print(markdown_table(
-        ["batch", "ours tok/s", "ours ms/step", "ours first step ms", "transformers tok/s", "transformers ms/step",
-         "speed-up", "floor ms/step", "floor tok/s"],
-        rows,
-    ))
+    print(
+        f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtype}, prompt {prompt_len}, "
+        f"new {new} (transformers: {baseline_new}), copy bandwidth {bandwidth / 1e9:.0f} GB/s\n"
+    )
+    print(
+        markdown_table(
+            [
+                "batch",
+                "ours tok/s",
+                "ours ms/step",
+                "ours first step ms",
+                "transformers tok/s",
+                "transformers ms/step",
+                "speed-up",
+                "floor ms/step",
+                "floor tok/s",
+            ],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

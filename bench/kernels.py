@@ -19,14 +19,26 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import header, markdown_table, median_seconds  # noqa: E402
-from thundersync import kernels  # noqa: E402
-from thundersync.kernels._lora_function import LoraLinear  # noqa: E402
-from thundersync.kernels.lora import gemm_by_name  # noqa: E402
+from bench._common import header, markdown_table, median_seconds
+from thundersync import kernels
+from thundersync.kernels._lora_function import LoraLinear
+from thundersync.kernels.lora import gemm_by_name
 
 BF16 = torch.bfloat16
-COLUMNS = ["kernel", "case", "ours", "ours ms", "baseline", "baseline ms", "speedup",
-           "ours peak MiB", "baseline peak MiB", "memory ratio", "liger ms", "liger peak MiB"]
+COLUMNS = [
+    "kernel",
+    "case",
+    "ours",
+    "ours ms",
+    "baseline",
+    "baseline ms",
+    "speedup",
+    "ours peak MiB",
+    "baseline peak MiB",
+    "memory ratio",
+    "liger ms",
+    "liger peak MiB",
+]
 
 
 def measure(fn: Callable[[], object]) -> tuple[float, float]:
@@ -41,12 +53,32 @@ def measure(fn: Callable[[], object]) -> tuple[float, float]:
     return median_seconds(fn, warmup=1, repeat=5, cuda=True) * 1e3, peak
 
 
-def row(kernel: str, case: str, ours: str, ours_fn: Callable[[], object], base: str, base_fn: Callable[[], object],
-        liger_fn: Callable[[], object] | None = None) -> list[object]:
+def row(
+    kernel: str,
+    case: str,
+    ours: str,
+    ours_fn: Callable[[], object],
+    base: str,
+    base_fn: Callable[[], object],
+    liger_fn: Callable[[], object] | None = None,
+) -> list[object]:
     t_o, m_o = measure(ours_fn)
     t_b, m_b = measure(base_fn)
     t_l, m_l = measure(liger_fn) if liger_fn is not None else ("-", "-")
-    result = [kernel, case, ours, t_o, base, t_b, f"{t_b / t_o:.2f}x", m_o, m_b, f"{m_b / max(m_o, 1e-9):.1f}x", t_l, m_l]
+    result = [
+        kernel,
+        case,
+        ours,
+        t_o,
+        base,
+        t_b,
+        f"{t_b / t_o:.2f}x",
+        m_o,
+        m_b,
+        f"{m_b / max(m_o, 1e-9):.1f}x",
+        t_l,
+        m_l,
+    ]
     print(" | ".join(str(x) for x in result), flush=True)
     return result
 
@@ -76,11 +108,20 @@ def logprob_rows(n: int = 16_384, width: int = 1024, vocab: int = 151_936) -> li
     for train_head in (False, True):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_(train_head)
         leaves = [hh, ww] if train_head else [hh]
-        bind = (lambda f: (lambda a, b=ww: f(a, b))) if not train_head else (lambda f: f)
+        bind = (lambda f: lambda a, b=ww: f(a, b)) if not train_head else (lambda f: f)  # noqa: B023
         case = f"T={n} H={width} V={vocab} bf16, grads: hidden" + (" + head" if train_head else "")
         liger_fn = backward(bind(lambda a, b: liger(b, a, y)), leaves) if liger is not None else None
-        rows.append(row("linear_logprobs", case, "fused", backward(bind(ours), leaves),
-                        "log_softmax+gather", backward(bind(eager), leaves), liger_fn))
+        rows.append(
+            row(
+                "linear_logprobs",
+                case,
+                "fused",
+                backward(bind(ours), leaves),
+                "log_softmax+gather",
+                backward(bind(eager), leaves),
+                liger_fn,
+            )
+        )
     return rows
 
 
@@ -91,7 +132,9 @@ def _liger_loss() -> Callable[..., torch.Tensor] | None:
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
     except Exception as error:  # an optional comparison column: say why it is empty and go on
-        print(f"liger-kernel does not import here ({type(error).__name__}: {error}): its column stays empty", flush=True)
+        print(
+            f"liger-kernel does not import here ({type(error).__name__}: {error}): its column stays empty", flush=True
+        )
         return None
     loss: Callable[..., torch.Tensor] = LigerFusedLinearCrossEntropyLoss()  # mean CE = -mean log p(y)
     return loss
@@ -110,16 +153,34 @@ def attention_rows(b: int = 2, hq: int = 16, hkv: int = 8, d: int = 128) -> list
         leaves = [torch.randn(*s, device="cuda", dtype=BF16, requires_grad=True) for s in shapes]
         mask = torch.ones(t, p + t, dtype=torch.bool, device="cuda").tril(p)
 
-        def masked(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
-            out = F.scaled_dot_product_attention(q, torch.cat([kp, kc], 2), torch.cat([vp, vc], 2), attn_mask=mask, enable_gqa=True)
+        def masked(
+            q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
+        ) -> torch.Tensor:
+            out = F.scaled_dot_product_attention(
+                q,
+                torch.cat([kp, kc], 2),
+                torch.cat([vp, vc], 2),
+                attn_mask=mask,  # noqa: B023 (called within the iteration)
+                enable_gqa=True,
+            )
             return out.float().square().mean()
 
         for path in paths:
+
             def ours(*x: torch.Tensor, path: str | None = path) -> torch.Tensor:
                 return kernels.chunk_attention(*x, path=path).float().square().mean()
 
             case = f"B={b} Hq={hq} Hkv={hkv} D={d} P={p} T={t} bf16"
-            rows.append(row("chunk_attention", case, path or "auto", backward(ours, leaves), "sdpa explicit mask", backward(masked, leaves)))
+            rows.append(
+                row(
+                    "chunk_attention",
+                    case,
+                    path or "auto",
+                    backward(ours, leaves),
+                    "sdpa explicit mask",
+                    backward(masked, leaves),
+                )
+            )
         print(f"P={p} T={t}: automatic choice so far {kernels.attention_path_counts()}", flush=True)
     return rows
 
@@ -131,7 +192,9 @@ def packed_rows(hq: int = 16, hkv: int = 8, d: int = 128) -> list[list[object]]:
     q_lens, prefix = [64, 96, 150, 256, 384, 640, 1024, 2048], 512
     layout = kernels.PackedLayout(q_lens, [t + prefix for t in q_lens], torch.device("cuda"))
     n, m = layout.rows
-    leaves = [torch.randn(*s, device="cuda", dtype=BF16, requires_grad=True) for s in ((n, hq, d), (m, hkv, d), (m, hkv, d))]
+    leaves = [
+        torch.randn(*s, device="cuda", dtype=BF16, requires_grad=True) for s in ((n, hq, d), (m, hkv, d), (m, hkv, d))
+    ]
     masks = [torch.ones(t, t + prefix, dtype=torch.bool, device="cuda").tril(prefix) for t in q_lens]
 
     def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, path: str) -> torch.Tensor:
@@ -146,15 +209,32 @@ def packed_rows(hq: int = 16, hkv: int = 8, d: int = 128) -> list[list[object]]:
 
     case = f"8 chunks T=64..2048 (N={n}) after P={prefix}, Hq={hq} Hkv={hkv} D={d} bf16"
     paths = ["varlen"] + (["fa4"] if importlib.util.find_spec("flash_attn") is not None else [])
-    return [row("packed_chunk_attention", case, f"{path} (1 call)", backward(ours, leaves, path),
-                "sdpa explicit mask per chunk", backward(per_chunk, leaves)) for path in paths]
+    return [
+        row(
+            "packed_chunk_attention",
+            case,
+            f"{path} (1 call)",
+            backward(ours, leaves, path),
+            "sdpa explicit mask per chunk",
+            backward(per_chunk, leaves),
+        )
+        for path in paths
+    ]
 
 
 def small_kernel_rows(n: int = 16_384, width: int = 1024) -> list[list[object]]:
     x = torch.randn(n, width, device="cuda", dtype=BF16, requires_grad=True)
     w = torch.ones(width, device="cuda", dtype=BF16, requires_grad=True)
-    rows = [row("rms_norm", f"[{n}, {width}] bf16", "triton", backward(lambda a, b: kernels.rms_norm(a, b, 1e-6).float().sum(), [x, w]),
-                "eager (transformers)", backward(lambda a, b: kernels.norm.reference_rms_norm(a, b, 1e-6).float().sum(), [x, w]))]
+    rows = [
+        row(
+            "rms_norm",
+            f"[{n}, {width}] bf16",
+            "triton",
+            backward(lambda a, b: kernels.rms_norm(a, b, 1e-6).float().sum(), [x, w]),
+            "eager (transformers)",
+            backward(lambda a, b: kernels.norm.reference_rms_norm(a, b, 1e-6).float().sum(), [x, w]),
+        )
+    ]
     out_f, rank = 2048, 16
     base_w = (torch.randn(out_f, width, device="cuda") * 0.02).to(BF16)
     a = (torch.randn(rank, width, device="cuda") * 0.02).to(BF16).requires_grad_()
@@ -165,9 +245,19 @@ def small_kernel_rows(n: int = 16_384, width: int = 1024) -> list[list[object]]:
 
     for name in ("cublas", "triton"):
         gemm = gemm_by_name(name)
-        rows.append(row("lora_linear", f"x [{n}, {width}] W [{out_f}, {width}] r={rank} bf16", name,
-                        backward(lambda xx, aa, bbb, g=gemm: LoraLinear.apply(xx, base_w, None, aa, bbb, 2.0, g).float().sum(), [x, a, bb]),
-                        "eager (peft layout)", backward(eager_lora, [x, a, bb])))
+        rows.append(
+            row(
+                "lora_linear",
+                f"x [{n}, {width}] W [{out_f}, {width}] r={rank} bf16",
+                name,
+                backward(
+                    lambda xx, aa, bbb, g=gemm: LoraLinear.apply(xx, base_w, None, aa, bbb, 2.0, g).float().sum(),
+                    [x, a, bb],
+                ),
+                "eager (peft layout)",
+                backward(eager_lora, [x, a, bb]),
+            )
+        )
     adj = [torch.randn(n, width, device="cuda", dtype=BF16) for _ in range(8)]
 
     def eager_sum() -> torch.Tensor:
@@ -176,25 +266,45 @@ def small_kernel_rows(n: int = 16_384, width: int = 1024) -> list[list[object]]:
             acc = acc + t
         return acc.to(BF16)
 
-    rows.append(row("reduce_adjoints", f"8 x [{n}, {width}] bf16", "triton", lambda: kernels.reduce_adjoints(None, adj), "eager fp32 adds", eager_sum))
+    rows.append(
+        row(
+            "reduce_adjoints",
+            f"8 x [{n}, {width}] bf16",
+            "triton",
+            lambda: kernels.reduce_adjoints(None, adj),
+            "eager fp32 adds",
+            eager_sum,
+        )
+    )
     return rows
 
 
 SECTIONS: dict[str, Callable[[], list[list[object]]]] = {
-    "logprobs": logprob_rows, "small": small_kernel_rows, "packed": packed_rows, "attention": attention_rows,
+    "logprobs": logprob_rows,
+    "small": small_kernel_rows,
+    "packed": packed_rows,
+    "attention": attention_rows,
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, help="also write the header and table to this file")
-    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS),
-                        help="which parts of the table to measure (default: all)")
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=list(SECTIONS),
+        default=list(SECTIONS),
+        help="which parts of the table to measure (default: all)",
+    )
     args = parser.parse_args()
     rows = [r for name in args.sections for r in SECTIONS[name]()]
     sections = "" if args.sections == list(SECTIONS) else " --sections " + " ".join(args.sections)
     text = header("python bench/kernels.py" + sections) + "\n" + markdown_table(COLUMNS, rows) + "\n\nprobes:\n"
-    text += "\n".join(f"- {c.kernel} {c.device} {c.dtype} {c.shape_class}: {'ok' if c.ok else c.why}" for c in kernels.kernel_capabilities())
+    text += "\n".join(
+        f"- {c.kernel} {c.device} {c.dtype} {c.shape_class}: {'ok' if c.ok else c.why}"
+        for c in kernels.kernel_capabilities()
+    )
     print(text)
     if args.out:
         args.out.write_text(text + "\n")

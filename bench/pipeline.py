@@ -23,13 +23,13 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from time import perf_counter
-from typing import Any, Optional
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import header, markdown_table  # noqa: E402
-from thundersync.events import EventBase  # noqa: E402
-from thundersync.pipeline import Graph, Inbox, Outbox, Stage, run_graph  # noqa: E402
+from bench._common import header, markdown_table
+from thundersync.events import EventBase
+from thundersync.pipeline import Graph, Inbox, Outbox, Stage, run_graph
 
 CAPACITY = 64
 
@@ -47,7 +47,7 @@ class Blue(EventBase):
 
 
 KINDS: tuple[type[EventBase], ...] = (Red, Green, Blue)
-Queue = asyncio.Queue[Optional[Any]]
+Queue = asyncio.Queue[Any | None]
 
 
 # --- the stage graph -------------------------------------------------------------------------

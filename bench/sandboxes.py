@@ -28,9 +28,9 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import header, markdown_table  # noqa: E402
-from thundersync.sandboxes import NotIsolatedWarning, make_sandbox  # noqa: E402
-from thundersync.sandboxes.docker import docker_cli  # noqa: E402
+from bench._common import header, markdown_table
+from thundersync.sandboxes import NotIsolatedWarning, make_sandbox
+from thundersync.sandboxes.docker import docker_cli
 
 
 def p95(values: list[float]) -> float:
@@ -103,8 +103,13 @@ async def main(args: argparse.Namespace) -> str:
         finally:
             os.environ.pop("DOCKER_HOST") if docker_host is None else os.environ.update(DOCKER_HOST=docker_host)
         rows.append(["docker backend on Podman", *row[1:]])
-    columns = ["backend", "create+exec+destroy median (ms)", "p95 (ms)", "exec median (ms)",
-               f"concurrent execs/s ({args.concurrency} in flight)"]
+    columns = [
+        "backend",
+        "create+exec+destroy median (ms)",
+        "p95 (ms)",
+        "exec median (ms)",
+        f"concurrent execs/s ({args.concurrency} in flight)",
+    ]
     command = "python bench/sandboxes.py " + " ".join(sys.argv[1:])
     return header(command) + "\n" + markdown_table(columns, rows)
 
@@ -116,7 +121,10 @@ if __name__ == "__main__":
     parser.add_argument("--n", type=int, default=20, help="sequential repetitions for the latencies")
     parser.add_argument("--execs", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--podman-host", default=os.environ.get("THUNDERSYNC_TEST_PODMAN_HOST"),
-                        help="also run the docker backend on this Podman socket (unix://...)")
+    parser.add_argument(
+        "--podman-host",
+        default=os.environ.get("THUNDERSYNC_TEST_PODMAN_HOST"),
+        help="also run the docker backend on this Podman socket (unix://...)",
+    )
     warnings.simplefilter("ignore", NotIsolatedWarning)
     print(anyio.run(main, parser.parse_args()))

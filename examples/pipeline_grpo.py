@@ -60,16 +60,29 @@ def build(model: torch.nn.Module, steps: int, scorer: EvenTokens) -> tuple[thund
     graph = (
         thundersync.Graph()
         .add("source", SourceStage(SourceStage.Config(prompts=prompts, samples=8, groups_per_batch=4, repeat=steps)))
-        .add("generate", GenerateStage(GenerateStage.Config(turns=2, max_new_tokens=12),
-                                       generator=thundersync.TorchGenerator(model, max_batch=32, max_seq_len=256),
-                                       tools=ScriptedTool(vocab_size=VOCAB, observation_len=4), policy=policy),
-             reads=["source"])
+        .add(
+            "generate",
+            GenerateStage(
+                GenerateStage.Config(turns=2, max_new_tokens=12),
+                generator=thundersync.TorchGenerator(model, max_batch=32, max_seq_len=256),
+                tools=ScriptedTool(vocab_size=VOCAB, observation_len=4),
+                policy=policy,
+            ),
+            reads=["source"],
+        )
         .add("reward", RewardStage(scorer=scorer), reads=["generate"])
         .add("backward", BackwardStage(objective=grpo), reads=["generate", "reward"])
-        .add("close", CloseStage(CloseStage.Config(wait_for=("reward", "backward"))),
-             reads=["generate", "reward", "backward"])
-        .add("step", StepStage(trainer=StreamingTrainer(grpo, optimizer, max_grad_norm=1.0), policy=policy),
-             reads=["close"], output=True)
+        .add(
+            "close",
+            CloseStage(CloseStage.Config(wait_for=("reward", "backward"))),
+            reads=["generate", "reward", "backward"],
+        )
+        .add(
+            "step",
+            StepStage(trainer=StreamingTrainer(grpo, optimizer, max_grad_norm=1.0), policy=policy),
+            reads=["close"],
+            output=True,
+        )
     )
     return graph, optimizer
 
@@ -82,8 +95,16 @@ async def train(graph: thundersync.Graph, scorer: EvenTokens) -> list[float]:
             if isinstance(event, StepDone):
                 means.append(statistics.fmean(scorer.rewards))
                 scorer.rewards.clear()
-                print(json.dumps({"step": event.policy_version, "mean_reward": round(means[-1], 4),
-                                  "grad_norm": round(event.grad_norm, 4)}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "step": event.policy_version,
+                            "mean_reward": round(means[-1], 4),
+                            "grad_norm": round(event.grad_norm, 4),
+                        }
+                    ),
+                    flush=True,
+                )
     return means
 
 
@@ -93,14 +114,29 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     model = Qwen3ForCausalLM(config).to(device).eval()
     scorer = EvenTokens()
     graph, _ = build(model, args.steps, scorer)
     means = anyio.run(train, graph, scorer)
-    print(json.dumps({"steps": len(means), "first_mean_reward": round(means[0], 4),
-                      "last_mean_reward": round(means[-1], 4), "device": device.type}))
+    print(
+        json.dumps(
+            {
+                "steps": len(means),
+                "first_mean_reward": round(means[0], 4),
+                "last_mean_reward": round(means[-1], 4),
+                "device": device.type,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -27,12 +27,22 @@ VOCAB, EPS = 128, 1e-6
 
 def make_model(device: torch.device) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, attn_implementation="sdpa")
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attn_implementation="sdpa",
+    )
     return Qwen3ForCausalLM(config).to(device).eval()
 
 
-def make_batch(rng: random.Random) -> dict[str, tuple[list[int], list[list[tuple[list[int], list[bool]]]], list[float]]]:
+def make_batch(
+    rng: random.Random,
+) -> dict[str, tuple[list[int], list[list[tuple[list[int], list[bool]]]], list[float]]]:
     """group -> (prompt, trajectories as lists of (tokens, scored) turns, rewards)."""
     batch = {}
     for group in ("math-1", "code-7"):
@@ -80,7 +90,9 @@ def dense(model: torch.nn.Module, batch: dict) -> None:
         mean = sum(rewards) / len(rewards)
         std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
         for turns, reward in zip(trajectories, rewards):
-            ids = torch.tensor(prompt + [t for tokens, _ in turns for t in tokens], device=next(model.parameters()).device)
+            ids = torch.tensor(
+                prompt + [t for tokens, _ in turns for t in tokens], device=next(model.parameters()).device
+            )
             scored = torch.tensor([False] * len(prompt) + [s for _, flags in turns for s in flags], device=ids.device)
             logp = model(input_ids=ids[None]).logits[0].float().log_softmax(-1)[:-1].gather(-1, ids[1:, None])[:, 0]
             objective = objective + (reward - mean) / (std + EPS) * logp[scored[1:]].sum()
@@ -98,12 +110,16 @@ def main() -> None:
     want = torch.cat([p.grad.flatten() for p in reference.parameters()])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, maximize=True)
     optimizer.step()
-    print(json.dumps({
-        "device": device.type,
-        "grad_norm": float(got.norm()),
-        "relative_error_vs_dense": float((got - want).norm() / want.norm()),
-        "trajectories": sum(len(t) for _, t, _ in batch.values()),
-    }))
+    print(
+        json.dumps(
+            {
+                "device": device.type,
+                "grad_norm": float(got.norm()),
+                "relative_error_vs_dense": float((got - want).norm() / want.norm()),
+                "trajectories": sum(len(t) for _, t, _ in batch.values()),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,14 @@ VOCAB = 128
 
 def small_qwen3(seed: int, hidden: int, device: str) -> Qwen3ForCausalLM:
     config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(config).to(device).eval()
@@ -42,7 +48,7 @@ def sample_turn(model: Qwen3ForCausalLM, context: list[int], length: int, gen: t
     for _ in range(length):
         logits = model(torch.tensor([tokens], device=device)).logits[0, -1].float()
         tokens.append(int(torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=gen)))
-    return tokens[len(context):]
+    return tokens[len(context) :]
 
 
 @torch.no_grad()
@@ -64,8 +70,11 @@ def rollouts(student: Qwen3ForCausalLM, seed: int) -> list[tuple[str, list[int],
             context, turns, is_action = list(prompt), [], []
             for k in range(rng.randint(2, 4)):
                 action = k % 2 == 0
-                turn = sample_turn(student, context, rng.randint(3, 8), gen) if action else \
-                    [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
+                turn = (
+                    sample_turn(student, context, rng.randint(3, 8), gen)
+                    if action
+                    else [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
+                )
                 turns.append(turn)
                 is_action.append(action)
                 context += turn
@@ -76,7 +85,7 @@ def rollouts(student: Qwen3ForCausalLM, seed: int) -> list[tuple[str, list[int],
 def dense_loss(student: Qwen3ForCausalLM, batch, scores) -> torch.Tensor:
     """The same loss over full sequences with the ordinary forward (the reference)."""
     terms = []
-    for (name, prompt, turns, is_action), (teacher, behaviour) in zip(batch, scores):
+    for (_name, prompt, turns, is_action), (teacher, behaviour) in zip(batch, scores):
         seq, start_of = list(prompt), []
         for turn in turns:
             start_of.append(len(seq))
@@ -127,9 +136,14 @@ def main() -> None:
             if k < len(turns):
                 g, t = name.split("/")
                 action = is_action[k]
-                opd.append_turn(g, t, turns[k], [action] * len(turns[k]),
-                                teacher_logprobs=teacher_lp[k] if action else None,
-                                behaviour_logprobs=behaviour_lp[k] if action else None)
+                opd.append_turn(
+                    g,
+                    t,
+                    turns[k],
+                    [action] * len(turns[k]),
+                    teacher_logprobs=teacher_lp[k] if action else None,
+                    behaviour_logprobs=behaviour_lp[k] if action else None,
+                )
                 if k == len(turns) - 1:
                     opd.close_trajectory(g, t)
     for g in groups:
@@ -144,10 +158,18 @@ def main() -> None:
     dense = [p.grad for p in student.parameters()]
     diff = sum(float((s - d).double().pow(2).sum()) for s, d in zip(streamed, dense)) ** 0.5
     norm = sum(float(d.double().pow(2).sum()) for d in dense) ** 0.5
-    print(json.dumps({
-        "loss": float(loss.detach()), "grad_norm": norm, "relative_error": diff / norm,
-        "trajectories": len(batch), "device": args.device, "streamed_seconds": round(streamed_seconds, 4),
-    }))
+    print(
+        json.dumps(
+            {
+                "loss": float(loss.detach()),
+                "grad_norm": norm,
+                "relative_error": diff / norm,
+                "trajectories": len(batch),
+                "device": args.device,
+                "streamed_seconds": round(streamed_seconds, 4),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

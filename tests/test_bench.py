@@ -17,8 +17,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _run(script: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, f"bench/{script}", "--tiny", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=240)
+    done = subprocess.run(
+        [sys.executable, f"bench/{script}", "--tiny", *args], capture_output=True, text=True, cwd=ROOT, timeout=240
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 

@@ -22,8 +22,10 @@ def test_input_errors_keep_their_builtin_bases() -> None:
 
 def test_missing_extra_says_which_pip_command_installs_it() -> None:
     error = errors.MissingExtraError("Docker sandboxes", "sandbox", "aiodocker")
-    assert str(error) == ("Docker sandboxes needs the 'sandbox' extra (module 'aiodocker' is not installed): "
-                          "pip install 'thundersync[sandbox]'")
+    assert str(error) == (
+        "Docker sandboxes needs the 'sandbox' extra (module 'aiodocker' is not installed): "
+        "pip install 'thundersync[sandbox]'"
+    )
 
 
 def test_unknown_id_error_is_not_quoted_like_a_key_error() -> None:
@@ -35,10 +37,16 @@ def test_stage_failed_names_the_stage_and_event_with_a_bounded_message() -> None
     error = errors.StageFailed("gen", event, ValueError("boom"))
     assert error.stage == "gen" and error.event is event
     assert len(str(error)) < 500
-    with pytest.raises(errors.StageFailed, match=r"^stage 'gen' failed while handling ActionGenerated\(group_id=1.*"
-                       r"characters elided.*: ValueError: boom$"):
+    with pytest.raises(
+        errors.StageFailed,
+        match=r"^stage 'gen' failed while handling ActionGenerated\(group_id=1.*"
+        r"characters elided.*: ValueError: boom$",
+    ):
         raise error
 
 
 def test_stage_failed_outside_an_event() -> None:
-    assert str(errors.StageFailed("src", None, RuntimeError("x"))) == "stage 'src' failed outside any event: RuntimeError: x"
+    assert (
+        str(errors.StageFailed("src", None, RuntimeError("x")))
+        == "stage 'src' failed outside any event: RuntimeError: x"
+    )

@@ -72,9 +72,19 @@ def test_every_event_round_trips_through_msgpack_unchanged(event: events.EventBa
 
 def test_the_union_covers_every_event_class() -> None:
     assert set(events.EVENT_TYPES) == {cls.__name__ for cls in Event.__args__}  # type: ignore[attr-defined]
-    assert {"GroupOpened", "ActionGenerated", "ToolObserved", "TeacherScored", "Rewarded",
-            "TrajectoryClosed", "GroupClosed", "BatchReady", "StepDone", "PolicyPublished",
-            "StageFailedEvent"} <= set(events.EVENT_TYPES)
+    assert {
+        "GroupOpened",
+        "ActionGenerated",
+        "ToolObserved",
+        "TeacherScored",
+        "Rewarded",
+        "TrajectoryClosed",
+        "GroupClosed",
+        "BatchReady",
+        "StepDone",
+        "PolicyPublished",
+        "StageFailedEvent",
+    } <= set(events.EVENT_TYPES)
 
 
 def test_the_type_tag_is_the_class_name() -> None:
@@ -85,15 +95,20 @@ def test_the_type_tag_is_the_class_name() -> None:
 @pytest.mark.parametrize(
     ("payload", "message"),
     [
-        (b'{"type":"ActionGenerated","group_id":1,"trajectory_id":1,"turn":"x","token_ids":[]}',
-         r"Expected `int`, got `str` - at `\$.turn`"),
-        (b'{"type":"ActionGenerated","group_id":1,"trajectory_id":1,"turn":0,"token_ids":[-1]}',
-         r"at `\$.token_ids\[0\]`"),
-        (b'{"type":"ActionGenerated","group_id":1,"trajectory_id":1,"turn":0,"token_ids":[1],'
-         b'"scored":[true,false]}', r"`scored` has 2 entries but `token_ids` has 1"),
+        (
+            b'{"type":"ActionGenerated","group_id":1,"trajectory_id":1,"turn":"x","token_ids":[]}',
+            r"Expected `int`, got `str` - at `\$.turn`",
+        ),
+        (
+            b'{"type":"ActionGenerated","group_id":1,"trajectory_id":1,"turn":0,"token_ids":[-1]}',
+            r"at `\$.token_ids\[0\]`",
+        ),
+        (
+            b'{"type":"ActionGenerated","group_id":1,"trajectory_id":1,"turn":0,"token_ids":[1],"scored":[true,false]}',
+            r"`scored` has 2 entries but `token_ids` has 1",
+        ),
         (b'{"type":"Rewarded","group_id":1,"trajectory_id":1}', r"missing required field `reward`"),
-        (b'{"type":"Rewarded","group_id":1,"trajectory_id":1,"reward":1,"rewrd":2}',
-         r"unknown field `rewrd`"),
+        (b'{"type":"Rewarded","group_id":1,"trajectory_id":1,"reward":1,"rewrd":2}', r"unknown field `rewrd`"),
         (b'{"type":"Rewardd","group_id":1}', r"Invalid value 'Rewardd' - at `\$.type`"),
     ],
 )
@@ -111,7 +126,12 @@ def test_events_are_frozen() -> None:
 
 
 def test_non_finite_log_probs_are_rejected_naming_the_entry() -> None:
-    payload = {"type": "TeacherScored", "group_id": 1, "trajectory_id": 1, "turn": 0,
-               "teacher_logprobs": [-0.5, float("inf")]}
+    payload = {
+        "type": "TeacherScored",
+        "group_id": 1,
+        "trajectory_id": 1,
+        "turn": 0,
+        "teacher_logprobs": [-0.5, float("inf")],
+    }
     with pytest.raises(msgspec.ValidationError, match=r"`teacher_logprobs\[1\]` is inf, expected a finite float"):
         events.decode_msgpack(msgspec.msgpack.encode(payload))

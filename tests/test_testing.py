@@ -39,12 +39,18 @@ def test_every_fake_satisfies_the_protocol_it_stands_in_for() -> None:
 
 
 @settings(max_examples=50, deadline=None)
-@given(prompt=st.lists(st.integers(0, 99), min_size=1, max_size=6), seed=st.integers(0, 2**32 - 1),
-       max_new=st.integers(1, 12), stops=st.lists(st.integers(0, 9), max_size=3))
+@given(
+    prompt=st.lists(st.integers(0, 99), min_size=1, max_size=6),
+    seed=st.integers(0, 2**32 - 1),
+    max_new=st.integers(1, 12),
+    stops=st.lists(st.integers(0, 9), max_size=3),
+)
 def test_the_scripted_generator_is_deterministic_and_honours_its_params(
-        prompt: list[int], seed: int, max_new: int, stops: list[int]) -> None:
-    request = GenerationRequest(prompt_ids=prompt, params=SamplingParams(max_new_tokens=max_new, seed=seed,
-                                                                         stop_token_ids=tuple(stops)))
+    prompt: list[int], seed: int, max_new: int, stops: list[int]
+) -> None:
+    request = GenerationRequest(
+        prompt_ids=prompt, params=SamplingParams(max_new_tokens=max_new, seed=seed, stop_token_ids=tuple(stops))
+    )
     first = anyio.run(ScriptedGenerator(vocab_size=10).generate, request)
     again = anyio.run(ScriptedGenerator(vocab_size=10).generate, request)
     assert first == again
@@ -56,14 +62,23 @@ def test_the_scripted_generator_is_deterministic_and_honours_its_params(
 
 
 def test_different_seeds_give_different_samples() -> None:
-    outputs = {tuple(anyio.run(ScriptedGenerator().generate, GenerationRequest(
-        prompt_ids=[1], params=SamplingParams(max_new_tokens=8, seed=seed))).token_ids) for seed in range(20)}
+    outputs = {
+        tuple(
+            anyio.run(
+                ScriptedGenerator().generate,
+                GenerationRequest(prompt_ids=[1], params=SamplingParams(max_new_tokens=8, seed=seed)),
+            ).token_ids
+        )
+        for seed in range(20)
+    }
     assert len(outputs) == 20
 
 
 def test_the_fake_teacher_follows_its_formula_and_the_scorer_its_function() -> None:
-    assert anyio.run(FakeTeacher().logprobs, [1, 2], [5, 6]) == [-((31 * 2 + 17 * 5) % 101 + 1) / 25,
-                                                                 -((31 * 3 + 17 * 6) % 101 + 1) / 25]
+    assert anyio.run(FakeTeacher().logprobs, [1, 2], [5, 6]) == [
+        -((31 * 2 + 17 * 5) % 101 + 1) / 25,
+        -((31 * 3 + 17 * 6) % 101 + 1) / 25,
+    ]
     assert anyio.run(FakeScorer().score, [1], [2, 3, 4, 7]) == 0.5 == even_token_fraction([], [2, 3, 4, 7])
     assert even_token_fraction([1], []) == 0.0
 
@@ -80,8 +95,12 @@ def test_the_scripted_tool_observes_until_the_end_token() -> None:
 def _graph(wait_for: tuple[str, ...], trainer: RecordingTrainer) -> Graph:
     clock = PolicyClock()
     source = ScriptedSource.prompts([[1, 2], [3], [4, 5], [6], [7, 8, 9]], samples=3, groups_per_batch=2)
-    generate = GenerateStage(GenerateStage.Config(turns=3, max_new_tokens=6), generator=ScriptedGenerator(),
-                             tools=ScriptedTool(end_token=11), policy=clock)
+    generate = GenerateStage(
+        GenerateStage.Config(turns=3, max_new_tokens=6),
+        generator=ScriptedGenerator(),
+        tools=ScriptedTool(end_token=11),
+        policy=clock,
+    )
     graph = Graph().add("source", source).add("generate", generate, reads=["source"], capacity=4, output=True)
     reads = ["generate"]
     if "reward" in wait_for:
@@ -116,12 +135,15 @@ def test_whole_graphs_run_on_the_fakes_and_close_everything(wait_for: tuple[str,
     assert sorted(map(repr, out)) == sorted(map(repr, again))  # deterministic up to arrival order
 
 
-@pytest.mark.parametrize(("make", "message"), [
-    (lambda: ScriptedGenerator(vocab_size=0), r"^vocab_size must be >= 1, got 0$"),
-    (lambda: ScriptedGenerator(min_new_tokens=-1), r"^min_new_tokens must be >= 0, got -1$"),
-    (lambda: ScriptedTool(vocab_size=0), r"^vocab_size must be >= 1, got 0$"),
-    (lambda: ScriptedTool(delay_s=-0.5), r"^delay_s must be >= 0, got -0.5$"),
-])
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: ScriptedGenerator(vocab_size=0), r"^vocab_size must be >= 1, got 0$"),
+        (lambda: ScriptedGenerator(min_new_tokens=-1), r"^min_new_tokens must be >= 0, got -1$"),
+        (lambda: ScriptedTool(vocab_size=0), r"^vocab_size must be >= 1, got 0$"),
+        (lambda: ScriptedTool(delay_s=-0.5), r"^delay_s must be >= 0, got -0.5$"),
+    ],
+)
 def test_fakes_reject_settings_they_cannot_honour(make: Callable[[], object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make()

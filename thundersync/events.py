@@ -21,16 +21,16 @@ New fields always get defaults, so old producers stay compatible.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Final, TypeAlias, Union
+from typing import Annotated, Final, TypeAlias
 
 import msgspec
 
 __all__ = [
+    "EVENT_TYPES",
     "ActionGenerated",
     "BackwardDone",
     "BatchReady",
     "Event",
-    "EVENT_TYPES",
     "EventBase",
     "GroupClosed",
     "GroupOpened",
@@ -255,25 +255,26 @@ class StageFailedEvent(EventBase):
     trajectory_id: Id | None = None
 
 
-Event: TypeAlias = Union[
-    PromptSubmitted,
-    GroupOpened,
-    ActionGenerated,
-    ToolObserved,
-    TeacherScored,
-    Rewarded,
-    BackwardDone,
-    TrajectoryClosed,
-    GroupClosed,
-    BatchReady,
-    StepDone,
-    PolicyPublished,
-    StageFailedEvent,
-]
+Event: TypeAlias = (
+    PromptSubmitted
+    | GroupOpened
+    | ActionGenerated
+    | ToolObserved
+    | TeacherScored
+    | Rewarded
+    | BackwardDone
+    | TrajectoryClosed
+    | GroupClosed
+    | BatchReady
+    | StepDone
+    | PolicyPublished
+    | StageFailedEvent
+)
 """The tagged union of every event type."""
 
 EVENT_TYPES: Final[dict[str, type[EventBase]]] = {
-    cls.__name__: cls for cls in Event.__args__  # type: ignore[attr-defined]
+    cls.__name__: cls
+    for cls in Event.__args__  # type: ignore[attr-defined]
 }
 """Event class by tag (its class name)."""
 

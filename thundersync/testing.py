@@ -30,8 +30,15 @@ from thundersync.generation.base import GenerationRequest, GenerationResult
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
 from thundersync.stages.step import StepResult
 
-__all__ = ["FakeScorer", "FakeTeacher", "RecordingTrainer", "ScriptedGenerator", "ScriptedSource", "ScriptedTool",
-           "even_token_fraction"]
+__all__ = [
+    "FakeScorer",
+    "FakeTeacher",
+    "RecordingTrainer",
+    "ScriptedGenerator",
+    "ScriptedSource",
+    "ScriptedTool",
+    "even_token_fraction",
+]
 
 
 _Count = Annotated[int, msgspec.Meta(ge=0)]
@@ -72,14 +79,21 @@ class ScriptedSource(Stage):
         self.events = list(events)
 
     @classmethod
-    def prompts(cls, prompts: Sequence[Sequence[int]], *, samples: int = 1, groups_per_batch: int = 0,
-                delay_s: float = 0.0) -> ScriptedSource:
+    def prompts(
+        cls, prompts: Sequence[Sequence[int]], *, samples: int = 1, groups_per_batch: int = 0, delay_s: float = 0.0
+    ) -> ScriptedSource:
         """A source of one PromptSubmitted per prompt, ``groups_per_batch`` per batch (0: one batch)."""
         per_batch = groups_per_batch or len(prompts)
-        events = [PromptSubmitted(group_id=i, prompt_tokens=list(p), num_trajectories=samples,
-                                  batch_id=i // per_batch,
-                                  groups_in_batch=min(per_batch, len(prompts) - i // per_batch * per_batch))
-                  for i, p in enumerate(prompts)]
+        events = [
+            PromptSubmitted(
+                group_id=i,
+                prompt_tokens=list(p),
+                num_trajectories=samples,
+                batch_id=i // per_batch,
+                groups_in_batch=min(per_batch, len(prompts) - i // per_batch * per_batch),
+            )
+            for i, p in enumerate(prompts)
+        ]
         return cls(cls.Config(delay_s=delay_s), events=events)
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
@@ -116,16 +130,26 @@ class ScriptedGenerator:
             if tokens[-1] in params.stop_token_ids:
                 break
         stopped = bool(tokens) and tokens[-1] in params.stop_token_ids
-        return GenerationResult(token_ids=tokens, logprobs=[-0.05 - 3.0 * rng.random() for _ in tokens],
-                                finish_reason="stop" if stopped else "length", prompt_len=len(request.prompt_ids))
+        return GenerationResult(
+            token_ids=tokens,
+            logprobs=[-0.05 - 3.0 * rng.random() for _ in tokens],
+            finish_reason="stop" if stopped else "length",
+            prompt_len=len(request.prompt_ids),
+        )
 
 
 class ScriptedTool:
     """Every action calls a tool unless it contains ``end_token``; the observation is
     ``observation_len`` tokens derived from the action."""
 
-    def __init__(self, *, observation_len: _Count = 3, vocab_size: _Positive = 1000, end_token: _Count | None = None,
-                 delay_s: _Seconds = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        observation_len: _Count = 3,
+        vocab_size: _Positive = 1000,
+        end_token: _Count | None = None,
+        delay_s: _Seconds = 0.0,
+    ) -> None:
         _at_least(1, vocab_size=vocab_size)
         _at_least(0, observation_len=observation_len, delay_s=delay_s)
         self.observation_len = observation_len
@@ -139,8 +163,12 @@ class ScriptedTool:
     async def run(self, action: ActionGenerated) -> ToolObserved:
         await _pause(self.delay_s)
         rng = _rng(action.token_ids)
-        return ToolObserved(group_id=action.group_id, trajectory_id=action.trajectory_id, turn=action.turn,
-                            token_ids=[rng.randrange(self.vocab_size) for _ in range(self.observation_len)])
+        return ToolObserved(
+            group_id=action.group_id,
+            trajectory_id=action.trajectory_id,
+            turn=action.turn,
+            token_ids=[rng.randrange(self.vocab_size) for _ in range(self.observation_len)],
+        )
 
 
 def even_token_fraction(prompt_ids: list[int], completion_ids: list[int]) -> float:
@@ -151,8 +179,9 @@ def even_token_fraction(prompt_ids: list[int], completion_ids: list[int]) -> flo
 class FakeScorer:
     """A reward computed from the tokens by ``fn`` (default :func:`even_token_fraction`)."""
 
-    def __init__(self, *, fn: Callable[[list[int], list[int]], float] = even_token_fraction,
-                 delay_s: _Seconds = 0.0) -> None:
+    def __init__(
+        self, *, fn: Callable[[list[int], list[int]], float] = even_token_fraction, delay_s: _Seconds = 0.0
+    ) -> None:
         self.fn = fn
         self.delay_s = delay_s
         self.calls: list[tuple[list[int], list[int]]] = []
@@ -166,7 +195,7 @@ class FakeScorer:
 class FakeTeacher:
     """Teacher log-probs that depend on the token and its absolute position only::
 
-        q(token y at position p) = -(((31 * p + 17 * y) mod 101) + 1) / 25      in [-4.04, -0.04]
+    q(token y at position p) = -(((31 * p + 17 * y) mod 101) + 1) / 25      in [-4.04, -0.04]
     """
 
     def __init__(self, *, delay_s: _Seconds = 0.0) -> None:

@@ -26,10 +26,13 @@ def _adapter_logprobs_split(model: torch.nn.Module, tokens: torch.Tensor, cut: i
     anatomy = decoder_anatomy(model)
     first = forward_pack(anatomy, [ChunkSpec(tokens[:cut], 0, empty_prefix(anatomy))])
     prefix = [(k[:, : cut - 1].detach(), v[:, : cut - 1].detach()) for k, v in first.kv[0]]
-    pack = forward_pack(anatomy, [
-        ChunkSpec(tokens[:cut], 0, empty_prefix(anatomy)),
-        ChunkSpec(tokens[cut - 1 :], cut - 1, prefix),
-    ])
+    pack = forward_pack(
+        anatomy,
+        [
+            ChunkSpec(tokens[:cut], 0, empty_prefix(anatomy)),
+            ChunkSpec(tokens[cut - 1 :], cut - 1, prefix),
+        ],
+    )
     lp_first = head_logprobs(anatomy, pack.hidden[pack.rows(0)][:-1], tokens[1:cut])
     lp_second = head_logprobs(anatomy, pack.hidden[pack.rows(1)][:-1], tokens[cut:])
     return torch.cat([lp_first, lp_second]).double()
@@ -71,8 +74,15 @@ def _tiny_family(family: str) -> torch.nn.Module:
     """Tiny random Qwen2 (q/k/v biases, no q/k norms) and Llama models, built in code."""
     import transformers
 
-    common = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    common = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     if family == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
@@ -122,7 +132,9 @@ def test_apply_norm_equals_the_transformers_rmsnorm_module(dtype: torch.dtype) -
 
     want = run(lambda module, xx: module(xx))
     got = run(apply_norm)
-    tol = {torch.float32: 1e-6, torch.bfloat16: 4e-3, torch.float64: 0.0}[dtype]  # bf16: under one ulp (2^-8) on average
+    tol = {torch.float32: 1e-6, torch.bfloat16: 4e-3, torch.float64: 0.0}[
+        dtype
+    ]  # bf16: under one ulp (2^-8) on average
     for name, g, w in zip(("out", "d x", "d weight"), got, want, strict=True):
         err = float((g.double() - w.double()).norm() / w.double().norm())
         assert err <= tol, f"{name} {dtype}: relative error {err:.3g} > {tol}"

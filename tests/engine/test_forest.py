@@ -42,7 +42,7 @@ def _streamed(model: torch.nn.Module, prompt: list[int], chains: list[list[list[
             ledgers[ancestor].add(adjoint)
         for s in segments:
             ledgers[s] = AdjointLedger()
-        tails, order = segments, order + [segments]
+        tails, order = segments, [*order, segments]
     for segments in reversed(order):  # trajectory close: replay in reverse turn order, packed
         pack = SegmentPack.forward(anatomy, segments)
         adjoints = pack.backward(None, [ledgers[s].tensors for s in segments], params=params, sink=None)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import thundersync
-from tests.engine.tiny_models import tiny_qwen3, with_lora
+from tests.engine.tiny_models import tiny_qwen3
 from tests.grpo import grpo_cases as G
 from tests.opd import opd_cases as O
 from thundersync.errors import ConfigError, StreamingError, UnsafeStepError
@@ -18,9 +18,11 @@ def _grpo_plan() -> list[G.Group]:
     rng = random.Random(11)
 
     def traj(reward: float) -> G.Trajectory:
-        turns = [G.Turn([rng.randrange(G.VOCAB) for _ in range(4)], [True, True, False, True]),
-                 G.Turn([rng.randrange(G.VOCAB) for _ in range(3)], [False] * 3),
-                 G.Turn([rng.randrange(G.VOCAB) for _ in range(3)], [True] * 3)]
+        turns = [
+            G.Turn([rng.randrange(G.VOCAB) for _ in range(4)], [True, True, False, True]),
+            G.Turn([rng.randrange(G.VOCAB) for _ in range(3)], [False] * 3),
+            G.Turn([rng.randrange(G.VOCAB) for _ in range(3)], [True] * 3),
+        ]
         return G.Trajectory(turns, reward)
 
     return [G.Group([rng.randrange(G.VOCAB) for _ in range(6)], [traj(r) for r in (1.0, 0.0, 2.0, 1.0)])]
@@ -57,9 +59,13 @@ def _opd_plan() -> O.Plan:
         scored = [action] * 4
         return O.Turn(tokens, scored, [rng.uniform(-4, -0.1) for _ in range(sum(scored))], None)
 
-    return {f"g{g}": O.Group([rng.randrange(O.VOCAB) for _ in range(5)],
-                             {f"t{i}": O.Trajectory([turn(k % 2 == 0) for k in range(3)]) for i in range(2)})
-            for g in range(2)}
+    return {
+        f"g{g}": O.Group(
+            [rng.randrange(O.VOCAB) for _ in range(5)],
+            {f"t{i}": O.Trajectory([turn(k % 2 == 0) for k in range(3)]) for i in range(2)},
+        )
+        for g in range(2)
+    }
 
 
 def _feed_opd(opd: thundersync.OPDStream, plan: O.Plan, seed: int = 0) -> None:
@@ -95,8 +101,10 @@ def test_lora_that_leaves_some_kv_without_graph_streams_exact_gradients(targets:
 
 def test_background_opd_never_runs_a_turn_before_its_groups_prompt() -> None:
     model = tiny_qwen3(torch.float64)
-    plan = {"A": O.Group(list(range(1, 40)), {0: O.Trajectory([O.Turn([5, 6, 7], [True] * 3, [-1.0] * 3, None)])}),
-            "B": O.Group(list(range(2, 40)), {0: O.Trajectory([O.Turn([8, 9], [True] * 2, [-2.0] * 2, None)])})}
+    plan = {
+        "A": O.Group(list(range(1, 40)), {0: O.Trajectory([O.Turn([5, 6, 7], [True] * 3, [-1.0] * 3, None)])}),
+        "B": O.Group(list(range(2, 40)), {0: O.Trajectory([O.Turn([8, 9], [True] * 2, [-2.0] * 2, None)])}),
+    }
     want = O.dense_reference_grads(model, plan, "token_mean")
     for _ in range(10):  # the race needs B's turn queued while A's first job waits
         opd = thundersync.OPDStream(thundersync.StreamingRun(model, background=True))

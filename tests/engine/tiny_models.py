@@ -20,15 +20,24 @@ class _NativeRMSNorm(torch.nn.Module):
         return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
 
 
-def tiny_qwen3(dtype: torch.dtype = torch.float32, *, seed: int = 0, tie: bool = False, layers: int = 2) -> torch.nn.Module:
+def tiny_qwen3(
+    dtype: torch.dtype = torch.float32, *, seed: int = 0, tie: bool = False, layers: int = 2
+) -> torch.nn.Module:
     """A 2-layer Qwen3 with hidden 32, head_dim 16, GQA (4 query / 2 kv heads), vocab 97."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen3Config(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        tie_word_embeddings=tie, attn_implementation="sdpa",  # eager softmax is fp32 even in fp64
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        attn_implementation="sdpa",  # eager softmax is fp32 even in fp64
     )
     model = Qwen3ForCausalLM(config).to(dtype)
     if dtype == torch.float64:
@@ -46,8 +55,12 @@ def with_lora(model: torch.nn.Module, *, seed: int = 1) -> torch.nn.Module:
     """``model`` wrapped by peft LoRA on the attention and MLP projections, with non-zero B."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+    )
     wrapped = get_peft_model(model, config)
     torch.manual_seed(seed)
     with torch.no_grad():

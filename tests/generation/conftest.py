@@ -23,10 +23,20 @@ def tiny_qwen3_config(vocab_size: int, **overrides: object) -> object:
     from transformers import Qwen3Config
 
     values: dict[str, object] = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-        rope_theta=10000.0, tie_word_embeddings=True, initializer_range=0.2,
-        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
     )
     values.update(overrides)
     return Qwen3Config(**values)
@@ -49,7 +59,8 @@ def _tokenizer() -> object:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<s>", "</s>"],
+        vocab_size=300,
+        special_tokens=["<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(CORPUS, trainer=trainer)

@@ -16,7 +16,9 @@ def scenario(generator: TorchGenerator, params: SamplingParams) -> list:
 
     async def go() -> list:
         first = await generator.generate(GenerationRequest(prompt_ids=[3, 4, 5], params=params, session_id="a"))
-        others = await generate_many(generator, [GenerationRequest(prompt_ids=[10 + i] * (3 + i), params=params) for i in range(3)])
+        others = await generate_many(
+            generator, [GenerationRequest(prompt_ids=[10 + i] * (3 + i), params=params) for i in range(3)]
+        )
         full = [3, 4, 5, *first.token_ids, 77, 78]
         second = await generator.generate(GenerationRequest(prompt_ids=full, params=params, session_id="a"))
         return [first, *others, second]
@@ -31,8 +33,11 @@ def fixed_shape(generator: TorchGenerator) -> TorchGenerator:
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(temperature=0.0, max_new_tokens=9), SamplingParams(temperature=1.0, max_new_tokens=9, seed=8),
-     SamplingParams(temperature=0.8, top_k=12, top_p=0.9, max_new_tokens=9, seed=9, logprobs="sampling")],
+    [
+        SamplingParams(temperature=0.0, max_new_tokens=9),
+        SamplingParams(temperature=1.0, max_new_tokens=9, seed=8),
+        SamplingParams(temperature=0.8, top_k=12, top_p=0.9, max_new_tokens=9, seed=9, logprobs="sampling"),
+    ],
 )
 def test_fixed_shape_decode_equals_row_decode_and_keeps_parked_caches(make_qwen3, params) -> None:
     model = make_qwen3()
@@ -48,7 +53,10 @@ def test_integer_temperature_and_top_p_decode_like_floats(make_qwen3) -> None:
     model = make_qwen3()
     as_ints = SamplingParams(temperature=0, top_p=1, max_new_tokens=9)
     assert (type(as_ints.temperature), type(as_ints.top_p)) == (float, float)
-    floats = scenario(fixed_shape(TorchGenerator(model, max_batch=4, max_seq_len=48)), SamplingParams(temperature=0.0, max_new_tokens=9))
+    floats = scenario(
+        fixed_shape(TorchGenerator(model, max_batch=4, max_seq_len=48)),
+        SamplingParams(temperature=0.0, max_new_tokens=9),
+    )
     ints = scenario(fixed_shape(TorchGenerator(model, max_batch=4, max_seq_len=48)), as_ints)
     assert [r.token_ids for r in ints] == [r.token_ids for r in floats]
     step = fixed_shape(TorchGenerator(model, max_batch=2, max_seq_len=48))._engine.fixed
@@ -75,9 +83,15 @@ def test_cuda_graph_decode_matches_transformers_and_eager(make_qwen3) -> None:
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
     prompt = list(range(20, 160))  # crosses a 128-token key bucket
-    (long,) = anyio.run(generate_many, graphs, [GenerationRequest(prompt_ids=prompt, params=SamplingParams(temperature=0.0, max_new_tokens=20))])
-    reference = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert long.token_ids == reference[0, len(prompt):].tolist()
+    (long,) = anyio.run(
+        generate_many,
+        graphs,
+        [GenerationRequest(prompt_ids=prompt, params=SamplingParams(temperature=0.0, max_new_tokens=20))],
+    )
+    reference = model.generate(
+        torch.tensor([prompt], device="cuda"), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    assert long.token_ids == reference[0, len(prompt) :].tolist()
     with torch.no_grad():
         logits = model(torch.tensor([prompt + long.token_ids], device="cuda")).logits[0, len(prompt) - 1 : -1].double()
     expected = logits.log_softmax(-1).gather(-1, torch.tensor(long.token_ids, device="cuda")[:, None])[:, 0].cpu()

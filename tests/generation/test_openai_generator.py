@@ -23,7 +23,11 @@ from thundersync.generation import GenerationRequest, OpenAIGenerator, SamplingP
 
 pytest.importorskip("httpx")
 
-OK_BODY = {"choices": [{"token_ids": [7, 8, 9], "logprobs": {"token_logprobs": [-0.5, -1.0, -0.25]}, "finish_reason": "length"}]}
+OK_BODY = {
+    "choices": [
+        {"token_ids": [7, 8, 9], "logprobs": {"token_logprobs": [-0.5, -1.0, -0.25]}, "finish_reason": "length"}
+    ]
+}
 
 
 class FakeServer:
@@ -35,7 +39,7 @@ class FakeServer:
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 fake.received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 reply = fake.script.pop(0) if fake.script else (200, OK_BODY)
                 if reply == "drop":
@@ -75,7 +79,9 @@ def call(url: str, request: GenerationRequest, **kwargs: object):
     return anyio.run(go)
 
 
-REQUEST = GenerationRequest(prompt_ids=[1, 2, 3], params=SamplingParams(temperature=0.5, top_k=4, max_new_tokens=3, seed=7, stop_token_ids=(9,)))
+REQUEST = GenerationRequest(
+    prompt_ids=[1, 2, 3], params=SamplingParams(temperature=0.5, top_k=4, max_new_tokens=3, seed=7, stop_token_ids=(9,))
+)
 
 
 def test_transient_errors_are_retried_until_the_server_answers(fake_server: FakeServer) -> None:
@@ -126,13 +132,36 @@ def vllm_server(tiny_model_dir: Path) -> Iterator[str]:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir),
-        "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--max-model-len", "256", "--kv-cache-memory-bytes", str(1 << 26), "--enforce-eager", "--seed", "0",
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(tiny_model_dir),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory-bytes",
+        str(1 << 26),
+        "--enforce-eager",
+        "--seed",
+        "0",
     ]
     log = tiny_model_dir.parent / f"vllm-server-{port}.log"
     with open(log, "wb") as out:
-        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        server = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(url, server, log)
@@ -177,10 +206,14 @@ def test_real_vllm_server_returns_token_ids_and_model_logprobs(vllm_server: str,
     for request, result in zip(requests, results, strict=True):
         assert len(result.token_ids) == 8
         with torch.no_grad():
-            logits = tiny_model(torch.tensor([request.prompt_ids + result.token_ids])).logits[0, len(request.prompt_ids) - 1 : -1]
+            logits = tiny_model(torch.tensor([request.prompt_ids + result.token_ids])).logits[
+                0, len(request.prompt_ids) - 1 : -1
+            ]
         expected = logits.double().log_softmax(-1).gather(-1, torch.tensor(result.token_ids)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(result.logprobs, dtype=torch.float64), expected, atol=1e-4, rtol=0)
-    greedy = tiny_model.generate(torch.tensor([[9, 10]]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    greedy = tiny_model.generate(
+        torch.tensor([[9, 10]]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     assert results[1].token_ids == greedy[0, 2:].tolist()
 
 

@@ -10,7 +10,10 @@ from thundersync.generation._peft_weights import merged_weights
 
 def test_merged_weights_reproduce_the_lora_model(make_qwen3) -> None:
     peft = pytest.importorskip("peft")
-    lora = peft.get_peft_model(make_qwen3(seed=1), peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "down_proj"], lora_dropout=0.0))
+    lora = peft.get_peft_model(
+        make_qwen3(seed=1),
+        peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "down_proj"], lora_dropout=0.0),
+    )
     with torch.no_grad():
         for name, param in lora.named_parameters():
             if "lora_B" in name:
@@ -42,9 +45,21 @@ def test_merged_weights_include_lora_on_the_embedding(make_qwen3) -> None:
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")  # peft warns about the tied case
 @pytest.mark.parametrize(
     ("tied", "kind", "target_modules", "message"),
-    [(True, "lora", ["q_proj", "embed_tokens"], "LoRA on 'model.embed_tokens' changes only one of the tied input embedding"),
-     (False, "dora", ["q_proj"], "uses DoraLinearVariant, whose merged weights are not W \\+ B A"),
-     (False, "ia3", ["q_proj"], "'model.layers.0.self_attn.q_proj' is a peft.tuners.ia3.layer.Linear layer; weight sync merges only LoRA")],
+    [
+        (
+            True,
+            "lora",
+            ["q_proj", "embed_tokens"],
+            "LoRA on 'model.embed_tokens' changes only one of the tied input embedding",
+        ),
+        (False, "dora", ["q_proj"], "uses DoraLinearVariant, whose merged weights are not W \\+ B A"),
+        (
+            False,
+            "ia3",
+            ["q_proj"],
+            "'model.layers.0.self_attn.q_proj' is a peft.tuners.ia3.layer.Linear layer; weight sync merges only LoRA",
+        ),
+    ],
 )
 def test_adapters_that_do_not_merge_as_a_plain_delta_raise(make_qwen3, tied, kind, target_modules, message) -> None:
     from thundersync.errors import BackendCapabilityError

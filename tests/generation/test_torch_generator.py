@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 from hypothesis import given, settings
@@ -20,7 +21,7 @@ def run(generator: TorchGenerator, requests: list[GenerationRequest]) -> list:
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], new: int) -> list[int]:
     out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -45,14 +46,19 @@ def test_greedy_equals_transformers_generate_token_for_token(make_qwen3, prompts
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(temperature=1.0, max_new_tokens=16, seed=3),
-     SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=16, seed=4),
-     SamplingParams(temperature=0.0, max_new_tokens=16)],
+    [
+        SamplingParams(temperature=1.0, max_new_tokens=16, seed=3),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=16, seed=4),
+        SamplingParams(temperature=0.0, max_new_tokens=16),
+    ],
 )
 def test_behaviour_logprobs_equal_teacher_forced_logprobs(make_qwen3, params) -> None:
     model = make_qwen3()
     prompts = [[5, 9, 33, 2], [100, 7], list(range(40, 70))]
-    results = run(TorchGenerator(model, max_batch=2, max_seq_len=64), [GenerationRequest(prompt_ids=p, params=params) for p in prompts])
+    results = run(
+        TorchGenerator(model, max_batch=2, max_seq_len=64),
+        [GenerationRequest(prompt_ids=p, params=params) for p in prompts],
+    )
     for prompt, result in zip(prompts, results, strict=True):
         expected = teacher_forced_logprobs(model, prompt, result.token_ids)
         torch.testing.assert_close(torch.tensor(result.logprobs, dtype=torch.float64), expected, atol=1e-5, rtol=0)
@@ -79,7 +85,9 @@ def test_sampling_logprobs_are_those_of_the_filtered_distribution(make_qwen3) ->
     model = make_qwen3()
     prompt = [7, 8, 9]
     params = SamplingParams(temperature=0.6, top_k=30, top_p=0.8, max_new_tokens=10, seed=11, logprobs="sampling")
-    (result,) = run(TorchGenerator(model, max_batch=1, max_seq_len=64), [GenerationRequest(prompt_ids=prompt, params=params)])
+    (result,) = run(
+        TorchGenerator(model, max_batch=1, max_seq_len=64), [GenerationRequest(prompt_ids=prompt, params=params)]
+    )
     with torch.no_grad():
         logits = model(torch.tensor([prompt + result.token_ids])).logits[0, len(prompt) - 1 : -1]
     for step, token in enumerate(result.token_ids):
@@ -93,8 +101,13 @@ def test_sampling_frequencies_match_the_distribution(make_qwen3, chi_square, tem
     model = make_qwen3(vocab_size=8, seed=1, initializer_range=0.05)
     prompt = [3, 1, 4, 1, 5]
     n = 3000
-    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1, seed=s) for s in range(n)]
-    results = run(TorchGenerator(model, max_batch=64, max_seq_len=16), [GenerationRequest(prompt_ids=prompt, params=p) for p in params])
+    params = [
+        SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1, seed=s) for s in range(n)
+    ]
+    results = run(
+        TorchGenerator(model, max_batch=64, max_seq_len=16),
+        [GenerationRequest(prompt_ids=prompt, params=p) for p in params],
+    )
     counts = [0] * 8
     for result in results:
         counts[result.token_ids[0]] += 1
@@ -116,21 +129,27 @@ def test_stop_tokens_end_generation_and_max_tokens_bounds_it(make_qwen3) -> None
     first = free.index(stop)
     params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop, 319 if stop != 319 else 318))
     short = SamplingParams(temperature=0.0, max_new_tokens=3)
-    stopped, limited = run(TorchGenerator(model, max_batch=2, max_seq_len=64),
-                           [GenerationRequest(prompt_ids=prompt, params=params), GenerationRequest(prompt_ids=prompt, params=short)])
+    stopped, limited = run(
+        TorchGenerator(model, max_batch=2, max_seq_len=64),
+        [GenerationRequest(prompt_ids=prompt, params=params), GenerationRequest(prompt_ids=prompt, params=short)],
+    )
     assert stopped.token_ids == free[: first + 1] and stopped.finish_reason == "stop"
     assert limited.token_ids == free[:3] and limited.finish_reason == "length"
 
 
 def test_sequence_capacity_ends_generation_with_length(make_qwen3) -> None:
     model = make_qwen3()
-    (result,) = run(TorchGenerator(model, max_batch=1, max_seq_len=10), [GenerationRequest(prompt_ids=[4, 5, 6, 7], params=GREEDY)])
+    (result,) = run(
+        TorchGenerator(model, max_batch=1, max_seq_len=10), [GenerationRequest(prompt_ids=[4, 5, 6, 7], params=GREEDY)]
+    )
     assert len(result.token_ids) == 6 and result.finish_reason == "length"
     assert result.token_ids == hf_greedy(model, [4, 5, 6, 7], 6)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_continuing_a_session_reuses_the_cache_and_equals_generating_from_the_full_prefix(make_qwen3, temperature) -> None:
+def test_continuing_a_session_reuses_the_cache_and_equals_generating_from_the_full_prefix(
+    make_qwen3, temperature
+) -> None:
     model = make_qwen3()
     params = SamplingParams(temperature=temperature, max_new_tokens=8, seed=5)
     prompt, observation = [20, 21, 22, 23], [250, 251, 252]
@@ -144,7 +163,9 @@ def test_continuing_a_session_reuses_the_cache_and_equals_generating_from_the_fu
 
     first, full, second = anyio.run(two_turns)
     assert second.cached_tokens == len(prompt) + len(first.token_ids) - 1
-    (fresh,) = run(TorchGenerator(model, max_batch=2, max_seq_len=64), [GenerationRequest(prompt_ids=full, params=params)])
+    (fresh,) = run(
+        TorchGenerator(model, max_batch=2, max_seq_len=64), [GenerationRequest(prompt_ids=full, params=params)]
+    )
     assert fresh.cached_tokens == 0
     assert second.token_ids == fresh.token_ids
     torch.testing.assert_close(torch.tensor(second.logprobs), torch.tensor(fresh.logprobs), atol=1e-5, rtol=0)
@@ -167,26 +188,40 @@ def test_evicted_session_is_recomputed_correctly(make_qwen3) -> None:
 
 def test_batch_neighbours_do_not_change_a_seeded_sequence(make_qwen3) -> None:
     model = make_qwen3()
-    target = GenerationRequest(prompt_ids=[60, 61, 62], params=SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=20, seed=42))
+    target = GenerationRequest(
+        prompt_ids=[60, 61, 62], params=SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=20, seed=42)
+    )
     (alone,) = run(TorchGenerator(model, max_batch=1, max_seq_len=64), [target])
-    neighbours = [GenerationRequest(prompt_ids=[70 + i] * (i + 1), params=SamplingParams(temperature=0.5 + i / 10, top_k=i * 3, max_new_tokens=5 + 4 * i, seed=i)) for i in range(5)]
+    neighbours = [
+        GenerationRequest(
+            prompt_ids=[70 + i] * (i + 1),
+            params=SamplingParams(temperature=0.5 + i / 10, top_k=i * 3, max_new_tokens=5 + 4 * i, seed=i),
+        )
+        for i in range(5)
+    ]
     crowded = run(TorchGenerator(model, max_batch=4, max_seq_len=64), [*neighbours[:2], target, *neighbours[2:]])
     assert crowded[2].token_ids == alone.token_ids
     torch.testing.assert_close(torch.tensor(crowded[2].logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
-    different_seed = GenerationRequest(prompt_ids=target.prompt_ids, params=SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=20, seed=43))
+    different_seed = GenerationRequest(
+        prompt_ids=target.prompt_ids, params=SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=20, seed=43)
+    )
     assert run(TorchGenerator(model, max_batch=1, max_seq_len=64), [different_seed])[0].token_ids != alone.token_ids
 
 
 def test_lora_model_generates_like_transformers(make_qwen3) -> None:
     peft = pytest.importorskip("peft")
     model = make_qwen3()
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0))
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    )
     with torch.no_grad():
         for name, param in lora.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.5)  # make the adapter change the outputs
     prompt = [9, 8, 7, 6]
-    (result,) = run(TorchGenerator(lora, max_batch=1, max_seq_len=64), [GenerationRequest(prompt_ids=prompt, params=GREEDY)])
+    (result,) = run(
+        TorchGenerator(lora, max_batch=1, max_seq_len=64), [GenerationRequest(prompt_ids=prompt, params=GREEDY)]
+    )
     assert result.token_ids == hf_greedy(lora, prompt, 12)
     with lora.disable_adapter():
         assert result.token_ids != hf_greedy(lora, prompt, 12)
@@ -294,7 +329,7 @@ def test_invalid_requests_fail_with_clear_messages(make_qwen3) -> None:
     async def same_session_twice() -> None:
         async with anyio.create_task_group() as group:
             group.start_soon(generator.generate, GenerationRequest(prompt_ids=[1], session_id="s"))
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             await generator.generate(GenerationRequest(prompt_ids=[1], session_id="s"))
 
     with pytest.raises(ExceptionGroup) as caught:
@@ -304,8 +339,12 @@ def test_invalid_requests_fail_with_clear_messages(make_qwen3) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"temperature": -1.0}, "temperature must be >= 0"), ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-     ({"top_k": -2}, "top_k must be >= 0"), ({"max_new_tokens": 0}, "max_new_tokens must be >= 1")],
+    [
+        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -2}, "top_k must be >= 0"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+    ],
 )
 def test_sampling_params_validate_their_values(kwargs, message) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -334,7 +373,7 @@ def test_cancelling_the_driving_request_hands_the_engine_to_the_others(make_qwen
 
         async with anyio.create_task_group() as group:
             group.start_soon(cancelled_long)
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             for request in others:
                 group.start_soon(other, request)
 
@@ -376,7 +415,9 @@ def test_cancelling_a_waiting_request_never_disturbs_the_running_ones(make_qwen3
 
     async def trial(delay: float) -> list:
         generator = TorchGenerator(model, max_batch=2, max_seq_len=128)
-        cancelled = GenerationRequest(prompt_ids=[4, 5, 6], params=SamplingParams(max_new_tokens=40, seed=2), session_id="b")
+        cancelled = GenerationRequest(
+            prompt_ids=[4, 5, 6], params=SamplingParams(max_new_tokens=40, seed=2), session_id="b"
+        )
         results: list = []
 
         async def keep(request: GenerationRequest) -> None:
@@ -420,7 +461,7 @@ def test_an_engine_failure_raises_generation_error_in_the_driver_and_the_waiting
     async def scenario() -> None:
         async with anyio.create_task_group() as group:
             group.start_soon(one, [1, 2])  # drives the engine
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             group.start_soon(one, [3, 4])
 
     anyio.run(scenario)

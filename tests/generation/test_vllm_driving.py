@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import anyio
+import anyio.lowlevel
 
 from thundersync.errors import GenerationError
 from thundersync.generation import GenerationRequest, VLLMGenerator
@@ -29,7 +30,7 @@ def test_a_failed_batch_raises_generation_error_in_the_driver_and_the_waiting_re
     async def scenario() -> None:
         async with anyio.create_task_group() as group:
             group.start_soon(one, [1, 2])  # drives the first batch
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             group.start_soon(one, [3, 4])  # waits, then drives the second
 
     anyio.run(scenario)

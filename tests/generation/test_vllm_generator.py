@@ -25,8 +25,12 @@ def engine(tiny_model_dir: Path):
     from thundersync.generation import VLLMGenerator
 
     generator = VLLMGenerator(
-        tiny_model_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 26,
-        enable_lora=True, max_lora_rank=8,
+        tiny_model_dir,
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=1 << 26,
+        enable_lora=True,
+        max_lora_rank=8,
     )
     yield generator
     generator.close()
@@ -46,7 +50,10 @@ def assert_logprobs_follow(model: torch.nn.Module, requests: list[GenerationRequ
 
 REQUESTS = [
     GenerationRequest(prompt_ids=[5, 6, 7, 8], params=SamplingParams(temperature=1.0, max_new_tokens=10, seed=1)),
-    GenerationRequest(prompt_ids=list(range(30, 70)), params=SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=10, seed=2)),
+    GenerationRequest(
+        prompt_ids=list(range(30, 70)),
+        params=SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=10, seed=2),
+    ),
     GenerationRequest(prompt_ids=[9, 10], params=SamplingParams(temperature=0.0, max_new_tokens=10)),
 ]
 
@@ -55,7 +62,9 @@ def test_vllm_logprobs_match_the_torch_model_and_greedy_matches_transformers(eng
     results = anyio.run(generate_many, engine, REQUESTS)
     assert [len(r.token_ids) for r in results] == [10, 10, 10]
     assert_logprobs_follow(tiny_model, REQUESTS, results)
-    greedy = tiny_model.generate(torch.tensor([[9, 10]]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    greedy = tiny_model.generate(
+        torch.tensor([[9, 10]]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     assert results[2].token_ids == greedy[0, 2:].tolist()
 
 
@@ -64,7 +73,12 @@ def test_vllm_stops_on_stop_tokens_and_reuses_a_cached_prefix(engine, tiny_model
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
     first = anyio.run(engine.generate, GenerationRequest(prompt_ids=prompt, params=greedy, session_id="s"))
     stop = first.token_ids[3]
-    stopped = anyio.run(engine.generate, GenerationRequest(prompt_ids=prompt, params=SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop,))))
+    stopped = anyio.run(
+        engine.generate,
+        GenerationRequest(
+            prompt_ids=prompt, params=SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop,))
+        ),
+    )
     assert stopped.token_ids == first.token_ids[: first.token_ids.index(stop) + 1] and stopped.finish_reason == "stop"
     full = prompt + first.token_ids + [250, 251]
     second = anyio.run(engine.generate, GenerationRequest(prompt_ids=full, params=greedy, session_id="s"))
@@ -82,7 +96,9 @@ def test_vllm_follows_full_and_lora_only_weight_syncs(engine, tiny_model) -> Non
     results = anyio.run(generate_many, engine, REQUESTS)
     assert_logprobs_follow(tiny_model, REQUESTS, results)
 
-    lora = peft.get_peft_model(tiny_model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], lora_dropout=0.0))
+    lora = peft.get_peft_model(
+        tiny_model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], lora_dropout=0.0)
+    )
     with torch.no_grad():
         for name, param in lora.named_parameters():
             if "lora_B" in name:
@@ -91,9 +107,8 @@ def test_vllm_follows_full_and_lora_only_weight_syncs(engine, tiny_model) -> Non
     assert engine._lora is not None  # only the adapter moved
     results = anyio.run(generate_many, engine, REQUESTS)
     assert_logprobs_follow(lora, REQUESTS, results)
-    with lora.disable_adapter():
-        with pytest.raises(AssertionError):
-            assert_logprobs_follow(lora, REQUESTS, results)
+    with lora.disable_adapter(), pytest.raises(AssertionError):
+        assert_logprobs_follow(lora, REQUESTS, results)
 
 
 def test_vllm_refuses_a_logprob_mode_it_was_not_started_with(engine) -> None:

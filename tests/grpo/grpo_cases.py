@@ -45,9 +45,7 @@ def groups(draw: st.DrawFn) -> Group:
     prompt = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=9))
     size = draw(st.integers(1, 8))
     rewards = st.sampled_from([0.0, 1.0, 0.5, -2.0]) | st.floats(-3, 3, allow_nan=False)
-    trajectories = [
-        Trajectory(draw(st.lists(turns(), min_size=1, max_size=5)), draw(rewards)) for _ in range(size)
-    ]
+    trajectories = [Trajectory(draw(st.lists(turns(), min_size=1, max_size=5)), draw(rewards)) for _ in range(size)]
     return Group(prompt, trajectories)
 
 
@@ -115,7 +113,10 @@ def grads(model: torch.nn.Module) -> list[torch.Tensor | None]:
 
 
 def relative_error(got: list[torch.Tensor | None], want: list[torch.Tensor | None]) -> float:
-    diff = sum(float(((g if g is not None else 0) - (w if w is not None else 0)).double().pow(2).sum())
-               for g, w in zip(got, want) if g is not None or w is not None)
+    diff = sum(
+        float(((g if g is not None else 0) - (w if w is not None else 0)).double().pow(2).sum())
+        for g, w in zip(got, want)
+        if g is not None or w is not None
+    )
     norm = sum(float(w.double().pow(2).sum()) for w in want if w is not None)
     return math.sqrt(diff) / math.sqrt(norm) if norm > 0 else math.sqrt(diff)

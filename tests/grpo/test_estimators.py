@@ -26,7 +26,9 @@ def test_accumulator_coefficients_reproduce_the_advantage_weighted_sum(rewards: 
         for g in ([1.0] * len(rewards), [r * r for r in rewards]):
             lhs = sum(ai * gi for ai, gi in zip(a, g))
             g1 = sum((r - reference) * gi for r, gi in zip(rewards, g))
-            assert lhs == pytest.approx(c1 * g1 + c2 * sum(g), rel=1e-9, abs=1e-9 * (1 + sum(map(abs, g))) * (1 + abs(c1) + abs(c2)))
+            assert lhs == pytest.approx(
+                c1 * g1 + c2 * sum(g), rel=1e-9, abs=1e-9 * (1 + sum(map(abs, g))) * (1 + abs(c1) + abs(c2))
+            )
 
 
 def test_rloo_is_the_leave_one_out_baseline_and_zero_for_a_group_of_one() -> None:

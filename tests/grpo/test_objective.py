@@ -18,7 +18,9 @@ EPS = 1e-6
 
 
 def stream(model: torch.nn.Module, plan: list[Group], estimator: str, order_seed: int, **run_options: object) -> None:
-    grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model, **run_options), eps=EPS, estimator=estimator)
+    grpo = thundersync.RewardLinearBackward(
+        thundersync.StreamingRun(model, **run_options), eps=EPS, estimator=estimator
+    )
     for op in interleaving(plan, random.Random(order_seed)):
         if op[0] == "open":
             grpo.open_group(f"g{op[1]}", plan[op[1]].prompt)
@@ -51,8 +53,14 @@ def prefill(model: torch.nn.Module, seed: int) -> None:
     background=st.booleans(),
 )
 def test_streamed_gradient_equals_the_dense_reference(
-    dtype: torch.dtype, tolerance: float, lora: bool, plan: list[Group], estimator: str, order_seed: int,
-    pack_tokens: int, background: bool,
+    dtype: torch.dtype,
+    tolerance: float,
+    lora: bool,
+    plan: list[Group],
+    estimator: str,
+    order_seed: int,
+    pack_tokens: int,
+    background: bool,
 ) -> None:
     base = tiny_qwen3(dtype)
     model = with_lora(base) if lora else base

@@ -45,7 +45,13 @@ def _assert_all_close(got: list[torch.Tensor], want: list[torch.Tensor], tol: fl
 
 
 @settings(max_examples=5, deadline=None)
-@given(n=st.integers(1, 6), width=st.integers(1, 9), vocab=st.integers(2, 2600), train_head=st.booleans(), seed=st.integers(0, 2**31))
+@given(
+    n=st.integers(1, 6),
+    width=st.integers(1, 9),
+    vocab=st.integers(2, 2600),
+    train_head=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
 def test_triton_logprob_rows_match_the_torch_rows(
     interpreted: SimpleNamespace, n: int, width: int, vocab: int, train_head: bool, seed: int
 ) -> None:
@@ -64,8 +70,14 @@ def test_triton_logprob_rows_match_the_torch_rows(
 
 
 @SETTINGS
-@given(shape=st.sampled_from([(1, 1), (3, 17), (2, 5, 64), (4, 130)]), eps=st.sampled_from([1e-6, 0.1]), seed=st.integers(0, 2**31))
-def test_triton_rms_norm_matches_the_reference(interpreted: SimpleNamespace, shape: tuple[int, ...], eps: float, seed: int) -> None:
+@given(
+    shape=st.sampled_from([(1, 1), (3, 17), (2, 5, 64), (4, 130)]),
+    eps=st.sampled_from([1e-6, 0.1]),
+    seed=st.integers(0, 2**31),
+)
+def test_triton_rms_norm_matches_the_reference(
+    interpreted: SimpleNamespace, shape: tuple[int, ...], eps: float, seed: int
+) -> None:
     gen = torch.Generator().manual_seed(seed)
     x, grad = torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)
     w = torch.randn(shape[-1], generator=gen)
@@ -82,7 +94,14 @@ def test_triton_rms_norm_fp16_rounds_like_transformers(interpreted: SimpleNamesp
 
 
 @SETTINGS
-@given(m=st.integers(1, 20), i=st.integers(1, 40), o=st.integers(1, 40), r=st.integers(1, 20), bias=st.booleans(), seed=st.integers(0, 2**31))
+@given(
+    m=st.integers(1, 20),
+    i=st.integers(1, 40),
+    o=st.integers(1, 40),
+    r=st.integers(1, 20),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
 def test_triton_lora_linear_matches_the_reference(
     interpreted: SimpleNamespace, m: int, i: int, o: int, r: int, bias: bool, seed: int
 ) -> None:
@@ -97,7 +116,12 @@ def test_triton_lora_linear_matches_the_reference(
 
 
 @SETTINGS
-@given(k=st.integers(1, 10), n=st.integers(1, 9000), dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2**31))
+@given(
+    k=st.integers(1, 10),
+    n=st.integers(1, 9000),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    seed=st.integers(0, 2**31),
+)
 def test_triton_reduce_adjoints_matches_the_reference(
     interpreted: SimpleNamespace, k: int, n: int, dtype: torch.dtype, seed: int
 ) -> None:

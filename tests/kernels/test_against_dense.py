@@ -22,8 +22,15 @@ def _dense_logprobs(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[
 
 
 @SETTINGS
-@given(n=st.integers(1, 40), width=st.integers(1, 12), vocab=st.integers(2, 300), seed=st.integers(0, 2**31),
-       chunk_elements=st.sampled_from([1, 37, 1 << 27]), train_head=st.booleans(), entropy_weight=st.floats(-2, 2))
+@given(
+    n=st.integers(1, 40),
+    width=st.integers(1, 12),
+    vocab=st.integers(2, 300),
+    seed=st.integers(0, 2**31),
+    chunk_elements=st.sampled_from([1, 37, 1 << 27]),
+    train_head=st.booleans(),
+    entropy_weight=st.floats(-2, 2),
+)
 def test_linear_logprobs_match_dense_log_softmax_values_and_gradients(
     n: int, width: int, vocab: int, seed: int, chunk_elements: int, train_head: bool, entropy_weight: float
 ) -> None:
@@ -32,7 +39,9 @@ def test_linear_logprobs_match_dense_log_softmax_values_and_gradients(
         _check_logprobs_against_dense(n, width, vocab, seed, train_head, entropy_weight)
 
 
-def _check_logprobs_against_dense(n: int, width: int, vocab: int, seed: int, train_head: bool, entropy_weight: float) -> None:
+def _check_logprobs_against_dense(
+    n: int, width: int, vocab: int, seed: int, train_head: bool, entropy_weight: float
+) -> None:
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(n, width, generator=gen, dtype=torch.float64) * 3
     w = torch.randn(vocab, width, generator=gen, dtype=torch.float64)
@@ -95,8 +104,15 @@ def _dense_attention(q, kp, vp, kc, vc, scale):  # type: ignore[no-untyped-def]
 
 
 @SETTINGS
-@given(b=st.integers(1, 2), n_kv=st.integers(1, 3), groups=st.integers(1, 3), t=st.integers(1, 9),
-       p=st.integers(0, 11), d=st.integers(1, 8), seed=st.integers(0, 2**31))
+@given(
+    b=st.integers(1, 2),
+    n_kv=st.integers(1, 3),
+    groups=st.integers(1, 3),
+    t=st.integers(1, 9),
+    p=st.integers(0, 11),
+    d=st.integers(1, 8),
+    seed=st.integers(0, 2**31),
+)
 def test_chunk_attention_matches_per_query_softmax_values_and_gradients(
     b: int, n_kv: int, groups: int, t: int, p: int, d: int, seed: int
 ) -> None:
@@ -115,7 +131,9 @@ def test_chunk_attention_matches_per_query_softmax_values_and_gradients(
 
 
 @SETTINGS
-@given(rows=st.integers(1, 6), width=st.integers(1, 50), eps=st.sampled_from([0.0, 1e-6, 0.5]), seed=st.integers(0, 2**31))
+@given(
+    rows=st.integers(1, 6), width=st.integers(1, 50), eps=st.sampled_from([0.0, 1e-6, 0.5]), seed=st.integers(0, 2**31)
+)
 def test_rms_norm_matches_the_formula_and_its_gradient(rows: int, width: int, eps: float, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(2, rows, width, generator=gen, dtype=torch.float64).requires_grad_()
@@ -127,33 +145,57 @@ def test_rms_norm_matches_the_formula_and_its_gradient(rows: int, width: int, ep
 
 
 @SETTINGS
-@given(m=st.integers(1, 9), i=st.integers(1, 12), o=st.integers(1, 12), r=st.integers(1, 5), bias=st.booleans(),
-       scaling=st.floats(-3, 3), seed=st.integers(0, 2**31))
+@given(
+    m=st.integers(1, 9),
+    i=st.integers(1, 12),
+    o=st.integers(1, 12),
+    r=st.integers(1, 5),
+    bias=st.booleans(),
+    scaling=st.floats(-3, 3),
+    seed=st.integers(0, 2**31),
+)
 def test_lora_linear_matches_the_merged_weight_and_its_gradients(
     m: int, i: int, o: int, r: int, bias: bool, scaling: float, seed: int
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
-    x, w, a, bb = (torch.randn(*s, generator=gen, dtype=torch.float64, requires_grad=True) for s in ((m, i), (o, i), (r, i), (o, r)))
+    x, w, a, bb = (
+        torch.randn(*s, generator=gen, dtype=torch.float64, requires_grad=True)
+        for s in ((m, i), (o, i), (r, i), (o, r))
+    )
     b = torch.randn(o, generator=gen, dtype=torch.float64, requires_grad=True) if bias else None
     out = kernels.lora_linear(x, w, b, a, bb, scaling)
     merged = w + scaling * bb @ a  # the merged LoRA weight, computed another way
     torch.testing.assert_close(out, x @ merged.t() + (0 if b is None else b), rtol=1e-10, atol=1e-10)
     leaves = (x, w, a, bb) + ((b,) if b is not None else ())
-    assert torch.autograd.gradcheck(lambda *t: kernels.lora_linear(t[0], t[1], t[4] if bias else None, t[2], t[3], scaling), leaves)
+    assert torch.autograd.gradcheck(
+        lambda *t: kernels.lora_linear(t[0], t[1], t[4] if bias else None, t[2], t[3], scaling), leaves
+    )
 
 
 @SETTINGS
-@given(m=st.integers(1, 9), i=st.integers(1, 12), o=st.integers(1, 12), r=st.integers(1, 5), bias=st.booleans(), seed=st.integers(0, 2**31))
+@given(
+    m=st.integers(1, 9),
+    i=st.integers(1, 12),
+    o=st.integers(1, 12),
+    r=st.integers(1, 5),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
 def test_lora_function_with_library_products_matches_the_merged_weight(
     m: int, i: int, o: int, r: int, bias: bool, seed: int
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
-    x, w, a, bb = (torch.randn(*s, generator=gen, dtype=torch.float64, requires_grad=True) for s in ((2, m, i), (o, i), (r, i), (o, r)))
+    x, w, a, bb = (
+        torch.randn(*s, generator=gen, dtype=torch.float64, requires_grad=True)
+        for s in ((2, m, i), (o, i), (r, i), (o, r))
+    )
     b = torch.randn(o, generator=gen, dtype=torch.float64, requires_grad=True) if bias else None
     out = LoraLinear.apply(x, w, b, a, bb, -1.5, cublas_lora_gemm)
     torch.testing.assert_close(out, x @ (w - 1.5 * bb @ a).t() + (0 if b is None else b), rtol=1e-10, atol=1e-10)
     leaves = (x, w, a, bb) + ((b,) if b is not None else ())
-    assert torch.autograd.gradcheck(lambda *t: LoraLinear.apply(t[0], t[1], t[4] if bias else None, t[2], t[3], -1.5, cublas_lora_gemm), leaves)
+    assert torch.autograd.gradcheck(
+        lambda *t: LoraLinear.apply(t[0], t[1], t[4] if bias else None, t[2], t[3], -1.5, cublas_lora_gemm), leaves
+    )
 
 
 @SETTINGS

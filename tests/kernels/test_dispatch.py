@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 from thundersync import kernels
 from thundersync.errors import ConfigError, KernelUnavailable
@@ -57,7 +57,9 @@ def test_a_probe_runs_its_trial_once_and_caches_a_failure_with_the_reason() -> N
     first = probe.probe("demo", device, torch.bfloat16, "rows", failing_trial)
     second = probe.probe("demo", device, torch.bfloat16, "rows", failing_trial)
     assert calls == [1] and first is second
-    assert first == probe.Capability("demo", "cpu", "bfloat16", "rows", False, "trial failed: RuntimeError: no kernel image for sm_00")
+    assert first == probe.Capability(
+        "demo", "cpu", "bfloat16", "rows", False, "trial failed: RuntimeError: no kernel image for sm_00"
+    )
     assert probe.probe("demo", device, torch.float32, "rows", lambda: None).ok
 
 
@@ -69,8 +71,11 @@ def test_fa4_switch_rejects_unknown_values_naming_the_choices(monkeypatch: pytes
 
 def test_fa4_require_raises_with_the_reason_when_fa4_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("THUNDERSYNC_FA4", "require")
-    with pytest.raises(KernelUnavailable, match=r"THUNDERSYNC_FA4=require, but FlashAttention 4 cannot run on cpu float32 "
-                       r"\(head_dim=8,groups=2\): the fa4 path runs on CUDA devices only"):
+    with pytest.raises(
+        KernelUnavailable,
+        match=r"THUNDERSYNC_FA4=require, but FlashAttention 4 cannot run on cpu float32 "
+        r"\(head_dim=8,groups=2\): the fa4 path runs on CUDA devices only",
+    ):
         kernels.chunk_attention(*_attention_inputs())
     assert kernels.attention_path_counts() == {}
 
@@ -79,8 +84,11 @@ def test_fa4_require_governs_packed_calls_too(monkeypatch: pytest.MonkeyPatch) -
     q, k, v = _packed_case([2, 3], [1, 4], torch.float32)
     layout = kernels.PackedLayout([2, 3], [3, 7], torch.device("cpu"))
     monkeypatch.setenv("THUNDERSYNC_FA4", "require")
-    with pytest.raises(KernelUnavailable, match=r"THUNDERSYNC_FA4=require, but FlashAttention 4 cannot run on cpu float32 "
-                       r"\(head_dim=8,groups=2\)"):
+    with pytest.raises(
+        KernelUnavailable,
+        match=r"THUNDERSYNC_FA4=require, but FlashAttention 4 cannot run on cpu float32 "
+        r"\(head_dim=8,groups=2\)",
+    ):
         kernels.packed_chunk_attention(q, k, v, layout)
     monkeypatch.setenv("THUNDERSYNC_FA4", "off")
     kernels.packed_chunk_attention(q, k, v, layout)
@@ -102,9 +110,13 @@ def test_fa4_auto_without_fa4_picks_another_path() -> None:
 
 
 def test_forcing_a_path_that_cannot_run_raises_and_unknown_paths_are_rejected() -> None:
-    with pytest.raises(KernelUnavailable, match=r"attention path 'sdpa_split' cannot run on cpu float32 \(head_dim=8,groups=2\)"):
+    with pytest.raises(
+        KernelUnavailable, match=r"attention path 'sdpa_split' cannot run on cpu float32 \(head_dim=8,groups=2\)"
+    ):
         kernels.chunk_attention(*_attention_inputs(), path="sdpa_split")
-    with pytest.raises(ConfigError, match=r"path='flash' is not one of: fa4, varlen, sdpa_split, flex, sdpa_masked, reference"):
+    with pytest.raises(
+        ConfigError, match=r"path='flash' is not one of: fa4, varlen, sdpa_split, flex, sdpa_masked, reference"
+    ):
         kernels.chunk_attention(*_attention_inputs(), path="flash")
     kernels.chunk_attention(*_attention_inputs(), path="reference")
     assert kernels.attention_path_counts() == {"reference": 1}
@@ -112,7 +124,9 @@ def test_forcing_a_path_that_cannot_run_raises_and_unknown_paths_are_rejected() 
 
 def test_profile_ranges_switch_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("THUNDERSYNC_OPERATOR_PROFILE_RANGES", "perfetto")
-    with pytest.raises(ConfigError, match=r"THUNDERSYNC_OPERATOR_PROFILE_RANGES='perfetto' is not one of: off, kineto, nvtx, both"):
+    with pytest.raises(
+        ConfigError, match=r"THUNDERSYNC_OPERATOR_PROFILE_RANGES='perfetto' is not one of: off, kineto, nvtx, both"
+    ):
         kernels.rms_norm(torch.ones(2, 3), torch.ones(3), 1e-6)
 
 
@@ -144,7 +158,9 @@ def test_varlen_comes_first_then_split_without_prefix_or_for_large_prefix_times_
     assert set(_preference(512, 64)) == {"varlen", "sdpa_split", "sdpa_masked", "flex"}
 
 
-def _packed_case(q_lens: list[int], prefixes: list[int], dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, ...]:
+def _packed_case(
+    q_lens: list[int], prefixes: list[int], dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(len(q_lens))
     n, m = sum(q_lens), sum(q_lens) + sum(prefixes)
     return tuple(torch.randn(*s, generator=gen, dtype=dtype) for s in ((n, 4, 8), (m, 2, 8), (m, 2, 8)))
@@ -161,10 +177,16 @@ def test_packed_attention_equals_each_chunk_on_its_own_and_its_gradients_too() -
     for c, (t, p) in enumerate(zip(q_lens, prefixes)):  # one chunk at a time, [B, H, T, D] layout
         qs, ks = sum(q_lens[:c]), sum(q_lens[:c]) + sum(prefixes[:c])
         heads = lambda x, a, b: x[a:b].transpose(0, 1)[None]  # noqa: E731
-        outs.append(kernels.chunk_attention(
-            heads(q, qs, qs + t), heads(k, ks, ks + p), heads(v, ks, ks + p), heads(k, ks + p, ks + p + t),
-            heads(v, ks + p, ks + p + t), scale=0.3,
-        )[0].transpose(0, 1))
+        outs.append(
+            kernels.chunk_attention(
+                heads(q, qs, qs + t),
+                heads(k, ks, ks + p),
+                heads(v, ks, ks + p),
+                heads(k, ks + p, ks + p + t),
+                heads(v, ks + p, ks + p + t),
+                scale=0.3,
+            )[0].transpose(0, 1)
+        )
     want = torch.cat(outs)
     want_grads = torch.autograd.grad(want, (q, k, v), grad)
     assert torch.equal(got, want)
@@ -189,8 +211,9 @@ def test_packed_layout_and_shapes_are_checked_with_the_values() -> None:
         kernels.packed_chunk_attention(q, k, v, layout, path="varlen")
 
 
-def _dense_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: list[int], k_lens: list[int],
-                           scale: float) -> torch.Tensor:
+def _dense_block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: list[int], k_lens: list[int], scale: float
+) -> torch.Tensor:
     """Another way to the same thing: one dense softmax over all keys of the pack with a mask that
     lets row r of chunk c see key j of chunk c iff j <= (keys of c) - (queries of c) + r."""
     chunk_q = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
@@ -207,10 +230,14 @@ def _dense_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
 
 
 @settings(max_examples=40, deadline=None)
-@given(chunks=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 7)), min_size=1, max_size=5),
-       heads=st.sampled_from([(2, 2), (4, 2), (6, 2), (3, 1)]), seed=st.integers(0, 2**16))
-def test_packed_attention_equals_one_dense_block_masked_softmax(chunks: list[tuple[int, int]], heads: tuple[int, int],
-                                                                 seed: int) -> None:
+@given(
+    chunks=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 7)), min_size=1, max_size=5),
+    heads=st.sampled_from([(2, 2), (4, 2), (6, 2), (3, 1)]),
+    seed=st.integers(0, 2**16),
+)
+def test_packed_attention_equals_one_dense_block_masked_softmax(
+    chunks: list[tuple[int, int]], heads: tuple[int, int], seed: int
+) -> None:
     q_lens, k_lens = [t for t, _ in chunks], [t + p for t, p in chunks]
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads

@@ -158,10 +158,17 @@ ATTENTION_CASES = [(2, 16, 8, 128, 1024, 256), (1, 16, 8, 128, 0, 512), (1, 8, 8
 
 # flex compiles per dtype (tens of seconds each, fp32 slower): fp32 flex runs on the first case only.
 # Its compile emits library warnings that pytest would turn into errors; they are not ours to fix.
-_FLEX_WARNINGS = [pytest.mark.filterwarnings(f"ignore::{w}") for w in ("DeprecationWarning", "FutureWarning", "UserWarning")]
+_FLEX_WARNINGS = [
+    pytest.mark.filterwarnings(f"ignore::{w}") for w in ("DeprecationWarning", "FutureWarning", "UserWarning")
+]
 ATTENTION_PARAMS = [
-    pytest.param(dtype, path, case, id=f"{name}-{path}-" + "b{}_hq{}_hkv{}_d{}_p{}_t{}".format(*case),
-                 marks=_FLEX_WARNINGS if path == "flex" else ())
+    pytest.param(
+        dtype,
+        path,
+        case,
+        id=f"{name}-{path}-" + "b{}_hq{}_hkv{}_d{}_p{}_t{}".format(*case),
+        marks=_FLEX_WARNINGS if path == "flex" else (),
+    )
     for dtype, name in ((BF16, "bf16"), (torch.float32, "fp32"))
     for path in ("fa4", "varlen", "sdpa_split", "sdpa_masked", "reference", "flex")
     for case in ATTENTION_CASES
@@ -217,10 +224,15 @@ def test_packed_attention_in_one_call_matches_fp64_no_worse_than_per_chunk_sdpa(
     inputs = [torch.randn(*s, device="cuda", generator=gen) for s in ((n, 16, 128), (m, 8, 128), (m, 8, 128))]
     grad = torch.randn(n, 16, 128, device="cuda", generator=gen)
     kernels.reset_attention_path_counts()
-    ours = _grads(lambda q, k, v: kernels.packed_chunk_attention(q, k, v, layout, path=path), [x.to(BF16) for x in inputs], grad)
+    ours = _grads(
+        lambda q, k, v: kernels.packed_chunk_attention(q, k, v, layout, path=path), [x.to(BF16) for x in inputs], grad
+    )
     assert kernels.attention_path_counts() == {path: 1}
-    want = _grads(lambda q, k, v: kernels.packed_chunk_attention(q, k, v, layout, path="reference"),
-                  [x.double() for x in inputs], grad.double())
+    want = _grads(
+        lambda q, k, v: kernels.packed_chunk_attention(q, k, v, layout, path="reference"),
+        [x.double() for x in inputs],
+        grad.double(),
+    )
 
     def per_chunk_sdpa(q, k, v):  # type: ignore[no-untyped-def]
         outs = []

@@ -1,5 +1,3 @@
-
-
 def test_a_probe_trial_can_backpropagate_when_the_caller_runs_under_no_grad() -> None:
     import torch
 

@@ -24,8 +24,8 @@ def tiny_qwen3(dtype: torch.dtype, *, lora: bool = False) -> torch.nn.Module:
 class Turn:
     tokens: list[int]
     scored: list[bool]
-    teacher: list[float]            # one per scored token
-    behaviour: list[float] | None   # one per scored token, or None
+    teacher: list[float]  # one per scored token
+    behaviour: list[float] | None  # one per scored token, or None
 
 
 @dataclass
@@ -103,7 +103,7 @@ def dense_reference_grads(model: torch.nn.Module, plan: Plan, normalization: str
     for group in plan.values():
         for traj in group.trajectories.values():
             ids = list(group.prompt)
-            targets: list[int] = []           # positions (in ids) of scored tokens
+            targets: list[int] = []  # positions (in ids) of scored tokens
             teacher: list[float] = []
             behaviour: list[float | None] = []
             for turn in traj.turns:
@@ -123,7 +123,11 @@ def dense_reference_grads(model: torch.nn.Module, plan: Plan, normalization: str
             pos = torch.tensor(targets, device=device)
             lp = logp[pos - 1, torch.tensor(ids, device=device)[pos]]
             for k in range(len(targets)):
-                b = lp[k].detach() if behaviour[k] is None else torch.tensor(behaviour[k], dtype=lp.dtype, device=device)
+                b = (
+                    lp[k].detach()
+                    if behaviour[k] is None
+                    else torch.tensor(behaviour[k], dtype=lp.dtype, device=device)
+                )
                 q = torch.tensor(teacher[k], dtype=lp.dtype, device=device)
                 terms.append(torch.exp(lp[k] - b) * (b - q).detach())
     count = len(terms)
@@ -132,21 +136,27 @@ def dense_reference_grads(model: torch.nn.Module, plan: Plan, normalization: str
         if normalization == "token_mean":
             loss = loss / count
         loss.backward()
-    grads = {name: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-             for name, p in model.named_parameters() if p.requires_grad}
+    grads = {
+        name: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
     model.zero_grad(set_to_none=True)
     return grads
 
 
 def collect_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-            for name, p in model.named_parameters() if p.requires_grad}
+    return {
+        name: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
 
 
 def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     num = sum(float(((got[k].double() - want[k].double()) ** 2).sum()) for k in want)
     den = sum(float((want[k].double() ** 2).sum()) for k in want)
-    return (num / den) ** 0.5 if den > 0 else num ** 0.5
+    return (num / den) ** 0.5 if den > 0 else num**0.5
 
 
 def drive(opd: object, plan: Plan, ops: list[Op]) -> Iterator[Op]:
@@ -157,9 +167,14 @@ def drive(opd: object, plan: Plan, ops: list[Op]) -> Iterator[Op]:
             opd.open_group(gid, group.prompt)
         elif kind == "append":
             turn = group.trajectories[tid].turns[k]
-            opd.append_turn(gid, tid, turn.tokens, turn.scored,
-                            teacher_logprobs=turn.teacher if any(turn.scored) else None,
-                            behaviour_logprobs=turn.behaviour if any(turn.scored) else None)
+            opd.append_turn(
+                gid,
+                tid,
+                turn.tokens,
+                turn.scored,
+                teacher_logprobs=turn.teacher if any(turn.scored) else None,
+                behaviour_logprobs=turn.behaviour if any(turn.scored) else None,
+            )
         elif kind == "close_trajectory":
             opd.close_trajectory(gid, tid)
         else:

@@ -11,8 +11,13 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "streaming_opd.py"
 
 
 def test_the_opd_example_prints_one_json_line_matching_the_dense_reference() -> None:
-    out = subprocess.run([sys.executable, "-W", "error", str(EXAMPLE), "--device", "cpu"],
-                         capture_output=True, text=True, check=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-W", "error", str(EXAMPLE), "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=240,
+    )
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1, out.stdout
     result = json.loads(lines[0])

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 import thundersync
-from tests.opd.opd_cases import collect_grads, dense_reference_grads, drive, interleaving, plans, relative_error, tiny_qwen3
+from tests.opd.opd_cases import (
+    collect_grads,
+    dense_reference_grads,
+    drive,
+    interleaving,
+    plans,
+    relative_error,
+    tiny_qwen3,
+)
 
 pytestmark = pytest.mark.gpu
 

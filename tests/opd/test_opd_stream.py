@@ -94,8 +94,7 @@ def test_a_late_turn_loss_reaches_parameters_only_through_an_early_turns_kv() ->
     opd = thundersync.OPDStream(thundersync.StreamingRun(model), normalization="sum")
     opd.open_group("g", plan["g"].prompt)
     for turn in plan["g"].trajectories["t"].turns:
-        opd.append_turn("g", "t", turn.tokens, turn.scored,
-                        teacher_logprobs=turn.teacher if any(turn.scored) else None)
+        opd.append_turn("g", "t", turn.tokens, turn.scored, teacher_logprobs=turn.teacher if any(turn.scored) else None)
     embedding = model.get_input_embeddings().weight
     assert embedding.grad is not None
     torch.testing.assert_close(embedding.grad[special], want_early, rtol=1e-10, atol=1e-14)  # no replay yet
@@ -168,8 +167,7 @@ def test_non_finite_teacher_or_behaviour_logprobs_are_refused(opd: thundersync.O
     with pytest.raises(ConfigError, match=r"teacher_logprobs\[1\] is (nan|inf|-inf)"):
         opd.append_turn("g", "t", [3, 4], [True, True], teacher_logprobs=[-1.0, bad])
     with pytest.raises(ConfigError, match=r"behaviour_logprobs\[0\] is (nan|inf|-inf)"):
-        opd.append_turn("g", "t", [3, 4], [True, True], teacher_logprobs=[-1.0, -1.0],
-                        behaviour_logprobs=[bad, -1.0])
+        opd.append_turn("g", "t", [3, 4], [True, True], teacher_logprobs=[-1.0, -1.0], behaviour_logprobs=[bad, -1.0])
 
 
 def test_appending_after_close_is_refused(opd: thundersync.OPDStream) -> None:
@@ -191,7 +189,10 @@ def test_unknown_ids_are_refused(opd: thundersync.OPDStream) -> None:
 def test_stepping_with_open_groups_or_unreplayed_ledgers_names_them(opd: thundersync.OPDStream) -> None:
     opd.append_turn("g", "t", [3, 4], [False, False])
     opd.append_turn("g", "t", [5, 6], [True, True], teacher_logprobs=[-1.0, -2.0])
-    with pytest.raises(UnsafeStepError, match=r"open groups: 'g'.*unclosed trajectories: 'g'/'t'.*unreplayed ledgers: 'g'/'t' turns \[0\]"):
+    with pytest.raises(
+        UnsafeStepError,
+        match=r"open groups: 'g'.*unclosed trajectories: 'g'/'t'.*unreplayed ledgers: 'g'/'t' turns \[0\]",
+    ):
         opd.assert_safe_to_step()
 
 
@@ -206,8 +207,10 @@ def test_a_model_with_active_dropout_in_training_mode_is_refused() -> None:
 
 def test_a_bf16_model_accumulates_in_fp32_and_matches_the_fp32_reference() -> None:
     """Low-precision parameters: gradients gather in an fp32 accumulator, reaching .grad at the step."""
-    plan = _single_trajectory_plan([[5, 6, 7, 8], [9, 10], [11, 12, 13, 14]],
-                                   [[True, False, True, True], [False, False], [True, True, True, False]])
+    plan = _single_trajectory_plan(
+        [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14]],
+        [[True, False, True, True], [False, False], [True, True, True, False]],
+    )
     reference = tiny_qwen3(torch.float32)
     want = dense_reference_grads(reference, plan, "token_mean")
     model = tiny_qwen3(torch.float32).to(torch.bfloat16)
@@ -231,9 +234,13 @@ def _agent_plan(rng: random.Random, turns: Callable[[], int]):  # type: ignore[n
         scored = [action and rng.random() < 0.8 for _ in tokens]
         return Turn(tokens, scored, [rng.uniform(-5, -0.1) for _ in range(sum(scored))], None)
 
-    return {f"g{g}": Group([rng.randrange(VOCAB) for _ in range(5)],
-                           {f"t{i}": Trajectory([turn(k % 2 == 0) for k in range(turns())]) for i in range(4)})
-            for g in range(2)}
+    return {
+        f"g{g}": Group(
+            [rng.randrange(VOCAB) for _ in range(5)],
+            {f"t{i}": Trajectory([turn(k % 2 == 0) for k in range(turns())]) for i in range(4)},
+        )
+        for g in range(2)
+    }
 
 
 def test_background_work_packs_queued_turns_and_still_equals_the_dense_reference() -> None:
@@ -263,7 +270,11 @@ def test_trajectories_closed_while_the_worker_is_busy_replay_together_level_by_l
     model.zero_grad(set_to_none=True)
     replayed: list[int] = []
     real = _replay.replay_trajectories
-    monkeypatch.setattr(_replay, "replay_trajectories", lambda run, sink, closed: (replayed.append(len(closed)), real(run, sink, closed)))
+    monkeypatch.setattr(
+        _replay,
+        "replay_trajectories",
+        lambda run, sink, closed: (replayed.append(len(closed)), real(run, sink, closed)),
+    )
     run = thundersync.StreamingRun(model, background=True)
     opd = thundersync.OPDStream(run)
     release = threading.Event()
@@ -293,15 +304,15 @@ def test_the_pack_queue_takes_a_ready_fifo_prefix_with_one_item_per_trajectory_a
     for it in items:
         queue.push(it)
     assert queue.holds(a) and queue.holds(c)
-    assert queue.take() == items[:2]   # stops at the second turn of trajectory a
+    assert queue.take() == items[:2]  # stops at the second turn of trajectory a
     assert queue.take() == items[2:]
     assert queue.take() == [] and not queue.holds(a)
     big = [item(a, 15), item(b, 15), item(c, 30), item(a, 1)]
     blocked.add(id(big[1]))
     for it in big:
         queue.push(it)
-    assert queue.take() == big[:1]     # the next one is not ready: nothing behind it is taken
+    assert queue.take() == big[:1]  # the next one is not ready: nothing behind it is taken
     blocked.clear()
-    assert queue.take() == big[1:2]    # 16 + 31 tokens would pass the limit of 20
-    assert queue.take() == big[2:3]    # a turn over the limit still runs, alone
+    assert queue.take() == big[1:2]  # 16 + 31 tokens would pass the limit of 20
+    assert queue.take() == big[2:3]  # a turn over the limit still runs, alone
     assert queue.take() == big[3:]

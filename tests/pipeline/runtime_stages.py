@@ -10,7 +10,15 @@ from thundersync.events import EventBase
 from thundersync.pipeline import Inbox, Outbox, Stage
 
 __all__ = [
-    "Boom", "Collect", "Emit", "Fail", "Forever", "Pass", "Tack", "Tick", "Tock",
+    "Boom",
+    "Collect",
+    "Emit",
+    "Fail",
+    "Forever",
+    "Pass",
+    "Tack",
+    "Tick",
+    "Tock",
 ]
 
 
@@ -31,8 +39,9 @@ class Emit(Stage):
 
     produces = (Tick, Tock, Tack)
 
-    def __init__(self, events: Sequence[EventBase] = (), *, count: int = 0,
-                 on_send: Callable[[EventBase], None] | None = None) -> None:
+    def __init__(
+        self, events: Sequence[EventBase] = (), *, count: int = 0, on_send: Callable[[EventBase], None] | None = None
+    ) -> None:
         super().__init__()
         self.events = list(events) or [Tick(n=i) for i in range(count)]
         self.on_send = on_send
@@ -73,8 +82,13 @@ class Pass(Stage):
 class Collect(Stage):
     """A sink that keeps every event, optionally sleeping ``delay`` seconds per event."""
 
-    def __init__(self, consumes: tuple[type, ...] = (Tick,), *, delay: float = 0.0,
-                 on_receive: Callable[[EventBase], None] | None = None) -> None:
+    def __init__(
+        self,
+        consumes: tuple[type, ...] = (Tick,),
+        *,
+        delay: float = 0.0,
+        on_receive: Callable[[EventBase], None] | None = None,
+    ) -> None:
         super().__init__()
         self.consumes = consumes  # type: ignore[misc]
         self.delay = delay
@@ -110,4 +124,3 @@ class Fail(Stage):
             if event.n == self.at:
                 raise Boom(f"tick {event.n} is cursed")
             await outbox.send(event)
-

@@ -71,14 +71,21 @@ def test_check_validates_the_example_and_lists_its_stages(capsys: pytest.Capture
     assert "  close: type close, reads generate, reward, teacher\n" in out
 
 
-def test_run_writes_one_metrics_line_per_lifecycle_event_and_stage(tmp_path: Path,
-                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_writes_one_metrics_line_per_lifecycle_event_and_stage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     metrics = tmp_path / "out" / "metrics.jsonl"
     assert main(["run", str(EXAMPLE), "--metrics", str(metrics)]) == 0
     records = _records(metrics)
     kinds = Counter(record["type"] for record in records)
     assert records[0]["type"] == "run_started" and records[0]["stages"] == [
-        "source", "generate", "reward", "teacher", "close", "step"]
+        "source",
+        "generate",
+        "reward",
+        "teacher",
+        "close",
+        "step",
+    ]
     assert records[-1]["type"] == "run_finished" and records[-1]["status"] == "ok"
     # 4 prompts x 25 repeats = 100 groups of 4 samples, 2 groups per batch
     assert kinds["GroupClosed"] == 100 and kinds["TrajectoryClosed"] == 400
@@ -103,24 +110,28 @@ def test_run_settings_in_the_file_name_the_metrics_file(tmp_path: Path, monkeypa
     assert _records(tmp_path / "from-file.jsonl")[-1]["status"] == "ok"
 
 
-def test_an_invalid_file_exits_2_with_one_paragraph_and_no_traceback(tmp_path: Path,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_invalid_file_exits_2_with_one_paragraph_and_no_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[stages.reward]\ntype = "reward"\nfactr = 1\n')
     for command in ("check", "run"):
         assert main([command, str(bad)]) == 2
         err = capsys.readouterr().err
-        assert err == (f"thundersync: invalid pipeline (DefinitionError): {bad}: stages.reward.factr: unknown "
-                       "field; valid fields: reads, capacity, output, objects, concurrency\n")
+        assert err == (
+            f"thundersync: invalid pipeline (DefinitionError): {bad}: stages.reward.factr: unknown "
+            "field; valid fields: reads, capacity, output, objects, concurrency\n"
+        )
 
 
-def test_a_failing_object_factory_exits_2_naming_the_file(tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_failing_object_factory_exits_2_naming_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _small(tmp_path).read_text().replace('factory = "policy-clock"', 'factory = "policy-clock"\nversion = -1')
     (tmp_path / "p.toml").write_text(path)
     assert main(["check", str(tmp_path / "p.toml")]) == 2
-    assert capsys.readouterr().err == (f"thundersync: invalid pipeline (DefinitionError): {tmp_path / 'p.toml'}: "
-                                       "objects.policy: policy-clock failed: a policy version must be >= 0, got -1\n")
+    assert capsys.readouterr().err == (
+        f"thundersync: invalid pipeline (DefinitionError): {tmp_path / 'p.toml'}: "
+        "objects.policy: policy-clock failed: a policy version must be >= 0, got -1\n"
+    )
 
 
 def test_a_graph_error_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -152,14 +163,17 @@ def test_a_run_past_its_timeout_fails(tmp_path: Path, capsys: pytest.CaptureFixt
 
 def test_a_metrics_path_that_cannot_be_written_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", str(_small(tmp_path)), "--metrics", str(tmp_path)]) == 2
-    assert capsys.readouterr().err == (f"thundersync: invalid pipeline (ConfigError): cannot write the metrics file "
-                                       f"{tmp_path}: Is a directory; give --metrics (or run.metrics) the path of "
-                                       "a file in a writable directory\n")
+    assert capsys.readouterr().err == (
+        f"thundersync: invalid pipeline (ConfigError): cannot write the metrics file "
+        f"{tmp_path}: Is a directory; give --metrics (or run.metrics) the path of "
+        "a file in a writable directory\n"
+    )
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan"])
-def test_a_timeout_that_is_not_positive_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                         value: str) -> None:
+def test_a_timeout_that_is_not_positive_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["run", str(_small(tmp_path)), "--timeout", value])
     assert exit_.value.code == 2
@@ -168,14 +182,29 @@ def test_a_timeout_that_is_not_positive_is_a_usage_error(tmp_path: Path, capsys:
 
 def test_python_dash_m_thundersync_checks_and_runs_the_example(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    check = subprocess.run([sys.executable, "-m", "thundersync", "check", str(EXAMPLE)],
-                           capture_output=True, text=True, env=env, timeout=120)
+    check = subprocess.run(
+        [sys.executable, "-m", "thundersync", "check", str(EXAMPLE)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert check.returncode == 0 and "ok, 6 stages" in check.stdout, check.stderr
     metrics = tmp_path / "m.jsonl"
-    run = subprocess.run([sys.executable, "-m", "thundersync", "run", str(EXAMPLE), "--metrics", str(metrics)],
-                         capture_output=True, text=True, env=env, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "thundersync", "run", str(EXAMPLE), "--metrics", str(metrics)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert _records(metrics)[-1]["status"] == "ok"
-    bad = subprocess.run([sys.executable, "-m", "thundersync", "check", str(tmp_path / "none.toml")],
-                         capture_output=True, text=True, env=env, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "thundersync", "check", str(tmp_path / "none.toml")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "cannot read the pipeline file" in bad.stderr

@@ -45,13 +45,21 @@ def _example_in_python() -> PipelineSpec:
             "policy": ObjectSpec("policy-clock"),
         },
         stages={
-            "source": StageSpec("source", SourceStage.Config(
-                prompts=[[11, 12, 13], [21, 22], [31, 32, 33, 34], [41]], samples=4, groups_per_batch=2, repeat=25)),
+            "source": StageSpec(
+                "source",
+                SourceStage.Config(
+                    prompts=[[11, 12, 13], [21, 22], [31, 32, 33, 34], [41]], samples=4, groups_per_batch=2, repeat=25
+                ),
+            ),
             "generate": StageSpec("generate", GenerateStage.Config(max_new_tokens=12, turns=3), reads=("source",)),
             "reward": StageSpec("reward", RewardStage.Config(), reads=("generate",)),
             "teacher": StageSpec("teacher", TeacherStage.Config(), reads=("generate",)),
-            "close": StageSpec("close", CloseStage.Config(wait_for=("reward", "teacher")),
-                               reads=("generate", "reward", "teacher"), output=True),
+            "close": StageSpec(
+                "close",
+                CloseStage.Config(wait_for=("reward", "teacher")),
+                reads=("generate", "reward", "teacher"),
+                output=True,
+            ),
             "step": StageSpec("step", StepStage.Config(), reads=("close",), output=True),
         },
     )
@@ -82,15 +90,19 @@ def test_objects_passed_in_python_replace_the_files_factories() -> None:
 
 
 def test_a_stage_can_bind_an_object_under_another_name() -> None:
-    spec = loads(SOURCE + '[objects.gen2]\nfactory = "scripted-generator"\n'
-                 '[stages.generate]\ntype = "generate"\nreads = ["source"]\nobjects = {generator = "gen2"}\n')
+    spec = loads(
+        SOURCE + '[objects.gen2]\nfactory = "scripted-generator"\n'
+        '[stages.generate]\ntype = "generate"\nreads = ["source"]\nobjects = {generator = "gen2"}\n'
+    )
     assert spec.stages["generate"].objects == {"generator": "gen2"}
     assert isinstance(build_graph(spec)["generate"].stage.generator, ScriptedGenerator)  # type: ignore[attr-defined]
 
 
 def test_stage_capacity_overrides_the_run_default() -> None:
-    spec = loads('[run]\ncapacity = 8\n' + SOURCE + '[stages.generate]\ntype = "generate"\nreads = ["source"]\n'
-                 'capacity = 3\n[objects.generator]\nfactory = "scripted-generator"\n')
+    spec = loads(
+        "[run]\ncapacity = 8\n" + SOURCE + '[stages.generate]\ntype = "generate"\nreads = ["source"]\n'
+        'capacity = 3\n[objects.generator]\nfactory = "scripted-generator"\n'
+    )
     graph = build_graph(spec)
     assert graph["generate"].capacity == 3 and graph["source"].capacity == 8
 
@@ -98,37 +110,62 @@ def test_stage_capacity_overrides_the_run_default() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('[stages.reward]\ntype = "reward"\nfactr = 1\n',
-         r"^stages\.reward\.factr: unknown field; valid fields: reads, capacity, output, objects, concurrency$"),
-        ('[stages.reward]\ntype = "rewrd"\n',
-         r"^stages\.reward\.type: unknown stage type 'rewrd'; known: source, generate, reward, teacher, backward, close, step$"),
-        ('[stages.reward]\nconcurrency = 1\n', r"^stages\.reward\.type: missing required field \(one of: source, "),
-        ('[stages.src]\ntype = "source"\nprompts = [[1], [-2]]\n', r"^stages\.src\.prompts\[1\]\[0\]: Expected `int` >= 0$"),
+        (
+            '[stages.reward]\ntype = "reward"\nfactr = 1\n',
+            r"^stages\.reward\.factr: unknown field; valid fields: reads, capacity, output, objects, concurrency$",
+        ),
+        (
+            '[stages.reward]\ntype = "rewrd"\n',
+            r"^stages\.reward\.type: unknown stage type 'rewrd'; known: source, generate, reward, teacher, backward, close, step$",
+        ),
+        ("[stages.reward]\nconcurrency = 1\n", r"^stages\.reward\.type: missing required field \(one of: source, "),
+        (
+            '[stages.src]\ntype = "source"\nprompts = [[1], [-2]]\n',
+            r"^stages\.src\.prompts\[1\]\[0\]: Expected `int` >= 0$",
+        ),
         ('[stages.src]\ntype = "source"\n', r"^stages\.src\.prompts: missing required field$"),
         ('[stages.src]\ntype = "source"\nprompts = []\n', r"^stages\.src: prompts must be a non-empty list"),
         ('[stages.g]\ntype = "generate"\nturns = 0\n', r"^stages\.g\.turns: Expected `int` >= 1$"),
         ('[stages.g]\ntype = "generate"\ncapacity = 0\n', r"^stages\.g\.capacity: Expected `int` >= 1$"),
-        ('[stages.c]\ntype = "close"\nwait_for = ["rewards"]\n', r"^stages\.c\.wait_for\[0\]: Invalid enum value 'rewards'$"),
-        ('[run]\nprogres = "on"\n[stages]\n',
-         r"^run\.progres: unknown field; valid fields: metrics, progress, capacity, timeout_s$"),
+        (
+            '[stages.c]\ntype = "close"\nwait_for = ["rewards"]\n',
+            r"^stages\.c\.wait_for\[0\]: Invalid enum value 'rewards'$",
+        ),
+        (
+            '[run]\nprogres = "on"\n[stages]\n',
+            r"^run\.progres: unknown field; valid fields: metrics, progress, capacity, timeout_s$",
+        ),
         ('[run]\nprogress = "yes"\n[stages]\n', r"^run\.progress: Invalid enum value 'yes'$"),
-        ('x = 1\n[stages]\n', r"^x: unknown field; valid fields: run, objects, stages$"),
-        ('run = {}\n', r"^stages: missing required field$"),
-        ('[objects.g]\nfactory = "scripted-generatr"\n[stages]\n',
-         r"^objects\.g\.factory: unknown factory 'scripted-generatr'; known: scripted-generator, "),
-        ('[objects.g]\nfactory = "scripted-generator"\nvocab = 3\n[stages]\n',
-         r"^objects\.g\.vocab: unknown field; valid fields: factory, vocab_size, min_new_tokens, delay_s$"),
-        ('[objects.g]\nfactory = "scripted-generator"\nvocab_size = "x"\n[stages]\n',
-         r"^objects\.g\.vocab_size: Expected `int`, got `str`$"),
-        ('[stages]\nx =\n', r"^not valid TOML: "),
-        ('[objects.g]\nfactory = "scripted-generator"\nvocab_size = 0\n[stages]\n',
-         r"^objects\.g\.vocab_size: Expected `int` >= 1$"),
-        ('[objects.t]\nfactory = "scripted-tool"\ndelay_s = -1\n[stages]\n', r"^objects\.t\.delay_s: Expected `float` >= 0"),
+        ("x = 1\n[stages]\n", r"^x: unknown field; valid fields: run, objects, stages$"),
+        ("run = {}\n", r"^stages: missing required field$"),
+        (
+            '[objects.g]\nfactory = "scripted-generatr"\n[stages]\n',
+            r"^objects\.g\.factory: unknown factory 'scripted-generatr'; known: scripted-generator, ",
+        ),
+        (
+            '[objects.g]\nfactory = "scripted-generator"\nvocab = 3\n[stages]\n',
+            r"^objects\.g\.vocab: unknown field; valid fields: factory, vocab_size, min_new_tokens, delay_s$",
+        ),
+        (
+            '[objects.g]\nfactory = "scripted-generator"\nvocab_size = "x"\n[stages]\n',
+            r"^objects\.g\.vocab_size: Expected `int`, got `str`$",
+        ),
+        ("[stages]\nx =\n", r"^not valid TOML: "),
+        (
+            '[objects.g]\nfactory = "scripted-generator"\nvocab_size = 0\n[stages]\n',
+            r"^objects\.g\.vocab_size: Expected `int` >= 1$",
+        ),
+        (
+            '[objects.t]\nfactory = "scripted-tool"\ndelay_s = -1\n[stages]\n',
+            r"^objects\.t\.delay_s: Expected `float` >= 0",
+        ),
         ('[stages.a]\ntype = ["x"]\n', r"^stages\.a\.type: unknown stage type \['x'\]; known: source, "),
-        ('[stages.a]\ntype = {x = 1}\n', r"^stages\.a\.type: unknown stage type \{'x': 1\}; known: source, "),
-        ('[objects.x]\nfactory = ["a"]\n[stages]\n',
-         r"^objects\.x\.factory: unknown factory \['a'\]; known: scripted-generator, "),
-        ('stages = {a = 5}\n', r"^stages\.a: expected a table, got int 5$"),
+        ("[stages.a]\ntype = {x = 1}\n", r"^stages\.a\.type: unknown stage type \{'x': 1\}; known: source, "),
+        (
+            '[objects.x]\nfactory = ["a"]\n[stages]\n',
+            r"^objects\.x\.factory: unknown factory \['a'\]; known: scripted-generator, ",
+        ),
+        ("stages = {a = 5}\n", r"^stages\.a: expected a table, got int 5$"),
         ('objects = {g = "x"}\n[stages]\n', r"^objects\.g: expected a table, got str 'x'$"),
     ],
 )
@@ -156,21 +193,39 @@ def test_a_file_that_is_not_utf8_fails_naming_the_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("tables", "error", "message"),
     [
-        ('[stages.r]\ntype = "reward"\nreads = ["source"]\n', DefinitionError,
-         r"^stages\.r: a 'reward' stage needs a runtime object 'scorer'; add an \[objects\.scorer\] table "
-         r"\(factories: scripted-generator, .*\) or pass scorer=\.\.\. to build_graph$"),
-        ('[objects.scorer]\nfactory = "fake-teacher"\n[stages.r]\ntype = "reward"\nreads = ["source"]\n',
-         DefinitionError, r"^stages\.r: runtime object 'scorer' is a FakeTeacher, but a 'reward' stage needs a "
-                          r"Scorer for 'scorer'$"),
-        ('[stages.r]\ntype = "reward"\nreads = ["source"]\nobjects = {scorer = "s2"}\n', DefinitionError,
-         r"^stages\.r\.objects\.scorer: names 's2', which is neither defined under \[objects\] nor passed"),
-        ('[stages.r]\ntype = "reward"\nreads = ["source"]\nobjects = {scorr = "s2"}\n', DefinitionError,
-         r"^stages\.r\.objects\.scorr: a 'reward' stage takes no runtime object 'scorr'; it takes: scorer$"),
-        ('[objects.scorer]\nfactory = "fake-scorer"\n[stages.r]\ntype = "reward"\nreads = ["gen2"]\n', GraphError,
-         r"stage 'r' reads from 'gen2', which no stage produces; stages: source, r"),
-        ('[objects.generator]\nfactory = "scripted-generator"\n[stages.g]\ntype = "generate"\nreads = ["source"]\n'
-         '[stages.c]\ntype = "close"\nreads = ["g"]\nwait_for = ["reward"]\n', GraphError,
-         r"^stage 'c' waits for Rewarded events, but none of the stages it reads from \(g\) produces them"),
+        (
+            '[stages.r]\ntype = "reward"\nreads = ["source"]\n',
+            DefinitionError,
+            r"^stages\.r: a 'reward' stage needs a runtime object 'scorer'; add an \[objects\.scorer\] table "
+            r"\(factories: scripted-generator, .*\) or pass scorer=\.\.\. to build_graph$",
+        ),
+        (
+            '[objects.scorer]\nfactory = "fake-teacher"\n[stages.r]\ntype = "reward"\nreads = ["source"]\n',
+            DefinitionError,
+            r"^stages\.r: runtime object 'scorer' is a FakeTeacher, but a 'reward' stage needs a "
+            r"Scorer for 'scorer'$",
+        ),
+        (
+            '[stages.r]\ntype = "reward"\nreads = ["source"]\nobjects = {scorer = "s2"}\n',
+            DefinitionError,
+            r"^stages\.r\.objects\.scorer: names 's2', which is neither defined under \[objects\] nor passed",
+        ),
+        (
+            '[stages.r]\ntype = "reward"\nreads = ["source"]\nobjects = {scorr = "s2"}\n',
+            DefinitionError,
+            r"^stages\.r\.objects\.scorr: a 'reward' stage takes no runtime object 'scorr'; it takes: scorer$",
+        ),
+        (
+            '[objects.scorer]\nfactory = "fake-scorer"\n[stages.r]\ntype = "reward"\nreads = ["gen2"]\n',
+            GraphError,
+            r"stage 'r' reads from 'gen2', which no stage produces; stages: source, r",
+        ),
+        (
+            '[objects.generator]\nfactory = "scripted-generator"\n[stages.g]\ntype = "generate"\nreads = ["source"]\n'
+            '[stages.c]\ntype = "close"\nreads = ["g"]\nwait_for = ["reward"]\n',
+            GraphError,
+            r"^stage 'c' waits for Rewarded events, but none of the stages it reads from \(g\) produces them",
+        ),
     ],
 )
 def test_unbuildable_specs_fail_naming_the_stage(tables: str, error: type[Exception], message: str) -> None:
@@ -178,15 +233,20 @@ def test_unbuildable_specs_fail_naming_the_stage(tables: str, error: type[Except
         build_graph(loads(SOURCE + tables))
 
 
-POLICY = ('[objects.generator]\nfactory = "scripted-generator"\n[objects.scorer]\nfactory = "fake-scorer"\n'
-          '[objects.clock]\nfactory = "policy-clock"\n[stages.source]\ntype = "source"\nprompts = [[1], [2]]\n'
-          'groups_per_batch = 1\n[stages.gen]\ntype = "generate"\nreads = ["source"]\nobjects = {policy = "clock"}\n'
-          '[stages.reward]\ntype = "reward"\nreads = ["gen"]\n[stages.close]\ntype = "close"\nreads = ["gen", "reward"]\n')
+POLICY = (
+    '[objects.generator]\nfactory = "scripted-generator"\n[objects.scorer]\nfactory = "fake-scorer"\n'
+    '[objects.clock]\nfactory = "policy-clock"\n[stages.source]\ntype = "source"\nprompts = [[1], [2]]\n'
+    'groups_per_batch = 1\n[stages.gen]\ntype = "generate"\nreads = ["source"]\nobjects = {policy = "clock"}\n'
+    '[stages.reward]\ntype = "reward"\nreads = ["gen"]\n[stages.close]\ntype = "close"\nreads = ["gen", "reward"]\n'
+)
 
 
 def test_a_policy_clock_that_generate_waits_on_needs_a_step_stage_publishing_to_it() -> None:
-    with pytest.raises(DefinitionError, match=r"^stages\.gen\.objects\.policy: generate waits on the policy clock "
-                                              r"'clock' before each batch, but no step stage publishes to it"):
+    with pytest.raises(
+        DefinitionError,
+        match=r"^stages\.gen\.objects\.policy: generate waits on the policy clock "
+        r"'clock' before each batch, but no step stage publishes to it",
+    ):
         build_graph(loads(POLICY))
     build_graph(loads(POLICY + '[stages.step]\ntype = "step"\nreads = ["close"]\nobjects = {policy = "clock"}\n'))
 

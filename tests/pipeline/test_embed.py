@@ -133,7 +133,9 @@ async def test_leaving_the_block_drops_unread_results_drains_and_closes_every_ch
 
 @pytest.mark.anyio
 async def test_statistics_are_live_while_the_graph_runs() -> None:
-    graph = Graph().add("a", Pass(), reads=["input"], capacity=8).add("slow", Collect(delay=10), reads=["a"], capacity=2)
+    graph = (
+        Graph().add("a", Pass(), reads=["input"], capacity=8).add("slow", Collect(delay=10), reads=["a"], capacity=2)
+    )
     with pytest.raises(_Seen):  # leave the block by raising: that cancels the slow stage
         async with Pipeline(graph) as pipeline:
             for i in range(6):

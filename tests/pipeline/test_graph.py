@@ -16,7 +16,9 @@ def _chain() -> Graph:
 
 def test_unknown_upstream_names_the_missing_stage_and_lists_the_existing_ones() -> None:
     graph = _chain().add("reward", Collect(), reads=["gen2"])
-    with pytest.raises(GraphError, match="stage 'reward' reads from 'gen2', which no stage produces; stages: gen, tool, reward"):
+    with pytest.raises(
+        GraphError, match="stage 'reward' reads from 'gen2', which no stage produces; stages: gen, tool, reward"
+    ):
         graph.validate()
 
 
@@ -58,7 +60,10 @@ def test_a_consumer_sharing_no_type_with_its_producer_names_both_type_lists() ->
 
 def test_a_non_source_without_inputs_is_rejected() -> None:
     graph = Graph().add("src", Emit()).add("sink", Collect())
-    with pytest.raises(GraphError, match=r"stage 'sink' consumes Tick but reads from no stage; pass reads=\[...\] \(stages: src, sink, or 'input'\)"):
+    with pytest.raises(
+        GraphError,
+        match=r"stage 'sink' consumes Tick but reads from no stage; pass reads=\[...\] \(stages: src, sink, or 'input'\)",
+    ):
         graph.validate()
 
 
@@ -72,7 +77,9 @@ def test_a_cycle_is_rejected_and_shown_in_flow_order() -> None:
     graph = Graph().add("src", Emit())
     graph.add("gen", Pass(), reads=["src", "step"]).add("backward", Pass(), reads=["gen"])
     graph.add("step", Pass(), reads=["backward"])
-    with pytest.raises(GraphError, match="stages form a cycle: gen -> backward -> step -> gen; a graph must be acyclic"):
+    with pytest.raises(
+        GraphError, match="stages form a cycle: gen -> backward -> step -> gen; a graph must be acyclic"
+    ):
         graph.validate()
 
 
@@ -86,7 +93,9 @@ def test_a_long_chain_and_a_long_cycle_are_checked_without_recursion() -> None:
     for i in range(3000, 0, -1):
         looped.add(f"s{i}", Pass(), reads=[f"s{i - 1}"])
     looped.add("s0", Pass(), reads=["s3000"])
-    with pytest.raises(GraphError, match=r"^stages form a cycle: s3000 -> s0 -> s1 -> s2 -> .* -> s2999 -> s3000; a graph"):
+    with pytest.raises(
+        GraphError, match=r"^stages form a cycle: s3000 -> s0 -> s1 -> s2 -> .* -> s2999 -> s3000; a graph"
+    ):
         looped.validate()
 
 

@@ -12,9 +12,23 @@ from thundersync.pipeline.metrics import JsonlMetrics
 
 def test_lines_are_written_and_flushed_as_they_come(tmp_path: Path) -> None:
     path = tmp_path / "deep" / "m.jsonl"
-    stats = RunStatistics(stages={"s": StageStatistics(name="s", state="done", received=3, sent=2, unrouted=0,
-                                                       input_wait_s=0.0, output_wait_s=0.0, elapsed_s=1.0)},
-                          inboxes={}, edges=[], elapsed_s=1.0)
+    stats = RunStatistics(
+        stages={
+            "s": StageStatistics(
+                name="s",
+                state="done",
+                received=3,
+                sent=2,
+                unrouted=0,
+                input_wait_s=0.0,
+                output_wait_s=0.0,
+                elapsed_s=1.0,
+            )
+        },
+        inboxes={},
+        edges=[],
+        elapsed_s=1.0,
+    )
     with JsonlMetrics(path) as metrics:
         metrics.write("run_started", file="x.toml")
         metrics.event(GroupClosed(group_id="g", num_trajectories=4))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +39,9 @@ class Scenario:
 
 def _trajectory_ops(needs: frozenset[Need], g: str, t: str, turns: int, scored: list[int]) -> list[Op]:
     ops = [Op("turn", (g, t, i, i == turns - 1, scored[i])) for i in range(turns)]
-    ops += [Op("done", (need, g, t, i)) for i in range(turns) for need in (Need.BACKWARD, Need.TEACHER)
-            if need in needs]
+    ops += [
+        Op("done", (need, g, t, i)) for i in range(turns) for need in (Need.BACKWARD, Need.TEACHER) if need in needs
+    ]
     if Need.REWARD in needs:
         ops.append(Op("done", (Need.REWARD, g, t, None)))
     return ops
@@ -78,7 +80,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
                     s.scored[(g, t)] = sum(scored)
                 for op in ops:
                     add(op, opened)
-                for earlier, later in zip(ops, ops[1:]):  # turns in order; abandon last
+                for earlier, later in itertools.pairwise(ops):  # turns in order; abandon last
                     if later.kind in ("turn", "abandon") and earlier.kind == "turn":
                         add(later, earlier)
                 if ops[-1].kind == "abandon":
@@ -91,7 +93,9 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         if not s.sized[b]:
             add(Op("seal", (b,)), *(Op("open", (g, tuple(s.trajectories[g]), b, 0)) for g in s.batches[b]))
         for k in range(draw(st.integers(0, 2))):  # work in flight, begun before the batch can be ready
-            begin = add(Op("begin", (b, f"w{k}")), next(op for op in before if op.kind == "open" and op.args[0] == first))
+            begin = add(
+                Op("begin", (b, f"w{k}")), next(op for op in before if op.kind == "open" and op.args[0] == first)
+            )
             add(Op("end", (b, f"w{k}")), begin)
             for op in group_ops[first]:
                 add(op, begin)
@@ -113,8 +117,11 @@ def _model(s: Scenario, applied: set[Op]) -> tuple[set[tuple[str, str]], set[str
             all_ops.setdefault(key, []).append(op)
     ended = {key for key, ops in all_ops.items() if all(op in applied for op in ops)}
     closed = ended - s.abandoned
-    groups = {g for g, ts in s.trajectories.items() if all((g, t) in ended for t in ts)
-              and (Need.BACKWARD not in s.needs or Op("prompt", (g,)) in applied)}
+    groups = {
+        g
+        for g, ts in s.trajectories.items()
+        if all((g, t) in ended for t in ts) and (Need.BACKWARD not in s.needs or Op("prompt", (g,)) in applied)
+    }
     batches = set()
     for b, gs in s.batches.items():
         begun = {op.args[1] for op in applied if op.kind == "begin" and op.args[0] == b}
@@ -160,13 +167,15 @@ def test_gates_open_exactly_when_every_dependency_is_done(s: Scenario) -> None:
                 assert event.num_scored == s.scored[(event.group_id, event.trajectory_id)]
             elif isinstance(event, GroupClosed):
                 groups.append(event.group_id)
-                assert event.num_trajectories == sum((event.group_id, t) not in s.abandoned
-                                                     for t in s.trajectories[event.group_id])
+                assert event.num_trajectories == sum(
+                    (event.group_id, t) not in s.abandoned for t in s.trajectories[event.group_id]
+                )
             else:
                 assert isinstance(event, BatchReady)
                 ready.append(event.batch_id)
-                expected = [(g, t) for g in s.batches[event.batch_id] for t in s.trajectories[g]
-                            if (g, t) not in s.abandoned]
+                expected = [
+                    (g, t) for g in s.batches[event.batch_id] for t in s.trajectories[g] if (g, t) not in s.abandoned
+                ]
                 assert event.num_trajectories == len(expected)
                 assert event.num_scored_tokens == sum(s.scored[key] for key in expected)
         applied.add(op)
@@ -199,9 +208,11 @@ def test_the_docstring_example_closes_trajectory_group_and_batch_in_order() -> N
     assert t.complete(Need.REWARD, "g", "b") == []
     assert t.complete(Need.REWARD, "g", "a") == [TrajectoryClosed(group_id="g", trajectory_id="a")]
     events = t.add_turn("g", "b", 0, final=True, num_tokens=3, num_scored=2)
-    assert events == [TrajectoryClosed(group_id="g", trajectory_id="b", num_tokens=3, num_scored=2),
-                      GroupClosed(group_id="g", num_trajectories=2),
-                      BatchReady(batch_id=0, num_groups=1, num_trajectories=2, num_scored_tokens=2)]
+    assert events == [
+        TrajectoryClosed(group_id="g", trajectory_id="b", num_tokens=3, num_scored=2),
+        GroupClosed(group_id="g", num_trajectories=2),
+        BatchReady(batch_id=0, num_groups=1, num_trajectories=2, num_scored_tokens=2),
+    ]
     assert t.group_state("g") is GroupState.CLOSED
     t.step(0)
     with pytest.raises(NotReadyToStep, match=r"batch 0 is not ready to step \(stepped\): it was already stepped"):
@@ -242,9 +253,13 @@ def test_stepping_early_names_everything_pending(grpo: Tracker) -> None:
     grpo.add_turn("g", "a", 0)
     grpo.add_turn("g", "a", 1, final=True)
     grpo.complete(Need.TEACHER, "g", "a", 0)
-    with pytest.raises(NotReadyToStep, match=(
+    with pytest.raises(
+        NotReadyToStep,
+        match=(
             r"batch 0 is not ready to step \(sealed\): trajectory 'a' of group 'g' waits for reward, "
-            r"teacher scores of turn 1; trajectory 'b' of group 'g' waits for its final turn, reward")):
+            r"teacher scores of turn 1; trajectory 'b' of group 'g' waits for its final turn, reward"
+        ),
+    ):
         grpo.step(0)
 
 
@@ -282,7 +297,9 @@ def test_turns_must_increase_and_completions_must_match_declared_turns(grpo: Tra
     with pytest.raises(TrackerError, match="turn 1 was added to trajectory 'a' of group 'g' after turn 1"):
         grpo.add_turn("g", "a", 1)
     grpo.complete(Need.TEACHER, "g", "b", 4)  # may arrive before its turn
-    with pytest.raises(TrackerError, match=r"ended at turn 0 but got teacher scores of turn 4, which it never declared"):
+    with pytest.raises(
+        TrackerError, match=r"ended at turn 0 but got teacher scores of turn 4, which it never declared"
+    ):
         grpo.add_turn("g", "b", 0, final=True)
 
 
@@ -347,8 +364,10 @@ def test_an_abandoned_trajectory_no_longer_holds_its_group() -> None:
     t.add_turn("g", "a", 0, final=True)
     t.complete(Need.REWARD, "g", "a")
     events = t.abandon("g", "b")
-    assert events == [GroupClosed(group_id="g", num_trajectories=1),
-                      BatchReady(batch_id=0, num_groups=1, num_trajectories=1)]
+    assert events == [
+        GroupClosed(group_id="g", num_trajectories=1),
+        BatchReady(batch_id=0, num_groups=1, num_trajectories=1),
+    ]
     assert t.trajectory_state("g", "b") is TrajectoryState.ABANDONED
 
 
@@ -364,13 +383,17 @@ def test_late_work_for_an_abandoned_trajectory_is_ignored_and_counted() -> None:
     t.add_turn("g", "b", 0, final=True)
     assert t.complete(Need.TEACHER, "g", "b", 0)[-1] == BatchReady(batch_id=0, num_groups=1, num_trajectories=1)
     assert t.complete(Need.TEACHER, "g", "a", 1) == [] and t.ignored == 4  # even after its batch is ready
-    with pytest.raises(TrackerError, match="reward was reported for trajectory 'a' of group 'g', but this tracker "
-                                           "does not wait for reward"):
+    with pytest.raises(
+        TrackerError,
+        match="reward was reported for trajectory 'a' of group 'g', but this tracker does not wait for reward",
+    ):
         t.complete(Need.REWARD, "g", "a")  # misuse stays an error
 
 
 def test_a_completion_for_a_turn_past_the_final_one_raises(grpo: Tracker) -> None:
     grpo.add_turn("g", "a", 0, final=True)
-    with pytest.raises(TrackerError, match="teacher scores of turn 3 was reported for trajectory 'a' of group 'g', "
-                                           "which ended at turn 0"):
+    with pytest.raises(
+        TrackerError,
+        match="teacher scores of turn 3 was reported for trajectory 'a' of group 'g', which ended at turn 0",
+    ):
         grpo.complete(Need.TEACHER, "g", "a", 3)

@@ -46,8 +46,9 @@ async def test_secrets_and_nccl_variables_of_the_host_do_not_reach_the_command(
 
 
 async def test_a_command_that_ignores_sigterm_is_killed_at_its_timeout(sandbox: Sandbox, backend: str) -> None:
-    result = await sandbox.exec("trap '' TERM; echo started; (trap '' TERM; while :; do sleep 1; done) & "
-                                "while :; do sleep 1; done", timeout=1.0)
+    result = await sandbox.exec(
+        "trap '' TERM; echo started; (trap '' TERM; while :; do sleep 1; done) & while :; do sleep 1; done", timeout=1.0
+    )
     assert result.timed_out and result.exit_code is None and result.stdout == "started\n"
     assert result.duration_s < 6
     if backend in ("docker", "podman"):  # nothing of it is left in the container
@@ -74,7 +75,9 @@ async def test_an_output_flood_is_killed_at_the_hard_cap_in_bounded_memory(new_s
         assert (await sandbox.exec("echo alive")).stdout == "alive\n"
 
 
-async def test_a_fork_bomb_is_contained_and_the_sandbox_recovers(new_sandbox: Callable[..., Sandbox], backend: str) -> None:
+async def test_a_fork_bomb_is_contained_and_the_sandbox_recovers(
+    new_sandbox: Callable[..., Sandbox], backend: str
+) -> None:
     if backend not in ("docker", "podman") and os.geteuid() == 0 and not _cgroup.available():
         pytest.skip("root is exempt from RLIMIT_NPROC and no pids cgroup can be made here: nothing bounds a fork bomb")
     async with new_sandbox(SandboxLimits(pids=64)) as sandbox:
@@ -102,9 +105,12 @@ async def test_loopback_inside_a_docker_sandbox_is_its_own(sandbox: Sandbox, bac
     if backend not in ("docker", "podman"):
         pytest.skip("uDocker and local deny every non-Unix socket (seccomp), loopback included")
     # Both ends keep their stdin open a while: busybox nc hangs up as soon as its stdin ends.
-    result = await sandbox.exec("sleep 5 2>/dev/null | nc -l -p 7777 >/tmp/got 2>&1 & server=$!; for i in $(seq 50); do "
-                                "(echo ping; sleep 0.3) | nc -w 1 127.0.0.1 7777 && break; sleep 0.1; done; "
-                                "kill $server; cat /tmp/got", timeout=20)
+    result = await sandbox.exec(
+        "sleep 5 2>/dev/null | nc -l -p 7777 >/tmp/got 2>&1 & server=$!; for i in $(seq 50); do "
+        "(echo ping; sleep 0.3) | nc -w 1 127.0.0.1 7777 && break; sleep 0.1; done; "
+        "kill $server; cat /tmp/got",
+        timeout=20,
+    )
     assert result.stdout == "ping\n"
 
 
@@ -112,11 +118,18 @@ async def test_writes_outside_the_working_tree_do_not_reach_the_host(sandbox: Sa
     if backend == "local":
         pytest.skip("the local backend is not an isolation boundary (it warns)")
     marker = Path("/tmp") / f"ts-escape-{os.getpid()}"
-    script = (f"echo x > {marker}; echo x > /etc/ts-escape; echo x > /dev/shm/ts-escape; "
-              f"echo x > {sandbox.workdir}/../ts-escape; echo x > /ts-escape; true")
+    script = (
+        f"echo x > {marker}; echo x > /etc/ts-escape; echo x > /dev/shm/ts-escape; "
+        f"echo x > {sandbox.workdir}/../ts-escape; echo x > /ts-escape; true"
+    )
     await sandbox.exec(script)
-    for host_path in (marker, Path("/etc/ts-escape"), Path("/dev/shm/ts-escape"), Path("/ts-escape"),
-                      sandbox.tree.parent / "ts-escape"):
+    for host_path in (
+        marker,
+        Path("/etc/ts-escape"),
+        Path("/dev/shm/ts-escape"),
+        Path("/ts-escape"),
+        sandbox.tree.parent / "ts-escape",
+    ):
         assert not host_path.exists(), f"the sandbox wrote {host_path} on the host"
 
 
@@ -208,7 +221,9 @@ async def test_reset_restores_the_seed_and_verifies_it_from_the_host(sandbox: Sa
     assert (await sandbox.exec(f"cat README; ls {tmp}")).stdout == "hello from the seed\n"
 
 
-async def test_close_is_idempotent_and_exec_after_close_is_refused(new_sandbox: Callable[..., Sandbox], backend: str) -> None:
+async def test_close_is_idempotent_and_exec_after_close_is_refused(
+    new_sandbox: Callable[..., Sandbox], backend: str
+) -> None:
     sandbox = new_sandbox()
     async with sandbox:
         pass
@@ -240,7 +255,9 @@ async def test_cancelling_the_creation_of_a_sandbox_leaves_nothing(
         await host_clean()
 
 
-async def test_a_workdir_missing_from_the_image_starts_as_an_empty_tree(backend: str, image: str, scratch: Path) -> None:
+async def test_a_workdir_missing_from_the_image_starts_as_an_empty_tree(
+    backend: str, image: str, scratch: Path
+) -> None:
     if backend not in ("docker", "podman"):
         pytest.skip("the working directory is read from the image only by the docker backend")
     from thundersync.sandboxes import DockerSandbox

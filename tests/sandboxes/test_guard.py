@@ -40,17 +40,38 @@ def test_without_the_filter_inet_sockets_open() -> None:
 
 
 def test_the_guard_rejects_unknown_options_and_missing_commands() -> None:
-    done = subprocess.run([sys.executable, "-I", "-S", str(GUARD), "--bogus", "--", "true"], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", str(GUARD), "--bogus", "--", "true"], capture_output=True, text=True
+    )
     assert done.returncode != 0 and "_guard: unknown option '--bogus'" in done.stderr
     done = subprocess.run([sys.executable, "-I", "-S", str(GUARD), "--no-inet", "--"], capture_output=True, text=True)
     assert done.returncode != 0 and "_guard: no command after --" in done.stderr
-    done = subprocess.run([sys.executable, "-I", "-S", str(GUARD), "--", "/no/such/cmd"], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", str(GUARD), "--", "/no/such/cmd"], capture_output=True, text=True
+    )
     assert done.returncode == 127 and "_guard: cannot run '/no/such/cmd'" in done.stderr
 
 
 @pytest.mark.skipif(not Path("/usr/bin/proot").exists(), reason="needs PRoot (apt-get install proot)")
 def test_proot_tracees_survive_the_filter_because_the_x86_and_x32_abis_are_covered() -> None:
     # PRoot's tracees die with SIGSYS under a filter that lacks an ABI they enter through.
-    done = subprocess.run([sys.executable, "-I", "-S", str(GUARD), "--no-inet", "--", "/usr/bin/proot", "-r", "/",
-                           "/bin/sh", "-c", "echo traced"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-S",
+            str(GUARD),
+            "--no-inet",
+            "--",
+            "/usr/bin/proot",
+            "-r",
+            "/",
+            "/bin/sh",
+            "-c",
+            "echo traced",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0 and done.stdout == "traced\n", done.stderr

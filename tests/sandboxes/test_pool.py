@@ -6,6 +6,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from thundersync.errors import SandboxError
@@ -27,7 +28,7 @@ class FakeSandbox:
         return self
 
     async def reset(self) -> bool:
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         if isinstance(self.reset_result, Exception):
             raise self.reset_result
         return self.reset_result
@@ -36,8 +37,9 @@ class FakeSandbox:
         self.log.append(f"closed {self.name}")
 
 
-async def test_pool_reuses_a_sandbox_whose_reset_is_verified(new_sandbox: Callable[..., Sandbox],
-                                                             host_clean: Callable[[], Awaitable[None]]) -> None:
+async def test_pool_reuses_a_sandbox_whose_reset_is_verified(
+    new_sandbox: Callable[..., Sandbox], host_clean: Callable[[], Awaitable[None]]
+) -> None:
     async with SandboxPool(new_sandbox, max_size=2) as pool:
         async with pool.acquire() as first:
             seed = trees.tree_digest(first.tree)

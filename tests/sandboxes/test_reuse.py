@@ -35,10 +35,14 @@ async def test_reset_empties_tmp_and_dev_shm_dot_names_and_locked_directories_in
 ) -> None:
     if backend == "local":
         pytest.skip("the local backend's /tmp and /dev/shm are the host's")
-    made = ("/tmp/plain /tmp/.hidden /tmp/..dots /tmp/... /dev/shm/plain /dev/shm/.hidden /dev/shm/..dots "
-            "/tmp/locked/f /dev/shm/locked/f")
-    await sandbox.exec("mkdir /tmp/locked /dev/shm/locked; for f in " + made + "; do echo x > $f; done; "
-                       "chmod 0 /tmp/locked /dev/shm/locked")
+    made = (
+        "/tmp/plain /tmp/.hidden /tmp/..dots /tmp/... /dev/shm/plain /dev/shm/.hidden /dev/shm/..dots "
+        "/tmp/locked/f /dev/shm/locked/f"
+    )
+    await sandbox.exec(
+        "mkdir /tmp/locked /dev/shm/locked; for f in " + made + "; do echo x > $f; done; "
+        "chmod 0 /tmp/locked /dev/shm/locked"
+    )
     listing = "ls -A /tmp /dev/shm"
     assert "..dots" in (await sandbox.exec(listing)).stdout
     assert await sandbox.reset()
@@ -63,7 +67,9 @@ async def test_a_second_sandbox_of_the_same_name_is_refused_and_its_close_spares
     async with new_sandbox(name="job-1") as first:
         await first.write_file("work.txt", b"important")
         second = new_sandbox(name="job-1")
-        with pytest.raises(ConfigError, match="a sandbox named 'job-1' already exists under .*: give each sandbox a unique name"):
+        with pytest.raises(
+            ConfigError, match="a sandbox named 'job-1' already exists under .*: give each sandbox a unique name"
+        ):
             await second.__aenter__()
         await second.close()
         assert await first.read_file("work.txt") == b"important"

@@ -22,15 +22,20 @@ def test_private_dir_creates_a_missing_directory_with_mode_0700(tmp_path: Path) 
 def test_private_dir_refuses_a_symlink(tmp_path: Path) -> None:
     (tmp_path / "real").mkdir(mode=0o700)
     (tmp_path / "link").symlink_to(tmp_path / "real")
-    with pytest.raises(UnsafePathError, match="scratch root .*/link is a symlink: use a real directory "
-                       "\\(or set THUNDERSYNC_SANDBOX_SCRATCH to a directory you own\\)"):
+    with pytest.raises(
+        UnsafePathError,
+        match="scratch root .*/link is a symlink: use a real directory "
+        "\\(or set THUNDERSYNC_SANDBOX_SCRATCH to a directory you own\\)",
+    ):
         trees.private_dir(tmp_path / "link", what="scratch root", env="THUNDERSYNC_SANDBOX_SCRATCH")
 
 
 def test_private_dir_refuses_a_group_writable_directory(tmp_path: Path) -> None:
     (tmp_path / "open").mkdir()
     (tmp_path / "open").chmod(0o775)
-    with pytest.raises(UnsafePathError, match="seed cache .*/open is writable by group or others \\(mode 775\\): chmod go-w"):
+    with pytest.raises(
+        UnsafePathError, match="seed cache .*/open is writable by group or others \\(mode 775\\): chmod go-w"
+    ):
         trees.private_dir(tmp_path / "open", what="seed cache", env="THUNDERSYNC_DOCKER_SEED_DIR")
 
 
@@ -42,8 +47,11 @@ def test_scratch_root_owned_by_another_user_is_refused_with_how_to_fix(
     other.mkdir(mode=0o700)
     os.chown(other, 1000, 1000)
     monkeypatch.setenv("THUNDERSYNC_SANDBOX_SCRATCH", str(other))
-    with pytest.raises(UnsafePathError, match=f"scratch root {other} is owned by uid 1000, not you \\(uid 0\\): "
-                       "chown it or set THUNDERSYNC_SANDBOX_SCRATCH to a directory you own"):
+    with pytest.raises(
+        UnsafePathError,
+        match=f"scratch root {other} is owned by uid 1000, not you \\(uid 0\\): "
+        "chown it or set THUNDERSYNC_SANDBOX_SCRATCH to a directory you own",
+    ):
         trees.scratch_root()
 
 
@@ -80,9 +88,12 @@ def test_tree_digest_sees_contents_names_modes_and_links_but_not_times(tmp_path:
     trees.copy_tree(a, b)
     os.utime(b / "d" / "f", (0, 0))
     assert trees.tree_digest(a) == trees.tree_digest(b)
-    for change in (lambda: (b / "d" / "f").write_bytes(b"y"), lambda: (b / "d" / "f").chmod(0o600),
-                   lambda: ((b / "l").unlink(), (b / "l").symlink_to("d")),
-                   lambda: (b / "d" / "f").rename(b / "d" / "g")):
+    for change in (
+        lambda: (b / "d" / "f").write_bytes(b"y"),
+        lambda: (b / "d" / "f").chmod(0o600),
+        lambda: ((b / "l").unlink(), (b / "l").symlink_to("d")),
+        lambda: (b / "d" / "f").rename(b / "d" / "g"),
+    ):
         trees.remove_tree(b)
         trees.copy_tree(a, b)
         change()

@@ -21,17 +21,16 @@ def anyio_backend() -> str:
 async def _run_stage(stage: Stage, events: Sequence[EventBase]) -> list[EventBase]:
     graph = Graph().add("stage", stage, reads=["input"] if stage.consumes else [])
     out: list[EventBase] = []
-    async with Pipeline(graph) as pipeline:
-        async with anyio.create_task_group() as group:
+    async with Pipeline(graph) as pipeline, anyio.create_task_group() as group:
 
-            async def feed() -> None:
-                for event in events:
-                    await pipeline.send(event)
-                await pipeline.close()
+        async def feed() -> None:
+            for event in events:
+                await pipeline.send(event)
+            await pipeline.close()
 
-            group.start_soon(feed)
-            async for event in pipeline.results():
-                out.append(event)
+        group.start_soon(feed)
+        async for event in pipeline.results():
+            out.append(event)
     return out
 
 

@@ -31,8 +31,11 @@ def _graph(slow: str) -> Graph:
         generate = GenerateStage(GenerateStage.Config(concurrency=1), generator=ScriptedGenerator(delay_s=0.01))
         return graph.add("gen", generate, reads=["source"], capacity=2).add("sink", _Drain(), reads=["gen"], capacity=2)
     graph.add("gen", GenerateStage(generator=ScriptedGenerator()), reads=["source"], capacity=2)
-    scorer = (RewardStage(RewardStage.Config(concurrency=1), scorer=FakeScorer(delay_s=0.01)) if slow == "reward"
-              else TeacherStage(TeacherStage.Config(concurrency=1), teacher=FakeTeacher(delay_s=0.01)))
+    scorer = (
+        RewardStage(RewardStage.Config(concurrency=1), scorer=FakeScorer(delay_s=0.01))
+        if slow == "reward"
+        else TeacherStage(TeacherStage.Config(concurrency=1), teacher=FakeTeacher(delay_s=0.01))
+    )
     return graph.add("slow", scorer, reads=["gen"], capacity=2).add("sink", _Drain(), reads=["slow"], capacity=2)
 
 

@@ -88,8 +88,9 @@ def opd_plans(draw: st.DrawFn) -> opd_cases.Plan:
     return plan
 
 
-def _turn_events(group: Any, trajectory: Any, turns: list[Any], early: Callable[[int, Any], EventBase | None]
-                 ) -> tuple[list[EventBase], list[EventBase]]:
+def _turn_events(
+    group: Any, trajectory: Any, turns: list[Any], early: Callable[[int, Any], EventBase | None]
+) -> tuple[list[EventBase], list[EventBase]]:
     """(turn events in order, events of other edges), with action ``k``'s extra event from ``early``."""
     ordered: list[EventBase] = []
     others: list[EventBase] = []
@@ -99,18 +100,26 @@ def _turn_events(group: Any, trajectory: Any, turns: list[Any], early: Callable[
             continue
         behaviour = getattr(turn, "behaviour", None)
         per_token = iter(behaviour or [])
-        ordered.append(ActionGenerated(
-            group_id=group, trajectory_id=trajectory, turn=k, token_ids=turn.tokens, scored=turn.scored,
-            behaviour_logprobs=[next(per_token) if s else -9.0 for s in turn.scored] if behaviour else [],
-            final=k == len(turns) - 1))
+        ordered.append(
+            ActionGenerated(
+                group_id=group,
+                trajectory_id=trajectory,
+                turn=k,
+                token_ids=turn.tokens,
+                scored=turn.scored,
+                behaviour_logprobs=[next(per_token) if s else -9.0 for s in turn.scored] if behaviour else [],
+                final=k == len(turns) - 1,
+            )
+        )
         extra = early(k, turn)
         if extra is not None:
             others.append(extra)
     return ordered, others
 
 
-def _shuffle(opened: list[EventBase], queues: list[list[EventBase]], loose: list[EventBase],
-             rng: random.Random) -> list[EventBase]:
+def _shuffle(
+    opened: list[EventBase], queues: list[list[EventBase]], loose: list[EventBase], rng: random.Random
+) -> list[EventBase]:
     """Group openings first; each queue keeps its order; loose events land anywhere after them."""
     events = list(opened)
     merged: list[EventBase] = []
@@ -139,11 +148,13 @@ def _check_done(out: list[EventBase], expected_turns: set[tuple[Any, Any, int]],
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])
 @CASES
 @given(plan=grpo_plans(), seed=st.integers(0, 2**16))
-def test_grpo_events_in_any_edge_order_give_the_dense_gradient(run_stage: RunStage, estimator: str,
-                                                             plan: list[grpo_cases.Group], seed: int) -> None:
+def test_grpo_events_in_any_edge_order_give_the_dense_gradient(
+    run_stage: RunStage, estimator: str, plan: list[grpo_cases.Group], seed: int
+) -> None:
     model = tiny_qwen3(torch.float64)
-    grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model, pack_tokens=int(seed % 3) * 8),
-                                            estimator=estimator)
+    grpo = thundersync.RewardLinearBackward(
+        thundersync.StreamingRun(model, pack_tokens=int(seed % 3) * 8), estimator=estimator
+    )
     rng = random.Random(seed)
     opened, queues, loose, turns = [], [], [], set()
     for g, group in enumerate(plan):
@@ -165,8 +176,9 @@ def test_grpo_events_in_any_edge_order_give_the_dense_gradient(run_stage: RunSta
 
 @CASES
 @given(plan=opd_plans(), seed=st.integers(0, 2**16))
-def test_opd_actions_wait_for_their_teacher_scores_and_give_the_dense_gradient(run_stage: RunStage,
-                                                                            plan: opd_cases.Plan, seed: int) -> None:
+def test_opd_actions_wait_for_their_teacher_scores_and_give_the_dense_gradient(
+    run_stage: RunStage, plan: opd_cases.Plan, seed: int
+) -> None:
     model = tiny_qwen3(torch.float64)
     opd = thundersync.OPDStream(thundersync.StreamingRun(model), normalization="token_mean")
     rng = random.Random(seed)
@@ -174,8 +186,14 @@ def test_opd_actions_wait_for_their_teacher_scores_and_give_the_dense_gradient(r
     for g, group in plan.items():
         opened.append(GroupOpened(group_id=g, prompt_tokens=group.prompt, trajectory_ids=list(group.trajectories)))
         for t, traj in group.trajectories.items():
-            ordered, scores = _turn_events(g, t, traj.turns, lambda k, turn, g=g, t=t: TeacherScored(
-                group_id=g, trajectory_id=t, turn=k, teacher_logprobs=turn.teacher))
+            ordered, scores = _turn_events(
+                g,
+                t,
+                traj.turns,
+                lambda k, turn, g=g, t=t: TeacherScored(
+                    group_id=g, trajectory_id=t, turn=k, teacher_logprobs=turn.teacher
+                ),
+            )
             queues.append(ordered)
             loose += scores  # teacher scores may come before their action
             turns.update((g, t, k) for k in range(0, len(traj.turns), 2))
@@ -189,8 +207,13 @@ def test_opd_actions_wait_for_their_teacher_scores_and_give_the_dense_gradient(r
 class _Recorder(Stage):
     """Keeps what generate, reward and teacher send: the batch for the dense reference."""
 
-    consumes: ClassVar[tuple[type[EventBase], ...]] = (GroupOpened, ActionGenerated, ToolObserved, Rewarded,
-                                                       TeacherScored)
+    consumes: ClassVar[tuple[type[EventBase], ...]] = (
+        GroupOpened,
+        ActionGenerated,
+        ToolObserved,
+        Rewarded,
+        TeacherScored,
+    )
     produces: ClassVar[tuple[type[EventBase], ...]] = ()
 
     def __init__(self) -> None:
@@ -222,20 +245,40 @@ def _run_graph(objective: Any, scores: tuple[str, Stage]) -> tuple[_Recorder, _G
     optimizer = _GradientsOnly(objective.run.params)
     policy, recorder = PolicyClock(), _Recorder()
     name, stage = scores
-    graph = (Graph()
-             .add("generate", GenerateStage(GenerateStage.Config(turns=3, max_new_tokens=6),
-                                            generator=ScriptedGenerator(vocab_size=VOCAB),
-                                            tools=ScriptedTool(vocab_size=VOCAB, end_token=5), policy=policy),
-                  reads=["input"])
-             .add(name, stage, reads=["generate"])
-             .add("record", recorder, reads=["generate", name])
-             .add("backward", BackwardStage(objective=objective), reads=["generate", name])
-             .add("close", CloseStage(CloseStage.Config(wait_for=(name, "backward"))),  # type: ignore[arg-type]
-                  reads=["generate", name, "backward"])
-             .add("step", StepStage(trainer=StreamingTrainer(objective, optimizer), policy=policy), reads=["close"],
-                  output=True))
-    prompts = [PromptSubmitted(group_id=f"{b}.{g}", prompt_tokens=[10 + g, 20 + b, 30], num_trajectories=3,
-                               batch_id=b, groups_in_batch=2) for b in range(2) for g in range(2)]
+    graph = (
+        Graph()
+        .add(
+            "generate",
+            GenerateStage(
+                GenerateStage.Config(turns=3, max_new_tokens=6),
+                generator=ScriptedGenerator(vocab_size=VOCAB),
+                tools=ScriptedTool(vocab_size=VOCAB, end_token=5),
+                policy=policy,
+            ),
+            reads=["input"],
+        )
+        .add(name, stage, reads=["generate"])
+        .add("record", recorder, reads=["generate", name])
+        .add("backward", BackwardStage(objective=objective), reads=["generate", name])
+        .add(
+            "close",
+            CloseStage(CloseStage.Config(wait_for=(name, "backward"))),  # type: ignore[arg-type]
+            reads=["generate", name, "backward"],
+        )
+        .add(
+            "step",
+            StepStage(trainer=StreamingTrainer(objective, optimizer), policy=policy),
+            reads=["close"],
+            output=True,
+        )
+    )
+    prompts = [
+        PromptSubmitted(
+            group_id=f"{b}.{g}", prompt_tokens=[10 + g, 20 + b, 30], num_trajectories=3, batch_id=b, groups_in_batch=2
+        )
+        for b in range(2)
+        for g in range(2)
+    ]
 
     async def main() -> list[EventBase]:
         async with Pipeline(graph) as pipeline:
@@ -272,9 +315,16 @@ def test_a_whole_grpo_graph_steps_on_the_dense_gradient_of_each_batch() -> None:
         for opened, trajectories in groups.values():
             group = grpo_cases.Group(list(opened.prompt_tokens), [])
             for events in trajectories.values():
-                turns = [grpo_cases.Turn(list(e.token_ids), (e.scored or [True] * len(e.token_ids))
-                                         if isinstance(e, ActionGenerated) else [False] * len(e.token_ids))
-                         for e in events if isinstance(e, ActionGenerated | ToolObserved)]
+                turns = [
+                    grpo_cases.Turn(
+                        list(e.token_ids),
+                        (e.scored or [True] * len(e.token_ids))
+                        if isinstance(e, ActionGenerated)
+                        else [False] * len(e.token_ids),
+                    )
+                    for e in events
+                    if isinstance(e, ActionGenerated | ToolObserved)
+                ]
                 reward = next(e.reward for e in events if isinstance(e, Rewarded))
                 group.trajectories.append(grpo_cases.Trajectory(turns, reward))
             plan.append(group)
@@ -298,8 +348,14 @@ def test_a_whole_opd_graph_steps_on_the_dense_gradient_of_each_batch() -> None:
                     if isinstance(e, ToolObserved):
                         turns.append(opd_cases.Turn(list(e.token_ids), [False] * len(e.token_ids), [], None))
                     elif isinstance(e, ActionGenerated):  # ScriptedGenerator scores every token
-                        turns.append(opd_cases.Turn(list(e.token_ids), [True] * len(e.token_ids), teacher[e.turn],
-                                                    list(e.behaviour_logprobs)))
+                        turns.append(
+                            opd_cases.Turn(
+                                list(e.token_ids),
+                                [True] * len(e.token_ids),
+                                teacher[e.turn],
+                                list(e.behaviour_logprobs),
+                            )
+                        )
                 group.trajectories[tid] = opd_cases.Trajectory(turns)
         want = opd_cases.dense_reference_grads(model, plan, "token_mean")
         names = [name for name, p in model.named_parameters() if p.requires_grad]
@@ -310,11 +366,18 @@ def test_a_run_that_failed_mid_batch_is_discarded_when_the_graph_runs_again(run_
     model = tiny_qwen3(torch.float64)
     grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model))
     stage = BackwardStage(objective=grpo)
-    plan = [grpo_cases.Group([3, 4], [grpo_cases.Trajectory([grpo_cases.Turn([5, 6, 7], [True, False, True])], r)
-                                      for r in (0.0, 1.0)])]
+    plan = [
+        grpo_cases.Group(
+            [3, 4], [grpo_cases.Trajectory([grpo_cases.Turn([5, 6, 7], [True, False, True])], r) for r in (0.0, 1.0)]
+        )
+    ]
     opened = GroupOpened(group_id="g", prompt_tokens=[3, 4], trajectory_ids=[0, 1])
-    actions = [ActionGenerated(group_id="g", trajectory_id=i, turn=0, token_ids=[5, 6, 7], scored=[True, False, True],
-                               final=True) for i in (0, 1)]
+    actions = [
+        ActionGenerated(
+            group_id="g", trajectory_id=i, turn=0, token_ids=[5, 6, 7], scored=[True, False, True], final=True
+        )
+        for i in (0, 1)
+    ]
     rewards = [Rewarded(group_id="g", trajectory_id=i, reward=r) for i, r in ((0, 0.0), (1, 1.0))]
     with pytest.raises(StageFailed, match="groups 'g' are still open"):  # the second reward never came
         anyio.run(run_stage, stage, [opened, *actions, rewards[0]])
@@ -338,13 +401,18 @@ def test_misuse_is_refused_with_clear_messages(run_stage: RunStage) -> None:
     with pytest.raises(StageFailed, match="GroupOpened of group 'g' lists no trajectory ids"):
         anyio.run(run_stage, BackwardStage(objective=grpo), unlisted)
     grpo.discard()
-    unfinished = [GroupOpened(group_id="g", prompt_tokens=[1], trajectory_ids=[0]),
-                  ActionGenerated(group_id="g", trajectory_id=0, turn=0, token_ids=[1, 2], final=True)]
+    unfinished = [
+        GroupOpened(group_id="g", prompt_tokens=[1], trajectory_ids=[0]),
+        ActionGenerated(group_id="g", trajectory_id=0, turn=0, token_ids=[1, 2], final=True),
+    ]
     with pytest.raises(StageFailed, match=r"groups 'g' are still open in the objective; .* their reward"):
         anyio.run(run_stage, BackwardStage(objective=grpo), unfinished)
     grpo.discard()
-    twice = [GroupOpened(group_id="g", prompt_tokens=[1], trajectory_ids=[0]),
-             Rewarded(group_id="g", trajectory_id=0, reward=1.0), Rewarded(group_id="g", trajectory_id=0, reward=0.5)]
+    twice = [
+        GroupOpened(group_id="g", prompt_tokens=[1], trajectory_ids=[0]),
+        Rewarded(group_id="g", trajectory_id=0, reward=1.0),
+        Rewarded(group_id="g", trajectory_id=0, reward=0.5),
+    ]
     with pytest.raises(StageFailed, match=r"the reward of trajectory 0 of group 'g' came twice \(1.0, then 0.5\)"):
         anyio.run(run_stage, BackwardStage(objective=grpo), twice)
     with pytest.raises(ConfigError, match="max_grad_norm is 0"):

@@ -34,21 +34,29 @@ def _final(trajectory: int, tokens: int = 2) -> ActionGenerated:
 
 
 async def test_grpo_closes_trajectories_group_and_batch_once_rewards_arrive(run_stage: Callable[..., Any]) -> None:
-    events = [_opened(), _final(0), Rewarded(group_id=0, trajectory_id=1, reward=0.0), _final(1, 3),
-              Rewarded(group_id=0, trajectory_id=0, reward=1.0)]
+    events = [
+        _opened(),
+        _final(0),
+        Rewarded(group_id=0, trajectory_id=1, reward=0.0),
+        _final(1, 3),
+        Rewarded(group_id=0, trajectory_id=0, reward=1.0),
+    ]
     assert await run_stage(CloseStage(), events) == [
         TrajectoryClosed(group_id=0, trajectory_id=1, num_tokens=3, num_scored=3),
         TrajectoryClosed(group_id=0, trajectory_id=0, num_tokens=2, num_scored=2),
         GroupClosed(group_id=0, num_trajectories=2),
-        BatchReady(batch_id=0, num_groups=1, num_trajectories=2, num_scored_tokens=5)]
+        BatchReady(batch_id=0, num_groups=1, num_trajectories=2, num_scored_tokens=5),
+    ]
 
 
 async def test_opd_with_backward_waits_for_teacher_turn_backward_and_prompt(run_stage: Callable[..., Any]) -> None:
     stage = CloseStage(CloseStage.Config(wait_for=("teacher", "backward")))
     events = [_opened(), _final(0), _final(1)]
     for trajectory in (0, 1):
-        events += [TeacherScored(group_id=0, trajectory_id=trajectory, turn=0, teacher_logprobs=[-1.0, -1.0]),
-                   BackwardDone(group_id=0, trajectory_id=trajectory, turn=0)]
+        events += [
+            TeacherScored(group_id=0, trajectory_id=trajectory, turn=0, teacher_logprobs=[-1.0, -1.0]),
+            BackwardDone(group_id=0, trajectory_id=trajectory, turn=0),
+        ]
     events.append(BackwardDone(group_id=0))  # the prompt's backward, after every trajectory closed
     out = await run_stage(stage, events)
     assert [type(e) for e in out] == [TrajectoryClosed, TrajectoryClosed, GroupClosed, BatchReady]
@@ -56,8 +64,11 @@ async def test_opd_with_backward_waits_for_teacher_turn_backward_and_prompt(run_
 
 async def test_pending_work_at_the_end_of_the_input_fails_naming_it(run_stage: Callable[..., Any]) -> None:
     events = [_opened(), _final(0), _final(1), Rewarded(group_id=0, trajectory_id=0, reward=1.0)]
-    with pytest.raises(StageFailed, match=r"stage 'stage' failed .*TrackerError: the input ended while work is "
-                                          r"still pending: batch 0: trajectory 1 of group 0 waits for reward$") as info:
+    with pytest.raises(
+        StageFailed,
+        match=r"stage 'stage' failed .*TrackerError: the input ended while work is "
+        r"still pending: batch 0: trajectory 1 of group 0 waits for reward$",
+    ) as info:
         await run_stage(CloseStage(), events)
     assert isinstance(info.value.__cause__, TrackerError)
 
@@ -69,30 +80,43 @@ async def test_batches_of_unknown_size_are_sealed_when_the_input_ends(run_stage:
 
 
 async def test_a_failed_trajectory_is_abandoned_and_ignored_events_do_nothing(run_stage: Callable[..., Any]) -> None:
-    events = [_opened(), _final(0), TeacherScored(group_id=0, trajectory_id=0, turn=0, teacher_logprobs=[]),
-              Rewarded(group_id=0, trajectory_id=0, reward=1.0),
-              StageFailedEvent(stage="tool", reason="sandbox died", group_id=0, trajectory_id=1)]
+    events = [
+        _opened(),
+        _final(0),
+        TeacherScored(group_id=0, trajectory_id=0, turn=0, teacher_logprobs=[]),
+        Rewarded(group_id=0, trajectory_id=0, reward=1.0),
+        StageFailedEvent(stage="tool", reason="sandbox died", group_id=0, trajectory_id=1),
+    ]
     out = await run_stage(CloseStage(), events)
-    assert out[-2:] == [GroupClosed(group_id=0, num_trajectories=1),
-                        BatchReady(batch_id=0, num_groups=1, num_trajectories=1, num_scored_tokens=2)]
+    assert out[-2:] == [
+        GroupClosed(group_id=0, num_trajectories=1),
+        BatchReady(batch_id=0, num_groups=1, num_trajectories=1, num_scored_tokens=2),
+    ]
 
 
 async def test_work_arriving_after_a_trajectory_was_abandoned_is_ignored(run_stage: Callable[..., Any]) -> None:
-    events = [_opened(), ActionGenerated(group_id=0, trajectory_id=0, turn=0, token_ids=[5]),
-              StageFailedEvent(stage="tool", reason="sandbox died", group_id=0, trajectory_id=0),
-              TeacherScored(group_id=0, trajectory_id=0, turn=0, teacher_logprobs=[-1.0]),
-              StageFailedEvent(stage="teacher", reason="timeout", group_id=0, trajectory_id=0),
-              ActionGenerated(group_id=0, trajectory_id=1, turn=0, token_ids=[5], final=True),
-              TeacherScored(group_id=0, trajectory_id=1, turn=0, teacher_logprobs=[-1.0])]
+    events = [
+        _opened(),
+        ActionGenerated(group_id=0, trajectory_id=0, turn=0, token_ids=[5]),
+        StageFailedEvent(stage="tool", reason="sandbox died", group_id=0, trajectory_id=0),
+        TeacherScored(group_id=0, trajectory_id=0, turn=0, teacher_logprobs=[-1.0]),
+        StageFailedEvent(stage="teacher", reason="timeout", group_id=0, trajectory_id=0),
+        ActionGenerated(group_id=0, trajectory_id=1, turn=0, token_ids=[5], final=True),
+        TeacherScored(group_id=0, trajectory_id=1, turn=0, teacher_logprobs=[-1.0]),
+    ]
     close = CloseStage(CloseStage.Config(wait_for=("teacher",)))
     out = await run_stage(close, events)
-    assert out[-2:] == [GroupClosed(group_id=0, num_trajectories=1),
-                        BatchReady(batch_id=0, num_groups=1, num_trajectories=1, num_scored_tokens=1)]
+    assert out[-2:] == [
+        GroupClosed(group_id=0, num_trajectories=1),
+        BatchReady(batch_id=0, num_groups=1, num_trajectories=1, num_scored_tokens=1),
+    ]
     assert close.tracker.ignored == 2
 
 
 def test_a_shared_tracker_must_wait_for_the_same_work() -> None:
-    with pytest.raises(ConfigError, match=r"the close stage waits for \['reward'\] but its tracker needs \['teacher'\]"):
+    with pytest.raises(
+        ConfigError, match=r"the close stage waits for \['reward'\] but its tracker needs \['teacher'\]"
+    ):
         CloseStage(tracker=Tracker([Need.TEACHER]))
     tracker = Tracker([Need.REWARD])
     assert CloseStage(tracker=tracker).tracker is tracker

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.anyio
 
 
 def _prompt(group: int, tokens: list[int], samples: int = 2, batch: int = 0, size: int = 1) -> PromptSubmitted:
-    return PromptSubmitted(group_id=group, prompt_tokens=tokens, num_trajectories=samples, batch_id=batch,
-                           groups_in_batch=size)
+    return PromptSubmitted(
+        group_id=group, prompt_tokens=tokens, num_trajectories=samples, batch_id=batch, groups_in_batch=size
+    )
 
 
 async def test_single_turn_groups_open_first_and_carry_the_generators_output(run_stage: Callable[..., Any]) -> None:
@@ -47,8 +48,11 @@ async def test_single_turn_groups_open_first_and_carry_the_generators_output(run
 
 async def test_multi_turn_trajectories_alternate_actions_and_observations(run_stage: Callable[..., Any]) -> None:
     generator = ScriptedGenerator(vocab_size=20)
-    stage = GenerateStage(GenerateStage.Config(turns=4, max_new_tokens=3), generator=generator,
-                          tools=ScriptedTool(observation_len=2, end_token=5))
+    stage = GenerateStage(
+        GenerateStage.Config(turns=4, max_new_tokens=3),
+        generator=generator,
+        tools=ScriptedTool(observation_len=2, end_token=5),
+    )
     out = await run_stage(stage, [_prompt(0, [9, 9], samples=6)])
     by_session: dict[Any, list[GenerationRequest]] = {}
     for request in generator.requests:
@@ -66,7 +70,7 @@ async def test_multi_turn_trajectories_alternate_actions_and_observations(run_st
         context = [9, 9]  # each request continues prompt + action + observation + ...
         for turn, request in enumerate(by_session[f"0/{trajectory}"]):
             assert request.prompt_ids == context
-            context = context + [t for step in steps[2 * turn:2 * turn + 2] for t in step.token_ids]
+            context = context + [t for step in steps[2 * turn : 2 * turn + 2] for t in step.token_ids]
 
 
 async def test_with_a_policy_clock_the_next_batch_waits_for_the_published_policy() -> None:
@@ -93,8 +97,11 @@ async def test_with_a_policy_clock_the_next_batch_waits_for_the_published_policy
 
 async def test_waiting_for_the_policy_needs_batch_sizes(run_stage: Callable[..., Any]) -> None:
     stage = GenerateStage(generator=ScriptedGenerator(), policy=PolicyClock())
-    with pytest.raises(StageFailed, match=r"stage 'stage' failed .*prompts must say how many groups their batch "
-                                          r"has; group 0 has groups_in_batch=0"):
+    with pytest.raises(
+        StageFailed,
+        match=r"stage 'stage' failed .*prompts must say how many groups their batch "
+        r"has; group 0 has groups_in_batch=0",
+    ):
         await run_stage(stage, [_prompt(0, [1], size=0)])
 
 

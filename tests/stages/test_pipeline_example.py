@@ -12,8 +12,13 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pipeline_grpo.py"
 
 
 def test_the_pipeline_example_steps_once_per_batch_on_the_published_policy() -> None:
-    out = subprocess.run([sys.executable, "-W", "error", str(EXAMPLE), "--steps", "3"],
-                         capture_output=True, text=True, check=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-W", "error", str(EXAMPLE), "--steps", "3"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=240,
+    )
     lines = [json.loads(line) for line in out.stdout.strip().splitlines()]
     steps, summary = lines[:-1], lines[-1]
     assert [s["step"] for s in steps] == [1, 2, 3]

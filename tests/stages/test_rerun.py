@@ -28,13 +28,15 @@ class _Record(Stage):
 
 async def test_the_same_graph_runs_twice_with_the_same_closures_and_steps() -> None:
     clock, record = PolicyClock(), _Record()
-    graph = (Graph()
-             .add("source", ScriptedSource.prompts([[1, 2], [3], [4]], samples=2, groups_per_batch=1))
-             .add("gen", GenerateStage(generator=ScriptedGenerator(), policy=clock), reads=["source"])
-             .add("reward", RewardStage(scorer=FakeScorer()), reads=["gen"])
-             .add("close", CloseStage(), reads=["gen", "reward"])
-             .add("step", StepStage(policy=clock), reads=["close"])
-             .add("record", record, reads=["close", "step"]))
+    graph = (
+        Graph()
+        .add("source", ScriptedSource.prompts([[1, 2], [3], [4]], samples=2, groups_per_batch=1))
+        .add("gen", GenerateStage(generator=ScriptedGenerator(), policy=clock), reads=["source"])
+        .add("reward", RewardStage(scorer=FakeScorer()), reads=["gen"])
+        .add("close", CloseStage(), reads=["gen", "reward"])
+        .add("step", StepStage(policy=clock), reads=["close"])
+        .add("record", record, reads=["close", "step"])
+    )
     await run_graph(graph)
     first = list(record.seen)
     record.seen.clear()
@@ -42,5 +44,6 @@ async def test_the_same_graph_runs_twice_with_the_same_closures_and_steps() -> N
     # the second run counts policy versions on from where the first ended (3 steps each)
     assert sorted(type(e).__name__ for e in record.seen) == sorted(type(e).__name__ for e in first)
     assert sorted(e.policy_version for e in record.seen if hasattr(e, "policy_version")) == sorted(
-        e.policy_version + 3 for e in first if hasattr(e, "policy_version"))
+        e.policy_version + 3 for e in first if hasattr(e, "policy_version")
+    )
     assert clock.version == 6

@@ -15,10 +15,15 @@ from thundersync.stages.source import SourceStage
 
 
 @settings(max_examples=60, deadline=None)
-@given(prompts=st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=3), min_size=1, max_size=6),
-       per_batch=st.integers(0, 4), repeat=st.integers(1, 3), samples=st.integers(1, 3))
-def test_batches_are_consecutive_full_and_declare_their_size(prompts: list[list[int]], per_batch: int,
-                                                              repeat: int, samples: int) -> None:
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=3), min_size=1, max_size=6),
+    per_batch=st.integers(0, 4),
+    repeat=st.integers(1, 3),
+    samples=st.integers(1, 3),
+)
+def test_batches_are_consecutive_full_and_declare_their_size(
+    prompts: list[list[int]], per_batch: int, repeat: int, samples: int
+) -> None:
     stage = SourceStage(SourceStage.Config(prompts=prompts, samples=samples, groups_per_batch=per_batch, repeat=repeat))
     out = stage.submissions()
     assert [e.prompt_tokens for e in out] == prompts * repeat
@@ -38,9 +43,12 @@ async def test_the_source_sends_its_submissions_and_ends(run_stage: Callable[...
     stage = SourceStage(SourceStage.Config(prompts=[[1], [2, 3]], groups_per_batch=1))
     assert await run_stage(stage, []) == [
         PromptSubmitted(group_id=0, prompt_tokens=[1], batch_id=0, groups_in_batch=1),
-        PromptSubmitted(group_id=1, prompt_tokens=[2, 3], batch_id=1, groups_in_batch=1)]
+        PromptSubmitted(group_id=1, prompt_tokens=[2, 3], batch_id=1, groups_in_batch=1),
+    ]
 
 
 def test_empty_prompts_are_rejected() -> None:
-    with pytest.raises(ConfigError, match=r"prompts must be a non-empty list of non-empty token id lists, got \[\[1\], \[\]\]"):
+    with pytest.raises(
+        ConfigError, match=r"prompts must be a non-empty list of non-empty token id lists, got \[\[1\], \[\]\]"
+    ):
         SourceStage.Config(prompts=[[1], []])

@@ -19,8 +19,12 @@ async def test_each_ready_batch_is_stepped_then_published(run_stage: Callable[..
     clock, trainer = PolicyClock(version=3), RecordingTrainer()
     batches = [BatchReady(batch_id="a", num_scored_tokens=5), BatchReady(batch_id="b", num_scored_tokens=7)]
     out = await run_stage(StepStage(trainer=trainer, policy=clock), batches)
-    assert out == [StepDone(batch_id="a", policy_version=4, grad_norm=5.0), PolicyPublished(policy_version=4),
-                   StepDone(batch_id="b", policy_version=5, grad_norm=7.0), PolicyPublished(policy_version=5)]
+    assert out == [
+        StepDone(batch_id="a", policy_version=4, grad_norm=5.0),
+        PolicyPublished(policy_version=4),
+        StepDone(batch_id="b", policy_version=5, grad_norm=7.0),
+        PolicyPublished(policy_version=5),
+    ]
     assert trainer.steps == batches and clock.version == 5
 
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["ParamLayout", "GradCapture", "FlatAccumulator", "accumulate_dtype"]
+__all__ = ["FlatAccumulator", "GradCapture", "ParamLayout", "accumulate_dtype"]
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -93,5 +93,5 @@ class Worker:
             return
         try:
             job()
-        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+        except BaseException as error:
             self._error = (label, error)

@@ -35,7 +35,7 @@ from torch import nn
 from thundersync.engine.anatomy import DecoderAnatomy, LayerParts, apply_norm, apply_rotary, rotary_tables
 from thundersync.kernels.attention import PackedLayout, packed_chunk_attention
 
-__all__ = ["ChunkSpec", "PackOutput", "KV", "forward_pack", "head_logprobs", "empty_prefix"]
+__all__ = ["KV", "ChunkSpec", "PackOutput", "empty_prefix", "forward_pack", "head_logprobs"]
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values) of one layer, each [Hkv, L, D]
 
@@ -80,8 +80,15 @@ def _heads(proj: torch.Tensor, norm: nn.Module | None, head_dim: int) -> torch.T
 
 
 def _layer(
-    anatomy: DecoderAnatomy, parts: LayerParts, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-    chunks: Sequence[ChunkSpec], rows: list[list[slice]], layout: PackedLayout, kv_out: list[list[KV]],
+    anatomy: DecoderAnatomy,
+    parts: LayerParts,
+    layer: int,
+    x: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    chunks: Sequence[ChunkSpec],
+    rows: list[list[slice]],
+    layout: PackedLayout,
+    kv_out: list[list[KV]],
 ) -> torch.Tensor:
     h = apply_norm(parts.input_norm, x)
     q = apply_rotary(_heads(parts.q_proj(h), parts.q_norm, anatomy.head_dim), *rope)  # [N, Hq, D]
@@ -110,10 +117,13 @@ def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec]) -> PackOu
     # Rows of this pack that each chunk's keys continue with after its prefix: its in-pack
     # ancestors, then itself (always last).
     rows = [
-        [slice(offsets[i] + skip, offsets[i + 1] - trim) for i, skip, trim in c.in_pack] + [slice(offsets[n], offsets[n + 1])]
+        [slice(offsets[i] + skip, offsets[i + 1] - trim) for i, skip, trim in c.in_pack]
+        + [slice(offsets[n], offsets[n + 1])]
         for n, c in enumerate(chunks)
     ]
-    key_lengths = [int(c.prefix[0][0].shape[1]) + sum(r.stop - r.start for r in spans) for c, spans in zip(chunks, rows)]
+    key_lengths = [
+        int(c.prefix[0][0].shape[1]) + sum(r.stop - r.start for r in spans) for c, spans in zip(chunks, rows)
+    ]
     layout = PackedLayout([int(c.tokens.numel()) for c in chunks], key_lengths, device)
     x = anatomy.embed(tokens)
     rope = rotary_tables(anatomy, x, positions)  # [N, 1, D] each: broadcast over heads

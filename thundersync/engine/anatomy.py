@@ -35,7 +35,15 @@ from torch import nn
 
 from thundersync.errors import ConfigError
 
-__all__ = ["DecoderAnatomy", "LayerParts", "apply_norm", "apply_rotary", "decoder_anatomy", "rotary_tables", "unwrap_peft"]
+__all__ = [
+    "DecoderAnatomy",
+    "LayerParts",
+    "apply_norm",
+    "apply_rotary",
+    "decoder_anatomy",
+    "rotary_tables",
+    "unwrap_peft",
+]
 
 _DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -99,7 +107,9 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
 def _layer_parts(index: int, layer: nn.Module) -> LayerParts:
     missing = [name for name in _LAYER_PARTS if not hasattr(layer, name)]
     attention = getattr(layer, "self_attn", None)
-    missing += [f"self_attn.{name}" for name in _ATTENTION_PARTS if attention is not None and not hasattr(attention, name)]
+    missing += [
+        f"self_attn.{name}" for name in _ATTENTION_PARTS if attention is not None and not hasattr(attention, name)
+    ]
     if missing:
         raise ConfigError(
             f"decoder layer {index} ({type(layer).__name__}) lacks {', '.join(missing)}; the engine "
@@ -120,7 +130,9 @@ def _layer_parts(index: int, layer: nn.Module) -> LayerParts:
 
 
 def _check_supported(config: object) -> None:
-    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (
+        getattr(config, "layer_types", None) or ()
+    ):
         raise ConfigError(
             "sliding-window attention layers are not supported by the streaming engine; "
             "set config.use_sliding_window=False (Qwen3/Qwen2 default) or use full attention"
@@ -134,7 +146,11 @@ def decoder_anatomy(model: nn.Module) -> DecoderAnatomy:
     """The :class:`DecoderAnatomy` of a transformers causal LM, optionally wrapped by peft."""
     causal_lm = unwrap_peft(model)
     decoder = getattr(causal_lm, "model", None)
-    if decoder is None or not all(hasattr(decoder, name) for name in _DECODER_PARTS) or not hasattr(causal_lm, "lm_head"):
+    if (
+        decoder is None
+        or not all(hasattr(decoder, name) for name in _DECODER_PARTS)
+        or not hasattr(causal_lm, "lm_head")
+    ):
         raise ConfigError(
             f"cannot find the decoder of {type(causal_lm).__name__}: expected `.model` with "
             f"{', '.join(_DECODER_PARTS)} and `.lm_head` (the transformers layout of Qwen3, Qwen2 and Llama)"
@@ -169,7 +185,9 @@ def apply_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module.weight * F.rms_norm(x, (x.shape[-1],), None, module.variance_epsilon)
 
 
-def rotary_tables(anatomy: DecoderAnatomy, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    anatomy: DecoderAnatomy, x: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin') [N, 1, D] for positions [N] (``x`` gives the dtype and device), for :func:`apply_rotary`."""
     cos, sin = anatomy.rotary(x, positions[None])
     half = sin.shape[-1] // 2

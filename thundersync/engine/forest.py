@@ -51,7 +51,7 @@ from thundersync.engine._accum import GradCapture, accumulate_dtype
 from thundersync.engine.adapter import KV, ChunkSpec, PackOutput, empty_prefix, forward_pack, head_logprobs
 from thundersync.engine.anatomy import DecoderAnatomy
 
-__all__ = ["Segment", "SegmentPack", "AdjointLedger"]
+__all__ = ["AdjointLedger", "Segment", "SegmentPack"]
 
 
 class Segment:
@@ -110,16 +110,22 @@ class AdjointLedger:
 class SegmentPack:
     """Segments forwarded together; holds the graph until :meth:`backward` (then drop the pack)."""
 
-    def __init__(self, anatomy: DecoderAnatomy, segments: Sequence[Segment], output: PackOutput,
-                 leaves: dict[int, tuple[list[Segment], list[KV]]]) -> None:
+    def __init__(
+        self,
+        anatomy: DecoderAnatomy,
+        segments: Sequence[Segment],
+        output: PackOutput,
+        leaves: dict[int, tuple[list[Segment], list[KV]]],
+    ) -> None:
         self.anatomy = anatomy
         self.segments = list(segments)
         self.output = output
         self._leaves = leaves  # id(parent) -> (its chain incl. the parent, per-layer proxy leaves)
 
     @classmethod
-    def forward(cls, anatomy: DecoderAnatomy, segments: Sequence[Segment], *, grad: bool = True,
-                keep_state: bool = False) -> SegmentPack:
+    def forward(
+        cls, anatomy: DecoderAnatomy, segments: Sequence[Segment], *, grad: bool = True, keep_state: bool = False
+    ) -> SegmentPack:
         """Forward ``segments`` packed; with ``keep_state`` each keeps its own K/V as ``state``."""
         leaves: dict[int, tuple[list[Segment], list[KV]]] = {}
         chunks: list[ChunkSpec] = []
@@ -161,8 +167,14 @@ class SegmentPack:
         lp = head_logprobs(self.anatomy, self.output.hidden[torch.cat(rows)], torch.cat(targets))
         return list(torch.split(lp, sizes))
 
-    def backward(self, objective: torch.Tensor | None, kv_adjoints: Sequence[Sequence[KV] | None] | None = None,
-                 *, params: Sequence[torch.nn.Parameter], sink: GradCapture | None) -> dict[Segment, list[KV]]:
+    def backward(
+        self,
+        objective: torch.Tensor | None,
+        kv_adjoints: Sequence[Sequence[KV] | None] | None = None,
+        *,
+        params: Sequence[torch.nn.Parameter],
+        sink: GradCapture | None,
+    ) -> dict[Segment, list[KV]]:
         """Backpropagate ``objective`` (a scalar) and/or adjoints of the segments' own K/V.
 
         Parameter gradients go to ``sink``'s scratch (``p.grad`` when ``None``); returns each
@@ -212,15 +224,18 @@ def _grad_or_zero(leaf: torch.Tensor) -> torch.Tensor:
     return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
 
 
-def _proxy(anatomy: DecoderAnatomy, chain: list[Segment], leaves: dict[int, tuple[list[Segment], list[KV]]],
-           grad: bool) -> list[KV]:
+def _proxy(
+    anatomy: DecoderAnatomy, chain: list[Segment], leaves: dict[int, tuple[list[Segment], list[KV]]], grad: bool
+) -> list[KV]:
     """Per-layer fp32 (fp64) leaves holding the concatenated states of ``chain`` (shared per pack)."""
     key = id(chain[-1])
     if key not in leaves:
         missing = [a for a in chain if a.state is None]
         if missing:
-            raise ValueError("the parent segment has no K/V state yet: forward it with keep_state=True first, "
-                             "or in the same pack before its children")
+            raise ValueError(
+                "the parent segment has no K/V state yet: forward it with keep_state=True first, "
+                "or in the same pack before its children"
+            )
         acc = accumulate_dtype(anatomy.dtype)
         per_layer = []
         for layer in range(len(anatomy.layers)):
@@ -231,8 +246,13 @@ def _proxy(anatomy: DecoderAnatomy, chain: list[Segment], leaves: dict[int, tupl
     return leaves[key][1]
 
 
-def _chunk(anatomy: DecoderAnatomy, seg: Segment, index: dict[int, int],
-           leaves: dict[int, tuple[list[Segment], list[KV]]], grad: bool) -> ChunkSpec:
+def _chunk(
+    anatomy: DecoderAnatomy,
+    seg: Segment,
+    index: dict[int, int],
+    leaves: dict[int, tuple[list[Segment], list[KV]]],
+    grad: bool,
+) -> ChunkSpec:
     if seg.parent is None:
         return ChunkSpec(seg.tokens, 0, empty_prefix(anatomy, seg.tokens.device))
     chain = [*seg.parent.chain(), seg.parent]
@@ -248,8 +268,6 @@ def _chunk(anatomy: DecoderAnatomy, seg: Segment, index: dict[int, int],
         prefix = [(k[:, :cut].to(anatomy.dtype), v[:, :cut].to(anatomy.dtype)) for k, v in per_layer]
     else:
         prefix = empty_prefix(anatomy, seg.tokens.device)
-    in_pack = tuple(
-        (index[id(a)], 0 if a.parent is None else 1, 1 if a is seg.parent else 0) for a in inside
-    )
+    in_pack = tuple((index[id(a)], 0 if a.parent is None else 1, 1 if a is seg.parent else 0) for a in inside)
     tokens = torch.cat([seg.parent.tokens[-1:], seg.tokens])
     return ChunkSpec(tokens, seg.start - 1, prefix, in_pack=in_pack)

@@ -43,16 +43,24 @@ class StreamingRun:
     parameters.
     """
 
-    def __init__(self, model: nn.Module, *, pack_tokens: int = 8192, source_offload_device: str | torch.device | None = None,
-                 background: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        pack_tokens: int = 8192,
+        source_offload_device: str | torch.device | None = None,
+        background: bool | None = None,
+    ) -> None:
         self.anatomy: DecoderAnatomy = decoder_anatomy(model)
         self.params = self.anatomy.trainable_parameters()
         if not self.params:
             raise ConfigError("the model has no trainable parameter (requires_grad=True); nothing to stream")
         devices = sorted({str(p.device) for p in self.params})
         if len(devices) > 1:
-            raise ConfigError(f"trainable parameters live on several devices ({', '.join(devices)}); "
-                              "the streaming engine needs the model on one device")
+            raise ConfigError(
+                f"trainable parameters live on several devices ({', '.join(devices)}); "
+                "the streaming engine needs the model on one device"
+            )
         if pack_tokens < 0:
             raise ConfigError(f"pack_tokens must be >= 0, got {pack_tokens}")
         self.pack_tokens = pack_tokens
@@ -103,14 +111,18 @@ class StreamingRun:
         self.worker.raise_if_failed()
         group = groups.get(group_id)
         if group is None:
-            raise UnknownIdError(f"group {group_id!r} is not open (never opened, or already closed); open_group() it first")
+            raise UnknownIdError(
+                f"group {group_id!r} is not open (never opened, or already closed); open_group() it first"
+            )
         return group
 
     def token_ids(self, tokens: Any, what: str) -> list[int]:
         """Validate token ids (a list of ints or a 1-D integer tensor) against the vocabulary."""
         if isinstance(tokens, torch.Tensor):
             if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex():
-                raise ConfigError(f"{what} must be a 1-D integer tensor, got {tokens.dtype} of shape {tuple(tokens.shape)}")
+                raise ConfigError(
+                    f"{what} must be a 1-D integer tensor, got {tokens.dtype} of shape {tuple(tokens.shape)}"
+                )
             ids = [int(t) for t in tokens.tolist()]
         else:
             try:
@@ -120,7 +132,9 @@ class StreamingRun:
         vocab = self.anatomy.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ConfigError(f"{what} holds token id {bad}, outside the vocabulary of size {vocab} (valid ids: 0..{vocab - 1})")
+            raise ConfigError(
+                f"{what} holds token id {bad}, outside the vocabulary of size {vocab} (valid ids: 0..{vocab - 1})"
+            )
         return ids
 
     def prompt_ids(self, group_id: Any, tokens: Any) -> list[int]:
@@ -135,8 +149,9 @@ class StreamingRun:
         ids = self.token_ids(tokens, f"turn of {where}")
         flags = [bool(s) for s in scored]
         if len(flags) != len(ids):
-            raise ConfigError(f"scored has {len(flags)} flags but the turn of {where} has {len(ids)} tokens; "
-                              "give one flag per token")
+            raise ConfigError(
+                f"scored has {len(flags)} flags but the turn of {where} has {len(ids)} tokens; give one flag per token"
+            )
         return ids, flags
 
     def begin(self, owner: object) -> None:

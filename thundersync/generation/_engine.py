@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from thundersync.errors import ConfigError, GenerationError
 from thundersync.engine.anatomy import decoder_anatomy
+from thundersync.errors import ConfigError, GenerationError
 from thundersync.generation._fixed_step import CapturedStep, FixedStep
 from thundersync.generation._forward import Rows, forward_hidden, logits_of
 from thundersync.generation._kv_cache import KVCache
@@ -263,8 +263,10 @@ class Engine:
             slots += [slot.index] * len(seg)
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
         rows = Rows(
-            slots=as_long([s.index for s, _, _ in segments]), positions=as_long(row_pos),
-            pad_index=as_long(pad), unpad_index=as_long(unpad),
+            slots=as_long([s.index for s, _, _ in segments]),
+            positions=as_long(row_pos),
+            pad_index=as_long(pad),
+            unpad_index=as_long(unpad),
             key_len=max(start + len(seg) for _, start, seg in segments),
         )
         hidden = forward_hidden(self.anatomy, self.cache, as_long(tokens), as_long(positions), as_long(slots), rows)
@@ -344,8 +346,11 @@ class Engine:
         else:
             return False
         ticket.result = GenerationResult(
-            token_ids=ticket.tokens, logprobs=ticket.logprobs, finish_reason=reason,  # type: ignore[arg-type]
-            prompt_len=len(ticket.request.prompt_ids), cached_tokens=ticket.cached_tokens,
+            token_ids=ticket.tokens,
+            logprobs=ticket.logprobs,
+            finish_reason=reason,  # type: ignore[arg-type]
+            prompt_len=len(ticket.request.prompt_ids),
+            cached_tokens=ticket.cached_tokens,
         )
         self._finished.append(ticket)
         slot.ticket, slot.last_used = None, next(self._clock)

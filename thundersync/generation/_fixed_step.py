@@ -57,7 +57,9 @@ class FixedStep:
             return
         device = self.tokens.device
         index = torch.tensor(list(self._changes), dtype=torch.long, device=device)
-        self.active[index] = torch.tensor([c is not None for c in self._changes.values()], dtype=torch.long, device=device)
+        self.active[index] = torch.tensor(
+            [c is not None for c in self._changes.values()], dtype=torch.long, device=device
+        )
         started = {s: c for s, c in self._changes.items() if c is not None}
         self._changes.clear()
         if not started:

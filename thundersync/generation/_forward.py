@@ -46,7 +46,11 @@ def _attend_rows(an: DecoderAnatomy, q: torch.Tensor, k: torch.Tensor, v: torch.
     r, qlen, heads, dim = q.shape
     groups = heads // an.num_kv_heads
     # [R, Q, Hkv, G, D] -> [R, Hkv, G * Q, D]
-    q = q.view(r, qlen, an.num_kv_heads, groups, dim).permute(0, 2, 3, 1, 4).reshape(r, an.num_kv_heads, groups * qlen, dim)
+    q = (
+        q.view(r, qlen, an.num_kv_heads, groups, dim)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(r, an.num_kv_heads, groups * qlen, dim)
+    )
     scores = torch.matmul(q, k.transpose(-1, -2)) * an.scaling  # [R, Hkv, G*Q, L]
     key_pos = torch.arange(rows.key_len, device=q.device)
     visible = (key_pos[None, None, :] <= rows.positions[:, :, None]).repeat(1, groups, 1)  # [R, G*Q, L]
@@ -57,11 +61,15 @@ def _attend_rows(an: DecoderAnatomy, q: torch.Tensor, k: torch.Tensor, v: torch.
     return out if rows.unpad_index is None else out[rows.unpad_index]
 
 
-def _attend_decode(an: DecoderAnatomy, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def _attend_decode(
+    an: DecoderAnatomy, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
     """One query per row: ``q`` [R, H, D], ``k``/``v`` [R, Hkv, L, D], ``bias`` [R * Hkv, 1, L]."""
     r, heads, dim = q.shape
     batch = r * an.num_kv_heads
-    scores = torch.baddbmm(bias, q.view(batch, heads // an.num_kv_heads, dim), k.reshape(batch, -1, dim).transpose(1, 2), alpha=an.scaling)
+    scores = torch.baddbmm(
+        bias, q.view(batch, heads // an.num_kv_heads, dim), k.reshape(batch, -1, dim).transpose(1, 2), alpha=an.scaling
+    )
     weights = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.bmm(weights, v.reshape(batch, -1, dim)).view(r, heads * dim)
 
@@ -75,8 +83,15 @@ def _decode_bias(an: DecoderAnatomy, rows: Rows, dtype: torch.dtype) -> torch.Te
 
 
 def _layer(
-    an: DecoderAnatomy, index: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-    cache: KVCache, slots: torch.Tensor, positions: torch.Tensor, rows: Rows, bias: torch.Tensor | None,
+    an: DecoderAnatomy,
+    index: int,
+    h: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    cache: KVCache,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    rows: Rows,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
     layer: LayerParts = an.layers[index]
     x = apply_norm(layer.input_norm, h)
@@ -89,14 +104,20 @@ def _layer(
     q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
     cache.write(index, slots, positions, k, v)
     keys, values = cache.read(index, rows.slots, rows.key_len)
-    attended = _attend_decode(an, q, keys, values, bias) if bias is not None else _attend_rows(an, q, keys, values, rows)
+    attended = (
+        _attend_decode(an, q, keys, values, bias) if bias is not None else _attend_rows(an, q, keys, values, rows)
+    )
     h = h + layer.o_proj(attended)
     return h + layer.mlp(apply_norm(layer.post_norm, h))
 
 
 def forward_hidden(
-    an: DecoderAnatomy, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
-    slots: torch.Tensor, rows: Rows,
+    an: DecoderAnatomy,
+    cache: KVCache,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    rows: Rows,
 ) -> torch.Tensor:
     """Final hidden states [T, hidden] of the packed tokens; their keys/values enter the cache."""
     h = an.embed(tokens)

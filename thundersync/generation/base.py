@@ -132,9 +132,7 @@ class Generator(Protocol):
         ...
 
 
-async def generate_many(
-    generator: Generator, requests: Sequence[GenerationRequest]
-) -> list[GenerationResult]:
+async def generate_many(generator: Generator, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
     """Run all ``requests`` concurrently on ``generator``; results in request order."""
     results: list[GenerationResult | None] = [None] * len(requests)
 

@@ -23,8 +23,8 @@ import random
 from typing import Any
 
 import anyio
-from thundersync._logging import get_logger
 
+from thundersync._logging import get_logger
 from thundersync.errors import BackendCapabilityError, ConfigError, GenerationError, MissingExtraError
 from thundersync.generation.base import GenerationRequest, GenerationResult, LogprobMode
 
@@ -50,16 +50,28 @@ class OpenAIGenerator:
     """
 
     def __init__(
-        self, base_url: str, model: str, *, api_key: str | None = None, logprobs: LogprobMode = "model",
-        timeout: float = 300.0, max_retries: int = 5, backoff: float = 0.5, max_backoff: float = 8.0,
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        logprobs: LogprobMode = "model",
+        timeout: float = 300.0,
+        max_retries: int = 5,
+        backoff: float = 0.5,
+        max_backoff: float = 8.0,
         transport: Any = None,
     ) -> None:
         if max_retries < 0 or backoff < 0 or max_backoff < 0:
-            raise ConfigError(f"max_retries, backoff and max_backoff must be >= 0, got {max_retries}, {backoff}, {max_backoff}")
+            raise ConfigError(
+                f"max_retries, backoff and max_backoff must be >= 0, got {max_retries}, {backoff}, {max_backoff}"
+            )
         httpx = _import_httpx()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._httpx = httpx
-        self._client = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, transport=transport)
+        self._client = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, transport=transport
+        )
         self.model = model
         self.logprobs_mode: LogprobMode = logprobs
         self.max_retries, self.backoff, self.max_backoff = max_retries, backoff, max_backoff
@@ -87,9 +99,16 @@ class OpenAIGenerator:
     def _payload(self, request: GenerationRequest) -> dict[str, Any]:
         p = request.params
         payload: dict[str, Any] = {
-            "model": self.model, "prompt": list(request.prompt_ids), "max_tokens": p.max_new_tokens,
-            "temperature": p.temperature, "top_p": p.top_p, "logprobs": 1, "return_token_ids": True,
-            "stop_token_ids": list(p.stop_token_ids), "ignore_eos": True, "skip_special_tokens": False,
+            "model": self.model,
+            "prompt": list(request.prompt_ids),
+            "max_tokens": p.max_new_tokens,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "stop_token_ids": list(p.stop_token_ids),
+            "ignore_eos": True,
+            "skip_special_tokens": False,
         }
         if p.top_k > 0:
             payload["top_k"] = p.top_k
@@ -136,6 +155,9 @@ class OpenAIGenerator:
         stopped = bool(tokens) and tokens[-1] in request.params.stop_token_ids
         details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
         return GenerationResult(
-            token_ids=list(tokens), logprobs=[float(x) for x in logprobs], finish_reason="stop" if stopped else "length",
-            prompt_len=len(request.prompt_ids), cached_tokens=int(details.get("cached_tokens") or 0),
+            token_ids=list(tokens),
+            logprobs=[float(x) for x in logprobs],
+            finish_reason="stop" if stopped else "length",
+            prompt_len=len(request.prompt_ids),
+            cached_tokens=int(details.get("cached_tokens") or 0),
         )

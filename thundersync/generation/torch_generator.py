@@ -33,7 +33,6 @@ from collections.abc import Callable
 
 import anyio
 import anyio.to_thread
-import torch
 from torch import nn
 
 from thundersync.errors import ConfigError, GenerationError
@@ -60,15 +59,23 @@ class TorchGenerator:
     """
 
     def __init__(
-        self, model: nn.Module, *, max_batch: int = 64, max_seq_len: int = 4096,
-        prefill_tokens: int = 8192, cuda_graphs: bool | None = None, seed: int = 0,
+        self,
+        model: nn.Module,
+        *,
+        max_batch: int = 64,
+        max_seq_len: int = 4096,
+        prefill_tokens: int = 8192,
+        cuda_graphs: bool | None = None,
+        seed: int = 0,
     ) -> None:
         if max_batch < 1 or max_seq_len < 2 or prefill_tokens < 1:
             raise ConfigError(
                 f"need max_batch >= 1, max_seq_len >= 2 and prefill_tokens >= 1; got "
                 f"max_batch={max_batch}, max_seq_len={max_seq_len}, prefill_tokens={prefill_tokens}"
             )
-        self._engine = Engine(model, slots=max_batch, capacity=max_seq_len, prefill_tokens=prefill_tokens, key_bucket=128)
+        self._engine = Engine(
+            model, slots=max_batch, capacity=max_seq_len, prefill_tokens=prefill_tokens, key_bucket=128
+        )
         device = self._engine.anatomy.device
         if cuda_graphs is None:
             cuda_graphs = device.type == "cuda"

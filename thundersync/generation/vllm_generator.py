@@ -32,10 +32,10 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-from thundersync._logging import get_logger
 import torch
 from torch import nn
 
+from thundersync._logging import get_logger
 from thundersync.engine.anatomy import unwrap_peft
 from thundersync.errors import BackendCapabilityError, GenerationError, MissingExtraError
 from thundersync.generation._peft_weights import is_peft_model, merged_weights
@@ -55,7 +55,9 @@ def _import_vllm() -> Any:
     return vllm
 
 
-def _with_tied_head(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _with_tied_head(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` plus ``lm_head.weight`` when it is tied to the embedding.
 
     transformers lists a tied head once (as the embedding); vLLM's in-place reload needs both
@@ -66,7 +68,11 @@ def _with_tied_head(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         sent.add(name)
         yield name, tensor
     embedding = "model.embed_tokens.weight"
-    if getattr(unwrap_peft(model).config, "tie_word_embeddings", False) and "lm_head.weight" not in sent and embedding in sent:
+    if (
+        getattr(unwrap_peft(model).config, "tie_word_embeddings", False)
+        and "lm_head.weight" not in sent
+        and embedding in sent
+    ):
         yield "lm_head.weight", unwrap_peft(model).get_input_embeddings().weight.detach()
 
 
@@ -91,8 +97,14 @@ class VLLMGenerator:
     """
 
     def __init__(
-        self, model: str | os.PathLike[str], *, logprobs: LogprobMode = "model", enable_lora: bool = False,
-        max_lora_rank: int = 16, seed: int = 0, **engine_kwargs: Any,
+        self,
+        model: str | os.PathLike[str],
+        *,
+        logprobs: LogprobMode = "model",
+        enable_lora: bool = False,
+        max_lora_rank: int = 16,
+        seed: int = 0,
+        **engine_kwargs: Any,
     ) -> None:
         vllm = _import_vllm()
         from vllm.platforms import current_platform
@@ -176,8 +188,15 @@ class VLLMGenerator:
     def _sampling_params(self, request: GenerationRequest) -> Any:
         p = request.params
         return self._vllm.SamplingParams(
-            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_new_tokens,
-            stop_token_ids=list(p.stop_token_ids), ignore_eos=True, seed=p.seed, logprobs=0, detokenize=False,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            max_tokens=p.max_new_tokens,
+            stop_token_ids=list(p.stop_token_ids),
+            ignore_eos=True,
+            seed=p.seed,
+            logprobs=0,
+            detokenize=False,
         )
 
     def _run_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -185,7 +204,10 @@ class VLLMGenerator:
 
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
         outputs = self.llm.generate(
-            prompts, [self._sampling_params(r) for r in requests], use_tqdm=False, lora_request=self._lora,
+            prompts,
+            [self._sampling_params(r) for r in requests],
+            use_tqdm=False,
+            lora_request=self._lora,
         )
         return [self._result(r, out) for r, out in zip(requests, outputs, strict=True)]
 
@@ -196,7 +218,10 @@ class VLLMGenerator:
         logprobs = [step[token].logprob for token, step in zip(tokens, completion.logprobs or [], strict=True)]
         reason = "stop" if tokens and tokens[-1] in request.params.stop_token_ids else "length"
         return GenerationResult(
-            token_ids=tokens, logprobs=logprobs, finish_reason=reason, prompt_len=len(request.prompt_ids),
+            token_ids=tokens,
+            logprobs=logprobs,
+            finish_reason=reason,
+            prompt_len=len(request.prompt_ids),
             cached_tokens=int(output.num_cached_tokens or 0),
         )
 

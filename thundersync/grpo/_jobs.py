@@ -18,7 +18,7 @@ from thundersync.engine.adapter import KV
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.run import StreamingRun
 
-__all__ = ["GroupWork", "Branch", "forward_prompt", "backward_linear", "backward_final", "close_group"]
+__all__ = ["Branch", "GroupWork", "backward_final", "backward_linear", "close_group", "forward_prompt"]
 
 
 @dataclass
@@ -44,8 +44,11 @@ class GroupWork:
     cancelled: bool = False
 
     def nbytes(self) -> int:
-        state = 0 if self.root is None or self.root.state is None else sum(
-            k.numel() * k.element_size() * 2 for k, _ in self.root.state)
+        state = (
+            0
+            if self.root is None or self.root.state is None
+            else sum(k.numel() * k.element_size() * 2 for k, _ in self.root.state)
+        )
         accs = sum(a.nbytes() for a in (self.g1, self.g2) if a is not None)
         return state + accs + self.l1.nbytes() + self.l2.nbytes() + self.final.nbytes()
 
@@ -61,8 +64,9 @@ def forward_prompt(run: StreamingRun, work: GroupWork) -> None:
     SegmentPack.forward(run.anatomy, [work.root], grad=False, keep_state=True)
 
 
-def _forward_branches(run: StreamingRun, roots: Sequence[Segment], branches: Sequence[Branch],
-                      prompt: Segment | None = None) -> tuple[SegmentPack, list[torch.Tensor]]:
+def _forward_branches(
+    run: StreamingRun, roots: Sequence[Segment], branches: Sequence[Branch], prompt: Segment | None = None
+) -> tuple[SegmentPack, list[torch.Tensor]]:
     """Forward branches (after ``prompt`` in the same pack when given); their scored log-probs."""
     segments = [Segment(run.tensor(b.tokens), root) for root, b in zip(roots, branches)]
     head = [prompt] if prompt is not None else []
@@ -70,7 +74,7 @@ def _forward_branches(run: StreamingRun, roots: Sequence[Segment], branches: Seq
     device = run.layout.device
     picks = [torch.tensor([j for j, s in enumerate(b.scored) if s], dtype=torch.long, device=device) for b in branches]
     logprobs = pack.scored_logprobs([None] * len(head) + picks)
-    return pack, logprobs[len(head):]
+    return pack, logprobs[len(head) :]
 
 
 def backward_linear(run: StreamingRun, work: GroupWork, branches: Sequence[Branch], delta: float) -> None:
@@ -114,8 +118,9 @@ def _combined_adjoint(work: GroupWork, c1: float, c2: float) -> list[KV] | None:
     return combined.tensors
 
 
-def close_group(run: StreamingRun, work: GroupWork, last: Sequence[tuple[GroupWork, Branch, float]],
-                c1: float, c2: float) -> None:
+def close_group(
+    run: StreamingRun, work: GroupWork, last: Sequence[tuple[GroupWork, Branch, float]], c1: float, c2: float
+) -> None:
     """The group's last pack: the prompt forwarded together with its ``last`` waiting branches.
 
     The total receives c1 G1 + c2 G2; then one backward of ``sum_i A_i S_i`` over ``last`` plus

@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 from typing import Literal, TypeAlias
 
-__all__ = ["Estimator", "ESTIMATORS", "advantage_scale", "advantages", "accumulator_coefficients", "contributes"]
+__all__ = ["ESTIMATORS", "Estimator", "accumulator_coefficients", "advantage_scale", "advantages", "contributes"]
 
 Estimator: TypeAlias = Literal["grpo", "dr_grpo", "rloo"]
 ESTIMATORS: tuple[Estimator, ...] = ("grpo", "dr_grpo", "rloo")
@@ -58,8 +58,9 @@ def advantages(rewards: Sequence[float], estimator: Estimator, eps: float) -> li
     return [scale * (r - mean) for r in rewards]
 
 
-def accumulator_coefficients(rewards: Sequence[float], estimator: Estimator, eps: float,
-                             reference: float) -> tuple[float, float]:
+def accumulator_coefficients(
+    rewards: Sequence[float], estimator: Estimator, eps: float, reference: float
+) -> tuple[float, float]:
     """(c1, c2) with ``sum_i A_i g_i = c1 * G1 + c2 * G2`` for G1, G2 taken about ``reference``."""
     scale = advantage_scale(rewards, estimator, eps)
     return scale, scale * (reference - _mean(rewards))

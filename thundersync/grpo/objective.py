@@ -99,7 +99,9 @@ class RewardLinearBackward:
             raise StreamingError(f"trajectory {trajectory_id!r} of group {group_id!r} is already closed")
         value = float(reward)
         if not math.isfinite(value):
-            raise ConfigError(f"reward of trajectory {trajectory_id!r} in group {group_id!r} is {value}; rewards must be finite")
+            raise ConfigError(
+                f"reward of trajectory {trajectory_id!r} in group {group_id!r} is {value}; rewards must be finite"
+            )
         trajectory.reward = value
         if any(trajectory.branch.scored):
             group.waiting.append(trajectory)
@@ -126,13 +128,17 @@ class RewardLinearBackward:
         if len(packs) > 1:
             self._ensure_prompt_state(group_id, group)
         for pack in packs[:-1]:
-            self.run.submit(f"final backward of {len(pack)} branches of group {group_id!r}",
-                            lambda pack=pack: _jobs.backward_final(self.run, pack))
+            self.run.submit(
+                f"final backward of {len(pack)} branches of group {group_id!r}",
+                lambda pack=pack: _jobs.backward_final(self.run, pack),
+            )
         reference = group.reference if group.reference is not None else 0.0
         c1, c2 = accumulator_coefficients(rewards, self.estimator, self.eps, reference)
         work, last = group.work, packs[-1]
-        self.run.submit(f"close of group {group_id!r} with {len(last)} branches",
-                        lambda: _jobs.close_group(self.run, work, last, c1, c2))
+        self.run.submit(
+            f"close of group {group_id!r} with {len(last)} branches",
+            lambda: _jobs.close_group(self.run, work, last, c1, c2),
+        )
 
     def assert_safe_to_step(self) -> None:
         """Raise :class:`~thundersync.errors.UnsafeStepError` naming pending work; else ``.grad`` is final."""

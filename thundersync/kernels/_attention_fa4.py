@@ -26,12 +26,27 @@ def _fa4_varlen() -> Any:
     return flash_attn_varlen_func
 
 
-def fa4_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                         max_q: int, max_k: int, scale: float) -> torch.Tensor:
+def fa4_packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float,
+) -> torch.Tensor:
     """q [N, Hq, D], k/v [M, Hkv, D], cu_q/cu_k int32 [C + 1] -> [N, Hq, D], through FA4."""
     result = _fa4_varlen()(
-        q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-        max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=scale, causal=True,
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        softmax_scale=scale,
+        causal=True,
     )
     out: torch.Tensor = result[0] if isinstance(result, tuple) else result
     return out

@@ -30,8 +30,12 @@ def visible_mask(rows: int, chunk: int, prefix: int, device: torch.device) -> to
 
 
 def reference_chunk_attention(
-    q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
-    k_chunk: torch.Tensor, v_chunk: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    k_chunk: torch.Tensor,
+    v_chunk: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """Dense masked attention in fp32/fp64 (see the module docstring); differentiable in every input."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32

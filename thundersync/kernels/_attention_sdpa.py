@@ -31,8 +31,15 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scal
 
 
 def _flash_backward(
-    saved: tuple[Any, ...], grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+    saved: tuple[Any, ...],
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cum_q, cum_k, max_q, max_k, seed, offset = saved
     dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
@@ -43,7 +50,9 @@ def _flash_backward(
 
 class _SplitAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         q = q.contiguous()
         n_kv = kc.shape[1]
         tail = _flash(q, kc, vc, True, scale)
@@ -72,7 +81,15 @@ class _SplitAttention(torch.autograd.Function):
             n_kv = kc.shape[1]
             g = group_queries
             dq_head, dkp, dvp = _flash_backward(
-                ctx.head, g(grad, n_kv), g(q, n_kv), kp, vp, g(out, n_kv), lse.reshape(*kp.shape[:2], -1), False, ctx.scale
+                ctx.head,
+                g(grad, n_kv),
+                g(q, n_kv),
+                kp,
+                vp,
+                g(out, n_kv),
+                lse.reshape(*kp.shape[:2], -1),
+                False,
+                ctx.scale,
             )
             dq = dq + dq_head.reshape(q.shape)
         return dq, dkp, dvp, dkc, dvc, None

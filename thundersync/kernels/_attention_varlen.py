@@ -24,8 +24,17 @@ _aten = torch.ops.aten
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        scale: float,
+    ) -> torch.Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, lse, rng, unused, _ = _aten._flash_attention_forward(
             q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
@@ -39,24 +48,54 @@ class _VarlenAttention(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, cu_q, cu_k, rng, unused = ctx.saved_tensors
         dq, dk, dv = _aten._flash_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True, rng, unused,
+            grad.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_q,
+            cu_k,
+            ctx.max_q,
+            ctx.max_k,
+            0.0,
+            True,
+            rng,
+            unused,
             scale=ctx.scale,
         )
         return dq, dk, dv, None, None, None, None, None
 
 
-def varlen_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
-                            cu_k: torch.Tensor, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+def varlen_packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float,
+) -> torch.Tensor:
     """q [N, Hq, D], k/v [M, Hkv, D], cu_q/cu_k int32 [C + 1] -> [N, Hq, D] (module docstring)."""
     out: torch.Tensor = _VarlenAttention.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale)
     return out
 
 
-PackedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float], torch.Tensor]
+PackedFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float], torch.Tensor
+]
 
 
-def as_sequences(packed: PackedFn, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kc: torch.Tensor,
-                 vc: torch.Tensor, scale: float) -> torch.Tensor:
+def as_sequences(
+    packed: PackedFn,
+    q: torch.Tensor,
+    kp: torch.Tensor,
+    vp: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """A chunk in the [B, H, T, D] layout through a packed function: its B rows are B sequences."""
     b, hq, t, d = q.shape
     keys = kp.shape[2] + t

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["RowOps", "LinearLogprobs", "chunk_rows", "logits_fp32"]
+__all__ = ["LinearLogprobs", "RowOps", "chunk_rows", "logits_fp32"]
 
 # Elements of one fp32 logits chunk (512 MiB); the chunk is this over the vocabulary size.
 CHUNK_ELEMENTS = 1 << 27
@@ -34,13 +34,21 @@ CHUNK_ELEMENTS = 1 << 27
 class RowOps(Protocol):
     """Per-row passes over a chunk of fp32 logits z [C, V]."""
 
-    def stats(self, z: torch.Tensor, y: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def stats(
+        self, z: torch.Tensor, y: torch.Tensor, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Return (lp [C], lse [C], ent [C] or None), all fp32."""
         ...
 
     def grad(
-        self, z: torch.Tensor, y: torch.Tensor, lse: torch.Tensor, mean_z: torch.Tensor | None,
-        g_lp: torch.Tensor | None, g_ent: torch.Tensor | None, out: torch.Tensor,
+        self,
+        z: torch.Tensor,
+        y: torch.Tensor,
+        lse: torch.Tensor,
+        mean_z: torch.Tensor | None,
+        g_lp: torch.Tensor | None,
+        g_ent: torch.Tensor | None,
+        out: torch.Tensor,
     ) -> torch.Tensor:
         """Write dz (formula in the module docstring) into ``out`` (may alias ``z``) and return it."""
         ...
@@ -119,7 +127,9 @@ class LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+    def backward(
+        ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, ...]:
         h, w, y, lse, mean_z, a, b = ctx.saved_tensors
         if ctx.precomputed:
             dh = a * g_lp[:, None] if g_lp is not None else torch.zeros_like(a)
@@ -130,8 +140,14 @@ class LinearLogprobs(torch.autograd.Function):
 
 
 def _recompute_grads(
-    ctx: Any, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, lse: torch.Tensor, mean_z: torch.Tensor | None,
-    g_lp: torch.Tensor | None, g_ent: torch.Tensor | None,
+    ctx: Any,
+    h: torch.Tensor,
+    w: torch.Tensor,
+    y: torch.Tensor,
+    lse: torch.Tensor,
+    mean_z: torch.Tensor | None,
+    g_lp: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     acc = lse.dtype
     want_dh, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -143,8 +159,13 @@ def _recompute_grads(
         z = logits_fp32(h[rows], w).to(acc)
         out = _buffer(z, w, True)
         dz = ctx.ops.grad(
-            z, y[rows], lse[rows], None if mean_z is None else mean_z[rows],
-            None if g_lp is None else g_lp[rows], None if g_ent is None else g_ent[rows], out,
+            z,
+            y[rows],
+            lse[rows],
+            None if mean_z is None else mean_z[rows],
+            None if g_lp is None else g_lp[rows],
+            None if g_ent is None else g_ent[rows],
+            out,
         )
         if dh is not None:
             dh[rows] = _mm_out(dz, w, acc).to(h.dtype)

@@ -12,7 +12,9 @@ class TorchRowOps:
 
     name = "reference"
 
-    def stats(self, z: torch.Tensor, y: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def stats(
+        self, z: torch.Tensor, y: torch.Tensor, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         lse = torch.logsumexp(z, dim=-1)
         lp = z.gather(1, y[:, None]).squeeze(1) - lse
         if not with_entropy:
@@ -21,8 +23,14 @@ class TorchRowOps:
         return lp, lse, lse - (p * z).sum(-1)
 
     def grad(
-        self, z: torch.Tensor, y: torch.Tensor, lse: torch.Tensor, mean_z: torch.Tensor | None,
-        g_lp: torch.Tensor | None, g_ent: torch.Tensor | None, out: torch.Tensor,
+        self,
+        z: torch.Tensor,
+        y: torch.Tensor,
+        lse: torch.Tensor,
+        mean_z: torch.Tensor | None,
+        g_lp: torch.Tensor | None,
+        g_ent: torch.Tensor | None,
+        out: torch.Tensor,
     ) -> torch.Tensor:
         p = torch.exp(z - lse[:, None])
         dz = torch.zeros_like(z)

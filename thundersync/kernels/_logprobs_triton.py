@@ -19,7 +19,9 @@ _BLOCK = 2048
 
 
 @triton.jit
-def _stats_kernel(z_ptr, y_ptr, lp_ptr, lse_ptr, ent_ptr, n_vocab, stride_z, WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
+def _stats_kernel(
+    z_ptr, y_ptr, lp_ptr, lse_ptr, ent_ptr, n_vocab, stride_z, WITH_ENT: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0)
     base = z_ptr + row.to(tl.int64) * stride_z
     offs = tl.arange(0, BLOCK)
@@ -50,8 +52,19 @@ def _stats_kernel(z_ptr, y_ptr, lp_ptr, lse_ptr, ent_ptr, n_vocab, stride_z, WIT
 
 @triton.jit
 def _grad_kernel(
-    z_ptr, y_ptr, lse_ptr, mz_ptr, glp_ptr, gent_ptr, out_ptr, n_vocab, stride_z, stride_out,
-    HAS_LP: tl.constexpr, HAS_ENT: tl.constexpr, BLOCK: tl.constexpr,
+    z_ptr,
+    y_ptr,
+    lse_ptr,
+    mz_ptr,
+    glp_ptr,
+    gent_ptr,
+    out_ptr,
+    n_vocab,
+    stride_z,
+    stride_out,
+    HAS_LP: tl.constexpr,
+    HAS_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -72,7 +85,9 @@ class TritonRowOps:
 
     name = "triton"
 
-    def stats(self, z: torch.Tensor, y: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def stats(
+        self, z: torch.Tensor, y: torch.Tensor, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         rows, n_vocab = z.shape
         lp = torch.empty(rows, dtype=torch.float32, device=z.device)
         lse = torch.empty_like(lp)
@@ -81,15 +96,31 @@ class TritonRowOps:
         return lp, lse, ent if with_entropy else None
 
     def grad(
-        self, z: torch.Tensor, y: torch.Tensor, lse: torch.Tensor, mean_z: torch.Tensor | None,
-        g_lp: torch.Tensor | None, g_ent: torch.Tensor | None, out: torch.Tensor,
+        self,
+        z: torch.Tensor,
+        y: torch.Tensor,
+        lse: torch.Tensor,
+        mean_z: torch.Tensor | None,
+        g_lp: torch.Tensor | None,
+        g_ent: torch.Tensor | None,
+        out: torch.Tensor,
     ) -> torch.Tensor:
         rows, n_vocab = z.shape
         has_ent = g_ent is not None and mean_z is not None
         grid = (rows, triton.cdiv(n_vocab, _BLOCK))
         _grad_kernel[grid](
-            z, y, lse, mean_z if has_ent else lse, g_lp.float().contiguous() if g_lp is not None else lse,
-            g_ent.float().contiguous() if has_ent and g_ent is not None else lse, out, n_vocab, z.stride(0), out.stride(0),
-            HAS_LP=g_lp is not None, HAS_ENT=has_ent, BLOCK=_BLOCK,
+            z,
+            y,
+            lse,
+            mean_z if has_ent else lse,
+            g_lp.float().contiguous() if g_lp is not None else lse,
+            g_ent.float().contiguous() if has_ent and g_ent is not None else lse,
+            out,
+            n_vocab,
+            z.stride(0),
+            out.stride(0),
+            HAS_LP=g_lp is not None,
+            HAS_ENT=has_ent,
+            BLOCK=_BLOCK,
         )
         return out

@@ -48,7 +48,16 @@ class LoraLinear(torch.autograd.Function):
     """y = x W^T + b + s (x A^T) B^T through ``gemm`` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, scaling: float, gemm: Gemm) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        bias: torch.Tensor | None,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        scaling: float,
+        gemm: Gemm,
+    ) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         u = (x2 @ a.t()).contiguous()
         y = gemm(x2, w.t(), u, b.t(), bias, scaling)
@@ -65,7 +74,11 @@ class LoraLinear(torch.autograd.Function):
         v = (dy2 @ b).contiguous()
         dx = ctx.gemm(dy2, w, v, a, None, s).reshape(ctx.in_shape) if needs[0] else None
         dw = mm_fp32(dy2.t(), x2).to(w.dtype) if needs[1] else None
-        db = dy2.sum(0, dtype=torch.float32 if dy2.dtype != torch.float64 else None).to(w.dtype) if ctx.has_bias and needs[2] else None
+        db = (
+            dy2.sum(0, dtype=torch.float32 if dy2.dtype != torch.float64 else None).to(w.dtype)
+            if ctx.has_bias and needs[2]
+            else None
+        )
         da = (s * mm_fp32(v.t(), x2)).to(a.dtype) if needs[3] else None
         dbb = (s * mm_fp32(dy2.t(), u)).to(b.dtype) if needs[4] else None
         return dx, dw, db, da, dbb, None, None

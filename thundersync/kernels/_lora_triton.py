@@ -18,10 +18,34 @@ __all__ = ["lora_gemm", "triton_lora_linear"]
 
 @triton.jit
 def _lora_gemm_kernel(
-    x_ptr, wt_ptr, u_ptr, bt_ptr, bias_ptr, c_ptr, M, N, K, R, scaling,
-    sxm, sxk, swk, swn, sum_, sur, sbr, sbn, scm, scn,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP: tl.constexpr,
+    x_ptr,
+    wt_ptr,
+    u_ptr,
+    bt_ptr,
+    bias_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    R,
+    scaling,
+    sxm,
+    sxk,
+    swk,
+    swn,
+    sum_,
+    sur,
+    sbr,
+    sbn,
+    scm,
+    scn,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BR: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
@@ -36,14 +60,22 @@ def _lora_gemm_kernel(
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
-        a = tl.load(x_ptr + rm64[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        b = tl.load(wt_ptr + rk[:, None] * swk + rn64[None, :] * swn, mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        a = tl.load(
+            x_ptr + rm64[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0
+        )
+        b = tl.load(
+            wt_ptr + rk[:, None] * swk + rn64[None, :] * swn, mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0
+        )
         acc = tl.dot(a, b, acc, input_precision="ieee" if IEEE else None)
     low = tl.zeros([BM, BN], tl.float32)
     for r0 in range(0, R, BR):
         rr = r0 + tl.arange(0, BR)
-        a = tl.load(u_ptr + rm64[:, None] * sum_ + rr[None, :] * sur, mask=(rm[:, None] < M) & (rr[None, :] < R), other=0.0)
-        b = tl.load(bt_ptr + rr[:, None] * sbr + rn64[None, :] * sbn, mask=(rr[:, None] < R) & (rn[None, :] < N), other=0.0)
+        a = tl.load(
+            u_ptr + rm64[:, None] * sum_ + rr[None, :] * sur, mask=(rm[:, None] < M) & (rr[None, :] < R), other=0.0
+        )
+        b = tl.load(
+            bt_ptr + rr[:, None] * sbr + rn64[None, :] * sbn, mask=(rr[:, None] < R) & (rn[None, :] < N), other=0.0
+        )
         low = tl.dot(a, b, low, input_precision="ieee" if IEEE else None)
     acc += scaling * low
     if HAS_BIAS:
@@ -63,18 +95,46 @@ def lora_gemm(
     bm, bn, bk = (128, 128, 64) if big else (16, 16, 16)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _lora_gemm_kernel[grid](
-        x, wt, u, bt, bias if bias is not None else c, c, m, n, k, r, scaling,
-        x.stride(0), x.stride(1), wt.stride(0), wt.stride(1), u.stride(0), u.stride(1),
-        bt.stride(0), bt.stride(1), c.stride(0), c.stride(1),
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BM=bm, BN=bn, BK=bk, BR=16, GROUP=8,
+        x,
+        wt,
+        u,
+        bt,
+        bias if bias is not None else c,
+        c,
+        m,
+        n,
+        k,
+        r,
+        scaling,
+        x.stride(0),
+        x.stride(1),
+        wt.stride(0),
+        wt.stride(1),
+        u.stride(0),
+        u.stride(1),
+        bt.stride(0),
+        bt.stride(1),
+        c.stride(0),
+        c.stride(1),
+        HAS_BIAS=bias is not None,
+        IEEE=x.dtype == torch.float32,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        BR=16,
+        GROUP=8,
         **({"num_warps": 8, "num_stages": 3} if big else {}),
     )
     return c
 
 
 def triton_lora_linear(
-    x: torch.Tensor, base_weight: torch.Tensor, base_bias: torch.Tensor | None,
-    lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
+    x: torch.Tensor,
+    base_weight: torch.Tensor,
+    base_bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
 ) -> torch.Tensor:
     """y = x W^T + b + scaling (x A^T) B^T through the fused Triton kernel; autograd-capable."""
     out: torch.Tensor = LoraLinear.apply(x, base_weight, base_bias, lora_a, lora_b, scaling, lora_gemm)

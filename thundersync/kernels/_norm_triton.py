@@ -84,7 +84,9 @@ class _RMSNorm(torch.autograd.Function):
         dx = torch.empty_like(x2)
         dw = torch.empty(progs, cols, dtype=torch.float32, device=x2.device)
         dy2 = dy.reshape(rows, cols).contiguous()
-        _backward[(progs,)](dy2, x2, w.contiguous(), r, dx, dw, rows, cols, per, BLOCK=_block(cols), num_warps=_warps(cols))
+        _backward[(progs,)](
+            dy2, x2, w.contiguous(), r, dx, dw, rows, cols, per, BLOCK=_block(cols), num_warps=_warps(cols)
+        )
         return dx.reshape(dy.shape), dw.sum(0).to(w.dtype), None
 
 

@@ -39,7 +39,11 @@ from thundersync.kernels._env import fa4_mode, profile_range
 from thundersync.kernels.probe import Capability, check_close, probe, record
 
 __all__ = [
-    "ATTENTION_PATHS", "PackedLayout", "attention_path_counts", "chunk_attention", "packed_chunk_attention",
+    "ATTENTION_PATHS",
+    "PackedLayout",
+    "attention_path_counts",
+    "chunk_attention",
+    "packed_chunk_attention",
     "reset_attention_path_counts",
 ]
 
@@ -59,8 +63,14 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, 
 
 
 def chunk_attention(
-    q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_chunk: torch.Tensor, v_chunk: torch.Tensor,
-    *, scale: float | None = None, path: str | None = None,
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    k_chunk: torch.Tensor,
+    v_chunk: torch.Tensor,
+    *,
+    scale: float | None = None,
+    path: str | None = None,
 ) -> torch.Tensor:
     """Attention of chunk queries q [B, Hq, T, D] over a prefix [B, Hkv, P, D] and the chunk [B, Hkv, T, D].
 
@@ -87,17 +97,23 @@ class PackedLayout:
 
     def __init__(self, q_lens: Sequence[int], k_lens: Sequence[int], device: torch.device) -> None:
         if len(q_lens) != len(k_lens) or not q_lens:
-            raise ConfigError(f"a packed layout needs one key length per chunk and at least one chunk; got "
-                              f"{len(q_lens)} query lengths and {len(k_lens)} key lengths")
+            raise ConfigError(
+                f"a packed layout needs one key length per chunk and at least one chunk; got "
+                f"{len(q_lens)} query lengths and {len(k_lens)} key lengths"
+            )
         bad = [(c, t, k) for c, (t, k) in enumerate(zip(q_lens, k_lens)) if not 1 <= t <= k]
         if bad:
             c, t, k = bad[0]
-            raise ConfigError(f"chunk {c} of a packed layout has {t} queries and {k} keys; each chunk needs "
-                              "1 <= queries <= keys (its keys are its prefix followed by the chunk itself)")
+            raise ConfigError(
+                f"chunk {c} of a packed layout has {t} queries and {k} keys; each chunk needs "
+                "1 <= queries <= keys (its keys are its prefix followed by the chunk itself)"
+            )
         self.q_lens, self.k_lens = tuple(int(t) for t in q_lens), tuple(int(k) for k in k_lens)
         self.max_q, self.max_k = max(self.q_lens), max(self.k_lens)
-        bounds = torch.tensor([list(itertools.accumulate(self.q_lens, initial=0)),
-                               list(itertools.accumulate(self.k_lens, initial=0))], dtype=torch.int32)
+        bounds = torch.tensor(
+            [list(itertools.accumulate(self.q_lens, initial=0)), list(itertools.accumulate(self.k_lens, initial=0))],
+            dtype=torch.int32,
+        )
         self.cu = bounds.to(device)  # rows: cumulative query offsets, cumulative key offsets
 
     @property
@@ -107,7 +123,12 @@ class PackedLayout:
 
 
 def packed_chunk_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, *, scale: float | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: PackedLayout,
+    *,
+    scale: float | None = None,
     path: str | None = None,
 ) -> torch.Tensor:
     """:func:`chunk_attention` of every chunk of a pack, token-major: q [N, Hq, D], k/v [M, Hkv, D].
@@ -120,12 +141,16 @@ def packed_chunk_attention(
     """
     _check_packed(q, k, v, layout)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    usable = functools.partial(_capability, device=q.device, dtype=q.dtype, d=q.shape[2], groups=q.shape[1] // k.shape[1])
+    usable = functools.partial(
+        _capability, device=q.device, dtype=q.dtype, d=q.shape[2], groups=q.shape[1] // k.shape[1]
+    )
     if path is None:
         fa4 = _fa4_allowed(usable("fa4") if fa4_mode() != "off" else None)
         path = "fa4" if fa4 else "varlen" if usable("varlen").ok else None
     elif path in _PACKED and not (cap := usable(path)).ok:
-        raise KernelUnavailable(f"attention path {path!r} cannot run on {cap.device} {cap.dtype} ({cap.shape_class}): {cap.why}")
+        raise KernelUnavailable(
+            f"attention path {path!r} cannot run on {cap.device} {cap.dtype} ({cap.shape_class}): {cap.why}"
+        )
     if path not in _PACKED:
         return _per_chunk(q, k, v, layout, scale, path)
     fn = getattr(importlib.import_module(_MODULES[path]), f"{path}_packed_attention")
@@ -135,8 +160,9 @@ def packed_chunk_attention(
     return out
 
 
-def _per_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, scale: float,
-               path: str | None) -> torch.Tensor:
+def _per_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, scale: float, path: str | None
+) -> torch.Tensor:
     outs = []
     for q_c, k_c, v_c, t in zip(q.split(layout.q_lens), k.split(layout.k_lens), v.split(layout.k_lens), layout.q_lens):
         heads = [x.transpose(0, 1)[None] for x in (q_c, k_c[:-t], v_c[:-t], k_c[-t:], v_c[-t:])]
@@ -153,8 +179,10 @@ def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Pac
             f"Hq a multiple of Hkv); got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if any(x.dtype != q.dtype or x.device != q.device for x in (k, v)) or layout.cu.device != q.device:
-        raise ConfigError(f"packed_chunk_attention needs one dtype and one device; got q {q.dtype} on {q.device}, "
-                          f"k {k.dtype} on {k.device}, v {v.dtype} on {v.device}, the layout on {layout.cu.device}")
+        raise ConfigError(
+            f"packed_chunk_attention needs one dtype and one device; got q {q.dtype} on {q.device}, "
+            f"k {k.dtype} on {k.device}, v {v.dtype} on {v.device}, the layout on {layout.cu.device}"
+        )
 
 
 def attention_path_counts() -> dict[str, int]:
@@ -212,7 +240,9 @@ def _forced(path: str, q: torch.Tensor, k_chunk: torch.Tensor) -> str:
     if path != "reference":
         cap = capability(path, q, k_chunk)
         if not cap.ok:
-            raise KernelUnavailable(f"attention path {path!r} cannot run on {cap.device} {cap.dtype} ({cap.shape_class}): {cap.why}")
+            raise KernelUnavailable(
+                f"attention path {path!r} cannot run on {cap.device} {cap.dtype} ({cap.shape_class}): {cap.why}"
+            )
     return path
 
 
@@ -254,7 +284,10 @@ def _check(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kc: torch.Tensor
     b, hq, t, d = q.shape
     n_kv, p = kc.shape[1], kp.shape[2]
     ok = (
-        kc.shape == vc.shape == (b, n_kv, t, d) and kp.shape == vp.shape == (b, n_kv, p, d) and n_kv > 0 and hq % n_kv == 0
+        kc.shape == vc.shape == (b, n_kv, t, d)
+        and kp.shape == vp.shape == (b, n_kv, p, d)
+        and n_kv > 0
+        and hq % n_kv == 0
     )
     if not ok:
         raise ConfigError(

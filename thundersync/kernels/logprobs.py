@@ -10,7 +10,7 @@ gradient strategy are in :mod:`thundersync.kernels._logprobs_core`.
 
 from __future__ import annotations
 
-from typing import overload, Literal
+from typing import Literal, overload
 
 import torch
 
@@ -26,9 +26,13 @@ _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @overload
-def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, with_entropy: Literal[False] = ...) -> torch.Tensor: ...
+def linear_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, with_entropy: Literal[False] = ...
+) -> torch.Tensor: ...
 @overload
-def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, with_entropy: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+def linear_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, with_entropy: Literal[True]
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def linear_logprobs(
@@ -75,7 +79,9 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) ->
 
 
 def _row_ops(hidden: torch.Tensor) -> RowOps:
-    if hidden.dtype in _TRITON_DTYPES and use_triton("linear_logprobs", hidden.device, hidden.dtype, "rows", lambda: _trial(hidden.device, hidden.dtype)):
+    if hidden.dtype in _TRITON_DTYPES and use_triton(
+        "linear_logprobs", hidden.device, hidden.dtype, "rows", lambda: _trial(hidden.device, hidden.dtype)
+    ):
         from thundersync.kernels._logprobs_triton import TritonRowOps
 
         return TritonRowOps()

@@ -28,8 +28,12 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def reference_lora_linear(
-    x: torch.Tensor, base_weight: torch.Tensor, base_bias: torch.Tensor | None,
-    lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
+    x: torch.Tensor,
+    base_weight: torch.Tensor,
+    base_bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
 ) -> torch.Tensor:
     """The pure-torch LoRA linear in fp32 (fp64 for fp64), cast once to x's dtype."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -40,8 +44,12 @@ def reference_lora_linear(
 
 
 def lora_linear(
-    x: torch.Tensor, base_weight: torch.Tensor, base_bias: torch.Tensor | None,
-    lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
+    x: torch.Tensor,
+    base_weight: torch.Tensor,
+    base_bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
 ) -> torch.Tensor:
     """y = x W^T + b + scaling (x A^T) B^T for x [..., I] (see the module docstring)."""
     _check(x, base_weight, base_bias, lora_a, lora_b)

@@ -32,7 +32,9 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [..., H] with weight [H] (see the module docstring)."""
     if weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
-        raise ConfigError(f"rms_norm needs x [..., H] and weight [H]; got x {tuple(x.shape)} and weight {tuple(weight.shape)}")
+        raise ConfigError(
+            f"rms_norm needs x [..., H] and weight [H]; got x {tuple(x.shape)} and weight {tuple(weight.shape)}"
+        )
     with profile_range("rms_norm"):
         if _use_triton(x, weight):
             from thundersync.kernels._norm_triton import triton_rms_norm

@@ -19,7 +19,16 @@ from thundersync._logging import get_logger
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Capability", "check_close", "clear_capabilities", "kernel_capabilities", "probe", "record", "triton_usable", "use_triton"]
+__all__ = [
+    "Capability",
+    "check_close",
+    "clear_capabilities",
+    "kernel_capabilities",
+    "probe",
+    "record",
+    "triton_usable",
+    "use_triton",
+]
 
 _log = get_logger(__name__)
 
@@ -96,7 +105,9 @@ def triton_usable(kernel: str, device: torch.device, dtype: torch.dtype, shape_c
     if device.type != "cuda":
         return record(kernel, device, dtype, shape_class, False, "Triton kernels run on CUDA devices only")
     if importlib.util.find_spec("triton") is None:
-        return record(kernel, device, dtype, shape_class, False, "triton is not installed: pip install 'thundersync[kernels]'")
+        return record(
+            kernel, device, dtype, shape_class, False, "triton is not installed: pip install 'thundersync[kernels]'"
+        )
     return None
 
 

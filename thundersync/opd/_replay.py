@@ -16,17 +16,27 @@ from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.run import StreamingRun
 from thundersync.opd.objective import surrogate_sum
 
-__all__ = ["ClosedTrajectory", "GradientSink", "GroupState", "PendingTurn", "TrajectoryState", "TurnState",
-           "backward_turns", "forward_root", "replay_root", "replay_trajectories"]
+__all__ = [
+    "ClosedTrajectory",
+    "GradientSink",
+    "GroupState",
+    "PendingTurn",
+    "TrajectoryState",
+    "TurnState",
+    "backward_turns",
+    "forward_root",
+    "replay_root",
+    "replay_trajectories",
+]
 
 
 @dataclass(eq=False)
 class TurnState:
     ids: list[int]
-    scored: list[int]                  # indices of the scored tokens within the turn
-    teacher: torch.Tensor | None       # fp64 [len(scored)], on the host
+    scored: list[int]  # indices of the scored tokens within the turn
+    teacher: torch.Tensor | None  # fp64 [len(scored)], on the host
     behaviour: torch.Tensor | None
-    segment: Segment | None = None     # set once forwarded; released after its replay
+    segment: Segment | None = None  # set once forwarded; released after its replay
     ledger: AdjointLedger = field(default_factory=AdjointLedger)
 
     def nbytes(self) -> int:
@@ -86,8 +96,12 @@ class GradientSink:
                     self._earlier[p] = p.grad
                     p.grad = None
 
-    def backward(self, pack: SegmentPack, objective: torch.Tensor | None,
-                 adjoints: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]] | None] | None) -> dict:
+    def backward(
+        self,
+        pack: SegmentPack,
+        objective: torch.Tensor | None,
+        adjoints: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]] | None] | None,
+    ) -> dict:
         """``pack.backward`` with the parameter gradients sent where they belong."""
         if self.direct:
             return pack.backward(objective, adjoints, params=self.run.params, sink=None)
@@ -198,8 +212,11 @@ def replay_trajectories(run: StreamingRun, sink: GradientSink, closed: Sequence[
     levels). Each turn's state and ledger are dropped after its level.
     """
     for k in range(max((len(item.turns) for item in closed), default=0) - 1, -1, -1):
-        level = [item for item in closed if k < len(item.turns) and item.turns[k].segment is not None
-                 and item.turns[k].ledger.tensors is not None]
+        level = [
+            item
+            for item in closed
+            if k < len(item.turns) and item.turns[k].segment is not None and item.turns[k].ledger.tensors is not None
+        ]
         if level:
             pack = SegmentPack.forward(run.anatomy, [item.turns[k].segment for item in level])
             ledgers: dict[int, AdjointLedger] = {}

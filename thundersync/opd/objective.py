@@ -18,15 +18,13 @@ from typing import Literal, TypeAlias
 
 import torch
 
-__all__ = ["Normalization", "NORMALIZATIONS", "normalizer", "surrogate_sum"]
+__all__ = ["NORMALIZATIONS", "Normalization", "normalizer", "surrogate_sum"]
 
 Normalization: TypeAlias = Literal["token_mean", "sum"]
 NORMALIZATIONS: tuple[Normalization, ...] = ("token_mean", "sum")
 
 
-def surrogate_sum(
-    logprobs: torch.Tensor, teacher: torch.Tensor, behaviour: torch.Tensor | None = None
-) -> torch.Tensor:
+def surrogate_sum(logprobs: torch.Tensor, teacher: torch.Tensor, behaviour: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_t exp(lp_t - b_t) * stopgrad(b_t - q_t)`` over the given tokens, unnormalized.
 
     ``logprobs`` [T] carries the graph; ``teacher`` and ``behaviour`` [T] are constants (cast to

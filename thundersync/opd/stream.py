@@ -73,7 +73,8 @@ class OPDStream:
         # scored turns waiting for their backward; closed trajectories waiting for their replay
         self._queue = _PackQueue[_replay.PendingTurn](run.pack_tokens, ready=_prompt_forwarded)
         self._replays = _PackQueue[_replay.ClosedTrajectory](
-            run.pack_tokens, ready=lambda closed: not self._queue.holds(closed.trajectory))
+            run.pack_tokens, ready=lambda closed: not self._queue.holds(closed.trajectory)
+        )
         self._scored_tokens = 0
 
     # --- the public protocol -------------------------------------------------------------------
@@ -87,8 +88,15 @@ class OPDStream:
         group = self._groups[group_id] = GroupState(self.run.prompt_ids(group_id, prompt_tokens))
         self.run.submit(f"prompt forward of group {group_id!r}", lambda: _replay.forward_root(self.run, group))
 
-    def append_turn(self, group_id: Hashable, trajectory_id: Hashable, tokens: Any, scored: Sequence[bool],
-                    teacher_logprobs: Any = None, behaviour_logprobs: Any = None) -> None:
+    def append_turn(
+        self,
+        group_id: Hashable,
+        trajectory_id: Hashable,
+        tokens: Any,
+        scored: Sequence[bool],
+        teacher_logprobs: Any = None,
+        behaviour_logprobs: Any = None,
+    ) -> None:
         """Append a turn; a turn with scored tokens is backpropagated now (its scores are here)."""
         group = self.run.lookup_group(self._groups, group_id)
         trajectory = group.trajectories.get(trajectory_id)
@@ -108,8 +116,10 @@ class OPDStream:
         self._scored_tokens += count
         if count:
             self._queue.push(_replay.PendingTurn(group, trajectory.turns[:-1], turn, trajectory))
-            self.run.submit(f"backward of the scored turns queued up to turn {len(trajectory.turns) - 1} of {where}",
-                            self._backward_queued)
+            self.run.submit(
+                f"backward of the scored turns queued up to turn {len(trajectory.turns) - 1} of {where}",
+                self._backward_queued,
+            )
 
     def close_trajectory(self, group_id: Hashable, trajectory_id: Hashable) -> None:
         """Close a trajectory: its turns' ledgers are replayed in reverse order."""
@@ -131,7 +141,9 @@ class OPDStream:
         if unclosed:
             raise StreamingError(f"group {group_id!r} has unclosed trajectories {unclosed!r}; close them first")
         del self._groups[group_id]
-        self.run.submit(f"prompt replay of group {group_id!r}", lambda: _replay.replay_root(self.run, self._sink, group))
+        self.run.submit(
+            f"prompt replay of group {group_id!r}", lambda: _replay.replay_root(self.run, self._sink, group)
+        )
 
     def assert_safe_to_step(self) -> None:
         """Raise :class:`~thundersync.errors.UnsafeStepError` naming what is pending; else divide by N.
@@ -261,8 +273,10 @@ def _scores(values: Any, name: str, count: int, where: str, *, required: bool) -
     # A copy: the caller may reuse its buffer while the turn waits for the worker.
     tensor = torch.as_tensor(values, dtype=torch.float64).reshape(-1).to("cpu", copy=True)
     if tensor.numel() != count:
-        raise ConfigError(f"{name} has {tensor.numel()} entries but the turn has {count} scored tokens ({where}); "
-                          "give one log-prob per scored token")
+        raise ConfigError(
+            f"{name} has {tensor.numel()} entries but the turn has {count} scored tokens ({where}); "
+            "give one log-prob per scored token"
+        )
     bad = (~torch.isfinite(tensor)).nonzero()
     if bad.numel():
         index = int(bad[0])

@@ -41,8 +41,18 @@ def _names(types: Iterable[type]) -> str:
 class Channel:
     """The inbox of one consumer: a bounded stream plus counters shared by its producers."""
 
-    __slots__ = ("consumer", "capacity", "consumes", "send_stream", "receive_stream", "sent",
-                 "received", "max_queued", "discarded", "_reading")
+    __slots__ = (
+        "_reading",
+        "capacity",
+        "consumer",
+        "consumes",
+        "discarded",
+        "max_queued",
+        "receive_stream",
+        "received",
+        "send_stream",
+        "sent",
+    )
 
     def __init__(self, consumer: str, capacity: int, consumes: tuple[type, ...]) -> None:
         self.consumer = consumer
@@ -87,7 +97,7 @@ class Channel:
 class Edge:
     """One producer -> consumer edge: a clone of the consumer's send stream and its counters."""
 
-    __slots__ = ("producer", "channel", "stream", "sent", "dropped")
+    __slots__ = ("channel", "dropped", "producer", "sent", "stream")
 
     def __init__(self, producer: str, channel: Channel) -> None:
         self.producer = producer
@@ -100,8 +110,7 @@ class Edge:
 class StageOutbox:
     """What a stage sends to: routes each event to the edges whose consumer accepts its type."""
 
-    __slots__ = ("stage", "_produces", "_edges", "_routes", "_closed", "sent", "unrouted",
-                 "blocked_s")
+    __slots__ = ("_closed", "_edges", "_produces", "_routes", "blocked_s", "sent", "stage", "unrouted")
 
     def __init__(self, stage: str, produces: tuple[type, ...], edges: list[Edge]) -> None:
         self.stage = stage
@@ -176,9 +185,7 @@ class StageOutbox:
         return routes
 
     def _closed_error(self, event: Any) -> PipelineError:
-        return PipelineError(
-            f"stage {self.stage!r} sent a {type(event).__name__} after its outbox was closed"
-        )
+        return PipelineError(f"stage {self.stage!r} sent a {type(event).__name__} after its outbox was closed")
 
     def close(self) -> None:
         """Close every edge of this outbox; closing twice is harmless."""
@@ -193,7 +200,7 @@ class StageOutbox:
 class StageInbox:
     """What a stage reads: its channel, in arrival order; remembers the last event handed out."""
 
-    __slots__ = ("_stream", "_channel", "current", "waited_s")
+    __slots__ = ("_channel", "_stream", "current", "waited_s")
 
     def __init__(self, channel: Channel) -> None:
         self._channel = channel

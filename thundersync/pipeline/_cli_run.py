@@ -17,10 +17,10 @@ import anyio
 import structlog
 
 from thundersync.errors import PipelineError
-from thundersync.pipeline.runner import RunStatistics
 from thundersync.pipeline.embed import Pipeline
 from thundersync.pipeline.graph import Graph
 from thundersync.pipeline.metrics import JsonlMetrics
+from thundersync.pipeline.runner import RunStatistics
 
 __all__ = ["progress_line", "run_pipeline"]
 
@@ -41,9 +41,15 @@ async def _show_progress(pipeline: Pipeline, stream: TextIO, interval_s: float) 
         await anyio.sleep(interval_s)
 
 
-async def run_pipeline(graph: Graph, objects: Mapping[str, Any], metrics: JsonlMetrics, *,
-                       progress: TextIO | None, interval_s: float = 0.2,
-                       timeout_s: float | None = None) -> RunStatistics:
+async def run_pipeline(
+    graph: Graph,
+    objects: Mapping[str, Any],
+    metrics: JsonlMetrics,
+    *,
+    progress: TextIO | None,
+    interval_s: float = 0.2,
+    timeout_s: float | None = None,
+) -> RunStatistics:
     """Run ``graph`` to completion, writing its output events to ``metrics``; returns statistics.
 
     ``progress`` is the stream for the live line (None: no progress display).
@@ -57,8 +63,9 @@ async def run_pipeline(graph: Graph, objects: Mapping[str, Any], metrics: JsonlM
                         await stack.enter_async_context(obj)
                 await _drive(pipeline, metrics, progress, interval_s)
     except TimeoutError:
-        raise PipelineError(f"the run took longer than its timeout of {timeout_s} s "
-                            "(run.timeout_s / --timeout); it was cancelled") from None
+        raise PipelineError(
+            f"the run took longer than its timeout of {timeout_s} s (run.timeout_s / --timeout); it was cancelled"
+        ) from None
     finally:
         stats = _statistics(pipeline)
         if stats is not None:

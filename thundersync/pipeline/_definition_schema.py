@@ -36,11 +36,12 @@ __all__ = [
 
 GRAPH_FIELDS: tuple[tuple[str, Any, Any], ...] = (
     ("reads", tuple[str, ...], ()),
-    ("capacity", Union[Annotated[int, msgspec.Meta(ge=1)], None], None),
+    ("capacity", Annotated[int, msgspec.Meta(ge=1)] | None, None),
     ("output", bool, False),
     ("objects", dict[str, str], msgspec.field(default_factory=dict)),
 )
 """Fields every stage table has besides ``type`` and its Config's fields."""
+
 
 def _config_fields(stage: type[Stage]) -> list[tuple[Any, ...]]:
     out: list[tuple[Any, ...]] = []
@@ -61,9 +62,18 @@ def _config_fields(stage: type[Stage]) -> list[tuple[Any, ...]]:
 @functools.cache
 def stage_union() -> Any:
     """The tagged union of every registered stage type (tag field ``type``)."""
-    specs = [msgspec.defstruct(f"{cls.__name__}Table", [*GRAPH_FIELDS, *_config_fields(cls)],
-                               tag=name, tag_field="type", kw_only=True, frozen=True, forbid_unknown_fields=True)
-             for name, cls in REGISTRY.items()]
+    specs = [
+        msgspec.defstruct(
+            f"{cls.__name__}Table",
+            [*GRAPH_FIELDS, *_config_fields(cls)],
+            tag=name,
+            tag_field="type",
+            kw_only=True,
+            frozen=True,
+            forbid_unknown_fields=True,
+        )
+        for name, cls in REGISTRY.items()
+    ]
     return Union[tuple(specs)]  # noqa: UP007 (a runtime union of classes)
 
 
@@ -92,12 +102,15 @@ def _plain(info: msgspec.inspect.Type) -> bool:
 def factory_params(factory: str) -> dict[str, tuple[Any, Any]]:
     """Keyword arguments a file may give a factory: name -> (type, default or NODEFAULT)."""
     target: Callable[..., Any] = FACTORIES[factory]
-    hints = typing.get_type_hints(typing.cast(Any, target).__init__ if isinstance(target, type) else target,
-                                  include_extras=True)  # keep msgspec.Meta constraints
+    hints = typing.get_type_hints(
+        typing.cast(Any, target).__init__ if isinstance(target, type) else target, include_extras=True
+    )  # keep msgspec.Meta constraints
     params = inspect.signature(target).parameters.values()
-    return {p.name: (hints[p.name], p.default if p.default is not p.empty else msgspec.NODEFAULT)
-            for p in params if p.name in hints and _decodable(hints[p.name])
-            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {
+        p.name: (hints[p.name], p.default if p.default is not p.empty else msgspec.NODEFAULT)
+        for p in params
+        if p.name in hints and _decodable(hints[p.name]) and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
 
 
 @functools.cache
@@ -105,10 +118,21 @@ def object_union() -> Any:
     """The tagged union of every registered factory (tag field ``factory``)."""
     specs: list[Any] = []
     for name in FACTORIES:
-        fields = [(k, hint) if default is msgspec.NODEFAULT else (k, hint, default)
-                  for k, (hint, default) in factory_params(name).items()]
-        specs.append(msgspec.defstruct(f"Factory{len(specs)}", fields, tag=name, tag_field="factory",
-                                       kw_only=True, frozen=True, forbid_unknown_fields=True))
+        fields = [
+            (k, hint) if default is msgspec.NODEFAULT else (k, hint, default)
+            for k, (hint, default) in factory_params(name).items()
+        ]
+        specs.append(
+            msgspec.defstruct(
+                f"Factory{len(specs)}",
+                fields,
+                tag=name,
+                tag_field="factory",
+                kw_only=True,
+                frozen=True,
+                forbid_unknown_fields=True,
+            )
+        )
     return Union[tuple(specs)]  # noqa: UP007
 
 
@@ -129,8 +153,9 @@ def _join(prefix: str, path: str) -> str:
     return (prefix + path).lstrip(".")
 
 
-def definition_error(prefix: str, error: msgspec.ValidationError, fields: dict[str, list[str]],
-                     kind: str, known: list[str]) -> DefinitionError:
+def definition_error(
+    prefix: str, error: msgspec.ValidationError, fields: dict[str, list[str]], kind: str, known: list[str]
+) -> DefinitionError:
     """A DefinitionError for ``error`` met while decoding the table at ``prefix``.
 
     ``fields`` maps a sub-path of the table (``""`` for the table itself, ``".run"``...) to its
@@ -149,13 +174,21 @@ def definition_error(prefix: str, error: msgspec.ValidationError, fields: dict[s
         return DefinitionError(f"{_join(path, '.' + missing[1])}: missing required field{hint}")
     if path.endswith(f".{kind}") and message.startswith("Invalid value"):
         value = message.removeprefix("Invalid value ")
-        return DefinitionError(f"{path}: unknown {'stage type' if kind == 'type' else kind} {value}; "
-                               f"known: {', '.join(known)}")
+        return DefinitionError(
+            f"{path}: unknown {'stage type' if kind == 'type' else kind} {value}; known: {', '.join(known)}"
+        )
     return DefinitionError(f"{path}: {message}")
 
 
-def convert(value: Any, target: Any, prefix: str, *, kind: str = "type", known: list[str] | None = None,
-            fields: dict[str, list[str]] | list[str] | None = None) -> Any:
+def convert(
+    value: Any,
+    target: Any,
+    prefix: str,
+    *,
+    kind: str = "type",
+    known: list[str] | None = None,
+    fields: dict[str, list[str]] | list[str] | None = None,
+) -> Any:
     """``msgspec.convert`` with errors turned into path-qualified DefinitionErrors.
 
     ``fields`` lists the valid field names of the table (a list) or of its sub-tables (a dict

@@ -37,7 +37,7 @@ the stage's inbox returned last."""
 
 
 class _StageClock:
-    __slots__ = ("state", "started", "finished")
+    __slots__ = ("finished", "started", "state")
 
     def __init__(self) -> None:
         self.state = "pending"
@@ -64,13 +64,11 @@ class GraphRuntime:
         if results_capacity is not None:
             self.results = Channel(RESULTS, results_capacity, (object,))
         self.inboxes: dict[str, StageInbox | EndedInbox] = {
-            node.name: StageInbox(self.channels[node.name]) if not node.is_source else EndedInbox()
-            for node in graph
+            node.name: StageInbox(self.channels[node.name]) if not node.is_source else EndedInbox() for node in graph
         }
         outputs = {node.name for node in graph.outputs()}
         self.outboxes = {
-            node.name: self._outbox(node.name, tuple(node.stage.produces), node.name in outputs)
-            for node in graph
+            node.name: self._outbox(node.name, tuple(node.stage.produces), node.name in outputs) for node in graph
         }
         readers = graph.readers(INPUT)
         consumes = tuple(t for node in readers for t in node.stage.consumes)
@@ -172,9 +170,7 @@ class GraphRuntime:
             for edge in outbox._edges
         ]
         end = self._finished if self._finished is not None else now
-        return RunStatistics(
-            stages=stages, inboxes=inboxes, edges=edges, elapsed_s=end - self._started
-        )
+        return RunStatistics(stages=stages, inboxes=inboxes, edges=edges, elapsed_s=end - self._started)
 
     def _stage_stats(self, name: str, now: float) -> StageStatistics:
         clock, inbox, outbox = self.clocks[name], self.inboxes[name], self.outboxes[name]

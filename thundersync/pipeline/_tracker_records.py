@@ -123,8 +123,7 @@ class TrajectoryRecord:
         if self.state is not TrajectoryState.GENERATING:
             raise TrackerError(f"turn {turn} was added to {self.name}, which is {self.state.value}")
         if self.last_turn is not None and turn <= self.last_turn:
-            raise TrackerError(f"turn {turn} was added to {self.name} after turn {self.last_turn}; "
-                               "turns must increase")
+            raise TrackerError(f"turn {turn} was added to {self.name} after turn {self.last_turn}; turns must increase")
         self.last_turn = turn
         self.num_tokens += num_tokens
         self.num_scored += num_scored
@@ -133,13 +132,16 @@ class TrajectoryRecord:
             self.state = TrajectoryState.FINISHING
             stray = sorted(self.done - self.declared, key=_key_order)
             if stray:
-                raise TrackerError(f"{self.name} ended at turn {turn} but got "
-                                   f"{', '.join(map(describe, stray))}, which it never declared")
+                raise TrackerError(
+                    f"{self.name} ended at turn {turn} but got "
+                    f"{', '.join(map(describe, stray))}, which it never declared"
+                )
 
     def complete(self, key: Key) -> None:
         if key[0] not in self.needs:
-            raise TrackerError(f"{describe(key)} was reported for {self.name}, but this tracker "
-                               f"does not wait for {key[0].value}")
+            raise TrackerError(
+                f"{describe(key)} was reported for {self.name}, but this tracker does not wait for {key[0].value}"
+            )
         if self._ignore_late():
             return
         if self.ended:
@@ -147,8 +149,7 @@ class TrajectoryRecord:
         if key in self.done:
             raise TrackerError(f"{describe(key)} was reported twice for {self.name}")
         if self.state is TrajectoryState.FINISHING and key not in self.declared:
-            raise TrackerError(f"{describe(key)} was reported for {self.name}, which ended at "
-                               f"turn {self.last_turn}")
+            raise TrackerError(f"{describe(key)} was reported for {self.name}, which ended at turn {self.last_turn}")
         self.done.add(key)
 
     def try_close(self) -> bool:
@@ -184,8 +185,7 @@ class GroupRecord:
     def pending(self) -> list[str]:
         if self.state is GroupState.PROMPT_PENDING:
             return [f"group {self.group_id!r} waits for its prompt backward"]
-        return [f"{t.name} waits for {', '.join(t.pending())}"
-                for t in self.trajectories.values() if t.pending()]
+        return [f"{t.name} waits for {', '.join(t.pending())}" for t in self.trajectories.values() if t.pending()]
 
     def try_advance(self) -> bool:
         """Move on once every trajectory ended; return True when the group closed now."""
@@ -199,8 +199,10 @@ class GroupRecord:
         """Record the prompt backward; return True when the group closed now. One that arrives
         before the trajectories ended is held (the events that end them may still be on other edges)."""
         if not self.needs_prompt:
-            raise TrackerError(f"the prompt backward of group {self.group_id!r} was reported, but "
-                               "this tracker does not wait for backward")
+            raise TrackerError(
+                f"the prompt backward of group {self.group_id!r} was reported, but "
+                "this tracker does not wait for backward"
+            )
         if self.prompt_done or self.state is GroupState.CLOSED:
             raise TrackerError(f"the prompt backward of group {self.group_id!r} was reported twice")
         self.prompt_done = True
@@ -224,8 +226,9 @@ class BatchRecord:
         waits: list[str] = []
         if self.state is BatchState.OPEN:
             expected = "an unknown number" if self.expected_groups is None else self.expected_groups
-            waits.append(f"more groups (expects {expected}, {len(self.groups)} opened; "
-                         "seal the batch when no more come)")
+            waits.append(
+                f"more groups (expects {expected}, {len(self.groups)} opened; seal the batch when no more come)"
+            )
         for group in self.groups:
             waits.extend(group.pending())
         waits.extend(f"work in flight: {key!r}" for key in sorted(self.in_flight))
@@ -233,8 +236,11 @@ class BatchRecord:
 
     def try_ready(self) -> bool:
         """Become READY once sealed, every group closed and no work in flight."""
-        if (self.state is BatchState.SEALED and not self.in_flight
-                and all(g.state is GroupState.CLOSED for g in self.groups)):
+        if (
+            self.state is BatchState.SEALED
+            and not self.in_flight
+            and all(g.state is GroupState.CLOSED for g in self.groups)
+        ):
             self.state = BatchState.READY
             return True
         return False

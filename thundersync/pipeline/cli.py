@@ -44,15 +44,23 @@ def _parser() -> argparse.ArgumentParser:
     for sub in (check, run):
         sub.add_argument("file", type=Path, metavar="FILE", help="the pipeline definition (TOML)")
         sub.add_argument("-v", "--verbose", action="store_true", help="tracebacks and info-level logs")
-    run.add_argument("--metrics", type=Path, metavar="PATH",
-                     help="write JSON-lines metrics here (overrides run.metrics)")
+    run.add_argument(
+        "--metrics", type=Path, metavar="PATH", help="write JSON-lines metrics here (overrides run.metrics)"
+    )
     shown = run.add_mutually_exclusive_group()
-    shown.add_argument("--progress", dest="progress", action="store_const", const="on",
-                       help="show a live progress line on stderr even when it is not a terminal")
-    shown.add_argument("--no-progress", dest="progress", action="store_const", const="off",
-                       help="never show the progress line")
-    run.add_argument("--timeout", type=_seconds, metavar="SECONDS",
-                     help="fail the run after this long (overrides run.timeout_s)")
+    shown.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_const",
+        const="on",
+        help="show a live progress line on stderr even when it is not a terminal",
+    )
+    shown.add_argument(
+        "--no-progress", dest="progress", action="store_const", const="off", help="never show the progress line"
+    )
+    run.add_argument(
+        "--timeout", type=_seconds, metavar="SECONDS", help="fail the run after this long (overrides run.timeout_s)"
+    )
     return parser
 
 
@@ -70,15 +78,19 @@ def _seconds(text: str) -> float:
 def _configure_logging(verbose: bool) -> None:
     level = logging.INFO if verbose else logging.WARNING
     structlog.configure(
-        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"),
-                    structlog.dev.ConsoleRenderer(colors=False)],
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.dev.ConsoleRenderer(colors=False),
+        ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=False,
     )
     # The library's own loggers write through the standard logging module (thundersync._logging).
-    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s [%(levelname)s] %(name)s: %(message)s",
-                        force=True)
+    logging.basicConfig(
+        level=level, stream=sys.stderr, format="%(asctime)s [%(levelname)s] %(name)s: %(message)s", force=True
+    )
 
 
 def _error(message: str, error: BaseException, verbose: bool, *, hint_verbose: bool = True) -> None:
@@ -105,8 +117,10 @@ def _metrics(path: Path | None) -> Iterator[JsonlMetrics]:
     try:
         sink.__enter__()
     except OSError as error:
-        raise ConfigError(f"cannot write the metrics file {path}: {error.strerror or error}; give --metrics "
-                          "(or run.metrics) the path of a file in a writable directory") from None
+        raise ConfigError(
+            f"cannot write the metrics file {path}: {error.strerror or error}; give --metrics "
+            "(or run.metrics) the path of a file in a writable directory"
+        ) from None
     try:
         yield sink
     finally:
@@ -135,8 +149,11 @@ def _run(path: Path, args: argparse.Namespace) -> int:
         metrics.write("run_started", file=str(path), stages=[node.name for node in graph])
         log.info("run started", file=str(path), stages=len(graph))
         try:
-            stats = anyio.run(lambda: run_pipeline(graph, objects, metrics, progress=sys.stderr if show else None,
-                                                   timeout_s=timeout_s))
+            stats = anyio.run(
+                lambda: run_pipeline(
+                    graph, objects, metrics, progress=sys.stderr if show else None, timeout_s=timeout_s
+                )
+            )
         except BaseException as error:
             metrics.write("run_finished", status="failed", error=f"{type(error).__name__}: {error}")
             raise

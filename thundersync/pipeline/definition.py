@@ -51,7 +51,14 @@ from thundersync.stages.generate import GenerateStage
 from thundersync.stages.step import StepStage
 
 __all__ = [
-    "ObjectSpec", "PipelineSpec", "RunSettings", "StageSpec", "build_graph", "build_objects", "load", "loads",
+    "ObjectSpec",
+    "PipelineSpec",
+    "RunSettings",
+    "StageSpec",
+    "build_graph",
+    "build_objects",
+    "load",
+    "loads",
 ]
 
 
@@ -125,11 +132,14 @@ def loads(text: str) -> PipelineSpec:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise DefinitionError(f"not valid TOML: {error}") from None
-    top = convert(raw, _File, "", fields={"": ["run", "objects", "stages"],
-                                          ".run": list(RunSettings.__struct_fields__)})
-    return PipelineSpec(stages={name: _stage(name, table) for name, table in top.stages.items()},
-                        objects={name: _object(name, table) for name, table in top.objects.items()},
-                        run=top.run)
+    top = convert(
+        raw, _File, "", fields={"": ["run", "objects", "stages"], ".run": list(RunSettings.__struct_fields__)}
+    )
+    return PipelineSpec(
+        stages={name: _stage(name, table) for name, table in top.stages.items()},
+        objects={name: _object(name, table) for name, table in top.objects.items()},
+        run=top.run,
+    )
 
 
 def _table(prefix: str, table: Any) -> dict[str, Any]:
@@ -156,8 +166,9 @@ def _stage(name: str, table: Any) -> StageSpec:
     assert cls is not None  # the tagged union accepted the type
     graph_fields = {n for n, *_ in GRAPH_FIELDS} | {"type"}
     config = convert({k: v for k, v in table.items() if k not in graph_fields}, cls.Config, prefix)
-    return StageSpec(table["type"], config, reads=node.reads, capacity=node.capacity, output=node.output,
-                     objects=dict(node.objects))
+    return StageSpec(
+        table["type"], config, reads=node.reads, capacity=node.capacity, output=node.output, objects=dict(node.objects)
+    )
 
 
 def _object(name: str, table: Any) -> ObjectSpec:
@@ -180,10 +191,15 @@ def build_objects(spec: PipelineSpec, /, **given: Any) -> dict[str, Any]:
             continue
         prefix = f"objects.{name}"
         if obj.factory not in FACTORIES:
-            raise DefinitionError(f"{prefix}.factory: unknown factory {obj.factory!r}; "
-                                  f"known: {', '.join(FACTORIES)}")
-        node = convert({"factory": obj.factory, **obj.args}, object_union(), prefix, kind="factory",
-                       known=list(FACTORIES), fields=["factory", *factory_params(obj.factory)])
+            raise DefinitionError(f"{prefix}.factory: unknown factory {obj.factory!r}; known: {', '.join(FACTORIES)}")
+        node = convert(
+            {"factory": obj.factory, **obj.args},
+            object_union(),
+            prefix,
+            kind="factory",
+            known=list(FACTORIES),
+            fields=["factory", *factory_params(obj.factory)],
+        )
         try:
             objects[name] = FACTORIES[obj.factory](**{k: getattr(node, k) for k in obj.args})
         except (TypeError, ValueError) as error:
@@ -196,8 +212,13 @@ def build_graph(spec: PipelineSpec, /, **objects: Any) -> Graph:
     built = build_objects(spec, **objects)
     graph = Graph()
     for name, node in spec.stages.items():
-        graph.add(name, _make_stage(name, node, built), reads=node.reads,
-                  capacity=node.capacity or spec.run.capacity, output=node.output)
+        graph.add(
+            name,
+            _make_stage(name, node, built),
+            reads=node.reads,
+            capacity=node.capacity or spec.run.capacity,
+            output=node.output,
+        )
     graph.validate()
     _check_required_inputs(graph)
     _check_policy_published(spec, graph)
@@ -209,13 +230,18 @@ def _check_policy_published(spec: PipelineSpec, graph: Graph) -> None:
     or it would wait forever for the policy of its second batch."""
     published = {id(node.stage.policy) for node in graph if isinstance(node.stage, StepStage)}
     for node in graph:
-        if isinstance(node.stage, GenerateStage) and node.stage.policy is not None \
-                and id(node.stage.policy) not in published:
+        if (
+            isinstance(node.stage, GenerateStage)
+            and node.stage.policy is not None
+            and id(node.stage.policy) not in published
+        ):
             clock = spec.stages[node.name].objects.get("policy", "policy")
-            raise DefinitionError(f"stages.{node.name}.objects.policy: generate waits on the policy clock "
-                                  f"{clock!r} before each batch, but no step stage publishes to it, so a run of more "
-                                  f"than one batch would hang; add a step stage with the same policy "
-                                  f"(reads = [\"<close stage>\"]), or drop the policy from {node.name!r}")
+            raise DefinitionError(
+                f"stages.{node.name}.objects.policy: generate waits on the policy clock "
+                f"{clock!r} before each batch, but no step stage publishes to it, so a run of more "
+                f"than one batch would hang; add a step stage with the same policy "
+                f'(reads = ["<close stage>"]), or drop the policy from {node.name!r}'
+            )
 
 
 def _check_required_inputs(graph: Graph) -> None:
@@ -228,9 +254,11 @@ def _check_required_inputs(graph: Graph) -> None:
         producers = [graph[name].stage for name in node.reads if name in graph]
         for wanted in required():
             if not any(issubclass(made, wanted) for stage in producers for made in stage.produces):
-                raise GraphError(f"stage {node.name!r} waits for {wanted.__name__} events, but none of the "
-                                 f"stages it reads from ({', '.join(node.reads)}) produces them; add the "
-                                 f"stage that does to its reads, or stop waiting for it")
+                raise GraphError(
+                    f"stage {node.name!r} waits for {wanted.__name__} events, but none of the "
+                    f"stages it reads from ({', '.join(node.reads)}) produces them; add the "
+                    f"stage that does to its reads, or stop waiting for it"
+                )
 
 
 def _make_stage(name: str, node: StageSpec, objects: dict[str, Any]) -> Stage:
@@ -240,10 +268,11 @@ def _make_stage(name: str, node: StageSpec, objects: dict[str, Any]) -> Stage:
         raise DefinitionError(f"{prefix}.type: unknown stage type {node.type!r}; known: {', '.join(REGISTRY)}")
     params = runtime_params(cls)
     for extra in sorted(set(node.objects) - set(params)):
-        raise DefinitionError(f"{prefix}.objects.{extra}: a {node.type!r} stage takes no runtime object "
-                              f"{extra!r}; it takes: {', '.join(params) or 'none'}")
-    kwargs = {param: _bind(prefix, node, param, hint, required, objects)
-              for param, (hint, required) in params.items()}
+        raise DefinitionError(
+            f"{prefix}.objects.{extra}: a {node.type!r} stage takes no runtime object "
+            f"{extra!r}; it takes: {', '.join(params) or 'none'}"
+        )
+    kwargs = {param: _bind(prefix, node, param, hint, required, objects) for param, (hint, required) in params.items()}
     try:
         return cls(node.config, **{k: v for k, v in kwargs.items() if v is not None})
     except (TypeError, ConfigError) as error:
@@ -254,18 +283,24 @@ def _bind(prefix: str, node: StageSpec, param: str, hint: Any, required: bool, o
     target = node.objects.get(param, param)
     if target not in objects:
         if param in node.objects:
-            raise DefinitionError(f"{prefix}.objects.{param}: names {target!r}, which is neither defined under "
-                                  f"[objects] nor passed to build_graph; objects: {', '.join(objects) or 'none'}")
+            raise DefinitionError(
+                f"{prefix}.objects.{param}: names {target!r}, which is neither defined under "
+                f"[objects] nor passed to build_graph; objects: {', '.join(objects) or 'none'}"
+            )
         if required:
-            raise DefinitionError(f"{prefix}: a {node.type!r} stage needs a runtime object {param!r}; add an "
-                                  f"[objects.{param}] table (factories: {', '.join(FACTORIES)}) or pass "
-                                  f"{param}=... to build_graph")
+            raise DefinitionError(
+                f"{prefix}: a {node.type!r} stage needs a runtime object {param!r}; add an "
+                f"[objects.{param}] table (factories: {', '.join(FACTORIES)}) or pass "
+                f"{param}=... to build_graph"
+            )
         return None
     obj = objects[target]
     expected = _runtime_class(hint)
     if expected is not None and not isinstance(obj, expected):
-        raise DefinitionError(f"{prefix}: runtime object {target!r} is a {type(obj).__name__}, but a "
-                              f"{node.type!r} stage needs a {expected.__name__} for {param!r}")
+        raise DefinitionError(
+            f"{prefix}: runtime object {target!r} is a {type(obj).__name__}, but a "
+            f"{node.type!r} stage needs a {expected.__name__} for {param!r}"
+        )
     return obj
 
 

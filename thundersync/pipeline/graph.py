@@ -174,8 +174,7 @@ class Graph:
             producer = self._nodes.get(upstream)
             if producer is None:
                 yield (
-                    f"stage {node.name!r} reads from {upstream!r}, which no stage produces; "
-                    f"stages: {self._listing()}"
+                    f"stage {node.name!r} reads from {upstream!r}, which no stage produces; stages: {self._listing()}"
                 )
             elif not _overlap(producer.stage.produces, stage.consumes):
                 yield (
@@ -200,7 +199,7 @@ class Graph:
                 elif upstream == INPUT or upstream not in self._nodes or state.get(upstream) == 2:
                     continue
                 elif state.get(upstream) == 1:
-                    return path[path.index(upstream) :] + [upstream]
+                    return [*path[path.index(upstream) :], upstream]
                 else:
                     state[upstream] = 1
                     path.append(upstream)
@@ -216,4 +215,3 @@ class Graph:
                     "runtime object both stages share (e.g. thundersync.pipeline.policy.PolicyClock)"
                 ]
         return []
-

@@ -44,8 +44,9 @@ class JsonlMetrics:
         self._start = perf_counter()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -32,8 +32,9 @@ class PolicyClock:
     def publish(self, version: int) -> None:
         """Make ``version`` the live policy and wake every waiter; versions only increase."""
         if version <= self.version:
-            raise ConfigError(f"policy version {version} was published after version {self.version}; "
-                              "versions must increase")
+            raise ConfigError(
+                f"policy version {version} was published after version {self.version}; versions must increase"
+            )
         self.version = version
         if self._changed is not None:
             self._changed.set()

@@ -72,13 +72,10 @@ class Stage:
         self.config = self.Config() if config is None else config
         if not isinstance(self.config, self.Config):
             raise TypeError(
-                f"{type(self).__name__} takes a {type(self).__name__}.Config, "
-                f"got {type(self.config).__name__}"
+                f"{type(self).__name__} takes a {type(self).__name__}.Config, got {type(self.config).__name__}"
             )
         if runtime:
-            raise TypeError(
-                f"{type(self).__name__} takes no runtime objects, got {', '.join(sorted(runtime))}"
-            )
+            raise TypeError(f"{type(self).__name__} takes no runtime objects, got {', '.join(sorted(runtime))}")
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
         """Process events until the inbox ends. Must not swallow cancellation."""

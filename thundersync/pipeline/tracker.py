@@ -71,12 +71,13 @@ class Tracker:
         if group_id in self._groups:
             raise TrackerError(f"group {group_id!r} was opened twice")
         if not trajectory_ids or len(set(trajectory_ids)) != len(trajectory_ids):
-            raise TrackerError(f"group {group_id!r} must declare distinct trajectory ids, "
-                               f"got {list(trajectory_ids)!r}")
+            raise TrackerError(f"group {group_id!r} must declare distinct trajectory ids, got {list(trajectory_ids)!r}")
         batch = self._batch_for(batch_id, groups_in_batch)
         if batch.state is not BatchState.OPEN:
-            raise TrackerError(f"group {group_id!r} was opened in batch {batch_id!r}, which is "
-                               f"{batch.state.value} with {len(batch.groups)} groups")
+            raise TrackerError(
+                f"group {group_id!r} was opened in batch {batch_id!r}, which is "
+                f"{batch.state.value} with {len(batch.groups)} groups"
+            )
         records = {t: TrajectoryRecord(group_id, t, self.needs) for t in trajectory_ids}
         group = GroupRecord(group_id, batch_id, records, needs_prompt=Need.BACKWARD in self.needs)
         self._groups[group_id] = group
@@ -86,8 +87,14 @@ class Tracker:
         return []
 
     def add_turn(
-        self, group_id: Id, trajectory_id: Id, turn: int, *, final: bool = False,
-        num_tokens: int = 0, num_scored: int = 0,
+        self,
+        group_id: Id,
+        trajectory_id: Id,
+        turn: int,
+        *,
+        final: bool = False,
+        num_tokens: int = 0,
+        num_scored: int = 0,
     ) -> list[EventBase]:
         """Declare one action of a trajectory (and its per-turn dependencies); ``final`` ends it."""
         trajectory = self._trajectory(group_id, trajectory_id)
@@ -98,13 +105,13 @@ class Tracker:
         """Declare that no more groups join ``batch_id`` (needed when its size was not given)."""
         batch = self._batches.get(batch_id)
         if batch is None:
-            raise TrackerError(f"batch {batch_id!r} was sealed but never opened; "
-                               f"batches: {self._names(self._batches)}")
+            raise TrackerError(f"batch {batch_id!r} was sealed but never opened; batches: {self._names(self._batches)}")
         if batch.state is not BatchState.OPEN:
             raise TrackerError(f"batch {batch_id!r} was sealed twice (it is {batch.state.value})")
         if batch.expected_groups is not None:
-            raise TrackerError(f"batch {batch_id!r} was sealed with {len(batch.groups)} of its "
-                               f"{batch.expected_groups} groups opened")
+            raise TrackerError(
+                f"batch {batch_id!r} was sealed with {len(batch.groups)} of its {batch.expected_groups} groups opened"
+            )
         batch.state = BatchState.SEALED
         return self._batch_events(batch)
 
@@ -118,9 +125,7 @@ class Tracker:
 
     # --- completions ---------------------------------------------------------------------------
 
-    def complete(
-        self, need: Need, group_id: Id, trajectory_id: Id, turn: int | None = None
-    ) -> list[EventBase]:
+    def complete(self, need: Need, group_id: Id, trajectory_id: Id, turn: int | None = None) -> list[EventBase]:
         """Record that a trajectory's dependency is done (``turn`` for backward and teacher only)."""
         if (need is Need.REWARD) != (turn is None):
             takes = "no turn" if need is Need.REWARD else "a turn"
@@ -134,8 +139,10 @@ class Tracker:
         group = self._group(group_id)
         if not group.complete_prompt():
             return []  # held until the trajectories end
-        return [GroupClosed(group_id=group_id, num_trajectories=self._closed_count(group)),
-                *self._batch_events(self._batches[group.batch_id])]
+        return [
+            GroupClosed(group_id=group_id, num_trajectories=self._closed_count(group)),
+            *self._batch_events(self._batches[group.batch_id]),
+        ]
 
     def abandon(self, group_id: Id, trajectory_id: Id) -> list[EventBase]:
         """Drop a trajectory whose work failed; its group goes on without it."""
@@ -154,8 +161,9 @@ class Tracker:
         """Record that work begun with :meth:`begin_work` finished."""
         batch = self._open_batch(batch_id, f"work {key!r} ended")
         if key not in batch.in_flight:
-            raise TrackerError(f"work {key!r} ended in batch {batch_id!r} but never began; "
-                               f"in flight: {sorted(batch.in_flight)!r}")
+            raise TrackerError(
+                f"work {key!r} ended in batch {batch_id!r} but never began; in flight: {sorted(batch.in_flight)!r}"
+            )
         batch.in_flight.remove(key)
         return self._batch_events(batch)
 
@@ -165,8 +173,7 @@ class Tracker:
         """Raise :class:`NotReadyToStep` naming what is pending unless ``batch_id`` is READY."""
         batch = self._batches.get(batch_id)
         if batch is None:
-            raise NotReadyToStep(f"batch {batch_id!r} was never opened; "
-                                 f"batches: {self._names(self._batches)}")
+            raise NotReadyToStep(f"batch {batch_id!r} was never opened; batches: {self._names(self._batches)}")
         if batch.state is not BatchState.READY:
             detail = "; ".join(batch.pending()) or "it was already stepped"
             raise NotReadyToStep(f"batch {batch_id!r} is not ready to step ({batch.state.value}): {detail}")
@@ -195,16 +202,24 @@ class Tracker:
     def pending(self, batch_id: Id | None = None) -> list[str]:
         """What is still pending, for one batch or (``None``) every batch not yet stepped."""
         batches = [self._batch(batch_id)] if batch_id is not None else list(self._batches.values())
-        return [f"batch {b.batch_id!r}: {item}" for b in batches for item in b.pending()
-                if b.state not in (BatchState.READY, BatchState.STEPPED)]
+        return [
+            f"batch {b.batch_id!r}: {item}"
+            for b in batches
+            for item in b.pending()
+            if b.state not in (BatchState.READY, BatchState.STEPPED)
+        ]
 
     # --- internals -----------------------------------------------------------------------------
 
     def _advance(self, trajectory: TrajectoryRecord) -> list[EventBase]:
         if not trajectory.try_close():
             return []
-        closed = TrajectoryClosed(group_id=trajectory.group_id, trajectory_id=trajectory.trajectory_id,
-                                  num_tokens=trajectory.num_tokens, num_scored=trajectory.num_scored)
+        closed = TrajectoryClosed(
+            group_id=trajectory.group_id,
+            trajectory_id=trajectory.trajectory_id,
+            num_tokens=trajectory.num_tokens,
+            num_scored=trajectory.num_scored,
+        )
         return [closed, *self._group_events(self._groups[trajectory.group_id])]
 
     def _group_events(self, group: GroupRecord) -> list[EventBase]:
@@ -216,10 +231,15 @@ class Tracker:
     def _batch_events(self, batch: BatchRecord) -> list[EventBase]:
         if not batch.try_ready():
             return []
-        closed = [t for g in batch.groups for t in g.trajectories.values()
-                  if t.state is TrajectoryState.CLOSED]
-        return [BatchReady(batch_id=batch.batch_id, num_groups=len(batch.groups),
-                           num_trajectories=len(closed), num_scored_tokens=sum(t.num_scored for t in closed))]
+        closed = [t for g in batch.groups for t in g.trajectories.values() if t.state is TrajectoryState.CLOSED]
+        return [
+            BatchReady(
+                batch_id=batch.batch_id,
+                num_groups=len(batch.groups),
+                num_trajectories=len(closed),
+                num_scored_tokens=sum(t.num_scored for t in closed),
+            )
+        ]
 
     @staticmethod
     def _closed_count(group: GroupRecord) -> int:
@@ -230,8 +250,9 @@ class Tracker:
         batch = self._batches.setdefault(batch_id, BatchRecord(batch_id, expected))
         if batch.expected_groups != expected:
             expects = batch.expected_groups or "an unknown number of"
-            raise TrackerError(f"batch {batch_id!r} expects {expects} groups, but a group declared "
-                               f"groups_in_batch={groups_in_batch}")
+            raise TrackerError(
+                f"batch {batch_id!r} expects {expects} groups, but a group declared groups_in_batch={groups_in_batch}"
+            )
         return batch
 
     def _batch(self, batch_id: Id) -> BatchRecord:
@@ -255,8 +276,9 @@ class Tracker:
         group = self._group(group_id)
         trajectory = group.trajectories.get(trajectory_id)
         if trajectory is None:
-            raise TrackerError(f"unknown trajectory {trajectory_id!r} in group {group_id!r}; "
-                               f"it has {self._names(group.trajectories)}")
+            raise TrackerError(
+                f"unknown trajectory {trajectory_id!r} in group {group_id!r}; it has {self._names(group.trajectories)}"
+            )
         return trajectory
 
     @staticmethod

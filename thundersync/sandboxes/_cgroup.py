@@ -7,6 +7,7 @@ are writable (root), and fall back to RLIMIT_NPROC otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -73,10 +74,8 @@ def kill_cgroup(path: Path, *, deadline_s: float = 5.0) -> bool:
         if (path / "cgroup.kill").exists():
             (path / "cgroup.kill").write_text("1")
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         if time.monotonic() > end:
             return False
         time.sleep(0.005)

@@ -18,8 +18,8 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-from thundersync._logging import get_logger
 
+from thundersync._logging import get_logger
 from thundersync.errors import ConfigError, SandboxExecError
 from thundersync.sandboxes import _treefiles, trees
 from thundersync.sandboxes.base import ExecResult, SandboxLimits
@@ -134,8 +134,14 @@ class TreeSandbox:
             path.mkdir(mode=0o700 if name == "home" else 0o1777)
             path.chmod(0o700 if name == "home" else 0o1777)
 
-    async def exec(self, cmd: Sequence[str] | str, *, timeout: float | None = None,
-                   env: Mapping[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
+    async def exec(
+        self,
+        cmd: Sequence[str] | str,
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
         raise NotImplementedError
 
     def _check_open(self) -> None:

@@ -25,13 +25,23 @@ _ACT_ALLOW = 0x7FFF0000
 _ACT_ERRNO = 0x00050000
 _CMP_NE = 1
 _AF_UNIX = 1
-_RLIMITS = {"AS": resource.RLIMIT_AS, "NPROC": resource.RLIMIT_NPROC, "CPU": resource.RLIMIT_CPU,
-            "FSIZE": resource.RLIMIT_FSIZE, "NOFILE": resource.RLIMIT_NOFILE, "CORE": resource.RLIMIT_CORE}
+_RLIMITS = {
+    "AS": resource.RLIMIT_AS,
+    "NPROC": resource.RLIMIT_NPROC,
+    "CPU": resource.RLIMIT_CPU,
+    "FSIZE": resource.RLIMIT_FSIZE,
+    "NOFILE": resource.RLIMIT_NOFILE,
+    "CORE": resource.RLIMIT_CORE,
+}
 
 
 class _ArgCmp(ctypes.Structure):
-    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int),
-                ("datum_a", ctypes.c_uint64), ("datum_b", ctypes.c_uint64)]
+    _fields_ = [
+        ("arg", ctypes.c_uint),
+        ("op", ctypes.c_int),
+        ("datum_a", ctypes.c_uint64),
+        ("datum_b", ctypes.c_uint64),
+    ]
 
 
 def _libseccomp() -> ctypes.CDLL:
@@ -43,8 +53,13 @@ def _libseccomp() -> ctypes.CDLL:
     lib.seccomp_arch_resolve_name.argtypes = [ctypes.c_char_p]
     lib.seccomp_arch_add.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
     lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
-    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int,
-                                           ctypes.c_uint, ctypes.POINTER(_ArgCmp)]
+    lib.seccomp_rule_add_array.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_uint32,
+        ctypes.c_int,
+        ctypes.c_uint,
+        ctypes.POINTER(_ArgCmp),
+    ]
     lib.seccomp_load.argtypes = [ctypes.c_void_p]
     lib.seccomp_release.argtypes = [ctypes.c_void_p]
     return lib
@@ -69,10 +84,14 @@ def load_no_inet_filter() -> None:
                 _check(rc, f"adding arch {arch.decode()}")
         deny = _ACT_ERRNO | errno.EACCES
         not_unix = (_ArgCmp * 1)(_ArgCmp(0, _CMP_NE, _AF_UNIX, 0))
-        _check(lib.seccomp_rule_add_array(ctx, deny, lib.seccomp_syscall_resolve_name(b"socket"),
-                                          1, not_unix), "rule socket(domain != AF_UNIX)")
-        _check(lib.seccomp_rule_add_array(ctx, deny, lib.seccomp_syscall_resolve_name(b"io_uring_setup"),
-                                          0, None), "rule io_uring_setup")
+        _check(
+            lib.seccomp_rule_add_array(ctx, deny, lib.seccomp_syscall_resolve_name(b"socket"), 1, not_unix),
+            "rule socket(domain != AF_UNIX)",
+        )
+        _check(
+            lib.seccomp_rule_add_array(ctx, deny, lib.seccomp_syscall_resolve_name(b"io_uring_setup"), 0, None),
+            "rule io_uring_setup",
+        )
         _check(lib.seccomp_load(ctx), "loading the filter")  # sets no_new_privs itself
     finally:
         lib.seccomp_release(ctx)

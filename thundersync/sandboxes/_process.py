@@ -14,6 +14,7 @@ fork bombs and is emptied from the host as a second line.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -66,8 +67,9 @@ def guarded_argv(command: Sequence[str], limits: SandboxLimits, cgroup: Path | N
     return argv
 
 
-def make_result(out: OutputCollector, exit_code: int | None, *, timed_out: bool, killed_for_output: bool,
-                started: float) -> ExecResult:
+def make_result(
+    out: OutputCollector, exit_code: int | None, *, timed_out: bool, killed_for_output: bool, started: float
+) -> ExecResult:
     return ExecResult(
         exit_code=exit_code,
         stdout=out.stdout.text(),
@@ -83,10 +85,8 @@ def make_result(out: OutputCollector, exit_code: int | None, *, timed_out: bool,
 
 
 def _kill(process: Process, cgroup: Path | None) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     if cgroup is not None:
         _cgroup.kill_cgroup(cgroup)
 
@@ -121,11 +121,15 @@ async def run_guarded(
     # where the ``finally`` below kills the whole tree.
     with anyio.CancelScope(shield=True):
         process = await anyio.open_process(
-            guarded_argv(command, limits, cgroup), cwd=cwd, env=dict(env), start_new_session=True,
+            guarded_argv(command, limits, cgroup),
+            cwd=cwd,
+            env=dict(env),
+            start_new_session=True,
             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
         )
     timed_out = False
     try:
+
         async def pump(stream: ByteReceiveStream | None, which: int) -> None:
             if stream is None:
                 return
@@ -138,10 +142,9 @@ async def run_guarded(
         async def feed_stdin() -> None:
             if stdin is not None and process.stdin is not None:
                 async with process.stdin:
-                    try:
+                    # the command may exit or close its stdin without reading it all
+                    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                         await process.stdin.send(stdin)
-                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                        pass  # the command exited or closed its stdin without reading it all
 
         async def watch() -> None:
             await over_cap.wait()

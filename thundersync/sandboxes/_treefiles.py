@@ -12,7 +12,7 @@ import errno
 import os
 import stat
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from thundersync.errors import UnsafePathError
@@ -145,10 +145,8 @@ def _copy_in_at(dir_fd: int, name: bytes, src: Path, owner: Owner, shown: bytes)
         if owner is not None:
             os.chown(name, *owner, dir_fd=dir_fd, follow_symlinks=False)
     elif stat.S_ISDIR(info.st_mode):
-        try:
+        with suppress(FileExistsError):
             os.mkdir(name, stat.S_IMODE(info.st_mode) | 0o700, dir_fd=dir_fd)
-        except FileExistsError:
-            pass
         try:
             child = os.open(name, _DIR, dir_fd=dir_fd)
         except OSError as error:
@@ -157,8 +155,9 @@ def _copy_in_at(dir_fd: int, name: bytes, src: Path, owner: Owner, shown: bytes)
             if owner is not None:
                 os.fchown(child, *owner)
             for entry in sorted(os.listdir(os.fsencode(src))):
-                _copy_in_at(child, entry, Path(os.fsdecode(os.path.join(os.fsencode(src), entry))),
-                            owner, shown + b"/" + entry)
+                _copy_in_at(
+                    child, entry, Path(os.fsdecode(os.path.join(os.fsencode(src), entry))), owner, shown + b"/" + entry
+                )
         finally:
             os.close(child)
     elif stat.S_ISREG(info.st_mode):

@@ -69,7 +69,9 @@ def docker_client() -> Any:
     try:
         return aiodocker.Docker()
     except Exception as error:  # aiodocker raises a bare exception when no socket is found
-        raise SandboxUnavailable(f"no Docker engine socket: {error} (set DOCKER_HOST=unix:///path/to/docker.sock)") from error
+        raise SandboxUnavailable(
+            f"no Docker engine socket: {error} (set DOCKER_HOST=unix:///path/to/docker.sock)"
+        ) from error
 
 
 async def prune_containers(owner: str | None = None, *, client: Any = None) -> int:
@@ -92,9 +94,17 @@ class DockerSandbox(TreeSandbox):
 
     backend = "docker"
 
-    def __init__(self, image: str, *, name: str | None = None, limits: SandboxLimits | None = None,
-                 workdir: str | None = None, user: str | None = None, owner: str | None = None,
-                 client: Any = None) -> None:
+    def __init__(
+        self,
+        image: str,
+        *,
+        name: str | None = None,
+        limits: SandboxLimits | None = None,
+        workdir: str | None = None,
+        user: str | None = None,
+        owner: str | None = None,
+        client: Any = None,
+    ) -> None:
         super().__init__(name=name, limits=limits, workdir=workdir or "")
         self.image = image
         self.owner = owner or default_owner()
@@ -193,7 +203,7 @@ class DockerSandbox(TreeSandbox):
                         pass
                 if await _exit_code(exe) == 0:
                     return
-            except Exception:  # noqa: BLE001 - any failure: fall back to the restart below
+            except Exception:
                 pass
         await self._container.kill()
         await self._container.start()
@@ -208,8 +218,14 @@ class DockerSandbox(TreeSandbox):
 
     # -- exec ---------------------------------------------------------------------------------
 
-    async def exec(self, cmd: Sequence[str] | str, *, timeout: float | None = None,
-                   env: Mapping[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
+    async def exec(
+        self,
+        cmd: Sequence[str] | str,
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
         self._check_open()
         argv = self._argv(cmd)
         stdin_file = self._stdin_file(stdin) if stdin is not None else None
@@ -218,8 +234,9 @@ class DockerSandbox(TreeSandbox):
         out = OutputCollector(self.limits.output_bytes, self.limits.output_cap_bytes)
         started = time.monotonic()
         try:
-            exe = await self._container.exec(argv, user=self.user, workdir=self.workdir,
-                                             environment=dict(env or {}), stdout=True, stderr=True)
+            exe = await self._container.exec(
+                argv, user=self.user, workdir=self.workdir, environment=dict(env or {}), stdout=True, stderr=True
+            )
         except Exception as error:
             raise SandboxExecError(f"cannot start {argv[:3]!r} in sandbox {self.name}: {error}") from error
         finished = False

@@ -34,8 +34,9 @@ class LocalSandbox(TreeSandbox):
 
     backend = "local"
 
-    def __init__(self, template: Path | None = None, *, name: str | None = None,
-                 limits: SandboxLimits | None = None) -> None:
+    def __init__(
+        self, template: Path | None = None, *, name: str | None = None, limits: SandboxLimits | None = None
+    ) -> None:
         super().__init__(name=name, limits=limits, workdir="")
         self._template = Path(template) if template is not None else None
         self._cgroup: Path | None = None
@@ -74,10 +75,21 @@ class LocalSandbox(TreeSandbox):
         env.update(extra or {})
         return env
 
-    async def exec(self, cmd: Sequence[str] | str, *, timeout: float | None = None,
-                   env: Mapping[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
+    async def exec(
+        self,
+        cmd: Sequence[str] | str,
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
         self._check_open()
         return await _process.run_guarded(
-            self._argv(cmd), cwd=self.tree, env=self._env(env), limits=self.limits,
-            timeout=timeout or self.limits.timeout_s, stdin=stdin, cgroup=self._cgroup,
+            self._argv(cmd),
+            cwd=self.tree,
+            env=self._env(env),
+            limits=self.limits,
+            timeout=timeout or self.limits.timeout_s,
+            stdin=stdin,
+            cgroup=self._cgroup,
         )

@@ -18,8 +18,8 @@ from contextlib import asynccontextmanager
 
 import anyio
 import msgspec
-from thundersync._logging import get_logger
 
+from thundersync._logging import get_logger
 from thundersync.errors import ConfigError, SandboxError
 from thundersync.sandboxes.base import Sandbox
 
@@ -98,7 +98,7 @@ class SandboxPool:
             return
         try:
             clean = await sandbox.reset()
-        except Exception as error:  # noqa: BLE001 - a failed reset only means: do not reuse it
+        except Exception as error:
             log.warning("sandbox reset failed; discarding it", name=sandbox.name, error=repr(error))
             clean = False
         if clean:

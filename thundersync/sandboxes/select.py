@@ -28,13 +28,13 @@ async def docker_problem() -> str | None:
 
     try:
         client = docker_client()
-    except Exception as error:  # noqa: BLE001 - any failure is a reason to fall back
+    except Exception as error:
         return str(error)
     try:
         with anyio.fail_after(10):  # Podman's first answer can take seconds on a busy machine
             await client.version()
         return None
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         return f"the Docker daemon does not answer: {type(error).__name__}: {error}"
     finally:
         await client.close()
@@ -71,8 +71,15 @@ async def choose_backend(backend: BackendName = "auto") -> str:
     )
 
 
-def make_sandbox(backend: str, image: str | None = None, *, limits: SandboxLimits | None = None,
-                 workdir: str | None = None, template: Path | None = None, name: str | None = None) -> Sandbox:
+def make_sandbox(
+    backend: str,
+    image: str | None = None,
+    *,
+    limits: SandboxLimits | None = None,
+    workdir: str | None = None,
+    template: Path | None = None,
+    name: str | None = None,
+) -> Sandbox:
     """A not-yet-started sandbox of a concrete backend (enter it with ``async with``)."""
     if backend in ("docker", "udocker") and not image:
         raise ConfigError(f"the {backend} backend needs an image, e.g. image='busybox:latest'")
@@ -92,9 +99,14 @@ def make_sandbox(backend: str, image: str | None = None, *, limits: SandboxLimit
 
 
 @asynccontextmanager
-async def open_sandbox(image: str | None = None, *, backend: BackendName = "auto",
-                       limits: SandboxLimits | None = None, workdir: str | None = None,
-                       template: Path | None = None) -> AsyncIterator[Sandbox]:
+async def open_sandbox(
+    image: str | None = None,
+    *,
+    backend: BackendName = "auto",
+    limits: SandboxLimits | None = None,
+    workdir: str | None = None,
+    template: Path | None = None,
+) -> AsyncIterator[Sandbox]:
     """``async with open_sandbox("img:tag") as sandbox:`` on the chosen backend; removed on exit."""
     chosen = await choose_backend(backend)
     async with make_sandbox(chosen, image, limits=limits, workdir=workdir, template=template) as sandbox:

@@ -63,13 +63,10 @@ def private_dir(path: Path, *, what: str, env: str) -> Path:
     if not stat.S_ISDIR(info.st_mode):
         raise UnsafePathError(f"{what} {path} is not a directory: remove it {fix}")
     if info.st_uid != uid:
-        raise UnsafePathError(
-            f"{what} {path} is owned by uid {info.st_uid}, not you (uid {uid}): chown it {fix}"
-        )
+        raise UnsafePathError(f"{what} {path} is owned by uid {info.st_uid}, not you (uid {uid}): chown it {fix}")
     if info.st_mode & 0o022:
         raise UnsafePathError(
-            f"{what} {path} is writable by group or others (mode {stat.S_IMODE(info.st_mode):o}): "
-            f"chmod go-w it {fix}"
+            f"{what} {path} is writable by group or others (mode {stat.S_IMODE(info.st_mode):o}): chmod go-w it {fix}"
         )
     return path
 

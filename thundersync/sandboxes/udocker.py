@@ -85,8 +85,11 @@ def udocker_env(private: Path) -> dict[str, str]:
     """The allow-listed environment for uDocker; ``private`` holds its temporary files."""
     env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "UDOCKER_DIR") if k in os.environ}
     env.update(
-        HOME=str(private), TMPDIR=str(private), PROOT_TMP_DIR=str(private),
-        UDOCKER_TARBALL="", UDOCKER_USE_PROOT_EXECUTABLE=proot_wrapper(),
+        HOME=str(private),
+        TMPDIR=str(private),
+        PROOT_TMP_DIR=str(private),
+        UDOCKER_TARBALL="",
+        UDOCKER_USE_PROOT_EXECUTABLE=proot_wrapper(),
     )
     return env
 
@@ -96,8 +99,9 @@ class UDockerSandbox(TreeSandbox):
 
     backend = "udocker"
 
-    def __init__(self, image: str, *, name: str | None = None, limits: SandboxLimits | None = None,
-                 workdir: str = "/work") -> None:
+    def __init__(
+        self, image: str, *, name: str | None = None, limits: SandboxLimits | None = None, workdir: str = "/work"
+    ) -> None:
         super().__init__(name=name, limits=limits, workdir=workdir)
         self.image = image
         self._bin = udocker_bin()
@@ -105,8 +109,9 @@ class UDockerSandbox(TreeSandbox):
         self._created = False
 
     async def _udocker(self, *args: str) -> str:
-        done = await anyio.run_process([self._bin, "--allow-root", "--quiet", *args],
-                                       env=udocker_env(self._private("home")), check=False)
+        done = await anyio.run_process(
+            [self._bin, "--allow-root", "--quiet", *args], env=udocker_env(self._private("home")), check=False
+        )
         if done.returncode != 0:
             detail = (done.stderr or done.stdout).decode(errors="replace").strip()
             raise SandboxUnavailable(f"udocker {' '.join(args)} failed (exit {done.returncode}): {detail}")
@@ -170,15 +175,41 @@ class UDockerSandbox(TreeSandbox):
             await self._udocker("rm", "-f", self.name)
             await self._udocker("create", f"--name={self.name}", self.image)
 
-    async def exec(self, cmd: Sequence[str] | str, *, timeout: float | None = None,
-                   env: Mapping[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
+    async def exec(
+        self,
+        cmd: Sequence[str] | str,
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
         self._check_open()
-        binds = [f"{self.tree}:{self.workdir}", f"{self._private('tmp')}:/tmp",
-                 f"{self._private('shm')}:/dev/shm", "/proc", *_DEVICES]
-        argv = [self._bin, "--allow-root", "--quiet", "run", "--nobanner", "--nosysdirs",
-                *(f"--volume={b}" for b in binds), f"--workdir={self.workdir}",
-                *(f"--env={k}={v}" for k, v in (env or {}).items()), self.name, *self._argv(cmd)]
+        binds = [
+            f"{self.tree}:{self.workdir}",
+            f"{self._private('tmp')}:/tmp",
+            f"{self._private('shm')}:/dev/shm",
+            "/proc",
+            *_DEVICES,
+        ]
+        argv = [
+            self._bin,
+            "--allow-root",
+            "--quiet",
+            "run",
+            "--nobanner",
+            "--nosysdirs",
+            *(f"--volume={b}" for b in binds),
+            f"--workdir={self.workdir}",
+            *(f"--env={k}={v}" for k, v in (env or {}).items()),
+            self.name,
+            *self._argv(cmd),
+        ]
         return await _process.run_guarded(
-            argv, cwd=self.scratch, env=udocker_env(self._private("home")), limits=self.limits,
-            timeout=timeout or self.limits.timeout_s, stdin=stdin, cgroup=self._cgroup,
+            argv,
+            cwd=self.scratch,
+            env=udocker_env(self._private("home")),
+            limits=self.limits,
+            timeout=timeout or self.limits.timeout_s,
+            stdin=stdin,
+            cgroup=self._cgroup,
         )

@@ -33,8 +33,10 @@ class Contexts:
 
     def prompt(self, group_id: Id) -> list[int]:
         if group_id not in self._prompts:
-            raise PipelineError(f"stage {self._stage!r} got an event of group {group_id!r} before its "
-                                "GroupOpened; make it read from the stage that opens groups")
+            raise PipelineError(
+                f"stage {self._stage!r} got an event of group {group_id!r} before its "
+                "GroupOpened; make it read from the stage that opens groups"
+            )
         return self._prompts[group_id][0]
 
     def completion(self, group_id: Id, trajectory_id: Id) -> list[int]:
@@ -91,8 +93,9 @@ class ContextStage(Stage):
                 if isinstance(event, ActionGenerated) and event.final:
                     contexts.finish(event.group_id, event.trajectory_id)
 
-    async def on_action(self, action: ActionGenerated, prompt: list[int], before: list[int], slots: Slots,
-                        outbox: Outbox) -> None:
+    async def on_action(
+        self, action: ActionGenerated, prompt: list[int], before: list[int], slots: Slots, outbox: Outbox
+    ) -> None:
         """Start the work for ``action`` (``before``: the trajectory's tokens after the prompt,
         up to the action) with ``await slots.start(action, fn, *args)``."""
         raise NotImplementedError

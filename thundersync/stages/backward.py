@@ -76,16 +76,23 @@ class _Group:
 
     def trajectory(self, group_id: Id, trajectory_id: Id) -> _Trajectory:
         if trajectory_id not in self.trajectory_ids:
-            raise PipelineError(f"trajectory {trajectory_id!r} is not one of group {group_id!r}'s "
-                                f"{sorted(map(repr, self.trajectory_ids))} (its GroupOpened lists them)")
+            raise PipelineError(
+                f"trajectory {trajectory_id!r} is not one of group {group_id!r}'s "
+                f"{sorted(map(repr, self.trajectory_ids))} (its GroupOpened lists them)"
+            )
         return self.trajectories.setdefault(trajectory_id, _Trajectory())
 
 
 class BackwardStage(Stage):
     """Turn trajectory events into a streaming objective's calls; see the module docstring."""
 
-    consumes: ClassVar[tuple[type[EventBase], ...]] = (GroupOpened, ActionGenerated, ToolObserved, Rewarded,
-                                                       TeacherScored)
+    consumes: ClassVar[tuple[type[EventBase], ...]] = (
+        GroupOpened,
+        ActionGenerated,
+        ToolObserved,
+        Rewarded,
+        TeacherScored,
+    )
     produces: ClassVar[tuple[type[EventBase], ...]] = (BackwardDone,)
 
     def __init__(self, config: Stage.Config | None = None, /, *, objective: Any) -> None:
@@ -94,8 +101,10 @@ class BackwardStage(Stage):
         from thundersync.opd.stream import OPDStream
 
         if not isinstance(objective, RewardLinearBackward | OPDStream):
-            raise ConfigError(f"the backward stage's objective is a {type(objective).__name__}; give it a "
-                              "thundersync.RewardLinearBackward (GRPO) or a thundersync.OPDStream (OPD)")
+            raise ConfigError(
+                f"the backward stage's objective is a {type(objective).__name__}; give it a "
+                "thundersync.RewardLinearBackward (GRPO) or a thundersync.OPDStream (OPD)"
+            )
         self.objective = objective
         self.grpo = isinstance(objective, RewardLinearBackward)
         self._groups: dict[Id, _Group] = {}
@@ -114,9 +123,11 @@ class BackwardStage(Stage):
                 await outbox.send(done)
         if self._groups:
             open_groups = ", ".join(repr(g) for g in self._groups)
-            raise PipelineError(f"the input ended while groups {open_groups} are still open in the objective; "
-                                "their trajectories never got their final action or their "
-                                f"{'reward' if self.grpo else 'teacher scores'}")
+            raise PipelineError(
+                f"the input ended while groups {open_groups} are still open in the objective; "
+                "their trajectories never got their final action or their "
+                f"{'reward' if self.grpo else 'teacher scores'}"
+            )
 
     async def handle(self, event: EventBase) -> list[BackwardDone]:
         """Hand what ``event`` makes ready to the objective; the BackwardDone events it causes."""
@@ -126,8 +137,10 @@ class BackwardStage(Stage):
         if isinstance(event, TeacherScored | Rewarded | ActionGenerated | ToolObserved):
             group = self._groups.get(event.group_id)
             if group is None:
-                raise PipelineError(f"the backward stage got a {type(event).__name__} of group {event.group_id!r} "
-                                    "before its GroupOpened; make it read from the stage that opens groups")
+                raise PipelineError(
+                    f"the backward stage got a {type(event).__name__} of group {event.group_id!r} "
+                    "before its GroupOpened; make it read from the stage that opens groups"
+                )
             trajectory = group.trajectory(event.group_id, event.trajectory_id)
             where = f"trajectory {event.trajectory_id!r} of group {event.group_id!r}"
             if isinstance(event, TeacherScored):
@@ -145,14 +158,18 @@ class BackwardStage(Stage):
 
     async def _open(self, event: GroupOpened) -> None:
         if not event.trajectory_ids:
-            raise PipelineError(f"GroupOpened of group {event.group_id!r} lists no trajectory ids; the backward "
-                                "stage needs them to know when the group is complete")
+            raise PipelineError(
+                f"GroupOpened of group {event.group_id!r} lists no trajectory ids; the backward "
+                "stage needs them to know when the group is complete"
+            )
         if event.group_id in self._groups:
             raise PipelineError(f"group {event.group_id!r} was opened twice")
         self._groups[event.group_id] = _Group(frozenset(event.trajectory_ids))
         await self._call(self.objective.open_group, event.group_id, list(event.prompt_tokens))
 
-    async def _advance(self, group_id: Id, group: _Group, trajectory_id: Id, trajectory: _Trajectory) -> list[BackwardDone]:
+    async def _advance(
+        self, group_id: Id, group: _Group, trajectory_id: Id, trajectory: _Trajectory
+    ) -> list[BackwardDone]:
         """Append every turn that is ready, close what can close; return the BackwardDone events."""
         if trajectory.closed:
             raise PipelineError(f"trajectory {trajectory_id!r} of group {group_id!r} got an event after it closed")
@@ -160,15 +177,21 @@ class BackwardStage(Stage):
         while trajectory.waiting and not trajectory.final:
             turn = trajectory.waiting[0]
             if isinstance(turn, ToolObserved):
-                await self._call(self.objective.append_turn, group_id, trajectory_id, list(turn.token_ids),
-                                 [False] * len(turn.token_ids))
+                await self._call(
+                    self.objective.append_turn,
+                    group_id,
+                    trajectory_id,
+                    list(turn.token_ids),
+                    [False] * len(turn.token_ids),
+                )
             elif not await self._append_action(group_id, trajectory_id, trajectory, turn):
                 break  # OPD: its teacher scores have not arrived
             trajectory.waiting.popleft()
         if trajectory.waiting and trajectory.final:
             extra = trajectory.waiting[0]
-            raise PipelineError(f"turn {extra.turn} of trajectory {trajectory_id!r} (group {group_id!r}) came after "
-                                "its final action")
+            raise PipelineError(
+                f"turn {extra.turn} of trajectory {trajectory_id!r} (group {group_id!r}) came after its final action"
+            )
         if not self.grpo:  # each OPD action's backward was queued at its append
             done += self._turns_done(group_id, trajectory_id, trajectory)
         if trajectory.final and (not self.grpo or trajectory.reward is not None):
@@ -185,8 +208,9 @@ class BackwardStage(Stage):
                 done.append(BackwardDone(group_id=group_id))
         return done
 
-    async def _append_action(self, group_id: Id, trajectory_id: Id, trajectory: _Trajectory,
-                             action: ActionGenerated) -> bool:
+    async def _append_action(
+        self, group_id: Id, trajectory_id: Id, trajectory: _Trajectory, action: ActionGenerated
+    ) -> bool:
         tokens = list(action.token_ids)
         scored = list(action.scored) if action.scored else [True] * len(tokens)
         if self.grpo:
@@ -196,8 +220,15 @@ class BackwardStage(Stage):
             if teacher is None:
                 return False
             behaviour = [b for b, keep in zip(action.behaviour_logprobs, scored) if keep] or None
-            await self._call(self.objective.append_turn, group_id, trajectory_id, tokens, scored,
-                             teacher_logprobs=teacher, behaviour_logprobs=behaviour)
+            await self._call(
+                self.objective.append_turn,
+                group_id,
+                trajectory_id,
+                tokens,
+                scored,
+                teacher_logprobs=teacher,
+                behaviour_logprobs=behaviour,
+            )
         trajectory.action_turns.append(action.turn)
         trajectory.final = action.final
         return True

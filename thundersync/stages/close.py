@@ -43,7 +43,13 @@ class CloseStage(Stage):
     """Feed every event into a :class:`Tracker` and send the closures it reports."""
 
     consumes: ClassVar[tuple[type[EventBase], ...]] = (
-        GroupOpened, ActionGenerated, Rewarded, TeacherScored, BackwardDone, StageFailedEvent)
+        GroupOpened,
+        ActionGenerated,
+        Rewarded,
+        TeacherScored,
+        BackwardDone,
+        StageFailedEvent,
+    )
     produces: ClassVar[tuple[type[EventBase], ...]] = (TrajectoryClosed, GroupClosed, BatchReady)
 
     class Config(Stage.Config, frozen=True):
@@ -55,14 +61,15 @@ class CloseStage(Stage):
         super().__init__(config)
         needs = frozenset(Need(name) for name in self.config.wait_for)
         if tracker is not None and tracker.needs != needs:
-            raise ConfigError(f"the close stage waits for {sorted(n.value for n in needs)} but its tracker "
-                              f"needs {sorted(n.value for n in tracker.needs)}; make them match")
+            raise ConfigError(
+                f"the close stage waits for {sorted(n.value for n in needs)} but its tracker "
+                f"needs {sorted(n.value for n in tracker.needs)}; make them match"
+            )
         self.tracker = Tracker(needs) if tracker is None else tracker
 
     def required_inputs(self) -> tuple[type[EventBase], ...]:
         """The event types some stage it reads from must produce, or the tracker would wait forever."""
-        by_need: dict[str, type[EventBase]] = {"reward": Rewarded, "teacher": TeacherScored,
-                                              "backward": BackwardDone}
+        by_need: dict[str, type[EventBase]] = {"reward": Rewarded, "teacher": TeacherScored, "backward": BackwardDone}
         return (GroupOpened, ActionGenerated, *(by_need[need] for need in self.config.wait_for))
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
@@ -80,12 +87,19 @@ class CloseStage(Stage):
         """The closures that ``event`` causes (events the tracker does not wait for cause none)."""
         t, needs = self.tracker, self.tracker.needs
         if isinstance(event, GroupOpened):
-            return t.open_group(event.group_id, event.trajectory_ids, batch_id=event.batch_id,
-                                groups_in_batch=event.groups_in_batch)
+            return t.open_group(
+                event.group_id, event.trajectory_ids, batch_id=event.batch_id, groups_in_batch=event.groups_in_batch
+            )
         if isinstance(event, ActionGenerated):
             scored = sum(event.scored) if event.scored else len(event.token_ids)
-            return t.add_turn(event.group_id, event.trajectory_id, event.turn, final=event.final,
-                              num_tokens=len(event.token_ids), num_scored=scored)
+            return t.add_turn(
+                event.group_id,
+                event.trajectory_id,
+                event.turn,
+                final=event.final,
+                num_tokens=len(event.token_ids),
+                num_scored=scored,
+            )
         if isinstance(event, Rewarded) and Need.REWARD in needs:
             return t.complete(Need.REWARD, event.group_id, event.trajectory_id)
         if isinstance(event, TeacherScored) and Need.TEACHER in needs:

@@ -61,8 +61,15 @@ class GenerateStage(Stage):
 
     config: Config
 
-    def __init__(self, config: Config | None = None, /, *, generator: Generator,
-                 tools: ToolRunner | None = None, policy: PolicyClock | None = None) -> None:
+    def __init__(
+        self,
+        config: Config | None = None,
+        /,
+        *,
+        generator: Generator,
+        tools: ToolRunner | None = None,
+        policy: PolicyClock | None = None,
+    ) -> None:
         super().__init__(config)
         self.generator = generator
         self.tools = tools
@@ -84,18 +91,27 @@ class GenerateStage(Stage):
             return
         if self.policy is not None:
             if prompt.groups_in_batch == 0:
-                raise ConfigError(f"generate waits for the policy of each batch, so prompts must say how "
-                                  f"many groups their batch has; group {prompt.group_id!r} has "
-                                  "groups_in_batch=0 (set groups_per_batch on the source)")
+                raise ConfigError(
+                    f"generate waits for the policy of each batch, so prompts must say how "
+                    f"many groups their batch has; group {prompt.group_id!r} has "
+                    "groups_in_batch=0 (set groups_per_batch on the source)"
+                )
             await self.policy.wait_for(self._base_version + len(self._batches))
         self._batches.add(prompt.batch_id)
 
     async def _open(self, prompt: PromptSubmitted, outbox: Outbox, trajectories: Slots) -> None:
         """Announce the group, then start its trajectories as slots free up (backpressure)."""
         ids = list(range(prompt.num_trajectories))
-        await outbox.send(GroupOpened(group_id=prompt.group_id, prompt_tokens=prompt.prompt_tokens,
-                                      trajectory_ids=list(ids), batch_id=prompt.batch_id,
-                                      policy_version=self._version(), groups_in_batch=prompt.groups_in_batch))
+        await outbox.send(
+            GroupOpened(
+                group_id=prompt.group_id,
+                prompt_tokens=prompt.prompt_tokens,
+                trajectory_ids=list(ids),
+                batch_id=prompt.batch_id,
+                policy_version=self._version(),
+                groups_in_batch=prompt.groups_in_batch,
+            )
+        )
         for trajectory_id in ids:
             await trajectories.start(prompt, self._trajectory, prompt, trajectory_id, outbox)
 
@@ -104,11 +120,16 @@ class GenerateStage(Stage):
         for turn in range(self.config.turns):
             request = self._request(prompt.group_id, trajectory_id, turn, context)
             result = await self.generator.generate(request)
-            final = (turn == self.config.turns - 1 or self.tools is None
-                     or not self.tools.calls_tool(result.token_ids))
-            action = ActionGenerated(group_id=prompt.group_id, trajectory_id=trajectory_id, turn=turn,
-                                     token_ids=result.token_ids, behaviour_logprobs=result.logprobs,
-                                     final=final, policy_version=self._version())
+            final = turn == self.config.turns - 1 or self.tools is None or not self.tools.calls_tool(result.token_ids)
+            action = ActionGenerated(
+                group_id=prompt.group_id,
+                trajectory_id=trajectory_id,
+                turn=turn,
+                token_ids=result.token_ids,
+                behaviour_logprobs=result.logprobs,
+                final=final,
+                policy_version=self._version(),
+            )
             await outbox.send(action)
             if final:
                 return
@@ -119,8 +140,12 @@ class GenerateStage(Stage):
 
     def _request(self, group_id: Id, trajectory_id: int, turn: int, context: list[int]) -> GenerationRequest:
         key = f"{self.config.seed}/{group_id!r}/{trajectory_id}/{turn}".encode()
-        params = SamplingParams(temperature=self.config.temperature, max_new_tokens=self.config.max_new_tokens,
-                                stop_token_ids=tuple(self.config.stop_token_ids), seed=zlib.crc32(key))
+        params = SamplingParams(
+            temperature=self.config.temperature,
+            max_new_tokens=self.config.max_new_tokens,
+            stop_token_ids=tuple(self.config.stop_token_ids),
+            seed=zlib.crc32(key),
+        )
         return GenerationRequest(prompt_ids=context, params=params, session_id=f"{group_id!r}/{trajectory_id}")
 
     def _version(self) -> int:

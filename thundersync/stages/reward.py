@@ -38,13 +38,15 @@ class RewardStage(ContextStage):
         super().__init__(config)
         self.scorer = scorer
 
-    async def on_action(self, action: ActionGenerated, prompt: list[int], before: list[int], slots: Slots,
-                        outbox: Outbox) -> None:
+    async def on_action(
+        self, action: ActionGenerated, prompt: list[int], before: list[int], slots: Slots, outbox: Outbox
+    ) -> None:
         if action.final:
             completion = before + list(action.token_ids)
             await slots.start(action, self._score, action.group_id, action.trajectory_id, prompt, completion, outbox)
 
-    async def _score(self, group_id: Id, trajectory_id: Id, prompt: list[int], completion: list[int],
-                     outbox: Outbox) -> None:
+    async def _score(
+        self, group_id: Id, trajectory_id: Id, prompt: list[int], completion: list[int], outbox: Outbox
+    ) -> None:
         reward = await self.scorer.score(prompt, completion)
         await outbox.send(Rewarded(group_id=group_id, trajectory_id=trajectory_id, reward=float(reward)))

@@ -39,8 +39,7 @@ class SourceStage(Stage):
 
         def __post_init__(self) -> None:
             if not self.prompts or any(not prompt for prompt in self.prompts):
-                raise ConfigError("prompts must be a non-empty list of non-empty token id lists, "
-                                  f"got {self.prompts!r}")
+                raise ConfigError(f"prompts must be a non-empty list of non-empty token id lists, got {self.prompts!r}")
 
     config: Config
 
@@ -52,9 +51,15 @@ class SourceStage(Stage):
         for index, prompt in enumerate(prompts):
             batch = index // per_batch
             size = min(per_batch, len(prompts) - batch * per_batch)
-            out.append(PromptSubmitted(group_id=index, prompt_tokens=list(prompt),
-                                       num_trajectories=self.config.samples, batch_id=batch,
-                                       groups_in_batch=size))
+            out.append(
+                PromptSubmitted(
+                    group_id=index,
+                    prompt_tokens=list(prompt),
+                    num_trajectories=self.config.samples,
+                    batch_id=batch,
+                    groups_in_batch=size,
+                )
+            )
         return out
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:

@@ -79,8 +79,14 @@ class StepStage(Stage):
     consumes: ClassVar[tuple[type[EventBase], ...]] = (BatchReady,)
     produces: ClassVar[tuple[type[EventBase], ...]] = (StepDone, PolicyPublished)
 
-    def __init__(self, config: Stage.Config | None = None, /, *, trainer: Trainer | None = None,
-                 policy: PolicyClock | None = None) -> None:
+    def __init__(
+        self,
+        config: Stage.Config | None = None,
+        /,
+        *,
+        trainer: Trainer | None = None,
+        policy: PolicyClock | None = None,
+    ) -> None:
         super().__init__(config)
         self.trainer = trainer
         self.policy = policy
@@ -93,8 +99,11 @@ class StepStage(Stage):
             assert isinstance(ready, BatchReady)
             result = StepResult() if self.trainer is None else await self.trainer.step(ready)
             self.version += 1
-            await outbox.send(StepDone(batch_id=ready.batch_id, policy_version=self.version,
-                                       grad_norm=result.grad_norm, loss=result.loss))
+            await outbox.send(
+                StepDone(
+                    batch_id=ready.batch_id, policy_version=self.version, grad_norm=result.grad_norm, loss=result.loss
+                )
+            )
             if self.policy is not None:
                 self.policy.publish(self.version)
             await outbox.send(PolicyPublished(policy_version=self.version))

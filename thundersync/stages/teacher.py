@@ -40,17 +40,23 @@ class TeacherStage(ContextStage):
         super().__init__(config)
         self.teacher = teacher
 
-    async def on_action(self, action: ActionGenerated, prompt: list[int], before: list[int], slots: Slots,
-                        outbox: Outbox) -> None:
+    async def on_action(
+        self, action: ActionGenerated, prompt: list[int], before: list[int], slots: Slots, outbox: Outbox
+    ) -> None:
         await slots.start(action, self._score, action, prompt + before, outbox)
 
     async def _score(self, action: ActionGenerated, context: list[int], outbox: Outbox) -> None:
         logprobs = await self.teacher.logprobs(context, list(action.token_ids))
         if len(logprobs) != len(action.token_ids):
-            raise PipelineError(f"the teacher returned {len(logprobs)} log-probs for turn {action.turn} of "
-                                f"trajectory {action.trajectory_id!r} (group {action.group_id!r}), which has "
-                                f"{len(action.token_ids)} tokens")
+            raise PipelineError(
+                f"the teacher returned {len(logprobs)} log-probs for turn {action.turn} of "
+                f"trajectory {action.trajectory_id!r} (group {action.group_id!r}), which has "
+                f"{len(action.token_ids)} tokens"
+            )
         scored = action.scored or [True] * len(logprobs)
         kept = [lp for lp, keep in zip(logprobs, scored) if keep]
-        await outbox.send(TeacherScored(group_id=action.group_id, trajectory_id=action.trajectory_id,
-                                        turn=action.turn, teacher_logprobs=kept))
+        await outbox.send(
+            TeacherScored(
+                group_id=action.group_id, trajectory_id=action.trajectory_id, turn=action.turn, teacher_logprobs=kept
+            )
+        )
