@@ -8,9 +8,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from thundersync.errors import DefinitionError, GraphError
-from thundersync.pipeline._definition_schema import factory_params, stage_union
-from thundersync.pipeline.definition import (
+from thundersync.app._schema import factory_params, stage_union
+from thundersync.app.definition import (
     ObjectSpec,
     PipelineSpec,
     RunSettings,
@@ -19,7 +18,8 @@ from thundersync.pipeline.definition import (
     load,
     loads,
 )
-from thundersync.pipeline.factories import FACTORIES
+from thundersync.app.factories import ALL_FACTORIES, FACTORIES, TEST_FACTORIES, TEST_PREFIX
+from thundersync.errors import DefinitionError, GraphError
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.stages import REGISTRY
 from thundersync.stages.close import CloseStage
@@ -38,10 +38,10 @@ def _example_in_python() -> PipelineSpec:
     return PipelineSpec(
         run=RunSettings(progress="auto", capacity=64),
         objects={
-            "generator": ObjectSpec("scripted-generator", {"vocab_size": 512}),
-            "tools": ObjectSpec("scripted-tool", {"end_token": 7}),
-            "scorer": ObjectSpec("fake-scorer"),
-            "teacher": ObjectSpec("fake-teacher"),
+            "generator": ObjectSpec("test-scripted-generator", {"vocab_size": 512}),
+            "tools": ObjectSpec("test-scripted-tool", {"end_token": 7}),
+            "scorer": ObjectSpec("test-fake-scorer"),
+            "teacher": ObjectSpec("test-fake-teacher"),
             "policy": ObjectSpec("policy-clock"),
         },
         stages={
@@ -91,7 +91,7 @@ def test_objects_passed_in_python_replace_the_files_factories() -> None:
 
 def test_a_stage_can_bind_an_object_under_another_name() -> None:
     spec = loads(
-        SOURCE + '[objects.gen2]\nfactory = "scripted-generator"\n'
+        SOURCE + '[objects.gen2]\nfactory = "test-scripted-generator"\n'
         '[stages.generate]\ntype = "generate"\nreads = ["source"]\nobjects = {generator = "gen2"}\n'
     )
     assert spec.stages["generate"].objects == {"generator": "gen2"}
@@ -101,7 +101,7 @@ def test_a_stage_can_bind_an_object_under_another_name() -> None:
 def test_stage_capacity_overrides_the_run_default() -> None:
     spec = loads(
         "[run]\ncapacity = 8\n" + SOURCE + '[stages.generate]\ntype = "generate"\nreads = ["source"]\n'
-        'capacity = 3\n[objects.generator]\nfactory = "scripted-generator"\n'
+        'capacity = 3\n[objects.generator]\nfactory = "test-scripted-generator"\n'
     )
     graph = build_graph(spec)
     assert graph["generate"].capacity == 3 and graph["source"].capacity == 8
@@ -139,31 +139,31 @@ def test_stage_capacity_overrides_the_run_default() -> None:
         ("x = 1\n[stages]\n", r"^x: unknown field; valid fields: run, objects, stages$"),
         ("run = {}\n", r"^stages: missing required field$"),
         (
-            '[objects.g]\nfactory = "scripted-generatr"\n[stages]\n',
-            r"^objects\.g\.factory: unknown factory 'scripted-generatr'; known: scripted-generator, ",
+            '[objects.g]\nfactory = "test-scripted-generatr"\n[stages]\n',
+            r"^objects\.g\.factory: unknown factory 'test-scripted-generatr'; known: policy-clock, test-scripted-generator, ",
         ),
         (
-            '[objects.g]\nfactory = "scripted-generator"\nvocab = 3\n[stages]\n',
+            '[objects.g]\nfactory = "test-scripted-generator"\nvocab = 3\n[stages]\n',
             r"^objects\.g\.vocab: unknown field; valid fields: factory, vocab_size, min_new_tokens, delay_s$",
         ),
         (
-            '[objects.g]\nfactory = "scripted-generator"\nvocab_size = "x"\n[stages]\n',
+            '[objects.g]\nfactory = "test-scripted-generator"\nvocab_size = "x"\n[stages]\n',
             r"^objects\.g\.vocab_size: Expected `int`, got `str`$",
         ),
         ("[stages]\nx =\n", r"^not valid TOML: "),
         (
-            '[objects.g]\nfactory = "scripted-generator"\nvocab_size = 0\n[stages]\n',
+            '[objects.g]\nfactory = "test-scripted-generator"\nvocab_size = 0\n[stages]\n',
             r"^objects\.g\.vocab_size: Expected `int` >= 1$",
         ),
         (
-            '[objects.t]\nfactory = "scripted-tool"\ndelay_s = -1\n[stages]\n',
+            '[objects.t]\nfactory = "test-scripted-tool"\ndelay_s = -1\n[stages]\n',
             r"^objects\.t\.delay_s: Expected `float` >= 0",
         ),
         ('[stages.a]\ntype = ["x"]\n', r"^stages\.a\.type: unknown stage type \['x'\]; known: source, "),
         ("[stages.a]\ntype = {x = 1}\n", r"^stages\.a\.type: unknown stage type \{'x': 1\}; known: source, "),
         (
             '[objects.x]\nfactory = ["a"]\n[stages]\n',
-            r"^objects\.x\.factory: unknown factory \['a'\]; known: scripted-generator, ",
+            r"^objects\.x\.factory: unknown factory \['a'\]; known: policy-clock, test-scripted-generator, ",
         ),
         ("stages = {a = 5}\n", r"^stages\.a: expected a table, got int 5$"),
         ('objects = {g = "x"}\n[stages]\n', r"^objects\.g: expected a table, got str 'x'$"),
@@ -197,10 +197,10 @@ def test_a_file_that_is_not_utf8_fails_naming_the_file(tmp_path: Path) -> None:
             '[stages.r]\ntype = "reward"\nreads = ["source"]\n',
             DefinitionError,
             r"^stages\.r: a 'reward' stage needs a runtime object 'scorer'; add an \[objects\.scorer\] table "
-            r"\(factories: scripted-generator, .*\) or pass scorer=\.\.\. to build_graph$",
+            r"\(factories: policy-clock, test-scripted-generator, .*\) or pass scorer=\.\.\. to build_graph$",
         ),
         (
-            '[objects.scorer]\nfactory = "fake-teacher"\n[stages.r]\ntype = "reward"\nreads = ["source"]\n',
+            '[objects.scorer]\nfactory = "test-fake-teacher"\n[stages.r]\ntype = "reward"\nreads = ["source"]\n',
             DefinitionError,
             r"^stages\.r: runtime object 'scorer' is a FakeTeacher, but a 'reward' stage needs a "
             r"Scorer for 'scorer'$",
@@ -216,12 +216,12 @@ def test_a_file_that_is_not_utf8_fails_naming_the_file(tmp_path: Path) -> None:
             r"^stages\.r\.objects\.scorr: a 'reward' stage takes no runtime object 'scorr'; it takes: scorer$",
         ),
         (
-            '[objects.scorer]\nfactory = "fake-scorer"\n[stages.r]\ntype = "reward"\nreads = ["gen2"]\n',
+            '[objects.scorer]\nfactory = "test-fake-scorer"\n[stages.r]\ntype = "reward"\nreads = ["gen2"]\n',
             GraphError,
             r"stage 'r' reads from 'gen2', which no stage produces; stages: source, r",
         ),
         (
-            '[objects.generator]\nfactory = "scripted-generator"\n[stages.g]\ntype = "generate"\nreads = ["source"]\n'
+            '[objects.generator]\nfactory = "test-scripted-generator"\n[stages.g]\ntype = "generate"\nreads = ["source"]\n'
             '[stages.c]\ntype = "close"\nreads = ["g"]\nwait_for = ["reward"]\n',
             GraphError,
             r"^stage 'c' waits for Rewarded events, but none of the stages it reads from \(g\) produces them",
@@ -234,7 +234,7 @@ def test_unbuildable_specs_fail_naming_the_stage(tables: str, error: type[Except
 
 
 POLICY = (
-    '[objects.generator]\nfactory = "scripted-generator"\n[objects.scorer]\nfactory = "fake-scorer"\n'
+    '[objects.generator]\nfactory = "test-scripted-generator"\n[objects.scorer]\nfactory = "test-fake-scorer"\n'
     '[objects.clock]\nfactory = "policy-clock"\n[stages.source]\ntype = "source"\nprompts = [[1], [2]]\n'
     'groups_per_batch = 1\n[stages.gen]\ntype = "generate"\nreads = ["source"]\nobjects = {policy = "clock"}\n'
     '[stages.reward]\ntype = "reward"\nreads = ["gen"]\n[stages.close]\ntype = "close"\nreads = ["gen", "reward"]\n'
@@ -255,7 +255,7 @@ def test_a_python_spec_with_an_unknown_type_fails_like_a_file() -> None:
     spec = PipelineSpec(stages={"x": StageSpec("rewrd")})
     with pytest.raises(DefinitionError, match=r"^stages\.x\.type: unknown stage type 'rewrd'; known: source, "):
         build_graph(spec)
-    bad_object = PipelineSpec(stages={}, objects={"g": ObjectSpec("scripted-generator", {"vocab_size": "x"})})
+    bad_object = PipelineSpec(stages={}, objects={"g": ObjectSpec("test-scripted-generator", {"vocab_size": "x"})})
     with pytest.raises(DefinitionError, match=r"^objects\.g\.vocab_size: Expected `int`, got `str`$"):
         build_graph(bad_object)
 
@@ -270,7 +270,14 @@ def test_every_stage_type_lives_in_the_module_of_its_name_and_documents_its_flow
 
 def test_every_factory_argument_and_stage_type_has_a_schema() -> None:
     assert len(stage_union().__args__) == len(REGISTRY)
-    for factory in FACTORIES:
+    for factory in ALL_FACTORIES:
         for hint, _default in factory_params(factory).values():
             msgspec.json.Decoder(hint)  # decodable from a file
-    assert "fn" not in factory_params("fake-scorer")  # callables cannot come from a file
+    assert "fn" not in factory_params("test-fake-scorer")  # callables cannot come from a file
+
+
+def test_the_factory_registry_lists_real_objects_and_the_fakes_only_under_the_test_prefix() -> None:
+    assert FACTORIES and all(not factory.__module__.startswith("thundersync.testing") for factory in FACTORIES.values())
+    assert TEST_FACTORIES and all(name.startswith(TEST_PREFIX) for name in TEST_FACTORIES)
+    assert all(factory.__module__ == "thundersync.testing" for factory in TEST_FACTORIES.values())
+    assert not any(name.startswith(TEST_PREFIX) for name in FACTORIES)

@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 import structlog
 
-from thundersync.pipeline.cli import main
+from thundersync.app.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pipeline_fake.toml"
 SMALL = """\
 # thundersync run small.toml
 [objects.generator]
-factory = "scripted-generator"
+factory = "test-scripted-generator"
 {generator}
 [objects.scorer]
-factory = "fake-scorer"
+factory = "test-fake-scorer"
 [objects.policy]
 factory = "policy-clock"
 [stages.source]

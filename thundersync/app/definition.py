@@ -6,8 +6,8 @@ A file has three kinds of tables; its first comment is the command that runs it:
     [run]                          # RunSettings: metrics file, progress, default capacity, timeout
     metrics = "metrics.jsonl"
 
-    [objects.scorer]               # a runtime object, built by a factory (pipeline/factories.py)
-    factory = "fake-scorer"
+    [objects.scorer]               # a runtime object, built by a factory (app/factories.py)
+    factory = "test-fake-scorer"
 
     [stages.reward]                # a stage: type (stages/REGISTRY), graph fields, Config fields
     type = "reward"
@@ -34,8 +34,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from thundersync.errors import ConfigError, DefinitionError, GraphError
-from thundersync.pipeline._definition_schema import (
+from thundersync.app._schema import (
     GRAPH_FIELDS,
     convert,
     factory_params,
@@ -43,7 +42,8 @@ from thundersync.pipeline._definition_schema import (
     runtime_params,
     stage_union,
 )
-from thundersync.pipeline.factories import FACTORIES
+from thundersync.app.factories import ALL_FACTORIES
+from thundersync.errors import ConfigError, DefinitionError, GraphError
 from thundersync.pipeline.graph import DEFAULT_CAPACITY, INPUT, Graph
 from thundersync.pipeline.stage import Stage
 from thundersync.stages import REGISTRY
@@ -77,7 +77,7 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
 
 class ObjectSpec(msgspec.Struct, frozen=True):
-    """A runtime object: the name of its factory in FACTORIES and the factory's keyword arguments."""
+    """A runtime object: the name of its factory (``app/factories.py``) and its keyword arguments."""
 
     factory: str
     args: dict[str, Any] = {}
@@ -174,9 +174,9 @@ def _stage(name: str, table: Any) -> StageSpec:
 def _object(name: str, table: Any) -> ObjectSpec:
     prefix = f"objects.{name}"
     table = _table(prefix, table)
-    factory = _tag(table, "factory", prefix, list(FACTORIES))
-    fields = ["factory", *factory_params(factory)] if factory in FACTORIES else None
-    node = convert(table, object_union(), prefix, kind="factory", known=list(FACTORIES), fields=fields)
+    factory = _tag(table, "factory", prefix, list(ALL_FACTORIES))
+    fields = ["factory", *factory_params(factory)] if factory in ALL_FACTORIES else None
+    node = convert(table, object_union(), prefix, kind="factory", known=list(ALL_FACTORIES), fields=fields)
     return ObjectSpec(table["factory"], {k: getattr(node, k) for k in table if k != "factory"})
 
 
@@ -190,18 +190,20 @@ def build_objects(spec: PipelineSpec, /, **given: Any) -> dict[str, Any]:
         if name in given:
             continue
         prefix = f"objects.{name}"
-        if obj.factory not in FACTORIES:
-            raise DefinitionError(f"{prefix}.factory: unknown factory {obj.factory!r}; known: {', '.join(FACTORIES)}")
+        if obj.factory not in ALL_FACTORIES:
+            raise DefinitionError(
+                f"{prefix}.factory: unknown factory {obj.factory!r}; known: {', '.join(ALL_FACTORIES)}"
+            )
         node = convert(
             {"factory": obj.factory, **obj.args},
             object_union(),
             prefix,
             kind="factory",
-            known=list(FACTORIES),
+            known=list(ALL_FACTORIES),
             fields=["factory", *factory_params(obj.factory)],
         )
         try:
-            objects[name] = FACTORIES[obj.factory](**{k: getattr(node, k) for k in obj.args})
+            objects[name] = ALL_FACTORIES[obj.factory](**{k: getattr(node, k) for k in obj.args})
         except (TypeError, ValueError) as error:
             raise DefinitionError(f"{prefix}: {obj.factory} failed: {error}") from error
     return objects
@@ -290,7 +292,7 @@ def _bind(prefix: str, node: StageSpec, param: str, hint: Any, required: bool, o
         if required:
             raise DefinitionError(
                 f"{prefix}: a {node.type!r} stage needs a runtime object {param!r}; add an "
-                f"[objects.{param}] table (factories: {', '.join(FACTORIES)}) or pass "
+                f"[objects.{param}] table (factories: {', '.join(ALL_FACTORIES)}) or pass "
                 f"{param}=... to build_graph"
             )
         return None

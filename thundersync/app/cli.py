@@ -25,11 +25,11 @@ from pathlib import Path
 import anyio
 import structlog
 
+from thundersync.app._cli_run import run_pipeline
+from thundersync.app.definition import PipelineSpec, build_graph, build_objects, load
+from thundersync.app.metrics import JsonlMetrics
 from thundersync.errors import ConfigError, ThunderSyncError
-from thundersync.pipeline._cli_run import run_pipeline
-from thundersync.pipeline.definition import PipelineSpec, build_graph, build_objects, load
 from thundersync.pipeline.graph import Graph
-from thundersync.pipeline.metrics import JsonlMetrics
 
 __all__ = ["main"]
 

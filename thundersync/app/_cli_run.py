@@ -16,10 +16,10 @@ from typing import Any, TextIO
 import anyio
 import structlog
 
+from thundersync.app.metrics import JsonlMetrics
 from thundersync.errors import PipelineError
 from thundersync.pipeline.embed import Pipeline
 from thundersync.pipeline.graph import Graph
-from thundersync.pipeline.metrics import JsonlMetrics
 from thundersync.pipeline.runner import RunStatistics
 
 __all__ = ["progress_line", "run_pipeline"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from thundersync.app.metrics import JsonlMetrics
 from thundersync.events import GroupClosed
 from thundersync.pipeline._stats import RunStatistics, StageStatistics
-from thundersync.pipeline.metrics import JsonlMetrics
 
 
 def test_lines_are_written_and_flushed_as_they_come(tmp_path: Path) -> None:
