@@ -29,7 +29,7 @@ _LAZY: dict[str, str] = {
     "StageSpec": "thundersync.app.definition",
     "ObjectSpec": "thundersync.app.definition",
     "RunSettings": "thundersync.app.definition",
-    "build_graph": "thundersync.app.definition",
+    "build_graph": "thundersync.app.build",
     "open_sandbox": "thundersync.sandboxes",
     "SandboxPool": "thundersync.sandboxes",
     "StreamingRun": "thundersync.engine",

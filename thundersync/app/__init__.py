@@ -5,8 +5,8 @@ The top layer of the package: it imports the stages (``thundersync.stages``) and
 
 ::
 
-    definition   PipelineSpec and friends: a TOML file decoded straight into msgspec Structs,
-                 and build_graph, which turns one into a validated Graph
+    definition   PipelineSpec and friends: a TOML file decoded straight into msgspec Structs
+    build        build_graph: a spec and its runtime objects -> a validated Graph
     factories    the runtime objects a file can build by name (``factory = "policy-clock"``)
     cli          ``thundersync check`` / ``thundersync run`` (also ``python -m thundersync``)
     metrics      JsonlMetrics: lifecycle events and per-stage statistics as JSON lines
@@ -15,15 +15,7 @@ The top layer of the package: it imports the stages (``thundersync.stages``) and
 
 from __future__ import annotations
 
-from thundersync.app.definition import (
-    ObjectSpec,
-    PipelineSpec,
-    RunSettings,
-    StageSpec,
-    build_graph,
-    build_objects,
-    load,
-    loads,
-)
+from thundersync.app.build import build_graph, build_objects
+from thundersync.app.definition import ObjectSpec, PipelineSpec, RunSettings, StageSpec, load, loads
 
 __all__ = ["ObjectSpec", "PipelineSpec", "RunSettings", "StageSpec", "build_graph", "build_objects", "load", "loads"]

@@ -4,7 +4,7 @@ Runtime objects (generators, scorers, sandbox pools, trainers) are never config 
 declares them in ``[objects.NAME]`` tables that name a factory and give its keyword arguments; a
 stage receives the object whose name matches its keyword argument (``generator``, ``scorer``...)
 or the one named in its ``objects = {kwarg = "NAME"}`` table. Applications pass their own objects
-to :func:`~thundersync.app.definition.build_graph` instead
+to :func:`~thundersync.app.build.build_graph` instead
 (``build_graph(spec, generator=my_vllm_generator)``).
 
 :data:`FACTORIES` lists the real objects. :data:`TEST_FACTORIES` lists the fakes of
