@@ -48,7 +48,10 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("file", type=Path, metavar="FILE", help="the pipeline definition (TOML)")
         sub.add_argument("-v", "--verbose", action="store_true", help="tracebacks and info-level logs")
     run.add_argument(
-        "--metrics", type=Path, metavar="PATH", help="write JSON-lines metrics here (overrides run.metrics)"
+        "--metrics",
+        type=Path,
+        metavar="PATH",
+        help="write JSON-lines metrics to this new file, in an existing directory (overrides run.metrics)",
     )
     shown = run.add_mutually_exclusive_group()
     shown.add_argument(

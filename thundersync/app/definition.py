@@ -1,4 +1,4 @@
-"""Pipeline definition files: TOML decoded straight into msgspec Structs, and the graph they build.
+"""Pipeline definition files: TOML decoded straight into msgspec Structs (:class:`PipelineSpec`).
 
 A file has three kinds of tables; its first comment is the command that runs it::
 

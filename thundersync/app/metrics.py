@@ -128,7 +128,7 @@ def _refusal(path: Path, error: OSError) -> ConfigError:
     if kind == "regular file" and error.errno == errno.EEXIST:
         return ConfigError(
             f"the metrics file {path} already exists and is never overwritten silently; choose a new "
-            "path, or replace it with --overwrite (JsonlMetrics(..., overwrite=True))"
+            "path, or replace it with --overwrite (overwrite=True in Python)"
         )
     if kind is not None and kind != "regular file":
         return ConfigError(f"the metrics path {path} is a {kind}, not a regular file; {_HINT}")

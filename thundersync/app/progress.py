@@ -16,7 +16,7 @@ from typing import TextIO
 import anyio
 
 from thundersync.app._terminal import printable
-from thundersync.pipeline.embed import Pipeline
+from thundersync.pipeline import Pipeline
 from thundersync.pipeline.runner import RunStatistics
 
 __all__ = ["progress_line", "show_final", "show_progress"]
