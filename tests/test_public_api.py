@@ -6,6 +6,8 @@ import importlib
 import pkgutil
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +48,10 @@ def test_every_public_module_lists_existing_names_in_all(module_name: str) -> No
     assert hasattr(module, "__all__"), f"{module_name} has no __all__"
     missing = [name for name in module.__all__ if not hasattr(module, name)]
     assert not missing, f"{module_name}.__all__ names missing attributes: {missing}"
+
+
+def test_the_console_script_names_a_function_that_exists() -> None:
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    target = pyproject["project"]["scripts"]["thundersync"]
+    module_name, _, function = target.partition(":")
+    assert callable(getattr(importlib.import_module(module_name), function)), target

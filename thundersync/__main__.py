@@ -1,8 +1,8 @@
-"""``python -m thundersync`` is the ``thundersync`` command (see :mod:`thundersync.pipeline.cli`)."""
+"""``python -m thundersync`` is the ``thundersync`` command (see :mod:`thundersync.app.cli`)."""
 
 from __future__ import annotations
 
-from thundersync.pipeline.cli import main
+from thundersync.app.cli import main
 
 __all__: list[str] = []
 

@@ -1,9 +1,8 @@
-"""The event-pipeline framework: stages, graphs, the runner, the tracker, definition files, CLI.
+"""The event-pipeline runtime: stages, graphs, the runner, the embeddable Pipeline, the tracker.
 
-Definition files (``PipelineSpec``, ``build_graph``...) live in
-:mod:`thundersync.pipeline.definition`, which imports the stage registry; they are not
-re-exported here because the stages themselves import this package (``thundersync.build_graph``
-resolves lazily instead).
+This package sits below the stages (``thundersync.stages`` imports it). Pipeline files, the
+object factories and the ``thundersync`` command are the application, one layer above the
+stages: :mod:`thundersync.app`.
 """
 
 from __future__ import annotations

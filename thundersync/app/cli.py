@@ -6,16 +6,17 @@
     thundersync run examples/pipeline_fake.toml          # run it to completion
     thundersync run FILE --metrics out.jsonl --progress  # metrics as JSON lines, a live stderr line
 
-Exit status: 0 on success, 1 when the run failed, 2 when the file (or the command line) is
-invalid, 130 when interrupted. Errors are one paragraph on stderr; ``--verbose`` adds the
-traceback and info-level logs. This is the only place that configures logging (structlog, to
-stderr); the library itself configures no handlers.
+Exit status: 0 on success, 1 when the run failed, 2 when the file, the command line or the
+metrics path is invalid, 130 when interrupted. Errors are one line on stderr; ``--verbose`` adds
+the traceback and info-level logs. The metrics file is created new in an existing directory;
+``--overwrite`` lets it replace an existing file (:mod:`thundersync.app.metrics`). Names from
+the file reach the terminal escaped (``\x1b``, ``\n``). This is the only place that configures
+logging (structlog, to stderr); the library itself configures no handlers.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
@@ -25,11 +26,13 @@ from pathlib import Path
 import anyio
 import structlog
 
-from thundersync.errors import ConfigError, ThunderSyncError
-from thundersync.pipeline._cli_run import run_pipeline
-from thundersync.pipeline.definition import PipelineSpec, build_graph, build_objects, load
+from thundersync.app._cli_run import run_pipeline
+from thundersync.app._terminal import configure_logging, printable
+from thundersync.app.build import build_graph, build_objects
+from thundersync.app.definition import PipelineSpec, load
+from thundersync.app.metrics import JsonlMetrics
+from thundersync.errors import ConfigError, DefinitionError, GraphError, ThunderSyncError
 from thundersync.pipeline.graph import Graph
-from thundersync.pipeline.metrics import JsonlMetrics
 
 __all__ = ["main"]
 
@@ -45,7 +48,10 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("file", type=Path, metavar="FILE", help="the pipeline definition (TOML)")
         sub.add_argument("-v", "--verbose", action="store_true", help="tracebacks and info-level logs")
     run.add_argument(
-        "--metrics", type=Path, metavar="PATH", help="write JSON-lines metrics here (overrides run.metrics)"
+        "--metrics",
+        type=Path,
+        metavar="PATH",
+        help="write JSON-lines metrics to this new file, in an existing directory (overrides run.metrics)",
     )
     shown = run.add_mutually_exclusive_group()
     shown.add_argument(
@@ -57,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     shown.add_argument(
         "--no-progress", dest="progress", action="store_const", const="off", help="never show the progress line"
+    )
+    run.add_argument(
+        "--overwrite", action="store_true", help="replace the metrics file if it exists (never done silently)"
     )
     run.add_argument(
         "--timeout", type=_seconds, metavar="SECONDS", help="fail the run after this long (overrides run.timeout_s)"
@@ -75,29 +84,11 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _configure_logging(verbose: bool) -> None:
-    level = logging.INFO if verbose else logging.WARNING
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.dev.ConsoleRenderer(colors=False),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,
-    )
-    # The library's own loggers write through the standard logging module (thundersync._logging).
-    logging.basicConfig(
-        level=level, stream=sys.stderr, format="%(asctime)s [%(levelname)s] %(name)s: %(message)s", force=True
-    )
-
-
 def _error(message: str, error: BaseException, verbose: bool, *, hint_verbose: bool = True) -> None:
     if verbose:
         traceback.print_exception(error, file=sys.stderr)
     hint = " (run with --verbose for the traceback)" if hint_verbose and not verbose else ""
-    sys.stderr.write(f"thundersync: {message}: {error}{hint}\n")
+    sys.stderr.write(f"thundersync: {message}: {printable(str(error))}{hint}\n")
 
 
 def _prepare(path: Path) -> tuple[PipelineSpec, dict[str, object], Graph]:
@@ -111,20 +102,18 @@ def _prepare(path: Path) -> tuple[PipelineSpec, dict[str, object], Graph]:
 
 
 @contextmanager
-def _metrics(path: Path | None) -> Iterator[JsonlMetrics]:
-    """The metrics sink, open; a path that cannot be written is a usage error (exit 2)."""
-    sink = JsonlMetrics(path)
-    try:
-        sink.__enter__()
-    except OSError as error:
-        raise ConfigError(
-            f"cannot write the metrics file {path}: {error.strerror or error}; give --metrics "
-            "(or run.metrics) the path of a file in a writable directory"
-        ) from None
-    try:
+def _metrics(path: str | Path | None, *, overwrite: bool, **started: object) -> Iterator[JsonlMetrics]:
+    """The metrics sink, open, with its ``run_started`` line written: a path that cannot take that
+    line (``/proc/version``...) is refused before anything runs (exit 2)."""
+    with JsonlMetrics(path, overwrite=overwrite) as sink:
+        try:
+            sink.write("run_started", **started)
+        except OSError as error:
+            raise ConfigError(
+                f"cannot write the metrics file {path}: {error.strerror or error}; give --metrics "
+                "(or run.metrics) the path of a regular file on a writable file system"
+            ) from None
         yield sink
-    finally:
-        sink.__exit__(None, None, None)
 
 
 def _check(path: Path) -> int:
@@ -133,7 +122,7 @@ def _check(path: Path) -> int:
     for node in graph:
         reads = f"reads {', '.join(node.reads)}" if node.reads else "a source"
         lines.append(f"  {node.name}: type {spec.stages[node.name].type}, {reads}")
-    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.write("".join(printable(line) + "\n" for line in lines))
     return EXIT_OK
 
 
@@ -145,8 +134,8 @@ def _run(path: Path, args: argparse.Namespace) -> int:
     mode = args.progress or settings.progress
     show = mode == "on" or (mode == "auto" and sys.stderr.isatty())
     log = structlog.get_logger("thundersync.cli")
-    with _metrics(metrics_path) as metrics:
-        metrics.write("run_started", file=str(path), stages=[node.name for node in graph])
+    stages = [node.name for node in graph]
+    with _metrics(metrics_path, overwrite=args.overwrite, file=str(path), stages=stages) as metrics:
         log.info("run started", file=str(path), stages=len(graph))
         try:
             stats = anyio.run(
@@ -165,11 +154,12 @@ def _run(path: Path, args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``thundersync`` command; returns the exit status."""
     args = _parser().parse_args(argv)
-    _configure_logging(args.verbose)
+    configure_logging(args.verbose)
     try:
         return _check(args.file) if args.command == "check" else _run(args.file, args)
     except ConfigError as error:
-        _error(f"invalid pipeline ({type(error).__name__})", error, args.verbose, hint_verbose=False)
+        what = "pipeline" if isinstance(error, (DefinitionError, GraphError)) else "settings"
+        _error(f"invalid {what} ({type(error).__name__})", error, args.verbose, hint_verbose=False)
         return EXIT_INVALID
     except ThunderSyncError as error:
         _error(f"{args.command} failed ({type(error).__name__})", error, args.verbose)

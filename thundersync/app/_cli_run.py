@@ -1,8 +1,8 @@
 """What ``thundersync run`` does once the file is valid: run the graph with progress and metrics.
 
-The graph runs as an embedded :class:`~thundersync.pipeline.embed.Pipeline` so that its output
+The graph runs as an embedded :class:`~thundersync.pipeline.Pipeline` so that its output
 events (the lifecycle events: TrajectoryClosed, GroupClosed, BatchReady, StepDone...) reach the
-metrics file as they happen; a progress task redraws one stderr line from the live statistics.
+metrics file as they happen; a progress task redraws one stderr line (:mod:`thundersync.app.progress`).
 Runtime objects that are async context managers (engines, sandbox pools) are entered for the
 run and left after it.
 """
@@ -14,31 +14,15 @@ from contextlib import AsyncExitStack
 from typing import Any, TextIO
 
 import anyio
-import structlog
 
+from thundersync.app.metrics import JsonlMetrics
+from thundersync.app.progress import show_final, show_progress
 from thundersync.errors import PipelineError
-from thundersync.pipeline.embed import Pipeline
+from thundersync.pipeline import Pipeline
 from thundersync.pipeline.graph import Graph
-from thundersync.pipeline.metrics import JsonlMetrics
 from thundersync.pipeline.runner import RunStatistics
 
-__all__ = ["progress_line", "run_pipeline"]
-
-_log = structlog.get_logger("thundersync.cli")
-
-
-def progress_line(stats: RunStatistics) -> str:
-    """``[   1.2s] source 40  generate 40  reward 580  close 1200  step 9``: events processed
-    per stage (events sent, for a source)."""
-    parts = [f"{name} {s.received or s.sent}" for name, s in stats.stages.items()]
-    return f"[{stats.elapsed_s:7.1f}s] " + "  ".join(parts)
-
-
-async def _show_progress(pipeline: Pipeline, stream: TextIO, interval_s: float) -> None:
-    while True:
-        stream.write("\r\x1b[K" + progress_line(pipeline.statistics()))
-        stream.flush()
-        await anyio.sleep(interval_s)
+__all__ = ["run_pipeline"]
 
 
 async def run_pipeline(
@@ -70,9 +54,8 @@ async def run_pipeline(
         stats = _statistics(pipeline)
         if stats is not None:
             metrics.statistics(stats)
-        if progress is not None:  # the final counts stay on screen
-            progress.write("\r\x1b[K" + (progress_line(stats) if stats is not None else "") + "\n")
-            progress.flush()
+        if progress is not None:
+            show_final(progress, stats)
     assert stats is not None
     return stats
 
@@ -82,7 +65,7 @@ async def _drive(pipeline: Pipeline, metrics: JsonlMetrics, progress: TextIO | N
         await pipeline.close()  # a file's graph is fed by its own sources
         async with anyio.create_task_group() as group:
             if progress is not None:
-                group.start_soon(_show_progress, pipeline, progress, interval_s)
+                group.start_soon(show_progress, pipeline, progress, interval_s)
             async for event in pipeline.results():
                 metrics.event(event)
             group.cancel_scope.cancel()

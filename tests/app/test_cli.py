@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -13,17 +14,17 @@ from pathlib import Path
 import pytest
 import structlog
 
-from thundersync.pipeline.cli import main
+from thundersync.app.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pipeline_fake.toml"
 SMALL = """\
 # thundersync run small.toml
 [objects.generator]
-factory = "scripted-generator"
+factory = "test-scripted-generator"
 {generator}
 [objects.scorer]
-factory = "fake-scorer"
+factory = "test-fake-scorer"
 [objects.policy]
 factory = "policy-clock"
 [stages.source]
@@ -74,7 +75,7 @@ def test_check_validates_the_example_and_lists_its_stages(capsys: pytest.Capture
 def test_run_writes_one_metrics_line_per_lifecycle_event_and_stage(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    metrics = tmp_path / "out" / "metrics.jsonl"
+    metrics = tmp_path / "metrics.jsonl"
     assert main(["run", str(EXAMPLE), "--metrics", str(metrics)]) == 0
     records = _records(metrics)
     kinds = Counter(record["type"] for record in records)
@@ -161,12 +162,91 @@ def test_a_run_past_its_timeout_fails(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "the run took longer than its timeout of 0.2 s" in capsys.readouterr().err
 
 
-def test_a_metrics_path_that_cannot_be_written_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_metrics_path_that_is_a_directory_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", str(_small(tmp_path)), "--metrics", str(tmp_path)]) == 2
     assert capsys.readouterr().err == (
-        f"thundersync: invalid pipeline (ConfigError): cannot write the metrics file "
-        f"{tmp_path}: Is a directory; give --metrics (or run.metrics) the path of "
-        "a file in a writable directory\n"
+        f"thundersync: invalid settings (ConfigError): the metrics path {tmp_path} is a directory, "
+        "not a regular file; give --metrics (or run.metrics) the path of a new file\n"
+    )
+
+
+def test_a_metrics_file_in_a_missing_directory_exits_2_and_creates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "out"
+    assert main(["run", str(_small(tmp_path)), "--metrics", str(missing / "m.jsonl")]) == 2
+    assert f"its directory {missing} does not exist; create it first (mkdir -p {missing})" in capsys.readouterr().err
+    assert not missing.exists()
+
+
+def test_an_existing_metrics_file_is_replaced_only_with_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("an earlier run\n")
+    assert main(["run", str(_small(tmp_path)), "--metrics", str(metrics)]) == 2
+    assert f"the metrics file {metrics} already exists" in capsys.readouterr().err
+    assert metrics.read_text() == "an earlier run\n"
+    assert main(["run", str(_small(tmp_path)), "--metrics", str(metrics), "--overwrite"]) == 0
+    assert _records(metrics)[-1]["status"] == "ok"
+
+
+@pytest.mark.skipif(not Path("/proc/version").is_file(), reason="needs Linux /proc")
+def test_a_special_file_as_metrics_path_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(_small(tmp_path)), "--metrics", "/proc/version"]) == 2
+    assert "the metrics file /proc/version already exists" in capsys.readouterr().err
+    assert main(["run", str(_small(tmp_path)), "--metrics", "/proc/version", "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        r"thundersync: invalid settings \(ConfigError\): cannot write the metrics file /proc/version: "
+        r"(Input/output error|Permission denied); give --metrics \(or run\.metrics\) the path of a "
+        r"regular file on a writable file system\n",
+        err,
+    ), err
+    assert main(["run", str(_small(tmp_path)), "--metrics", "/dev/null", "--overwrite"]) == 2
+    assert "the metrics path /dev/null is a character device, not a regular file" in capsys.readouterr().err
+
+
+def test_check_escapes_control_characters_in_the_names_it_prints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "ctl.toml"
+    path.write_text(
+        '[objects.generator]\nfactory = "test-scripted-generator"\n'
+        '[stages."src\\u001b[31m"]\ntype = "source"\nprompts = [[1, 2]]\n'
+        '[stages."gen\\nfake: ok"]\ntype = "generate"\nreads = ["src\\u001b[31m"]\noutput = true\n'
+    )
+    assert main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1:] == [
+        "  src\\x1b[31m: type source, a source",
+        "  gen\\nfake: ok: type generate, reads src\\x1b[31m",
+    ]
+
+
+def test_errors_escape_control_characters_from_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "ctl.toml"
+    path.write_text('[stages."s\\u001b[2J\\u202e"]\ntype = "source"\nx = 1\n')
+    assert main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "stages.s\\x1b[2J\\u202e.x: unknown field" in err and "\x1b" not in err and err.count("\n") == 1
+
+
+def test_the_progress_line_escapes_stage_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = _small(tmp_path).read_text().replace("[stages.step]", '[stages."st\\u0007ep"]')
+    (tmp_path / "p.toml").write_text(text)
+    assert main(["run", str(tmp_path / "p.toml"), "--progress"]) == 0
+    err = capsys.readouterr().err
+    assert "st\\x07ep 3" in err and "\x07" not in err
+
+
+def test_a_file_nested_too_deeply_exits_2_naming_the_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "deep.toml"
+    path.write_text('[stages.s]\ntype = "source"\nprompts = ' + "[" * 500 + "]" * 500 + "\n")
+    assert main(["check", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"thundersync: invalid pipeline (DefinitionError): {path}: the file nests tables and arrays "
+        "more than 32 levels deep; pipeline files need only a few levels, so flatten the deepest value\n"
     )
 
 

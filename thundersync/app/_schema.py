@@ -19,8 +19,8 @@ from typing import Annotated, Any, Union
 import msgspec
 import msgspec.inspect
 
+from thundersync.app.factories import ALL_FACTORIES
 from thundersync.errors import DefinitionError
-from thundersync.pipeline.factories import FACTORIES
 from thundersync.pipeline.stage import Stage
 from thundersync.stages import REGISTRY
 
@@ -101,7 +101,7 @@ def _plain(info: msgspec.inspect.Type) -> bool:
 @functools.cache
 def factory_params(factory: str) -> dict[str, tuple[Any, Any]]:
     """Keyword arguments a file may give a factory: name -> (type, default or NODEFAULT)."""
-    target: Callable[..., Any] = FACTORIES[factory]
+    target: Callable[..., Any] = ALL_FACTORIES[factory]
     hints = typing.get_type_hints(
         typing.cast(Any, target).__init__ if isinstance(target, type) else target, include_extras=True
     )  # keep msgspec.Meta constraints
@@ -117,7 +117,7 @@ def factory_params(factory: str) -> dict[str, tuple[Any, Any]]:
 def object_union() -> Any:
     """The tagged union of every registered factory (tag field ``factory``)."""
     specs: list[Any] = []
-    for name in FACTORIES:
+    for name in ALL_FACTORIES:
         fields = [
             (k, hint) if default is msgspec.NODEFAULT else (k, hint, default)
             for k, (hint, default) in factory_params(name).items()

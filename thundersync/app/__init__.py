@@ -1,0 +1,21 @@
+"""The application: pipeline files, the runtime objects they name, and the ``thundersync`` command.
+
+The top layer of the package: it imports the stages (``thundersync.stages``) and the runtime
+(``thundersync.pipeline``); nothing in the library imports it.
+
+::
+
+    definition   PipelineSpec and friends: a TOML file decoded straight into msgspec Structs
+    build        build_graph: a spec and its runtime objects -> a validated Graph
+    factories    the runtime objects a file can build by name (``factory = "policy-clock"``)
+    cli          ``thundersync check`` / ``thundersync run`` (also ``python -m thundersync``)
+    metrics      JsonlMetrics: lifecycle events and per-stage statistics as JSON lines
+    progress     the live progress line that ``thundersync run`` draws on stderr
+"""
+
+from __future__ import annotations
+
+from thundersync.app.build import build_graph, build_objects
+from thundersync.app.definition import ObjectSpec, PipelineSpec, RunSettings, StageSpec, load, loads
+
+__all__ = ["ObjectSpec", "PipelineSpec", "RunSettings", "StageSpec", "build_graph", "build_objects", "load", "loads"]

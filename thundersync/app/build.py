@@ -1,0 +1,164 @@
+"""Building a :class:`~thundersync.pipeline.graph.Graph` from a :class:`PipelineSpec`.
+
+Each stage gets the runtime object named like its keyword argument, or the one its
+``objects = {kwarg = "NAME"}`` table names: the objects passed to :func:`build_graph` first, then
+those the spec's ``[objects]`` tables build with their factories (``app/factories.py``). The graph
+is validated before it is returned, so a file that would hang or fail to wire fails here, naming
+the stage::
+
+    spec = PipelineSpec(stages={"reward": StageSpec("reward", RewardStage.Config(), reads=("generate",)), ...})
+    graph = build_graph(spec, scorer=MyVerifier())
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any
+
+from thundersync.app._schema import convert, factory_params, object_union, runtime_params
+from thundersync.app.definition import PipelineSpec, StageSpec
+from thundersync.app.factories import ALL_FACTORIES
+from thundersync.errors import ConfigError, DefinitionError, GraphError
+from thundersync.pipeline.graph import INPUT, Graph
+from thundersync.pipeline.stage import Stage
+from thundersync.stages import REGISTRY
+from thundersync.stages.generate import GenerateStage
+from thundersync.stages.step import StepStage
+
+__all__ = ["build_graph", "build_objects"]
+
+
+def build_objects(spec: PipelineSpec, /, **given: Any) -> dict[str, Any]:
+    """The runtime objects of ``spec`` by name: ``given`` ones, else built by their factory."""
+    objects = dict(given)
+    for name, obj in spec.objects.items():
+        if name in given:
+            continue
+        prefix = f"objects.{name}"
+        if obj.factory not in ALL_FACTORIES:
+            raise DefinitionError(
+                f"{prefix}.factory: unknown factory {obj.factory!r}; known: {', '.join(ALL_FACTORIES)}"
+            )
+        node = convert(
+            {"factory": obj.factory, **obj.args},
+            object_union(),
+            prefix,
+            kind="factory",
+            known=list(ALL_FACTORIES),
+            fields=["factory", *factory_params(obj.factory)],
+        )
+        try:
+            objects[name] = ALL_FACTORIES[obj.factory](**{k: getattr(node, k) for k in obj.args})
+        except (TypeError, ValueError) as error:
+            raise DefinitionError(f"{prefix}: {obj.factory} failed: {error}") from error
+    return objects
+
+
+def build_graph(spec: PipelineSpec, /, **objects: Any) -> Graph:
+    """Build and validate the :class:`Graph` of ``spec``; ``objects`` override ``[objects]`` by name."""
+    built = build_objects(spec, **objects)
+    graph = Graph()
+    for name, node in spec.stages.items():
+        graph.add(
+            name,
+            _make_stage(name, node, built),
+            reads=node.reads,
+            capacity=node.capacity or spec.run.capacity,
+            output=node.output,
+        )
+    graph.validate()
+    _check_required_inputs(graph)
+    _check_policy_published(spec, graph)
+    return graph
+
+
+def _check_policy_published(spec: PipelineSpec, graph: Graph) -> None:
+    """A generate stage waiting on a PolicyClock needs a step stage publishing to that same clock,
+    or it would wait forever for the policy of its second batch."""
+    published = {id(node.stage.policy) for node in graph if isinstance(node.stage, StepStage)}
+    for node in graph:
+        if (
+            isinstance(node.stage, GenerateStage)
+            and node.stage.policy is not None
+            and id(node.stage.policy) not in published
+        ):
+            clock = spec.stages[node.name].objects.get("policy", "policy")
+            raise DefinitionError(
+                f"stages.{node.name}.objects.policy: generate waits on the policy clock "
+                f"{clock!r} before each batch, but no step stage publishes to it, so a run of more "
+                f"than one batch would hang; add a step stage with the same policy "
+                f'(reads = ["<close stage>"]), or drop the policy from {node.name!r}'
+            )
+
+
+def _check_required_inputs(graph: Graph) -> None:
+    """Stages with ``required_inputs()`` (close) must read from producers of each type, or they
+    would wait forever (the graph would never finish)."""
+    for node in graph:
+        required = getattr(node.stage, "required_inputs", None)
+        if required is None or INPUT in node.reads:  # an application may send anything
+            continue
+        producers = [graph[name].stage for name in node.reads if name in graph]
+        for wanted in required():
+            if not any(issubclass(made, wanted) for stage in producers for made in stage.produces):
+                raise GraphError(
+                    f"stage {node.name!r} waits for {wanted.__name__} events, but none of the "
+                    f"stages it reads from ({', '.join(node.reads)}) produces them; add the "
+                    f"stage that does to its reads, or stop waiting for it"
+                )
+
+
+def _make_stage(name: str, node: StageSpec, objects: dict[str, Any]) -> Stage:
+    prefix = f"stages.{name}"
+    cls = REGISTRY.get(node.type)
+    if cls is None:
+        raise DefinitionError(f"{prefix}.type: unknown stage type {node.type!r}; known: {', '.join(REGISTRY)}")
+    params = runtime_params(cls)
+    for extra in sorted(set(node.objects) - set(params)):
+        raise DefinitionError(
+            f"{prefix}.objects.{extra}: a {node.type!r} stage takes no runtime object "
+            f"{extra!r}; it takes: {', '.join(params) or 'none'}"
+        )
+    kwargs = {param: _bind(prefix, node, param, hint, required, objects) for param, (hint, required) in params.items()}
+    try:
+        return cls(node.config, **{k: v for k, v in kwargs.items() if v is not None})
+    except (TypeError, ConfigError) as error:
+        raise DefinitionError(f"{prefix}: {error}") from error
+
+
+def _bind(prefix: str, node: StageSpec, param: str, hint: Any, required: bool, objects: dict[str, Any]) -> Any:
+    target = node.objects.get(param, param)
+    if target not in objects:
+        if param in node.objects:
+            raise DefinitionError(
+                f"{prefix}.objects.{param}: names {target!r}, which is neither defined under "
+                f"[objects] nor passed to build_graph; objects: {', '.join(objects) or 'none'}"
+            )
+        if required:
+            raise DefinitionError(
+                f"{prefix}: a {node.type!r} stage needs a runtime object {param!r}; add an "
+                f"[objects.{param}] table (factories: {', '.join(ALL_FACTORIES)}) or pass "
+                f"{param}=... to build_graph"
+            )
+        return None
+    obj = objects[target]
+    expected = _runtime_class(hint)
+    if expected is not None and not isinstance(obj, expected):
+        raise DefinitionError(
+            f"{prefix}: runtime object {target!r} is a {type(obj).__name__}, but a "
+            f"{node.type!r} stage needs a {expected.__name__} for {param!r}"
+        )
+    return obj
+
+
+def _runtime_class(hint: Any) -> type | None:
+    """The class an object bound to ``hint`` must be an instance of (None: not checkable)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        options = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        hint = options[0] if len(options) == 1 else None
+    if not isinstance(hint, type):
+        return None
+    if getattr(hint, "_is_protocol", False) and not getattr(hint, "_is_runtime_protocol", False):
+        return None
+    return hint

@@ -1,0 +1,184 @@
+"""Pipeline definition files: TOML decoded straight into msgspec Structs (:class:`PipelineSpec`).
+
+A file has three kinds of tables; its first comment is the command that runs it::
+
+    # thundersync run examples/pipeline_fake.toml
+    [run]                          # RunSettings: metrics file, progress, default capacity, timeout
+    metrics = "metrics.jsonl"
+
+    [objects.scorer]               # a runtime object, built by a factory (app/factories.py)
+    factory = "test-fake-scorer"
+
+    [stages.reward]                # a stage: type (stages/REGISTRY), graph fields, Config fields
+    type = "reward"
+    reads = ["generate"]
+    concurrency = 8
+
+Unknown fields, wrong types and unknown stage types fail with a path-qualified
+:class:`~thundersync.errors.DefinitionError` (``stages.reward.factr: unknown field; valid
+fields: ...``), and so does a file that nests tables and arrays more than :data:`MAX_NESTING`
+levels deep. :func:`~thundersync.app.build.build_graph` turns a spec into a graph; Python code
+builds the same :class:`PipelineSpec` directly.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+
+from thundersync.app._schema import GRAPH_FIELDS, convert, factory_params, object_union, stage_union
+from thundersync.app.factories import ALL_FACTORIES
+from thundersync.errors import DefinitionError
+from thundersync.pipeline.graph import DEFAULT_CAPACITY
+from thundersync.pipeline.stage import Stage
+from thundersync.stages import REGISTRY
+
+__all__ = ["MAX_NESTING", "ObjectSpec", "PipelineSpec", "RunSettings", "StageSpec", "load", "loads"]
+
+MAX_NESTING: Final = 32
+"""How deep a pipeline file may nest tables and arrays (the file itself is level 1). Real files
+need four or five levels; the limit keeps a hostile file from exhausting the parser's stack."""
+
+
+class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How ``thundersync run`` runs the graph.
+
+    ``metrics``: JSONL file for lifecycle events and per-stage statistics (None: none);
+    ``progress``: a live stderr line (``auto``: only when stderr is a terminal); ``capacity``:
+    inbox size of stages that do not set their own; ``timeout_s``: fail a run that takes longer.
+    """
+
+    metrics: str | None = None
+    progress: Literal["auto", "on", "off"] = "auto"
+    capacity: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_CAPACITY
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+
+
+class ObjectSpec(msgspec.Struct, frozen=True):
+    """A runtime object: the name of its factory (``app/factories.py``) and its keyword arguments."""
+
+    factory: str
+    args: dict[str, Any] = {}
+
+
+class StageSpec(msgspec.Struct, frozen=True):
+    """A stage: its type in REGISTRY, its Config (None: the defaults) and its place in the graph."""
+
+    type: str
+    config: Stage.Config | None = None
+    reads: tuple[str, ...] = ()
+    capacity: int | None = None
+    output: bool = False
+    objects: dict[str, str] = {}
+
+
+class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True):
+    """A whole pipeline: stages by name (in order), runtime objects by name, run settings."""
+
+    stages: dict[str, StageSpec]
+    objects: dict[str, ObjectSpec] = {}
+    run: RunSettings = RunSettings()
+
+
+class _File(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    stages: dict[str, Any]  # each a table; checked per entry so errors name it
+    objects: dict[str, Any] = {}
+    run: RunSettings = RunSettings()
+
+
+# --- reading files -----------------------------------------------------------------------------
+
+
+def load(path: str | Path) -> PipelineSpec:
+    """Read and validate a pipeline file; errors start with the file's path."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise DefinitionError(f"{path}: cannot read the pipeline file: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise DefinitionError(f"{path}: the pipeline file is not UTF-8 text: {error}") from None
+    try:
+        return loads(text)
+    except DefinitionError as error:
+        raise DefinitionError(f"{path}: {error}") from None
+
+
+def loads(text: str) -> PipelineSpec:
+    """Validate the TOML text of a pipeline file into a :class:`PipelineSpec`."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise DefinitionError(f"not valid TOML: {error}") from None
+    except RecursionError:  # tomllib recurses once per level; a few hundred levels exhaust the stack
+        raw = None
+    if raw is None or _nesting(raw) > MAX_NESTING:
+        raise DefinitionError(
+            f"the file nests tables and arrays more than {MAX_NESTING} levels deep; pipeline files "
+            "need only a few levels, so flatten the deepest value"
+        )
+    top = convert(
+        raw, _File, "", fields={"": ["run", "objects", "stages"], ".run": list(RunSettings.__struct_fields__)}
+    )
+    return PipelineSpec(
+        stages={name: _stage(name, table) for name, table in top.stages.items()},
+        objects={name: _object(name, table) for name, table in top.objects.items()},
+        run=top.run,
+    )
+
+
+def _nesting(value: Any) -> int:
+    """How many levels of tables (dicts) and arrays (lists) ``value`` nests, counted without recursion."""
+    deepest = 0
+    pending = [(value, 1)]
+    while pending:
+        item, level = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_NESTING:
+            break
+        pending.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def _table(prefix: str, table: Any) -> dict[str, Any]:
+    if not isinstance(table, dict):
+        raise DefinitionError(f"{prefix}: expected a table, got {type(table).__name__} {table!r}")
+    return table
+
+
+def _tag(table: dict[str, Any], kind: str, prefix: str, known: list[str]) -> str | None:
+    """The table's ``type``/``factory`` if it is a string; a clear error if it is a list or table."""
+    tag = table.get(kind)
+    if isinstance(tag, (list, dict)):
+        noun = "stage type" if kind == "type" else kind
+        raise DefinitionError(f"{prefix}.{kind}: unknown {noun} {tag!r}; known: {', '.join(known)}")
+    return tag if isinstance(tag, str) else None
+
+
+def _stage(name: str, table: Any) -> StageSpec:
+    prefix = f"stages.{name}"
+    table = _table(prefix, table)
+    cls = REGISTRY.get(_tag(table, "type", prefix, list(REGISTRY)) or "")
+    fields = None if cls is None else [n for n, *_ in GRAPH_FIELDS] + list(cls.Config.__struct_fields__)
+    node = convert(table, stage_union(), prefix, known=list(REGISTRY), fields=fields)
+    assert cls is not None  # the tagged union accepted the type
+    graph_fields = {n for n, *_ in GRAPH_FIELDS} | {"type"}
+    config = convert({k: v for k, v in table.items() if k not in graph_fields}, cls.Config, prefix)
+    return StageSpec(
+        table["type"], config, reads=node.reads, capacity=node.capacity, output=node.output, objects=dict(node.objects)
+    )
+
+
+def _object(name: str, table: Any) -> ObjectSpec:
+    prefix = f"objects.{name}"
+    table = _table(prefix, table)
+    factory = _tag(table, "factory", prefix, list(ALL_FACTORIES))
+    fields = ["factory", *factory_params(factory)] if factory in ALL_FACTORIES else None
+    node = convert(table, object_union(), prefix, kind="factory", known=list(ALL_FACTORIES), fields=fields)
+    return ObjectSpec(table["factory"], {k: getattr(node, k) for k in table if k != "factory"})

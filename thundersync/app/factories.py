@@ -1,0 +1,47 @@
+"""The runtime objects a pipeline file can build by name: ``factory = "policy-clock"``.
+
+Runtime objects (generators, scorers, sandbox pools, trainers) are never config fields: a file
+declares them in ``[objects.NAME]`` tables that name a factory and give its keyword arguments; a
+stage receives the object whose name matches its keyword argument (``generator``, ``scorer``...)
+or the one named in its ``objects = {kwarg = "NAME"}`` table. Applications pass their own objects
+to :func:`~thundersync.app.build.build_graph` instead
+(``build_graph(spec, generator=my_vllm_generator)``).
+
+:data:`FACTORIES` lists the real objects. :data:`TEST_FACTORIES` lists the fakes of
+:mod:`thundersync.testing` under names that start with ``test-``, so that a file that runs on
+fakes (``examples/pipeline_fake.toml``) says so wherever it names one. A file may use both.
+
+Adding a factory is one line: a callable whose keyword arguments have plain annotated types (they
+are validated like the rest of the file). Factories must be cheap: ``thundersync check`` builds
+the objects without running anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+from thundersync.pipeline.policy import PolicyClock
+from thundersync.testing import FakeScorer, FakeTeacher, RecordingTrainer, ScriptedGenerator, ScriptedTool
+
+__all__ = ["ALL_FACTORIES", "FACTORIES", "TEST_FACTORIES", "TEST_PREFIX"]
+
+FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
+    "policy-clock": PolicyClock,
+}
+"""Factories of real runtime objects, by the ``factory`` name a pipeline file gives them."""
+
+TEST_PREFIX: Final = "test-"
+"""The prefix of every name in :data:`TEST_FACTORIES`."""
+
+TEST_FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
+    "test-scripted-generator": ScriptedGenerator,
+    "test-scripted-tool": ScriptedTool,
+    "test-fake-scorer": FakeScorer,
+    "test-fake-teacher": FakeTeacher,
+    "test-recording-trainer": RecordingTrainer,
+}
+"""The fakes of :mod:`thundersync.testing`, for files that run a graph without a model."""
+
+ALL_FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {**FACTORIES, **TEST_FACTORIES}
+"""What a pipeline file may name: the real factories, then the test fakes."""
