@@ -13,13 +13,7 @@ the head. The layout is the one transformers uses for Qwen3, Qwen2 and Llama::
 A peft model is unwrapped with ``get_base_model()``; its wrapped Linear layers apply their
 adapters when called, so LoRA needs nothing special.
 
-Two parts are computed with fewer kernels than their modules launch, with the same arithmetic
-(each eager op costs a fixed 20-60 µs of host time on the H200 machine, which a small pack pays
-many times per layer): transformers' RMSNorm, ``weight * rmsnorm_fp32(x).to(dtype)`` with both
-roundings, becomes ``F.rms_norm`` and a multiply (:func:`apply_norm`; 2 kernels instead of 7-8),
-and the rotary embedding ``x cos + rotate_half(x) sin`` becomes
-``addcmul(x cos, roll(x, D/2), sin')`` with ``sin' = (-sin[:D/2], sin[D/2:])``
-(:func:`rotary_tables`, :func:`apply_rotary`; 3 kernels instead of 6).
+The per-layer math over these parts is :mod:`thundersync.engine.decoder`.
 
     >>> anatomy = decoder_anatomy(model)        # doctest: +SKIP
     >>> anatomy.num_kv_heads, anatomy.head_dim  # doctest: +SKIP
@@ -30,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from thundersync.errors import ConfigError
@@ -38,18 +31,13 @@ from thundersync.errors import ConfigError
 __all__ = [
     "DecoderAnatomy",
     "LayerParts",
-    "apply_norm",
-    "apply_rotary",
     "decoder_anatomy",
-    "rotary_tables",
     "unwrap_peft",
 ]
 
 _DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-# Norm classes known to compute ``weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(dtype)``.
-_PLAIN_RMS_NORMS = frozenset({"Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm"})
 
 
 @dataclass(frozen=True)
@@ -173,28 +161,3 @@ def decoder_anatomy(model: nn.Module) -> DecoderAnatomy:
         vocab_size=int(causal_lm.get_input_embeddings().weight.shape[0]),  # also under peft wrappers
         scaling=float(getattr(first_attention, "scaling", head_dim**-0.5)),
     )
-
-
-def apply_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``; a plain transformers RMSNorm as ``F.rms_norm`` and a multiply (same roundings).
-
-    fp64 inputs call the module: it normalizes in fp32, where ``F.rms_norm`` would use fp64.
-    """
-    if type(module).__name__ not in _PLAIN_RMS_NORMS or x.dtype == torch.float64:
-        return module(x)
-    return module.weight * F.rms_norm(x, (x.shape[-1],), None, module.variance_epsilon)
-
-
-def rotary_tables(
-    anatomy: DecoderAnatomy, x: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin') [N, 1, D] for positions [N] (``x`` gives the dtype and device), for :func:`apply_rotary`."""
-    cos, sin = anatomy.rotary(x, positions[None])
-    half = sin.shape[-1] // 2
-    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-    return cos[0, :, None], signed_sin[0, :, None]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """The rotary embedding of x [N, heads, D], as transformers applies it (see the module docstring)."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
