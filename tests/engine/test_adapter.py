@@ -105,3 +105,20 @@ def test_adapter_logprobs_equal_the_models_own_forward_for_qwen2_and_llama(famil
         expected = _model_logprobs(model, tokens)
         for cut in (1, 13, 28):
             torch.testing.assert_close(_adapter_logprobs_split(model, tokens, cut), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_anatomy_rejects_a_layer_part_that_is_not_a_module() -> None:
+    model = tiny_qwen3()
+    layer = model.model.layers[1]
+    del layer.mlp
+    layer.mlp = torch.zeros(3)  # a plain attribute now, not a submodule
+    with pytest.raises(ConfigError, match=r"Qwen3DecoderLayer\.mlp is a Tensor, not a torch module"):
+        decoder_anatomy(model)
+
+
+def test_input_embedding_weight_names_a_model_without_one() -> None:
+    from thundersync.engine.anatomy import input_embedding_weight
+
+    assert input_embedding_weight(tiny_qwen3()).shape == (97, 32)
+    with pytest.raises(ConfigError, match=r"Linear has no input embedding matrix \(get_input_embeddings\(\)\.weight\)"):
+        input_embedding_weight(torch.nn.Linear(2, 2))

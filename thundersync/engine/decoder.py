@@ -27,7 +27,7 @@ and the rotary embedding ``x cos + rotate_half(x) sin`` becomes
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -89,15 +89,25 @@ def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class _RMSNorm(Protocol):
+    """What a plain transformers RMSNorm holds."""
+
+    weight: torch.Tensor
+    variance_epsilon: float
+
+
+def _is_plain_rms_norm(module: nn.Module) -> TypeGuard[_RMSNorm]:
+    return type(module).__name__ in _PLAIN_RMS_NORMS
+
+
 def apply_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)``; a plain transformers RMSNorm as ``F.rms_norm`` and a multiply (same roundings).
 
     fp64 inputs call the module: it normalizes in fp32, where ``F.rms_norm`` would use fp64.
     """
-    if type(module).__name__ not in _PLAIN_RMS_NORMS or x.dtype == torch.float64:
+    if x.dtype == torch.float64 or not _is_plain_rms_norm(module):
         return _call(module, x)
-    weight: torch.Tensor = module.weight
-    return weight * F.rms_norm(x, (x.shape[-1],), None, module.variance_epsilon)
+    return module.weight * F.rms_norm(x, (x.shape[-1],), None, module.variance_epsilon)
 
 
 def rotary_tables(

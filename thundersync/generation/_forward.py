@@ -23,6 +23,8 @@ here reads a device value back to the host or branches on one; shapes depend onl
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +33,7 @@ from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.engine.decoder import apply_norm, decoder_forward
 from thundersync.generation._kv_cache import KVCache
 
-__all__ = ["CacheAttention", "Rows", "forward_hidden", "logits_of"]
+__all__ = ["CacheAttention", "PrefillBatch", "Rows", "forward_hidden", "logits_of", "pack_prefill"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,48 @@ class Rows:
     pad_index: torch.Tensor | None  # [R, Q] into the packed tokens; None when Q == 1 and R == T
     unpad_index: torch.Tensor | None  # [T] into the flattened [R * Q]
     key_len: int  # keys 0..key_len-1 are read
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """Prompt segments packed for one :func:`forward_hidden` call."""
+
+    tokens: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T]
+    rows: Rows  # one row per segment, Q = the longest segment
+    last: torch.Tensor  # [R] index into the packed tokens of each segment's last token
+
+
+def pack_prefill(segments: Sequence[tuple[int, int, Sequence[int]]], device: torch.device) -> PrefillBatch:
+    """Pack (slot, start position, tokens) segments, each a row of its slot's attention."""
+    qlen = max(len(seg) for _, _, seg in segments)
+    tokens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    pad: list[list[int]] = []
+    row_pos: list[list[int]] = []
+    unpad: list[int] = []
+    for r, (slot, start, seg) in enumerate(segments):
+        pad.append([len(tokens) + i if i < len(seg) else 0 for i in range(qlen)])
+        row_pos.append([start + i if i < len(seg) else 0 for i in range(qlen)])
+        unpad.extend(r * qlen + i for i in range(len(seg)))
+        tokens += seg
+        positions += range(start, start + len(seg))
+        slots += [slot] * len(seg)
+
+    def as_long(values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    rows = Rows(
+        slots=as_long([slot for slot, _, _ in segments]),
+        positions=as_long(row_pos),
+        pad_index=as_long(pad),
+        unpad_index=as_long(unpad),
+        key_len=max(start + len(seg) for _, start, seg in segments),
+    )
+    last = as_long([end - 1 for end in itertools.accumulate(len(seg) for _, _, seg in segments)])
+    return PrefillBatch(as_long(tokens), as_long(positions), as_long(slots), rows, last)
 
 
 def _attend_rows(an: DecoderAnatomy, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> torch.Tensor:
