@@ -1,23 +1,22 @@
 """The synchronous core of :class:`TorchGenerator`: continuous batching over KV-cache slots.
 
-One :meth:`ContinuousBatcher.step` admits waiting requests into free slots and prefills them (packed in one
-forward pass), then decodes one token for every running sequence. A sequence that finishes leaves
-its slot at once, so the next step refills it (continuous batching). A sequence with a
-``session_id`` keeps its slot and cache when it finishes ("parked": no compute) until the session
-continues, is released, or its slot is needed by a waiting request (least recently used first).
+One :meth:`ContinuousBatcher.step` admits waiting requests into free slots and prefills them
+(packed in one forward pass), then decodes one token for every running sequence. A sequence that
+finishes leaves its slot at once, so the next step refills it (continuous batching). A sequence
+with a ``session_id`` keeps its slot and cache when it finishes ("parked": no compute) until the
+session continues, is released, or its slot is needed by a waiting request (least recently used
+first). Cached prefixes are dropped when the weights change (:mod:`._weights_watch`).
 """
 
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from thundersync.engine.anatomy import decoder_anatomy
 from thundersync.errors import ConfigError, GenerationError
@@ -25,6 +24,7 @@ from thundersync.generation._fixed_step import CapturedStep, FixedStep
 from thundersync.generation._forward import Rows, forward_hidden, logits_of, pack_prefill
 from thundersync.generation._kv_cache import KVCache
 from thundersync.generation._sampling import RowParams, sample
+from thundersync.generation._weights_watch import WeightsWatch
 from thundersync.generation.base import FinishReason, GenerationRequest, GenerationResult, SamplingParams
 
 __all__ = ["ContinuousBatcher", "Ticket"]
@@ -56,26 +56,6 @@ class _Slot:
     last_used: int = 0
 
 
-def _invalidate_on_optimizer_steps(batcher: ContinuousBatcher) -> None:
-    """Invalidate ``batcher`` after every optimizer step over its model's parameters.
-
-    Fused optimizers write the parameters without bumping their ``_version``. The global hook holds
-    the batcher weakly and is removed when the batcher is garbage-collected.
-    """
-    batcher_ref = weakref.ref(batcher)
-
-    def after_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-        live = batcher_ref()
-        if live is None:
-            return
-        mine = {id(p) for p in live.model.parameters()}
-        if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
-            live.invalidate()
-
-    handle = register_optimizer_step_post_hook(after_step)
-    weakref.finalize(batcher, handle.remove)
-
-
 def _ticket(slot: _Slot) -> Ticket:
     """The ticket of a slot that the caller knows is running one."""
     assert slot.ticket is not None, f"slot {slot.index} holds no request"
@@ -102,7 +82,6 @@ class ContinuousBatcher:
     """Continuous batching over a fixed set of KV-cache slots (not thread-safe: one driver)."""
 
     def __init__(self, model: nn.Module, *, slots: int, capacity: int, prefill_tokens: int, key_bucket: int) -> None:
-        self.model = model
         self.anatomy = decoder_anatomy(model)
         self.cache = KVCache(self.anatomy, slots, capacity)
         self.slots = [_Slot(i) for i in range(slots)]
@@ -114,9 +93,7 @@ class ContinuousBatcher:
         self.run_fixed: StepFn | None = None
         self._clock = itertools.count(1)
         self._finished: list[Ticket] = []
-        self._unversioned_changes = 0  # see invalidate
-        self._weights = self._weights_version()
-        _invalidate_on_optimizer_steps(self)
+        self.weights = WeightsWatch(model)
 
     def use_fixed_step(self, *, capture: bool) -> None:
         """Decode every slot with device-resident state (:mod:`._fixed_step`), CUDA graphs if ``capture``."""
@@ -205,16 +182,11 @@ class ContinuousBatcher:
     def invalidate(self) -> None:
         """Treat the weights as changed: the next step drops cached prefixes (or fails running
         sequences). Safe to call from another thread: it only bumps a counter."""
-        self._unversioned_changes += 1
-
-    def _weights_version(self) -> tuple[int, int]:
-        return sum(p._version for p in self.model.parameters()), self._unversioned_changes
+        self.weights.invalidate()
 
     def _check_weights(self) -> None:
-        version = self._weights_version()
-        if version == self._weights:
+        if not self.weights.changed():
             return
-        self._weights = version
         if any(s.ticket is not None and s.ticket.tokens for s in self.slots):
             raise GenerationError(
                 "the model's parameters changed while sequences were being generated; "
