@@ -33,8 +33,9 @@ def _adapter_logprobs_split(model: torch.nn.Module, tokens: torch.Tensor, cut: i
             ChunkSpec(tokens[cut - 1 :], cut - 1, prefix),
         ],
     )
-    lp_first = head_logprobs(anatomy, pack.hidden[pack.rows(0)][:-1], tokens[1:cut])
-    lp_second = head_logprobs(anatomy, pack.hidden[pack.rows(1)][:-1], tokens[cut:])
+    first_rows, second_rows = (pack.hidden[pack.offsets[c] : pack.offsets[c + 1]] for c in (0, 1))
+    lp_first = head_logprobs(anatomy, first_rows[:-1], tokens[1:cut])
+    lp_second = head_logprobs(anatomy, second_rows[:-1], tokens[cut:])
     return torch.cat([lp_first, lp_second]).double()
 
 

@@ -60,9 +60,6 @@ class PackOutput:
     offsets: list[int]  # chunk c occupies rows offsets[c] : offsets[c + 1]
     kv: list[list[KV]]
 
-    def rows(self, chunk: int) -> slice:
-        return slice(self.offsets[chunk], self.offsets[chunk + 1])
-
 
 def empty_prefix(anatomy: DecoderAnatomy, device: torch.device | None = None) -> list[KV]:
     """A zero-length prefix for a chunk that starts a sequence."""

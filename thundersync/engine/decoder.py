@@ -97,6 +97,7 @@ class _RMSNorm(Protocol):
 
 
 def _is_plain_rms_norm(module: nn.Module) -> TypeGuard[_RMSNorm]:
+    """Whether ``module`` is one of the transformers RMSNorm classes of ``_PLAIN_RMS_NORMS``."""
     return type(module).__name__ in _PLAIN_RMS_NORMS
 
 
