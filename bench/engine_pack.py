@@ -1,4 +1,4 @@
-"""The fixed cost of one pack: forward+backward through the adapter, three forms side by side.
+"""The fixed cost of one pack: forward+backward through the adapter, two forms side by side.
 
     python bench/engine_pack.py            # H200: Qwen3-0.6B-shaped, bf16, 28 layers
     python bench/engine_pack.py --tiny     # the same on CPU with a tiny model, in seconds
@@ -6,14 +6,11 @@
 A small pack (one OPD action of 64-512 tokens) costs far more than its arithmetic: every eager op
 of every layer pays a fixed host cost. Each row times ``forward_pack`` + backward of one pack after
 a 512-token prefix (a detached proxy that requires grad, as the engine builds it), median of 5
-after warm-up, synchronized, in three forms of the norms and the rotary embedding:
+after warm-up, synchronized, in two forms of the norms and the rotary embedding:
 
-- ``modules``: the model's own RMSNorm modules and transformers' ``x cos + rotate_half(x) sin``
-  (what the adapter did before);
-- ``ours``: the adapter as it is (``anatomy.apply_norm``: ``F.rms_norm`` and a multiply;
-  ``anatomy.apply_rotary``: ``addcmul`` with ``roll``);
-- ``triton norm``: as ``ours`` but the norms through ``kernels.rms_norm`` (the Triton kernel on
-  CUDA once probed; the reference elsewhere).
+- ``modules``: the model's own RMSNorm modules and transformers' ``x cos + rotate_half(x) sin``;
+- ``ours``: the decoder layers as they are (``decoder.apply_norm``: ``F.rms_norm`` and a multiply;
+  ``decoder.apply_rotary``: ``addcmul`` with ``roll``).
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import header, markdown_table, median_seconds
 from bench.engine import make_model
-from thundersync import kernels
-from thundersync.engine import adapter, anatomy
+from thundersync.engine import adapter, anatomy, decoder
 from thundersync.engine.adapter import ChunkSpec, forward_pack
 
 
@@ -51,12 +47,6 @@ def _rotate_half_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _triton_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if type(module).__name__ not in anatomy._PLAIN_RMS_NORMS or x.dtype == torch.float64:
-        return module(x)
-    return kernels.rms_norm(x, module.weight, module.variance_epsilon)
-
-
 FORMS: dict[str, dict[str, Callable[..., torch.Tensor] | None]] = {
     "modules": {
         "apply_norm": _module_norm,
@@ -64,21 +54,22 @@ FORMS: dict[str, dict[str, Callable[..., torch.Tensor] | None]] = {
         "apply_rotary": _rotate_half_rotary,
     },
     "ours": {},
-    "triton norm": {"apply_norm": _triton_norm},
 }
 
 
 @contextlib.contextmanager
 def form(name: str) -> Iterator[None]:
-    """Within the block the adapter uses the named form (its module globals are swapped)."""
-    saved = {attr: getattr(adapter, attr) for attr in FORMS[name]}
-    for attr, fn in FORMS[name].items():
-        setattr(adapter, attr, fn)
+    """Within the block the decoder layers (and the adapter's final norm) use the named form."""
+    swaps = [(module, attr, fn) for module in (decoder, adapter) for attr, fn in FORMS[name].items()]
+    swaps = [(module, attr, fn) for module, attr, fn in swaps if hasattr(module, attr)]
+    saved = [(module, attr, getattr(module, attr)) for module, attr, _ in swaps]
+    for module, attr, fn in swaps:
+        setattr(module, attr, fn)
     try:
         yield
     finally:
-        for attr, fn in saved.items():
-            setattr(adapter, attr, fn)
+        for module, attr, fn in saved:
+            setattr(module, attr, fn)
 
 
 def make_prefix(an: anatomy.DecoderAnatomy, vocab: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -136,8 +127,6 @@ def main() -> None:
                 ms["modules"],
                 ms["ours"],
                 f"{ms['modules'] / ms['ours']:.2f}x",
-                ms["triton norm"],
-                f"{ms['modules'] / ms['triton norm']:.2f}x",
             ]
         )
     layers = len(an.layers)
@@ -145,11 +134,7 @@ def main() -> None:
     print(
         f"model: {layers} layers, hidden {model.config.hidden_size}, dtype {an.dtype}; forward+backward of one pack\n"
     )
-    print(
-        markdown_table(
-            ["pack", "tokens", "modules ms", "ours ms", "ours speedup", "triton norm ms", "triton speedup"], rows
-        )
-    )
+    print(markdown_table(["pack", "tokens", "modules ms", "ours ms", "ours speedup"], rows))
     if args.profile:
         profile(pack_step(an, cases[0][1]), cuda)
 

@@ -4,7 +4,7 @@
     python bench/generate.py --tiny          # CPU smoke run of the same code on a tiny model
 
 Both sample at temperature 1 with no top-k/top-p and no stop token, from the same random prompts.
-Ours runs through the public async API (`generate_many`); each engine step is timed (the first
+Ours runs through the public async API (`generate_many`); each batcher step is timed (the first
 step prefills). The floor is the bytes one decode step must read (weights + the KV cache of the
 mean context) over the copy bandwidth measured in the same run.
 """
@@ -93,9 +93,9 @@ def run_ours(
     generator = TorchGenerator(model, max_batch=batch, max_seq_len=prompt_len + new, prefill_tokens=batch * prompt_len)
     params = SamplingParams(temperature=1.0, max_new_tokens=new)
     requests = [GenerationRequest(prompt_ids=p, params=params) for p in prompts.tolist()]
-    engine = generator._engine  # bench-only: time each engine step
+    batcher = generator._batcher  # bench-only: time each batcher step
     steps: list[float] = []
-    plain_step = engine.step
+    plain_step = batcher.step
 
     def timed_step() -> list:
         start = time.perf_counter()
@@ -104,7 +104,7 @@ def run_ours(
         steps.append(time.perf_counter() - start)
         return finished
 
-    engine.step = timed_step  # type: ignore[method-assign]
+    batcher.step = timed_step  # type: ignore[method-assign]
     anyio.run(generate_many, generator, requests)  # warm-up: captures the decode graphs
     steps.clear()
     sync(device)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One call on the H200 machine: the engine benchmarks, phase and pack-cost timings, the CUDA
-# examples and every `gpu` test.
+# One call on the H200 machine: the engine and generation benchmarks, phase and pack-cost timings,
+# the CUDA examples and every `gpu` test.
 #   device run (carry .whl): bash bench/gpu_check.sh
 # Each step has its own time limit and writes its log under $OUT (or /tmp/gpu_check).
 # The GPU machine lacks msgspec, structlog and pytest-asyncio: fetch their Python 3.12 wheels once
@@ -23,6 +23,7 @@ step grpo_bench "${GRPO_LIMIT:-150}" python3 bench/engine.py --repeat 2 --skip p
 step opd_bench "${OPD_LIMIT:-100}" python3 bench/engine_opd.py --repeat 1
 step phases "${PHASES_LIMIT:-90}" python3 bench/engine_phases.py
 step pack_cost "${PACK_LIMIT:-90}" python3 bench/engine_pack.py
+step generate "${GENERATE_LIMIT:-120}" python3 bench/generate.py
 step examples 60 bash -c "python3 examples/streaming_grpo.py && python3 examples/streaming_opd.py"
 # GPU_TESTS narrows the tests (default: every file that has `gpu` tests).
 step gpu_tests "${TESTS_LIMIT:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 \

@@ -21,8 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import header, markdown_table, median_seconds
 from thundersync import kernels
-from thundersync.kernels._lora_function import LoraLinear
-from thundersync.kernels.lora import gemm_by_name
 
 BF16 = torch.bfloat16
 COLUMNS = [
@@ -222,66 +220,8 @@ def packed_rows(hq: int = 16, hkv: int = 8, d: int = 128) -> list[list[object]]:
     ]
 
 
-def small_kernel_rows(n: int = 16_384, width: int = 1024) -> list[list[object]]:
-    x = torch.randn(n, width, device="cuda", dtype=BF16, requires_grad=True)
-    w = torch.ones(width, device="cuda", dtype=BF16, requires_grad=True)
-    rows = [
-        row(
-            "rms_norm",
-            f"[{n}, {width}] bf16",
-            "triton",
-            backward(lambda a, b: kernels.rms_norm(a, b, 1e-6).float().sum(), [x, w]),
-            "eager (transformers)",
-            backward(lambda a, b: kernels.norm.reference_rms_norm(a, b, 1e-6).float().sum(), [x, w]),
-        )
-    ]
-    out_f, rank = 2048, 16
-    base_w = (torch.randn(out_f, width, device="cuda") * 0.02).to(BF16)
-    a = (torch.randn(rank, width, device="cuda") * 0.02).to(BF16).requires_grad_()
-    bb = torch.zeros(out_f, rank, device="cuda", dtype=BF16).requires_grad_()
-
-    def eager_lora(xx: torch.Tensor, aa: torch.Tensor, bbb: torch.Tensor) -> torch.Tensor:
-        return (F.linear(xx, base_w) + 2.0 * F.linear(F.linear(xx, aa), bbb)).float().sum()
-
-    for name in ("cublas", "triton"):
-        gemm = gemm_by_name(name)
-        rows.append(
-            row(
-                "lora_linear",
-                f"x [{n}, {width}] W [{out_f}, {width}] r={rank} bf16",
-                name,
-                backward(
-                    lambda xx, aa, bbb, g=gemm: LoraLinear.apply(xx, base_w, None, aa, bbb, 2.0, g).float().sum(),
-                    [x, a, bb],
-                ),
-                "eager (peft layout)",
-                backward(eager_lora, [x, a, bb]),
-            )
-        )
-    adj = [torch.randn(n, width, device="cuda", dtype=BF16) for _ in range(8)]
-
-    def eager_sum() -> torch.Tensor:
-        acc = adj[0].float()
-        for t in adj[1:]:
-            acc = acc + t
-        return acc.to(BF16)
-
-    rows.append(
-        row(
-            "reduce_adjoints",
-            f"8 x [{n}, {width}] bf16",
-            "triton",
-            lambda: kernels.reduce_adjoints(None, adj),
-            "eager fp32 adds",
-            eager_sum,
-        )
-    )
-    return rows
-
-
 SECTIONS: dict[str, Callable[[], list[list[object]]]] = {
     "logprobs": logprob_rows,
-    "small": small_kernel_rows,
     "packed": packed_rows,
     "attention": attention_rows,
 }

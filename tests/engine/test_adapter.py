@@ -7,7 +7,7 @@ import torch
 
 from tests.engine.tiny_models import tiny_qwen3, with_lora
 from thundersync.engine.adapter import ChunkSpec, empty_prefix, forward_pack, head_logprobs
-from thundersync.engine.anatomy import apply_norm, apply_rotary, decoder_anatomy
+from thundersync.engine.anatomy import decoder_anatomy
 from thundersync.errors import ConfigError
 
 
@@ -33,8 +33,9 @@ def _adapter_logprobs_split(model: torch.nn.Module, tokens: torch.Tensor, cut: i
             ChunkSpec(tokens[cut - 1 :], cut - 1, prefix),
         ],
     )
-    lp_first = head_logprobs(anatomy, pack.hidden[pack.rows(0)][:-1], tokens[1:cut])
-    lp_second = head_logprobs(anatomy, pack.hidden[pack.rows(1)][:-1], tokens[cut:])
+    first_rows, second_rows = (pack.hidden[pack.offsets[c] : pack.offsets[c + 1]] for c in (0, 1))
+    lp_first = head_logprobs(anatomy, first_rows[:-1], tokens[1:cut])
+    lp_second = head_logprobs(anatomy, second_rows[:-1], tokens[cut:])
     return torch.cat([lp_first, lp_second]).double()
 
 
@@ -107,55 +108,18 @@ def test_adapter_logprobs_equal_the_models_own_forward_for_qwen2_and_llama(famil
             torch.testing.assert_close(_adapter_logprobs_split(model, tokens, cut), expected, rtol=1e-5, atol=1e-6)
 
 
-def _value_and_grads(fn, *inputs: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
-    leaves = [x.detach().clone().requires_grad_() for x in inputs]
-    out = fn(*leaves)
-    out.backward(grad)
-    return [out.detach(), *(leaf.grad for leaf in leaves)]
+def test_anatomy_rejects_a_layer_part_that_is_not_a_module() -> None:
+    model = tiny_qwen3()
+    layer = model.model.layers[1]
+    del layer.mlp
+    layer.mlp = torch.zeros(3)  # a plain attribute now, not a submodule
+    with pytest.raises(ConfigError, match=r"Qwen3DecoderLayer\.mlp is a Tensor, not a torch module"):
+        decoder_anatomy(model)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-def test_apply_norm_equals_the_transformers_rmsnorm_module(dtype: torch.dtype) -> None:
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+def test_input_embedding_weight_names_a_model_without_one() -> None:
+    from thundersync.engine.anatomy import input_embedding_weight
 
-    gen = torch.Generator().manual_seed(3)
-    weight = (torch.rand(48, generator=gen) + 0.5).to(dtype)
-    x = (torch.randn(5, 7, 48, generator=gen) * 3).to(dtype)
-    grad = torch.randn(5, 7, 48, generator=gen).to(dtype)
-
-    def run(fn) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
-        module = Qwen3RMSNorm(48, eps=1e-6).to(dtype)
-        with torch.no_grad():
-            module.weight.copy_(weight)
-        out, dx = _value_and_grads(lambda xx: fn(module, xx), x, grad=grad)
-        return [out, dx, module.weight.grad]
-
-    want = run(lambda module, xx: module(xx))
-    got = run(apply_norm)
-    tol = {torch.float32: 1e-6, torch.bfloat16: 4e-3, torch.float64: 0.0}[
-        dtype
-    ]  # bf16: under one ulp (2^-8) on average
-    for name, g, w in zip(("out", "d x", "d weight"), got, want, strict=True):
-        err = float((g.double() - w.double()).norm() / w.double().norm())
-        assert err <= tol, f"{name} {dtype}: relative error {err:.3g} > {tol}"
-
-
-def test_apply_norm_calls_any_other_norm_module() -> None:
-    norm = torch.nn.LayerNorm(16)
-    x = torch.randn(3, 16)
-    assert torch.equal(apply_norm(norm, x), norm(x))
-
-
-def test_apply_rotary_equals_transformers_rotate_half_form() -> None:
-    from transformers.models.qwen3.modeling_qwen3 import rotate_half
-
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(9, 4, 16, generator=gen, dtype=torch.float64)
-    angles = torch.rand(9, 1, 8, generator=gen, dtype=torch.float64) * 20
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    signed_sin = torch.cat((-sin[..., :8], sin[..., 8:]), -1)
-    grad = torch.randn(9, 4, 16, generator=gen, dtype=torch.float64)
-    want = _value_and_grads(lambda xx: xx * cos + rotate_half(xx) * sin, x, grad=grad)
-    got = _value_and_grads(lambda xx: apply_rotary(xx, cos, signed_sin), x, grad=grad)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-14, atol=1e-14)
+    assert input_embedding_weight(tiny_qwen3()).shape == (97, 32)
+    with pytest.raises(ConfigError, match=r"Linear has no input embedding matrix \(get_input_embeddings\(\)\.weight\)"):
+        input_embedding_weight(torch.nn.Linear(2, 2))

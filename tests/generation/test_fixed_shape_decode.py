@@ -27,7 +27,7 @@ def scenario(generator: TorchGenerator, params: SamplingParams) -> list:
 
 
 def fixed_shape(generator: TorchGenerator) -> TorchGenerator:
-    generator._engine.use_fixed_step(capture=False)
+    generator._batcher.use_fixed_step(capture=False)
     return generator
 
 
@@ -59,7 +59,7 @@ def test_integer_temperature_and_top_p_decode_like_floats(make_qwen3) -> None:
     )
     ints = scenario(fixed_shape(TorchGenerator(model, max_batch=4, max_seq_len=48)), as_ints)
     assert [r.token_ids for r in ints] == [r.token_ids for r in floats]
-    step = fixed_shape(TorchGenerator(model, max_batch=2, max_seq_len=48))._engine.fixed
+    step = fixed_shape(TorchGenerator(model, max_batch=2, max_seq_len=48))._batcher.fixed
     raw = SamplingParams(temperature=0.5, top_p=0.5)
     msgspec.structs.force_setattr(raw, "temperature", 2)  # an int that bypassed the normalization
     msgspec.structs.force_setattr(raw, "top_p", 1)
@@ -76,7 +76,7 @@ def test_cuda_graph_decode_matches_transformers_and_eager(make_qwen3) -> None:
     model = make_qwen3().cuda()
     params = SamplingParams(temperature=0.0, max_new_tokens=9)
     graphs = TorchGenerator(model, max_batch=4, max_seq_len=300)
-    assert graphs._engine.run_fixed is not None
+    assert graphs._batcher.run_fixed is not None
     captured = scenario(graphs, params)
     eager = scenario(TorchGenerator(model, max_batch=4, max_seq_len=300, cuda_graphs=False), params)
     for a, b in zip(captured, eager, strict=True):
@@ -96,4 +96,4 @@ def test_cuda_graph_decode_matches_transformers_and_eager(make_qwen3) -> None:
         logits = model(torch.tensor([prompt + long.token_ids], device="cuda")).logits[0, len(prompt) - 1 : -1].double()
     expected = logits.log_softmax(-1).gather(-1, torch.tensor(long.token_ids, device="cuda")[:, None])[:, 0].cpu()
     torch.testing.assert_close(torch.tensor(long.logprobs, dtype=torch.float64), expected, atol=1e-5, rtol=0)
-    assert graphs._engine.run_fixed.captured >= 2
+    assert graphs._batcher.run_fixed.captured >= 2

@@ -305,16 +305,16 @@ def test_the_optimizer_hook_ignores_other_models_and_goes_away_with_the_generato
 
 def test_parameters_changing_mid_generation_fail_the_request(make_qwen3) -> None:
     from thundersync.errors import GenerationError
-    from thundersync.generation._engine import Engine
+    from thundersync.generation._batcher import ContinuousBatcher
 
     model = make_qwen3()
-    engine = Engine(model, slots=1, capacity=32, prefill_tokens=64, key_bucket=16)
-    engine.submit(GenerationRequest(prompt_ids=[1, 2], params=GREEDY), seed=0)
-    engine.step()
+    batcher = ContinuousBatcher(model, slots=1, capacity=32, prefill_tokens=64, key_bucket=16)
+    batcher.submit(GenerationRequest(prompt_ids=[1, 2], params=GREEDY), seed=0)
+    batcher.step()
     with torch.no_grad():
         model.lm_head.weight.add_(1.0)
     with pytest.raises(GenerationError, match="parameters changed while sequences were being generated"):
-        engine.step()
+        batcher.step()
 
 
 def test_invalid_requests_fail_with_clear_messages(make_qwen3) -> None:
@@ -356,7 +356,7 @@ def test_an_empty_prompt_is_rejected() -> None:
         GenerationRequest(prompt_ids=[])
 
 
-def test_cancelling_the_driving_request_hands_the_engine_to_the_others(make_qwen3) -> None:
+def test_cancelling_the_driving_request_hands_the_batcher_to_the_others(make_qwen3) -> None:
     model = make_qwen3()
     generator = TorchGenerator(model, max_batch=4, max_seq_len=128)
     long = GenerationRequest(prompt_ids=[1, 2, 3], params=SamplingParams(temperature=0.0, max_new_tokens=100))
@@ -366,7 +366,7 @@ def test_cancelling_the_driving_request_hands_the_engine_to_the_others(make_qwen
     async def scenario() -> None:
         async def cancelled_long() -> None:
             with anyio.move_on_after(0.05):
-                await generator.generate(long)  # the first request drives the engine
+                await generator.generate(long)  # the first request drives the batcher
 
         async def other(request: GenerationRequest) -> None:
             results.append((request.prompt_ids, await generator.generate(request)))
@@ -381,7 +381,7 @@ def test_cancelling_the_driving_request_hands_the_engine_to_the_others(make_qwen
     assert len(results) == 3
     for prompt, result in results:
         assert result.token_ids == hf_greedy(model, prompt, 12)
-    assert not generator._engine.busy
+    assert not generator._batcher.busy
 
 
 def test_releasing_a_session_drops_its_cache(make_qwen3) -> None:
@@ -424,12 +424,12 @@ def test_cancelling_a_waiting_request_never_disturbs_the_running_ones(make_qwen3
             results.append(await generator.generate(request))
 
         async with anyio.create_task_group() as group:
-            group.start_soon(keep, long)  # drives the engine in a worker thread
+            group.start_soon(keep, long)  # drives the batcher in a worker thread
             await anyio.sleep(0.001)
             with anyio.move_on_after(delay):  # cancelled while the driver's step runs
                 await generator.generate(cancelled)
             await keep(long)  # runs beside the first one, in a slot the cancelled request may have held
-        assert not generator._engine.busy and not generator._engine.sessions
+        assert not generator._batcher.busy and not generator._batcher.sessions
         return results
 
     for i in range(20):
@@ -437,11 +437,11 @@ def test_cancelling_a_waiting_request_never_disturbs_the_running_ones(make_qwen3
         assert [r.token_ids for r in results] == [expected.token_ids] * 2
 
 
-def test_an_engine_failure_raises_generation_error_in_the_driver_and_the_waiting_requests(make_qwen3) -> None:
+def test_a_batcher_failure_raises_generation_error_in_the_driver_and_the_waiting_requests(make_qwen3) -> None:
     from thundersync.errors import GenerationError
 
     generator = TorchGenerator(make_qwen3(), max_batch=1, max_seq_len=64)  # one slot: the second request waits
-    engine, decode, calls = generator._engine, generator._engine._decode, []
+    batcher, decode, calls = generator._batcher, generator._batcher._decode, []
 
     def failing_decode(running) -> None:
         calls.append(len(running))
@@ -449,7 +449,7 @@ def test_an_engine_failure_raises_generation_error_in_the_driver_and_the_waiting
             raise RuntimeError("boom in decode")
         decode(running)
 
-    engine._decode = failing_decode
+    batcher._decode = failing_decode
     caught: list[BaseException] = []
 
     async def one(prompt: list[int]) -> None:
@@ -460,7 +460,7 @@ def test_an_engine_failure_raises_generation_error_in_the_driver_and_the_waiting
 
     async def scenario() -> None:
         async with anyio.create_task_group() as group:
-            group.start_soon(one, [1, 2])  # drives the engine
+            group.start_soon(one, [1, 2])  # drives the batcher
             await anyio.lowlevel.checkpoint()
             group.start_soon(one, [3, 4])
 
@@ -469,4 +469,4 @@ def test_an_engine_failure_raises_generation_error_in_the_driver_and_the_waiting
     for error in caught:
         assert isinstance(error, GenerationError) and isinstance(error.__cause__, RuntimeError)
         assert str(error) == "generation failed: boom in decode"
-    assert not engine.busy
+    assert not batcher.busy

@@ -34,13 +34,11 @@ def _attention_inputs(dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
 def test_cpu_calls_fall_back_to_the_references_and_list_why() -> None:
     h, w = torch.randn(4, 8), torch.randn(11, 8)
     kernels.linear_logprobs(h, w, torch.zeros(4, dtype=torch.long))
-    kernels.rms_norm(h, torch.ones(8), 1e-6)
     kernels.chunk_attention(*_attention_inputs())
     caps = {c.kernel: c for c in kernels.kernel_capabilities()}
     assert caps["linear_logprobs"] == probe.Capability(
         "linear_logprobs", "cpu", "float32", "rows", False, "Triton kernels run on CUDA devices only"
     )
-    assert not caps["rms_norm"].ok
     assert caps["chunk_attention.sdpa_split"].shape_class == "head_dim=8,groups=2"
     assert caps["chunk_attention.fa4"].why == "the fa4 path runs on CUDA devices only"
     assert kernels.attention_path_counts() == {"reference": 1}
@@ -127,7 +125,7 @@ def test_profile_ranges_switch_rejects_unknown_values(monkeypatch: pytest.Monkey
     with pytest.raises(
         ConfigError, match=r"THUNDERSYNC_OPERATOR_PROFILE_RANGES='perfetto' is not one of: off, kineto, nvtx, both"
     ):
-        kernels.rms_norm(torch.ones(2, 3), torch.ones(3), 1e-6)
+        kernels.linear_logprobs(torch.ones(2, 3), torch.ones(4, 3), torch.zeros(2, dtype=torch.long))
 
 
 @pytest.mark.parametrize("mode", ["kineto", "both", "nvtx"])

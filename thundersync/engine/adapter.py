@@ -6,17 +6,15 @@ post-rotary, exactly what attention consumes), usually a detached proxy that req
 the backward of the chunk stops there and leaves the prefix's adjoint in ``proxy.grad``.
 
 Several chunks are *packed*: their tokens are concatenated into one row, so every projection,
-norm and MLP runs once over all of them, and attention runs once per layer over the pack with
-each chunk's own keys (a chunk's queries see its own prefix and, causally, its own tokens; never
-another chunk, except that a chunk may name an earlier chunk of the pack as the end of its
-prefix, e.g. a prompt packed with its branches)::
+norm and MLP of the decoder layers (:func:`~thundersync.engine.decoder.decoder_forward`) runs once
+over all of them, and attention runs once per layer over the pack with each chunk's own keys (a
+chunk's queries see its own prefix and, causally, its own tokens; never another chunk, except that
+a chunk may name an earlier chunk of the pack as the end of its prefix, e.g. a prompt packed with
+its branches)::
 
-    x      = embed(tokens)                                         [1, N, H]
-    layer: h = norm1(x);  q, k, v = proj(h) (+ q_norm/k_norm) + rotary(position)    [N, heads, D]
-           (norms and rotary in the fewer-kernel forms of ``anatomy.apply_norm``/``apply_rotary``)
-           keys = cat over chunks c of [K_prefix(c); k_c]          (likewise values)
-           a = packed_chunk_attention(q, keys, values)             chunk c: q_c over its keys, causal
-           x = x + o_proj(a);  x = x + mlp(norm2(x))
+    x = decoder_forward(tokens, positions, attention)              [N, H]
+        attention at layer l:  keys = cat over chunks c of [K_prefix(c); ancestors' rows; k_c]
+                               a = packed_chunk_attention(q, keys, values)   chunk c: q_c over its keys
     hidden = norm(x)                                               [N, H]
 
 Log-probabilities of chosen rows come from :func:`head_logprobs`: the fused
@@ -32,7 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from thundersync.engine.anatomy import DecoderAnatomy, LayerParts, apply_norm, apply_rotary, rotary_tables
+from thundersync.engine.anatomy import DecoderAnatomy
+from thundersync.engine.decoder import apply_norm, decoder_forward
 from thundersync.kernels.attention import PackedLayout, packed_chunk_attention
 
 __all__ = ["KV", "ChunkSpec", "PackOutput", "empty_prefix", "forward_pack", "head_logprobs"]
@@ -61,9 +60,6 @@ class PackOutput:
     offsets: list[int]  # chunk c occupies rows offsets[c] : offsets[c + 1]
     kv: list[list[KV]]
 
-    def rows(self, chunk: int) -> slice:
-        return slice(self.offsets[chunk], self.offsets[chunk + 1])
-
 
 def empty_prefix(anatomy: DecoderAnatomy, device: torch.device | None = None) -> list[KV]:
     """A zero-length prefix for a chunk that starts a sequence."""
@@ -73,37 +69,27 @@ def empty_prefix(anatomy: DecoderAnatomy, device: torch.device | None = None) ->
     return [(empty, empty) for _ in anatomy.layers]
 
 
-def _heads(proj: torch.Tensor, norm: nn.Module | None, head_dim: int) -> torch.Tensor:
-    """[1, N, heads * D] -> [N, heads, D] (token-major), with the per-head norm (Qwen3) when there is one."""
-    shaped = proj[0].view(proj.shape[1], -1, head_dim)
-    return apply_norm(norm, shaped) if norm is not None else shaped
+@dataclass(frozen=True)
+class _PackAttention:
+    """The engine's :class:`~thundersync.engine.decoder.LayerAttention`: each chunk's queries over its
+    prefix state, its in-pack ancestors' rows and its own rows; records each chunk's own (k, v)."""
 
+    chunks: Sequence[ChunkSpec]
+    rows: list[list[slice]]  # per chunk: rows of the pack its keys continue with (its own last)
+    layout: PackedLayout
+    scale: float
+    kv: list[list[KV]]  # filled: kv[c][layer]
 
-def _layer(
-    anatomy: DecoderAnatomy,
-    parts: LayerParts,
-    layer: int,
-    x: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    chunks: Sequence[ChunkSpec],
-    rows: list[list[slice]],
-    layout: PackedLayout,
-    kv_out: list[list[KV]],
-) -> torch.Tensor:
-    h = apply_norm(parts.input_norm, x)
-    q = apply_rotary(_heads(parts.q_proj(h), parts.q_norm, anatomy.head_dim), *rope)  # [N, Hq, D]
-    k = apply_rotary(_heads(parts.k_proj(h), parts.k_norm, anatomy.head_dim), *rope)  # [N, Hkv, D]
-    v = _heads(parts.v_proj(h), None, anatomy.head_dim)
-    keys, values = [], []  # per chunk, in order: its prefix state, then its rows of this pack
-    for chunk, spans, out in zip(chunks, rows, kv_out):
-        k_p, v_p = chunk.prefix[layer]
-        keys += [k_p.transpose(0, 1), *(k[span] for span in spans)]
-        values += [v_p.transpose(0, 1), *(v[span] for span in spans)]
-        own = spans[-1]
-        out.append((k[own].transpose(0, 1), v[own].transpose(0, 1)))
-    attn = packed_chunk_attention(q, torch.cat(keys), torch.cat(values), layout, scale=anatomy.scaling)
-    x = x + parts.o_proj(attn.view(*x.shape[:-1], -1))
-    return x + parts.mlp(apply_norm(parts.post_norm, x))
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = [], []  # per chunk, in order: its prefix state, then its rows of this pack
+        for chunk, spans, out in zip(self.chunks, self.rows, self.kv):
+            k_p, v_p = chunk.prefix[layer]
+            keys += [k_p.transpose(0, 1), *(k[span] for span in spans)]
+            values += [v_p.transpose(0, 1), *(v[span] for span in spans)]
+            own = spans[-1]
+            out.append((k[own].transpose(0, 1), v[own].transpose(0, 1)))
+        attn = packed_chunk_attention(q, torch.cat(keys), torch.cat(values), self.layout, scale=self.scale)
+        return attn.view(q.shape[0], -1)
 
 
 def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec]) -> PackOutput:
@@ -111,7 +97,7 @@ def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec]) -> PackOu
     offsets = [0]
     for chunk in chunks:
         offsets.append(offsets[-1] + int(chunk.tokens.numel()))
-    tokens = torch.cat([chunk.tokens for chunk in chunks])[None]
+    tokens = torch.cat([chunk.tokens for chunk in chunks])
     device = tokens.device
     positions = torch.cat([torch.arange(c.start, c.start + c.tokens.numel(), device=device) for c in chunks])
     # Rows of this pack that each chunk's keys continue with after its prefix: its in-pack
@@ -125,12 +111,10 @@ def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec]) -> PackOu
         int(c.prefix[0][0].shape[1]) + sum(r.stop - r.start for r in spans) for c, spans in zip(chunks, rows)
     ]
     layout = PackedLayout([int(c.tokens.numel()) for c in chunks], key_lengths, device)
-    x = anatomy.embed(tokens)
-    rope = rotary_tables(anatomy, x, positions)  # [N, 1, D] each: broadcast over heads
     kv: list[list[KV]] = [[] for _ in chunks]
-    for index, parts in enumerate(anatomy.layers):
-        x = _layer(anatomy, parts, index, x, rope, chunks, rows, layout, kv)
-    return PackOutput(hidden=apply_norm(anatomy.norm, x)[0], offsets=offsets, kv=kv)
+    attention = _PackAttention(chunks, rows, layout, anatomy.scaling, kv)
+    x = decoder_forward(anatomy, tokens, positions, attention)
+    return PackOutput(hidden=apply_norm(anatomy.norm, x), offsets=offsets, kv=kv)
 
 
 def head_logprobs(anatomy: DecoderAnatomy, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

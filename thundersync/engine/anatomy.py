@@ -13,13 +13,7 @@ the head. The layout is the one transformers uses for Qwen3, Qwen2 and Llama::
 A peft model is unwrapped with ``get_base_model()``; its wrapped Linear layers apply their
 adapters when called, so LoRA needs nothing special.
 
-Two parts are computed with fewer kernels than their modules launch, with the same arithmetic
-(each eager op costs a fixed 20-60 µs of host time on the H200 machine, which a small pack pays
-many times per layer): transformers' RMSNorm, ``weight * rmsnorm_fp32(x).to(dtype)`` with both
-roundings, becomes ``F.rms_norm`` and a multiply (:func:`apply_norm`; 2 kernels instead of 7-8),
-and the rotary embedding ``x cos + rotate_half(x) sin`` becomes
-``addcmul(x cos, roll(x, D/2), sin')`` with ``sin' = (-sin[:D/2], sin[D/2:])``
-(:func:`rotary_tables`, :func:`apply_rotary`; 3 kernels instead of 6).
+The per-layer math over these parts is :mod:`thundersync.engine.decoder`.
 
     >>> anatomy = decoder_anatomy(model)        # doctest: +SKIP
     >>> anatomy.num_kv_heads, anatomy.head_dim  # doctest: +SKIP
@@ -28,28 +22,18 @@ and the rotary embedding ``x cos + rotate_half(x) sin`` becomes
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from thundersync.errors import ConfigError
 
-__all__ = [
-    "DecoderAnatomy",
-    "LayerParts",
-    "apply_norm",
-    "apply_rotary",
-    "decoder_anatomy",
-    "rotary_tables",
-    "unwrap_peft",
-]
+__all__ = ["DecoderAnatomy", "LayerParts", "decoder_anatomy", "input_embedding_weight", "unwrap_peft"]
 
 _DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-# Norm classes known to compute ``weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(dtype)``.
-_PLAIN_RMS_NORMS = frozenset({"Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm"})
 
 
 @dataclass(frozen=True)
@@ -104,6 +88,30 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def input_embedding_weight(causal_lm: nn.Module) -> torch.Tensor:
+    """The token-embedding matrix [V, H] of a transformers model (``get_input_embeddings()``, so also
+    when peft wraps the embedding)."""
+    get = getattr(causal_lm, "get_input_embeddings", None)
+    weight = getattr(get() if callable(get) else None, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise ConfigError(
+            f"{type(causal_lm).__name__} has no input embedding matrix (get_input_embeddings().weight); "
+            "pass a transformers causal LM"
+        )
+    return weight
+
+
+def _module(owner: nn.Module, name: str) -> nn.Module:
+    """``owner.<name>``, which the caller checked exists, as a module."""
+    part = getattr(owner, name)
+    if not isinstance(part, nn.Module):
+        raise ConfigError(
+            f"{type(owner).__name__}.{name} is a {type(part).__name__}, not a torch module; the engine "
+            "supports the transformers layout of Qwen3, Qwen2 and Llama"
+        )
+    return part
+
+
 def _layer_parts(index: int, layer: nn.Module) -> LayerParts:
     missing = [name for name in _LAYER_PARTS if not hasattr(layer, name)]
     attention = getattr(layer, "self_attn", None)
@@ -115,17 +123,17 @@ def _layer_parts(index: int, layer: nn.Module) -> LayerParts:
             f"decoder layer {index} ({type(layer).__name__}) lacks {', '.join(missing)}; the engine "
             "supports the transformers layout of Qwen3, Qwen2 and Llama"
         )
-    assert attention is not None
+    attention = _module(layer, "self_attn")
     return LayerParts(
-        input_norm=layer.input_layernorm,
-        q_proj=attention.q_proj,
-        k_proj=attention.k_proj,
-        v_proj=attention.v_proj,
-        o_proj=attention.o_proj,
-        q_norm=getattr(attention, "q_norm", None),
-        k_norm=getattr(attention, "k_norm", None),
-        post_norm=layer.post_attention_layernorm,
-        mlp=layer.mlp,
+        input_norm=_module(layer, "input_layernorm"),
+        q_proj=_module(attention, "q_proj"),
+        k_proj=_module(attention, "k_proj"),
+        v_proj=_module(attention, "v_proj"),
+        o_proj=_module(attention, "o_proj"),
+        q_norm=None if getattr(attention, "q_norm", None) is None else _module(attention, "q_norm"),
+        k_norm=None if getattr(attention, "k_norm", None) is None else _module(attention, "k_norm"),
+        post_norm=_module(layer, "post_attention_layernorm"),
+        mlp=_module(layer, "mlp"),
     )
 
 
@@ -155,7 +163,7 @@ def decoder_anatomy(model: nn.Module) -> DecoderAnatomy:
             f"cannot find the decoder of {type(causal_lm).__name__}: expected `.model` with "
             f"{', '.join(_DECODER_PARTS)} and `.lm_head` (the transformers layout of Qwen3, Qwen2 and Llama)"
         )
-    config = causal_lm.config
+    config: Any = causal_lm.config  # a transformers PretrainedConfig
     _check_supported(config)
     num_heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
@@ -166,35 +174,10 @@ def decoder_anatomy(model: nn.Module) -> DecoderAnatomy:
         layers=tuple(_layer_parts(i, layer) for i, layer in enumerate(decoder.layers)),
         norm=decoder.norm,
         rotary=decoder.rotary_emb,
-        head=causal_lm.lm_head,
+        head=_module(causal_lm, "lm_head"),
         num_heads=num_heads,
         num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
         head_dim=head_dim,
-        vocab_size=int(causal_lm.get_input_embeddings().weight.shape[0]),  # also under peft wrappers
+        vocab_size=int(input_embedding_weight(causal_lm).shape[0]),  # also under peft wrappers
         scaling=float(getattr(first_attention, "scaling", head_dim**-0.5)),
     )
-
-
-def apply_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``; a plain transformers RMSNorm as ``F.rms_norm`` and a multiply (same roundings).
-
-    fp64 inputs call the module: it normalizes in fp32, where ``F.rms_norm`` would use fp64.
-    """
-    if type(module).__name__ not in _PLAIN_RMS_NORMS or x.dtype == torch.float64:
-        return module(x)
-    return module.weight * F.rms_norm(x, (x.shape[-1],), None, module.variance_epsilon)
-
-
-def rotary_tables(
-    anatomy: DecoderAnatomy, x: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin') [N, 1, D] for positions [N] (``x`` gives the dtype and device), for :func:`apply_rotary`."""
-    cos, sin = anatomy.rotary(x, positions[None])
-    half = sin.shape[-1] // 2
-    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-    return cos[0, :, None], signed_sin[0, :, None]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """The rotary embedding of x [N, heads, D], as transformers applies it (see the module docstring)."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

@@ -31,15 +31,14 @@ class FixedStep:
     """Device-resident decode state of ``slots`` sequences and the step that advances it."""
 
     def __init__(self, decode: DecodeFn, slots: int, device: torch.device) -> None:
-        long = {"dtype": torch.long, "device": device}
         self._decode = decode
-        self.tokens = torch.zeros(slots, **long)  # type: ignore[arg-type]
-        self.positions = torch.zeros(slots, **long)  # type: ignore[arg-type]
-        self.active = torch.zeros(slots, **long)  # type: ignore[arg-type]
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=device)
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)
+        self.active = torch.zeros(slots, dtype=torch.long, device=device)
         self.temperature = torch.ones(slots, device=device)
-        self.top_k = torch.zeros(slots, **long)  # type: ignore[arg-type]
+        self.top_k = torch.zeros(slots, dtype=torch.long, device=device)
         self.top_p = torch.ones(slots, device=device)
-        self.seed = torch.zeros(slots, **long)  # type: ignore[arg-type]
+        self.seed = torch.zeros(slots, dtype=torch.long, device=device)
         self.sampling_logprobs = torch.zeros(slots, dtype=torch.bool, device=device)
         self.logprobs = torch.zeros(slots, device=device)
         self._changes: dict[int, tuple[int, int, SamplingParams, int] | None] = {}
@@ -106,7 +105,7 @@ class CapturedStep:
         # position, which the replay rewrites.
         state = (self.step.tokens, self.step.positions, self.step.logprobs)
         saved = [t.clone() for t in state]
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch.cuda.Stream.__new__ is unannotated
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):

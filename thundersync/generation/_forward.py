@@ -1,4 +1,8 @@
-"""The decoder forward pass over a :class:`KVCache`, calling the model's own submodules.
+"""The decoder forward pass over a :class:`KVCache`: the engine's decoder layers, keys kept in the cache.
+
+The per-layer math is :func:`thundersync.engine.decoder.decoder_forward`; this module supplies
+its attention, :class:`CacheAttention`, which writes the new tokens' keys/values into the cache and
+attends over the slot's cached keys.
 
 Tokens come packed: ``tokens``, ``positions`` and ``slots`` are [T] tensors, one entry per token
 whose keys/values are computed now. Attention is laid out in rows: row r is a run of ``Q`` query
@@ -12,21 +16,24 @@ Grouped-query attention is computed without copying keys: the G = heads / kv_hea
 that share a key head are stacked along the query axis. Decoding (one query per row) takes a
 shorter path of four kernels (``baddbmm`` with the mask as bias, softmax, cast, ``bmm``).
 
-Kernel count matters when decoding (each step is hundreds of tiny kernels), so norms and the
-rotary embedding take the engine's fewer-kernel forms (:func:`~thundersync.engine.anatomy.apply_norm`,
-:func:`~thundersync.engine.anatomy.apply_rotary`), with the same arithmetic as the modules.
+The fixed-shape decode step calls :func:`forward_hidden` inside a CUDA-graph capture: nothing
+here reads a device value back to the host or branches on one; shapes depend only on ``rows``
+(Python ints and the shapes of its tensors).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from thundersync.engine.anatomy import DecoderAnatomy, LayerParts, apply_norm, apply_rotary, rotary_tables
+from thundersync.engine.anatomy import DecoderAnatomy
+from thundersync.engine.decoder import apply_norm, decoder_forward
 from thundersync.generation._kv_cache import KVCache
 
-__all__ = ["Rows", "forward_hidden", "logits_of"]
+__all__ = ["CacheAttention", "PrefillBatch", "Rows", "forward_hidden", "logits_of", "pack_prefill"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,48 @@ class Rows:
     pad_index: torch.Tensor | None  # [R, Q] into the packed tokens; None when Q == 1 and R == T
     unpad_index: torch.Tensor | None  # [T] into the flattened [R * Q]
     key_len: int  # keys 0..key_len-1 are read
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """Prompt segments packed for one :func:`forward_hidden` call."""
+
+    tokens: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T]
+    rows: Rows  # one row per segment, Q = the longest segment
+    last: torch.Tensor  # [R] index into the packed tokens of each segment's last token
+
+
+def pack_prefill(segments: Sequence[tuple[int, int, Sequence[int]]], device: torch.device) -> PrefillBatch:
+    """Pack (slot, start position, tokens) segments, each a row of its slot's attention."""
+    qlen = max(len(seg) for _, _, seg in segments)
+    tokens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    pad: list[list[int]] = []
+    row_pos: list[list[int]] = []
+    unpad: list[int] = []
+    for r, (slot, start, seg) in enumerate(segments):
+        pad.append([len(tokens) + i if i < len(seg) else 0 for i in range(qlen)])
+        row_pos.append([start + i if i < len(seg) else 0 for i in range(qlen)])
+        unpad.extend(r * qlen + i for i in range(len(seg)))
+        tokens += seg
+        positions += range(start, start + len(seg))
+        slots += [slot] * len(seg)
+
+    def as_long(values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    rows = Rows(
+        slots=as_long([slot for slot, _, _ in segments]),
+        positions=as_long(row_pos),
+        pad_index=as_long(pad),
+        unpad_index=as_long(unpad),
+        key_len=max(start + len(seg) for _, start, seg in segments),
+    )
+    last = as_long([end - 1 for end in itertools.accumulate(len(seg) for _, _, seg in segments)])
+    return PrefillBatch(as_long(tokens), as_long(positions), as_long(slots), rows, last)
 
 
 def _attend_rows(an: DecoderAnatomy, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> torch.Tensor:
@@ -82,33 +131,23 @@ def _decode_bias(an: DecoderAnatomy, rows: Rows, dtype: torch.dtype) -> torch.Te
     return bias.repeat_interleave(an.num_kv_heads, dim=0)
 
 
-def _layer(
-    an: DecoderAnatomy,
-    index: int,
-    h: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    cache: KVCache,
-    slots: torch.Tensor,
-    positions: torch.Tensor,
-    rows: Rows,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
-    layer: LayerParts = an.layers[index]
-    x = apply_norm(layer.input_norm, h)
-    t = x.shape[0]
-    q = layer.q_proj(x).view(t, an.num_heads, an.head_dim)
-    k = layer.k_proj(x).view(t, an.num_kv_heads, an.head_dim)
-    v = layer.v_proj(x).view(t, an.num_kv_heads, an.head_dim)
-    if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3
-        q, k = apply_norm(layer.q_norm, q), apply_norm(layer.k_norm, k)
-    q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-    cache.write(index, slots, positions, k, v)
-    keys, values = cache.read(index, rows.slots, rows.key_len)
-    attended = (
-        _attend_decode(an, q, keys, values, bias) if bias is not None else _attend_rows(an, q, keys, values, rows)
-    )
-    h = h + layer.o_proj(attended)
-    return h + layer.mlp(apply_norm(layer.post_norm, h))
+class CacheAttention:
+    """The generator's :class:`~thundersync.engine.decoder.LayerAttention`: new keys/values enter
+    ``cache`` at (``slots``, ``positions``), queries attend over their slot's cached keys."""
+
+    def __init__(
+        self, an: DecoderAnatomy, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor, rows: Rows
+    ) -> None:
+        self.an, self.cache, self.slots, self.positions, self.rows = an, cache, slots, positions, rows
+        one_query = rows.pad_index is None
+        self.bias = _decode_bias(an, rows, an.dtype) if one_query else None
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.cache.write(layer, self.slots, self.positions, k, v)
+        keys, values = self.cache.read(layer, self.rows.slots, self.rows.key_len)
+        if self.bias is not None:
+            return _attend_decode(self.an, q, keys, values, self.bias)
+        return _attend_rows(self.an, q, keys, values, self.rows)
 
 
 def forward_hidden(
@@ -119,16 +158,11 @@ def forward_hidden(
     slots: torch.Tensor,
     rows: Rows,
 ) -> torch.Tensor:
-    """Final hidden states [T, hidden] of the packed tokens; their keys/values enter the cache."""
-    h = an.embed(tokens)
-    rope = rotary_tables(an, h, positions)  # [T, 1, D] each
-    one_query = rows.pad_index is None
-    bias = _decode_bias(an, rows, h.dtype) if one_query else None
-    for index in range(len(an.layers)):
-        h = _layer(an, index, h, rope, cache, slots, positions, rows, bias)
-    return h
+    """Hidden states [T, hidden] (before the final norm) of the packed tokens; their keys/values enter the cache."""
+    return decoder_forward(an, tokens, positions, CacheAttention(an, cache, slots, positions, rows))
 
 
 def logits_of(an: DecoderAnatomy, hidden: torch.Tensor) -> torch.Tensor:
-    """fp32 logits [N, V] of final hidden states [N, hidden]."""
-    return an.head(apply_norm(an.norm, hidden)).float()
+    """fp32 logits [N, V] of hidden states [N, hidden] before the final norm."""
+    logits: torch.Tensor = an.head(apply_norm(an.norm, hidden))
+    return logits.float()

@@ -20,9 +20,8 @@ class KVCache:
 
     def __init__(self, anatomy: DecoderAnatomy, slots: int, capacity: int) -> None:
         shape = (len(anatomy.layers), slots, anatomy.num_kv_heads, capacity + 1, anatomy.head_dim)
-        options = {"dtype": anatomy.dtype, "device": anatomy.device}
-        self.k = torch.zeros(shape, **options)  # type: ignore[arg-type]
-        self.v = torch.zeros(shape, **options)  # type: ignore[arg-type]
+        self.k = torch.zeros(shape, dtype=anatomy.dtype, device=anatomy.device)
+        self.v = torch.zeros(shape, dtype=anatomy.dtype, device=anatomy.device)
         self.slots = slots
         self.capacity = capacity
 
@@ -41,4 +40,4 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return 2 * self.k.numel() * int(self.k.element_size())

@@ -11,6 +11,7 @@ non-LoRA peft methods, LoRA on an embedding tied to the output head) raise
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 from torch import nn
@@ -18,10 +19,14 @@ from torch import nn
 from thundersync.engine.anatomy import unwrap_peft
 from thundersync.errors import BackendCapabilityError
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+
 __all__ = ["is_peft_model", "merged_weights"]
 
 
-def is_peft_model(model: nn.Module) -> bool:
+def is_peft_model(model: nn.Module) -> TypeGuard[PeftModel]:
+    """Whether ``model`` is a peft ``PeftModel`` (told by its ``get_base_model``; peft need not be imported)."""
     return callable(getattr(model, "get_base_model", None))
 
 
@@ -36,8 +41,8 @@ def _active_lora(path: str, module: nn.Module) -> list[str]:
         return []  # already inside the base weight, or not applied
     adapters = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]  # type: ignore[union-attr, operator]
     for adapter in adapters:
-        variant = getattr(module, "lora_variant", {}).get(adapter)  # type: ignore[union-attr, operator]
-        if variant is not None or getattr(module, "lora_bias", {}).get(adapter, False):  # type: ignore[union-attr, operator]
+        variant = getattr(module, "lora_variant", {}).get(adapter)
+        if variant is not None or getattr(module, "lora_bias", {}).get(adapter, False):
             kind = type(variant).__name__ if variant is not None else "lora_bias"
             raise BackendCapabilityError(
                 f"adapter {adapter!r} on {path!r} uses {kind}, whose merged weights are not W + B A; "

@@ -36,7 +36,7 @@ import anyio.to_thread
 from torch import nn
 
 from thundersync.errors import ConfigError, GenerationError
-from thundersync.generation._engine import Engine, Ticket
+from thundersync.generation._batcher import ContinuousBatcher, Ticket
 from thundersync.generation.base import GenerationRequest, GenerationResult
 
 __all__ = ["TorchGenerator"]
@@ -50,7 +50,7 @@ class TorchGenerator:
     in one step (a single longer prompt is prefilled alone). ``cuda_graphs`` defaults to "on when the model is on CUDA". ``seed`` seeds the
     per-request seeds of requests that do not set one.
 
-    No background task: one of the concurrent ``await generate(...)`` calls drives the engine
+    No background task: one of the concurrent ``await generate(...)`` calls drives the batcher
     (one step at a time in a worker thread, so the event loop stays responsive) until its own
     request is done, then hands over to a waiting one; a request is woken only when it finishes.
 
@@ -73,29 +73,29 @@ class TorchGenerator:
                 f"need max_batch >= 1, max_seq_len >= 2 and prefill_tokens >= 1; got "
                 f"max_batch={max_batch}, max_seq_len={max_seq_len}, prefill_tokens={prefill_tokens}"
             )
-        self._engine = Engine(
+        self._batcher = ContinuousBatcher(
             model, slots=max_batch, capacity=max_seq_len, prefill_tokens=prefill_tokens, key_bucket=128
         )
-        device = self._engine.anatomy.device
+        device = self._batcher.anatomy.device
         if cuda_graphs is None:
             cuda_graphs = device.type == "cuda"
         if cuda_graphs:
             if device.type != "cuda":
                 raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, it is on {device}")
-            self._engine.use_fixed_step(capture=True)
+            self._batcher.use_fixed_step(capture=True)
         self._seeds = random.Random(seed)
-        self._driver: Ticket | None = None  # the request whose task steps the engine now
+        self._driver: Ticket | None = None  # the request whose task steps the batcher now
         self._wakes: dict[Ticket, anyio.Event] = {}  # waiting requests
-        self._changes: deque[Callable[[], None]] = deque()  # engine changes queued for the driver
+        self._changes: deque[Callable[[], None]] = deque()  # batcher changes queued for the driver
         self._sessions: set[int | str] = set()  # sessions with a request in flight
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate a continuation of ``request.prompt_ids`` (see the class docstring).
 
-        Raises :class:`~thundersync.errors.GenerationError`, the cause chained, when the engine
+        Raises :class:`~thundersync.errors.GenerationError`, the cause chained, when the batcher
         fails, whether this request was driving it or waiting.
         """
-        self._engine.check(request)
+        self._batcher.check(request)
         session = request.session_id
         if session is not None and session in self._sessions:
             raise ConfigError(f"session {session!r} already has a request in flight; await it first")
@@ -106,7 +106,7 @@ class TorchGenerator:
         if session is not None:
             self._sessions.add(session)
         try:
-            self._apply(lambda: self._engine.enqueue(ticket))
+            self._apply(lambda: self._batcher.enqueue(ticket))
             while not ticket.done:
                 if self._driver is None:
                     await self._drive(ticket)
@@ -114,7 +114,7 @@ class TorchGenerator:
                     self._wakes[ticket] = wake = anyio.Event()
                     await wake.wait()
         except BaseException:
-            self._apply(lambda: self._engine.cancel(ticket))
+            self._apply(lambda: self._batcher.cancel(ticket))
             raise
         finally:
             self._sessions.discard(session)
@@ -127,7 +127,7 @@ class TorchGenerator:
 
     def release(self, session_id: int | str) -> None:
         """Drop the cached prefix of a session that will not continue."""
-        self._apply(lambda: self._engine.release(session_id))
+        self._apply(lambda: self._batcher.release(session_id))
 
     def invalidate(self) -> None:
         """Drop every cached prefix: call after changing weights in a way torch does not version.
@@ -136,17 +136,17 @@ class TorchGenerator:
         without it; writes through ``.data`` (``param.data.add_(...)``, ``param.data = ...``,
         loading a state dict into ``.data``) are not. A request generating meanwhile fails.
         """
-        self._engine.invalidate()
+        self._batcher.invalidate()
 
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes held by the preallocated KV cache."""
-        return self._engine.cache.nbytes
+        return self._batcher.cache.nbytes
 
     def _apply(self, change: Callable[[], None]) -> None:
-        """Change the engine now if no step can be running, else before the driver's next step.
+        """Change the batcher now if no step can be running, else before the driver's next step.
 
-        The engine is not thread-safe and a driver steps it in a worker thread, so other tasks
+        The batcher is not thread-safe and a driver steps it in a worker thread, so other tasks
         never touch it while a driver is active.
         """
         if self._driver is None:
@@ -159,7 +159,7 @@ class TorchGenerator:
             self._changes.popleft()()
 
     async def _drive(self, ticket: Ticket) -> None:
-        """Step the engine until ``ticket`` is done, waking each request that finishes."""
+        """Step the batcher until ``ticket`` is done, waking each request that finishes."""
         self._driver = ticket
         try:
             while not ticket.done:
@@ -175,18 +175,18 @@ class TorchGenerator:
             self._driver = None
 
     def _step(self) -> None:
-        """One engine step; an error fails every request in flight, the driver's included, so
+        """One batcher step; an error fails every request in flight, the driver's included, so
         each of them raises GenerationError from it."""
         try:
-            self._engine.step()
+            self._batcher.step()
         except Exception as error:
-            self._engine.fail_all(error)
+            self._batcher.fail_all(error)
         except BaseException as error:
-            self._engine.fail_all(error)
+            self._batcher.fail_all(error)
             raise
 
     def _hand_off(self) -> None:
-        """With no driver, wake one waiting request so that it drives the engine."""
+        """With no driver, wake one waiting request so that it drives the batcher."""
         if self._driver is not None:
             return
         for waiting, wake in self._wakes.items():

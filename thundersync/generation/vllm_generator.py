@@ -28,7 +28,7 @@ import os
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -36,10 +36,13 @@ import torch
 from torch import nn
 
 from thundersync._logging import get_logger
-from thundersync.engine.anatomy import unwrap_peft
+from thundersync.engine.anatomy import input_embedding_weight, unwrap_peft
 from thundersync.errors import BackendCapabilityError, GenerationError, MissingExtraError
 from thundersync.generation._peft_weights import is_peft_model, merged_weights
-from thundersync.generation.base import GenerationRequest, GenerationResult, LogprobMode
+from thundersync.generation.base import FinishReason, GenerationRequest, GenerationResult, LogprobMode
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 __all__ = ["VLLMGenerator"]
 
@@ -73,7 +76,7 @@ def _with_tied_head(
         and "lm_head.weight" not in sent
         and embedding in sent
     ):
-        yield "lm_head.weight", unwrap_peft(model).get_input_embeddings().weight.detach()
+        yield "lm_head.weight", input_embedding_weight(unwrap_peft(model)).detach()
 
 
 class _Pending:
@@ -216,7 +219,7 @@ class VLLMGenerator:
         completion = output.outputs[0]
         tokens = list(completion.token_ids)
         logprobs = [step[token].logprob for token, step in zip(tokens, completion.logprobs or [], strict=True)]
-        reason = "stop" if tokens and tokens[-1] in request.params.stop_token_ids else "length"
+        reason: FinishReason = "stop" if tokens and tokens[-1] in request.params.stop_token_ids else "length"
         return GenerationResult(
             token_ids=tokens,
             logprobs=logprobs,
@@ -249,14 +252,14 @@ class VLLMGenerator:
             await anyio.to_thread.run_sync(self._reload, _with_tied_head(model, merged_weights(model)))
         _log.info("vllm_weights_synced", policy_version=self.policy_version, lora_only=self._lora is not None)
 
-    def _publish_adapter(self, model: nn.Module) -> None:
+    def _publish_adapter(self, model: PeftModel) -> None:
         from vllm.lora.request import LoRARequest
 
         if self._lora_dir is None:
             self._lora_dir = tempfile.TemporaryDirectory(prefix="thundersync-lora-")
         self.policy_version += 1
         path = Path(self._lora_dir.name) / f"v{self.policy_version}"
-        model.save_pretrained(path)  # peft saves the adapter only
+        model.save_pretrained(str(path))  # peft saves the adapter only
         self._lora = LoRARequest(f"policy-v{self.policy_version}", self.policy_version, str(path))
         self.llm.reset_prefix_cache()
 

@@ -4,8 +4,7 @@
   output head, chunked, never the full [N, V] logits;
 - :func:`chunk_attention`: a chunk's queries over a prefix state plus the chunk (causal), through
   FA4, flash varlen, the split SDPA form, flex attention, one masked SDPA call, or the reference;
-  :func:`packed_chunk_attention` for every chunk of a pack at once (one varlen call);
-- :func:`rms_norm`, :func:`lora_linear`, :func:`reduce_adjoints`.
+  :func:`packed_chunk_attention` for every chunk of a pack at once (one varlen call).
 
 On CPU every function runs its pure-torch reference. ``THUNDERSYNC_FA4`` and
 ``THUNDERSYNC_OPERATOR_PROFILE_RANGES`` are described in ``thundersync.kernels._env``.
@@ -13,7 +12,6 @@ On CPU every function runs its pure-torch reference. ``THUNDERSYNC_FA4`` and
 
 from __future__ import annotations
 
-from thundersync.kernels.adjoints import reduce_adjoints
 from thundersync.kernels.attention import (
     ATTENTION_PATHS,
     PackedLayout,
@@ -23,8 +21,6 @@ from thundersync.kernels.attention import (
     reset_attention_path_counts,
 )
 from thundersync.kernels.logprobs import linear_logprobs
-from thundersync.kernels.lora import lora_linear
-from thundersync.kernels.norm import rms_norm
 from thundersync.kernels.probe import Capability, clear_capabilities, kernel_capabilities
 
 __all__ = [
@@ -36,9 +32,6 @@ __all__ = [
     "clear_capabilities",
     "kernel_capabilities",
     "linear_logprobs",
-    "lora_linear",
     "packed_chunk_attention",
-    "reduce_adjoints",
     "reset_attention_path_counts",
-    "rms_norm",
 ]

@@ -36,6 +36,7 @@ class _VarlenAttention(torch.autograd.Function):
         scale: float,
     ) -> torch.Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out: torch.Tensor
         out, lse, rng, unused, _ = _aten._flash_attention_forward(
             q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
         )

@@ -26,7 +26,6 @@ __all__ = [
     "kernel_capabilities",
     "probe",
     "record",
-    "triton_usable",
     "use_triton",
 ]
 
@@ -100,23 +99,15 @@ def probe(
     return cap
 
 
-def triton_usable(kernel: str, device: torch.device, dtype: torch.dtype, shape_class: str) -> Capability | None:
-    """``None`` when a Triton kernel could run here (so it should be probed), else the cached refusal."""
-    if device.type != "cuda":
-        return record(kernel, device, dtype, shape_class, False, "Triton kernels run on CUDA devices only")
-    if importlib.util.find_spec("triton") is None:
-        return record(
-            kernel, device, dtype, shape_class, False, "triton is not installed: pip install 'thundersync[kernels]'"
-        )
-    return None
-
-
 def use_triton(
     kernel: str, device: torch.device, dtype: torch.dtype, shape_class: str, trial: Callable[[], None]
 ) -> bool:
     """Whether the Triton ``kernel`` may serve this call: CUDA, triton importable, and its trial passed."""
-    if triton_usable(kernel, device, dtype, shape_class) is not None:
-        return False
+    if device.type != "cuda":
+        return record(kernel, device, dtype, shape_class, False, "Triton kernels run on CUDA devices only").ok
+    if importlib.util.find_spec("triton") is None:
+        why = "triton is not installed: pip install 'thundersync[kernels]'"
+        return record(kernel, device, dtype, shape_class, False, why).ok
     return probe(kernel, device, dtype, shape_class, trial).ok
 
 

@@ -1,38 +1,38 @@
-"""The synchronous core of :class:`TorchGenerator`: slots, admission, prefill, decode, sampling.
+"""The synchronous core of :class:`TorchGenerator`: continuous batching over KV-cache slots.
 
-One :meth:`Engine.step` admits waiting requests into free slots and prefills them (packed in one
-forward pass), then decodes one token for every running sequence. A sequence that finishes leaves
-its slot at once, so the next step refills it (continuous batching). A sequence with a
-``session_id`` keeps its slot and cache when it finishes ("parked": no compute) until the session
-continues, is released, or its slot is needed by a waiting request (least recently used first).
+One :meth:`ContinuousBatcher.step` admits waiting requests into free slots and prefills them
+(packed in one forward pass), then decodes one token for every running sequence. A sequence that
+finishes leaves its slot at once, so the next step refills it (continuous batching). A sequence
+with a ``session_id`` keeps its slot and cache when it finishes ("parked": no compute) until the
+session continues, is released, or its slot is needed by a waiting request (least recently used
+first). Cached prefixes are dropped when the weights change (:mod:`._weights_watch`).
 """
 
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from thundersync.engine.anatomy import decoder_anatomy
 from thundersync.errors import ConfigError, GenerationError
 from thundersync.generation._fixed_step import CapturedStep, FixedStep
-from thundersync.generation._forward import Rows, forward_hidden, logits_of
+from thundersync.generation._forward import Rows, forward_hidden, logits_of, pack_prefill
 from thundersync.generation._kv_cache import KVCache
 from thundersync.generation._sampling import RowParams, sample
-from thundersync.generation.base import GenerationRequest, GenerationResult
+from thundersync.generation._weights_watch import WeightsWatch
+from thundersync.generation.base import FinishReason, GenerationRequest, GenerationResult, SamplingParams
 
-__all__ = ["Engine", "Ticket"]
+__all__ = ["ContinuousBatcher", "Ticket"]
 
 
 @dataclass(eq=False)
 class Ticket:
-    """One request inside the engine, from submission until its result or error."""
+    """One request inside the batcher, from submission until its result or error."""
 
     request: GenerationRequest
     seed: int
@@ -56,24 +56,15 @@ class _Slot:
     last_used: int = 0
 
 
-def _invalidate_on_optimizer_steps(engine: Engine) -> None:
-    """Invalidate ``engine`` after every optimizer step over its model's parameters.
+def _ticket(slot: _Slot) -> Ticket:
+    """The ticket of a slot that the caller knows is running one."""
+    assert slot.ticket is not None, f"slot {slot.index} holds no request"
+    return slot.ticket
 
-    Fused optimizers write the parameters without bumping their ``_version``. The global hook holds
-    the engine weakly and is removed when the engine is garbage-collected.
-    """
-    engine_ref = weakref.ref(engine)
 
-    def after_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-        live = engine_ref()
-        if live is None:
-            return
-        mine = {id(p) for p in live.model.parameters()}
-        if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
-            live.invalidate()
-
-    handle = register_optimizer_step_post_hook(after_step)
-    weakref.finalize(engine, handle.remove)
+def _filtered(params: SamplingParams) -> bool:
+    """Whether top-k or top-p restricts the sampling distribution."""
+    return params.top_k > 0 or params.top_p < 1.0
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -87,11 +78,10 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 StepFn = Callable[[int, bool], tuple[torch.Tensor, torch.Tensor]]
 
 
-class Engine:
+class ContinuousBatcher:
     """Continuous batching over a fixed set of KV-cache slots (not thread-safe: one driver)."""
 
     def __init__(self, model: nn.Module, *, slots: int, capacity: int, prefill_tokens: int, key_bucket: int) -> None:
-        self.model = model
         self.anatomy = decoder_anatomy(model)
         self.cache = KVCache(self.anatomy, slots, capacity)
         self.slots = [_Slot(i) for i in range(slots)]
@@ -103,9 +93,7 @@ class Engine:
         self.run_fixed: StepFn | None = None
         self._clock = itertools.count(1)
         self._finished: list[Ticket] = []
-        self._unversioned_changes = 0  # see invalidate
-        self._weights = self._weights_version()
-        _invalidate_on_optimizer_steps(self)
+        self.weights = WeightsWatch(model)
 
     def use_fixed_step(self, *, capture: bool) -> None:
         """Decode every slot with device-resident state (:mod:`._fixed_step`), CUDA graphs if ``capture``."""
@@ -115,7 +103,7 @@ class Engine:
     # --- requests ------------------------------------------------------------------------------
 
     def check(self, request: GenerationRequest) -> None:
-        """Raise ConfigError when ``request`` can never be served (independent of the engine's state)."""
+        """Raise ConfigError when ``request`` can never be served (independent of the batcher's state)."""
         prompt = request.prompt_ids
         if len(prompt) >= self.cache.capacity:
             raise ConfigError(
@@ -194,16 +182,11 @@ class Engine:
     def invalidate(self) -> None:
         """Treat the weights as changed: the next step drops cached prefixes (or fails running
         sequences). Safe to call from another thread: it only bumps a counter."""
-        self._unversioned_changes += 1
-
-    def _weights_version(self) -> tuple[int, int]:
-        return sum(p._version for p in self.model.parameters()), self._unversioned_changes
+        self.weights.invalidate()
 
     def _check_weights(self) -> None:
-        version = self._weights_version()
-        if version == self._weights:
+        if not self.weights.changed():
             return
-        self._weights = version
         if any(s.ticket is not None and s.ticket.tokens for s in self.slots):
             raise GenerationError(
                 "the model's parameters changed while sequences were being generated; "
@@ -250,28 +233,10 @@ class Engine:
         return admitted
 
     def _prefill(self, admitted: list[tuple[_Slot, int]]) -> None:
-        device = self.anatomy.device
-        segments = [(slot, start, slot.ticket.request.prompt_ids[start:]) for slot, start in admitted]  # type: ignore[union-attr]
-        qlen = max(len(seg) for _, _, seg in segments)
-        tokens, positions, slots, pad, unpad, row_pos = [], [], [], [], [], []
-        for r, (slot, start, seg) in enumerate(segments):
-            pad.append([len(tokens) + i if i < len(seg) else 0 for i in range(qlen)])
-            row_pos.append([start + i if i < len(seg) else 0 for i in range(qlen)])
-            unpad.extend(r * qlen + i for i in range(len(seg)))
-            tokens += seg
-            positions += range(start, start + len(seg))
-            slots += [slot.index] * len(seg)
-        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        rows = Rows(
-            slots=as_long([s.index for s, _, _ in segments]),
-            positions=as_long(row_pos),
-            pad_index=as_long(pad),
-            unpad_index=as_long(unpad),
-            key_len=max(start + len(seg) for _, start, seg in segments),
-        )
-        hidden = forward_hidden(self.anatomy, self.cache, as_long(tokens), as_long(positions), as_long(slots), rows)
-        last = as_long(list(itertools.accumulate(len(seg) for _, _, seg in segments)))
-        logits = logits_of(self.anatomy, hidden[last - 1])
+        segments = [(slot, start, _ticket(slot).request.prompt_ids[start:]) for slot, start in admitted]
+        batch = pack_prefill([(slot.index, start, seg) for slot, start, seg in segments], self.anatomy.device)
+        hidden = forward_hidden(self.anatomy, self.cache, batch.tokens, batch.positions, batch.slots, batch.rows)
+        logits = logits_of(self.anatomy, hidden[batch.last])
         for slot, _, seg in segments:
             slot.cached += seg
         self._sample([slot for slot, _, _ in segments], logits)
@@ -283,7 +248,7 @@ class Engine:
             self._sample(running, self._decode_rows(running, key_len))
             return
         self.fixed.flush()
-        filtered = any(s.ticket.request.params.top_k > 0 or s.ticket.request.params.top_p < 1.0 for s in running)  # type: ignore[union-attr]
+        filtered = any(_filtered(_ticket(s).request.params) for s in running)
         tokens, logprobs = self.run_fixed(key_len, filtered)
         tokens_list, logprobs_list = tokens.tolist(), logprobs.tolist()
         for slot in running:
@@ -298,12 +263,12 @@ class Engine:
     def _decode_rows(self, running: list[_Slot], key_len: int) -> torch.Tensor:
         device = self.anatomy.device
         slots = torch.tensor([s.index for s in running], dtype=torch.long, device=device)
-        tokens = torch.tensor([s.ticket.tokens[-1] for s in running], dtype=torch.long, device=device)  # type: ignore[union-attr]
+        tokens = torch.tensor([_ticket(s).tokens[-1] for s in running], dtype=torch.long, device=device)
         positions = torch.tensor([len(s.cached) for s in running], dtype=torch.long, device=device)
         rows = Rows(slots=slots, positions=positions[:, None], pad_index=None, unpad_index=None, key_len=key_len)
         logits = logits_of(self.anatomy, forward_hidden(self.anatomy, self.cache, tokens, positions, slots, rows))
         for slot in running:
-            slot.cached.append(slot.ticket.tokens[-1])  # type: ignore[union-attr]
+            slot.cached.append(_ticket(slot).tokens[-1])
         return logits
 
     def decode_fixed(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
@@ -316,15 +281,15 @@ class Engine:
 
     def _sample(self, slots: list[_Slot], logits: torch.Tensor) -> None:
         device = logits.device
-        tickets = [s.ticket for s in slots]
-        params = [t.request.params for t in tickets]  # type: ignore[union-attr]
+        tickets = [_ticket(s) for s in slots]
+        params = [t.request.params for t in tickets]
         row = RowParams(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            seed=torch.tensor([t.seed for t in tickets], dtype=torch.long, device=device),  # type: ignore[union-attr]
+            seed=torch.tensor([t.seed for t in tickets], dtype=torch.long, device=device),
             sampling_logprobs=torch.tensor([p.logprobs == "sampling" for p in params], device=device),
-            filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            filtered=any(_filtered(p) for p in params),
         )
         positions = torch.tensor([len(s.cached) for s in slots], dtype=torch.long, device=device)
         out = sample(logits, row, positions)
@@ -339,6 +304,7 @@ class Engine:
     def _maybe_finish(self, slot: _Slot, ticket: Ticket) -> bool:
         """Finish ``ticket`` if its last token ends it; returns whether it did."""
         params = ticket.request.params
+        reason: FinishReason
         if ticket.tokens[-1] in params.stop_token_ids:
             reason = "stop"
         elif len(ticket.tokens) >= params.max_new_tokens or len(slot.cached) + 1 >= self.cache.capacity:
@@ -348,7 +314,7 @@ class Engine:
         ticket.result = GenerationResult(
             token_ids=ticket.tokens,
             logprobs=ticket.logprobs,
-            finish_reason=reason,  # type: ignore[arg-type]
+            finish_reason=reason,
             prompt_len=len(ticket.request.prompt_ids),
             cached_tokens=ticket.cached_tokens,
         )
