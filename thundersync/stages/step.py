@@ -26,10 +26,9 @@ __all__ = ["StepResult", "StepStage", "StreamingTrainer", "Trainer"]
 
 
 class StepResult(msgspec.Struct, frozen=True, kw_only=True):
-    """What one optimizer step reports."""
+    """What one optimizer step reports: the total gradient norm before clipping."""
 
     grad_norm: float = 0.0
-    loss: float | None = None
 
 
 @runtime_checkable
@@ -100,9 +99,7 @@ class StepStage(Stage):
             result = StepResult() if self.trainer is None else await self.trainer.step(ready)
             self.version += 1
             await outbox.send(
-                StepDone(
-                    batch_id=ready.batch_id, policy_version=self.version, grad_norm=result.grad_norm, loss=result.loss
-                )
+                StepDone(batch_id=ready.batch_id, policy_version=self.version, grad_norm=result.grad_norm)
             )
             if self.policy is not None:
                 self.policy.publish(self.version)
