@@ -12,7 +12,7 @@ engine's safe-to-step check, clipping and the optimizer step behind it), and ``p
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import anyio
 import msgspec
@@ -21,6 +21,11 @@ from thundersync.errors import ConfigError
 from thundersync.events import BatchReady, EventBase, PolicyPublished, StepDone
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
+
+if TYPE_CHECKING:
+    import torch
+
+    from thundersync.engine.objective import StreamingObjective
 
 __all__ = ["StepResult", "StepStage", "StreamingTrainer", "Trainer"]
 
@@ -50,7 +55,19 @@ class StreamingTrainer:
     (``TorchGenerator``) sees the new weights at once. The work runs in a worker thread.
     """
 
-    def __init__(self, objective: Any, optimizer: Any, *, max_grad_norm: float | None = None) -> None:
+    def __init__(
+        self, objective: StreamingObjective, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
+    ) -> None:
+        from thundersync.engine.objective import (
+            StreamingObjective,
+        )  # here: `import thundersync.stages` stays torch-free
+
+        if not isinstance(objective, StreamingObjective):
+            raise ConfigError(
+                f"the trainer's objective is a {type(objective).__name__}, which is not a "
+                "thundersync.engine.objective.StreamingObjective; give it the backward stage's objective "
+                "(a thundersync.RewardLinearBackward or a thundersync.OPDStream)"
+            )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm is {max_grad_norm!r}; give a positive norm, or None for no clipping")
         self.objective = objective
