@@ -1,6 +1,6 @@
 """What ``thundersync run`` does once the file is valid: run the graph with progress and metrics.
 
-The graph runs as an embedded :class:`~thundersync.pipeline.embed.Pipeline` so that its output
+The graph runs as an embedded :class:`~thundersync.pipeline.pipeline.Pipeline` so that its output
 events (the lifecycle events: TrajectoryClosed, GroupClosed, BatchReady, StepDone...) reach the
 metrics file as they happen; a progress task redraws one stderr line from the live statistics.
 Runtime objects that are async context managers (engines, sandbox pools) are entered for the
@@ -17,7 +17,7 @@ import anyio
 import structlog
 
 from thundersync.errors import PipelineError
-from thundersync.pipeline.embed import Pipeline
+from thundersync.pipeline.pipeline import Pipeline
 from thundersync.pipeline.graph import Graph
 from thundersync.pipeline.metrics import JsonlMetrics
 from thundersync.pipeline.runner import RunStatistics

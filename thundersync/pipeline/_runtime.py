@@ -4,7 +4,7 @@ The runtime wires one :class:`Channel` per consumer (plus one for the applicatio
 starts every stage as a task of a task group that the caller owns, and turns the first stage
 failure into one :class:`StageFailed` while cancelling the rest. It never starts tasks or threads
 of its own; :func:`~thundersync.pipeline.runner.run_graph` and
-:class:`~thundersync.pipeline.embed.Pipeline` own the task group.
+:class:`~thundersync.pipeline.pipeline.Pipeline` own the task group.
 """
 
 from __future__ import annotations

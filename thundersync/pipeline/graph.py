@@ -14,7 +14,7 @@ and a consumer that reads from several producers gets one merged inbox in arriva
 
 ``capacity`` bounds the consumer's inbox: a full inbox blocks its producers (backpressure). The
 reserved name ``"input"`` stands for events an application sends through
-:class:`~thundersync.pipeline.embed.Pipeline`.
+:class:`~thundersync.pipeline.pipeline.Pipeline`.
 
 The graph must be acyclic. Feedback such as a published policy (step -> generate) goes through a
 runtime object that both stages share (:class:`~thundersync.pipeline.policy.PolicyClock`), not

@@ -26,7 +26,7 @@ Rules of a run:
   dropped; so are events sent to a consumer that already returned (``dropped`` on the edge), and
   events still queued in its inbox when it returned (``discarded`` on the inbox).
   A graph's terminal outputs go nowhere under ``run_graph``; use a
-  :class:`~thundersync.pipeline.embed.Pipeline` to receive them. Stages that read from
+  :class:`~thundersync.pipeline.pipeline.Pipeline` to receive them. Stages that read from
   ``"input"`` see their input end at once.
 """
 
