@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable
 
@@ -160,3 +162,10 @@ def test_whole_graphs_run_on_the_fakes_and_close_everything(wait_for: tuple[str,
 def test_fakes_reject_settings_they_cannot_honour(make: Callable[[], object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_the_fakes_and_the_stages_import_without_torch() -> None:
+    """A graph on the fakes (and `thundersync check` of a pipeline file) runs without loading torch."""
+    code = "import sys, thundersync.testing, thundersync.stages; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
