@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import anyio
 
-from thundersync.errors import ConfigError, PipelineError
+from thundersync.errors import PipelineError
 from thundersync.events import (
     ActionGenerated,
     BackwardDone,
@@ -61,6 +61,7 @@ from thundersync.events import (
     ToolObserved,
 )
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
+from thundersync.stages._objective import require_objective
 
 if TYPE_CHECKING:
     from thundersync.engine.objective import StreamingObjective
@@ -98,16 +99,7 @@ class BackwardStage(Stage):
 
     def __init__(self, config: Stage.Config | None = None, /, *, objective: StreamingObjective) -> None:
         super().__init__(config)
-        from thundersync.engine.objective import (
-            StreamingObjective,
-        )  # here: `import thundersync.stages` stays torch-free
-
-        if not isinstance(objective, StreamingObjective):
-            raise ConfigError(
-                f"the backward stage's objective is a {type(objective).__name__}, which is not a "
-                "thundersync.engine.objective.StreamingObjective; give it a thundersync.RewardLinearBackward "
-                "(GRPO) or a thundersync.OPDStream (OPD)"
-            )
+        require_objective(objective, "the backward stage")
         self.objective = objective
         self._groups: dict[Id, dict[Id, _Reorder]] = {}  # group -> its open trajectories
 

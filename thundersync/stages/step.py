@@ -21,6 +21,7 @@ from thundersync.errors import ConfigError
 from thundersync.events import BatchReady, EventBase, PolicyPublished, StepDone
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
+from thundersync.stages._objective import require_objective
 
 if TYPE_CHECKING:
     import torch
@@ -58,16 +59,7 @@ class StreamingTrainer:
     def __init__(
         self, objective: StreamingObjective, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
     ) -> None:
-        from thundersync.engine.objective import (
-            StreamingObjective,
-        )  # here: `import thundersync.stages` stays torch-free
-
-        if not isinstance(objective, StreamingObjective):
-            raise ConfigError(
-                f"the trainer's objective is a {type(objective).__name__}, which is not a "
-                "thundersync.engine.objective.StreamingObjective; give it the backward stage's objective "
-                "(a thundersync.RewardLinearBackward or a thundersync.OPDStream)"
-            )
+        require_objective(objective, "the trainer")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm is {max_grad_norm!r}; give a positive norm, or None for no clipping")
         self.objective = objective
