@@ -190,14 +190,16 @@ class BackwardStage(Stage):
         done: list[BackwardDone] = []
         while trajectory.turns:
             turn = trajectory.turns[0]
-            if isinstance(turn, ActionGenerated) and not self._rewarded and turn.turn not in trajectory.teacher:
+            if isinstance(turn, ToolObserved):
+                await self._append(group_id, trajectory_id, trajectory.turns.popleft(), None)
+                continue
+            if not self._rewarded and turn.turn not in trajectory.teacher:
                 return done  # OPD: its teacher scores have not arrived
-            trajectory.turns.popleft()
-            await self._append(group_id, trajectory_id, turn, trajectory.teacher.pop(turn.turn, None))
-            if isinstance(turn, ActionGenerated):
-                done.append(BackwardDone(group_id=group_id, trajectory_id=trajectory_id, turn=turn.turn))
-                if turn.final:
-                    return done + await self._close(group_id, trajectory_id, trajectory.reward)
+            teacher = None if self._rewarded else trajectory.teacher.pop(turn.turn)
+            await self._append(group_id, trajectory_id, trajectory.turns.popleft(), teacher)
+            done.append(BackwardDone(group_id=group_id, trajectory_id=trajectory_id, turn=turn.turn))
+            if turn.final:
+                return done + await self._close(group_id, trajectory_id, trajectory.reward)
         return done
 
     async def _append(self, group_id: Id, trajectory_id: Id, turn: Turn, teacher: list[float] | None) -> None:
