@@ -17,9 +17,9 @@ import anyio
 import structlog
 
 from thundersync.errors import PipelineError
-from thundersync.pipeline.pipeline import Pipeline
 from thundersync.pipeline.graph import Graph
 from thundersync.pipeline.metrics import JsonlMetrics
+from thundersync.pipeline.pipeline import Pipeline
 from thundersync.pipeline.runner import RunStatistics
 
 __all__ = ["progress_line", "run_pipeline"]
