@@ -16,6 +16,7 @@ def test_every_error_derives_from_thundersync_error() -> None:
 def test_input_errors_keep_their_builtin_bases() -> None:
     assert issubclass(errors.ConfigError, ValueError)
     assert issubclass(errors.DefinitionError, ValueError)
+    assert issubclass(errors.EventError, ValueError)
     assert issubclass(errors.UnknownIdError, KeyError)
     assert issubclass(errors.MissingExtraError, ImportError)
 

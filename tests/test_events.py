@@ -1,4 +1,4 @@
-"""Events round-trip through JSON and MessagePack unchanged; bad input names the field."""
+"""Events round-trip through JSON and MessagePack unchanged; bad input raises EventError naming the field."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from thundersync import events
-from thundersync.events import ActionGenerated, Event, Rewarded
+from thundersync.errors import EventError
+from thundersync.events import ActionGenerated, Event, PolicyPublished, Rewarded
 
 ids = st.one_of(st.integers(min_value=-(2**63), max_value=2**63 - 1), st.text(max_size=8))
 finite = st.floats(allow_nan=False, allow_infinity=False)
@@ -17,7 +18,7 @@ finite = st.floats(allow_nan=False, allow_infinity=False)
 
 @st.composite
 def action_generated(draw: st.DrawFn) -> ActionGenerated:
-    tokens = draw(st.lists(st.integers(0, 2**31), max_size=16))
+    tokens = draw(st.lists(st.integers(0, 2**31 - 1), max_size=16))
     return ActionGenerated(
         group_id=draw(ids),
         trajectory_id=draw(ids),
@@ -33,7 +34,8 @@ def _strategy(info: mi.Type) -> st.SearchStrategy[object]:
     """A strategy for any value that msgspec would accept for a field of this type."""
     if isinstance(info, mi.IntType):
         low = -(2**63) if info.ge is None else info.ge
-        return st.integers(min_value=low, max_value=2**63 - 1)
+        high = info.le if info.le is not None else (2**63 if info.lt is None else info.lt) - 1
+        return st.integers(min_value=low, max_value=high)
     if isinstance(info, mi.FloatType):
         return finite
     if isinstance(info, mi.StrType):
@@ -83,7 +85,6 @@ def test_the_union_covers_every_event_class() -> None:
         "BatchReady",
         "StepDone",
         "PolicyPublished",
-        "StageFailedEvent",
     } <= set(events.EVENT_TYPES)
 
 
@@ -112,11 +113,16 @@ def test_the_type_tag_is_the_class_name() -> None:
         (b'{"type":"Rewardd","group_id":1}', r"Invalid value 'Rewardd' - at `\$.type`"),
     ],
 )
-def test_malformed_input_raises_a_validation_error_naming_the_field(payload: bytes, message: str) -> None:
-    with pytest.raises(msgspec.ValidationError, match=message):
+def test_malformed_input_raises_an_event_error_naming_the_field(payload: bytes, message: str) -> None:
+    with pytest.raises(EventError, match=r"^invalid JSON event: .*" + message):
         events.decode_json(payload)
-    with pytest.raises(msgspec.ValidationError, match=message):
+    with pytest.raises(EventError, match=r"^invalid MessagePack event: .*" + message):
         events.decode_msgpack(msgspec.msgpack.encode(msgspec.json.decode(payload)))
+
+
+def test_input_that_is_not_json_raises_an_event_error() -> None:
+    with pytest.raises(EventError, match=r"^invalid JSON event: (JSON is malformed|Input data was truncated)"):
+        events.decode_json(b'{"type":"Rewarded",')
 
 
 def test_events_are_frozen() -> None:
@@ -133,5 +139,43 @@ def test_non_finite_log_probs_are_rejected_naming_the_entry() -> None:
         "turn": 0,
         "teacher_logprobs": [-0.5, float("inf")],
     }
-    with pytest.raises(msgspec.ValidationError, match=r"`teacher_logprobs\[1\]` is inf, expected a finite float"):
+    with pytest.raises(EventError, match=r"`teacher_logprobs\[1\]` is inf, expected a finite float"):
         events.decode_msgpack(msgspec.msgpack.encode(payload))
+
+
+def test_a_deeply_nested_value_before_the_tag_raises_an_event_error_not_a_recursion_error() -> None:
+    deep = "[" * 1000 + "]" * 1000
+    payload = '{"x":' + deep + ',"type":"PolicyPublished","policy_version":1}'
+    with pytest.raises(EventError, match=r"^invalid JSON event: the input is nested too deeply to decode"):
+        events.decode_json(payload)
+    packed = b"\x82" + msgspec.msgpack.encode("x") + b"\x91" * 1000 + b"\x90"
+    packed += msgspec.msgpack.encode("type") + msgspec.msgpack.encode("PolicyPublished")
+    with pytest.raises(EventError, match=r"^invalid MessagePack event: the input is nested too deeply to decode"):
+        events.decode_msgpack(packed)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("token_ids", [2**64 + 1], r"Expected `int` <= 2147483647 - at `\$.token_ids\[0\]`"),
+        ("token_ids", [2**31], r"Expected `int` <= 2147483647 - at `\$.token_ids\[0\]`"),
+        ("turn", 2**64, r"Expected `int` <= 9223372036854775807 - at `\$.turn`"),
+        ("group_id", -(2**64), r"Expected `int` >= -9223372036854775808 - at `\$.group_id`"),
+        ("policy_version", -1, r"Expected `int` >= 0 - at `\$.policy_version`"),
+    ],
+)
+def test_integers_outside_their_range_are_rejected_by_the_schema(field: str, value: object, message: str) -> None:
+    payload = {"type": "ActionGenerated", "group_id": 0, "trajectory_id": 0, "turn": 0, "token_ids": [1]}
+    payload[field] = value
+    with pytest.raises(EventError, match=message):
+        events.decode_json(msgspec.json.encode(payload))
+
+
+def test_every_event_that_decodes_from_json_also_encodes_as_msgpack() -> None:
+    event = events.decode_json(b'{"type":"ActionGenerated","group_id":0,"trajectory_id":0,"turn":0,"token_ids":[0]}')
+    assert events.decode_msgpack(events.encode_msgpack(event)) == event
+
+
+def test_an_unvalidated_int_past_64_bits_fails_to_encode_with_an_event_error() -> None:
+    with pytest.raises(EventError, match=r"^PolicyPublished cannot be encoded as MessagePack: .*must fit 64 bits"):
+        events.encode_msgpack(PolicyPublished(policy_version=2**64))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable
 
@@ -10,13 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thundersync.events import ActionGenerated, BatchReady, GroupClosed, StepDone, TrajectoryClosed
+from thundersync.events import ActionGenerated, BatchReady, GroupClosed, Rewarded, StepDone, TrajectoryClosed
 from thundersync.generation.base import GenerationRequest, Generator, SamplingParams
 from thundersync.pipeline import Graph, Pipeline
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.stages.close import CloseStage
 from thundersync.stages.generate import GenerateStage, ToolRunner
 from thundersync.stages.reward import RewardStage, Scorer
+from thundersync.stages.source import SourceStage
 from thundersync.stages.step import StepStage, Trainer
 from thundersync.stages.teacher import Teacher, TeacherStage
 from thundersync.testing import (
@@ -88,13 +91,25 @@ def test_the_scripted_tool_observes_until_the_end_token() -> None:
     assert tool.calls_tool([1, 2]) and not tool.calls_tool([1, 3])
     action = ActionGenerated(group_id=0, trajectory_id=1, turn=2, token_ids=[1, 2])
     observed = anyio.run(tool.run, action)
-    assert (observed.group_id, observed.trajectory_id, observed.turn, len(observed.token_ids)) == (0, 1, 2, 4)
+    assert len(observed.token_ids) == 4 and (observed.exit_status, observed.truncated, observed.timed_out) == (
+        0,
+        False,
+        False,
+    )
     assert observed == anyio.run(ScriptedTool(observation_len=4).run, action)
+
+
+def test_the_scripted_source_sends_its_events_in_order() -> None:
+    events = [Rewarded(group_id=0, trajectory_id=t, reward=float(t)) for t in range(3)]
+    graph = Graph().add("source", ScriptedSource(ScriptedSource.Config(delay_s=0.001), events=events))
+    assert anyio.run(_results, graph) == events
 
 
 def _graph(wait_for: tuple[str, ...], trainer: RecordingTrainer) -> Graph:
     clock = PolicyClock()
-    source = ScriptedSource.prompts([[1, 2], [3], [4, 5], [6], [7, 8, 9]], samples=3, groups_per_batch=2)
+    source = SourceStage(
+        SourceStage.Config(prompts=[[1, 2], [3], [4, 5], [6], [7, 8, 9]], samples=3, groups_per_batch=2)
+    )
     generate = GenerateStage(
         GenerateStage.Config(turns=3, max_new_tokens=6),
         generator=ScriptedGenerator(),
@@ -147,3 +162,10 @@ def test_whole_graphs_run_on_the_fakes_and_close_everything(wait_for: tuple[str,
 def test_fakes_reject_settings_they_cannot_honour(make: Callable[[], object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_the_fakes_and_the_stages_import_without_torch() -> None:
+    """A graph on the fakes (and `thundersync check` of a pipeline file) runs without loading torch."""
+    code = "import sys, thundersync.testing, thundersync.stages; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 # suite checks that every name resolves and that `import thundersync` does not import torch.
 _LAZY: dict[str, str] = {
     "Graph": "thundersync.pipeline.graph",
-    "Pipeline": "thundersync.pipeline.embed",
+    "Pipeline": "thundersync.pipeline.pipeline",
     "run_graph": "thundersync.pipeline.runner",
     "Tracker": "thundersync.pipeline.tracker",
     "PolicyClock": "thundersync.pipeline.policy",

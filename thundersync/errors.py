@@ -10,12 +10,12 @@ keep working.
     ThunderSyncError
     ├── ConfigError (ValueError)            bad input: a value, a shape, an option
     │   ├── GraphError                      a stage graph that cannot be wired
-    │   └── DefinitionError                 a pipeline definition file, path-qualified
+    │   ├── DefinitionError                 a pipeline definition file, path-qualified
+    │   └── EventError                      an event that cannot be decoded or encoded
     ├── MissingExtraError (ImportError)     an optional dependency is not installed
     ├── PipelineError                       the runtime of a stage graph
     │   └── StageFailed                     a stage raised; names the stage and the event
     ├── TrackerError                        misuse of the trajectory/group/batch state machines
-    │   └── NotReadyToStep                  the optimizer boundary is not open yet
     ├── StreamingError                      misuse of the streaming backward engine
     │   ├── UnknownIdError (KeyError)       a group or trajectory id that was never opened
     │   └── UnsafeStepError                 stepping while work is pending or parameters moved
@@ -37,12 +37,12 @@ __all__ = [
     "BackendCapabilityError",
     "ConfigError",
     "DefinitionError",
+    "EventError",
     "GenerationError",
     "GraphError",
     "KernelError",
     "KernelUnavailable",
     "MissingExtraError",
-    "NotReadyToStep",
     "PipelineError",
     "SandboxError",
     "SandboxExecError",
@@ -74,6 +74,11 @@ class GraphError(ConfigError):
 
 class DefinitionError(ConfigError):
     """A pipeline definition file is invalid; the message starts with the path in the file."""
+
+
+class EventError(ConfigError):
+    """An event's wire form is invalid (a field's type or range, nesting) or cannot be encoded;
+    the message names the field where msgspec can (``... - at `$.turn```)."""
 
 
 class MissingExtraError(ThunderSyncError, ImportError):
@@ -124,10 +129,6 @@ def _bounded_repr(value: object, limit: int = 300) -> str:
 
 class TrackerError(ThunderSyncError):
     """A trajectory, group or batch state machine was driven through an invalid transition."""
-
-
-class NotReadyToStep(TrackerError):
-    """The optimizer step was asked for while the batch still has pending work."""
 
 
 # --- streaming engine --------------------------------------------------------------------------

@@ -1,19 +1,31 @@
 """Every event that flows through a ThunderSync stage graph, as one msgspec tagged union.
 
 Events are small, frozen facts named in the past tense. They carry ids and plain data (token id
-lists, floats), never tensors: tensors stay with the stage that owns them. Each class says who
-produces it and who consumes it (see ARCHITECTURE.md, "Data flow")::
+lists, floats), never tensors: tensors stay with the stage that owns them. Each class says which
+stage type (``thundersync/stages/``) produces it and which consume it::
 
-    PromptSubmitted ─► [generate] ─ GroupOpened, ActionGenerated ─► [tool-execute] ─ ToolObserved
-          ActionGenerated ─► [teacher-score] ─ TeacherScored      (OPD)
-          ActionGenerated ─► [reward]        ─ Rewarded           (GRPO, on the last action)
-    all of it ─► [backward] ─► [close] ─ TrajectoryClosed, GroupClosed, BatchReady
-    BatchReady ─► [step] ─ StepDone, PolicyPublished ─► [generate]
+    [source] ─ PromptSubmitted ─► [generate] ─ GroupOpened, ActionGenerated, ToolObserved
+        ─► [reward]  ─ Rewarded           (GRPO: one per trajectory, after its final action)
+        ─► [teacher] ─ TeacherScored      (OPD: one per action)
+    GroupOpened, ActionGenerated, ToolObserved + Rewarded or TeacherScored
+        ─► [backward] ─ BackwardDone      (the work is in the objective's queue)
+    GroupOpened, ActionGenerated + Rewarded, TeacherScored, BackwardDone (as configured)
+        ─► [close] ─ TrajectoryClosed, GroupClosed, BatchReady
+    BatchReady ─► [step] ─ StepDone, PolicyPublished
+
+Generate runs the agent's tools itself, between actions. No stage reads TrajectoryClosed,
+GroupClosed, StepDone or PolicyPublished: they are the graph's results for the application
+(``Pipeline.results()``, the metrics file of ``thundersync run``). Step hands the new policy to
+generate through a shared :class:`~thundersync.pipeline.policy.PolicyClock`, not through an edge,
+because graphs are acyclic.
 
 The wire format is the tagged union :data:`Event`: the ``type`` field holds the class name.
 :func:`encode_json` / :func:`decode_json` and :func:`encode_msgpack` / :func:`decode_msgpack`
-round-trip every event unchanged; malformed input raises :class:`msgspec.ValidationError` whose
-message names the offending field (``... - at `$.turn```).
+round-trip every event unchanged. Input that is not a valid event raises
+:class:`~thundersync.errors.EventError`, whose message names the offending field
+(``... - at `$.turn```). Integers are bounded so that every valid event also encodes: token ids
+are in ``[0, 2**31)`` (int32, what tokenizers and generation backends use), counts and turns in
+``[0, 2**63)``, int ids fit an int64.
 
 New fields always get defaults, so old producers stay compatible.
 """
@@ -21,9 +33,12 @@ New fields always get defaults, so old producers stay compatible.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Final, TypeAlias
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Final, TypeAlias
 
 import msgspec
+
+from thundersync.errors import EventError
 
 __all__ = [
     "EVENT_TYPES",
@@ -38,7 +53,6 @@ __all__ = [
     "PolicyPublished",
     "PromptSubmitted",
     "Rewarded",
-    "StageFailedEvent",
     "StepDone",
     "TeacherScored",
     "ToolObserved",
@@ -49,11 +63,13 @@ __all__ = [
     "encode_msgpack",
 ]
 
-Id: TypeAlias = int | str
-"""Group, trajectory and batch ids: any int or str (JSON keeps both apart)."""
+_Int64: TypeAlias = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+NonNegInt: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+TokenId: TypeAlias = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+TokenIds: TypeAlias = list[TokenId]
 
-TokenIds: TypeAlias = list[Annotated[int, msgspec.Meta(ge=0)]]
-NonNegInt: TypeAlias = Annotated[int, msgspec.Meta(ge=0)]
+Id: TypeAlias = _Int64 | str
+"""Group, trajectory and batch ids: an int (int64 range) or a str (JSON keeps both apart)."""
 
 
 class EventBase(
@@ -67,34 +83,36 @@ class EventBase(
     """Base of all events: frozen, keyword-only, tagged with the class name in ``type``."""
 
 
-def _require_same_length(name_a: str, a: list[object], name_b: str, b: list[object]) -> None:
+def _require_same_length(name_a: str, a: Sequence[object], name_b: str, b: Sequence[object]) -> None:
     if len(a) != len(b):
         raise ValueError(f"`{name_b}` has {len(b)} entries but `{name_a}` has {len(a)}")
 
 
-def _require_finite(name: str, values: list[float]) -> None:
+def _require_finite(name: str, values: Sequence[float]) -> None:
     for index, value in enumerate(values):
         if not math.isfinite(value):
             raise ValueError(f"`{name}[{index}]` is {value}, expected a finite float")
 
 
-class PromptSubmitted(EventBase):
+class PromptSubmitted(EventBase, frozen=True):
     """A prompt enters the batch and asks for ``num_trajectories`` samples.
 
-    Produced by a source (dataset, user app); consumed by generate.
+    Produced by source (or the application, through ``Pipeline.send``); consumed by generate.
     """
 
     group_id: Id
     prompt_tokens: TokenIds
-    num_trajectories: Annotated[int, msgspec.Meta(ge=1)] = 1
+    num_trajectories: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)] = 1
     batch_id: Id = 0
     groups_in_batch: NonNegInt = 0  # groups of the batch in all; 0: unknown until the stream ends
 
 
-class GroupOpened(EventBase):
-    """A group's prompt is fixed; its trajectories will follow.
+class GroupOpened(EventBase, frozen=True):
+    """A group's prompt is fixed; its trajectories (``trajectory_ids``) will follow.
 
-    Produced by generate; consumed by backward (computes the prompt state once) and close.
+    Produced by generate. Consumed by backward (opens the group in the objective, which computes
+    the prompt state once), close (declares the group's trajectories to the tracker), and reward
+    and teacher (which rebuild each trajectory's tokens from the prompt on).
     """
 
     group_id: Id
@@ -105,12 +123,14 @@ class GroupOpened(EventBase):
     groups_in_batch: NonNegInt = 0  # copied from PromptSubmitted: lets close seal the batch
 
 
-class ActionGenerated(EventBase):
+class ActionGenerated(EventBase, frozen=True):
     """The policy produced one turn of a trajectory.
 
     ``token_ids`` are the new tokens, ``behaviour_logprobs`` their sampling log-probs (one per
-    token) and ``scored`` which of them are trained on. ``final`` marks the trajectory's last
-    action. Produced by generate; consumed by tool-execute, teacher-score, reward and backward.
+    token) and ``scored`` which of them are trained on (empty: all). ``final`` marks the
+    trajectory's last action. Produced by generate. Consumed by backward (appends the turn),
+    close (declares the turn), teacher (scores every action) and reward (scores the trajectory
+    at its final action).
     """
 
     group_id: Id
@@ -130,25 +150,31 @@ class ActionGenerated(EventBase):
             _require_same_length("token_ids", self.token_ids, "scored", self.scored)
 
 
-class ToolObserved(EventBase):
+class ToolObserved(EventBase, frozen=True):
     """A tool call's output, as observation tokens appended to the trajectory (never scored).
 
-    Produced by tool-execute; consumed by generate (continues the trajectory) and backward.
+    ``turn`` is the action's turn whose tool call this answers. ``exit_status`` is the tool
+    process's exit status (``None``: it was killed before it exited), ``truncated`` says that
+    output was dropped to fit a bound and ``timed_out`` that the call hit its time limit; a
+    :class:`~thundersync.stages.generate.ToolRunner` reports them with the tokens. Produced by
+    generate, which runs the tools between actions. Consumed by backward (appends the
+    observation as context) and by reward and teacher (the trajectory's tokens).
     """
 
     group_id: Id
     trajectory_id: Id
     turn: NonNegInt
     token_ids: TokenIds
-    exit_status: int = 0
+    exit_status: _Int64 | None = 0
     truncated: bool = False
     timed_out: bool = False
 
 
-class TeacherScored(EventBase):
+class TeacherScored(EventBase, frozen=True):
     """The teacher's log-probs for the scored tokens of one action (OPD).
 
-    Produced by teacher-score; consumed by backward (the action's backward runs now).
+    Produced by teacher. Consumed by backward (the action goes into the objective, and its
+    backward is queued, once these arrive) and by close when it waits for ``teacher``.
     """
 
     group_id: Id
@@ -160,10 +186,11 @@ class TeacherScored(EventBase):
         _require_finite("teacher_logprobs", self.teacher_logprobs)
 
 
-class Rewarded(EventBase):
+class Rewarded(EventBase, frozen=True):
     """A trajectory's scalar reward (GRPO).
 
-    Produced by reward; consumed by backward and close (the reward is a close dependency).
+    Produced by reward. Consumed by backward (closes the trajectory in the objective, which
+    queues its branch's backward) and by close when it waits for ``reward``.
     """
 
     group_id: Id
@@ -174,11 +201,15 @@ class Rewarded(EventBase):
         _require_finite("reward", [self.reward])
 
 
-class BackwardDone(EventBase):
-    """The backward work of one turn (``turn`` set) or of a group's prompt (``trajectory_id``
-    and ``turn`` None) finished; its gradient contribution is accumulated.
+class BackwardDone(EventBase, frozen=True):
+    """The backward work of one action turn (``turn`` set) or of a group's prompt
+    (``trajectory_id`` and ``turn`` None) is in the objective's queue.
 
-    Produced by backward; consumed by close when it waits for backward work.
+    It does not mean the gradient is computed: the engine packs queued work across trajectories,
+    and the step waits for all of it in ``assert_safe_to_step`` before the optimizer steps. An
+    OPD action's work is queued when its teacher scores let it in, a GRPO action's when its
+    trajectory closes (at its reward), a prompt's when its group's last trajectory closed.
+    Produced by backward; consumed by close when it waits for ``backward``.
     """
 
     group_id: Id
@@ -186,10 +217,11 @@ class BackwardDone(EventBase):
     turn: NonNegInt | None = None
 
 
-class TrajectoryClosed(EventBase):
-    """All of a trajectory's dependencies are done; its content and reward are final.
+class TrajectoryClosed(EventBase, frozen=True):
+    """Every dependency of a trajectory that close waits for is done; its content is final.
 
-    Produced by close (from the tracker); consumed by backward and metrics sinks.
+    Produced by close (from its tracker); no stage consumes it: it is a result of the graph for
+    the application and the metrics file.
     """
 
     group_id: Id
@@ -198,20 +230,23 @@ class TrajectoryClosed(EventBase):
     num_scored: NonNegInt = 0
 
 
-class GroupClosed(EventBase):
-    """Every trajectory of the group closed; the prompt's backward has run.
+class GroupClosed(EventBase, frozen=True):
+    """Every trajectory of the group closed (and, when close waits for ``backward``, the
+    prompt's backward work is queued).
 
-    Produced by close; consumed by step (through the batch gate) and metrics sinks.
+    Produced by close; no stage consumes it: it is a result of the graph for the application and
+    the metrics file (step waits for the batch, through BatchReady).
     """
 
     group_id: Id
     num_trajectories: NonNegInt = 0
 
 
-class BatchReady(EventBase):
-    """Every group of the logical batch closed and no work is in flight: safe to step.
+class BatchReady(EventBase, frozen=True):
+    """Every group of the logical batch closed: the graph owes the batch no more work.
 
-    Produced by close; consumed by step.
+    Produced by close; consumed by step, whose trainer still waits for the engine's queue
+    (``assert_safe_to_step``) before the optimizer steps.
     """
 
     batch_id: Id
@@ -220,39 +255,28 @@ class BatchReady(EventBase):
     num_scored_tokens: NonNegInt = 0
 
 
-class StepDone(EventBase):
-    """The optimizer stepped on a logical batch.
+class StepDone(EventBase, frozen=True):
+    """The optimizer stepped on a logical batch; ``grad_norm`` is the total gradient norm
+    before clipping.
 
-    Produced by step; consumed by metrics sinks.
+    Produced by step; no stage consumes it: it is a result of the graph for the application and
+    the metrics file.
     """
 
     batch_id: Id
     policy_version: NonNegInt
     grad_norm: float = 0.0
-    loss: float | None = None
 
 
-class PolicyPublished(EventBase):
+class PolicyPublished(EventBase, frozen=True):
     """A new policy version is live for generation (after the step completed).
 
-    Produced by step; consumed by generate, which starts the next batch only on it.
+    Produced by step after it published the version on its
+    :class:`~thundersync.pipeline.policy.PolicyClock`; generate waits on that clock, not on this
+    event. No stage consumes it: it is a result of the graph for the application.
     """
 
     policy_version: NonNegInt
-
-
-class StageFailedEvent(EventBase):
-    """A unit of work failed and was dropped on purpose (e.g. a tool crashed, a sandbox died).
-
-    Stages emit it instead of raising when the failure is part of normal operation and the
-    graph should go on; ``group_id``/``trajectory_id`` say what is affected. Produced by any
-    stage; consumed by close (abandons the trajectory) and metrics sinks.
-    """
-
-    stage: str
-    reason: str
-    group_id: Id | None = None
-    trajectory_id: Id | None = None
 
 
 Event: TypeAlias = (
@@ -268,14 +292,10 @@ Event: TypeAlias = (
     | BatchReady
     | StepDone
     | PolicyPublished
-    | StageFailedEvent
 )
 """The tagged union of every event type."""
 
-EVENT_TYPES: Final[dict[str, type[EventBase]]] = {
-    cls.__name__: cls
-    for cls in Event.__args__  # type: ignore[attr-defined]
-}
+EVENT_TYPES: Final[dict[str, type[EventBase]]] = {cls.__name__: cls for cls in Event.__args__}
 """Event class by tag (its class name)."""
 
 _json_encoder: Final = msgspec.json.Encoder()
@@ -290,15 +310,36 @@ def encode_json(event: EventBase) -> bytes:
 
 
 def decode_json(data: bytes | str) -> Event:
-    """Decode and validate one JSON event; raises :class:`msgspec.ValidationError`."""
-    return _json_decoder.decode(data)
+    """Decode and validate one JSON event; raises :class:`~thundersync.errors.EventError`."""
+    return _decode(_json_decoder.decode, data, "JSON")
 
 
 def encode_msgpack(event: EventBase) -> bytes:
-    """Encode one event as MessagePack (with its ``type`` tag)."""
-    return _msgpack_encoder.encode(event)
+    """Encode one event as MessagePack (with its ``type`` tag); raises
+    :class:`~thundersync.errors.EventError` for an int that MessagePack cannot hold (past
+    64 bits), which only an event built in Python without validation can carry."""
+    try:
+        return _msgpack_encoder.encode(event)
+    except OverflowError as error:
+        raise EventError(
+            f"{type(event).__name__} cannot be encoded as MessagePack: {error}; "
+            "ids, turns and counts must fit 64 bits and token ids 31 bits"
+        ) from None
 
 
 def decode_msgpack(data: bytes) -> Event:
-    """Decode and validate one MessagePack event; raises :class:`msgspec.ValidationError`."""
-    return _msgpack_decoder.decode(data)
+    """Decode and validate one MessagePack event; raises :class:`~thundersync.errors.EventError`."""
+    return _decode(_msgpack_decoder.decode, data, "MessagePack")
+
+
+def _decode(decode: Callable[[Any], Event], data: bytes | str, fmt: str) -> Event:
+    """``decode(data)``, every failure (msgspec's, or a RecursionError on deep input) an EventError."""
+    try:
+        return decode(data)
+    except msgspec.DecodeError as error:  # ValidationError included: the message names the field
+        raise EventError(f"invalid {fmt} event: {error}") from error
+    except RecursionError:
+        raise EventError(
+            f"invalid {fmt} event: the input is nested too deeply to decode; events are flat "
+            "objects of ids, numbers and lists of numbers, so this input is not one"
+        ) from None

@@ -3,7 +3,7 @@
 Each fake is deterministic (same inputs, same outputs) and satisfies the same protocol as the real
 runtime object it stands in for::
 
-    ScriptedSource       a source stage that emits given events (or prompts)
+    ScriptedSource       a source stage that emits given events (prompts: stages.source.SourceStage)
     ScriptedGenerator    thundersync.generation.base.Generator: token ids in, tokens + log-probs out
     ScriptedTool         thundersync.stages.generate.ToolRunner: observation tokens for an action
     FakeScorer           thundersync.stages.reward.Scorer: a reward computed from the tokens
@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Annotated, ClassVar
 
 import anyio
 import msgspec
 from anyio.lowlevel import checkpoint
 
-from thundersync.events import EVENT_TYPES, ActionGenerated, BatchReady, EventBase, PromptSubmitted, ToolObserved
+from thundersync.events import EVENT_TYPES, ActionGenerated, BatchReady, EventBase
 from thundersync.generation.base import GenerationRequest, GenerationResult
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
+from thundersync.stages.generate import ToolResult
 from thundersync.stages.step import StepResult
 
 __all__ = [
@@ -77,24 +78,6 @@ class ScriptedSource(Stage):
     def __init__(self, config: Config | None = None, /, *, events: Iterable[EventBase]) -> None:
         super().__init__(config)
         self.events = list(events)
-
-    @classmethod
-    def prompts(
-        cls, prompts: Sequence[Sequence[int]], *, samples: int = 1, groups_per_batch: int = 0, delay_s: float = 0.0
-    ) -> ScriptedSource:
-        """A source of one PromptSubmitted per prompt, ``groups_per_batch`` per batch (0: one batch)."""
-        per_batch = groups_per_batch or len(prompts)
-        events = [
-            PromptSubmitted(
-                group_id=i,
-                prompt_tokens=list(p),
-                num_trajectories=samples,
-                batch_id=i // per_batch,
-                groups_in_batch=min(per_batch, len(prompts) - i // per_batch * per_batch),
-            )
-            for i, p in enumerate(prompts)
-        ]
-        return cls(cls.Config(delay_s=delay_s), events=events)
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
         for event in self.events:
@@ -160,15 +143,10 @@ class ScriptedTool:
     def calls_tool(self, action_ids: list[int]) -> bool:
         return self.end_token is None or self.end_token not in action_ids
 
-    async def run(self, action: ActionGenerated) -> ToolObserved:
+    async def run(self, action: ActionGenerated) -> ToolResult:
         await _pause(self.delay_s)
         rng = _rng(action.token_ids)
-        return ToolObserved(
-            group_id=action.group_id,
-            trajectory_id=action.trajectory_id,
-            turn=action.turn,
-            token_ids=[rng.randrange(self.vocab_size) for _ in range(self.observation_len)],
-        )
+        return ToolResult(token_ids=[rng.randrange(self.vocab_size) for _ in range(self.observation_len)])
 
 
 def even_token_fraction(prompt_ids: list[int], completion_ids: list[int]) -> float:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thundersync.errors import NotReadyToStep, TrackerError
+from thundersync.errors import TrackerError
 from thundersync.events import BatchReady, EventBase, GroupClosed, TrajectoryClosed
 from thundersync.pipeline.tracker import BatchState, GroupState, Need, Tracker, TrajectoryState
 
@@ -19,7 +19,7 @@ from thundersync.pipeline.tracker import BatchState, GroupState, Need, Tracker, 
 
 @dataclass(frozen=True)
 class Op:
-    kind: str  # open, turn, done, prompt, seal, begin, end, abandon
+    kind: str  # open, turn, done, prompt, seal
     args: tuple[Any, ...]
 
 
@@ -27,9 +27,8 @@ class Op:
 class Scenario:
     needs: frozenset[Need]
     batches: dict[int, list[str]]  # batch -> its groups
-    sized: dict[int, bool]  # batch -> size given up front (else sealed explicitly)
+    sized: dict[int, bool]  # batch -> size given up front (else sealed by seal_all)
     trajectories: dict[str, list[str]]  # group -> its trajectories
-    abandoned: set[tuple[str, str]]
     scored: dict[tuple[str, str], int]  # trajectory -> scored tokens over its turns
     order: list[Op] = field(default_factory=list)
 
@@ -50,7 +49,7 @@ def _trajectory_ops(needs: frozenset[Need], g: str, t: str, turns: int, scored: 
 @st.composite
 def scenarios(draw: st.DrawFn) -> Scenario:
     needs = frozenset(draw(st.sets(st.sampled_from(list(Need)))))
-    s = Scenario(needs, {}, {}, {}, set(), {})
+    s = Scenario(needs, {}, {}, {}, {})
     before: dict[Op, set[Op]] = {}  # op -> ops that must come first
 
     def add(op: Op, *after: Op) -> Op:
@@ -70,35 +69,17 @@ def scenarios(draw: st.DrawFn) -> Scenario:
                 turns = draw(st.integers(1, 3))
                 scored = draw(st.lists(st.integers(0, 5), min_size=turns, max_size=turns))
                 ops = _trajectory_ops(needs, g, t, turns, scored)
-                if draw(st.integers(0, 4)) == 0:  # abandon it after a random part of its work
-                    s.abandoned.add((g, t))
-                    keep = [op for op in ops if op.kind == "done" or not op.args[3]]
-                    chosen = set(draw(st.lists(st.sampled_from(keep), unique=True))) if keep else set()
-                    ops = [op for op in keep if op in chosen]
-                    ops.append(Op("abandon", (g, t)))
-                else:
-                    s.scored[(g, t)] = sum(scored)
+                s.scored[(g, t)] = sum(scored)
                 for op in ops:
                     add(op, opened)
-                for earlier, later in itertools.pairwise(ops):  # turns in order; abandon last
-                    if later.kind in ("turn", "abandon") and earlier.kind == "turn":
+                for earlier, later in itertools.pairwise(ops):  # turns in order
+                    if later.kind == "turn" and earlier.kind == "turn":
                         add(later, earlier)
-                if ops[-1].kind == "abandon":
-                    for op in ops[:-1]:
-                        add(ops[-1], op)
                 group_ops[g] += ops
             if Need.BACKWARD in needs:  # any time after the group opened: it is held until it ends
                 group_ops[g].append(add(Op("prompt", (g,)), opened))
-        first = s.batches[b][0]
-        if not s.sized[b]:
-            add(Op("seal", (b,)), *(Op("open", (g, tuple(s.trajectories[g]), b, 0)) for g in s.batches[b]))
-        for k in range(draw(st.integers(0, 2))):  # work in flight, begun before the batch can be ready
-            begin = add(
-                Op("begin", (b, f"w{k}")), next(op for op in before if op.kind == "open" and op.args[0] == first)
-            )
-            add(Op("end", (b, f"w{k}")), begin)
-            for op in group_ops[first]:
-                add(op, begin)
+    unsized = [op for op in before if op.kind == "open" and not s.sized[op.args[2]]]
+    add(Op("seal", ()), *unsized)  # the input ends: seal_all seals every batch of unknown size
     remaining = dict(before)
     while remaining:  # a random topological order
         ready = sorted((op for op, deps in remaining.items() if not deps & remaining.keys()), key=repr)
@@ -112,23 +93,17 @@ def _model(s: Scenario, applied: set[Op]) -> tuple[set[tuple[str, str]], set[str
     """Which trajectories, groups and batches should be closed/ready after ``applied``."""
     all_ops: dict[object, list[Op]] = {}
     for op in s.order:
-        if op.kind in ("turn", "done", "abandon"):
+        if op.kind in ("turn", "done"):
             key = (op.args[1], op.args[2]) if op.kind == "done" else (op.args[0], op.args[1])
             all_ops.setdefault(key, []).append(op)
-    ended = {key for key, ops in all_ops.items() if all(op in applied for op in ops)}
-    closed = ended - s.abandoned
+    closed = {key for key, ops in all_ops.items() if all(op in applied for op in ops)}
     groups = {
         g
         for g, ts in s.trajectories.items()
-        if all((g, t) in ended for t in ts) and (Need.BACKWARD not in s.needs or Op("prompt", (g,)) in applied)
+        if all((g, t) in closed for t in ts) and (Need.BACKWARD not in s.needs or Op("prompt", (g,)) in applied)
     }
-    batches = set()
-    for b, gs in s.batches.items():
-        begun = {op.args[1] for op in applied if op.kind == "begin" and op.args[0] == b}
-        ended_work = {op.args[1] for op in applied if op.kind == "end" and op.args[0] == b}
-        sealed = s.sized[b] or Op("seal", (b,)) in applied
-        if sealed and set(gs) <= groups and begun == ended_work:
-            batches.add(b)
+    sealed = Op("seal", ()) in applied
+    batches = {b for b, gs in s.batches.items() if (s.sized[b] or sealed) and set(gs) <= groups}
     return closed, groups, batches
 
 
@@ -142,14 +117,7 @@ def _apply(tracker: Tracker, op: Op) -> list[EventBase]:
         return tracker.complete(*a)
     if op.kind == "prompt":
         return tracker.complete_prompt(a[0])
-    if op.kind == "seal":
-        return tracker.seal_batch(a[0])
-    if op.kind == "begin":
-        tracker.begin_work(a[0], a[1])
-        return []
-    if op.kind == "end":
-        return tracker.end_work(a[0], a[1])
-    return tracker.abandon(a[0], a[1])
+    return tracker.seal_all()
 
 
 @settings(max_examples=300, deadline=None)
@@ -167,15 +135,11 @@ def test_gates_open_exactly_when_every_dependency_is_done(s: Scenario) -> None:
                 assert event.num_scored == s.scored[(event.group_id, event.trajectory_id)]
             elif isinstance(event, GroupClosed):
                 groups.append(event.group_id)
-                assert event.num_trajectories == sum(
-                    (event.group_id, t) not in s.abandoned for t in s.trajectories[event.group_id]
-                )
+                assert event.num_trajectories == len(s.trajectories[event.group_id])
             else:
                 assert isinstance(event, BatchReady)
                 ready.append(event.batch_id)
-                expected = [
-                    (g, t) for g in s.batches[event.batch_id] for t in s.trajectories[g] if (g, t) not in s.abandoned
-                ]
+                expected = [(g, t) for g in s.batches[event.batch_id] for t in s.trajectories[g]]
                 assert event.num_trajectories == len(expected)
                 assert event.num_scored_tokens == sum(s.scored[key] for key in expected)
         applied.add(op)
@@ -185,14 +149,8 @@ def test_gates_open_exactly_when_every_dependency_is_done(s: Scenario) -> None:
         assert set(ready) == want_ready and len(ready) == len(want_ready), op
         for b in s.batches:
             if any(o.kind == "open" and o.args[2] == b for o in applied):
-                if b in want_ready:
-                    tracker.assert_ready_to_step(b)
-                else:
-                    with pytest.raises(NotReadyToStep, match=f"batch {b} is not ready to step"):
-                        tracker.assert_ready_to_step(b)
-    for b in s.batches:
-        tracker.step(b)
-        assert tracker.batch_state(b) is BatchState.STEPPED
+                assert (tracker.batch_state(b) is BatchState.READY) == (b in want_ready), op
+                assert bool(tracker.pending(b)) == (b not in want_ready), op
     assert tracker.pending() == []
 
 
@@ -214,9 +172,7 @@ def test_the_docstring_example_closes_trajectory_group_and_batch_in_order() -> N
         BatchReady(batch_id=0, num_groups=1, num_trajectories=2, num_scored_tokens=2),
     ]
     assert t.group_state("g") is GroupState.CLOSED
-    t.step(0)
-    with pytest.raises(NotReadyToStep, match=r"batch 0 is not ready to step \(stepped\): it was already stepped"):
-        t.step(0)
+    assert t.batch_state(0) is BatchState.READY and t.pending() == []
 
 
 def test_a_group_waits_for_its_prompt_backward_when_backward_is_tracked() -> None:
@@ -225,8 +181,7 @@ def test_a_group_waits_for_its_prompt_backward_when_backward_is_tracked() -> Non
     t.complete(Need.BACKWARD, "g", "a", 0)
     assert t.add_turn("g", "a", 0, final=True) == [TrajectoryClosed(group_id="g", trajectory_id="a")]
     assert t.group_state("g") is GroupState.PROMPT_PENDING
-    with pytest.raises(NotReadyToStep, match="group 'g' waits for its prompt backward"):
-        t.step(0)
+    assert t.pending() == ["batch 0: group 'g' waits for its prompt backward"]
     assert t.complete_prompt("g")[0] == GroupClosed(group_id="g", num_trajectories=1)
     assert t.batch_state(0) is BatchState.READY
 
@@ -249,18 +204,14 @@ def grpo() -> Tracker:
     return t
 
 
-def test_stepping_early_names_everything_pending(grpo: Tracker) -> None:
+def test_pending_names_everything_a_batch_waits_for(grpo: Tracker) -> None:
     grpo.add_turn("g", "a", 0)
     grpo.add_turn("g", "a", 1, final=True)
     grpo.complete(Need.TEACHER, "g", "a", 0)
-    with pytest.raises(
-        NotReadyToStep,
-        match=(
-            r"batch 0 is not ready to step \(sealed\): trajectory 'a' of group 'g' waits for reward, "
-            r"teacher scores of turn 1; trajectory 'b' of group 'g' waits for its final turn, reward"
-        ),
-    ):
-        grpo.step(0)
+    assert grpo.pending(0) == [
+        "batch 0: trajectory 'a' of group 'g' waits for reward, teacher scores of turn 1",
+        "batch 0: trajectory 'b' of group 'g' waits for its final turn, reward",
+    ]
 
 
 def test_reporting_a_dependency_twice_raises(grpo: Tracker) -> None:
@@ -277,8 +228,6 @@ def test_appending_after_close_raises(grpo: Tracker) -> None:
         grpo.add_turn("g", "a", 1)
     with pytest.raises(TrackerError, match="teacher scores of turn 0 was reported for .*, which is closed"):
         grpo.complete(Need.TEACHER, "g", "a", 0)
-    with pytest.raises(TrackerError, match="trajectory 'a' of group 'g' was abandoned, but it is already closed"):
-        grpo.abandon("g", "a")
 
 
 def test_unknown_ids_raise_naming_what_exists(grpo: Tracker) -> None:
@@ -286,8 +235,6 @@ def test_unknown_ids_raise_naming_what_exists(grpo: Tracker) -> None:
         grpo.add_turn("h", "a", 0)
     with pytest.raises(TrackerError, match="unknown trajectory 'c' in group 'g'; it has 'a', 'b'"):
         grpo.complete(Need.REWARD, "g", "c")
-    with pytest.raises(NotReadyToStep, match="batch 7 was never opened; batches: 0"):
-        grpo.step(7)
     with pytest.raises(TrackerError, match="unknown batch 7; batches: 0"):
         grpo.batch_state(7)
 
@@ -334,60 +281,9 @@ def test_batch_misuse_raises(grpo: Tracker) -> None:
     with pytest.raises(TrackerError, match=r"group 'h' must declare distinct trajectory ids, got \['a', 'a'\]"):
         grpo.open_group("h", ["a", "a"], batch_id=1)
     grpo.open_group("h", ["a"], batch_id=1, groups_in_batch=2)
-    with pytest.raises(TrackerError, match="batch 1 was sealed with 1 of its 2 groups opened"):
-        grpo.seal_batch(1)
+    assert grpo.seal_all() == [] and grpo.batch_state(1) is BatchState.OPEN  # its size was given: it waits
     with pytest.raises(TrackerError, match="batch 1 expects 2 groups, but a group declared groups_in_batch=3"):
         grpo.open_group("i", ["a"], batch_id=1, groups_in_batch=3)
-    with pytest.raises(TrackerError, match="batch 0 was sealed twice"):
-        grpo.seal_batch(0)
-
-
-def test_work_in_flight_holds_the_batch_and_is_checked() -> None:
-    t = Tracker(needs=[])
-    t.open_group("g", ["a"], groups_in_batch=1)
-    t.begin_work(0, "prompt-g")
-    with pytest.raises(TrackerError, match="work 'prompt-g' began twice in batch 0"):
-        t.begin_work(0, "prompt-g")
-    assert t.add_turn("g", "a", 0, final=True)[-1] == GroupClosed(group_id="g", num_trajectories=1)
-    with pytest.raises(NotReadyToStep, match="work in flight: 'prompt-g'"):
-        t.step(0)
-    with pytest.raises(TrackerError, match=r"work 'x' ended in batch 0 but never began; in flight: \['prompt-g'\]"):
-        t.end_work(0, "x")
-    assert t.end_work(0, "prompt-g") == [BatchReady(batch_id=0, num_groups=1, num_trajectories=1)]
-    with pytest.raises(TrackerError, match="work 'late' began in batch 0, which is already ready"):
-        t.begin_work(0, "late")
-
-
-def test_an_abandoned_trajectory_no_longer_holds_its_group() -> None:
-    t = Tracker(needs=[Need.REWARD])
-    t.open_group("g", ["a", "b"], groups_in_batch=1)
-    t.add_turn("g", "a", 0, final=True)
-    t.complete(Need.REWARD, "g", "a")
-    events = t.abandon("g", "b")
-    assert events == [
-        GroupClosed(group_id="g", num_trajectories=1),
-        BatchReady(batch_id=0, num_groups=1, num_trajectories=1),
-    ]
-    assert t.trajectory_state("g", "b") is TrajectoryState.ABANDONED
-
-
-def test_late_work_for_an_abandoned_trajectory_is_ignored_and_counted() -> None:
-    t = Tracker(needs=[Need.TEACHER])
-    t.open_group("g", ["a", "b"], groups_in_batch=1)
-    t.add_turn("g", "a", 0)
-    assert t.abandon("g", "a") == []
-    assert t.complete(Need.TEACHER, "g", "a", 0) == []  # its score was already in flight
-    assert t.add_turn("g", "a", 1, final=True) == []  # so was its next turn
-    assert t.abandon("g", "a") == []  # a second stage failed on it too
-    assert t.ignored == 3
-    t.add_turn("g", "b", 0, final=True)
-    assert t.complete(Need.TEACHER, "g", "b", 0)[-1] == BatchReady(batch_id=0, num_groups=1, num_trajectories=1)
-    assert t.complete(Need.TEACHER, "g", "a", 1) == [] and t.ignored == 4  # even after its batch is ready
-    with pytest.raises(
-        TrackerError,
-        match="reward was reported for trajectory 'a' of group 'g', but this tracker does not wait for reward",
-    ):
-        t.complete(Need.REWARD, "g", "a")  # misuse stays an error
 
 
 def test_a_completion_for_a_turn_past_the_final_one_raises(grpo: Tracker) -> None:

@@ -9,8 +9,9 @@ from thundersync.events import EventBase
 from thundersync.pipeline import Graph, Inbox, Outbox, Pipeline, Stage
 from thundersync.stages.generate import GenerateStage
 from thundersync.stages.reward import RewardStage
+from thundersync.stages.source import SourceStage
 from thundersync.stages.teacher import TeacherStage
-from thundersync.testing import FakeScorer, FakeTeacher, ScriptedGenerator, ScriptedSource
+from thundersync.testing import FakeScorer, FakeTeacher, ScriptedGenerator
 
 pytestmark = pytest.mark.anyio
 
@@ -26,7 +27,7 @@ class _Drain(Stage):
 
 
 def _graph(slow: str) -> Graph:
-    graph = Graph().add("source", ScriptedSource.prompts([[1, 2]] * PROMPTS, samples=2))
+    graph = Graph().add("source", SourceStage(SourceStage.Config(prompts=[[1, 2]] * PROMPTS, samples=2)))
     if slow == "generate":
         generate = GenerateStage(GenerateStage.Config(concurrency=1), generator=ScriptedGenerator(delay_s=0.01))
         return graph.add("gen", generate, reads=["source"], capacity=2).add("sink", _Drain(), reads=["gen"], capacity=2)

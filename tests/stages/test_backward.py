@@ -391,11 +391,17 @@ def test_a_run_that_failed_mid_batch_is_discarded_when_the_graph_runs_again(run_
 
 
 def test_misuse_is_refused_with_clear_messages(run_stage: RunStage) -> None:
-    with pytest.raises(ConfigError, match="objective is a dict; give it a thundersync.RewardLinearBackward"):
-        BackwardStage(objective={})
+    with pytest.raises(
+        ConfigError,
+        match=r"objective is a dict, which is not a thundersync.engine.objective.StreamingObjective; give it a "
+        r"thundersync.RewardLinearBackward \(GRPO\) or a thundersync.OPDStream \(OPD\)$",
+    ):
+        BackwardStage(objective={})  # type: ignore[arg-type]  # the wrong type is the point
     grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(tiny_qwen3(torch.float64)))
     early = [ActionGenerated(group_id="g", trajectory_id=0, turn=0, token_ids=[1], final=True)]
-    with pytest.raises(StageFailed, match="got a ActionGenerated of group 'g' before its GroupOpened"):
+    with pytest.raises(
+        StageFailed, match="got a ActionGenerated of group 'g', which is not open: it never got its GroupOpened"
+    ):
         anyio.run(run_stage, BackwardStage(objective=grpo), early)
     unlisted = [GroupOpened(group_id="g", prompt_tokens=[1])]
     with pytest.raises(StageFailed, match="GroupOpened of group 'g' lists no trajectory ids"):
@@ -416,4 +422,6 @@ def test_misuse_is_refused_with_clear_messages(run_stage: RunStage) -> None:
     with pytest.raises(StageFailed, match=r"the reward of trajectory 0 of group 'g' came twice \(1.0, then 0.5\)"):
         anyio.run(run_stage, BackwardStage(objective=grpo), twice)
     with pytest.raises(ConfigError, match="max_grad_norm is 0"):
-        StreamingTrainer(grpo, None, max_grad_norm=0)
+        StreamingTrainer(grpo, torch.optim.SGD(grpo.run.params), max_grad_norm=0)
+    with pytest.raises(ConfigError, match=r"the trainer's objective is a list, which is not a .*StreamingObjective"):
+        StreamingTrainer([], torch.optim.SGD(grpo.run.params))  # type: ignore[arg-type]  # the wrong type is the point

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from thundersync.errors import ConfigError, StageFailed, TrackerError
+from thundersync.errors import StageFailed, TrackerError
 from thundersync.events import (
     ActionGenerated,
     BackwardDone,
@@ -15,11 +15,9 @@ from thundersync.events import (
     GroupClosed,
     GroupOpened,
     Rewarded,
-    StageFailedEvent,
     TeacherScored,
     TrajectoryClosed,
 )
-from thundersync.pipeline.tracker import Need, Tracker
 from thundersync.stages.close import CloseStage
 
 pytestmark = pytest.mark.anyio
@@ -77,46 +75,3 @@ async def test_batches_of_unknown_size_are_sealed_when_the_input_ends(run_stage:
     events = [_opened(size=0), _final(0), _final(1)]
     out = await run_stage(CloseStage(CloseStage.Config(wait_for=())), events)
     assert out[-1] == BatchReady(batch_id=0, num_groups=1, num_trajectories=2, num_scored_tokens=4)
-
-
-async def test_a_failed_trajectory_is_abandoned_and_ignored_events_do_nothing(run_stage: Callable[..., Any]) -> None:
-    events = [
-        _opened(),
-        _final(0),
-        TeacherScored(group_id=0, trajectory_id=0, turn=0, teacher_logprobs=[]),
-        Rewarded(group_id=0, trajectory_id=0, reward=1.0),
-        StageFailedEvent(stage="tool", reason="sandbox died", group_id=0, trajectory_id=1),
-    ]
-    out = await run_stage(CloseStage(), events)
-    assert out[-2:] == [
-        GroupClosed(group_id=0, num_trajectories=1),
-        BatchReady(batch_id=0, num_groups=1, num_trajectories=1, num_scored_tokens=2),
-    ]
-
-
-async def test_work_arriving_after_a_trajectory_was_abandoned_is_ignored(run_stage: Callable[..., Any]) -> None:
-    events = [
-        _opened(),
-        ActionGenerated(group_id=0, trajectory_id=0, turn=0, token_ids=[5]),
-        StageFailedEvent(stage="tool", reason="sandbox died", group_id=0, trajectory_id=0),
-        TeacherScored(group_id=0, trajectory_id=0, turn=0, teacher_logprobs=[-1.0]),
-        StageFailedEvent(stage="teacher", reason="timeout", group_id=0, trajectory_id=0),
-        ActionGenerated(group_id=0, trajectory_id=1, turn=0, token_ids=[5], final=True),
-        TeacherScored(group_id=0, trajectory_id=1, turn=0, teacher_logprobs=[-1.0]),
-    ]
-    close = CloseStage(CloseStage.Config(wait_for=("teacher",)))
-    out = await run_stage(close, events)
-    assert out[-2:] == [
-        GroupClosed(group_id=0, num_trajectories=1),
-        BatchReady(batch_id=0, num_groups=1, num_trajectories=1, num_scored_tokens=1),
-    ]
-    assert close.tracker.ignored == 2
-
-
-def test_a_shared_tracker_must_wait_for_the_same_work() -> None:
-    with pytest.raises(
-        ConfigError, match=r"the close stage waits for \['reward'\] but its tracker needs \['teacher'\]"
-    ):
-        CloseStage(tracker=Tracker([Need.TEACHER]))
-    tracker = Tracker([Need.REWARD])
-    assert CloseStage(tracker=tracker).tracker is tracker

@@ -13,7 +13,7 @@ from thundersync.events import ActionGenerated, GroupOpened, PromptSubmitted, To
 from thundersync.generation.base import GenerationRequest
 from thundersync.pipeline import Graph, Pipeline
 from thundersync.pipeline.policy import PolicyClock
-from thundersync.stages.generate import GenerateStage
+from thundersync.stages.generate import GenerateStage, ToolResult
 from thundersync.testing import ScriptedGenerator, ScriptedTool
 
 pytestmark = pytest.mark.anyio
@@ -108,3 +108,25 @@ async def test_waiting_for_the_policy_needs_batch_sizes(run_stage: Callable[...,
 def test_generate_needs_a_generator() -> None:
     with pytest.raises(TypeError, match="generator"):
         GenerateStage()  # type: ignore[call-arg]
+
+
+class _FailingTool:
+    """A tool whose call times out, cut short, after printing two tokens."""
+
+    def calls_tool(self, action_ids: list[int]) -> bool:
+        return True
+
+    async def run(self, action: ActionGenerated) -> ToolResult:
+        return ToolResult(token_ids=[7, 8], exit_status=None, truncated=True, timed_out=True)
+
+
+async def test_the_tool_result_reaches_the_observation_with_its_exit_status_and_flags(
+    run_stage: Callable[..., Any],
+) -> None:
+    stage = GenerateStage(GenerateStage.Config(turns=2), generator=ScriptedGenerator(), tools=_FailingTool())
+    out = await run_stage(stage, [_prompt(0, [1], samples=1)])
+    assert [e for e in out if isinstance(e, ToolObserved)] == [
+        ToolObserved(
+            group_id=0, trajectory_id=0, turn=0, token_ids=[7, 8], exit_status=None, truncated=True, timed_out=True
+        )
+    ]

@@ -9,8 +9,9 @@ from thundersync.pipeline import Graph, Inbox, Outbox, PolicyClock, Stage, run_g
 from thundersync.stages.close import CloseStage
 from thundersync.stages.generate import GenerateStage
 from thundersync.stages.reward import RewardStage
+from thundersync.stages.source import SourceStage
 from thundersync.stages.step import StepStage
-from thundersync.testing import FakeScorer, ScriptedGenerator, ScriptedSource
+from thundersync.testing import FakeScorer, ScriptedGenerator
 
 pytestmark = pytest.mark.anyio
 
@@ -30,7 +31,7 @@ async def test_the_same_graph_runs_twice_with_the_same_closures_and_steps() -> N
     clock, record = PolicyClock(), _Record()
     graph = (
         Graph()
-        .add("source", ScriptedSource.prompts([[1, 2], [3], [4]], samples=2, groups_per_batch=1))
+        .add("source", SourceStage(SourceStage.Config(prompts=[[1, 2], [3], [4]], samples=2, groups_per_batch=1)))
         .add("gen", GenerateStage(generator=ScriptedGenerator(), policy=clock), reads=["source"])
         .add("reward", RewardStage(scorer=FakeScorer()), reads=["gen"])
         .add("close", CloseStage(), reads=["gen", "reward"])

@@ -7,8 +7,8 @@ stages: :mod:`thundersync.app`.
 
 from __future__ import annotations
 
-from thundersync.pipeline.embed import Pipeline
 from thundersync.pipeline.graph import Graph
+from thundersync.pipeline.pipeline import Pipeline
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.pipeline.runner import RunStatistics, run_graph
 from thundersync.pipeline.stage import Inbox, Outbox, Stage

@@ -33,20 +33,15 @@ class Need(enum.Enum):
 
 
 class TrajectoryState(enum.Enum):
-    """GENERATING -> FINISHING (final turn seen) -> CLOSED; ABANDONED from either open state.
-
-    Work for an ABANDONED trajectory may still arrive (it was in flight on other edges): late
-    turns, completions and repeated abandons are ignored and counted in ``late``.
-    """
+    """GENERATING -> FINISHING (final turn seen, dependencies pending) -> CLOSED."""
 
     GENERATING = "generating"
     FINISHING = "finishing"
     CLOSED = "closed"
-    ABANDONED = "abandoned"
 
 
 class GroupState(enum.Enum):
-    """OPEN -> PROMPT_PENDING (every trajectory ended, prompt backward due) -> CLOSED."""
+    """OPEN -> PROMPT_PENDING (every trajectory closed, prompt backward due) -> CLOSED."""
 
     OPEN = "open"
     PROMPT_PENDING = "prompt_pending"
@@ -54,15 +49,13 @@ class GroupState(enum.Enum):
 
 
 class BatchState(enum.Enum):
-    """OPEN (more groups may come) -> SEALED (all groups known) -> READY -> STEPPED."""
+    """OPEN (more groups may come) -> SEALED (all groups known) -> READY (every group closed)."""
 
     OPEN = "open"
     SEALED = "sealed"
     READY = "ready"
-    STEPPED = "stepped"
 
 
-_ENDED = (TrajectoryState.CLOSED, TrajectoryState.ABANDONED)
 Key = tuple[Need, "int | None"]  # (need, turn); turn is None for a trajectory's reward
 
 
@@ -88,7 +81,6 @@ class TrajectoryRecord:
     done: set[Key] = field(default_factory=set)
     num_tokens: int = 0
     num_scored: int = 0
-    late: int = 0  # events ignored because they arrived after the trajectory was abandoned
 
     def __post_init__(self) -> None:
         if Need.REWARD in self.needs:
@@ -99,27 +91,19 @@ class TrajectoryRecord:
         return f"trajectory {self.trajectory_id!r} of group {self.group_id!r}"
 
     @property
-    def ended(self) -> bool:
-        return self.state in _ENDED
+    def closed(self) -> bool:
+        return self.state is TrajectoryState.CLOSED
 
     def pending(self) -> list[str]:
         """What this trajectory still waits for, readable and sorted."""
-        if self.ended:
+        if self.closed:
             return []
         waits = [describe(key) for key in sorted(self.declared - self.done, key=_key_order)]
         if self.state is TrajectoryState.GENERATING:
             waits.insert(0, "its final turn")
         return waits
 
-    def _ignore_late(self) -> bool:
-        if self.state is TrajectoryState.ABANDONED:
-            self.late += 1
-            return True
-        return False
-
     def add_turn(self, turn: int, *, final: bool, num_tokens: int, num_scored: int) -> None:
-        if self._ignore_late():
-            return
         if self.state is not TrajectoryState.GENERATING:
             raise TrackerError(f"turn {turn} was added to {self.name}, which is {self.state.value}")
         if self.last_turn is not None and turn <= self.last_turn:
@@ -142,9 +126,7 @@ class TrajectoryRecord:
             raise TrackerError(
                 f"{describe(key)} was reported for {self.name}, but this tracker does not wait for {key[0].value}"
             )
-        if self._ignore_late():
-            return
-        if self.ended:
+        if self.closed:
             raise TrackerError(f"{describe(key)} was reported for {self.name}, which is {self.state.value}")
         if key in self.done:
             raise TrackerError(f"{describe(key)} was reported twice for {self.name}")
@@ -158,13 +140,6 @@ class TrajectoryRecord:
             self.state = TrajectoryState.CLOSED
             return True
         return False
-
-    def abandon(self) -> None:
-        if self._ignore_late():
-            return
-        if self.ended:
-            raise TrackerError(f"{self.name} was abandoned, but it is already {self.state.value}")
-        self.state = TrajectoryState.ABANDONED
 
 
 def _key_order(key: Key) -> tuple[int, str]:
@@ -188,8 +163,8 @@ class GroupRecord:
         return [f"{t.name} waits for {', '.join(t.pending())}" for t in self.trajectories.values() if t.pending()]
 
     def try_advance(self) -> bool:
-        """Move on once every trajectory ended; return True when the group closed now."""
-        if self.state is GroupState.OPEN and all(t.ended for t in self.trajectories.values()):
+        """Move on once every trajectory closed; return True when the group closed now."""
+        if self.state is GroupState.OPEN and all(t.closed for t in self.trajectories.values()):
             waits = self.needs_prompt and not self.prompt_done
             self.state = GroupState.PROMPT_PENDING if waits else GroupState.CLOSED
             return self.state is GroupState.CLOSED
@@ -197,7 +172,7 @@ class GroupRecord:
 
     def complete_prompt(self) -> bool:
         """Record the prompt backward; return True when the group closed now. One that arrives
-        before the trajectories ended is held (the events that end them may still be on other edges)."""
+        before the trajectories closed is held (the events that end them may still be on other edges)."""
         if not self.needs_prompt:
             raise TrackerError(
                 f"the prompt backward of group {self.group_id!r} was reported, but "
@@ -214,12 +189,11 @@ class GroupRecord:
 
 @dataclass
 class BatchRecord:
-    """One logical batch: its groups, how many it expects, and the work in flight."""
+    """One logical batch: its groups and how many it expects."""
 
     batch_id: Id
     expected_groups: int | None
     groups: list[GroupRecord] = field(default_factory=list)
-    in_flight: set[str] = field(default_factory=set)
     state: BatchState = BatchState.OPEN
 
     def pending(self) -> list[str]:
@@ -231,16 +205,11 @@ class BatchRecord:
             )
         for group in self.groups:
             waits.extend(group.pending())
-        waits.extend(f"work in flight: {key!r}" for key in sorted(self.in_flight))
         return waits
 
     def try_ready(self) -> bool:
-        """Become READY once sealed, every group closed and no work in flight."""
-        if (
-            self.state is BatchState.SEALED
-            and not self.in_flight
-            and all(g.state is GroupState.CLOSED for g in self.groups)
-        ):
+        """Become READY once sealed and every group closed."""
+        if self.state is BatchState.SEALED and all(g.state is GroupState.CLOSED for g in self.groups):
             self.state = BatchState.READY
             return True
         return False

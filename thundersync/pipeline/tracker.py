@@ -1,23 +1,24 @@
 """The dependency tracker: explicit state machines that gate trajectory, group and batch boundaries.
 
 Invariant: a trajectory is CLOSED exactly when its final turn was added and every dependency it
-declared is done; a group is CLOSED exactly when each of its trajectories is CLOSED or ABANDONED
-and (when backward is tracked) its prompt backward is done; a batch is READY exactly when it is
-sealed, every one of its groups is CLOSED and no work is in flight.
+declared is done; a group is CLOSED exactly when each of its trajectories is CLOSED and (when
+backward is tracked) its prompt backward is done; a batch is READY exactly when it is sealed and
+every one of its groups is CLOSED.
 
-The tracker is synchronous and pure bookkeeping: each call returns the events that became true
+The tracker owns the graph's gating, and only that: the close stage feeds it and sends the events
+it returns; the engine's own state (what is queued, whether parameters may move) belongs to the
+streaming objective, which the step checks separately (``assert_safe_to_step``). The tracker is
+synchronous and pure bookkeeping: each call returns the events that became true
 (:class:`~thundersync.events.TrajectoryClosed`, :class:`~thundersync.events.GroupClosed`,
 :class:`~thundersync.events.BatchReady`), in that order, and misuse raises
-:class:`~thundersync.errors.TrackerError` naming what is wrong and what is still pending. Work
-that arrives for an abandoned trajectory (it was in flight when the trajectory failed) is not
-misuse: it is ignored and counted in :attr:`Tracker.ignored`.
+:class:`~thundersync.errors.TrackerError` naming what is wrong and what is still pending.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from thundersync.errors import NotReadyToStep, TrackerError
+from thundersync.errors import TrackerError
 from thundersync.events import BatchReady, EventBase, GroupClosed, Id, TrajectoryClosed
 from thundersync.pipeline._tracker_records import (
     BatchRecord,
@@ -39,7 +40,9 @@ class Tracker:
     backward work, and the group's prompt backward after its trajectories end),
     ``Need.REWARD`` (GRPO) and ``Need.TEACHER`` (each turn's teacher scores, OPD). Completions
     may arrive before the turn they belong to (events travel different edges); the tracker
-    checks them when the final turn arrives. A worked example (GRPO, one group of two)::
+    checks them when the final turn arrives. A batch opened without its size
+    (``groups_in_batch=0``) is sealed by :meth:`seal_all` when the input ends. A worked example
+    (GRPO, one group of two)::
 
         t = Tracker(needs=[Need.REWARD])
         t.open_group("g", ["a", "b"], batch_id=0, groups_in_batch=1)
@@ -49,7 +52,7 @@ class Tracker:
         t.complete(Need.REWARD, "g", "a")        # -> [TrajectoryClosed(a)]
         t.add_turn("g", "b", 0, final=True)      # -> [TrajectoryClosed(b), GroupClosed(g),
                                                  #     BatchReady(0)]; batch 0 READY
-        t.step(0)                                # batch 0 STEPPED; stepping again raises
+        t.pending()                              # -> []: nothing is left to wait for
     """
 
     def __init__(self, needs: Iterable[Need] = (Need.REWARD,)) -> None:
@@ -101,26 +104,13 @@ class Tracker:
         trajectory.add_turn(turn, final=final, num_tokens=num_tokens, num_scored=num_scored)
         return self._advance(trajectory)
 
-    def seal_batch(self, batch_id: Id) -> list[EventBase]:
-        """Declare that no more groups join ``batch_id`` (needed when its size was not given)."""
-        batch = self._batches.get(batch_id)
-        if batch is None:
-            raise TrackerError(f"batch {batch_id!r} was sealed but never opened; batches: {self._names(self._batches)}")
-        if batch.state is not BatchState.OPEN:
-            raise TrackerError(f"batch {batch_id!r} was sealed twice (it is {batch.state.value})")
-        if batch.expected_groups is not None:
-            raise TrackerError(
-                f"batch {batch_id!r} was sealed with {len(batch.groups)} of its {batch.expected_groups} groups opened"
-            )
-        batch.state = BatchState.SEALED
-        return self._batch_events(batch)
-
     def seal_all(self) -> list[EventBase]:
         """Seal every batch still open whose size was not given (the input stream ended)."""
         out: list[EventBase] = []
-        for batch in list(self._batches.values()):
+        for batch in self._batches.values():
             if batch.state is BatchState.OPEN and batch.expected_groups is None:
-                out.extend(self.seal_batch(batch.batch_id))
+                batch.state = BatchState.SEALED
+                out.extend(self._batch_events(batch))
         return out
 
     # --- completions ---------------------------------------------------------------------------
@@ -135,78 +125,31 @@ class Tracker:
         return self._advance(trajectory)
 
     def complete_prompt(self, group_id: Id) -> list[EventBase]:
-        """Record that a group's prompt backward is done; the group closes once its trajectories ended."""
+        """Record that a group's prompt backward is done; the group closes once its trajectories closed."""
         group = self._group(group_id)
         if not group.complete_prompt():
-            return []  # held until the trajectories end
-        return [
-            GroupClosed(group_id=group_id, num_trajectories=self._closed_count(group)),
-            *self._batch_events(self._batches[group.batch_id]),
-        ]
-
-    def abandon(self, group_id: Id, trajectory_id: Id) -> list[EventBase]:
-        """Drop a trajectory whose work failed; its group goes on without it."""
-        trajectory = self._trajectory(group_id, trajectory_id)
-        trajectory.abandon()
-        return self._group_events(self._groups[group_id])
-
-    def begin_work(self, batch_id: Id, key: str) -> None:
-        """Record work in flight for a batch (it cannot become READY until :meth:`end_work`)."""
-        batch = self._open_batch(batch_id, f"work {key!r} began")
-        if key in batch.in_flight:
-            raise TrackerError(f"work {key!r} began twice in batch {batch_id!r}")
-        batch.in_flight.add(key)
-
-    def end_work(self, batch_id: Id, key: str) -> list[EventBase]:
-        """Record that work begun with :meth:`begin_work` finished."""
-        batch = self._open_batch(batch_id, f"work {key!r} ended")
-        if key not in batch.in_flight:
-            raise TrackerError(
-                f"work {key!r} ended in batch {batch_id!r} but never began; in flight: {sorted(batch.in_flight)!r}"
-            )
-        batch.in_flight.remove(key)
-        return self._batch_events(batch)
-
-    # --- the optimizer boundary ----------------------------------------------------------------
-
-    def assert_ready_to_step(self, batch_id: Id) -> None:
-        """Raise :class:`NotReadyToStep` naming what is pending unless ``batch_id`` is READY."""
-        batch = self._batches.get(batch_id)
-        if batch is None:
-            raise NotReadyToStep(f"batch {batch_id!r} was never opened; batches: {self._names(self._batches)}")
-        if batch.state is not BatchState.READY:
-            detail = "; ".join(batch.pending()) or "it was already stepped"
-            raise NotReadyToStep(f"batch {batch_id!r} is not ready to step ({batch.state.value}): {detail}")
-
-    def step(self, batch_id: Id) -> None:
-        """Mark a READY batch as STEPPED (the optimizer stepped on it)."""
-        self.assert_ready_to_step(batch_id)
-        self._batches[batch_id].state = BatchState.STEPPED
+            return []  # held until the trajectories close
+        return self._group_closed(group)
 
     # --- queries -------------------------------------------------------------------------------
 
     def trajectory_state(self, group_id: Id, trajectory_id: Id) -> TrajectoryState:
+        """Where a trajectory is in GENERATING -> FINISHING -> CLOSED."""
         return self._trajectory(group_id, trajectory_id).state
 
     def group_state(self, group_id: Id) -> GroupState:
+        """Where a group is in OPEN -> PROMPT_PENDING -> CLOSED."""
         return self._group(group_id).state
 
     def batch_state(self, batch_id: Id) -> BatchState:
+        """Where a batch is in OPEN -> SEALED -> READY."""
         return self._batch(batch_id).state
 
-    @property
-    def ignored(self) -> int:
-        """Turns, completions and repeated abandons that arrived after their trajectory was abandoned."""
-        return sum(t.late for g in self._groups.values() for t in g.trajectories.values())
-
     def pending(self, batch_id: Id | None = None) -> list[str]:
-        """What is still pending, for one batch or (``None``) every batch not yet stepped."""
+        """What is still pending, for one batch or (``None``) every batch not yet READY."""
         batches = [self._batch(batch_id)] if batch_id is not None else list(self._batches.values())
         return [
-            f"batch {b.batch_id!r}: {item}"
-            for b in batches
-            for item in b.pending()
-            if b.state not in (BatchState.READY, BatchState.STEPPED)
+            f"batch {b.batch_id!r}: {item}" for b in batches if b.state is not BatchState.READY for item in b.pending()
         ]
 
     # --- internals -----------------------------------------------------------------------------
@@ -223,27 +166,24 @@ class Tracker:
         return [closed, *self._group_events(self._groups[trajectory.group_id])]
 
     def _group_events(self, group: GroupRecord) -> list[EventBase]:
-        if not group.try_advance():
-            return []
-        closed = GroupClosed(group_id=group.group_id, num_trajectories=self._closed_count(group))
+        return self._group_closed(group) if group.try_advance() else []
+
+    def _group_closed(self, group: GroupRecord) -> list[EventBase]:
+        closed = GroupClosed(group_id=group.group_id, num_trajectories=len(group.trajectories))
         return [closed, *self._batch_events(self._batches[group.batch_id])]
 
     def _batch_events(self, batch: BatchRecord) -> list[EventBase]:
         if not batch.try_ready():
             return []
-        closed = [t for g in batch.groups for t in g.trajectories.values() if t.state is TrajectoryState.CLOSED]
+        trajectories = [t for g in batch.groups for t in g.trajectories.values()]
         return [
             BatchReady(
                 batch_id=batch.batch_id,
                 num_groups=len(batch.groups),
-                num_trajectories=len(closed),
-                num_scored_tokens=sum(t.num_scored for t in closed),
+                num_trajectories=len(trajectories),
+                num_scored_tokens=sum(t.num_scored for t in trajectories),
             )
         ]
-
-    @staticmethod
-    def _closed_count(group: GroupRecord) -> int:
-        return sum(t.state is TrajectoryState.CLOSED for t in group.trajectories.values())
 
     def _batch_for(self, batch_id: Id, groups_in_batch: int) -> BatchRecord:
         expected = groups_in_batch or None
@@ -259,12 +199,6 @@ class Tracker:
         if batch_id not in self._batches:
             raise TrackerError(f"unknown batch {batch_id!r}; batches: {self._names(self._batches)}")
         return self._batches[batch_id]
-
-    def _open_batch(self, batch_id: Id, what: str) -> BatchRecord:
-        batch = self._batch(batch_id)
-        if batch.state in (BatchState.READY, BatchState.STEPPED):
-            raise TrackerError(f"{what} in batch {batch_id!r}, which is already {batch.state.value}")
-        return batch
 
     def _group(self, group_id: Id) -> GroupRecord:
         if group_id not in self._groups:

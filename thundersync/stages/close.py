@@ -1,26 +1,24 @@
 """``type = "close"``: drives the dependency tracker and announces closed trajectories, groups and
 batches.
 
-Consumes: GroupOpened, ActionGenerated, Rewarded, TeacherScored, BackwardDone, StageFailedEvent.
-Produces: TrajectoryClosed, GroupClosed, BatchReady. Waits for: every dependency listed in
-``wait_for`` (``reward``: GRPO, ``teacher``: OPD, ``backward``: each turn's and each prompt's
-backward work). Unblocked by: reward, teacher and backward reporting work done.
+Consumes: GroupOpened, ActionGenerated, and Rewarded, TeacherScored, BackwardDone as
+``wait_for`` lists them. Produces: TrajectoryClosed, GroupClosed, BatchReady. Waits for: every
+dependency listed in ``wait_for`` (``reward``: GRPO, ``teacher``: OPD, ``backward``: each action
+turn's and each prompt's backward work in the objective's queue). Unblocked by: reward, teacher
+and backward reporting work done.
 
 When its inbox ends it seals batches of unknown size; if work is still pending then, it raises
-:class:`~thundersync.errors.TrackerError` naming it (a run never ends silently short). A
-StageFailedEvent naming a trajectory abandons it; its work still in flight then is ignored and
-counted (``tracker.ignored``).
+:class:`~thundersync.errors.TrackerError` naming it (a run never ends silently short).
 
-Runtime object: ``tracker`` (optional), to share or inspect the
-:class:`~thundersync.pipeline.tracker.Tracker` it drives; its needs must match ``wait_for``.
-It is cleared when a run starts, so a graph can run again.
+The :class:`~thundersync.pipeline.tracker.Tracker` it drives is ``close.tracker`` (to inspect
+states); it is cleared when a run starts, so a graph can run again.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from thundersync.errors import ConfigError, TrackerError
+from thundersync.errors import TrackerError
 from thundersync.events import (
     ActionGenerated,
     BackwardDone,
@@ -29,7 +27,6 @@ from thundersync.events import (
     GroupClosed,
     GroupOpened,
     Rewarded,
-    StageFailedEvent,
     TeacherScored,
     TrajectoryClosed,
 )
@@ -48,7 +45,6 @@ class CloseStage(Stage):
         Rewarded,
         TeacherScored,
         BackwardDone,
-        StageFailedEvent,
     )
     produces: ClassVar[tuple[type[EventBase], ...]] = (TrajectoryClosed, GroupClosed, BatchReady)
 
@@ -57,15 +53,9 @@ class CloseStage(Stage):
 
     config: Config
 
-    def __init__(self, config: Config | None = None, /, *, tracker: Tracker | None = None) -> None:
+    def __init__(self, config: Config | None = None, /) -> None:
         super().__init__(config)
-        needs = frozenset(Need(name) for name in self.config.wait_for)
-        if tracker is not None and tracker.needs != needs:
-            raise ConfigError(
-                f"the close stage waits for {sorted(n.value for n in needs)} but its tracker "
-                f"needs {sorted(n.value for n in tracker.needs)}; make them match"
-            )
-        self.tracker = Tracker(needs) if tracker is None else tracker
+        self.tracker = Tracker(Need(name) for name in self.config.wait_for)
 
     def required_inputs(self) -> tuple[type[EventBase], ...]:
         """The event types some stage it reads from must produce, or the tracker would wait forever."""
@@ -108,6 +98,4 @@ class CloseStage(Stage):
             if event.trajectory_id is None:
                 return t.complete_prompt(event.group_id)
             return t.complete(Need.BACKWARD, event.group_id, event.trajectory_id, event.turn)
-        if isinstance(event, StageFailedEvent) and event.group_id is not None and event.trajectory_id is not None:
-            return t.abandon(event.group_id, event.trajectory_id)
         return []

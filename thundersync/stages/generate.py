@@ -1,9 +1,13 @@
 """``type = "generate"``: turns each PromptSubmitted into a group of sampled trajectories.
 
 Consumes: PromptSubmitted. Produces: GroupOpened, then per trajectory ActionGenerated for each
-turn and, between turns, ToolObserved. Waits for: the ``generator`` (and the ``tools``) it was
+turn and, between turns, ToolObserved. Waits for: the ``generator`` and the ``tools`` it was
 given; with a ``policy`` clock, the policy of the batch before it starts a batch (batch ``n``
 needs version ``n``: zero staleness). Unblocked by: step publishing the policy.
+
+Generate runs the agent loop itself: after each action that calls a tool it runs the tool and
+sends the observation (with the tool's exit status and flags) as ToolObserved, and the next
+action continues from it. There is no separate tool stage.
 
 Runtime objects: ``generator`` (any :class:`~thundersync.generation.base.Generator`: token ids
 in, token ids and log-probs out), ``tools`` (a :class:`ToolRunner`; without one every trajectory
@@ -24,7 +28,21 @@ from thundersync.pipeline.policy import PolicyClock
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
 from thundersync.stages._tasks import Slots, task_group
 
-__all__ = ["GenerateStage", "ToolRunner"]
+__all__ = ["GenerateStage", "ToolResult", "ToolRunner"]
+
+
+class ToolResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What one tool call returned: the observation tokens and how the call ended.
+
+    ``exit_status`` is the tool process's exit status (``None``: killed before it exited),
+    ``truncated`` says output was dropped to fit a bound, ``timed_out`` that the call hit its time
+    limit. Generate copies them into the ToolObserved it sends.
+    """
+
+    token_ids: list[int]
+    exit_status: int | None = 0
+    truncated: bool = False
+    timed_out: bool = False
 
 
 @runtime_checkable
@@ -35,7 +53,7 @@ class ToolRunner(Protocol):
         """Whether this action calls a tool (else it ends the trajectory)."""
         ...
 
-    async def run(self, action: ActionGenerated) -> ToolObserved:
+    async def run(self, action: ActionGenerated) -> ToolResult:
         """Run the action's tool call; the observation tokens continue the trajectory."""
         ...
 
@@ -134,9 +152,21 @@ class GenerateStage(Stage):
             if final:
                 return
             assert self.tools is not None
-            observed = await self.tools.run(action)
+            observed = self._observed(action, await self.tools.run(action))
             await outbox.send(observed)
             context = context + result.token_ids + observed.token_ids  # a new list: requests keep theirs
+
+    @staticmethod
+    def _observed(action: ActionGenerated, result: ToolResult) -> ToolObserved:
+        return ToolObserved(
+            group_id=action.group_id,
+            trajectory_id=action.trajectory_id,
+            turn=action.turn,
+            token_ids=list(result.token_ids),
+            exit_status=result.exit_status,
+            truncated=result.truncated,
+            timed_out=result.timed_out,
+        )
 
     def _request(self, group_id: Id, trajectory_id: int, turn: int, context: list[int]) -> GenerationRequest:
         key = f"{self.config.seed}/{group_id!r}/{trajectory_id}/{turn}".encode()

@@ -12,7 +12,7 @@ engine's safe-to-step check, clipping and the optimizer step behind it), and ``p
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import anyio
 import msgspec
@@ -21,15 +21,20 @@ from thundersync.errors import ConfigError
 from thundersync.events import BatchReady, EventBase, PolicyPublished, StepDone
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
+from thundersync.stages._objective import require_objective
+
+if TYPE_CHECKING:
+    import torch
+
+    from thundersync.engine.objective import StreamingObjective
 
 __all__ = ["StepResult", "StepStage", "StreamingTrainer", "Trainer"]
 
 
 class StepResult(msgspec.Struct, frozen=True, kw_only=True):
-    """What one optimizer step reports."""
+    """What one optimizer step reports: the total gradient norm before clipping."""
 
     grad_norm: float = 0.0
-    loss: float | None = None
 
 
 @runtime_checkable
@@ -51,7 +56,10 @@ class StreamingTrainer:
     (``TorchGenerator``) sees the new weights at once. The work runs in a worker thread.
     """
 
-    def __init__(self, objective: Any, optimizer: Any, *, max_grad_norm: float | None = None) -> None:
+    def __init__(
+        self, objective: StreamingObjective, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
+    ) -> None:
+        require_objective(objective, "the trainer")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm is {max_grad_norm!r}; give a positive norm, or None for no clipping")
         self.objective = objective
@@ -100,9 +108,7 @@ class StepStage(Stage):
             result = StepResult() if self.trainer is None else await self.trainer.step(ready)
             self.version += 1
             await outbox.send(
-                StepDone(
-                    batch_id=ready.batch_id, policy_version=self.version, grad_norm=result.grad_norm, loss=result.loss
-                )
+                StepDone(batch_id=ready.batch_id, policy_version=self.version, grad_norm=result.grad_norm)
             )
             if self.policy is not None:
                 self.policy.publish(self.version)
