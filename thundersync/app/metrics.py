@@ -5,7 +5,7 @@ Every line is a JSON object with a ``type`` (the event's class name, or ``run_st
 
     {"t":0.0,"type":"run_started","file":"examples/pipeline_fake.toml","stages":["source",...]}
     {"t":0.011,"type":"GroupClosed","group_id":0,"num_trajectories":4}
-    {"t":0.012,"type":"StepDone","batch_id":0,"policy_version":1,"grad_norm":0.0,"loss":null}
+    {"t":0.012,"type":"StepDone","batch_id":0,"policy_version":1,"grad_norm":0.0}
     {"t":0.9,"type":"stage_statistics","name":"reward","state":"done","received":1640,...}
     {"t":0.9,"type":"run_finished","status":"ok","elapsed_s":0.9}
 
