@@ -1,7 +1,8 @@
 # Sourced by .ci/run (as root, on a fresh Debian 12 machine): sets up the container engines that
 # the `docker`-marked sandbox tests use, so that they run for real instead of skipping.
 #
-#   1. apt: docker.io (dockerd + containerd + runc), podman, proot, busybox-static, libseccomp2
+#   1. apt: docker.io (dockerd + containerd + runc), podman, proot, busybox-static, libseccomp2, and gcc +
+#      libc6-dev (the tests build a static probe, tests/sandboxes/probe.c, to run inside sandboxes)
 #   2. an offline busybox rootfs (no registry is reachable), imported into Docker, Podman, uDocker
 #   3. uDocker set up offline (UDOCKER_TARBALL empty, a proot wrapper that drops `-k <release>`)
 #   4. dockerd with networking switched off (never the default setup: it rewrites the host
@@ -16,7 +17,7 @@
 _ts_sb_start=$SECONDS
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq --no-install-recommends docker.io podman proot busybox-static libseccomp2 >/dev/null
+apt-get install -y -qq --no-install-recommends docker.io podman proot busybox-static libseccomp2 gcc libc6-dev >/dev/null
 
 TS_SB_DIR=$(mktemp -d /tmp/tssb.XXXXXX)   # short: unix socket paths are limited to 107 bytes
 chmod 700 "$TS_SB_DIR"

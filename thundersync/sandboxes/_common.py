@@ -20,11 +20,11 @@ import anyio
 import anyio.to_thread
 
 from thundersync._logging import get_logger
-from thundersync.errors import ConfigError, SandboxExecError
+from thundersync.errors import ConfigError, SandboxExecError, SandboxLimitError
 from thundersync.sandboxes import _treefiles, trees
 from thundersync.sandboxes.base import ExecResult, SandboxLimits
 
-__all__ = ["TreeSandbox", "new_name", "scrub_env"]
+__all__ = ["TreeSandbox", "check_argv", "check_env", "check_image", "check_name", "new_name", "scrub_env"]
 
 log = get_logger("thundersync.sandboxes")
 
@@ -32,8 +32,79 @@ _SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|ACCESS_?KEY|PRIVAT
 _digests: dict[Path, str] = {}
 
 
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_IMAGE = re.compile(
+    rf"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]+)?/)?{_COMPONENT}(?:/{_COMPONENT})*"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?"
+)
+_IMAGE_ID = re.compile(r"(?:sha256:)?[0-9a-f]{12,64}")
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 def new_name(prefix: str = "ts") -> str:
     return f"{prefix}-{secrets.token_hex(6)}"
+
+
+def check_name(name: str) -> str:
+    """``name`` if it is a valid sandbox name: 1-63 letters, digits, ``_`` or ``-``, not starting with ``-`` or ``_``.
+
+    Names become directory names, container names and CLI arguments: no ``/``, ``.`` or leading ``-``.
+    """
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ConfigError(
+            f"invalid sandbox name {name!r}: use 1-63 letters, digits, '_' or '-', starting with a letter "
+            f"or digit (or pass no name: a random one is made)"
+        )
+    return name
+
+
+def check_image(image: str) -> str:
+    """``image`` if it is an image reference (``[host[:port]/]name[/name...][:tag][@sha256:digest]``, or an id).
+
+    The reference goes into Engine API URLs and onto CLI command lines: no ``..``, no leading
+    ``-``, at most 255 characters.
+    """
+    if not isinstance(image, str) or len(image) > 255 or not (_IMAGE.fullmatch(image) or _IMAGE_ID.fullmatch(image)):
+        shown = image if not isinstance(image, str) or len(image) <= 80 else f"{image[:60]}... ({len(image)} chars)"
+        raise ConfigError(
+            f"invalid image reference {shown!r}: use [host[:port]/]name[:tag][@sha256:digest] with lower-case "
+            f"names, at most 255 characters, e.g. 'busybox:1.36'"
+        )
+    return image
+
+
+def check_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    """``env`` as a dict, after checking every key is a shell identifier and no value holds NUL."""
+    checked = {}
+    for key, value in (env or {}).items():
+        if not isinstance(key, str) or not _ENV_KEY.fullmatch(key):
+            raise ConfigError(
+                f"invalid environment variable name {key!r}: use letters, digits and '_', not first a digit"
+            )
+        if not isinstance(value, str) or "\0" in value:
+            raise ConfigError(f"environment variable {key} must be a str without NUL characters, got {value!r}")
+        checked[key] = value
+    return checked
+
+
+def check_argv(cmd: Sequence[str] | str) -> list[str]:
+    """The argv of ``cmd`` (a string runs under ``/bin/sh -c``); refuses what a CLI could take for an option."""
+    if isinstance(cmd, str):
+        argv = ["/bin/sh", "-c", cmd]
+    else:
+        argv = list(cmd)
+    if not argv:
+        raise ConfigError("empty command: give an argv list or a shell string")
+    for word in argv:
+        if not isinstance(word, str) or "\0" in word:
+            raise ConfigError(f"every word of a command must be a str without NUL characters, got {word!r}")
+    if argv[0].startswith("-"):
+        raise ConfigError(
+            f"a command may not start with {argv[0]!r}: the container tools would read it as one of their "
+            f"options; name the program by its path (e.g. './{argv[0]}')"
+        )
+    return argv
 
 
 def scrub_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -54,7 +125,7 @@ class TreeSandbox:
     backend = "base"
 
     def __init__(self, *, name: str | None, limits: SandboxLimits | None, workdir: str) -> None:
-        self.name = name or new_name()
+        self.name = check_name(name) if name is not None else new_name()
         self.limits = limits or SandboxLimits()
         self.workdir = workdir
         self._scratch: Path | None = None
@@ -142,18 +213,40 @@ class TreeSandbox:
         env: Mapping[str, str] | None = None,
         stdin: bytes | None = None,
     ) -> ExecResult:
+        """Run ``cmd`` (an argv, or a string for ``/bin/sh -c``) in ``workdir``; see :class:`.Sandbox`.
+
+        After the command the tree's size is checked: past ``limits.tree_bytes`` the sandbox's
+        processes are killed and :class:`SandboxLimitError` says so (``reset()`` empties it).
+        """
+        self._check_open()
+        argv, checked_env = check_argv(cmd), check_env(env)
+        if timeout is not None and not timeout > 0:
+            raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
+        result = await self._exec(argv, timeout=timeout or self.limits.timeout_s, env=checked_env, stdin=stdin)
+        await self._check_usage()
+        return result
+
+    async def _exec(self, argv: list[str], *, timeout: float, env: dict[str, str], stdin: bytes | None) -> ExecResult:
         raise NotImplementedError
+
+    async def _check_usage(self) -> None:
+        problem = await anyio.to_thread.run_sync(self._over_limit)
+        if problem is not None:
+            await self._kill_processes()
+            raise SandboxLimitError(
+                f"sandbox {self.name}: {problem}; its processes were killed: reset() it (or close it)"
+            )
+
+    def _over_limit(self) -> str | None:
+        """What passes a disk bound (the working tree here; backends add their private directories)."""
+        used = trees.tree_usage(self.tree)
+        if used > self.limits.tree_bytes:
+            return f"the working tree holds {used} bytes, over SandboxLimits.tree_bytes={self.limits.tree_bytes}"
+        return None
 
     def _check_open(self) -> None:
         if self._closed or self._scratch is None:
             raise SandboxExecError(f"sandbox {self.name} is closed or not started: use 'async with'")
-
-    @staticmethod
-    def _argv(cmd: Sequence[str] | str) -> list[str]:
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        if not argv:
-            raise ConfigError("empty command: give an argv list or a shell string")
-        return argv
 
     def _populate_tree(self) -> None:
         tree = self.tree
@@ -167,30 +260,44 @@ class TreeSandbox:
     # -- files (host side of the tree; never through the sandbox's links) ---------------------
 
     async def write_file(self, path: str | bytes, data: bytes) -> None:
+        self._check_open()
         await anyio.to_thread.run_sync(lambda: _treefiles.write_file(self.tree, path, data, owner=self._owner))
 
     async def read_file(self, path: str | bytes) -> bytes:
-        return await anyio.to_thread.run_sync(_treefiles.read_file, self.tree, path)
+        """The file's bytes; one over ``limits.tree_bytes`` (or sparse) raises :class:`SandboxLimitError`."""
+        self._check_open()
+        return await anyio.to_thread.run_sync(
+            lambda: _treefiles.read_file(self.tree, path, max_bytes=self.limits.tree_bytes)
+        )
 
     async def copy_in(self, src: Path, dest: str | bytes) -> None:
+        self._check_open()
         await anyio.to_thread.run_sync(lambda: _treefiles.copy_in(self.tree, Path(src), dest, owner=self._owner))
 
     async def copy_out(self, src: str | bytes, dest: Path) -> None:
-        await anyio.to_thread.run_sync(_treefiles.copy_out, self.tree, src, Path(dest))
+        """Copy to the host, at most ``limits.tree_bytes`` in all; sparse files are refused."""
+        self._check_open()
+        await anyio.to_thread.run_sync(
+            lambda: _treefiles.copy_out(self.tree, src, Path(dest), max_bytes=self.limits.tree_bytes)
+        )
 
     # -- reset --------------------------------------------------------------------------------
 
     async def reset(self) -> bool:
         """Kill every process, restore the tree's contents from the seed, verify from the host."""
+        self._check_open()
         await self._kill_processes()
         await self._wipe_private()
         return await anyio.to_thread.run_sync(self._restore_tree)
 
     def _restore_tree(self) -> bool:
         tree = self.tree  # the directory itself stays: it may be bind-mounted
-        os.chmod(tree, 0o700)
-        for entry in os.listdir(os.fsencode(tree)):
-            trees.remove_tree(Path(os.fsdecode(os.path.join(os.fsencode(tree), entry))))
+        fd = os.open(tree, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchmod(fd, 0o700)
+            trees.empty_dir(fd)
+        finally:
+            os.close(fd)
         if self._seed is not None:
             trees.copy_tree_into(self._seed, tree)
         else:
