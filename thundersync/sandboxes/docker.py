@@ -47,11 +47,14 @@ _KILL_ALL = "kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null; true"
 _PRIVATE = " ".join(f"{d}/* {d}/.[!.]* {d}/..?*" for d in ("/tmp", "/dev/shm"))
 _WIPE = f"chmod -R u+rwx {_PRIVATE} 2>/dev/null; rm -rf {_PRIVATE} 2>/dev/null; true"
 _LEFT = f'for f in {_PRIVATE}; do if [ -e "$f" ] || [ -L "$f" ]; then echo "$f"; fi; done'
-# Every process but init and this shell that is not a zombie (builtins only: the check forks nothing).
+# Every live process of the sandbox user but this shell (init and its sleep run as another uid).
+# Builtins only: the check forks nothing. /proc/PID/status, unlike /proc/PID/stat, cannot be faked
+# by a process name.
 _SURVIVORS = (
-    'for p in /proc/[0-9]*; do p=${p#/proc/}; [ "$p" = 1 ] || [ "$p" = $$ ] || '
-    '{ while read -r k v _; do [ "$k" = State: ] && break; done < /proc/$p/status; '
-    '[ "$v" = Z ] || [ "$v" = X ] || [ -z "$v" ] || echo "$p"; } 2>/dev/null; done; true'
+    'me=; while read -r k v _; do [ "$k" = Uid: ] && me=$v && break; done < /proc/$$/status; '
+    'for p in /proc/[0-9]*; do p=${p#/proc/}; [ "$p" = $$ ] && continue; s=; u=; '
+    "{ while read -r k v _; do case $k in State:) s=$v ;; Uid:) u=$v; break ;; esac; done < /proc/$p/status; } "
+    '2>/dev/null; [ "$u" = "$me" ] && [ "$s" != Z ] && [ "$s" != X ] && echo "$p"; done; true'
 )
 _IO_DIR = "/run/thundersync"
 _seeds = trees.SeedCache()
