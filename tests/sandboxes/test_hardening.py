@@ -194,13 +194,13 @@ async def test_the_memory_limit_holds_for_all_processes_together(new_sandbox: Ca
 
 
 async def test_a_tree_1100_directories_deep_is_copied_reset_and_closed(
-    new_sandbox: Callable[..., Sandbox], tmp_path: Path, host_clean: Callable[[], object]
+    new_sandbox: Callable[..., Sandbox], backend: str, tmp_path: Path, host_clean: Callable[[], object]
 ) -> None:
     async with new_sandbox() as sandbox:
-        made = await sandbox.exec(
-            "i=0; while [ $i -lt 1100 ]; do mkdir d && cd d || exit 1; i=$((i+1)); done; echo x > f"
-        )
-        assert made.exit_code == 0, made
+        if backend != "udocker":  # PRoot resolves each of 1,100 components through ptrace: minutes
+            deep = "p=.; i=0; while [ $i -lt 1100 ]; do p=$p/d; i=$((i+1)); done; mkdir -p $p && echo x > $p/f"
+            made = await sandbox.exec(deep)
+            assert made.exit_code == 0, made
         await sandbox.write_file("e/" * 1100 + "f", b"from the host")
         await sandbox.copy_out(".", tmp_path / "out")
         assert trees.tree_digest(tmp_path / "out") == trees.tree_digest(sandbox.tree)
