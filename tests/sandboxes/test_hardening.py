@@ -204,5 +204,6 @@ async def test_a_tree_1100_directories_deep_is_copied_reset_and_closed(
         await sandbox.write_file("e/" * 1100 + "f", b"from the host")
         await sandbox.copy_out(".", tmp_path / "out")
         assert trees.tree_digest(tmp_path / "out") == trees.tree_digest(sandbox.tree)
+        trees.remove_tree(tmp_path / "out")  # pytest's own clean-up of tmp_path recurses
         assert await sandbox.reset()
     await host_clean()  # type: ignore[misc]

@@ -100,7 +100,7 @@ class SandboxCgroup:
 
     def exec_group(self) -> list[Path]:
         """A new child of each of the sandbox's cgroups for one exec (the parents' limits hold for it)."""
-        made = []
+        made: list[Path] = []
         for path in self.paths:
             child = _mkdir_unique(path, "exec")
             if child is None:

@@ -94,7 +94,11 @@ class Sandbox(Protocol):
 
     name: str
     workdir: str
-    tree: Path
+
+    @property
+    def tree(self) -> Path:
+        """The host directory that the sandbox sees at ``workdir``."""
+        ...
 
     async def __aenter__(self) -> Sandbox: ...
 
