@@ -2,14 +2,15 @@
 
 The command runs as::
 
-    [python -I -S _guard.py --cgroup DIR --]  unshare --user --map-root-user --net --pid --fork \\
+    [python -I -S _guard.py --cgroup=DIR... --]  unshare --user --map-root-user --net --pid --fork \\
         --kill-child --mount-proc  python -I -S _guard.py --no-inet --rlimit AS=... -- CMD...
 
 in a new session. ``--net`` leaves it only a loopback that is down, the seccomp filter denies
 every non-Unix socket, and the pid namespace makes the kill total: SIGKILL to the session kills
 ``unshare``, ``--kill-child`` then kills the namespace's init, and the kernel kills everything
-left in the namespace, wherever it ``setsid``-ed to. The pids cgroup (when there is one) bounds
-fork bombs and is emptied from the host as a second line.
+left in the namespace, wherever it ``setsid``-ed to. The command's own child cgroup (when the
+sandbox has cgroups) holds it under the sandbox's pids and memory limits and is emptied from the
+host as a second line; it is the command's alone, so a sibling command is never killed with it.
 """
 
 from __future__ import annotations
