@@ -34,8 +34,9 @@ import anyio.to_thread
 
 from thundersync.errors import MissingExtraError, SandboxExecError, SandboxUnavailable
 from thundersync.sandboxes import trees
-from thundersync.sandboxes._common import TreeSandbox, check_image
+from thundersync.sandboxes._common import TreeSandbox
 from thundersync.sandboxes._process import make_result
+from thundersync.sandboxes._validate import check_image
 from thundersync.sandboxes.base import LABEL, OWNER_LABEL, ExecResult, SandboxLimits
 from thundersync.sandboxes.output import OutputCollector
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import anyio.to_thread
 
 from thundersync.sandboxes import _cgroup, _process, trees
-from thundersync.sandboxes._common import TreeSandbox, scrub_env
+from thundersync.sandboxes._common import TreeSandbox
+from thundersync.sandboxes._validate import scrub_env
 from thundersync.sandboxes.base import ExecResult, SandboxLimits
 
 __all__ = ["LocalSandbox", "NotIsolatedWarning"]

@@ -27,7 +27,8 @@ import anyio.to_thread
 
 from thundersync.errors import SandboxUnavailable
 from thundersync.sandboxes import _cgroup, _process, trees
-from thundersync.sandboxes._common import TreeSandbox, check_image
+from thundersync.sandboxes._common import TreeSandbox
+from thundersync.sandboxes._validate import check_image
 from thundersync.sandboxes.base import ExecResult, SandboxLimits
 
 __all__ = ["UDockerSandbox", "proot_wrapper", "udocker_bin", "udocker_env"]
