@@ -114,6 +114,16 @@ async def test_an_image_name_that_is_no_reference_is_refused(backend: str, bad: 
         make_sandbox("docker" if backend == "podman" else backend, bad)
 
 
+@pytest.mark.parametrize("bad", ["work", "/work:/etc", "/a/../b", "/w,ro", "/w\n"])
+async def test_a_workdir_that_would_change_the_bind_is_refused(backend: str, bad: str) -> None:
+    if backend == "local":
+        pytest.skip("the local backend's workdir is its tree")
+    from thundersync.sandboxes.select import make_sandbox
+
+    with pytest.raises(ConfigError, match=r"invalid workdir .*: give an absolute path without '\.\.', ':'"):
+        make_sandbox("docker" if backend == "podman" else backend, "busybox:1", workdir=bad)
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [({"A=B": "x"}, "invalid environment variable name 'A=B'"), ({"A": "x\0y"}, "must be a str without NUL")],

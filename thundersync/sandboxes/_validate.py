@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 from thundersync.errors import ConfigError
 
-__all__ = ["check_argv", "check_env", "check_image", "check_name", "scrub_env"]
+__all__ = ["check_argv", "check_env", "check_image", "check_name", "check_workdir", "scrub_env"]
 
 _SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|ACCESS_?KEY|PRIVATE|AUTH|COOKIE|SESSION", re.I)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
@@ -53,6 +53,20 @@ def check_image(image: str) -> str:
             f"names, at most 255 characters, e.g. 'busybox:1.36'"
         )
     return image
+
+
+def check_workdir(workdir: str) -> str:
+    """``workdir`` if it is an absolute path without ``..``, ``:``, ``,`` or control characters.
+
+    It goes into bind specifications (``SRC:DEST[:MODE]``), where a ``:`` would add options.
+    """
+    parts = workdir.split("/") if isinstance(workdir, str) else []
+    if not parts or parts[0] != "" or ".." in parts or any(c in workdir for c in ":,") or not workdir.isprintable():
+        raise ConfigError(
+            f"invalid workdir {workdir!r}: give an absolute path without '..', ':', ',' or control characters, "
+            f"e.g. '/work'"
+        )
+    return workdir
 
 
 def check_env(env: Mapping[str, str] | None) -> dict[str, str]:

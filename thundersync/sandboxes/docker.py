@@ -36,7 +36,7 @@ from thundersync.errors import MissingExtraError, SandboxExecError, SandboxUnava
 from thundersync.sandboxes import trees
 from thundersync.sandboxes._common import TreeSandbox
 from thundersync.sandboxes._process import make_result
-from thundersync.sandboxes._validate import check_image
+from thundersync.sandboxes._validate import check_image, check_workdir
 from thundersync.sandboxes.base import LABEL, OWNER_LABEL, ExecResult, SandboxLimits
 from thundersync.sandboxes.output import OutputCollector
 
@@ -143,7 +143,7 @@ class DockerSandbox(TreeSandbox):
         owner: str | None = None,
         client: Any = None,
     ) -> None:
-        super().__init__(name=name, limits=limits, workdir=workdir or "")
+        super().__init__(name=name, limits=limits, workdir=check_workdir(workdir) if workdir else "")
         self.image = check_image(image)
         self.owner = owner or default_owner()
         uid = os.geteuid()
@@ -169,7 +169,7 @@ class DockerSandbox(TreeSandbox):
                 f"Docker image {self.image!r} is not available ({error}): build or import it "
                 f"first (no registry is pulled from)"
             ) from error
-        self.workdir = self.workdir or info.get("Config", {}).get("WorkingDir") or "/work"
+        self.workdir = self.workdir or check_workdir(info.get("Config", {}).get("WorkingDir") or "/work")
         key = "docker-" + hashlib.sha256(f"{info['Id']}\n{self.workdir}".encode()).hexdigest()[:24]
         return await _seeds.get(key, self._fill_seed)
 

@@ -28,7 +28,7 @@ import anyio.to_thread
 from thundersync.errors import SandboxUnavailable
 from thundersync.sandboxes import _cgroup, _process, trees
 from thundersync.sandboxes._common import TreeSandbox
-from thundersync.sandboxes._validate import check_image
+from thundersync.sandboxes._validate import check_image, check_workdir
 from thundersync.sandboxes.base import ExecResult, SandboxLimits
 
 __all__ = ["UDockerSandbox", "proot_wrapper", "udocker_bin", "udocker_env"]
@@ -111,7 +111,7 @@ class UDockerSandbox(TreeSandbox):
     def __init__(
         self, image: str, *, name: str | None = None, limits: SandboxLimits | None = None, workdir: str = "/work"
     ) -> None:
-        super().__init__(name=name, limits=limits, workdir=workdir)
+        super().__init__(name=name, limits=limits, workdir=check_workdir(workdir))
         self.image = check_image(image)
         self._bin = udocker_bin()
         self._cgroup: _cgroup.SandboxCgroup | None = None
