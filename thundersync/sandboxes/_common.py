@@ -1,10 +1,12 @@
 """What every backend shares: the working tree's life cycle, file moves, reset and verification.
 
 A backend subclasses :class:`TreeSandbox` and implements ``_start`` (make the container or jail),
-``exec``, ``_kill_processes`` (end every process of the sandbox) and ``_stop`` (remove it). The
-base owns the scratch directory ``<scratch root>/<name>/``: ``tree/`` is the working tree and the
-rest is the backend's private space. ``close`` runs ``_stop`` and then removes the scratch
-directory whatever ``_stop`` raised, so nothing is left on any exit path.
+``_exec`` (run a checked argv), ``_kill_processes`` (end every process of the sandbox) and
+``_stop`` (remove it). The base checks every input (:mod:`._validate`), bounds the disk the sandbox
+uses after each command, and owns the scratch directory ``<scratch root>/<name>/``: ``tree/`` is
+the working tree and the rest is the backend's private space. ``close`` runs ``_stop`` and then
+removes the scratch directory whatever ``_stop`` raised (the removal walk is iterative and never
+follows links, so a hostile tree cannot stop it), so nothing is left on any exit path.
 """
 
 from __future__ import annotations
