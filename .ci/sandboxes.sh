@@ -76,7 +76,8 @@ printf '[containers]\ndefault_ulimits = ["nofile=1024:1024", "nproc=4096:4096"]\
 "${_ts_podman[@]}" import --quiet --change 'WORKDIR /work' --change 'CMD ["/bin/sh"]' \
     "$TS_SB_DIR/rootfs.tar" "$THUNDERSYNC_TEST_IMAGE" >/dev/null
 export THUNDERSYNC_TEST_PODMAN_HOST="unix://$TS_SB_DIR/podman.sock"
-"${_ts_podman[@]}" system service --time=0 "$THUNDERSYNC_TEST_PODMAN_HOST" >"$TS_SB_DIR/podman.log" 2>&1 &
+# Started in $TS_SB_DIR: conmon writes files (an `oom` marker) into the service's working directory.
+(cd "$TS_SB_DIR" && exec "${_ts_podman[@]}" system service --time=0 "$THUNDERSYNC_TEST_PODMAN_HOST" >"$TS_SB_DIR/podman.log" 2>&1) &
 TS_SB_PODMAN_PID=$!
 
 
