@@ -1,7 +1,8 @@
 # Sourced by .ci/run (as root, on a fresh Debian 12 machine): sets up the container engines that
 # the `docker`-marked sandbox tests use, so that they run for real instead of skipping.
 #
-#   1. apt: docker.io (dockerd + containerd + runc), podman, proot, busybox-static, libseccomp2
+#   1. apt: docker.io (dockerd + containerd + runc), podman, proot, busybox-static, libseccomp2, and gcc +
+#      libc6-dev (the tests build a static probe, tests/sandboxes/probe.c, to run inside sandboxes)
 #   2. an offline busybox rootfs (no registry is reachable), imported into Docker, Podman, uDocker
 #   3. uDocker set up offline (UDOCKER_TARBALL empty, a proot wrapper that drops `-k <release>`)
 #   4. dockerd with networking switched off (never the default setup: it rewrites the host
@@ -16,7 +17,7 @@
 _ts_sb_start=$SECONDS
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq --no-install-recommends docker.io podman proot busybox-static libseccomp2 >/dev/null
+apt-get install -y -qq --no-install-recommends docker.io podman proot busybox-static libseccomp2 gcc libc6-dev >/dev/null
 
 TS_SB_DIR=$(mktemp -d /tmp/tssb.XXXXXX)   # short: unix socket paths are limited to 107 bytes
 chmod 700 "$TS_SB_DIR"
@@ -75,7 +76,8 @@ printf '[containers]\ndefault_ulimits = ["nofile=1024:1024", "nproc=4096:4096"]\
 "${_ts_podman[@]}" import --quiet --change 'WORKDIR /work' --change 'CMD ["/bin/sh"]' \
     "$TS_SB_DIR/rootfs.tar" "$THUNDERSYNC_TEST_IMAGE" >/dev/null
 export THUNDERSYNC_TEST_PODMAN_HOST="unix://$TS_SB_DIR/podman.sock"
-"${_ts_podman[@]}" system service --time=0 "$THUNDERSYNC_TEST_PODMAN_HOST" >"$TS_SB_DIR/podman.log" 2>&1 &
+# Started in $TS_SB_DIR: conmon writes files (an `oom` marker) into the service's working directory.
+(cd "$TS_SB_DIR" && exec "${_ts_podman[@]}" system service --time=0 "$THUNDERSYNC_TEST_PODMAN_HOST" >"$TS_SB_DIR/podman.log" 2>&1) &
 TS_SB_PODMAN_PID=$!
 
 

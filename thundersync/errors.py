@@ -26,7 +26,8 @@ keep working.
     └── SandboxError                        agent tool sandboxes
         ├── SandboxUnavailable              no backend/engine/image can be used
         ├── UnsafePathError                 a scratch/seed directory or path fails a safety check
-        └── SandboxExecError                an exec could not be carried out (not a non-zero exit)
+        ├── SandboxExecError                an exec could not be carried out (not a non-zero exit)
+        └── SandboxLimitError               a file or tree passes a sandbox's size bound
 
 Messages say what happened, with the offending values, and what to do about it.
 """
@@ -46,6 +47,7 @@ __all__ = [
     "PipelineError",
     "SandboxError",
     "SandboxExecError",
+    "SandboxLimitError",
     "SandboxUnavailable",
     "StageFailed",
     "StreamingError",
@@ -188,3 +190,7 @@ class UnsafePathError(SandboxError):
 
 class SandboxExecError(SandboxError):
     """A command could not be run in the sandbox (a non-zero exit status is not an error)."""
+
+
+class SandboxLimitError(SandboxError):
+    """A file or working tree is larger than a sandbox's bound allows (or sparse); says which and how big."""

@@ -20,6 +20,7 @@ import anyio
 import pytest
 
 from thundersync.sandboxes import _process, select
+from thundersync.sandboxes._common import new_name
 from thundersync.sandboxes.base import LABEL, Sandbox, SandboxLimits
 from thundersync.sandboxes.local import NotIsolatedWarning
 
@@ -116,10 +117,18 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.fixture
-def new_sandbox(backend: str, scratch: Path, local_template: Path) -> Callable[..., Sandbox]:
+def made_names() -> list[str]:
+    """The names of the sandboxes this test made (the host-clean check looks for these only)."""
+    return []
+
+
+@pytest.fixture
+def new_sandbox(backend: str, scratch: Path, local_template: Path, made_names: list[str]) -> Callable[..., Sandbox]:
     """Make a (not yet started) sandbox of the fixture's backend."""
 
     def make(limits: SandboxLimits | None = None, name: str | None = None) -> Sandbox:
+        name = new_name() if name is None else name
+        made_names.append(name)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NotIsolatedWarning)
             kind = "docker" if backend == "podman" else backend
@@ -139,10 +148,12 @@ def local_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-async def sandbox(new_sandbox: Callable[..., Sandbox], backend: str, scratch: Path) -> AsyncIterator[Sandbox]:
+async def sandbox(
+    new_sandbox: Callable[..., Sandbox], backend: str, scratch: Path, made_names: list[str]
+) -> AsyncIterator[Sandbox]:
     async with new_sandbox() as opened:
         yield opened
-    await assert_host_clean(backend, scratch)
+    await assert_host_clean(backend, scratch, made_names)
 
 
 # -- what "the host is left clean" means ----------------------------------------------------------
@@ -173,36 +184,38 @@ def processes_mentioning(text: str) -> list[str]:
     return found
 
 
-def udocker_containers() -> list[str]:
+def udocker_containers(names: list[str]) -> list[str]:
     root = Path(os.environ.get("UDOCKER_DIR") or Path.home() / ".udocker") / "containers"
-    return sorted(p.name for p in root.iterdir() if p.name.startswith("ts-")) if root.is_dir() else []
+    return sorted(p.name for p in root.iterdir() if p.name in names) if root.is_dir() else []
 
 
-def cgroups() -> list[str]:
+def cgroups(names: list[str]) -> list[str]:
+    """The cgroups of the sandboxes named ``names`` (``thundersync-<name>-<random>``) still on the host."""
+    prefixes = tuple(f"thundersync-{name}-" for name in names)
     found = []
-    for base in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup")):
-        if base.is_dir():
-            found += [p.name for p in base.iterdir() if p.name.startswith("thundersync-")]
+    for base in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")):
+        if base.is_dir() and prefixes:
+            found += [str(p) for p in base.iterdir() if p.name.startswith(prefixes)]
     return found
 
 
-async def assert_host_clean(backend: str, scratch: Path) -> None:
-    """No containers with our label, no processes, no cgroups, no scratch directories are left."""
+async def assert_host_clean(backend: str, scratch: Path, names: list[str]) -> None:
+    """Nothing of the sandboxes named ``names`` is left: containers, processes, cgroups, scratch directories."""
     leftovers = sorted(os.listdir(scratch)) if scratch.exists() else []
     assert not leftovers, f"scratch directories left behind: {leftovers}"
     assert not processes_mentioning(str(scratch)), processes_mentioning(str(scratch))
-    assert not cgroups(), f"cgroups left behind: {cgroups()}"
+    assert not cgroups(names), f"cgroups left behind: {cgroups(names)}"
     if backend in ("docker", "podman"):
         left = await our_containers()
         assert not left, f"containers left behind: {[c.id[:12] for c in left]}"
     if backend == "udocker":
-        assert not udocker_containers(), f"uDocker containers left behind: {udocker_containers()}"
+        assert not udocker_containers(names), f"uDocker containers left behind: {udocker_containers(names)}"
 
 
 @pytest.fixture
-def host_clean(backend: str, scratch: Path) -> Callable[[], Awaitable[None]]:
-    """``await host_clean()`` asserts that the fixture's backend left nothing on the host."""
-    return functools.partial(assert_host_clean, backend, scratch)
+def host_clean(backend: str, scratch: Path, made_names: list[str]) -> Callable[[], Awaitable[None]]:
+    """``await host_clean()`` asserts that the sandboxes this test made left nothing on the host."""
+    return functools.partial(assert_host_clean, backend, scratch, made_names)
 
 
 @pytest.fixture

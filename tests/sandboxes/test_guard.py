@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,3 +77,41 @@ def test_proot_tracees_survive_the_filter_because_the_x86_and_x32_abis_are_cover
         timeout=60,
     )
     assert done.returncode == 0 and done.stdout == "traced\n", done.stderr
+
+
+UNTRANSLATED = {  # x86-64 numbers of the calls PRoot passes through untranslated
+    "openat2": 437,
+    "open_tree": 428,
+    "move_mount": 429,
+    "fsopen": 430,
+    "fsconfig": 431,
+    "fsmount": 432,
+    "fspick": 433,
+    "mount_setattr": 442,
+    "open_by_handle_at": 304,
+    "name_to_handle_at": 303,
+    "io_uring_setup": 425,
+    "io_uring_enter": 426,
+    "io_uring_register": 427,
+    "statx": 332,
+    "faccessat2": 439,
+    "execveat": 322,
+    "fanotify_init": 300,
+    "fanotify_mark": 301,
+    "pidfd_getfd": 438,
+}
+SYSCALLS = f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+for name, number in {UNTRANSLATED!r}.items():
+    rc = libc.syscall(number, -100, b"/etc/hostname", 0, 0, 0, 0)
+    print(name, ctypes.get_errno() if rc < 0 else "allowed")
+print("open", len(open("/etc/hostname").read()) >= 0, "stat", os.stat("/etc/hostname").st_size >= 0)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64", reason="x86-64 syscall numbers")
+def test_the_filter_closes_every_call_proot_does_not_translate_with_enosys() -> None:
+    done = guarded("--no-inet", code=SYSCALLS)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"{name} {errno.ENOSYS}" for name in UNTRANSLATED] + ["open True stat True"]

@@ -1,16 +1,17 @@
 """What every backend shares: the working tree's life cycle, file moves, reset and verification.
 
 A backend subclasses :class:`TreeSandbox` and implements ``_start`` (make the container or jail),
-``exec``, ``_kill_processes`` (end every process of the sandbox) and ``_stop`` (remove it). The
-base owns the scratch directory ``<scratch root>/<name>/``: ``tree/`` is the working tree and the
-rest is the backend's private space. ``close`` runs ``_stop`` and then removes the scratch
-directory whatever ``_stop`` raised, so nothing is left on any exit path.
+``_exec`` (run a checked argv), ``_kill_processes`` (end every process of the sandbox) and
+``_stop`` (remove it). The base checks every input (:mod:`._validate`), bounds the disk the sandbox
+uses after each command, and owns the scratch directory ``<scratch root>/<name>/``: ``tree/`` is
+the working tree and the rest is the backend's private space. ``close`` runs ``_stop`` and then
+removes the scratch directory whatever ``_stop`` raised (the removal walk is iterative and never
+follows links, so a hostile tree cannot stop it), so nothing is left on any exit path.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,25 +21,20 @@ import anyio
 import anyio.to_thread
 
 from thundersync._logging import get_logger
-from thundersync.errors import ConfigError, SandboxExecError
+from thundersync.errors import ConfigError, SandboxExecError, SandboxLimitError
 from thundersync.sandboxes import _treefiles, trees
+from thundersync.sandboxes._validate import check_argv, check_env, check_name
 from thundersync.sandboxes.base import ExecResult, SandboxLimits
 
-__all__ = ["TreeSandbox", "new_name", "scrub_env"]
+__all__ = ["TreeSandbox", "new_name"]
 
 log = get_logger("thundersync.sandboxes")
 
-_SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|ACCESS_?KEY|PRIVATE|AUTH|COOKIE|SESSION", re.I)
 _digests: dict[Path, str] = {}
 
 
 def new_name(prefix: str = "ts") -> str:
     return f"{prefix}-{secrets.token_hex(6)}"
-
-
-def scrub_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` without NCCL_* variables and anything that looks like a secret (tokens, keys...)."""
-    return {k: v for k, v in env.items() if not k.startswith("NCCL_") and not _SECRET.search(k)}
 
 
 def seed_digest(seed: Path) -> str:
@@ -54,7 +50,7 @@ class TreeSandbox:
     backend = "base"
 
     def __init__(self, *, name: str | None, limits: SandboxLimits | None, workdir: str) -> None:
-        self.name = name or new_name()
+        self.name = check_name(name) if name is not None else new_name()
         self.limits = limits or SandboxLimits()
         self.workdir = workdir
         self._scratch: Path | None = None
@@ -142,18 +138,40 @@ class TreeSandbox:
         env: Mapping[str, str] | None = None,
         stdin: bytes | None = None,
     ) -> ExecResult:
+        """Run ``cmd`` (an argv, or a string for ``/bin/sh -c``) in ``workdir``; see :class:`.Sandbox`.
+
+        After the command the tree's size is checked: past ``limits.tree_bytes`` the sandbox's
+        processes are killed and :class:`SandboxLimitError` says so (``reset()`` empties it).
+        """
+        self._check_open()
+        argv, checked_env = check_argv(cmd), check_env(env)
+        if timeout is not None and not timeout > 0:
+            raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
+        result = await self._exec(argv, timeout=timeout or self.limits.timeout_s, env=checked_env, stdin=stdin)
+        await self._check_usage()
+        return result
+
+    async def _exec(self, argv: list[str], *, timeout: float, env: dict[str, str], stdin: bytes | None) -> ExecResult:
         raise NotImplementedError
+
+    async def _check_usage(self) -> None:
+        problem = await anyio.to_thread.run_sync(self._over_limit)
+        if problem is not None:
+            await self._kill_processes()
+            raise SandboxLimitError(
+                f"sandbox {self.name}: {problem}; its processes were killed: reset() it (or close it)"
+            )
+
+    def _over_limit(self) -> str | None:
+        """What passes a disk bound (the working tree here; backends add their private directories)."""
+        used = trees.tree_usage(self.tree)
+        if used > self.limits.tree_bytes:
+            return f"the working tree holds {used} bytes, over SandboxLimits.tree_bytes={self.limits.tree_bytes}"
+        return None
 
     def _check_open(self) -> None:
         if self._closed or self._scratch is None:
             raise SandboxExecError(f"sandbox {self.name} is closed or not started: use 'async with'")
-
-    @staticmethod
-    def _argv(cmd: Sequence[str] | str) -> list[str]:
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        if not argv:
-            raise ConfigError("empty command: give an argv list or a shell string")
-        return argv
 
     def _populate_tree(self) -> None:
         tree = self.tree
@@ -167,30 +185,44 @@ class TreeSandbox:
     # -- files (host side of the tree; never through the sandbox's links) ---------------------
 
     async def write_file(self, path: str | bytes, data: bytes) -> None:
+        self._check_open()
         await anyio.to_thread.run_sync(lambda: _treefiles.write_file(self.tree, path, data, owner=self._owner))
 
     async def read_file(self, path: str | bytes) -> bytes:
-        return await anyio.to_thread.run_sync(_treefiles.read_file, self.tree, path)
+        """The file's bytes; one over ``limits.tree_bytes`` (or sparse) raises :class:`SandboxLimitError`."""
+        self._check_open()
+        return await anyio.to_thread.run_sync(
+            lambda: _treefiles.read_file(self.tree, path, max_bytes=self.limits.tree_bytes)
+        )
 
     async def copy_in(self, src: Path, dest: str | bytes) -> None:
+        self._check_open()
         await anyio.to_thread.run_sync(lambda: _treefiles.copy_in(self.tree, Path(src), dest, owner=self._owner))
 
     async def copy_out(self, src: str | bytes, dest: Path) -> None:
-        await anyio.to_thread.run_sync(_treefiles.copy_out, self.tree, src, Path(dest))
+        """Copy to the host, at most ``limits.tree_bytes`` in all; sparse files are refused."""
+        self._check_open()
+        await anyio.to_thread.run_sync(
+            lambda: _treefiles.copy_out(self.tree, src, Path(dest), max_bytes=self.limits.tree_bytes)
+        )
 
     # -- reset --------------------------------------------------------------------------------
 
     async def reset(self) -> bool:
         """Kill every process, restore the tree's contents from the seed, verify from the host."""
+        self._check_open()
         await self._kill_processes()
         await self._wipe_private()
         return await anyio.to_thread.run_sync(self._restore_tree)
 
     def _restore_tree(self) -> bool:
         tree = self.tree  # the directory itself stays: it may be bind-mounted
-        os.chmod(tree, 0o700)
-        for entry in os.listdir(os.fsencode(tree)):
-            trees.remove_tree(Path(os.fsdecode(os.path.join(os.fsencode(tree), entry))))
+        fd = os.open(tree, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchmod(fd, 0o700)
+            trees.empty_dir(fd)
+        finally:
+            os.close(fd)
         if self._seed is not None:
             trees.copy_tree_into(self._seed, tree)
         else:

@@ -1,9 +1,13 @@
 """Exec a command under resource limits and a seccomp filter (the sandboxes' process guard).
 
-Run as a script, not imported: ``python -I -S _guard.py [--cgroup DIR] [--no-inet] [--rlimit NAME=N]... -- CMD...``.
-It sets the limits, optionally loads a seccomp filter that makes ``socket(2)`` fail with EACCES for
-every address family except AF_UNIX (and ``io_uring_setup(2)``, which could open sockets behind
-seccomp's back), and then ``exec``s CMD, which inherits both. Only the standard library is used,
+Run as a script, not imported: ``python -I -S _guard.py [--cgroup=DIR]... [--no-inet] [--rlimit NAME=N]... -- CMD...``.
+It sets the limits, optionally loads a seccomp filter, and then ``exec``s CMD, which inherits both.
+The filter makes ``socket(2)`` fail with EACCES for every address family except AF_UNIX, and
+makes fail with ENOSYS (so that libc falls back to the old calls) every system call that takes a
+path or a file handle and that PRoot (the uDocker backend's path translator) passes through
+untranslated: each would reach the host's filesystem instead of the container's (``openat2``
+opens any host file, ``open_tree`` and the new mount API clone host mounts, ``*_handle_at``
+bypass paths altogether, ``io_uring`` opens files and sockets behind seccomp's back). Only the standard library is used,
 so it starts in ~15 ms; libseccomp is loaded through ctypes.
 
 The filter covers the native x86-64 ABI and the x86 and x32 ABIs as well: a filter that lacks an
@@ -21,6 +25,28 @@ import sys
 
 __all__: list[str] = []
 
+_UNTRANSLATED = (
+    "openat2",
+    "open_tree",
+    "move_mount",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "mount_setattr",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "statx",
+    "faccessat2",
+    "execveat",
+    "fanotify_init",
+    "fanotify_mark",
+    "pidfd_getfd",
+)
+"""System calls denied with ENOSYS: path or handle arguments PRoot does not translate (or fds of other processes)."""
 _ACT_ALLOW = 0x7FFF0000
 _ACT_ERRNO = 0x00050000
 _CMP_NE = 1
@@ -70,8 +96,16 @@ def _check(rc: int, what: str) -> None:
         raise OSError(-rc, f"seccomp: {what} failed: {os.strerror(-rc)}")
 
 
+def _deny(lib: ctypes.CDLL, ctx: int, action: int, name: str, *conditions: _ArgCmp) -> None:
+    number = lib.seccomp_syscall_resolve_name(name.encode())
+    if number < 0:
+        raise OSError(errno.ENOSYS, f"seccomp: libseccomp does not know {name}: upgrade libseccomp2 (2.5 or later)")
+    array = (_ArgCmp * len(conditions))(*conditions) if conditions else None
+    _check(lib.seccomp_rule_add_array(ctx, action, number, len(conditions), array), f"rule {name}")
+
+
 def load_no_inet_filter() -> None:
-    """Deny every non-AF_UNIX socket and io_uring for this process and all its descendants."""
+    """Deny non-AF_UNIX sockets and the untranslated calls for this process and all its descendants."""
     lib = _libseccomp()
     ctx = lib.seccomp_init(_ACT_ALLOW)
     if not ctx:
@@ -82,16 +116,9 @@ def load_no_inet_filter() -> None:
             rc = lib.seccomp_arch_add(ctx, token)
             if rc != -errno.EEXIST:
                 _check(rc, f"adding arch {arch.decode()}")
-        deny = _ACT_ERRNO | errno.EACCES
-        not_unix = (_ArgCmp * 1)(_ArgCmp(0, _CMP_NE, _AF_UNIX, 0))
-        _check(
-            lib.seccomp_rule_add_array(ctx, deny, lib.seccomp_syscall_resolve_name(b"socket"), 1, not_unix),
-            "rule socket(domain != AF_UNIX)",
-        )
-        _check(
-            lib.seccomp_rule_add_array(ctx, deny, lib.seccomp_syscall_resolve_name(b"io_uring_setup"), 0, None),
-            "rule io_uring_setup",
-        )
+        _deny(lib, ctx, _ACT_ERRNO | errno.EACCES, "socket", _ArgCmp(0, _CMP_NE, _AF_UNIX, 0))
+        for name in _UNTRANSLATED:
+            _deny(lib, ctx, _ACT_ERRNO | errno.ENOSYS, name)
         _check(lib.seccomp_load(ctx), "loading the filter")  # sets no_new_privs itself
     finally:
         lib.seccomp_release(ctx)
@@ -103,8 +130,8 @@ def _parse(argv: list[str]) -> tuple[bool, dict[int, int], list[str]]:
     no_inet, limits = False, {}
     it = iter(options)
     for option in it:
-        if option == "--cgroup":  # join a cgroup (its limits apply to every descendant)
-            with open(os.path.join(next(it), "cgroup.procs"), "w") as procs:
+        if option.startswith("--cgroup="):  # join a cgroup (its limits apply to every descendant)
+            with open(os.path.join(option.split("=", 1)[1], "cgroup.procs"), "w") as procs:
                 procs.write("0")
         elif option == "--no-inet":
             no_inet = True

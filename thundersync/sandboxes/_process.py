@@ -2,14 +2,15 @@
 
 The command runs as::
 
-    [python -I -S _guard.py --cgroup DIR --]  unshare --user --map-root-user --net --pid --fork \\
+    [python -I -S _guard.py --cgroup=DIR... --]  unshare --user --map-root-user --net --pid --fork \\
         --kill-child --mount-proc  python -I -S _guard.py --no-inet --rlimit AS=... -- CMD...
 
 in a new session. ``--net`` leaves it only a loopback that is down, the seccomp filter denies
 every non-Unix socket, and the pid namespace makes the kill total: SIGKILL to the session kills
 ``unshare``, ``--kill-child`` then kills the namespace's init, and the kernel kills everything
-left in the namespace, wherever it ``setsid``-ed to. The pids cgroup (when there is one) bounds
-fork bombs and is emptied from the host as a second line.
+left in the namespace, wherever it ``setsid``-ed to. The command's own child cgroup (when the
+sandbox has cgroups) holds it under the sandbox's pids and memory limits and is emptied from the
+host as a second line; it is the command's alone, so a sibling command is never killed with it.
 """
 
 from __future__ import annotations
@@ -52,18 +53,18 @@ def unshare_available() -> str | None:
     return _probe_cache["unshare"]
 
 
-def guarded_argv(command: Sequence[str], limits: SandboxLimits, cgroup: Path | None) -> list[str]:
-    """The full argv: [join the cgroup as ourselves, then] unshare, the guard, the command."""
+def guarded_argv(command: Sequence[str], limits: SandboxLimits, cgroups: Sequence[Path]) -> list[str]:
+    """The full argv: [join the exec's cgroups as ourselves, then] unshare, the guard, the command."""
     reason = unshare_available()
     if reason is not None:
         raise SandboxUnavailable(f"process sandboxes need user and network namespaces: {reason}")
     python = [sys.executable, "-I", "-S", str(_GUARD)]
     inner = [*python, "--no-inet", "--rlimit", f"AS={limits.memory_bytes}"]
-    if cgroup is None and os.geteuid() != 0:  # root is exempt from RLIMIT_NPROC, and it counts the whole user
+    if not cgroups and os.geteuid() != 0:  # root is exempt from RLIMIT_NPROC, and it counts the whole user
         inner += ["--rlimit", f"NPROC={limits.pids}"]
     argv = [shutil.which("unshare") or "unshare", *_UNSHARE, *inner, "--", *command]
-    if cgroup is not None:  # joined before unshare: inside the new user namespace it may be refused
-        argv = [*python, "--cgroup", str(cgroup), "--", *argv]
+    if cgroups:  # joined before unshare: inside the new user namespace it may be refused
+        argv = [*python, *(f"--cgroup={path}" for path in cgroups), "--", *argv]
     return argv
 
 
@@ -84,11 +85,12 @@ def make_result(
     )
 
 
-def _kill(process: Process, cgroup: Path | None) -> None:
+def _kill(process: Process, cgroups: Sequence[Path]) -> None:
+    """Kill this exec's processes only: its session, its pid namespace, its own cgroups."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    if cgroup is not None:
-        _cgroup.kill_cgroup(cgroup)
+    for path in cgroups:
+        _cgroup.kill_cgroup(path)
 
 
 async def _group_gone(pgid: int, deadline_s: float = 5.0) -> None:
@@ -110,9 +112,32 @@ async def run_guarded(
     limits: SandboxLimits,
     timeout: float,
     stdin: bytes | None = None,
-    cgroup: Path | None = None,
+    cgroup: _cgroup.SandboxCgroup | None = None,
 ) -> ExecResult:
-    """Run ``command`` guarded; kill its whole tree on timeout, output cap or cancellation."""
+    """Run ``command`` guarded; kill its whole tree on timeout, output cap or cancellation.
+
+    With the sandbox's ``cgroup`` the command runs in a child cgroup of its own (removed after it),
+    so the sandbox's limits hold for all its execs together and a kill spares the others.
+    """
+    cgroups = await anyio.to_thread.run_sync(cgroup.exec_group) if cgroup is not None else []
+    try:
+        return await _run(command, cwd=cwd, env=env, limits=limits, timeout=timeout, stdin=stdin, cgroups=cgroups)
+    finally:
+        with anyio.CancelScope(shield=True):
+            for path in cgroups:
+                await anyio.to_thread.run_sync(_cgroup.remove_cgroup, path)
+
+
+async def _run(
+    command: Sequence[str],
+    *,
+    cwd: Path,
+    env: Mapping[str, str],
+    limits: SandboxLimits,
+    timeout: float,
+    stdin: bytes | None,
+    cgroups: Sequence[Path],
+) -> ExecResult:
     out = OutputCollector(limits.output_bytes, limits.output_cap_bytes)
     started = time.monotonic()
     over_cap = anyio.Event()
@@ -121,7 +146,7 @@ async def run_guarded(
     # where the ``finally`` below kills the whole tree.
     with anyio.CancelScope(shield=True):
         process = await anyio.open_process(
-            guarded_argv(command, limits, cgroup),
+            guarded_argv(command, limits, cgroups),
             cwd=cwd,
             env=dict(env),
             start_new_session=True,
@@ -165,7 +190,7 @@ async def run_guarded(
         with anyio.CancelScope(shield=True):
             must_kill = process.returncode is None or timed_out or over_cap.is_set()
             if must_kill:
-                _kill(process, cgroup)
+                _kill(process, cgroups)
             await process.wait()
             await process.aclose()
             if must_kill:

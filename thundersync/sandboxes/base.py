@@ -31,6 +31,10 @@ class SandboxLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     ``output_bytes`` is kept per stream (head and tail halves); a command whose stdout+stderr
     pass ``output_cap_bytes`` is killed. ``timeout_s`` is the default per-command timeout.
+    ``memory_bytes`` bounds the sandbox's processes together (a container's or a cgroup's limit;
+    where no cgroup can be made, each process on its own). ``tmp_bytes`` bounds ``/tmp`` (and
+    ``/dev/shm``); ``tree_bytes`` the working tree, checked after every command, and what
+    ``read_file`` and ``copy_out`` bring to the host.
     """
 
     memory_bytes: int = 512 * 2**20
@@ -40,9 +44,10 @@ class SandboxLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     output_bytes: int = 64 * 1024
     output_cap_bytes: int = 16 * 2**20
     tmp_bytes: int = 64 * 2**20
+    tree_bytes: int = 2**30
 
     def __post_init__(self) -> None:
-        for name in ("memory_bytes", "pids", "output_bytes", "tmp_bytes"):
+        for name in ("memory_bytes", "pids", "output_bytes", "tmp_bytes", "tree_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
         if self.cpus <= 0 or self.timeout_s <= 0:
@@ -89,7 +94,11 @@ class Sandbox(Protocol):
 
     name: str
     workdir: str
-    tree: Path
+
+    @property
+    def tree(self) -> Path:
+        """The host directory that the sandbox sees at ``workdir``."""
+        ...
 
     async def __aenter__(self) -> Sandbox: ...
 

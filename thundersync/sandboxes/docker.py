@@ -6,10 +6,14 @@ working tree bind-mounted read-write at the image's working directory, a non-roo
 host's uid, or nobody when we are root; the tree is then chowned to it), and our labels (``io.
 thundersync.sandbox=1`` and the owner) so :func:`prune_containers` removes only our own.
 
-The image needs ``/bin/sh``: the container's init is a tiny shell loop that reaps orphans. A command that times out or passes the output
-cap is ended with ``kill -9 -1`` run as the sandbox user (every process of the sandbox but init);
-if even that cannot start (a fork bomb at the pids limit), the container is killed and started
-again, which keeps the working tree (a host directory) and empties ``/tmp``.
+The image needs ``/bin/sh``: the container's init is a tiny shell loop that reaps orphans. It runs
+as a uid of its own (not the sandbox user's), so commands can neither signal nor ptrace it nor
+write its memory: nothing of a task can hide in pid 1. A command that times out or passes the
+output cap is ended with ``kill -9 -1`` run as the sandbox user (every process of the sandbox but
+init); if even that cannot start (a fork bomb at the pids limit), or a process is still there
+afterwards, the container is killed and started again, which keeps the working tree (a host
+directory) and empties ``/tmp``. ``reset()`` lists the processes afterwards and returns True only
+when init is alone.
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import tarfile
 import time
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,7 @@ from thundersync.errors import MissingExtraError, SandboxExecError, SandboxUnava
 from thundersync.sandboxes import trees
 from thundersync.sandboxes._common import TreeSandbox
 from thundersync.sandboxes._process import make_result
+from thundersync.sandboxes._validate import check_image, check_workdir
 from thundersync.sandboxes.base import LABEL, OWNER_LABEL, ExecResult, SandboxLimits
 from thundersync.sandboxes.output import OutputCollector
 
@@ -43,6 +48,15 @@ _KILL_ALL = "kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null; true"
 _PRIVATE = " ".join(f"{d}/* {d}/.[!.]* {d}/..?*" for d in ("/tmp", "/dev/shm"))
 _WIPE = f"chmod -R u+rwx {_PRIVATE} 2>/dev/null; rm -rf {_PRIVATE} 2>/dev/null; true"
 _LEFT = f'for f in {_PRIVATE}; do if [ -e "$f" ] || [ -L "$f" ]; then echo "$f"; fi; done'
+# Every live process of the sandbox user but this shell (init and its sleep run as another uid).
+# Builtins only: the check forks nothing. /proc/PID/status, unlike /proc/PID/stat, cannot be faked
+# by a process name.
+_SURVIVORS = (
+    'me=; while read -r k v _; do [ "$k" = Uid: ] && me=$v && break; done < /proc/$$/status; '
+    'for p in /proc/[0-9]*; do p=${p#/proc/}; [ "$p" = $$ ] && continue; s=; u=; '
+    "{ while read -r k v _; do case $k in State:) s=$v ;; Uid:) u=$v; break ;; esac; done < /proc/$p/status; } "
+    '2>/dev/null; [ "$u" = "$me" ] && [ "$s" != Z ] && [ "$s" != X ] && echo "$p"; done; true'
+)
 _IO_DIR = "/run/thundersync"
 _seeds = trees.SeedCache()
 
@@ -50,6 +64,25 @@ _seeds = trees.SeedCache()
 def default_owner() -> str:
     """The owner label of this user on this host: ``uid<N>@<hostname>``."""
     return f"uid{os.geteuid()}@{socket.gethostname()}"
+
+
+def _cli_socket() -> str | None:
+    """The engine socket of ``$THUNDERSYNC_DOCKER_BIN``'s current context (Docker) or service (Podman)."""
+    if not os.environ.get("THUNDERSYNC_DOCKER_BIN"):
+        return None
+    cli = docker_cli()
+    for query in (
+        ["context", "inspect", "--format", "{{.Endpoints.docker.Host}}"],
+        ["info", "--format", "{{.Host.RemoteSocket.Path}}"],
+    ):
+        done = subprocess.run([cli, *query], capture_output=True, text=True, check=False, timeout=30)
+        found = done.stdout.strip()
+        if done.returncode == 0 and found:
+            return found if "://" in found else f"unix://{found}"
+    raise SandboxUnavailable(
+        f"THUNDERSYNC_DOCKER_BIN={cli!r} names no engine socket ('context inspect' and 'info' gave none): "
+        f"start its service or set DOCKER_HOST=unix:///path/to/engine.sock"
+    )
 
 
 def docker_cli() -> str:
@@ -61,13 +94,18 @@ def docker_cli() -> str:
 
 
 def docker_client() -> Any:
-    """A new ``aiodocker.Docker`` (``DOCKER_HOST`` honoured); close it with ``await client.close()``."""
+    """A new ``aiodocker.Docker``; close it with ``await client.close()``.
+
+    The engine is ``DOCKER_HOST``'s, else (when ``THUNDERSYNC_DOCKER_BIN`` names a CLI) that CLI's
+    current one, else the default socket.
+    """
     try:
         import aiodocker
     except ImportError:
         raise MissingExtraError("the Docker sandbox backend", "sandbox", "aiodocker") from None
+    url = None if os.environ.get("DOCKER_HOST") else _cli_socket()
     try:
-        return aiodocker.Docker()
+        return aiodocker.Docker(url=url)
     except Exception as error:  # aiodocker raises a bare exception when no socket is found
         raise SandboxUnavailable(
             f"no Docker engine socket: {error} (set DOCKER_HOST=unix:///path/to/docker.sock)"
@@ -105,11 +143,13 @@ class DockerSandbox(TreeSandbox):
         owner: str | None = None,
         client: Any = None,
     ) -> None:
-        super().__init__(name=name, limits=limits, workdir=workdir or "")
-        self.image = image
+        super().__init__(name=name, limits=limits, workdir=check_workdir(workdir) if workdir else "")
+        self.image = check_image(image)
         self.owner = owner or default_owner()
         uid = os.geteuid()
         self.user = user or (f"{uid}:{os.getgid()}" if uid != 0 else "65534:65534")
+        # init's uid: never the sandbox user's, so its commands cannot ptrace, signal or write to pid 1
+        self.init_user = "65533:65533" if self.user.split(":")[0] in ("65534", "nobody") else "65534:65534"
         if uid == 0 and self.user.split(":")[0].isdigit():
             ids = [int(part) for part in self.user.split(":")]
             self._owner = (ids[0], ids[1] if len(ids) > 1 else ids[0])
@@ -129,7 +169,7 @@ class DockerSandbox(TreeSandbox):
                 f"Docker image {self.image!r} is not available ({error}): build or import it "
                 f"first (no registry is pulled from)"
             ) from error
-        self.workdir = self.workdir or info.get("Config", {}).get("WorkingDir") or "/work"
+        self.workdir = self.workdir or check_workdir(info.get("Config", {}).get("WorkingDir") or "/work")
         key = "docker-" + hashlib.sha256(f"{info['Id']}\n{self.workdir}".encode()).hexdigest()[:24]
         return await _seeds.get(key, self._fill_seed)
 
@@ -160,7 +200,7 @@ class DockerSandbox(TreeSandbox):
             "Image": self.image,
             "Entrypoint": ["/bin/sh", "-c"],
             "Cmd": [_INIT],
-            "User": self.user,
+            "User": self.init_user,
             "WorkingDir": self.workdir,
             "Labels": self._labels(),
             "NetworkDisabled": True,
@@ -195,39 +235,41 @@ class DockerSandbox(TreeSandbox):
     async def _kill_processes(self, *, wipe_tmp: bool = False) -> None:
         """End every process but init, or restart the container when not even that can run."""
         script = _KILL_ALL + (f"; {_WIPE}" if wipe_tmp else "")
+        if await self._run_quietly(script) == "" and await self._run_quietly(_SURVIVORS) == "":
+            return
+        await self._restart()
+
+    async def _run_quietly(self, script: str) -> str | None:
+        """The stdout of ``sh -c script`` as the sandbox user, or None if it failed or took over 10 s."""
         with anyio.move_on_after(10):
             try:
                 exe = await self._container.exec(["/bin/sh", "-c", script], user=self.user)
+                chunks = []
                 async with exe.start(detach=False) as stream:
-                    while await stream.read_out() is not None:
-                        pass
+                    while (message := await stream.read_out()) is not None:
+                        chunks.append(message.data)
                 if await _exit_code(exe) == 0:
-                    return
+                    return b"".join(chunks).decode(errors="replace")
             except Exception:
                 pass
+        return None
+
+    async def _restart(self) -> None:
         await self._container.kill()
         await self._container.start()
 
     async def reset(self) -> bool:
-        """Kill every process, empty /tmp and /dev/shm, restore the tree from the seed, verify both."""
-        await self._kill_processes(wipe_tmp=True)
-        left = await self.exec(["/bin/sh", "-c", _LEFT], timeout=10)
-        if left.exit_code != 0 or left.stdout:
+        """Kill every process, empty /tmp and /dev/shm, restore the tree from the seed, verify all three."""
+        self._check_open()
+        await self._kill_processes(wipe_tmp=True)  # checked: init alone, or the container restarted
+        left = await self._run_quietly(_LEFT)
+        if left != "":
             return False  # something in /tmp or /dev/shm survived: the pool discards the sandbox
         return await anyio.to_thread.run_sync(self._restore_tree)
 
     # -- exec ---------------------------------------------------------------------------------
 
-    async def exec(
-        self,
-        cmd: Sequence[str] | str,
-        *,
-        timeout: float | None = None,
-        env: Mapping[str, str] | None = None,
-        stdin: bytes | None = None,
-    ) -> ExecResult:
-        self._check_open()
-        argv = self._argv(cmd)
+    async def _exec(self, argv: list[str], *, timeout: float, env: dict[str, str], stdin: bytes | None) -> ExecResult:
         stdin_file = self._stdin_file(stdin) if stdin is not None else None
         if stdin_file is not None:
             argv = ["/bin/sh", "-c", f'exec "$@" < {_IO_DIR}/{stdin_file.name}', "sh", *argv]
@@ -235,13 +277,13 @@ class DockerSandbox(TreeSandbox):
         started = time.monotonic()
         try:
             exe = await self._container.exec(
-                argv, user=self.user, workdir=self.workdir, environment=dict(env or {}), stdout=True, stderr=True
+                argv, user=self.user, workdir=self.workdir, environment=env, stdout=True, stderr=True
             )
         except Exception as error:
             raise SandboxExecError(f"cannot start {argv[:3]!r} in sandbox {self.name}: {error}") from error
         finished = False
         try:
-            with anyio.move_on_after(timeout or self.limits.timeout_s):
+            with anyio.move_on_after(timeout):
                 async with exe.start(detach=False) as stream:
                     while (message := await stream.read_out()) is not None:
                         out.feed(message.stream, message.data)

@@ -1,7 +1,7 @@
 """The local backend: a plain host process in a private directory. NOT an isolation boundary.
 
 Commands run in the working tree (a private scratch directory) with the host's filesystem
-visible, under rlimits, a pids cgroup when one can be made, no network (``unshare --net`` plus the
+visible, under rlimits, pids and memory cgroups when they can be made (see :mod:`._cgroup`), no network (``unshare --net`` plus the
 seccomp socket filter) and a pid namespace whose teardown kills every process on timeout. Use it
 for tests and trusted tools only; it is chosen only when asked for by name, and it warns.
 """
@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 import anyio.to_thread
 
-from thundersync.sandboxes import _cgroup, _process
-from thundersync.sandboxes._common import TreeSandbox, scrub_env
+from thundersync.sandboxes import _cgroup, _process, trees
+from thundersync.sandboxes._common import TreeSandbox
+from thundersync.sandboxes._validate import scrub_env
 from thundersync.sandboxes.base import ExecResult, SandboxLimits
 
 __all__ = ["LocalSandbox", "NotIsolatedWarning"]
@@ -39,7 +40,7 @@ class LocalSandbox(TreeSandbox):
     ) -> None:
         super().__init__(name=name, limits=limits, workdir="")
         self._template = Path(template) if template is not None else None
-        self._cgroup: Path | None = None
+        self._cgroup: _cgroup.SandboxCgroup | None = None
         warnings.warn(
             "the local sandbox backend is not an isolation boundary: commands run as host "
             "processes that can read and write your files; use backend='docker' or 'udocker' "
@@ -54,17 +55,21 @@ class LocalSandbox(TreeSandbox):
     async def _start(self) -> None:
         self.workdir = str(self.tree)
         await self._recreate_dirs("home")
-        self._cgroup = await anyio.to_thread.run_sync(_cgroup.create_pids_cgroup, self.name, self.limits.pids)
+        self._cgroup = await anyio.to_thread.run_sync(
+            lambda: _cgroup.SandboxCgroup.create(
+                self.name, pids=self.limits.pids, memory_bytes=self.limits.memory_bytes
+            )
+        )
 
     async def _stop(self) -> None:
         await self._kill_processes()
         if self._cgroup is not None:
-            await anyio.to_thread.run_sync(_cgroup.remove_cgroup, self._cgroup)
+            await anyio.to_thread.run_sync(self._cgroup.remove)
 
     async def _kill_processes(self) -> None:
         # Each exec's pid namespace is gone when exec returns; the cgroup is a second check.
         if self._cgroup is not None:
-            await anyio.to_thread.run_sync(_cgroup.kill_cgroup, self._cgroup)
+            await anyio.to_thread.run_sync(self._cgroup.kill)
 
     async def _wipe_private(self) -> None:
         await self._recreate_dirs("home")
@@ -75,21 +80,19 @@ class LocalSandbox(TreeSandbox):
         env.update(extra or {})
         return env
 
-    async def exec(
-        self,
-        cmd: Sequence[str] | str,
-        *,
-        timeout: float | None = None,
-        env: Mapping[str, str] | None = None,
-        stdin: bytes | None = None,
-    ) -> ExecResult:
-        self._check_open()
+    def _over_limit(self) -> str | None:
+        used = trees.tree_usage(self.scratch / "home")
+        if used > self.limits.tmp_bytes:
+            return f"its home (also TMPDIR) holds {used} bytes, over SandboxLimits.tmp_bytes={self.limits.tmp_bytes}"
+        return super()._over_limit()
+
+    async def _exec(self, argv: list[str], *, timeout: float, env: dict[str, str], stdin: bytes | None) -> ExecResult:
         return await _process.run_guarded(
-            self._argv(cmd),
+            argv,
             cwd=self.tree,
             env=self._env(env),
             limits=self.limits,
-            timeout=timeout or self.limits.timeout_s,
+            timeout=timeout,
             stdin=stdin,
             cgroup=self._cgroup,
         )

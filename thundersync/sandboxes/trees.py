@@ -14,16 +14,17 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
-import shutil
 import stat
 import tempfile
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from pathlib import Path
 
 import anyio
 import anyio.to_thread
 
 from thundersync.errors import ConfigError, UnsafePathError
+from thundersync.sandboxes import _copy, _walk
 
 __all__ = [
     "SCRATCH_ENV",
@@ -32,12 +33,14 @@ __all__ = [
     "chown_tree",
     "copy_tree",
     "copy_tree_into",
+    "empty_dir",
     "private_dir",
     "remove_tree",
     "scratch_root",
     "seed_root",
     "tree_digest",
     "tree_digest_of_empty",
+    "tree_usage",
 ]
 
 SCRATCH_ENV = "THUNDERSYNC_SANDBOX_SCRATCH"
@@ -83,6 +86,15 @@ def seed_root() -> Path:
     return private_dir(Path(os.environ.get(SEED_ENV) or default), what="seed cache", env=SEED_ENV)
 
 
+def _open_top(path: Path, *, unlock: bool = False) -> int:
+    try:
+        return _walk.open_dir(os.fsencode(path), None, unlock=unlock)
+    except OSError as error:
+        raise UnsafePathError(
+            f"cannot open the tree {path}: {error.strerror} (it must be a directory, not a link)"
+        ) from None
+
+
 def tree_digest(root: Path) -> str:
     """SHA-256 over names (bytes), types, permission bits, file contents and link targets.
 
@@ -91,34 +103,56 @@ def tree_digest(root: Path) -> str:
     """
     digest = hashlib.sha256()
 
-    def walk(path: bytes, rel: bytes) -> None:
-        with os.scandir(path) as it:
-            entries = sorted(it, key=lambda e: e.name)
-        for entry in entries:
-            info = entry.stat(follow_symlinks=False)
-            name = rel + b"/" + entry.name
-            digest.update(b"%s\0%o\0" % (name, info.st_mode))
-            if stat.S_ISLNK(info.st_mode):
-                digest.update(os.readlink(entry.path) + b"\0")
-            elif stat.S_ISREG(info.st_mode):
-                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW)
-                with os.fdopen(fd, "rb") as file:
-                    digest.update(hashlib.file_digest(file, "sha256").digest())
-            elif stat.S_ISDIR(info.st_mode):
-                walk(entry.path, name)
+    def visit(fd: int, name: bytes, rel: bytes, info: os.stat_result) -> bool:
+        digest.update(b"/%s\0%o\0" % (rel, info.st_mode))
+        if stat.S_ISLNK(info.st_mode):
+            digest.update(os.readlink(name, dir_fd=fd) + b"\0")
+        elif stat.S_ISREG(info.st_mode):
+            file_fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+            with os.fdopen(file_fd, "rb") as file:
+                digest.update(hashlib.file_digest(file, "sha256").digest())
+        return True
 
-    walk(os.fsencode(root), b"")
+    top = _open_top(root)
+    try:
+        _walk.walk(top, visit)
+    finally:
+        os.close(top)
     return digest.hexdigest()
+
+
+def tree_usage(root: Path) -> int:
+    """Bytes of disk that the entries under ``root`` take (allocated blocks; a sparse hole is free)."""
+    used = 0
+
+    def visit(fd: int, name: bytes, rel: bytes, info: os.stat_result) -> bool:
+        nonlocal used
+        used += info.st_blocks * 512
+        return True
+
+    top = _open_top(root)
+    try:
+        _walk.walk(top, visit)
+    finally:
+        os.close(top)
+    return used
 
 
 def copy_tree(src: Path, dest: Path) -> None:
     """Copy ``src`` to a new ``dest``, links as links, modes kept."""
-    shutil.copytree(src, dest, symlinks=True)
+    os.mkdir(dest, 0o700)
+    copy_tree_into(src, dest)
 
 
 def copy_tree_into(src: Path, dest: Path) -> None:
-    """Copy the contents of ``src`` into the existing directory ``dest`` (and its mode)."""
-    shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True)
+    """Copy the contents of ``src`` into the existing directory ``dest`` (and its mode), never following links."""
+    src_fd, dest_fd = _open_top(src), _open_top(dest)
+    try:
+        _copy.copy_between(src_fd, dest_fd, _copy.Policy())
+        os.fchmod(dest_fd, stat.S_IMODE(os.fstat(src_fd).st_mode))
+    finally:
+        os.close(src_fd)
+        os.close(dest_fd)
 
 
 def tree_digest_of_empty() -> str:
@@ -128,29 +162,55 @@ def tree_digest_of_empty() -> str:
 
 def chown_tree(root: Path, uid: int, gid: int) -> None:
     """``lchown`` every entry under ``root`` (itself included) to ``uid:gid``."""
-    os.lchown(root, uid, gid)
-    for parent, dirs, files in os.walk(root):
-        for name in dirs + files:
-            os.lchown(os.path.join(parent, name), uid, gid)
+
+    def visit(fd: int, name: bytes, rel: bytes, info: os.stat_result) -> bool:
+        os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
+        return True
+
+    top = _open_top(root)
+    try:
+        os.fchown(top, uid, gid)
+        _walk.walk(top, visit)
+    finally:
+        os.close(top)
+
+
+def empty_dir(fd: int) -> None:
+    """Remove everything in the open directory ``fd``, even what the sandbox locked (modes 0)."""
+
+    def visit(dir_fd: int, name: bytes, rel: bytes, info: os.stat_result) -> bool:
+        if stat.S_ISDIR(info.st_mode):
+            return True
+        with suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dir_fd)
+        return False
+
+    def leave(dir_fd: int, name: bytes, rel: bytes) -> None:
+        os.rmdir(name, dir_fd=dir_fd)
+
+    _walk.walk(fd, visit, leave=leave, unlock=True)
 
 
 def remove_tree(path: Path) -> None:
-    """Remove ``path`` even if the sandbox made directories under it unreadable or unwritable."""
+    """Remove ``path`` even if the sandbox made directories under it unreadable or unwritable.
 
-    def unlock(directory: str) -> None:
-        os.chmod(directory, 0o700)
-        with os.scandir(directory) as it:
-            for entry in it:
-                if entry.is_dir(follow_symlinks=False):
-                    unlock(entry.path)
-
-    if not os.path.lexists(path):
+    The walk is descriptor-relative and never follows a link (see :mod:`._walk`).
+    """
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
         return
-    if os.path.isdir(path) and not os.path.islink(path):
-        unlock(os.fspath(path))
-        shutil.rmtree(path)
-    else:
+    if not stat.S_ISDIR(info.st_mode):
         os.unlink(path)
+        return
+    top = _walk.open_dir(os.fsencode(path), None, unlock=True)
+    try:
+        if stat.S_IMODE(os.fstat(top).st_mode) & 0o700 != 0o700:
+            os.fchmod(top, 0o700)
+        empty_dir(top)
+    finally:
+        os.close(top)
+    os.rmdir(path)
 
 
 class SeedCache:

@@ -3,10 +3,11 @@
 Each sandbox is one ``udocker create``-d container, re-created on reset (commands may write
 anywhere in its root filesystem, a plain host directory). Every command is a ``udocker run`` with
 ``--nosysdirs`` (only /proc of its own pid namespace and a few /dev nodes are bound), private
-``/tmp`` and ``/dev/shm``, the working tree bound at ``workdir`` and ``-w workdir`` always, run by
-:func:`_process.run_guarded` (user + network + pid namespaces, seccomp socket filter, rlimits,
-pids cgroup). The environment given to uDocker is built from an allow-list, so secrets and
-NCCL_* never reach it.
+``/tmp`` and ``/dev/shm`` (bounded by ``tmp_bytes``, checked after each command), the working tree
+bound at ``workdir`` and ``-w workdir`` always, run by :func:`_process.run_guarded` (user + network
++ pid namespaces, the seccomp filter that also closes the calls PRoot does not translate, rlimits,
+the sandbox's cgroups). The environment given to uDocker is built from an allow-list, so secrets
+and NCCL_* never reach it. A command may not start with ``-`` (PRoot would read it as an option).
 
 Offline set-up: ``UDOCKER_TARBALL`` is set empty (no tools download) and PRoot is Debian's,
 through a wrapper that drops ``-k <release>`` (proot 5.1.0 fails with it on recent kernels).
@@ -16,9 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import anyio
@@ -27,21 +28,26 @@ import anyio.to_thread
 from thundersync.errors import SandboxUnavailable
 from thundersync.sandboxes import _cgroup, _process, trees
 from thundersync.sandboxes._common import TreeSandbox
+from thundersync.sandboxes._validate import check_image, check_workdir
 from thundersync.sandboxes.base import ExecResult, SandboxLimits
 
 __all__ = ["UDockerSandbox", "proot_wrapper", "udocker_bin", "udocker_env"]
 
 _WRAPPER = """#!/bin/sh
-# Written by thundersync: run {proot} without the `-k <release>` pair of arguments.
-skip=0
+# Written by thundersync: run {proot} without uDocker's `-k <release>` pair of arguments (the
+# first one only: the command's own arguments, after it, are passed as they are).
+state=0
 for a in "$@"; do
     shift
-    if [ "$skip" = 1 ]; then skip=0; continue; fi
-    if [ "$a" = -k ]; then skip=1; continue; fi
+    case "$state$a" in
+        0-k) state=1; continue ;;
+        1*) state=2; continue ;;
+    esac
     set -- "$@" "$a"
 done
 exec {proot} "$@"
 """
+_CONTAINER_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$", re.M)
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 _seeds = trees.SeedCache()
 
@@ -82,12 +88,15 @@ def proot_wrapper() -> str:
 
 
 def udocker_env(private: Path) -> dict[str, str]:
-    """The allow-listed environment for uDocker; ``private`` holds its temporary files."""
+    """The allow-listed environment for uDocker; ``private`` holds its temporary files.
+
+    A ``PROOT_TMP_DIR`` of the user's is kept (PRoot's own files go there), else it is ``private``.
+    """
     env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "UDOCKER_DIR") if k in os.environ}
     env.update(
         HOME=str(private),
         TMPDIR=str(private),
-        PROOT_TMP_DIR=str(private),
+        PROOT_TMP_DIR=os.environ.get("PROOT_TMP_DIR") or str(private),
         UDOCKER_TARBALL="",
         UDOCKER_USE_PROOT_EXECUTABLE=proot_wrapper(),
     )
@@ -102,10 +111,10 @@ class UDockerSandbox(TreeSandbox):
     def __init__(
         self, image: str, *, name: str | None = None, limits: SandboxLimits | None = None, workdir: str = "/work"
     ) -> None:
-        super().__init__(name=name, limits=limits, workdir=workdir)
-        self.image = image
+        super().__init__(name=name, limits=limits, workdir=check_workdir(workdir))
+        self.image = check_image(image)
         self._bin = udocker_bin()
-        self._cgroup: Path | None = None
+        self._cgroup: _cgroup.SandboxCgroup | None = None
         self._created = False
 
     async def _udocker(self, *args: str) -> str:
@@ -114,8 +123,21 @@ class UDockerSandbox(TreeSandbox):
         )
         if done.returncode != 0:
             detail = (done.stderr or done.stdout).decode(errors="replace").strip()
-            raise SandboxUnavailable(f"udocker {' '.join(args)} failed (exit {done.returncode}): {detail}")
+            error = SandboxUnavailable(f"udocker {' '.join(args)} failed (exit {done.returncode}): {detail}")
+            error.add_note(done.stdout.decode(errors="replace"))
+            raise error
         return done.stdout.decode(errors="replace").strip()
+
+    async def _create(self) -> None:
+        """``udocker create`` our container; one it made but could not name is removed again."""
+        with anyio.CancelScope(shield=True):  # a create cut short would leave a partial container
+            self._created = True
+            try:
+                await self._udocker("create", f"--name={self.name}", self.image)
+            except SandboxUnavailable as error:
+                for made in _CONTAINER_ID.findall("".join(getattr(error, "__notes__", []))):
+                    await self._udocker("rm", "-f", made)
+                raise
 
     def _private(self, which: str) -> Path:
         path = self.scratch / which
@@ -138,9 +160,7 @@ class UDockerSandbox(TreeSandbox):
 
     async def _prepare_seed(self) -> Path | None:
         key = self._image_key()
-        with anyio.CancelScope(shield=True):  # a create cut short would leave a partial container
-            self._created = True
-            await self._udocker("create", f"--name={self.name}", self.image)
+        await self._create()
         root = self._udocker_dir() / "containers" / self.name / "ROOT"
 
         async def fill(dest: Path) -> None:
@@ -152,13 +172,17 @@ class UDockerSandbox(TreeSandbox):
 
     async def _start(self) -> None:
         await self._recreate_dirs("tmp", "shm", "home")
-        self._cgroup = await anyio.to_thread.run_sync(_cgroup.create_pids_cgroup, self.name, self.limits.pids)
+        self._cgroup = await anyio.to_thread.run_sync(
+            lambda: _cgroup.SandboxCgroup.create(
+                self.name, pids=self.limits.pids, memory_bytes=self.limits.memory_bytes
+            )
+        )
 
     async def _stop(self) -> None:
         try:
             await self._kill_processes()
             if self._cgroup is not None:
-                await anyio.to_thread.run_sync(_cgroup.remove_cgroup, self._cgroup)
+                await anyio.to_thread.run_sync(self._cgroup.remove)
         finally:
             if self._created and os.path.lexists(self._udocker_dir() / "containers" / self.name):
                 await self._udocker("rm", "-f", self.name)
@@ -166,24 +190,22 @@ class UDockerSandbox(TreeSandbox):
     async def _kill_processes(self) -> None:
         # Each exec's pid namespace is gone when exec returns; the cgroup is a second check.
         if self._cgroup is not None:
-            await anyio.to_thread.run_sync(_cgroup.kill_cgroup, self._cgroup)
+            await anyio.to_thread.run_sync(self._cgroup.kill)
 
     async def _wipe_private(self) -> None:
         """Empty /tmp and /dev/shm, and re-create the container: its root filesystem is writable."""
         await self._recreate_dirs("tmp", "shm")
         with anyio.CancelScope(shield=True):  # cut short, it would leave no container or a partial one
             await self._udocker("rm", "-f", self.name)
-            await self._udocker("create", f"--name={self.name}", self.image)
+            await self._create()
 
-    async def exec(
-        self,
-        cmd: Sequence[str] | str,
-        *,
-        timeout: float | None = None,
-        env: Mapping[str, str] | None = None,
-        stdin: bytes | None = None,
-    ) -> ExecResult:
-        self._check_open()
+    def _over_limit(self) -> str | None:
+        used = sum(trees.tree_usage(self.scratch / which) for which in ("tmp", "shm"))
+        if used > self.limits.tmp_bytes:
+            return f"its /tmp and /dev/shm hold {used} bytes, over SandboxLimits.tmp_bytes={self.limits.tmp_bytes}"
+        return super()._over_limit()
+
+    async def _exec(self, argv: list[str], *, timeout: float, env: dict[str, str], stdin: bytes | None) -> ExecResult:
         binds = [
             f"{self.tree}:{self.workdir}",
             f"{self._private('tmp')}:/tmp",
@@ -191,25 +213,18 @@ class UDockerSandbox(TreeSandbox):
             "/proc",
             *_DEVICES,
         ]
-        argv = [
-            self._bin,
-            "--allow-root",
-            "--quiet",
-            "run",
-            "--nobanner",
-            "--nosysdirs",
+        udocker = [self._bin, "--allow-root", "--quiet", "run", "--nobanner", "--nosysdirs"]
+        options = [
             *(f"--volume={b}" for b in binds),
             f"--workdir={self.workdir}",
-            *(f"--env={k}={v}" for k, v in (env or {}).items()),
-            self.name,
-            *self._argv(cmd),
+            *(f"--env={k}={v}" for k, v in env.items()),
         ]
         return await _process.run_guarded(
-            argv,
+            [*udocker, *options, self.name, *argv],
             cwd=self.scratch,
             env=udocker_env(self._private("home")),
             limits=self.limits,
-            timeout=timeout or self.limits.timeout_s,
+            timeout=timeout,
             stdin=stdin,
             cgroup=self._cgroup,
         )
