@@ -14,7 +14,7 @@ import torch
 from thundersync.engine._accum import FlatAccumulator
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.run import StreamingRun
-from thundersync.opd.objective import surrogate_sum
+from thundersync.opd.loss import surrogate_sum
 
 __all__ = [
     "ClosedTrajectory",

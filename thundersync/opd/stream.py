@@ -1,6 +1,6 @@
 """OPDStream: action-ready on-policy distillation with deferred state adjoints.
 
-The loss of a logical batch (:mod:`thundersync.opd.objective`)::
+The loss of a logical batch (:mod:`thundersync.opd.loss`)::
 
     loss = (1/N) * sum_{scored t} exp(lp_t - b_t) * stopgrad(b_t - q_t)
 
@@ -46,7 +46,7 @@ from thundersync.engine.run import StreamingRun
 from thundersync.errors import ConfigError, StreamingError, UnknownIdError, UnsafeStepError
 from thundersync.opd import _replay
 from thundersync.opd._replay import GroupState, TrajectoryState, TurnState
-from thundersync.opd.objective import NORMALIZATIONS, Normalization, normalizer
+from thundersync.opd.loss import NORMALIZATIONS, Normalization, normalizer
 
 __all__ = ["OPDStream"]
 

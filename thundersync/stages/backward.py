@@ -97,7 +97,7 @@ class BackwardStage(Stage):
 
     def __init__(self, config: Stage.Config | None = None, /, *, objective: Any) -> None:
         super().__init__(config)
-        from thundersync.grpo.objective import RewardLinearBackward
+        from thundersync.grpo.stream import RewardLinearBackward
         from thundersync.opd.stream import OPDStream
 
         if not isinstance(objective, RewardLinearBackward | OPDStream):
