@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -144,12 +144,13 @@ def test_existing_grad_is_added_to_not_replaced() -> None:
 
 
 @pytest.fixture
-def opd() -> thundersync.OPDStream:
+def opd() -> Iterator[thundersync.OPDStream]:
     model = _model(torch.float32, False)
     model.zero_grad(set_to_none=True)
     stream = thundersync.OPDStream(thundersync.StreamingRun(model))
     stream.open_group("g", [1, 2])
-    return stream
+    yield stream
+    stream.discard()  # the shared model's parameters are free for the next test's batch
 
 
 def test_teacher_logprobs_of_the_wrong_length_are_refused(opd: thundersync.OPDStream) -> None:
@@ -182,7 +183,7 @@ def test_appending_after_close_is_refused(opd: thundersync.OPDStream) -> None:
 def test_unknown_ids_are_refused(opd: thundersync.OPDStream) -> None:
     with pytest.raises(UnknownIdError, match=r"group 'nope' is not open"):
         opd.append_turn("nope", "t", [3], [False])
-    with pytest.raises(UnknownIdError, match=r"trajectory 'zz' of group 'g' was never appended to"):
+    with pytest.raises(UnknownIdError, match=r"trajectory 'zz' of group 'g' has no turn \(never appended to\)"):
         opd.close_trajectory("g", "zz")
 
 
@@ -289,17 +290,17 @@ def test_trajectories_closed_while_the_worker_is_busy_replay_together_level_by_l
 
 
 def test_the_pack_queue_takes_a_ready_fifo_prefix_with_one_item_per_trajectory_and_a_token_limit() -> None:
-    from thundersync.opd._replay import GroupState, PendingTurn, TrajectoryState, TurnState
-    from thundersync.opd.stream import _PackQueue
+    from thundersync.engine.packing import PackQueue
+    from thundersync.opd._replay import PendingTurn, PromptState, TurnChain, TurnState
 
-    group = GroupState([1])
-    a, b, c = TrajectoryState(), TrajectoryState(), TrajectoryState()
+    group = PromptState([1])
+    a, b, c = TurnChain(), TurnChain(), TurnChain()
 
-    def item(trajectory: TrajectoryState, length: int) -> PendingTurn:
+    def item(trajectory: TurnChain, length: int) -> PendingTurn:
         return PendingTurn(group, [], TurnState([0] * length, [0], None, None), trajectory)
 
     blocked: set[int] = set()
-    queue = _PackQueue[PendingTurn](limit=20, ready=lambda it: id(it) not in blocked)
+    queue = PackQueue[PendingTurn](20, size=len, owner=lambda it: it.trajectory, ready=lambda it: id(it) not in blocked)
     items = [item(a, 4), item(b, 4), item(a, 4), item(c, 4)]
     for it in items:
         queue.push(it)

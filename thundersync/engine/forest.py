@@ -24,8 +24,7 @@ same forward: the engine runs no dropout.
 
 Example: on-policy distillation of one trajectory (prompt, scored action, observation, action)::
 
-    root = Segment(prompt_ids, parent=None)
-    SegmentPack.forward(anatomy, [root], grad=False, keep_state=True)     # root.state
+    root = forward_prompt(anatomy, prompt_ids)                             # root.state, no graph
     a1 = Segment(action_ids, parent=root)
     pack = SegmentPack.forward(anatomy, [a1], keep_state=True)
     lp = pack.scored_logprobs([scored_index])[0]                            # fp32 [S]
@@ -51,7 +50,7 @@ from thundersync.engine._accum import GradCapture, accumulate_dtype
 from thundersync.engine.adapter import KV, ChunkSpec, PackOutput, empty_prefix, forward_pack, head_logprobs
 from thundersync.engine.anatomy import DecoderAnatomy
 
-__all__ = ["AdjointLedger", "Segment", "SegmentPack"]
+__all__ = ["AdjointLedger", "Segment", "SegmentPack", "forward_prompt"]
 
 
 class Segment:
@@ -136,8 +135,8 @@ class SegmentPack:
             output = forward_pack(anatomy, chunks)
         pack = cls(anatomy, segments, output, leaves)
         if keep_state:
-            for index, seg in enumerate(segments):
-                seg.state = [(k.detach().clone(), v.detach().clone()) for k, v in pack.kv(index)]
+            for position, seg in enumerate(segments):
+                seg.state = [(k.detach().clone(), v.detach().clone()) for k, v in pack.kv(position)]
         return pack
 
     def kv(self, index: int) -> list[KV]:
@@ -218,6 +217,14 @@ class SegmentPack:
                 else:
                     result[ancestor] = [(k.clone(), v.clone()) for k, v in pieces]
         return result
+
+
+def forward_prompt(anatomy: DecoderAnatomy, tokens: torch.Tensor) -> Segment:
+    """A group's prompt as a root segment with its K/V ``state`` computed (no graph): the shared
+    prefix that the group's trajectories read through proxies."""
+    root = Segment(tokens)
+    SegmentPack.forward(anatomy, [root], grad=False, keep_state=True)
+    return root
 
 
 def _grad_or_zero(leaf: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,11 @@ adjoint of all the others. At the group's close the total also receives c1 G1 + 
 (:func:`~thundersync.grpo.estimators.accumulator_coefficients`). A group whose rewards are all
 equal contributes exactly zero and its remaining work is skipped.
 
+Which groups and trajectories are open or closed is kept by
+:class:`~thundersync.engine.groups.OpenGroups`; this module keeps only GRPO's payloads: per group
+its :class:`~thundersync.grpo._jobs.GroupWork` and the closed branches waiting for a pack, per
+trajectory its :class:`~thundersync.grpo._jobs.Branch` (tokens, scored flags, reward).
+
     >>> run = StreamingRun(model)                                              # doctest: +SKIP
     >>> grpo = RewardLinearBackward(run, eps=1e-6, estimator="grpo")            # doctest: +SKIP
     >>> grpo.open_group("g", prompt); grpo.append_turn("g", 0, ids, scored)    # doctest: +SKIP
@@ -26,128 +31,130 @@ equal contributes exactly zero and its remaining work is skipped.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Annotated, Any
 
+import msgspec
+
+from thundersync.engine import inputs
+from thundersync.engine.groups import Group, OpenGroups, trajectory_name
+from thundersync.engine.objective import Signal
+from thundersync.engine.packing import split
 from thundersync.engine.run import StreamingRun
-from thundersync.errors import ConfigError, StreamingError, UnknownIdError
+from thundersync.errors import ConfigError
 from thundersync.grpo import _jobs
-from thundersync.grpo.estimators import ESTIMATORS, Estimator, accumulator_coefficients, advantages, contributes
+from thundersync.grpo._jobs import Branch, GroupWork
+from thundersync.grpo.estimators import Estimator, accumulator_coefficients, advantages, contributes
 
 __all__ = ["RewardLinearBackward"]
 
 
-@dataclass
-class _Trajectory:
-    branch: _jobs.Branch = field(default_factory=lambda: _jobs.Branch([], []))
-    reward: float | None = None
+@dataclass(eq=False)
+class _Pending:
+    """GRPO's payload of an open group: its work and the closed branches not yet submitted."""
 
-
-@dataclass
-class _Group:
-    work: _jobs.GroupWork
-    trajectories: dict[Hashable, _Trajectory] = field(default_factory=dict)
-    waiting: list[_Trajectory] = field(default_factory=list)  # closed, scored, not yet submitted
+    work: GroupWork
+    waiting: list[Branch] = field(default_factory=list)
     reference: float | None = None  # r0 of the G1 accumulator
     prompt_forwarded: bool = False
 
-    def unclosed(self) -> list[Hashable]:
-        return [tid for tid, t in self.trajectories.items() if t.reward is None]
-
 
 class RewardLinearBackward:
-    """Streams GRPO-family gradients (``estimator``: "grpo", "dr_grpo" or "rloo") into ``run``."""
+    """Streams GRPO-family gradients (``estimator``: "grpo", "dr_grpo" or "rloo") into ``run``.
 
-    def __init__(self, run: StreamingRun, eps: float = 1e-6, estimator: Estimator = "grpo") -> None:
-        if estimator not in ESTIMATORS:
-            raise ConfigError(f"unknown estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
-        if not eps >= 0:
-            raise ConfigError(f"eps must be >= 0, got {eps}")
-        self.run, self.eps, self.estimator = run, float(eps), estimator
-        self._groups: dict[Hashable, _Group] = {}
+    Options (:class:`RewardLinearBackward.Config`, or the same names as keywords): ``eps`` of the
+    GRPO advantage, ``estimator``, and ``pack_tokens``: closed branches of an open group wait
+    until this many of their tokens are ready, then run packed (0: every branch runs alone, as
+    soon as it closes).
+    """
+
+    class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+        """What a pipeline file can set about the objective."""
+
+        eps: Annotated[float, msgspec.Meta(ge=0)] = 1e-6
+        estimator: Estimator = "grpo"
+        pack_tokens: Annotated[int, msgspec.Meta(ge=0)] = 8192
+
+    signal: Signal = "reward"
+
+    def __init__(self, run: StreamingRun, config: Config | None = None, /, **options: Any) -> None:
+        self.config = inputs.build_config(RewardLinearBackward.Config, config, options, "RewardLinearBackward")
+        self.run = run
+        self._groups: OpenGroups[_Pending, Branch] = OpenGroups(run, new_trajectory=Branch)
 
     def open_group(self, group_id: Hashable, prompt_tokens: Any) -> None:
         """Open a group; its prompt is forwarded once, shared by its trajectories (never before needed)."""
+        prompt = self.run.prompt_ids(group_id, prompt_tokens)
         self.run.begin(self)
-        if group_id in self._groups:
-            raise StreamingError(f"group {group_id!r} is already open; close it before opening it again")
-        self._groups[group_id] = _Group(_jobs.GroupWork(self.run.prompt_ids(group_id, prompt_tokens)))
+        self._groups.open(group_id, prompt, _Pending(GroupWork(prompt)))
 
-    def append_turn(self, group_id: Hashable, trajectory_id: Hashable, tokens: Any, scored: Sequence[bool]) -> None:
+    def append_turn(
+        self,
+        group_id: Hashable,
+        trajectory_id: Hashable,
+        tokens: Any,
+        scored: Any,
+        *,
+        teacher_logprobs: Any = None,
+        behaviour_logprobs: Any = None,
+    ) -> None:
         """Append a turn (policy turn: some tokens scored; observation turn: none)."""
-        group = self.run.lookup_group(self._groups, group_id)
-        trajectory = group.trajectories.get(trajectory_id)
-        if trajectory is not None and trajectory.reward is not None:
-            raise StreamingError(f"trajectory {trajectory_id!r} of group {group_id!r} is closed; cannot append to it")
-        ids, flags = self.run.turn_ids(f"trajectory {trajectory_id!r} in group {group_id!r}", tokens, scored)
-        if trajectory is None:
-            trajectory = group.trajectories[trajectory_id] = _Trajectory()
-        trajectory.branch.tokens += ids
-        trajectory.branch.scored += flags
-
-    def close_trajectory(self, group_id: Hashable, trajectory_id: Hashable, reward: float) -> None:
-        """Close a trajectory with its reward; its backward may run now (packed with others)."""
-        group = self.run.lookup_group(self._groups, group_id)
-        trajectory = group.trajectories.get(trajectory_id)
-        if trajectory is None:
-            raise UnknownIdError(
-                f"trajectory {trajectory_id!r} of group {group_id!r} has no turn; append a turn before closing it"
-            )
-        if trajectory.reward is not None:
-            raise StreamingError(f"trajectory {trajectory_id!r} of group {group_id!r} is already closed")
-        value = float(reward)
-        if not math.isfinite(value):
+        if teacher_logprobs is not None or behaviour_logprobs is not None:
             raise ConfigError(
-                f"reward of trajectory {trajectory_id!r} in group {group_id!r} is {value}; rewards must be finite"
+                "RewardLinearBackward (GRPO) learns from rewards, not log-probs: leave teacher_logprobs and "
+                "behaviour_logprobs unset, or use an OPDStream for distillation"
             )
-        trajectory.reward = value
-        if any(trajectory.branch.scored):
-            group.waiting.append(trajectory)
-            if sum(len(t.branch) for t in group.waiting) >= self.run.pack_tokens:
-                self._submit_linear(group_id, group)
+        self._groups.get(group_id)
+        ids, flags = self.run.turn_ids(trajectory_name(group_id, trajectory_id), tokens, scored)
+        _, trajectory = self._groups.append(group_id, trajectory_id, len(ids))
+        trajectory.payload.tokens += ids
+        trajectory.payload.scored += flags
+
+    def close_trajectory(self, group_id: Hashable, trajectory_id: Hashable, reward: float | None = None) -> None:
+        """Close a trajectory with its reward (required); its backward may run now (packed with others)."""
+        value = inputs.reward_value(reward, trajectory_name(group_id, trajectory_id))
+        group, trajectory = self._groups.closing(group_id, trajectory_id)
+        branch = trajectory.payload
+        branch.reward = value
+        if any(branch.scored):
+            pending = group.payload
+            pending.waiting.append(branch)
+            if sum(len(b) for b in pending.waiting) >= self.config.pack_tokens:
+                self._submit_linear(group)
 
     def close_group(self, group_id: Hashable) -> None:
         """Close a group: every trajectory must be closed; its combined gradient joins the total."""
-        group = self.run.lookup_group(self._groups, group_id)
-        unclosed = group.unclosed()
-        if unclosed:
-            raise StreamingError(f"group {group_id!r} has unclosed trajectories {unclosed!r}; close them first")
-        del self._groups[group_id]
-        rewards = [t.reward for t in group.trajectories.values() if t.reward is not None]
-        if not contributes(rewards, self.estimator):
-            group.work.cancelled = True  # every advantage is exactly zero: skip the queued work
-            self.run.submit(f"release of group {group_id!r}", group.work.release)
+        group = self._groups.close_group(group_id)
+        pending, estimator, eps = group.payload, self.config.estimator, self.config.eps
+        branches = [t.payload for t in group.trajectories.values()]
+        rewards = [b.reward for b in branches if b.reward is not None]
+        if not contributes(rewards, estimator):
+            pending.work.cancelled = True  # every advantage is exactly zero: skip the queued work
+            self.run.submit(f"release of group {group_id!r}", pending.work.release)
             return
-        weights = advantages(rewards, self.estimator, self.eps)
-        by_trajectory = {id(t): a for t, a in zip(group.trajectories.values(), weights)}
-        items = [(group.work, t.branch, by_trajectory[id(t)]) for t in group.waiting]
-        budget = max(self.run.pack_tokens - len(group.work.prompt), 0)
-        packs = _packs(items, budget, key=lambda item: len(item[1])) if items else [[]]
+        weight = {id(b): a for b, a in zip(branches, advantages(rewards, estimator, eps))}
+        items = [(pending.work, b, weight[id(b)]) for b in pending.waiting]
+        budget = max(self.config.pack_tokens - len(pending.work.prompt), 0)
+        packs = split(items, budget, lambda item: len(item[1])) if items else [[]]
         if len(packs) > 1:
-            self._ensure_prompt_state(group_id, group)
+            self._ensure_prompt_state(group)
         for pack in packs[:-1]:
             self.run.submit(
                 f"final backward of {len(pack)} branches of group {group_id!r}",
-                lambda pack=pack: _jobs.backward_final(self.run, pack),
+                partial(_jobs.backward_final, self.run, pack),
             )
-        reference = group.reference if group.reference is not None else 0.0
-        c1, c2 = accumulator_coefficients(rewards, self.estimator, self.eps, reference)
-        work, last = group.work, packs[-1]
+        reference = pending.reference if pending.reference is not None else 0.0
+        c1, c2 = accumulator_coefficients(rewards, estimator, eps, reference)
         self.run.submit(
-            f"close of group {group_id!r} with {len(last)} branches",
-            lambda: _jobs.close_group(self.run, work, last, c1, c2),
+            f"close of group {group_id!r} with {len(packs[-1])} branches",
+            partial(_jobs.close_group, self.run, pending.work, packs[-1], c1, c2),
         )
 
     def assert_safe_to_step(self) -> None:
         """Raise :class:`~thundersync.errors.UnsafeStepError` naming pending work; else ``.grad`` is final."""
-        pending = []
-        for gid, group in self._groups.items():
-            unclosed = group.unclosed()
-            detail = f" (unclosed trajectories: {unclosed!r})" if unclosed else ""
-            pending.append(f"group {gid!r} is open{detail}")
-        self.run.assert_safe_to_step(pending)
+        self.run.assert_safe_to_step(self._groups.pending())
 
     def discard(self) -> None:
         """Abandon the logical batch (after a failure): drop every open group and the run's total.
@@ -160,42 +167,30 @@ class RewardLinearBackward:
     def retained_bytes(self) -> int:
         """Bytes of tensors held for open groups plus the run's scratch and total."""
         self.run.worker.join()
-        return self.run.retained_bytes() + sum(g.work.nbytes() for g in self._groups.values())
+        return self.run.retained_bytes() + sum(g.payload.work.nbytes() for g in self._groups)
 
-    def _ensure_prompt_state(self, group_id: Hashable, group: _Group) -> None:
+    def _ensure_prompt_state(self, group: Group[_Pending, Branch]) -> None:
         """Branches that run apart from the prompt read its K/V state: compute it once, first."""
-        if not group.prompt_forwarded:
-            group.prompt_forwarded = True
-            work = group.work
-            self.run.submit(f"prompt forward of group {group_id!r}", lambda: _jobs.forward_prompt(self.run, work))
+        pending = group.payload
+        if not pending.prompt_forwarded:
+            pending.prompt_forwarded = True
+            self.run.submit(
+                f"prompt forward of group {group.id!r}", partial(_jobs.forward_prompt, self.run, pending.work)
+            )
 
-    def _submit_linear(self, group_id: Hashable, group: _Group) -> None:
-        self._ensure_prompt_state(group_id, group)
-        if group.reference is None:
-            group.reference = group.waiting[0].reward
-        by_reward: dict[float, list[_jobs.Branch]] = {}
-        for t in group.waiting:
-            by_reward.setdefault(t.reward, []).append(t.branch)  # type: ignore[arg-type]
-        group.waiting = []
-        work, reference = group.work, group.reference
-        assert reference is not None
+    def _submit_linear(self, group: Group[_Pending, Branch]) -> None:
+        """Submit the group's waiting branches, packed by equal reward: G2 += g, G1 += (r - r0) g."""
+        self._ensure_prompt_state(group)
+        pending = group.payload
+        by_reward: dict[float, list[Branch]] = {}
+        for branch in pending.waiting:
+            assert branch.reward is not None  # waiting branches are closed
+            by_reward.setdefault(branch.reward, []).append(branch)
+        pending.waiting = []
+        reference = pending.reference = pending.reference if pending.reference is not None else next(iter(by_reward))
         for reward, branches in by_reward.items():
-            for pack in _packs(branches, self.run.pack_tokens, key=len):
+            for pack in split(branches, self.config.pack_tokens, len):
                 self.run.submit(
-                    f"backward of {len(pack)} branches of group {group_id!r} (reward {reward})",
-                    lambda pack=pack, delta=reward - reference: _jobs.backward_linear(self.run, work, pack, delta),
+                    f"backward of {len(pack)} branches of group {group.id!r} (reward {reward})",
+                    partial(_jobs.backward_linear, self.run, pending.work, pack, reward - reference),
                 )
-
-
-def _packs(items: Sequence[Any], limit: int, *, key: Any) -> list[list[Any]]:
-    """Consecutive runs of ``items`` holding at most ``limit`` tokens each (at least one item)."""
-    packs: list[list[Any]] = []
-    size = 0
-    for item in items:
-        if packs and size + key(item) <= limit:
-            packs[-1].append(item)
-            size += key(item)
-        else:
-            packs.append([item])
-            size = key(item)
-    return packs
