@@ -237,8 +237,8 @@ def _proxy(
     """Per-layer fp32 (fp64) leaves holding the concatenated states of ``chain`` (shared per pack)."""
     key = id(chain[-1])
     if key not in leaves:
-        missing = [a for a in chain if a.state is None]
-        if missing:
+        states = [a.state for a in chain if a.state is not None]
+        if len(states) < len(chain):
             raise ValueError(
                 "the parent segment has no K/V state yet: forward it with keep_state=True first, "
                 "or in the same pack before its children"
@@ -246,8 +246,8 @@ def _proxy(
         acc = accumulate_dtype(anatomy.dtype)
         per_layer = []
         for layer in range(len(anatomy.layers)):
-            k = torch.cat([a.state[layer][0] for a in chain], dim=1)  # type: ignore[index]
-            v = torch.cat([a.state[layer][1] for a in chain], dim=1)  # type: ignore[index]
+            k = torch.cat([state[layer][0] for state in states], dim=1)
+            v = torch.cat([state[layer][1] for state in states], dim=1)
             per_layer.append((k.to(acc).requires_grad_(grad), v.to(acc).requires_grad_(grad)))
         leaves[key] = (chain, per_layer)
     return leaves[key][1]

@@ -47,7 +47,7 @@ def check_id(value: object, what: str) -> Hashable:
         raise ConfigError(
             f"{what} {value!r} is a {type(value).__name__}, which is not hashable; use a str, an int or a tuple"
         ) from None
-    return value  # type: ignore[return-value]  # hash() succeeded: it is Hashable
+    return value
 
 
 def token_ids(tokens: Any, what: str, vocab: int) -> list[int]:
@@ -68,11 +68,11 @@ def token_ids(tokens: Any, what: str, vocab: int) -> list[int]:
     return ids
 
 
-def _token(value: object, what: str) -> int:
+def _token(value: Any, what: str) -> int:
     if isinstance(value, bool):
         raise ConfigError(f"{what} must be a list of int token ids, got the bool {value!r}")
     try:
-        return operator.index(value)  # type: ignore[call-overload]  # TypeError below for non-integers
+        return operator.index(value)
     except TypeError:
         raise ConfigError(f"{what} must be a list of int token ids, got {type(value).__name__} {value!r}") from None
 
@@ -96,11 +96,11 @@ def scored_flags(scored: Any, count: int, where: str) -> list[bool]:
     return flags
 
 
-def _flag(value: object, where: str) -> bool:
+def _flag(value: Any, where: str) -> bool:
     if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy's bool too
         return bool(value)
     try:
-        number = operator.index(value)  # type: ignore[call-overload]  # TypeError below for non-integers
+        number = operator.index(value)
     except TypeError:
         number = None
     if number not in (0, 1):

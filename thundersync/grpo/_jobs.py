@@ -77,8 +77,7 @@ def _forward_branches(
     pack = SegmentPack.forward(run.anatomy, [*head, *segments])
     device = run.layout.device
     picks = [torch.tensor([j for j, s in enumerate(b.scored) if s], dtype=torch.long, device=device) for b in branches]
-    selections: list[torch.Tensor | None] = [None] * len(head)
-    logprobs = pack.scored_logprobs(selections + picks)
+    logprobs = pack.scored_logprobs([*([None] * len(head)), *picks])
     return pack, logprobs[len(head) :]
 
 
