@@ -25,7 +25,7 @@ from thundersync.engine import inputs
 from thundersync.engine._accum import FlatAccumulator, GradCapture, ParamLayout
 from thundersync.engine._guard import ParameterGuard, check_deterministic
 from thundersync.engine._worker import Worker
-from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy
+from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy, unwrap_peft
 from thundersync.engine.inputs import build_config
 from thundersync.errors import ConfigError, UnsafeStepError
 
@@ -43,7 +43,7 @@ class StreamingRun:
     Between a batch's first ``open_group`` and ``assert_safe_to_step()`` leave ``p.grad`` alone
     (the worker briefly points it at its scratch during each backward), and neither change nor
     replace the parameters. One logical batch at a time may stream into a parameter, across
-    every run that shares it (:func:`claim_parameters`).
+    every run that shares it (:class:`~thundersync.engine._guard.ParameterGuard`).
     """
 
     class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -71,7 +71,8 @@ class StreamingRun:
         self.accumulator_device = _device(self.config.source_offload_device) or self.layout.device
         background = self.config.background
         self.worker = Worker(background=self.layout.device.type == "cuda" if background is None else background)
-        self.max_positions: int | None = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        positions = getattr(getattr(unwrap_peft(model), "config", None), "max_position_embeddings", None)
+        self.max_positions = int(positions) if positions is not None else None
         self.guard = ParameterGuard(model, self.params)
         self._capture: GradCapture | None = None
         self._total: FlatAccumulator | None = None
