@@ -98,5 +98,7 @@ def test_options_are_keywords_or_a_config_and_are_validated() -> None:
         thundersync.OPDStream(run, normalization="mean")
     with pytest.raises(ConfigError, match=r"OPDStream takes a OPDStream.Config or keyword options, not both"):
         thundersync.OPDStream(run, thundersync.OPDStream.Config(), pack_tokens=3)
+    with pytest.raises(ConfigError, match=r"invalid StreamingRun option: Expected `bool \| null`, got `str`"):
+        thundersync.StreamingRun(model, background="no")  # strict: a str is not a bool
     with pytest.raises(ConfigError, match=r"source_offload_device 'gpu0' is not a torch device"):
         thundersync.StreamingRun(model, source_offload_device="gpu0")

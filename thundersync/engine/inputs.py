@@ -34,7 +34,7 @@ def build_config(cls: type[C], config: C | None, fields: Mapping[str, Any], owne
         raise ConfigError(f"{owner} takes a {owner}.Config, got {type(config).__name__}")
     values = msgspec.structs.asdict(config) if config is not None else dict(fields)
     try:
-        return msgspec.convert(values, cls, strict=False)
+        return msgspec.convert(values, cls)
     except msgspec.ValidationError as error:
         raise ConfigError(f"invalid {owner} option: {error} (got {values!r})") from None
 
