@@ -78,7 +78,6 @@ class OpenGroups(Generic[G, T]):
         """Open a group whose prompt is ``prompt``; refuses an id that is open already."""
         if check_id(group_id, "group id") in self._groups:
             raise StreamingError(f"group {group_id!r} is already open; close it before opening it again")
-        self._run.check_positions(f"the prompt of group {group_id!r}", len(prompt))
         group = self._groups[group_id] = Group(group_id, payload, len(prompt))
         return group
 

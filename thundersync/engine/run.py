@@ -112,10 +112,13 @@ class StreamingRun:
         self.worker.submit(label, run)
 
     def prompt_ids(self, group_id: Hashable, tokens: Any) -> list[int]:
-        """Validate a group's prompt: token ids in the vocabulary, at least one of them."""
+        """Validate a group's id and prompt: token ids in the vocabulary, at least one of them, no
+        more than the model has positions for."""
+        inputs.check_id(group_id, "group id")
         prompt = inputs.token_ids(tokens, f"prompt of group {group_id!r}", self.anatomy.vocab_size)
         if not prompt:
             raise ConfigError(f"prompt of group {group_id!r} is empty; a group needs at least one prompt token")
+        self.check_positions(f"the prompt of group {group_id!r}", len(prompt))
         return prompt
 
     def turn_ids(self, where: str, tokens: Any, scored: Any) -> tuple[list[int], list[bool]]:

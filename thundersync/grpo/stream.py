@@ -106,7 +106,7 @@ class RewardLinearBackward:
                 "RewardLinearBackward (GRPO) learns from rewards, not log-probs: leave teacher_logprobs and "
                 "behaviour_logprobs unset, or use an OPDStream for distillation"
             )
-        self._groups.get(group_id)
+        self._groups.get(group_id)  # an unknown group is reported before the turn's contents
         ids, flags = self.run.turn_ids(trajectory_name(group_id, trajectory_id), tokens, scored)
         _, trajectory = self._groups.append(group_id, trajectory_id, len(ids))
         trajectory.payload.tokens += ids

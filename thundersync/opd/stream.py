@@ -106,7 +106,7 @@ class OPDStream:
         behaviour_logprobs: Any = None,
     ) -> None:
         """Append a turn; a turn with scored tokens is backpropagated now (its scores are here)."""
-        self._groups.get(group_id)
+        self._groups.get(group_id)  # an unknown group is reported before the turn's contents
         where = trajectory_name(group_id, trajectory_id)
         ids, flags = self.run.turn_ids(where, tokens, scored)
         if not ids:
