@@ -118,7 +118,7 @@ def dense(model: torch.nn.Module, batch: Batch, micro: int = 8) -> None:
 
 def streaming(model: torch.nn.Module, batch: Batch, pack_tokens: int = 8192) -> None:
     """All groups open; trajectories close one by one in a shuffled order across groups."""
-    grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model, pack_tokens=pack_tokens), eps=EPS)
+    grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model), eps=EPS, pack_tokens=pack_tokens)
     order = [(g, i) for g, group in enumerate(batch) for i in range(len(group.trajectories))]
     random.Random(7).shuffle(order)
     remaining = [len(group.trajectories) for group in batch]

@@ -89,7 +89,7 @@ def test_lora_that_leaves_some_kv_without_graph_streams_exact_gradients(targets:
                 p.normal_(0.0, 0.2)
     plan = _grpo_plan()
     want = _dense_grpo(model, plan)
-    _stream_grpo(thundersync.RewardLinearBackward(thundersync.StreamingRun(model, pack_tokens=8)), plan)
+    _stream_grpo(thundersync.RewardLinearBackward(thundersync.StreamingRun(model), pack_tokens=8), plan)
     assert G.relative_error(G.grads(model), want) < 1e-10
     model.zero_grad(set_to_none=True)
 

@@ -41,14 +41,19 @@ def tiny_qwen3(
     )
     model = Qwen3ForCausalLM(config).to(dtype)
     if dtype == torch.float64:
-        for module in model.modules():
-            if type(module).__name__ == "Qwen3RMSNorm":
-                module.__class__ = _NativeRMSNorm
+        use_native_norms(model)
     with torch.no_grad():  # random norms, so a wrong norm placement cannot hide behind ones
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     return model.eval()
+
+
+def use_native_norms(model: torch.nn.Module) -> None:
+    """Swap every Qwen3RMSNorm of ``model`` for :class:`_NativeRMSNorm` (same weights, same formula)."""
+    for module in model.modules():
+        if type(module).__name__ == "Qwen3RMSNorm":
+            module.__class__ = _NativeRMSNorm
 
 
 def with_lora(model: torch.nn.Module, *, seed: int = 1) -> torch.nn.Module:

@@ -12,9 +12,11 @@ from tests.engine.tiny_models import tiny_qwen3
 from thundersync.errors import ConfigError, StreamingError, UnknownIdError, UnsafeStepError
 
 
-def _grpo(model: torch.nn.Module | None = None, **options: object) -> thundersync.RewardLinearBackward:
-    run = thundersync.StreamingRun(model if model is not None else tiny_qwen3(), **options)  # type: ignore[arg-type]
-    return thundersync.RewardLinearBackward(run, eps=1e-6, estimator="grpo")
+def _grpo(
+    model: torch.nn.Module | None = None, *, pack_tokens: int = 8192, **run_options: object
+) -> thundersync.RewardLinearBackward:
+    run = thundersync.StreamingRun(model if model is not None else tiny_qwen3(), **run_options)
+    return thundersync.RewardLinearBackward(run, eps=1e-6, estimator="grpo", pack_tokens=pack_tokens)
 
 
 def _grads(model: torch.nn.Module) -> list[torch.Tensor | None]:
@@ -42,7 +44,7 @@ def test_misuse_is_refused_with_clear_messages() -> None:
     grpo.open_group("g", [1, 2, 3])
     with pytest.raises(StreamingError, match="group 'g' is already open"):
         grpo.open_group("g", [1])
-    with pytest.raises(ConfigError, match="scored has 1 flags but the turn of trajectory 0 in group 'g' has 2 tokens"):
+    with pytest.raises(ConfigError, match="scored has 1 flags but the turn of trajectory 0 of group 'g' has 2 tokens"):
         grpo.append_turn("g", 0, [1, 2], [True])
     with pytest.raises(ConfigError, match="token id 97, outside the vocabulary of size 97"):
         grpo.append_turn("g", 0, [1, 97], [True, True])
@@ -54,14 +56,16 @@ def test_misuse_is_refused_with_clear_messages() -> None:
     with pytest.raises(ConfigError, match="rewards must be finite"):
         grpo.close_trajectory("g", 0, float("nan"))
     grpo.close_trajectory("g", 0, 1.0)
-    with pytest.raises(StreamingError, match="trajectory 0 of group 'g' is already closed"):
+    with pytest.raises(StreamingError, match="trajectory 0 of group 'g' is closed; it cannot be closed twice"):
         grpo.close_trajectory("g", 0, 1.0)
     with pytest.raises(StreamingError, match="trajectory 0 of group 'g' is closed; cannot append"):
         grpo.append_turn("g", 0, [1], [True])
     grpo.append_turn("g", 1, [6], [True])
     with pytest.raises(StreamingError, match=r"group 'g' has unclosed trajectories \[1\]"):
         grpo.close_group("g")
-    with pytest.raises(ConfigError, match="unknown estimator 'ppo'"):
+    with pytest.raises(
+        ConfigError, match=r"invalid RewardLinearBackward option: Invalid enum value 'ppo' - at `\$.estimator`"
+    ):
         thundersync.RewardLinearBackward(grpo.run, estimator="ppo")  # type: ignore[arg-type]
 
 
@@ -69,7 +73,7 @@ def test_stepping_with_pending_work_names_it() -> None:
     grpo = _grpo()
     grpo.open_group("g", [1, 2])
     grpo.append_turn("g", "t1", [3], [True])
-    with pytest.raises(UnsafeStepError, match=r"group 'g' is open \(unclosed trajectories: \['t1'\]\)"):
+    with pytest.raises(UnsafeStepError, match=r"open groups: 'g'; unclosed trajectories: 'g'/'t1'; close every"):
         grpo.assert_safe_to_step()
     grpo.close_trajectory("g", "t1", 0.0)
     grpo.close_group("g")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -143,6 +144,46 @@ def dense_reference_grads(model: torch.nn.Module, plan: Plan, normalization: str
     }
     model.zero_grad(set_to_none=True)
     return grads
+
+
+def fp64_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The same weights in fp64 (norms computed in fp64 too): an exact-enough reference for fp32."""
+    double = copy.deepcopy(model).to(torch.float64)
+    tiny_models.use_native_norms(double)
+    return double
+
+
+def advantage_condition(model: torch.nn.Module, plan: Plan) -> float:
+    """max over on-policy scored tokens of |lp_t| / |lp_t - q_t| (``model``'s log-probs).
+
+    On policy the gradient is ``sum_t (lp_t - q_t) grad lp_t``, linear in the advantage
+    ``lp_t - q_t``, and an fp32 forward knows lp_t only to a few units of roundoff relative to
+    |lp_t|. When a teacher score lands near the student's own log-prob, that roundoff is
+    magnified by this ratio in the advantage, in any fp32 computation (the streamed one and a
+    dense fp32 one alike). Turns with behaviour log-probs have constant advantages and are skipped.
+    """
+    worst = 1.0
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for group in plan.values():
+            for traj in group.trajectories.values():
+                ids, positions, teacher = list(group.prompt), [], []
+                for turn in traj.turns:
+                    scores = iter(turn.teacher)
+                    for token, scored in zip(turn.tokens, turn.scored):
+                        if scored and turn.behaviour is None:
+                            positions.append(len(ids))
+                            teacher.append(next(scores))
+                        elif scored:
+                            next(scores)
+                        ids.append(token)
+                if not positions:
+                    continue
+                logp = torch.log_softmax(model(torch.tensor([ids], device=device)).logits[0], -1)
+                for position, q in zip(positions, teacher):
+                    lp = float(logp[position - 1, ids[position]])
+                    worst = max(worst, abs(lp) / max(abs(lp - q), 1e-300))
+    return worst
 
 
 def collect_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -15,9 +15,11 @@ from hypothesis import strategies as st
 import thundersync
 from tests.opd.opd_cases import (
     VOCAB,
+    advantage_condition,
     collect_grads,
     dense_reference_grads,
     drive,
+    fp64_copy,
     interleaving,
     plans,
     relative_error,
@@ -26,7 +28,9 @@ from tests.opd.opd_cases import (
 from thundersync.errors import ConfigError, StreamingError, UnknownIdError, UnsafeStepError
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+FP32_ROUNDOFF = 2.0**-24  # unit roundoff of float32
 _MODELS: dict[tuple[torch.dtype, bool], torch.nn.Module] = {}
+_FP64_COPIES: dict[int, torch.nn.Module] = {}
 
 
 def _model(dtype: torch.dtype, lora: bool) -> torch.nn.Module:
@@ -56,13 +60,26 @@ def _streamed_grads(model: torch.nn.Module, plan, ops, normalization: str) -> di
 def test_streamed_gradient_equals_dense_reference(
     data: st.DataObject, dtype: torch.dtype, lora: bool, normalization: str, with_behaviour: bool
 ) -> None:
+    """fp32 streams are compared with the fp64 dense gradient of the same weights, within 1e-5
+    plus the roundoff that the on-policy advantage lp - q magnifies when a teacher score lands
+    near the student's log-prob (opd_cases.advantage_condition): that part is the conditioning
+    of the problem, which a dense fp32 computation suffers as much (for the draw that found it,
+    q = -4.625 against lp = -4.62236: dense fp32 is 9.4e-5 off the fp64 gradient, the stream
+    8.6e-5, so the two fp32 results differ by 1.8e-4 while both are as exact as fp32 allows)."""
     plan = data.draw(plans(with_behaviour=with_behaviour))
     ops = interleaving(plan, random.Random(data.draw(st.integers(0, 2**32))))
     model = _model(dtype, lora)
-    want = dense_reference_grads(model, plan, normalization)
+    tolerance = TOLERANCE[dtype]
+    reference = model
+    if dtype == torch.float32:
+        if id(model) not in _FP64_COPIES:
+            _FP64_COPIES[id(model)] = fp64_copy(model)
+        reference = _FP64_COPIES[id(model)]
+        tolerance += 8 * FP32_ROUNDOFF * advantage_condition(reference, plan)
+    want = dense_reference_grads(reference, plan, normalization)
     got = _streamed_grads(model, plan, ops, normalization)
     assert set(got) == set(want)
-    assert relative_error(got, want) < TOLERANCE[dtype]
+    assert relative_error(got, want) < tolerance
 
 
 def _single_trajectory_plan(tokens_by_turn: list[list[int]], scored_by_turn: list[list[bool]]):
@@ -144,12 +161,13 @@ def test_existing_grad_is_added_to_not_replaced() -> None:
 
 
 @pytest.fixture
-def opd() -> thundersync.OPDStream:
+def opd() -> Iterator[thundersync.OPDStream]:
     model = _model(torch.float32, False)
     model.zero_grad(set_to_none=True)
     stream = thundersync.OPDStream(thundersync.StreamingRun(model))
     stream.open_group("g", [1, 2])
-    return stream
+    yield stream
+    stream.discard()  # the shared model's parameters are free for the next test's batch
 
 
 def test_teacher_logprobs_of_the_wrong_length_are_refused(opd: thundersync.OPDStream) -> None:
@@ -182,7 +200,7 @@ def test_appending_after_close_is_refused(opd: thundersync.OPDStream) -> None:
 def test_unknown_ids_are_refused(opd: thundersync.OPDStream) -> None:
     with pytest.raises(UnknownIdError, match=r"group 'nope' is not open"):
         opd.append_turn("nope", "t", [3], [False])
-    with pytest.raises(UnknownIdError, match=r"trajectory 'zz' of group 'g' was never appended to"):
+    with pytest.raises(UnknownIdError, match=r"trajectory 'zz' of group 'g' has no turn \(never appended to\)"):
         opd.close_trajectory("g", "zz")
 
 
@@ -289,17 +307,17 @@ def test_trajectories_closed_while_the_worker_is_busy_replay_together_level_by_l
 
 
 def test_the_pack_queue_takes_a_ready_fifo_prefix_with_one_item_per_trajectory_and_a_token_limit() -> None:
-    from thundersync.opd._replay import GroupState, PendingTurn, TrajectoryState, TurnState
-    from thundersync.opd.stream import _PackQueue
+    from thundersync.engine.packing import PackQueue
+    from thundersync.opd._replay import PendingTurn, PromptState, TurnChain, TurnState
 
-    group = GroupState([1])
-    a, b, c = TrajectoryState(), TrajectoryState(), TrajectoryState()
+    group = PromptState([1])
+    a, b, c = TurnChain(), TurnChain(), TurnChain()
 
-    def item(trajectory: TrajectoryState, length: int) -> PendingTurn:
+    def item(trajectory: TurnChain, length: int) -> PendingTurn:
         return PendingTurn(group, [], TurnState([0] * length, [0], None, None), trajectory)
 
     blocked: set[int] = set()
-    queue = _PackQueue[PendingTurn](limit=20, ready=lambda it: id(it) not in blocked)
+    queue = PackQueue[PendingTurn](20, size=len, owner=lambda it: it.trajectory, ready=lambda it: id(it) not in blocked)
     items = [item(a, 4), item(b, 4), item(a, 4), item(c, 4)]
     for it in items:
         queue.push(it)

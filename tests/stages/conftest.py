@@ -38,15 +38,3 @@ async def _run_stage(stage: Stage, events: Sequence[EventBase]) -> list[EventBas
 def run_stage() -> RunStage:
     """``await run_stage(stage, events)``: the events the stage sent, once its inbox ended."""
     return _run_stage
-
-
-@pytest.fixture(autouse=True)
-def _objective_signals(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TRANSITIONAL, delete once the objectives branch is merged: it gives RewardLinearBackward and
-    OPDStream their ``signal`` (the StreamingObjective contract), which this branch's stages read."""
-    from thundersync.grpo.objective import RewardLinearBackward
-    from thundersync.opd.stream import OPDStream
-
-    for cls, signal in ((RewardLinearBackward, "reward"), (OPDStream, "teacher")):
-        if not hasattr(cls, "signal"):
-            monkeypatch.setattr(cls, "signal", signal, raising=False)

@@ -153,7 +153,7 @@ def test_grpo_events_in_any_edge_order_give_the_dense_gradient(
 ) -> None:
     model = tiny_qwen3(torch.float64)
     grpo = thundersync.RewardLinearBackward(
-        thundersync.StreamingRun(model, pack_tokens=int(seed % 3) * 8), estimator=estimator
+        thundersync.StreamingRun(model), estimator=estimator, pack_tokens=int(seed % 3) * 8
     )
     rng = random.Random(seed)
     opened, queues, loose, turns = [], [], [], set()
@@ -308,7 +308,7 @@ def _batches(events: list[EventBase]) -> dict[Any, dict[Any, tuple[GroupOpened, 
 
 def test_a_whole_grpo_graph_steps_on_the_dense_gradient_of_each_batch() -> None:
     model = tiny_qwen3(torch.float64)
-    grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model, pack_tokens=16))
+    grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model), pack_tokens=16)
     recorder, optimizer = _run_graph(grpo, ("reward", RewardStage(scorer=FakeScorer())))
     for (_, groups), got in zip(sorted(_batches(recorder.events).items()), optimizer.steps, strict=True):
         plan = []
@@ -335,7 +335,7 @@ def test_a_whole_grpo_graph_steps_on_the_dense_gradient_of_each_batch() -> None:
 
 def test_a_whole_opd_graph_steps_on_the_dense_gradient_of_each_batch() -> None:
     model = tiny_qwen3(torch.float64)
-    opd = thundersync.OPDStream(thundersync.StreamingRun(model, pack_tokens=16))
+    opd = thundersync.OPDStream(thundersync.StreamingRun(model), pack_tokens=16)
     recorder, optimizer = _run_graph(opd, ("teacher", TeacherStage(teacher=FakeTeacher())))
     for (_, groups), got in zip(sorted(_batches(recorder.events).items()), optimizer.steps, strict=True):
         plan: opd_cases.Plan = {}

@@ -8,16 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from thundersync.grpo.objective import RewardLinearBackward
-
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pipeline_grpo.py"
 
 
-@pytest.mark.skipif(  # TRANSITIONAL, delete once the objectives branch (RewardLinearBackward.signal) is merged
-    not hasattr(RewardLinearBackward, "signal"), reason="RewardLinearBackward does not implement StreamingObjective yet"
-)
 def test_the_pipeline_example_steps_once_per_batch_on_the_published_policy() -> None:
     out = subprocess.run(
         [sys.executable, "-W", "error", str(EXAMPLE), "--steps", "3"],

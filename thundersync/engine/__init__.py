@@ -3,11 +3,15 @@
 ``anatomy`` finds the decoder's submodules and ``adapter`` runs them over packed chunks after a
 detached prefix state; ``forest`` is the segment core that objectives build on (its docstring
 shows the API); :class:`StreamingRun` owns the parameters, accumulators and worker of a batch.
+What the objectives share: ``objective`` (the contract both implement), ``groups`` (which groups
+and trajectories are open), ``packing`` (which queued work shares a pass), ``inputs`` (validation
+at the API boundary).
 """
 
 from __future__ import annotations
 
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
+from thundersync.engine.objective import StreamingObjective
 from thundersync.engine.run import StreamingRun
 
-__all__ = ["AdjointLedger", "Segment", "SegmentPack", "StreamingRun"]
+__all__ = ["AdjointLedger", "Segment", "SegmentPack", "StreamingObjective", "StreamingRun"]

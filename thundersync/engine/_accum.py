@@ -125,5 +125,13 @@ class FlatAccumulator:
                 else:
                     p.grad.add_(view)  # computed in the accumulation dtype, rounded once
 
+    def per_parameter(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
+        """(parameter, its part of ``acc``) for every parameter, in the layout's order."""
+        return [
+            (p, view)
+            for g, (start, stop) in enumerate(self.layout.spans)
+            for p, view in zip(self.layout.groups[g][1], self.layout.views(self.acc[start:stop], g))
+        ]
+
     def nbytes(self) -> int:
         return self.acc.numel() * self.acc.element_size()

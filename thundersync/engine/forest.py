@@ -24,8 +24,7 @@ same forward: the engine runs no dropout.
 
 Example: on-policy distillation of one trajectory (prompt, scored action, observation, action)::
 
-    root = Segment(prompt_ids, parent=None)
-    SegmentPack.forward(anatomy, [root], grad=False, keep_state=True)     # root.state
+    root = forward_prompt(anatomy, prompt_ids)                             # root.state, no graph
     a1 = Segment(action_ids, parent=root)
     pack = SegmentPack.forward(anatomy, [a1], keep_state=True)
     lp = pack.scored_logprobs([scored_index])[0]                            # fp32 [S]
@@ -51,7 +50,7 @@ from thundersync.engine._accum import GradCapture, accumulate_dtype
 from thundersync.engine.adapter import KV, ChunkSpec, PackOutput, empty_prefix, forward_pack, head_logprobs
 from thundersync.engine.anatomy import DecoderAnatomy
 
-__all__ = ["AdjointLedger", "Segment", "SegmentPack"]
+__all__ = ["AdjointLedger", "Segment", "SegmentPack", "forward_prompt"]
 
 
 class Segment:
@@ -136,8 +135,8 @@ class SegmentPack:
             output = forward_pack(anatomy, chunks)
         pack = cls(anatomy, segments, output, leaves)
         if keep_state:
-            for index, seg in enumerate(segments):
-                seg.state = [(k.detach().clone(), v.detach().clone()) for k, v in pack.kv(index)]
+            for position, seg in enumerate(segments):
+                seg.state = [(k.detach().clone(), v.detach().clone()) for k, v in pack.kv(position)]
         return pack
 
     def kv(self, index: int) -> list[KV]:
@@ -220,6 +219,14 @@ class SegmentPack:
         return result
 
 
+def forward_prompt(anatomy: DecoderAnatomy, tokens: torch.Tensor) -> Segment:
+    """A group's prompt as a root segment with its K/V ``state`` computed (no graph): the shared
+    prefix that the group's trajectories read through proxies."""
+    root = Segment(tokens)
+    SegmentPack.forward(anatomy, [root], grad=False, keep_state=True)
+    return root
+
+
 def _grad_or_zero(leaf: torch.Tensor) -> torch.Tensor:
     return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
 
@@ -230,8 +237,8 @@ def _proxy(
     """Per-layer fp32 (fp64) leaves holding the concatenated states of ``chain`` (shared per pack)."""
     key = id(chain[-1])
     if key not in leaves:
-        missing = [a for a in chain if a.state is None]
-        if missing:
+        states = [a.state for a in chain if a.state is not None]
+        if len(states) < len(chain):
             raise ValueError(
                 "the parent segment has no K/V state yet: forward it with keep_state=True first, "
                 "or in the same pack before its children"
@@ -239,8 +246,8 @@ def _proxy(
         acc = accumulate_dtype(anatomy.dtype)
         per_layer = []
         for layer in range(len(anatomy.layers)):
-            k = torch.cat([a.state[layer][0] for a in chain], dim=1)  # type: ignore[index]
-            v = torch.cat([a.state[layer][1] for a in chain], dim=1)  # type: ignore[index]
+            k = torch.cat([state[layer][0] for state in states], dim=1)
+            v = torch.cat([state[layer][1] for state in states], dim=1)
             per_layer.append((k.to(acc).requires_grad_(grad), v.to(acc).requires_grad_(grad)))
         leaves[key] = (chain, per_layer)
     return leaves[key][1]

@@ -17,6 +17,11 @@ The calls of one logical batch, in any interleaving across groups and trajectori
 
 ``discard()`` abandons the batch after a failure and gives ``p.grad`` back what it held before.
 
+Each implementation requires its own signal and refuses the other's with a
+:class:`~thundersync.errors.ConfigError`: GRPO needs ``reward`` at ``close_trajectory`` and takes
+no log-probs; OPD needs ``teacher_logprobs`` on turns with scored tokens and takes no reward.
+Every argument is validated before any work is queued (:mod:`thundersync.engine.inputs`).
+
 Who owns what: the objective owns everything the engine needs about a trajectory (its tokens,
 whether it is closed, its queued work); the pipeline's tracker owns the graph's gating; the
 backward stage only reorders events into these calls and keeps no copy of either.
@@ -61,7 +66,7 @@ class StreamingObjective(Protocol):
         group_id: Hashable,
         trajectory_id: Hashable,
         tokens: Any,
-        scored: Sequence[bool],
+        scored: Sequence[bool],  # one flag per token (a 1-D bool tensor also does)
         *,
         teacher_logprobs: Any = None,
         behaviour_logprobs: Any = None,
@@ -70,7 +75,7 @@ class StreamingObjective(Protocol):
         ...
 
     def close_trajectory(self, group_id: Hashable, trajectory_id: Hashable, reward: float | None = None) -> None:
-        """No more turns for this trajectory; its remaining backward may run now."""
+        """No more turns for this trajectory; its remaining backward may run now (``reward``: GRPO only)."""
         ...
 
     def close_group(self, group_id: Hashable) -> None:

@@ -5,52 +5,58 @@ parameters and their flat layout, the scratch that captures one backward's param
 the run-wide fp32 (fp64) total that groups add their combined gradient into, and the worker
 that executes the GPU work in submission order (off the caller's thread on CUDA by default).
 
-Parameters must not change while a logical batch is open: the run records every trainable
-parameter's ``_version`` when the batch's first group opens and :meth:`assert_safe_to_step`
-raises if any changed (in-place changes through ``.data`` are invisible to this check). That
-call then adds the total into ``p.grad`` (one cast per parameter) and ends the batch.
+Parameters must not change while a logical batch is open: the run's
+:class:`~thundersync.engine._guard.ParameterGuard` claims them when the batch's first group
+opens (one batch per parameter at a time, across runs), and :meth:`assert_safe_to_step` raises
+if any was modified in place or replaced, or if the total is not finite. That call then adds
+the total into ``p.grad`` (one cast per parameter) and ends the batch.
 """
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
+import msgspec
 import torch
 from torch import nn
 
+from thundersync.engine import inputs
 from thundersync.engine._accum import FlatAccumulator, GradCapture, ParamLayout
+from thundersync.engine._guard import ParameterGuard, check_deterministic
 from thundersync.engine._worker import Worker
-from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy
-from thundersync.errors import ConfigError, UnknownIdError, UnsafeStepError
+from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy, unwrap_peft
+from thundersync.engine.inputs import build_config
+from thundersync.errors import ConfigError, UnsafeStepError
 
 __all__ = ["StreamingRun"]
-
-_Group = TypeVar("_Group")
 
 
 class StreamingRun:
     """Streamed backward execution over ``model`` (a transformers causal LM, optionally peft).
 
-    ``pack_tokens``: ready work is packed into forward/backward passes of up to this many tokens
-    (0: every closed trajectory runs alone, as soon as it closes). ``source_offload_device``:
-    where the param-sized accumulators live (``"cpu"`` to keep them on the host; results are
-    bitwise equal). ``background``: run the work on a worker thread (default: on CUDA only).
+    Options (:class:`StreamingRun.Config`, or the same names as keywords):
+    ``source_offload_device``: where the param-sized accumulators live (``"cpu"`` to keep them
+    on the host; results are bitwise equal). ``background``: run the work on a worker thread
+    (default: on CUDA only). How work is packed is the objective's option (``pack_tokens``).
 
     Between a batch's first ``open_group`` and ``assert_safe_to_step()`` leave ``p.grad`` alone
-    (the worker briefly points it at its scratch during each backward) and do not change the
-    parameters.
+    (the worker briefly points it at its scratch during each backward), and neither change nor
+    replace the parameters. One logical batch at a time may stream into a parameter, across
+    every run that shares it (:class:`~thundersync.engine._guard.ParameterGuard`).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        pack_tokens: int = 8192,
-        source_offload_device: str | torch.device | None = None,
-        background: bool | None = None,
-    ) -> None:
+    class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+        """What a pipeline file can set about the run (the model is a runtime object)."""
+
+        source_offload_device: str | None = None
+        background: bool | None = None
+
+    def __init__(self, model: nn.Module, config: Config | None = None, /, **options: Any) -> None:
+        device = options.get("source_offload_device")
+        if isinstance(device, torch.device):
+            options["source_offload_device"] = str(device)
+        self.config = build_config(StreamingRun.Config, config, options, "StreamingRun")
         self.anatomy: DecoderAnatomy = decoder_anatomy(model)
         self.params = self.anatomy.trainable_parameters()
         if not self.params:
@@ -61,16 +67,15 @@ class StreamingRun:
                 f"trainable parameters live on several devices ({', '.join(devices)}); "
                 "the streaming engine needs the model on one device"
             )
-        if pack_tokens < 0:
-            raise ConfigError(f"pack_tokens must be >= 0, got {pack_tokens}")
-        self.pack_tokens = pack_tokens
         self.layout = ParamLayout(self.params)
-        self.accumulator_device = torch.device(source_offload_device) if source_offload_device else self.layout.device
+        self.accumulator_device = _device(self.config.source_offload_device) or self.layout.device
+        background = self.config.background
         self.worker = Worker(background=self.layout.device.type == "cuda" if background is None else background)
-        self._names = {id(p): name for name, p in model.named_parameters()}
+        positions = getattr(getattr(unwrap_peft(model), "config", None), "max_position_embeddings", None)
+        self.max_positions = int(positions) if positions is not None else None
+        self.guard = ParameterGuard(model, self.params)
         self._capture: GradCapture | None = None
         self._total: FlatAccumulator | None = None
-        self._versions: list[int] | None = None
         self._owner: object | None = None  # the objective whose logical batch is running
 
     # --- shared resources (worker side) --------------------------------------------------------
@@ -106,121 +111,86 @@ class StreamingRun:
 
         self.worker.submit(label, run)
 
-    def lookup_group(self, groups: Mapping[Hashable, _Group], group_id: Hashable) -> _Group:
-        """An objective's open group ``groups[group_id]``, after raising any failure of queued work."""
-        self.worker.raise_if_failed()
-        group = groups.get(group_id)
-        if group is None:
-            raise UnknownIdError(
-                f"group {group_id!r} is not open (never opened, or already closed); open_group() it first"
-            )
-        return group
-
-    def token_ids(self, tokens: Any, what: str) -> list[int]:
-        """Validate token ids (a list of ints or a 1-D integer tensor) against the vocabulary."""
-        if isinstance(tokens, torch.Tensor):
-            if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex():
-                raise ConfigError(
-                    f"{what} must be a 1-D integer tensor, got {tokens.dtype} of shape {tuple(tokens.shape)}"
-                )
-            ids = [int(t) for t in tokens.tolist()]
-        else:
-            try:
-                ids = [operator.index(t) for t in tokens]
-            except TypeError as error:
-                raise ConfigError(f"{what} must be a list of int token ids: {error}") from None
-        vocab = self.anatomy.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ConfigError(
-                f"{what} holds token id {bad}, outside the vocabulary of size {vocab} (valid ids: 0..{vocab - 1})"
-            )
-        return ids
-
-    def prompt_ids(self, group_id: Any, tokens: Any) -> list[int]:
-        """Validate a group's prompt: token ids in the vocabulary, at least one of them."""
-        prompt = self.token_ids(tokens, f"prompt of group {group_id!r}")
+    def prompt_ids(self, group_id: Hashable, tokens: Any) -> list[int]:
+        """Validate a group's id and prompt: token ids in the vocabulary, at least one of them, no
+        more than the model has positions for."""
+        inputs.check_id(group_id, "group id")
+        prompt = inputs.token_ids(tokens, f"prompt of group {group_id!r}", self.anatomy.vocab_size)
         if not prompt:
             raise ConfigError(f"prompt of group {group_id!r} is empty; a group needs at least one prompt token")
+        self.check_positions(f"the prompt of group {group_id!r}", len(prompt))
         return prompt
 
-    def turn_ids(self, where: str, tokens: Any, scored: Sequence[bool]) -> tuple[list[int], list[bool]]:
+    def turn_ids(self, where: str, tokens: Any, scored: Any) -> tuple[list[int], list[bool]]:
         """Validate a turn of ``where`` (a trajectory): its token ids and one scored flag per token."""
-        ids = self.token_ids(tokens, f"turn of {where}")
-        flags = [bool(s) for s in scored]
-        if len(flags) != len(ids):
+        ids = inputs.token_ids(tokens, f"turn of {where}", self.anatomy.vocab_size)
+        return ids, inputs.scored_flags(scored, len(ids), where)
+
+    def check_positions(self, what: str, length: int) -> None:
+        """Refuse a sequence of ``length`` tokens past the model's ``max_position_embeddings``."""
+        if self.max_positions is not None and length > self.max_positions:
             raise ConfigError(
-                f"scored has {len(flags)} flags but the turn of {where} has {len(ids)} tokens; give one flag per token"
+                f"{what} would be {length} tokens long (prompt included), past the model's "
+                f"max_position_embeddings={self.max_positions}; end the trajectory earlier or use a model "
+                "with longer positions"
             )
-        return ids, flags
 
     def begin(self, owner: object) -> None:
         """Start a logical batch of ``owner`` (an objective) if none is running: check the model,
-        record parameter versions. One objective at a time: batches of two would mix their sums."""
+        claim its parameters, record their versions."""
         self.worker.raise_if_failed()
         if self._owner is not None and self._owner is not owner:
             raise ConfigError(
                 f"this StreamingRun is in a logical batch of another objective ({type(self._owner).__name__}); "
-                "finish that batch (assert_safe_to_step() or discard()) first, or give each objective its own "
-                "StreamingRun"
+                "finish that batch (assert_safe_to_step() or discard()) first: two objectives cannot stream into "
+                "the same parameters at the same time, whether they share a StreamingRun or not"
             )
-        self._check_deterministic()
-        if self._versions is None:
-            self._versions = [p._version for p in self.params]
+        if self._owner is None:
+            check_deterministic(self.anatomy.model)
+            self.guard.begin(owner)
             self._owner = owner
 
     def assert_safe_to_step(self, pending: Sequence[str] = ()) -> None:
-        """Raise :class:`UnsafeStepError` naming ``pending`` work or moved parameters; else flush.
+        """Raise :class:`UnsafeStepError` naming ``pending`` work, moved or replaced parameters or
+        a non-finite gradient; else add the run's total into ``p.grad`` and end the batch.
 
-        Waits for queued work, then adds the run's total into ``p.grad`` and ends the batch. Moved
-        parameters end the batch too (its gradients belong to the old values and are dropped).
+        Waits for queued work first. Every failure but ``pending`` ends the batch too: its
+        gradients are dropped and ``p.grad`` keeps what it held before the batch.
         """
         if pending:
             raise UnsafeStepError("not safe to step: " + "; ".join(pending))
         self.worker.join()
-        moved = self.moved_parameters()
-        if moved:
+        problem = self.guard.problem()
+        if problem is None and self._total is not None:
+            problem = self.guard.non_finite(self._total.per_parameter())
+        if problem is not None:
             self.discard()
-            shown = ", ".join(moved[:5]) + (f" and {len(moved) - 5} more" if len(moved) > 5 else "")
-            raise UnsafeStepError(
-                f"not safe to step: trainable parameters were modified in place since the batch began: {shown}; "
-                "the streamed gradients belong to the old values and were dropped with the batch: do not change "
-                "parameters until assert_safe_to_step() passes"
-            )
+            raise UnsafeStepError(f"not safe to step: {problem}; the batch was dropped")
         if self._total is not None:
             self._total.add_into_grads()
         self._end_batch()
 
     def discard(self) -> None:
         """Abandon the logical batch: wait for queued work and forget its failure, drop the run's
-        total and the recorded parameter versions. The run can start a new batch afterwards."""
+        total and release the parameters. The run can start a new batch afterwards."""
         self.worker.clear()
         self._end_batch()
 
     def _end_batch(self) -> None:
         self._total = None
-        self._versions = None
         self._owner = None
-
-    def moved_parameters(self) -> list[str]:
-        if self._versions is None:
-            return []
-        return [self._names.get(id(p), "?") for p, v in zip(self.params, self._versions) if p._version != v]
+        self.guard.end()
 
     def retained_bytes(self) -> int:
         """Bytes of tensors the run itself holds (scratch and total; objectives add theirs)."""
         held = [self._capture, self._total]
         return sum(h.nbytes() for h in held if h is not None)
 
-    def _check_deterministic(self) -> None:
-        model = self.anatomy.model
-        if not model.training:
-            return
-        active = [name for name, m in model.named_modules() if isinstance(m, nn.Dropout) and m.training and m.p > 0]
-        config = getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0
-        if active or config > 0:
-            what = f"dropout modules {active[:3]}" if active else f"attention_dropout={config}"
-            raise ConfigError(
-                f"the model is in training mode with active {what}: streamed recomputation must reproduce "
-                "the forward exactly; call model.eval() (or set the dropout probabilities to 0)"
-            )
+
+def _device(name: str | None) -> torch.device | None:
+    if name is None:
+        return None
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"source_offload_device {name!r} is not a torch device; use e.g. 'cpu' or 'cuda:0'") from None

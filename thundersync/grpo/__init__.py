@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from thundersync.grpo.objective import RewardLinearBackward
+from thundersync.grpo.stream import RewardLinearBackward
 
 __all__ = ["RewardLinearBackward"]

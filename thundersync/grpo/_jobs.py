@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from thundersync.engine import forest
 from thundersync.engine._accum import FlatAccumulator
 from thundersync.engine.adapter import KV
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
@@ -21,19 +22,23 @@ from thundersync.engine.run import StreamingRun
 __all__ = ["Branch", "GroupWork", "backward_final", "backward_linear", "close_group", "forward_prompt"]
 
 
-@dataclass
+@dataclass(eq=False)
 class Branch:
-    """A closed trajectory as one chunk after the prompt: all its turns' tokens and scored flags."""
+    """A trajectory as one chunk after the prompt: all its turns' tokens and scored flags, and
+    its reward once closed."""
 
-    tokens: list[int]
-    scored: list[bool]
+    tokens: list[int] = field(default_factory=list)
+    scored: list[bool] = field(default_factory=list)
+    reward: float | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
 
-@dataclass
+@dataclass(eq=False)
 class GroupWork:
+    """A group's tensors (module docstring); ``cancelled`` once its rewards are all equal."""
+
     prompt: list[int]
     root: Segment | None = None
     g1: FlatAccumulator | None = None
@@ -60,8 +65,7 @@ class GroupWork:
 
 def forward_prompt(run: StreamingRun, work: GroupWork) -> None:
     """Compute the prompt's K/V state once (no graph); branches read it through a proxy."""
-    work.root = Segment(run.tensor(work.prompt))
-    SegmentPack.forward(run.anatomy, [work.root], grad=False, keep_state=True)
+    work.root = forest.forward_prompt(run.anatomy, run.tensor(work.prompt))
 
 
 def _forward_branches(
@@ -73,7 +77,7 @@ def _forward_branches(
     pack = SegmentPack.forward(run.anatomy, [*head, *segments])
     device = run.layout.device
     picks = [torch.tensor([j for j, s in enumerate(b.scored) if s], dtype=torch.long, device=device) for b in branches]
-    logprobs = pack.scored_logprobs([None] * len(head) + picks)
+    logprobs = pack.scored_logprobs([*([None] * len(head)), *picks])
     return pack, logprobs[len(head) :]
 
 
@@ -97,15 +101,15 @@ def backward_linear(run: StreamingRun, work: GroupWork, branches: Sequence[Branc
 
 def backward_final(run: StreamingRun, items: Sequence[tuple[GroupWork, Branch, float]]) -> None:
     """Branches of closed groups, each weighted by its advantage, straight into the run's total."""
-    live = [(w, b, a) for w, b, a in items if not w.cancelled and w.root is not None]
+    live = [(w, w.root, b, a) for w, b, a in items if not w.cancelled and w.root is not None]
     if not live:
         return
-    pack, logprobs = _forward_branches(run, [w.root for w, _, _ in live], [b for _, b, _ in live])  # type: ignore[misc]
-    objective = torch.stack([lp.sum() * a for (_, _, a), lp in zip(live, logprobs)]).sum()
+    pack, logprobs = _forward_branches(run, [root for _, root, _, _ in live], [b for _, _, b, _ in live])
+    objective = torch.stack([lp.sum() * a for (_, _, _, a), lp in zip(live, logprobs)]).sum()
     adjoints = pack.backward(objective, params=run.params, sink=run.capture)
     run.total.add_scratch(run.capture)
-    for work in {id(w): w for w, _, _ in live}.values():
-        adjoint = adjoints.get(work.root)  # type: ignore[arg-type]
+    for work, root in {id(w): (w, root) for w, root, _, _ in live}.values():
+        adjoint = adjoints.get(root)
         if adjoint is not None:
             work.final.add(adjoint)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from thundersync.opd.objective import NORMALIZATIONS, Normalization, normalizer, surrogate_sum
+from thundersync.opd.loss import NORMALIZATIONS, Normalization, normalizer, surrogate_sum
 from thundersync.opd.stream import OPDStream
 
 __all__ = ["NORMALIZATIONS", "Normalization", "OPDStream", "normalizer", "surrogate_sum"]

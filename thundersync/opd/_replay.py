@@ -2,6 +2,8 @@
 
 Everything here runs as run jobs (in submission order, possibly on the run's worker thread); the
 caller's thread only creates the states and hands over snapshots of the turns a job may read.
+OPD's payloads of the open groups (:class:`~thundersync.engine.groups.OpenGroups`) live here: a
+group's :class:`PromptState`, a trajectory's :class:`TurnChain` of :class:`TurnState`.
 """
 
 from __future__ import annotations
@@ -11,20 +13,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from thundersync.engine import forest
 from thundersync.engine._accum import FlatAccumulator
+from thundersync.engine.adapter import KV
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.run import StreamingRun
-from thundersync.opd.objective import surrogate_sum
+from thundersync.opd.loss import surrogate_sum
 
 __all__ = [
     "ClosedTrajectory",
     "GradientSink",
-    "GroupState",
     "PendingTurn",
-    "TrajectoryState",
+    "PromptState",
+    "TurnChain",
     "TurnState",
     "backward_turns",
-    "forward_root",
+    "forward_prompt",
     "replay_root",
     "replay_trajectories",
 ]
@@ -32,6 +36,9 @@ __all__ = [
 
 @dataclass(eq=False)
 class TurnState:
+    """One turn of a trajectory: its tokens, scored positions and scores, and (once forwarded) its
+    segment and the ledger of adjoints that later turns send into its K/V state."""
+
     ids: list[int]
     scored: list[int]  # indices of the scored tokens within the turn
     teacher: torch.Tensor | None  # fp64 [len(scored)], on the host
@@ -45,9 +52,10 @@ class TurnState:
 
 
 @dataclass(eq=False)
-class TrajectoryState:
+class TurnChain:
+    """OPD's payload of a trajectory: its turns, a chain of segments below the prompt."""
+
     turns: list[TurnState] = field(default_factory=list)
-    closed: bool = False
 
     def turns_with_ledgers(self) -> list[int]:
         """Turns that a later scored turn reads: their ledgers wait for the replay at close."""
@@ -59,16 +67,17 @@ class TrajectoryState:
 
 
 @dataclass(eq=False)
-class GroupState:
+class PromptState:
+    """OPD's payload of a group: its prompt, the prompt's segment (with its K/V state once the
+    prompt job ran) and the ledger of adjoints its trajectories send into that state."""
+
     prompt: list[int]
     root: Segment | None = None
     ledger: AdjointLedger = field(default_factory=AdjointLedger)
-    trajectories: dict[object, TrajectoryState] = field(default_factory=dict)
 
     def nbytes(self) -> int:
         state = self.root.state if self.root is not None and self.root.state is not None else []
-        held = self.ledger.nbytes() + sum(k.nbytes + v.nbytes for k, v in state)
-        return held + sum(t.nbytes() for t in self.trajectories.values())
+        return self.ledger.nbytes() + sum(k.nbytes + v.nbytes for k, v in state)
 
 
 class GradientSink:
@@ -101,7 +110,7 @@ class GradientSink:
         pack: SegmentPack,
         objective: torch.Tensor | None,
         adjoints: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]] | None] | None,
-    ) -> dict:
+    ) -> dict[Segment, list[KV]]:
         """``pack.backward`` with the parameter gradients sent where they belong."""
         if self.direct:
             return pack.backward(objective, adjoints, params=self.run.params, sink=None)
@@ -119,6 +128,12 @@ class GradientSink:
         self._earlier.clear()
         self._total = None
         self._open = False
+
+    def gradients(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
+        """(parameter, the batch's unnormalized gradient so far) for every parameter."""
+        if self.direct:
+            return [(p, p.grad) for p in self.run.params]
+        return self._total.per_parameter() if self._total is not None else []
 
     def finish_batch(self, n: float) -> None:
         """Divide the batch's gradient by ``n`` once and hand it to ``p.grad``."""
@@ -139,19 +154,19 @@ class GradientSink:
         self._open = False
 
 
-def forward_root(run: StreamingRun, group: GroupState) -> None:
-    group.root = Segment(run.tensor(group.prompt))
-    SegmentPack.forward(run.anatomy, [group.root], grad=False, keep_state=True)
+def forward_prompt(run: StreamingRun, group: PromptState) -> None:
+    """The group's prompt state, computed once; every turn of the group reads it through a proxy."""
+    group.root = forest.forward_prompt(run.anatomy, run.tensor(group.prompt))
 
 
 @dataclass(eq=False)
 class PendingTurn:
     """A scored turn waiting for its backward: its group, the turns before it, and itself."""
 
-    group: GroupState
+    group: PromptState
     prior: Sequence[TurnState]
     turn: TurnState
-    trajectory: TrajectoryState
+    trajectory: TurnChain
 
     def __len__(self) -> int:
         return len(self.turn.ids) + 1
@@ -196,9 +211,9 @@ def backward_turns(run: StreamingRun, sink: GradientSink, pending: Sequence[Pend
 class ClosedTrajectory:
     """A closed trajectory waiting for its ledger replay: its group and its turns."""
 
-    group: GroupState
+    group: PromptState
     turns: Sequence[TurnState]
-    trajectory: TrajectoryState
+    trajectory: TurnChain
 
     def __len__(self) -> int:
         return sum(len(turn.ids) + 1 for turn in self.turns)
@@ -217,8 +232,9 @@ def replay_trajectories(run: StreamingRun, sink: GradientSink, closed: Sequence[
             for item in closed
             if k < len(item.turns) and item.turns[k].segment is not None and item.turns[k].ledger.tensors is not None
         ]
-        if level:
-            pack = SegmentPack.forward(run.anatomy, [item.turns[k].segment for item in level])
+        segments = [segment for item in level if (segment := item.turns[k].segment) is not None]
+        if segments:
+            pack = SegmentPack.forward(run.anatomy, segments)
             ledgers: dict[int, AdjointLedger] = {}
             for item in level:
                 ledgers.update(_ledgers(item.group, item.turns[:k]))
@@ -233,7 +249,7 @@ def replay_trajectories(run: StreamingRun, sink: GradientSink, closed: Sequence[
                 turn.segment, turn.ledger = None, AdjointLedger()
 
 
-def replay_root(run: StreamingRun, sink: GradientSink, group: GroupState) -> None:
+def replay_root(run: StreamingRun, sink: GradientSink, group: PromptState) -> None:
     """Backpropagate the prompt once with its ledger (the sum over its trajectories)."""
     assert group.root is not None
     if group.ledger.tensors is not None:
@@ -243,6 +259,6 @@ def replay_root(run: StreamingRun, sink: GradientSink, group: GroupState) -> Non
     group.root, group.ledger = None, AdjointLedger()
 
 
-def _ledgers(group: GroupState, prior: Sequence[TurnState]) -> dict[int, AdjointLedger]:
+def _ledgers(group: PromptState, prior: Sequence[TurnState]) -> dict[int, AdjointLedger]:
     """The ledger of every ancestor a turn reads (the prompt's and the earlier turns'), by id."""
     return {id(group.root): group.ledger, **{id(t.segment): t.ledger for t in prior}}

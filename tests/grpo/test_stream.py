@@ -17,10 +17,11 @@ from tests.grpo.grpo_cases import Group, dense_objective, grads, groups, interle
 EPS = 1e-6
 
 
-def stream(model: torch.nn.Module, plan: list[Group], estimator: str, order_seed: int, **run_options: object) -> None:
-    grpo = thundersync.RewardLinearBackward(
-        thundersync.StreamingRun(model, **run_options), eps=EPS, estimator=estimator
-    )
+def stream(
+    model: torch.nn.Module, plan: list[Group], estimator: str, order_seed: int, *, pack_tokens: int, background: bool
+) -> None:
+    run = thundersync.StreamingRun(model, background=background)
+    grpo = thundersync.RewardLinearBackward(run, eps=EPS, estimator=estimator, pack_tokens=pack_tokens)
     for op in interleaving(plan, random.Random(order_seed)):
         if op[0] == "open":
             grpo.open_group(f"g{op[1]}", plan[op[1]].prompt)

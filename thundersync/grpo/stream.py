@@ -1,0 +1,196 @@
+"""RewardLinearBackward: the lossless streaming GRPO objective on a :class:`StreamingRun`.
+
+For every group g with trajectories i (rewards r_i, advantages A_i from
+:mod:`thundersync.grpo.estimators`) the run accumulates the gradient of
+
+    J = sum_g sum_i A_i * S_i,      S_i = sum over scored tokens t of i of log pi(y_t | prompt, earlier tokens of i)
+
+A trajectory is one branch after its group's prompt (all its turns in one chunk). Its gradient
+g_i = grad S_i does not depend on any reward, so a closed branch can run before its group
+closes: ready branches of an open group are packed by equal reward r and add G2 += g_pack,
+G1 += (r - r0) g_pack (r0: the first such reward of the group), with the same pair of ledgers
+for the adjoint of the prompt's K/V state (computed once, when the first such pack runs).
+Branches still waiting when their group closes run with their final advantages as weights,
+straight into the total: the last of those packs holds the prompt too, which is forwarded with
+them and backpropagated once, through the graph for its own branches and with the combined
+adjoint of all the others. At the group's close the total also receives c1 G1 + c2 G2
+(:func:`~thundersync.grpo.estimators.accumulator_coefficients`). A group whose rewards are all
+equal contributes exactly zero and its remaining work is skipped.
+
+Which groups and trajectories are open or closed is kept by
+:class:`~thundersync.engine.groups.OpenGroups`; this module keeps only GRPO's payloads: per group
+its :class:`~thundersync.grpo._jobs.GroupWork` and the closed branches waiting for a pack, per
+trajectory its :class:`~thundersync.grpo._jobs.Branch` (tokens, scored flags, reward).
+
+    >>> run = StreamingRun(model)                                              # doctest: +SKIP
+    >>> grpo = RewardLinearBackward(run, eps=1e-6, estimator="grpo")            # doctest: +SKIP
+    >>> grpo.open_group("g", prompt); grpo.append_turn("g", 0, ids, scored)    # doctest: +SKIP
+    >>> grpo.close_trajectory("g", 0, 1.0); grpo.close_group("g")              # doctest: +SKIP
+    >>> grpo.assert_safe_to_step(); optimizer.step()                           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Annotated, Any
+
+import msgspec
+
+from thundersync.engine import inputs
+from thundersync.engine.groups import Group, OpenGroups, trajectory_name
+from thundersync.engine.objective import Signal
+from thundersync.engine.packing import split
+from thundersync.engine.run import StreamingRun
+from thundersync.errors import ConfigError
+from thundersync.grpo import _jobs
+from thundersync.grpo._jobs import Branch, GroupWork
+from thundersync.grpo.estimators import Estimator, accumulator_coefficients, advantages, contributes
+
+__all__ = ["RewardLinearBackward"]
+
+
+@dataclass(eq=False)
+class _Pending:
+    """GRPO's payload of an open group: its work and the closed branches not yet submitted."""
+
+    work: GroupWork
+    waiting: list[Branch] = field(default_factory=list)
+    reference: float | None = None  # r0 of the G1 accumulator
+    prompt_forwarded: bool = False
+
+
+class RewardLinearBackward:
+    """Streams GRPO-family gradients (``estimator``: "grpo", "dr_grpo" or "rloo") into ``run``.
+
+    Options (:class:`RewardLinearBackward.Config`, or the same names as keywords): ``eps`` of the
+    GRPO advantage, ``estimator``, and ``pack_tokens``: closed branches of an open group wait
+    until this many of their tokens are ready, then run packed (0: every branch runs alone, as
+    soon as it closes).
+    """
+
+    class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+        """What a pipeline file can set about the objective."""
+
+        eps: Annotated[float, msgspec.Meta(ge=0)] = 1e-6
+        estimator: Estimator = "grpo"
+        pack_tokens: Annotated[int, msgspec.Meta(ge=0)] = 8192
+
+    signal: Signal = "reward"
+
+    def __init__(self, run: StreamingRun, config: Config | None = None, /, **options: Any) -> None:
+        self.config = inputs.build_config(RewardLinearBackward.Config, config, options, "RewardLinearBackward")
+        self.run = run
+        self._groups: OpenGroups[_Pending, Branch] = OpenGroups(run, new_trajectory=Branch)
+
+    def open_group(self, group_id: Hashable, prompt_tokens: Any) -> None:
+        """Open a group; its prompt is forwarded once, shared by its trajectories (never before needed)."""
+        prompt = self.run.prompt_ids(group_id, prompt_tokens)
+        self.run.begin(self)
+        self._groups.open(group_id, prompt, _Pending(GroupWork(prompt)))
+
+    def append_turn(
+        self,
+        group_id: Hashable,
+        trajectory_id: Hashable,
+        tokens: Any,
+        scored: Any,
+        *,
+        teacher_logprobs: Any = None,
+        behaviour_logprobs: Any = None,
+    ) -> None:
+        """Append a turn (policy turn: some tokens scored; observation turn: none)."""
+        if teacher_logprobs is not None or behaviour_logprobs is not None:
+            raise ConfigError(
+                "RewardLinearBackward (GRPO) learns from rewards, not log-probs: leave teacher_logprobs and "
+                "behaviour_logprobs unset, or use an OPDStream for distillation"
+            )
+        self._groups.get(group_id)  # an unknown group is reported before the turn's contents
+        ids, flags = self.run.turn_ids(trajectory_name(group_id, trajectory_id), tokens, scored)
+        _, trajectory = self._groups.append(group_id, trajectory_id, len(ids))
+        trajectory.payload.tokens += ids
+        trajectory.payload.scored += flags
+
+    def close_trajectory(self, group_id: Hashable, trajectory_id: Hashable, reward: float | None = None) -> None:
+        """Close a trajectory with its reward (required); its backward may run now (packed with others)."""
+        value = inputs.reward_value(reward, trajectory_name(group_id, trajectory_id))
+        group, trajectory = self._groups.closing(group_id, trajectory_id)
+        branch = trajectory.payload
+        branch.reward = value
+        if any(branch.scored):
+            pending = group.payload
+            pending.waiting.append(branch)
+            if sum(len(b) for b in pending.waiting) >= self.config.pack_tokens:
+                self._submit_linear(group)
+
+    def close_group(self, group_id: Hashable) -> None:
+        """Close a group: every trajectory must be closed; its combined gradient joins the total."""
+        group = self._groups.close_group(group_id)
+        pending, estimator, eps = group.payload, self.config.estimator, self.config.eps
+        branches = [t.payload for t in group.trajectories.values()]
+        rewards = [b.reward for b in branches if b.reward is not None]
+        if not contributes(rewards, estimator):
+            pending.work.cancelled = True  # every advantage is exactly zero: skip the queued work
+            self.run.submit(f"release of group {group_id!r}", pending.work.release)
+            return
+        weight = {id(b): a for b, a in zip(branches, advantages(rewards, estimator, eps))}
+        items = [(pending.work, b, weight[id(b)]) for b in pending.waiting]
+        budget = max(self.config.pack_tokens - len(pending.work.prompt), 0)
+        packs = split(items, budget, lambda item: len(item[1])) if items else [[]]
+        if len(packs) > 1:
+            self._ensure_prompt_state(group)
+        for pack in packs[:-1]:
+            self.run.submit(
+                f"final backward of {len(pack)} branches of group {group_id!r}",
+                partial(_jobs.backward_final, self.run, pack),
+            )
+        reference = pending.reference if pending.reference is not None else 0.0
+        c1, c2 = accumulator_coefficients(rewards, estimator, eps, reference)
+        self.run.submit(
+            f"close of group {group_id!r} with {len(packs[-1])} branches",
+            partial(_jobs.close_group, self.run, pending.work, packs[-1], c1, c2),
+        )
+
+    def assert_safe_to_step(self) -> None:
+        """Raise :class:`~thundersync.errors.UnsafeStepError` naming pending work; else ``.grad`` is final."""
+        self.run.assert_safe_to_step(self._groups.pending())
+
+    def discard(self) -> None:
+        """Abandon the logical batch (after a failure): drop every open group and the run's total.
+
+        ``p.grad`` is left as it was before the batch (GRPO adds to it only at the step).
+        """
+        self._groups.clear()
+        self.run.discard()
+
+    def retained_bytes(self) -> int:
+        """Bytes of tensors held for open groups plus the run's scratch and total."""
+        self.run.worker.join()
+        return self.run.retained_bytes() + sum(g.payload.work.nbytes() for g in self._groups)
+
+    def _ensure_prompt_state(self, group: Group[_Pending, Branch]) -> None:
+        """Branches that run apart from the prompt read its K/V state: compute it once, first."""
+        pending = group.payload
+        if not pending.prompt_forwarded:
+            pending.prompt_forwarded = True
+            self.run.submit(
+                f"prompt forward of group {group.id!r}", partial(_jobs.forward_prompt, self.run, pending.work)
+            )
+
+    def _submit_linear(self, group: Group[_Pending, Branch]) -> None:
+        """Submit the group's waiting branches, packed by equal reward: G2 += g, G1 += (r - r0) g."""
+        self._ensure_prompt_state(group)
+        pending = group.payload
+        by_reward: dict[float, list[Branch]] = {}
+        for branch in pending.waiting:
+            assert branch.reward is not None  # waiting branches are closed
+            by_reward.setdefault(branch.reward, []).append(branch)
+        pending.waiting = []
+        reference = pending.reference = pending.reference if pending.reference is not None else next(iter(by_reward))
+        for reward, branches in by_reward.items():
+            for pack in split(branches, self.config.pack_tokens, len):
+                self.run.submit(
+                    f"backward of {len(pack)} branches of group {group.id!r} (reward {reward})",
+                    partial(_jobs.backward_linear, self.run, pending.work, pack, reward - reference),
+                )
