@@ -31,7 +31,7 @@ def _rank_main(rank: int, world_size: int, port: int, durations: list[float], ou
         while (index := claims.claim(batch, len(durations))) is not None:
             time.sleep(durations[index] * (1 + rank))  # rank 0 is the fastest: it should take most
             mine.append(index)
-            claims.close(batch, len(durations))
+            claims.close(batch, index, len(durations))
         claims.wait_sealed(batch)
         claims.finish(batch)
         out.put((rank, batch, mine))
@@ -68,9 +68,13 @@ def test_every_group_is_claimed_once_and_faster_ranks_take_more(world_size: int)
 def test_a_batch_that_never_seals_times_out_naming_the_batch_and_the_count() -> None:
     store = _master()
     claims = GroupClaims(store, rank=0, world_size=1, timeout_s=0.2)
-    assert claims.claim("b7", 3) == 0
-    claims.close("b7", 3)
-    with pytest.raises(DistributedError, match=r"rank 0: batch 'b7' was not sealed within 0.2 s \(1 groups closed\)"):
+    assert [claims.claim("b7", 3), claims.claim("b7", 3)] == [0, 1]
+    claims.close("b7", 0, 3)
+    with pytest.raises(
+        DistributedError,
+        match=r"rank 0: batch 'b7' was not sealed within 0.2 s: 1 groups closed; rank 0 holds unclosed groups \[1\]; "
+        r"no rank reported a cause",
+    ):
         claims.wait_sealed("b7")
 
 
@@ -78,10 +82,12 @@ def test_claims_beyond_the_batch_return_none_and_extra_closes_are_refused() -> N
     store = _master()
     claims = GroupClaims(store, rank=0, world_size=1)
     assert [claims.claim(0, 2), claims.claim(0, 2), claims.claim(0, 2)] == [0, 1, None]
-    assert claims.close(0, 2) is False and claims.close(0, 2) is True
+    assert claims.close(0, 0, 2) is False and claims.close(0, 1, 2) is True
     claims.wait_sealed(0)
     with pytest.raises(DistributedError, match="batch 0 has 2 groups but 3 closes were counted"):
-        claims.close(0, 2)
+        claims.close(0, 1, 2)
+    with pytest.raises(ConfigError, match="rank 0 closes group 5 of batch 0, which it never claimed"):
+        claims.close(0, 5, 2)
 
 
 def test_bad_settings_are_refused() -> None:

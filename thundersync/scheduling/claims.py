@@ -9,12 +9,15 @@ the rank that closes the last one writes the seal, and every rank waits for it b
 gradient reduction.
 
 Store keys live under ``{prefix}/{batch_id}/``: ``next`` (claim counter), ``closed`` (close
-counter), ``sealed`` (written once) and ``done`` (ranks finished with the batch). The last rank to
-call :meth:`GroupClaims.finish` deletes the batch's keys, so nothing is left in the store.
+counter), ``owner/{index}`` (the rank that claimed a group, until it closes), ``sealed`` (written
+once) and ``done`` (ranks finished with the batch). The last rank to call
+:meth:`GroupClaims.finish` deletes the batch's keys, so nothing is left in the store. A batch that
+is not sealed in time raises :class:`~thundersync.errors.DistributedError` naming the ranks that
+hold unclosed groups and any cause a failed rank reported.
 
     >>> claims = GroupClaims(store, rank=rank, world_size=world)              # doctest: +SKIP
     >>> while (index := claims.claim(batch_id, groups_in_batch)) is not None:  # doctest: +SKIP
-    ...     process(index); claims.close(batch_id, groups_in_batch)            # doctest: +SKIP
+    ...     process(index); claims.close(batch_id, index, groups_in_batch)     # doctest: +SKIP
     >>> claims.wait_sealed(batch_id); claims.finish(batch_id)                 # doctest: +SKIP
 
 Store calls block; from async code run them in a worker thread (``anyio.to_thread.run_sync``).
@@ -26,6 +29,7 @@ import datetime
 from collections.abc import Hashable
 from typing import Any
 
+from thundersync.engine._failures import describe_failures
 from thundersync.errors import ConfigError, DistributedError
 
 __all__ = ["GroupClaims"]
@@ -59,11 +63,15 @@ class GroupClaims:
         index = int(self.store.add(self._key(batch_id, "next"), 1)) - 1
         if index >= groups_in_batch:
             return None
+        self.store.set(self._key(batch_id, f"owner/{index}"), str(self.rank))
         self.claimed.setdefault(batch_id, []).append(index)
         return index
 
-    def close(self, batch_id: Hashable, groups_in_batch: int) -> bool:
-        """Count one closed group of the batch; the rank closing the last one seals it (True)."""
+    def close(self, batch_id: Hashable, index: int, groups_in_batch: int) -> bool:
+        """Group ``index`` of the batch is closed; the rank closing the last one seals it (True)."""
+        if index not in self.claimed.get(batch_id, []):
+            raise ConfigError(f"rank {self.rank} closes group {index} of batch {batch_id!r}, which it never claimed")
+        self.store.delete_key(self._key(batch_id, f"owner/{index}"))
         closed = int(self.store.add(self._key(batch_id, "closed"), 1))
         if closed > groups_in_batch:
             raise DistributedError(
@@ -81,10 +89,9 @@ class GroupClaims:
         try:
             self.store.wait([key], datetime.timedelta(seconds=self.timeout_s))
         except Exception as error:  # the store raises its own DistStoreError/RuntimeError on timeout
-            closed = self._count(batch_id, "closed")
             raise DistributedError(
-                f"rank {self.rank}: batch {batch_id!r} was not sealed within {self.timeout_s:g} s "
-                f"({closed} groups closed); a rank may have died or stalled: {error}"
+                f"rank {self.rank}: batch {batch_id!r} was not sealed within {self.timeout_s:g} s: "
+                f"{self._holders(batch_id)}{describe_failures(self.store, self.world_size, me=self.rank)}"
             ) from error
 
     def finish(self, batch_id: Hashable) -> None:
@@ -93,6 +100,18 @@ class GroupClaims:
         if int(self.store.add(self._key(batch_id, "done"), 1)) == self.world_size:
             for name in ("next", "closed", "sealed", "done"):
                 self.store.delete_key(self._key(batch_id, name))
+
+    def _holders(self, batch_id: Hashable) -> str:
+        """Which ranks hold claimed groups that never closed (owner keys are deleted at close)."""
+        claimed = min(self._count(batch_id, "next"), 1 << 20)
+        closed = self._count(batch_id, "closed")
+        holders: dict[str, list[int]] = {}
+        for index in range(claimed):
+            key = self._key(batch_id, f"owner/{index}")
+            if self.store.check([key]):
+                holders.setdefault(self.store.get(key).decode(), []).append(index)
+        held = "; ".join(f"rank {rank} holds unclosed groups {indices}" for rank, indices in sorted(holders.items()))
+        return f"{closed} groups closed" + (f"; {held}" if held else "")
 
     def _count(self, batch_id: Hashable, name: str) -> int:
         return int(self.store.add(self._key(batch_id, name), 0))
