@@ -199,7 +199,8 @@ def test_zero1_adamw_equals_unsharded_adamw_and_holds_a_share_of_the_state(world
     results, codes, _ = _spawn(_zero_rank, world_size)
     assert codes == [0] * world_size
     states = []
-    for rank, error, state, total in results:
+    total = results[0][3]
+    for rank, error, state, _ in results:
         assert error < 1e-12, f"rank {rank}: relative error {error:.3g}"
         states.append(state)
     assert sum(states) == total, "the shards together hold exactly the unsharded state"
@@ -243,7 +244,7 @@ def _failing_rank(rank: int, world_size: int, port: int, how: str, out: Any) -> 
 @pytest.mark.parametrize("how", ["killed", "raised"])
 def test_a_failed_rank_ends_the_others_with_a_message_naming_it(how: str) -> None:
     started = time.monotonic()
-    results, codes, store = _spawn(_failing_rank, 2, how)
+    results, codes, _ = _spawn(_failing_rank, 2, how)
     assert time.monotonic() - started < 60
     survivor = next(r for r in results if r[0] == 0)
     assert survivor[1] == "error", survivor

@@ -7,6 +7,7 @@ cause instead of only "timed out".
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 __all__ = ["describe_failures", "report_failure"]
@@ -16,10 +17,8 @@ _FAILED = "thundersync/failed/"
 
 def report_failure(store: Any, rank: int, error: BaseException) -> None:
     """Record why ``rank`` stops (best effort: the store may already be gone)."""
-    try:
+    with contextlib.suppress(Exception):  # the store died with the run: the others time out instead
         store.set(f"{_FAILED}{rank}", f"{type(error).__name__}: {error}"[:2000])
-    except Exception:  # noqa: S110 - the store died with the run; the others time out instead
-        pass
 
 
 def describe_failures(store: Any, world_size: int, *, me: int) -> str:
