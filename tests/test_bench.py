@@ -45,3 +45,9 @@ def test_pack_cost_bench_runs_every_form() -> None:
     table = _run("engine_pack.py")
     assert table.count("| 1 chunk of ") == 2 and "| 8 chunks of " in table
     assert "| modules ms | ours ms |" in table
+
+
+@pytest.mark.timeout(300)
+def test_distributed_bench_runs_one_and_two_ranks_with_and_without_zero1() -> None:
+    table = _run("distributed.py")
+    assert "| 1 rank |" in table and "| 2 ranks |" in table and "| 2 ranks, ZeRO-1 |" in table

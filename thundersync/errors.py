@@ -21,6 +21,7 @@ keep working.
     │   └── UnsafeStepError                 stepping while work is pending or parameters moved
     ├── KernelError                         GPU kernels and their capability probing
     │   └── KernelUnavailable               a kernel that was required cannot run here
+    ├── DistributedError                    a rank died, stalled or disagreed with the others
     ├── GenerationError                     rollout generation backends
     │   └── BackendCapabilityError          a backend cannot do what was asked (e.g. token ids)
     └── SandboxError                        agent tool sandboxes
@@ -38,6 +39,7 @@ __all__ = [
     "BackendCapabilityError",
     "ConfigError",
     "DefinitionError",
+    "DistributedError",
     "EventError",
     "GenerationError",
     "GraphError",
@@ -163,6 +165,10 @@ class KernelUnavailable(KernelError):
 
 
 # --- rollout generation ------------------------------------------------------------------------
+
+
+class DistributedError(ThunderSyncError):
+    """Data-parallel training across ranks failed: a rank died or timed out, or ranks disagreed."""
 
 
 class GenerationError(ThunderSyncError):

@@ -1,0 +1,139 @@
+"""Data-parallel reduction of a streamed batch across ranks, on PyTorch's own distributed runtime.
+
+Each rank streams the prompt groups it claimed (:class:`~thundersync.scheduling.GroupClaims`)
+into its own replica's ``p.grad``. A GRPO objective is a sum over groups, and a group never spans
+ranks, so the full-batch gradient is the sum of the ranks' gradients. An OPD objective with
+``token_mean`` divides by the batch's scored-token count N: each rank reduces its count first
+(:meth:`DataParallel.all_reduce_counts`) so that every rank divides by the global N once. Then
+:meth:`DataParallel.all_reduce_gradients` sums the gradients, in buckets, in the accumulation
+dtype (fp32, or fp64 for fp64 models), and every replica holds the same full-batch gradient.
+
+Every collective waits at most ``timeout_s`` and raises :class:`~thundersync.errors.DistributedError`
+naming this rank, what it was doing and, when the failing rank managed to say so, which rank failed
+and why (:meth:`DataParallel.report_failure` writes that into the store). A rank that dies without
+a word shows as a broken connection or a timeout, never a hang.
+
+    >>> dp = DataParallel(store=store)                              # doctest: +SKIP
+    >>> objective.assert_safe_to_step()                             # local sums in p.grad
+    >>> dp.all_reduce_gradients(objective.run.params)               # doctest: +SKIP
+    >>> optimizer.step()                                            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from thundersync.engine._accum import accumulate_dtype
+from thundersync.engine._failures import describe_failures, report_failure
+from thundersync.errors import ConfigError, DistributedError
+
+__all__ = ["DataParallel"]
+
+_T = TypeVar("_T")
+
+
+class DataParallel:
+    """Collectives of one data-parallel group (default: the whole world) with timeouts."""
+
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        store: Any = None,
+        bucket_bytes: int = 64 * 2**20,
+        timeout_s: float = 300.0,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError(
+                "torch.distributed is not initialized; call torch.distributed.init_process_group() first "
+                "(torchrun sets the environment it needs)"
+            )
+        if bucket_bytes < 1 or not timeout_s > 0:
+            raise ConfigError(f"bucket_bytes ({bucket_bytes}) and timeout_s ({timeout_s}) must be positive")
+        self.group, self.store = group, store
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.bucket_bytes, self.timeout = bucket_bytes, datetime.timedelta(seconds=timeout_s)
+        backend = dist.get_backend(group)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.bytes_reduced = 0
+
+    def all_reduce_counts(self, counts: Sequence[int]) -> list[int]:
+        """Element-wise sums of ``counts`` over the ranks (exact: int64)."""
+        values = torch.tensor(list(counts), dtype=torch.int64, device=self.device)
+        self._all_reduce(values, "the count reduction")
+        return [int(v) for v in values.tolist()]
+
+    def all_reduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Sum every ``p.grad`` over the ranks (a missing grad counts as zeros and is created)."""
+        for bucket in self._buckets(params):
+            dtype = accumulate_dtype(bucket[0].dtype)
+            flat = torch.cat([_grad_or_zeros(p).reshape(-1).to(self.device, dtype) for p in bucket])
+            self._all_reduce(flat, f"the gradient reduction ({flat.numel()} values)")
+            self.bytes_reduced += flat.numel() * flat.element_size()
+            offset = 0
+            for p in bucket:
+                part = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is None:
+                    p.grad = part.to(p.device, p.dtype)
+                else:
+                    p.grad.copy_(part)
+
+    def broadcast_parameters(self, params: Sequence[torch.nn.Parameter], src: int = 0) -> None:
+        """Make every replica's parameters equal to rank ``src``'s (before training starts)."""
+        with torch.no_grad():
+            for p in params:
+                value = p.detach().to(self.device)
+                work = dist.broadcast(value, src, group=self.group, async_op=True)
+                self._wait(work, f"the parameter broadcast from rank {src}")
+                if value.data_ptr() != p.data_ptr():
+                    p.copy_(value)
+
+    def report_failure(self, error: BaseException) -> None:
+        """Tell the other ranks why this rank is about to stop (best effort: the store may be gone)."""
+        if self.store is not None:
+            report_failure(self.store, self.rank, error)
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _buckets(self, params: Sequence[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+        buckets: list[list[torch.nn.Parameter]] = []
+        size = 0
+        for p in params:
+            nbytes = p.numel() * torch.finfo(accumulate_dtype(p.dtype)).bits // 8
+            if buckets and buckets[-1][0].dtype == p.dtype and size + nbytes <= self.bucket_bytes:
+                buckets[-1].append(p)
+                size += nbytes
+            else:
+                buckets.append([p])
+                size = nbytes
+        return buckets
+
+    def _all_reduce(self, tensor: torch.Tensor, what: str) -> None:
+        self._run(what, lambda: self._wait(dist.all_reduce(tensor, group=self.group, async_op=True), what))
+
+    def _wait(self, work: Any, what: str) -> None:
+        self._run(what, lambda: work.wait(self.timeout))
+
+    def _run(self, what: str, call: Callable[[], _T]) -> _T:
+        try:
+            return call()
+        except DistributedError:
+            raise
+        except Exception as error:
+            raise DistributedError(
+                f"rank {self.rank} of {self.world_size}: {what} failed ({type(error).__name__}: "
+                f"{str(error).strip()[:500]}){self._failures()}"
+            ) from error
+
+    def _failures(self) -> str:
+        return "" if self.store is None else describe_failures(self.store, self.world_size, me=self.rank)
+
+
+def _grad_or_zeros(p: torch.nn.Parameter) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)

@@ -1,0 +1,13 @@
+"""Scheduling: what may be in flight (source admission) and which rank does which group (claims).
+
+:class:`Admission` bounds the groups, tokens, device memory and sandbox slots a pipeline has in
+flight; :class:`GroupClaims` lets data-parallel ranks claim whole prompt groups of one logical
+batch through the ``torch.distributed`` store. Neither imports torch at import time.
+"""
+
+from __future__ import annotations
+
+from thundersync.scheduling.admission import Admission, AdmissionStats
+from thundersync.scheduling.claims import GroupClaims
+
+__all__ = ["Admission", "AdmissionStats", "GroupClaims"]
