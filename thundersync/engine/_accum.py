@@ -19,12 +19,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from thundersync.kernels.dtypes import accumulate_dtype
+
 __all__ = ["FlatAccumulator", "GradCapture", "ParamLayout", "accumulate_dtype"]
-
-
-def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp64 for fp64 parameters, fp32 for everything else."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class ParamLayout:

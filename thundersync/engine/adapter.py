@@ -33,6 +33,7 @@ from torch import nn
 from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.engine.decoder import apply_norm, decoder_forward
 from thundersync.kernels.attention import PackedLayout, packed_chunk_attention
+from thundersync.kernels.dtypes import accumulate_dtype
 
 __all__ = ["KV", "ChunkSpec", "PackOutput", "empty_prefix", "forward_pack", "head_logprobs"]
 
@@ -125,7 +126,7 @@ def head_logprobs(anatomy: DecoderAnatomy, hidden: torch.Tensor, targets: torch.
 
         return linear_logprobs(hidden, head.weight, targets)
     # A wrapped head (LoRA on lm_head): call it, a bounded number of rows at a time.
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    acc = accumulate_dtype(hidden.dtype)
     pieces = []
     step = max(1, (1 << 24) // max(anatomy.vocab_size, 1))
     for start in range(0, hidden.shape[0], step):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from thundersync.kernels.dtypes import accumulate_dtype
+
 __all__ = ["group_queries", "reference_chunk_attention", "visible_mask"]
 
 
@@ -38,7 +40,7 @@ def reference_chunk_attention(
     scale: float,
 ) -> torch.Tensor:
     """Dense masked attention in fp32/fp64 (see the module docstring); differentiable in every input."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = accumulate_dtype(q.dtype)
     b, hq, t, d = q.shape
     n_kv, p = k_chunk.shape[1], k_prefix.shape[2]
     qg = group_queries(q, n_kv).to(acc)

@@ -25,6 +25,8 @@ from typing import Any, Protocol
 
 import torch
 
+from thundersync.kernels.dtypes import accumulate_dtype
+
 __all__ = ["LinearLogprobs", "RowOps", "chunk_rows", "logits_fp32"]
 
 # Elements of one fp32 logits chunk (512 MiB); the chunk is this over the vocabulary size.
@@ -78,15 +80,11 @@ def _mm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc.addmm_(a, b)
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _stats_and_coefficients(
     ops: RowOps, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, with_entropy: bool, want_dh: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     n, width = h.shape
-    acc = _acc_dtype(h.dtype)
+    acc = accumulate_dtype(h.dtype)
     lp = torch.empty(n, dtype=acc, device=h.device)
     lse = torch.empty_like(lp)
     ent = torch.empty_like(lp) if with_entropy else None

@@ -95,6 +95,15 @@ def _open_top(path: Path, *, unlock: bool = False) -> int:
         ) from None
 
 
+def _walk_tree(root: Path, visit: _walk.Visit) -> None:
+    """``visit`` every entry under ``root`` (see :func:`_walk.walk`), holding the top open meanwhile."""
+    top = _open_top(root)
+    try:
+        _walk.walk(top, visit)
+    finally:
+        os.close(top)
+
+
 def tree_digest(root: Path) -> str:
     """SHA-256 over names (bytes), types, permission bits, file contents and link targets.
 
@@ -113,11 +122,7 @@ def tree_digest(root: Path) -> str:
                 digest.update(hashlib.file_digest(file, "sha256").digest())
         return True
 
-    top = _open_top(root)
-    try:
-        _walk.walk(top, visit)
-    finally:
-        os.close(top)
+    _walk_tree(root, visit)
     return digest.hexdigest()
 
 
@@ -130,11 +135,7 @@ def tree_usage(root: Path) -> int:
         used += info.st_blocks * 512
         return True
 
-    top = _open_top(root)
-    try:
-        _walk.walk(top, visit)
-    finally:
-        os.close(top)
+    _walk_tree(root, visit)
     return used
 
 
