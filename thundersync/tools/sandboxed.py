@@ -7,7 +7,7 @@
 For each action, the parser (default :class:`~thundersync.tools.qwen.Qwen3ToolCallParser`) finds
 the calls; they run one after the other in one sandbox of the pool, which is reset between actions
 (nothing carries over from one turn to the next). Each call's output (stdout, then stderr, as the
-sandbox bounds them in bytes) is cut to ``truncate_tokens`` tokens with
+sandbox bounds them in bytes, without trailing newlines) is cut to ``truncate_tokens`` tokens with
 :func:`thundersync.sandboxes.truncate_tokens`, then a status line is added when the call did not
 end cleanly; the parser writes the responses into the observation text, which the tokenizer encodes.
 
@@ -140,7 +140,7 @@ class SandboxToolRunner:
         except ValueError as error:
             return _Outcome(f"error: {error}", MALFORMED_CALL_STATUS)
         result = await sandbox.exec(command.argv, timeout=self.timeout_s, stdin=command.stdin)
-        output = result.stdout + result.stderr
+        output = (result.stdout + result.stderr).rstrip("\n")
         shown = truncate_tokens(output, self.tokenizer, self.truncate_tokens)
         return _Outcome(
             (shown or "(no output)") + _status_line(result, self.timeout_s),
