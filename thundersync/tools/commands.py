@@ -28,7 +28,10 @@ class Command:
 class Tool(Protocol):
     """A named tool: checks a call's arguments and returns the command that runs it."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The name a call gives (``{"name": "calculator", ...}``)."""
+        ...
 
     def command(self, arguments: Mapping[str, Any]) -> Command:
         """The command for these arguments; raises ``ValueError`` saying what is wrong with them."""
