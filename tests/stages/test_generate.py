@@ -49,12 +49,17 @@ async def test_single_turn_groups_open_first_and_carry_the_generators_output(run
     assert len(seeds) == 5  # every trajectory samples with its own seed
 
 
-async def _loop(generate: GenerateStage, tools: ToolRunner, prompts: list[PromptSubmitted]) -> list[EventBase]:
+async def _loop(
+    generate: GenerateStage,
+    tools: ToolRunner,
+    prompts: list[PromptSubmitted],
+    tool_stage: ToolExecuteStage | None = None,
+) -> list[EventBase]:
     """Run generate <-> tool-execute on ``prompts``; both stages' events, in arrival order."""
     graph = (
         Graph()
         .add("generate", generate, reads=["input"], feedback=["tool"], output=True)
-        .add("tool", ToolExecuteStage(tools=tools), reads=["generate"], output=True)
+        .add("tool", tool_stage or ToolExecuteStage(tools=tools), reads=["generate"], output=True)
     )
     async with Pipeline(graph) as pipeline:
         for prompt in prompts:
@@ -173,3 +178,24 @@ async def test_waiting_for_the_policy_needs_batch_sizes(run_stage: Callable[...,
 def test_generate_needs_a_generator() -> None:
     with pytest.raises(TypeError, match="generator"):
         GenerateStage()  # type: ignore[call-arg]
+
+
+class _Silent(ToolExecuteStage):
+    """A tool stage that reads one action and returns without answering it."""
+
+    async def run(self, inbox: Any, outbox: Any) -> None:
+        await inbox.receive()
+
+
+async def test_a_tool_stage_that_ends_without_answering_fails_generate_instead_of_hanging() -> None:
+    generate = GenerateStage(GenerateStage.Config(turns=2), generator=ScriptedGenerator(), tool_calls=ScriptedTool())
+    with pytest.raises(
+        StageFailed, match=r"generate's feedback inbox ended while 1 trajectories waited for a tool observation"
+    ):
+        await _loop(generate, ScriptedTool(), [_prompt(0, [1], samples=1)], tool_stage=_Silent(tools=ScriptedTool()))
+
+
+async def test_an_observation_on_the_forward_inbox_says_to_declare_feedback(run_stage: Callable[..., Any]) -> None:
+    stage = GenerateStage(generator=ScriptedGenerator())
+    with pytest.raises(StageFailed, match=r"generate got a ToolObserved on its forward inbox; .* move their producer"):
+        await run_stage(stage, [ToolObserved(group_id=0, trajectory_id=0, turn=0, token_ids=[1])])

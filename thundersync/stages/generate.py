@@ -13,7 +13,8 @@ The agent loop is generate -> tool-execute -> generate: an action that calls a t
 continues from prompt + actions + observations. Generate closes its outbox once its prompts ended
 and no trajectory is open, so the loop's stages end after it. Its feedback reader hands each
 observation to the waiting trajectory and never sends, so a full channel anywhere on the loop
-cannot deadlock it.
+cannot deadlock it. The tool stage must answer every action it is sent (tool-execute does, or
+fails); one that returns before answering fails generate, naming a trajectory left waiting.
 
 Runtime objects: ``generator`` (any :class:`~thundersync.generation.base.Generator`: token ids
 in, token ids and log-probs out), ``tool_calls`` (a :class:`~thundersync.tools.ToolCallParser`;
