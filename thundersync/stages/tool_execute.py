@@ -59,10 +59,10 @@ class ToolExecuteStage(Stage):
                         await calls.start(action, self._execute, action, outbox)
 
     async def _execute(self, action: ActionGenerated, outbox: Outbox) -> None:
-        await outbox.send(observed(action, await self.tools.run(action)))
+        await outbox.send(_observed(action, await self.tools.run(action)))
 
 
-def observed(action: ActionGenerated, result: ToolResult) -> ToolObserved:
+def _observed(action: ActionGenerated, result: ToolResult) -> ToolObserved:
     """The ToolObserved that answers ``action`` with ``result``."""
     return ToolObserved(
         group_id=action.group_id,
