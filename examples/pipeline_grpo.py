@@ -1,14 +1,17 @@
-"""GRPO inside a stage graph: the model generates, a tool answers, a scorer rewards, and each
+"""GRPO inside a stage graph: the model generates, a tool stage answers, a scorer rewards, and each
 finished trajectory's backward runs while the rest of its group is still generating.
 
     python examples/pipeline_grpo.py [--steps 8]      # CPU in seconds; CUDA when available
 
 The graph (all stages run concurrently; events flow along the edges)::
 
-    source -> generate (TorchGenerator over the learner itself, a scripted tool between turns)
+    source -> generate (TorchGenerator over the learner itself) <-> tool-execute (a scripted tool;
+               |                                                    its observations feed back)
                |-> reward (share of even token ids: a toy task the policy can learn)
                |-> backward (RewardLinearBackward: streams each trajectory's gradient)
                '-> close (trajectory, group and batch boundaries) -> step (AdamW, maximize=True)
+
+reward and backward read both generate and tool-execute, so they see every turn of a trajectory.
 
 Generate starts batch n only on the policy of step n (a shared PolicyClock), so every batch is
 on-policy and each update equals the synchronous full-batch GRPO update. Prints one JSON line
@@ -35,6 +38,7 @@ from thundersync.stages.generate import GenerateStage
 from thundersync.stages.reward import RewardStage
 from thundersync.stages.source import SourceStage
 from thundersync.stages.step import StepStage, StreamingTrainer
+from thundersync.stages.tool_execute import ToolExecuteStage
 from thundersync.testing import ScriptedTool
 
 VOCAB = 128
@@ -65,13 +69,19 @@ def build(model: torch.nn.Module, steps: int, scorer: EvenTokens) -> tuple[thund
             GenerateStage(
                 GenerateStage.Config(turns=2, max_new_tokens=12),
                 generator=thundersync.TorchGenerator(model, max_batch=32, max_seq_len=256),
-                tools=ScriptedTool(vocab_size=VOCAB, observation_len=4),
+                tool_calls=ScriptedTool(),  # every action but the last turn's calls the tool
                 policy=policy,
             ),
             reads=["source"],
+            feedback=["tool-execute"],
         )
-        .add("reward", RewardStage(scorer=scorer), reads=["generate"])
-        .add("backward", BackwardStage(objective=grpo), reads=["generate", "reward"])
+        .add(
+            "tool-execute",
+            ToolExecuteStage(tools=ScriptedTool(vocab_size=VOCAB, observation_len=4)),
+            reads=["generate"],
+        )
+        .add("reward", RewardStage(scorer=scorer), reads=["generate", "tool-execute"])
+        .add("backward", BackwardStage(objective=grpo), reads=["generate", "tool-execute", "reward"])
         .add(
             "close",
             CloseStage(CloseStage.Config(wait_for=("reward", "backward"))),

@@ -17,11 +17,12 @@ from thundersync.generation.base import GenerationRequest, Generator, SamplingPa
 from thundersync.pipeline import Graph, Pipeline
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.stages.close import CloseStage
-from thundersync.stages.generate import GenerateStage, ToolRunner
+from thundersync.stages.generate import GenerateStage
 from thundersync.stages.reward import RewardStage, Scorer
 from thundersync.stages.source import SourceStage
 from thundersync.stages.step import StepStage, Trainer
 from thundersync.stages.teacher import Teacher, TeacherStage
+from thundersync.stages.tool_execute import ToolExecuteStage
 from thundersync.testing import (
     FakeScorer,
     FakeTeacher,
@@ -31,11 +32,12 @@ from thundersync.testing import (
     ScriptedTool,
     even_token_fraction,
 )
+from thundersync.tools import ToolCallParser, ToolRunner
 
 
 def test_every_fake_satisfies_the_protocol_it_stands_in_for() -> None:
     assert isinstance(ScriptedGenerator(), Generator)
-    assert isinstance(ScriptedTool(), ToolRunner)
+    assert isinstance(ScriptedTool(), ToolRunner) and isinstance(ScriptedTool(), ToolCallParser)
     assert isinstance(FakeScorer(), Scorer)
     assert isinstance(FakeTeacher(), Teacher)
     assert isinstance(RecordingTrainer(), Trainer)
@@ -88,7 +90,7 @@ def test_the_fake_teacher_follows_its_formula_and_the_scorer_its_function() -> N
 
 def test_the_scripted_tool_observes_until_the_end_token() -> None:
     tool = ScriptedTool(observation_len=4, end_token=3)
-    assert tool.calls_tool([1, 2]) and not tool.calls_tool([1, 3])
+    assert tool.parse([1, 2]) and not tool.parse([1, 3])
     action = ActionGenerated(group_id=0, trajectory_id=1, turn=2, token_ids=[1, 2])
     observed = anyio.run(tool.run, action)
     assert len(observed.token_ids) == 4 and (observed.exit_status, observed.truncated, observed.timed_out) == (
@@ -113,16 +115,21 @@ def _graph(wait_for: tuple[str, ...], trainer: RecordingTrainer) -> Graph:
     generate = GenerateStage(
         GenerateStage.Config(turns=3, max_new_tokens=6),
         generator=ScriptedGenerator(),
-        tools=ScriptedTool(end_token=11),
+        tool_calls=ScriptedTool(end_token=11),
         policy=clock,
     )
-    graph = Graph().add("source", source).add("generate", generate, reads=["source"], capacity=4, output=True)
+    graph = (
+        Graph()
+        .add("source", source)
+        .add("generate", generate, reads=["source"], capacity=4, output=True, feedback=["tool"])
+        .add("tool", ToolExecuteStage(tools=ScriptedTool()), reads=["generate"], capacity=2)
+    )
     reads = ["generate"]
     if "reward" in wait_for:
-        graph.add("reward", RewardStage(scorer=FakeScorer(delay_s=0.001)), reads=["generate"])
+        graph.add("reward", RewardStage(scorer=FakeScorer(delay_s=0.001)), reads=["generate", "tool"])
         reads.append("reward")
     if "teacher" in wait_for:
-        graph.add("teacher", TeacherStage(teacher=FakeTeacher()), reads=["generate"], capacity=2)
+        graph.add("teacher", TeacherStage(teacher=FakeTeacher()), reads=["generate", "tool"], capacity=2)
         reads.append("teacher")
     graph.add("close", CloseStage(CloseStage.Config(wait_for=wait_for)), reads=reads, output=True)  # type: ignore[arg-type]
     return graph.add("step", StepStage(trainer=trainer, policy=clock), reads=["close"], output=True)

@@ -4,7 +4,9 @@ Events are small, frozen facts named in the past tense. They carry ids and plain
 lists, floats), never tensors: tensors stay with the stage that owns them. Each class says which
 stage type (``thundersync/stages/``) produces it and which consume it::
 
-    [source] ─ PromptSubmitted ─► [generate] ─ GroupOpened, ActionGenerated, ToolObserved
+    [source] ─ PromptSubmitted ─► [generate] ─ GroupOpened, ActionGenerated
+    ActionGenerated ─► [tool-execute] ─ ToolObserved   (back to generate along a feedback edge)
+    GroupOpened, ActionGenerated, ToolObserved
         ─► [reward]  ─ Rewarded           (GRPO: one per trajectory, after its final action)
         ─► [teacher] ─ TeacherScored      (OPD: one per action)
     GroupOpened, ActionGenerated, ToolObserved + Rewarded or TeacherScored
@@ -13,11 +15,11 @@ stage type (``thundersync/stages/``) produces it and which consume it::
         ─► [close] ─ TrajectoryClosed, GroupClosed, BatchReady
     BatchReady ─► [step] ─ StepDone, PolicyPublished
 
-Generate runs the agent's tools itself, between actions. No stage reads TrajectoryClosed,
+Generate continues a trajectory from each ToolObserved that tool-execute feeds back. No stage reads TrajectoryClosed,
 GroupClosed, StepDone or PolicyPublished: they are the graph's results for the application
 (``Pipeline.results()``, the metrics file of ``thundersync run``). Step hands the new policy to
-generate through a shared :class:`~thundersync.pipeline.policy.PolicyClock`, not through an edge,
-because graphs are acyclic.
+generate through a shared :class:`~thundersync.pipeline.policy.PolicyClock`, not through an edge:
+a policy is state, not a stream of events.
 
 The wire format is the tagged union :data:`Event`: the ``type`` field holds the class name.
 :func:`encode_json` / :func:`decode_json` and :func:`encode_msgpack` / :func:`decode_msgpack`
@@ -156,9 +158,9 @@ class ToolObserved(EventBase, frozen=True):
     ``turn`` is the action's turn whose tool call this answers. ``exit_status`` is the tool
     process's exit status (``None``: it was killed before it exited), ``truncated`` says that
     output was dropped to fit a bound and ``timed_out`` that the call hit its time limit; a
-    :class:`~thundersync.stages.generate.ToolRunner` reports them with the tokens. Produced by
-    generate, which runs the tools between actions. Consumed by backward (appends the
-    observation as context) and by reward and teacher (the trajectory's tokens).
+    :class:`~thundersync.tools.ToolRunner` reports them with the tokens. Produced by
+    tool-execute. Consumed by generate (the next action continues from it), by backward (appends
+    the observation as context) and by reward and teacher (the trajectory's tokens).
     """
 
     group_id: Id

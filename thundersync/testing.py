@@ -5,7 +5,8 @@ runtime object it stands in for::
 
     ScriptedSource       a source stage that emits given events (prompts: stages.source.SourceStage)
     ScriptedGenerator    thundersync.generation.base.Generator: token ids in, tokens + log-probs out
-    ScriptedTool         thundersync.stages.generate.ToolRunner: observation tokens for an action
+    ScriptedReplies      thundersync.generation.base.Generator: given texts, turn by turn
+    ScriptedTool         thundersync.tools.ToolCallParser and ToolRunner: observation tokens
     FakeScorer           thundersync.stages.reward.Scorer: a reward computed from the tokens
     FakeTeacher          thundersync.stages.teacher.Teacher: teacher log-probs per token
     RecordingTrainer     thundersync.stages.step.Trainer: records each step it is asked for
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Annotated, ClassVar
 
 import anyio
@@ -28,14 +29,15 @@ from anyio.lowlevel import checkpoint
 from thundersync.events import EVENT_TYPES, ActionGenerated, BatchReady, EventBase
 from thundersync.generation.base import GenerationRequest, GenerationResult
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
-from thundersync.stages.generate import ToolResult
 from thundersync.stages.step import StepResult
+from thundersync.tools import ByteTokenizer, Tokenizer, ToolCall, ToolResult
 
 __all__ = [
     "FakeScorer",
     "FakeTeacher",
     "RecordingTrainer",
     "ScriptedGenerator",
+    "ScriptedReplies",
     "ScriptedSource",
     "ScriptedTool",
     "even_token_fraction",
@@ -121,9 +123,40 @@ class ScriptedGenerator:
         )
 
 
+class ScriptedReplies:
+    """A generator that answers turn ``k`` of every trajectory with ``replies[k]`` (the last reply
+    once they run out), encoded by ``tokenizer`` (default :class:`~thundersync.tools.ByteTokenizer`),
+    each token with log-prob ``logprob``. Turns are counted per ``session_id``."""
+
+    def __init__(
+        self, *, replies: list[str], tokenizer: Tokenizer | None = None, logprob: float = -1.0, delay_s: _Seconds = 0.0
+    ) -> None:
+        if not replies:
+            raise ValueError("ScriptedReplies needs at least one reply")
+        _at_least(0, delay_s=delay_s)
+        self.replies = list(replies)
+        self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.logprob = logprob
+        self.delay_s = delay_s
+        self.requests: list[GenerationRequest] = []
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        turn = sum(r.session_id == request.session_id for r in self.requests)
+        self.requests.append(request)
+        await _pause(self.delay_s)
+        tokens = list(self.tokenizer.encode(self.replies[min(turn, len(self.replies) - 1)]))
+        return GenerationResult(
+            token_ids=tokens,
+            logprobs=[self.logprob] * len(tokens),
+            finish_reason="stop",
+            prompt_len=len(request.prompt_ids),
+        )
+
+
 class ScriptedTool:
     """Every action calls a tool unless it contains ``end_token``; the observation is
-    ``observation_len`` tokens derived from the action."""
+    ``observation_len`` tokens derived from the action. It is both the parser generate asks and
+    the runner tool-execute runs."""
 
     def __init__(
         self,
@@ -140,8 +173,12 @@ class ScriptedTool:
         self.end_token = end_token
         self.delay_s = delay_s
 
-    def calls_tool(self, action_ids: list[int]) -> bool:
-        return self.end_token is None or self.end_token not in action_ids
+    def parse(self, token_ids: Sequence[int]) -> list[ToolCall]:
+        """One call named ``scripted`` unless the action contains ``end_token``."""
+        return [ToolCall(name="scripted")] if self.end_token is None or self.end_token not in token_ids else []
+
+    def observation(self, responses: Sequence[str]) -> str:
+        return "\n".join(responses)
 
     async def run(self, action: ActionGenerated) -> ToolResult:
         await _pause(self.delay_s)

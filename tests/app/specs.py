@@ -11,6 +11,7 @@ from thundersync.stages.reward import RewardStage
 from thundersync.stages.source import SourceStage
 from thundersync.stages.step import StepStage
 from thundersync.stages.teacher import TeacherStage
+from thundersync.stages.tool_execute import ToolExecuteStage
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pipeline_fake.toml"
 SOURCE = '[stages.source]\ntype = "source"\nprompts = [[1, 2]]\n'
@@ -34,9 +35,16 @@ def example_in_python() -> PipelineSpec:
                     prompts=[[11, 12, 13], [21, 22], [31, 32, 33, 34], [41]], samples=4, groups_per_batch=2, repeat=25
                 ),
             ),
-            "generate": StageSpec("generate", GenerateStage.Config(max_new_tokens=12, turns=3), reads=("source",)),
-            "reward": StageSpec("reward", RewardStage.Config(), reads=("generate",)),
-            "teacher": StageSpec("teacher", TeacherStage.Config(), reads=("generate",)),
+            "generate": StageSpec(
+                "generate",
+                GenerateStage.Config(max_new_tokens=12, turns=3),
+                reads=("source",),
+                feedback=("tool-execute",),
+                objects={"tool_calls": "tools"},
+            ),
+            "tool-execute": StageSpec("tool-execute", ToolExecuteStage.Config(concurrency=8), reads=("generate",)),
+            "reward": StageSpec("reward", RewardStage.Config(), reads=("generate", "tool-execute")),
+            "teacher": StageSpec("teacher-score", TeacherStage.Config(), reads=("generate", "tool-execute")),
             "close": StageSpec(
                 "close",
                 CloseStage.Config(wait_for=("reward", "teacher")),

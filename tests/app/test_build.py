@@ -16,7 +16,7 @@ from thundersync.testing import FakeScorer, ScriptedGenerator
 
 def test_build_graph_wires_the_stages_and_shares_named_objects() -> None:
     graph = build_graph(example_in_python())
-    assert [node.name for node in graph] == ["source", "generate", "reward", "teacher", "close", "step"]
+    assert [node.name for node in graph] == ["source", "generate", "tool-execute", "reward", "teacher", "close", "step"]
     assert graph["close"].reads == ("generate", "reward", "teacher") and graph["close"].capacity == 64
     generate, step = graph["generate"].stage, graph["step"].stage
     assert isinstance(generate, GenerateStage) and isinstance(step, StepStage)
@@ -55,7 +55,7 @@ def test_stage_capacity_overrides_the_run_default() -> None:
             '[stages.r]\ntype = "reward"\nreads = ["source"]\n',
             DefinitionError,
             r"^stages\.r: a 'reward' stage needs a runtime object 'scorer'; add an \[objects\.scorer\] table "
-            r"\(factories: policy-clock, test-scripted-generator, .*\) or pass scorer=\.\.\. to build_graph$",
+            r"\(factories: policy-clock, .*test-scripted-generator, .*\) or pass scorer=\.\.\. to build_graph$",
         ),
         (
             '[objects.scorer]\nfactory = "test-fake-teacher"\n[stages.r]\ntype = "reward"\nreads = ["source"]\n',

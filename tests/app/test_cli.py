@@ -68,7 +68,7 @@ def _records(path: Path) -> list[dict[str, object]]:
 def test_check_validates_the_example_and_lists_its_stages(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", str(EXAMPLE)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"{EXAMPLE}: ok, 6 stages, 5 runtime objects\n")
+    assert out.startswith(f"{EXAMPLE}: ok, 7 stages, 5 runtime objects\n")
     assert "  close: type close, reads generate, reward, teacher\n" in out
 
 
@@ -82,6 +82,7 @@ def test_run_writes_one_metrics_line_per_lifecycle_event_and_stage(
     assert records[0]["type"] == "run_started" and records[0]["stages"] == [
         "source",
         "generate",
+        "tool-execute",
         "reward",
         "teacher",
         "close",
@@ -91,7 +92,7 @@ def test_run_writes_one_metrics_line_per_lifecycle_event_and_stage(
     # 4 prompts x 25 repeats = 100 groups of 4 samples, 2 groups per batch
     assert kinds["GroupClosed"] == 100 and kinds["TrajectoryClosed"] == 400
     assert kinds["BatchReady"] == kinds["StepDone"] == kinds["PolicyPublished"] == 50
-    assert kinds["stage_statistics"] == 6
+    assert kinds["stage_statistics"] == 7
     versions = [r["policy_version"] for r in records if r["type"] == "StepDone"]
     assert versions == list(range(1, 51))
     assert capsys.readouterr().err == ""  # not a terminal: no progress line, and logs are quiet
@@ -121,7 +122,7 @@ def test_an_invalid_file_exits_2_with_one_paragraph_and_no_traceback(
         err = capsys.readouterr().err
         assert err == (
             f"thundersync: invalid pipeline (DefinitionError): {bad}: stages.reward.factr: unknown "
-            "field; valid fields: reads, capacity, output, objects, concurrency\n"
+            "field; valid fields: reads, feedback, capacity, output, objects, concurrency\n"
         )
 
 
@@ -269,7 +270,7 @@ def test_python_dash_m_thundersync_checks_and_runs_the_example(tmp_path: Path) -
         env=env,
         timeout=120,
     )
-    assert check.returncode == 0 and "ok, 6 stages" in check.stdout, check.stderr
+    assert check.returncode == 0 and "ok, 7 stages" in check.stdout, check.stderr
     metrics = tmp_path / "m.jsonl"
     run = subprocess.run(
         [sys.executable, "-m", "thundersync", "run", str(EXAMPLE), "--metrics", str(metrics)],

@@ -29,11 +29,11 @@ def test_the_example_file_starts_with_the_command_that_runs_it() -> None:
     [
         (
             '[stages.reward]\ntype = "reward"\nfactr = 1\n',
-            r"^stages\.reward\.factr: unknown field; valid fields: reads, capacity, output, objects, concurrency$",
+            r"^stages\.reward\.factr: unknown field; valid fields: reads, feedback, capacity, output, objects, concurrency$",
         ),
         (
             '[stages.reward]\ntype = "rewrd"\n',
-            r"^stages\.reward\.type: unknown stage type 'rewrd'; known: source, generate, reward, teacher, backward, close, step$",
+            r"^stages\.reward\.type: unknown stage type 'rewrd'; known: source, generate, tool-execute, reward, teacher-score, teacher, backward, close, step$",
         ),
         ("[stages.reward]\nconcurrency = 1\n", r"^stages\.reward\.type: missing required field \(one of: source, "),
         (
@@ -57,7 +57,7 @@ def test_the_example_file_starts_with_the_command_that_runs_it() -> None:
         ("run = {}\n", r"^stages: missing required field$"),
         (
             '[objects.g]\nfactory = "test-scripted-generatr"\n[stages]\n',
-            r"^objects\.g\.factory: unknown factory 'test-scripted-generatr'; known: policy-clock, test-scripted-generator, ",
+            r"^objects\.g\.factory: unknown factory 'test-scripted-generatr'; known: policy-clock, .*test-scripted-generator, ",
         ),
         (
             '[objects.g]\nfactory = "test-scripted-generator"\nvocab = 3\n[stages]\n',
@@ -80,7 +80,7 @@ def test_the_example_file_starts_with_the_command_that_runs_it() -> None:
         ("[stages.a]\ntype = {x = 1}\n", r"^stages\.a\.type: unknown stage type \{'x': 1\}; known: source, "),
         (
             '[objects.x]\nfactory = ["a"]\n[stages]\n',
-            r"^objects\.x\.factory: unknown factory \['a'\]; known: policy-clock, test-scripted-generator, ",
+            r"^objects\.x\.factory: unknown factory \['a'\]; known: policy-clock, .*test-scripted-generator, ",
         ),
         ("stages = {a = 5}\n", r"^stages\.a: expected a table, got int 5$"),
         ('objects = {g = "x"}\n[stages]\n', r"^objects\.g: expected a table, got str 'x'$"),
@@ -108,8 +108,9 @@ def test_a_file_that_is_not_utf8_fails_naming_the_file(tmp_path: Path) -> None:
 
 
 def test_every_stage_type_lives_in_the_module_of_its_name_and_documents_its_flow() -> None:
+    older = {"teacher-score": "teacher"}  # a design name whose module keeps its older name (also an alias)
     for name, cls in REGISTRY.items():
-        assert cls.__module__ == f"thundersync.stages.{name}"
+        assert cls.__module__ == f"thundersync.stages.{older.get(name, name).replace('-', '_')}"
         doc = sys.modules[cls.__module__].__doc__ or ""
         for part in ("Consumes:", "Produces:", "Waits for:", "Unblocked by:"):
             assert part in doc, f"thundersync/stages/{name}.py docstring lacks {part!r}"

@@ -78,7 +78,40 @@ def test_a_cycle_is_rejected_and_shown_in_flow_order() -> None:
     graph.add("gen", Pass(), reads=["src", "step"]).add("backward", Pass(), reads=["gen"])
     graph.add("step", Pass(), reads=["backward"])
     with pytest.raises(
-        GraphError, match="stages form a cycle: gen -> backward -> step -> gen; a graph must be acyclic"
+        GraphError,
+        match=r"stages form a cycle: gen -> backward -> step -> gen; reads=\[...\] edges must be acyclic .* "
+        r"declare the edge that closes an intended loop as feedback \(Graph.add\('gen', ..., feedback=\['step'\]\)\)",
+    ):
+        graph.validate()
+
+
+def test_a_declared_feedback_edge_closes_a_loop_without_a_cycle_error() -> None:
+    graph = Graph().add("src", Emit())
+    graph.add("gen", Pass(), reads=["src"], feedback=["step"]).add("backward", Pass(), reads=["gen"])
+    graph.add("step", Pass(), reads=["backward"])
+    graph.validate()
+    assert graph["gen"].reads == ("src",) and graph["gen"].feedback == ("step",)
+    assert [node.name for node in graph.readers("step")] == ["gen"]
+    assert repr(graph) == "Graph(src; gen <- src <~ step; backward <- gen; step <- backward)"
+
+
+def test_feedback_from_a_stage_that_is_not_downstream_is_refused() -> None:
+    graph = Graph().add("src", Emit()).add("other", Pass(), reads=["src"])
+    graph.add("gen", Pass(), reads=["src"], feedback=["other"])
+    with pytest.raises(
+        GraphError,
+        match=r"stage 'gen' declares feedback from 'other', but 'other' does not read from 'gen' .* "
+        r"so there is no loop; put 'other' in reads=\[...\] instead",
+    ):
+        graph.validate()
+
+
+def test_feedback_from_the_input_or_from_a_stage_also_in_reads_is_refused() -> None:
+    with pytest.raises(GraphError, match="stage 'gen' reads from src more than once"):
+        Graph().add("src", Emit()).add("gen", Pass(), reads=["src"], feedback=["src"])
+    graph = Graph().add("src", Emit()).add("gen", Pass(), reads=["src"], feedback=["input"])
+    with pytest.raises(
+        GraphError, match="stage 'gen' declares feedback from 'input'; the application's input is never"
     ):
         graph.validate()
 
@@ -94,7 +127,7 @@ def test_a_long_chain_and_a_long_cycle_are_checked_without_recursion() -> None:
         looped.add(f"s{i}", Pass(), reads=[f"s{i - 1}"])
     looped.add("s0", Pass(), reads=["s3000"])
     with pytest.raises(
-        GraphError, match=r"^stages form a cycle: s3000 -> s0 -> s1 -> s2 -> .* -> s2999 -> s3000; a graph"
+        GraphError, match=r"^stages form a cycle: s3000 -> s0 -> s1 -> s2 -> .* -> s2999 -> s3000; reads="
     ):
         looped.validate()
 

@@ -45,6 +45,7 @@ from thundersync.stages.generate import GenerateStage
 from thundersync.stages.reward import RewardStage
 from thundersync.stages.step import StepStage, StreamingTrainer
 from thundersync.stages.teacher import TeacherStage
+from thundersync.stages.tool_execute import ToolExecuteStage
 from thundersync.testing import FakeScorer, FakeTeacher, ScriptedGenerator, ScriptedTool
 
 VOCAB = grpo_cases.VOCAB
@@ -252,14 +253,16 @@ def _run_graph(objective: Any, scores: tuple[str, Stage]) -> tuple[_Recorder, _G
             GenerateStage(
                 GenerateStage.Config(turns=3, max_new_tokens=6),
                 generator=ScriptedGenerator(vocab_size=VOCAB),
-                tools=ScriptedTool(vocab_size=VOCAB, end_token=5),
+                tool_calls=ScriptedTool(end_token=5),
                 policy=policy,
             ),
             reads=["input"],
+            feedback=["tool"],
         )
-        .add(name, stage, reads=["generate"])
-        .add("record", recorder, reads=["generate", name])
-        .add("backward", BackwardStage(objective=objective), reads=["generate", name])
+        .add("tool", ToolExecuteStage(tools=ScriptedTool(vocab_size=VOCAB)), reads=["generate"])
+        .add(name, stage, reads=["generate", "tool"])
+        .add("record", recorder, reads=["generate", "tool", name])
+        .add("backward", BackwardStage(objective=objective), reads=["generate", "tool", name])
         .add(
             "close",
             CloseStage(CloseStage.Config(wait_for=(name, "backward"))),  # type: ignore[arg-type]

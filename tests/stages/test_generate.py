@@ -1,4 +1,5 @@
-"""The generate stage opens each group, then streams every trajectory's turns and observations."""
+"""The generate stage opens each group, then streams every trajectory's turns; with a tool stage on a
+feedback edge, each tool-calling action continues from the observation that comes back."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import anyio
 import pytest
 
 from thundersync.errors import StageFailed
-from thundersync.events import ActionGenerated, GroupOpened, PromptSubmitted, ToolObserved
+from thundersync.events import ActionGenerated, EventBase, GroupOpened, PromptSubmitted, ToolObserved
 from thundersync.generation.base import GenerationRequest
 from thundersync.pipeline import Graph, Pipeline
 from thundersync.pipeline.policy import PolicyClock
-from thundersync.stages.generate import GenerateStage, ToolResult
+from thundersync.stages.generate import GenerateStage
+from thundersync.stages.tool_execute import ToolExecuteStage
 from thundersync.testing import ScriptedGenerator, ScriptedTool
+from thundersync.tools import ToolResult, ToolRunner
 
 pytestmark = pytest.mark.anyio
 
@@ -46,14 +49,31 @@ async def test_single_turn_groups_open_first_and_carry_the_generators_output(run
     assert len(seeds) == 5  # every trajectory samples with its own seed
 
 
-async def test_multi_turn_trajectories_alternate_actions_and_observations(run_stage: Callable[..., Any]) -> None:
+async def _loop(
+    generate: GenerateStage,
+    tools: ToolRunner,
+    prompts: list[PromptSubmitted],
+    tool_stage: ToolExecuteStage | None = None,
+) -> list[EventBase]:
+    """Run generate <-> tool-execute on ``prompts``; both stages' events, in arrival order."""
+    graph = (
+        Graph()
+        .add("generate", generate, reads=["input"], feedback=["tool"], output=True)
+        .add("tool", tool_stage or ToolExecuteStage(tools=tools), reads=["generate"], output=True)
+    )
+    async with Pipeline(graph) as pipeline:
+        for prompt in prompts:
+            await pipeline.send(prompt)
+        await pipeline.close()
+        return [event async for event in pipeline.results()]
+
+
+async def test_multi_turn_trajectories_alternate_actions_and_observations() -> None:
     generator = ScriptedGenerator(vocab_size=20)
     stage = GenerateStage(
-        GenerateStage.Config(turns=4, max_new_tokens=3),
-        generator=generator,
-        tools=ScriptedTool(observation_len=2, end_token=5),
+        GenerateStage.Config(turns=4, max_new_tokens=3), generator=generator, tool_calls=ScriptedTool(end_token=5)
     )
-    out = await run_stage(stage, [_prompt(0, [9, 9], samples=6)])
+    out = await _loop(stage, ScriptedTool(observation_len=2), [_prompt(0, [9, 9], samples=6)])
     by_session: dict[Any, list[GenerationRequest]] = {}
     for request in generator.requests:
         by_session.setdefault(request.session_id, []).append(request)
@@ -71,6 +91,56 @@ async def test_multi_turn_trajectories_alternate_actions_and_observations(run_st
         for turn, request in enumerate(by_session[f"0/{trajectory}"]):
             assert request.prompt_ids == context
             context = context + [t for step in steps[2 * turn : 2 * turn + 2] for t in step.token_ids]
+
+
+class _FailingTool:
+    """A tool whose call times out, cut short, after printing two tokens."""
+
+    async def run(self, action: ActionGenerated) -> ToolResult:
+        return ToolResult(token_ids=[7, 8], exit_status=None, truncated=True, timed_out=True)
+
+
+async def test_the_tool_result_reaches_the_observation_with_its_exit_status_and_flags() -> None:
+    stage = GenerateStage(GenerateStage.Config(turns=2), generator=ScriptedGenerator(), tool_calls=ScriptedTool())
+    out = await _loop(stage, _FailingTool(), [_prompt(0, [1], samples=1)])
+    assert [e for e in out if isinstance(e, ToolObserved)] == [
+        ToolObserved(
+            group_id=0, trajectory_id=0, turn=0, token_ids=[7, 8], exit_status=None, truncated=True, timed_out=True
+        )
+    ]
+
+
+async def test_a_parser_without_a_feedback_edge_is_refused(run_stage: Callable[..., Any]) -> None:
+    stage = GenerateStage(generator=ScriptedGenerator(), tool_calls=ScriptedTool())
+    with pytest.raises(StageFailed, match=r"generate has a tool_calls parser, .* but it reads no feedback edge"):
+        await run_stage(stage, [_prompt(0, [1])])
+
+
+class _Echo(ToolExecuteStage):
+    """A tool stage that first sends given events, whatever it reads."""
+
+    def __init__(self, *, events: list[ToolObserved]) -> None:
+        super().__init__(tools=ScriptedTool())
+        self.events = events
+
+    async def run(self, inbox: Any, outbox: Any) -> None:
+        for event in self.events:
+            await outbox.send(event)
+        async for _ in inbox:
+            pass
+
+
+async def test_an_observation_no_trajectory_waits_for_fails_the_stage() -> None:
+    stray = ToolObserved(group_id=9, trajectory_id=0, turn=0, token_ids=[1])
+    graph = (
+        Graph()
+        .add("generate", GenerateStage(generator=ScriptedGenerator()), reads=["input"], feedback=["echo"])
+        .add("echo", _Echo(events=[stray]), reads=["generate"])
+    )
+    with pytest.raises(StageFailed, match=r"ToolObserved for group 9, trajectory 0, turn 0, which no open trajectory"):
+        async with Pipeline(graph) as pipeline:
+            await pipeline.send(_prompt(0, [1], samples=1))
+            await pipeline.close()
 
 
 async def test_with_a_policy_clock_the_next_batch_waits_for_the_published_policy() -> None:
@@ -110,23 +180,22 @@ def test_generate_needs_a_generator() -> None:
         GenerateStage()  # type: ignore[call-arg]
 
 
-class _FailingTool:
-    """A tool whose call times out, cut short, after printing two tokens."""
+class _Silent(ToolExecuteStage):
+    """A tool stage that reads one action and returns without answering it."""
 
-    def calls_tool(self, action_ids: list[int]) -> bool:
-        return True
-
-    async def run(self, action: ActionGenerated) -> ToolResult:
-        return ToolResult(token_ids=[7, 8], exit_status=None, truncated=True, timed_out=True)
+    async def run(self, inbox: Any, outbox: Any) -> None:
+        await inbox.receive()
 
 
-async def test_the_tool_result_reaches_the_observation_with_its_exit_status_and_flags(
-    run_stage: Callable[..., Any],
-) -> None:
-    stage = GenerateStage(GenerateStage.Config(turns=2), generator=ScriptedGenerator(), tools=_FailingTool())
-    out = await run_stage(stage, [_prompt(0, [1], samples=1)])
-    assert [e for e in out if isinstance(e, ToolObserved)] == [
-        ToolObserved(
-            group_id=0, trajectory_id=0, turn=0, token_ids=[7, 8], exit_status=None, truncated=True, timed_out=True
-        )
-    ]
+async def test_a_tool_stage_that_ends_without_answering_fails_generate_instead_of_hanging() -> None:
+    generate = GenerateStage(GenerateStage.Config(turns=2), generator=ScriptedGenerator(), tool_calls=ScriptedTool())
+    with pytest.raises(
+        StageFailed, match=r"generate's feedback inbox ended while 1 trajectories waited for a tool observation"
+    ):
+        await _loop(generate, ScriptedTool(), [_prompt(0, [1], samples=1)], tool_stage=_Silent(tools=ScriptedTool()))
+
+
+async def test_an_observation_on_the_forward_inbox_says_to_declare_feedback(run_stage: Callable[..., Any]) -> None:
+    stage = GenerateStage(generator=ScriptedGenerator())
+    with pytest.raises(StageFailed, match=r"generate got a ToolObserved on its forward inbox; .* move their producer"):
+        await run_stage(stage, [ToolObserved(group_id=0, trajectory_id=0, turn=0, token_ids=[1])])

@@ -1,6 +1,6 @@
 """The msgspec schema of pipeline files, built from the stage and factory registries (private).
 
-Every stage type gets a tagged Struct whose fields are the graph fields (``reads``,
+Every stage type gets a tagged Struct whose fields are the graph fields (``reads``, ``feedback``,
 ``capacity``, ``output``, ``objects``) followed by the fields of the stage's own ``Config``;
 every factory gets a tagged Struct whose fields are its keyword arguments. msgspec then decodes
 a table straight into the right Struct, and :func:`definition_error` turns its error into a
@@ -36,6 +36,7 @@ __all__ = [
 
 GRAPH_FIELDS: tuple[tuple[str, Any, Any], ...] = (
     ("reads", tuple[str, ...], ()),
+    ("feedback", tuple[str, ...], ()),
     ("capacity", Annotated[int, msgspec.Meta(ge=1)] | None, None),
     ("output", bool, False),
     ("objects", dict[str, str], msgspec.field(default_factory=dict)),

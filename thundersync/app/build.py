@@ -66,11 +66,25 @@ def build_graph(spec: PipelineSpec, /, **objects: Any) -> Graph:
             reads=node.reads,
             capacity=node.capacity or spec.run.capacity,
             output=node.output,
+            feedback=node.feedback,
         )
+    _check_acyclic(graph)
     graph.validate()
     _check_required_inputs(graph)
     _check_policy_published(spec, graph)
     return graph
+
+
+def _check_acyclic(graph: Graph) -> None:
+    """An undeclared cycle, named by the file path of the stage whose ``reads`` closes it."""
+    cycle = graph.cycle()
+    if cycle is not None:
+        stage, upstream = cycle[0], cycle[1]
+        raise DefinitionError(
+            f"stages.{stage}.reads: stages form a cycle: {' -> '.join(reversed(cycle))}, which would never "
+            f"end; if the loop is intended, move {upstream!r} from reads to feedback "
+            f"(feedback = [{upstream!r}] in [stages.{stage}])"
+        )
 
 
 def _check_policy_published(spec: PipelineSpec, graph: Graph) -> None:

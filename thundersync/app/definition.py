@@ -11,8 +11,12 @@ A file has three kinds of tables; its first comment is the command that runs it:
 
     [stages.reward]                # a stage: type (stages/REGISTRY), graph fields, Config fields
     type = "reward"
-    reads = ["generate"]
+    reads = ["generate", "tool-execute"]
     concurrency = 8
+
+A stage that closes a loop names the loop's edge back to it in ``feedback`` instead of ``reads``
+(``feedback = ["tool-execute"]`` on the generate stage of an agent loop); any other cycle fails
+with a path-qualified error naming it.
 
 Unknown fields, wrong types and unknown stage types fail with a path-qualified
 :class:`~thundersync.errors.DefinitionError` (``stages.reward.factr: unknown field; valid
@@ -65,11 +69,13 @@ class ObjectSpec(msgspec.Struct, frozen=True):
 
 
 class StageSpec(msgspec.Struct, frozen=True):
-    """A stage: its type in REGISTRY, its Config (None: the defaults) and its place in the graph."""
+    """A stage: its type in REGISTRY, its Config (None: the defaults) and its place in the graph
+    (``reads``: forward edges; ``feedback``: edges that close a loop, see ``Graph.add``)."""
 
     type: str
     config: Stage.Config | None = None
     reads: tuple[str, ...] = ()
+    feedback: tuple[str, ...] = ()
     capacity: int | None = None
     output: bool = False
     objects: dict[str, str] = {}
@@ -171,7 +177,13 @@ def _stage(name: str, table: Any) -> StageSpec:
     graph_fields = {n for n, *_ in GRAPH_FIELDS} | {"type"}
     config = convert({k: v for k, v in table.items() if k not in graph_fields}, cls.Config, prefix)
     return StageSpec(
-        table["type"], config, reads=node.reads, capacity=node.capacity, output=node.output, objects=dict(node.objects)
+        table["type"],
+        config,
+        reads=node.reads,
+        feedback=node.feedback,
+        capacity=node.capacity,
+        output=node.output,
+        objects=dict(node.objects),
     )
 
 

@@ -22,12 +22,22 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from thundersync.pipeline.policy import PolicyClock
-from thundersync.testing import FakeScorer, FakeTeacher, RecordingTrainer, ScriptedGenerator, ScriptedTool
+from thundersync.testing import (
+    FakeScorer,
+    FakeTeacher,
+    RecordingTrainer,
+    ScriptedGenerator,
+    ScriptedReplies,
+    ScriptedTool,
+)
+from thundersync.tools import Qwen3ToolCallParser, sandbox_tools
 
 __all__ = ["ALL_FACTORIES", "FACTORIES", "TEST_FACTORIES", "TEST_PREFIX"]
 
 FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
     "policy-clock": PolicyClock,
+    "qwen3-tool-calls": Qwen3ToolCallParser,
+    "sandbox-tools": sandbox_tools,
 }
 """Factories of real runtime objects, by the ``factory`` name a pipeline file gives them."""
 
@@ -36,6 +46,7 @@ TEST_PREFIX: Final = "test-"
 
 TEST_FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
     "test-scripted-generator": ScriptedGenerator,
+    "test-scripted-replies": ScriptedReplies,
     "test-scripted-tool": ScriptedTool,
     "test-fake-scorer": FakeScorer,
     "test-fake-teacher": FakeTeacher,

@@ -8,6 +8,10 @@ the slow path. Statistics are plain integer counters.
 
 Each consumer has one memory-object stream of its ``capacity``; every producer that feeds it holds
 a clone of the send side, so the inbox ends (``EndOfStream``) exactly when all producers closed.
+A consumer with feedback edges has a second such stream, its ``feedback`` inbox. An outbox sends
+each event along its forward edges before its feedback edges, so a stage downstream of a loop has
+an event in its inbox before the loop's consumer can react to it (it sees a tool's observation
+before the action that continues from it).
 """
 
 from __future__ import annotations
@@ -97,11 +101,12 @@ class Channel:
 class Edge:
     """One producer -> consumer edge: a clone of the consumer's send stream and its counters."""
 
-    __slots__ = ("channel", "dropped", "producer", "sent", "stream")
+    __slots__ = ("channel", "dropped", "feedback", "producer", "sent", "stream")
 
-    def __init__(self, producer: str, channel: Channel) -> None:
+    def __init__(self, producer: str, channel: Channel, *, feedback: bool = False) -> None:
         self.producer = producer
         self.channel = channel
+        self.feedback = feedback
         self.stream = channel.send_stream.clone()
         self.sent = 0
         self.dropped = 0
@@ -115,7 +120,7 @@ class StageOutbox:
     def __init__(self, stage: str, produces: tuple[type, ...], edges: list[Edge]) -> None:
         self.stage = stage
         self._produces = produces
-        self._edges = edges
+        self._edges = sorted(edges, key=lambda edge: edge.feedback)  # forward edges first (stable)
         self._routes: dict[type, tuple[Edge, ...]] = {}
         self._closed = False
         self.sent = 0
@@ -198,13 +203,17 @@ class StageOutbox:
 
 
 class StageInbox:
-    """What a stage reads: its channel, in arrival order; remembers the last event handed out."""
+    """What a stage reads: its channel, in arrival order; remembers the last event handed out.
 
-    __slots__ = ("_channel", "_stream", "current", "waited_s")
+    ``feedback`` is the inbox of the stage's feedback edges (None when it declares none).
+    """
 
-    def __init__(self, channel: Channel) -> None:
+    __slots__ = ("_channel", "_stream", "current", "feedback", "waited_s")
+
+    def __init__(self, channel: Channel, feedback: StageInbox | None = None) -> None:
         self._channel = channel
         self._stream = channel.receive_stream
+        self.feedback = feedback
         self.current: Any = None
         self.waited_s = 0.0
 
@@ -248,16 +257,19 @@ class StageInbox:
 
     @property
     def received(self) -> int:
-        return self._channel.received
+        return self._channel.received + (self.feedback.received if self.feedback is not None else 0)
 
     def close(self) -> None:
         self._channel.close_receiving()
+        if self.feedback is not None:
+            self.feedback.close()
 
 
 class EndedInbox:
     """The inbox of a source: it has already ended."""
 
     current: Any = None
+    feedback: StageInbox | None = None
     waited_s = 0.0
     received = 0
 

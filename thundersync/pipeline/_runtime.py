@@ -1,6 +1,7 @@
 """`GraphRuntime`: the channels and stage tasks of one run of a graph.
 
-The runtime wires one :class:`Channel` per consumer (plus one for the application's results),
+The runtime wires one :class:`Channel` per consumer (plus one for the application's results, and
+one more per consumer with feedback edges, named ``"NAME (feedback)"`` in the statistics),
 starts every stage as a task of a task group that the caller owns, and turns the first stage
 failure into one :class:`StageFailed` while cancelling the rest. It never starts tasks or threads
 of its own; :func:`~thundersync.pipeline.runner.run_graph` and
@@ -25,7 +26,7 @@ from thundersync.pipeline._stats import (
 )
 from thundersync.pipeline.graph import INPUT, Graph, Node
 
-__all__ = ["EVENT_ATTRIBUTE", "RESULTS", "GraphRuntime"]
+__all__ = ["EVENT_ATTRIBUTE", "RESULTS", "GraphRuntime", "feedback_name"]
 
 RESULTS = "(results)"
 """The name under which the results channel of a Pipeline appears in the statistics."""
@@ -34,6 +35,11 @@ EVENT_ATTRIBUTE = "thundersync_event"
 """An exception raised while handling an event in a stage's own task may carry that event under
 this attribute (``stages._tasks.Slots`` sets it); ``StageFailed`` names it instead of the event
 the stage's inbox returned last."""
+
+
+def feedback_name(stage: str) -> str:
+    """The name of ``stage``'s feedback inbox in the statistics."""
+    return f"{stage} (feedback)"
 
 
 class _StageClock:
@@ -60,12 +66,15 @@ class GraphRuntime:
             for node in graph
             if not node.is_source
         }
+        self.feedback: dict[str, Channel] = {
+            node.name: Channel(feedback_name(node.name), node.capacity, tuple(node.stage.consumes))
+            for node in graph
+            if node.feedback and not node.is_source
+        }
         self.results: Channel | None = None
         if results_capacity is not None:
             self.results = Channel(RESULTS, results_capacity, (object,))
-        self.inboxes: dict[str, StageInbox | EndedInbox] = {
-            node.name: StageInbox(self.channels[node.name]) if not node.is_source else EndedInbox() for node in graph
-        }
+        self.inboxes: dict[str, StageInbox | EndedInbox] = {node.name: self._inbox(node) for node in graph}
         outputs = {node.name for node in graph.outputs()}
         self.outboxes = {
             node.name: self._outbox(node.name, tuple(node.stage.produces), node.name in outputs) for node in graph
@@ -73,14 +82,28 @@ class GraphRuntime:
         readers = graph.readers(INPUT)
         consumes = tuple(t for node in readers for t in node.stage.consumes)
         self.input = self._outbox(INPUT, consumes, False) if readers else None
-        for channel in self.channels.values():
+        for channel in self._all_channels():
             channel.send_stream.close()  # only the producers' clones keep an inbox open
         if self.results is not None:
             self.results.send_stream.close()
         self.clocks = {node.name: _StageClock() for node in graph}
 
+    def _inbox(self, node: Node) -> StageInbox | EndedInbox:
+        if node.is_source:
+            return EndedInbox()
+        feedback = self.feedback.get(node.name)
+        return StageInbox(self.channels[node.name], StageInbox(feedback) if feedback is not None else None)
+
+    def _all_channels(self) -> list[Channel]:
+        return [*self.channels.values(), *self.feedback.values()]
+
     def _outbox(self, producer: str, produces: tuple[type, ...], to_results: bool) -> StageOutbox:
-        edges = [Edge(producer, self.channels[node.name]) for node in self.graph.readers(producer)]
+        edges = [
+            Edge(producer, self.feedback[node.name], feedback=True)
+            if producer in node.feedback
+            else Edge(producer, self.channels[node.name])
+            for node in self.graph.readers(producer)
+        ]
         if to_results and self.results is not None:
             edges.append(Edge(producer, self.results))
         return StageOutbox(producer, produces, edges)
@@ -139,7 +162,7 @@ class GraphRuntime:
         for name, outbox in self.outboxes.items():
             outbox.close()
             self.inboxes[name].close()
-        for channel in self.channels.values():
+        for channel in self._all_channels():
             channel.close()
         if self.results is not None:
             self.results.close()
@@ -152,7 +175,7 @@ class GraphRuntime:
         """A snapshot of every stage, inbox and edge (cheap: reads counters)."""
         now = perf_counter()
         stages = {name: self._stage_stats(name, now) for name in self.outboxes}
-        channels = list(self.channels.values())
+        channels = self._all_channels()
         if self.results is not None:
             channels.append(self.results)
         inboxes = {ch.consumer: _inbox_stats(ch) for ch in channels}

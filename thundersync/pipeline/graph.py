@@ -16,10 +16,20 @@ and a consumer that reads from several producers gets one merged inbox in arriva
 reserved name ``"input"`` stands for events an application sends through
 :class:`~thundersync.pipeline.Pipeline`.
 
-The graph must be acyclic. Feedback such as a published policy (step -> generate) goes through a
-runtime object that both stages share (:class:`~thundersync.pipeline.policy.PolicyClock`), not
-through an edge: an edge cycle has no end-of-stream, since each stage on it would wait for the
-others to finish first.
+The ``reads`` edges must be acyclic. A loop such as the agent's generate -> tool-execute ->
+generate is declared on the stage that closes it, as a **feedback edge**::
+
+    graph.add("gen", Generate(cfg, generator=g, tool_calls=parser), reads=["source"], feedback=["tool"])
+    graph.add("tool", ToolExecute(tools=runner), reads=["gen"])
+
+A feedback edge feeds a second inbox of its consumer (``inbox.feedback``), apart from the forward
+inbox, so the consumer can tell "no more new work" (its forward inbox ended) from "no more answers"
+(its feedback inbox ended); it must close its outbox itself once its forward inbox ended and no work
+waits on the loop, which ends the loop's stages in turn (see ``runner.py``). A feedback producer must
+be downstream of its consumer (else it is not a loop: put it in ``reads``); an undeclared cycle is
+refused with its path. Feedback that is not a stream of events, such as a published policy
+(step -> generate), goes through a runtime object both stages share
+(:class:`~thundersync.pipeline.policy.PolicyClock`).
 """
 
 from __future__ import annotations
@@ -41,13 +51,20 @@ DEFAULT_CAPACITY = 64
 
 @dataclass(frozen=True)
 class Node:
-    """One stage in a graph: its name, the stage, the names it reads from, its inbox size."""
+    """One stage in a graph: its name, the stage, the names it reads from (forward edges, then
+    feedback edges), its inbox size."""
 
     name: str
     stage: Stage
     reads: tuple[str, ...]
     capacity: int
     output: bool
+    feedback: tuple[str, ...] = ()
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """Every stage this one reads from: its forward ``reads``, then its ``feedback``."""
+        return self.reads + self.feedback
 
     @property
     def is_source(self) -> bool:
@@ -76,16 +93,20 @@ class Graph:
         reads: Iterable[str] = (),
         capacity: int = DEFAULT_CAPACITY,
         output: bool = False,
+        feedback: Iterable[str] = (),
     ) -> Graph:
         """Add ``stage`` under ``name``, reading from the stages named in ``reads``.
 
-        ``capacity`` is the size of its inbox (>= 1). ``output=True`` makes the events it
-        produces results of a :class:`Pipeline` (by default the results are the events of the
-        stages no other stage reads from). Returns the graph, so calls can be chained.
+        ``capacity`` is the size of its inbox (>= 1; a feedback inbox has the same size).
+        ``output=True`` makes the events it produces results of a :class:`Pipeline` (by default
+        the results are the events of the stages no other stage reads from). ``feedback`` names
+        downstream stages whose events come back to this one (see the module docstring). Returns
+        the graph, so calls can be chained.
         """
         reads = (reads,) if isinstance(reads, str) else tuple(reads)
-        self._check_new(name, stage, reads, capacity)
-        self._nodes[name] = Node(name, stage, reads, capacity, output)
+        feedback = (feedback,) if isinstance(feedback, str) else tuple(feedback)
+        self._check_new(name, stage, reads + feedback, capacity)
+        self._nodes[name] = Node(name, stage, reads, capacity, output, feedback)
         return self
 
     def _check_new(self, name: str, stage: Stage, reads: tuple[str, ...], capacity: int) -> None:
@@ -125,7 +146,7 @@ class Graph:
 
     def readers(self, name: str) -> list[Node]:
         """The stages that read from ``name`` (a stage name or ``"input"``), in insertion order."""
-        return [node for node in self._nodes.values() if name in node.reads]
+        return [node for node in self._nodes.values() if name in node.inputs]
 
     def outputs(self) -> list[Node]:
         """The stages whose events are a Pipeline's results: declared ones, else the terminal ones."""
@@ -136,7 +157,8 @@ class Graph:
 
     def __repr__(self) -> str:
         def describe(node: Node) -> str:
-            return f"{node.name} <- {', '.join(node.reads)}" if node.reads else node.name
+            loop = f" <~ {', '.join(node.feedback)}" if node.feedback else ""
+            return (f"{node.name} <- {', '.join(node.reads)}" if node.reads else node.name) + loop
 
         return f"Graph({'; '.join(describe(node) for node in self._nodes.values())})"
 
@@ -168,7 +190,7 @@ class Graph:
                 f"stage {node.name!r} consumes {_names(stage.consumes)} but reads from no stage; "
                 f"pass reads=[...] (stages: {self._listing()}, or {INPUT!r})"
             )
-        for upstream in node.reads:
+        for upstream in node.inputs:
             if upstream == INPUT:
                 continue
             producer = self._nodes.get(upstream)
@@ -182,8 +204,48 @@ class Graph:
                     f"{_names(producer.stage.produces)} and {node.name!r} consumes "
                     f"{_names(stage.consumes)}: no event type in common"
                 )
+        yield from self._feedback_problems(node)
+
+    def _feedback_problems(self, node: Node) -> Iterator[str]:
+        for producer in node.feedback:
+            if producer == INPUT:
+                yield f"stage {node.name!r} declares feedback from {INPUT!r}; the application's input is never a loop"
+            elif producer in self._nodes and node.name not in self._upstream(producer):
+                yield (
+                    f"stage {node.name!r} declares feedback from {producer!r}, but {producer!r} does not "
+                    f"read from {node.name!r} (directly or through other stages), so there is no loop; "
+                    f"put {producer!r} in reads=[...] instead"
+                )
+
+    def _upstream(self, name: str) -> set[str]:
+        """Every stage ``name`` reads from along forward edges, directly or not."""
+        seen: set[str] = set()
+        pending = [name]
+        while pending:
+            node = self._nodes.get(pending.pop())
+            for upstream in node.reads if node is not None else ():
+                if upstream not in seen:
+                    seen.add(upstream)
+                    pending.append(upstream)
+        return seen
 
     def _cycle_problems(self) -> list[str]:
+        cycle = self.cycle()
+        if cycle is None:
+            return []
+        return [
+            f"stages form a cycle: {' -> '.join(reversed(cycle))}; reads=[...] edges must be acyclic (an "
+            f"undeclared cycle never reaches end-of-stream): declare the edge that closes an intended loop "
+            f"as feedback (Graph.add({cycle[0]!r}, ..., feedback=[{cycle[1]!r}])), or pass state such as a "
+            "published policy through a runtime object both stages share (thundersync.pipeline.policy.PolicyClock)"
+        ]
+
+    def cycle(self) -> list[str] | None:
+        """A cycle of ``reads`` edges (feedback edges excluded), or None.
+
+        The cycle is listed along ``reads``: ``["a", "b", "a"]`` means a reads b and b reads a, so
+        declaring ``feedback=["b"]`` on ``a`` (instead of reads) breaks it.
+        """
         state: dict[str, int] = {}  # 1: on the current path, 2: finished
 
         def visit(start: str) -> list[str] | None:
@@ -207,11 +269,6 @@ class Graph:
             return None
 
         for name in self._nodes:
-            if name not in state and (cycle := visit(name)) is not None:
-                loop = " -> ".join(reversed(cycle))
-                return [
-                    f"stages form a cycle: {loop}; a graph must be acyclic (an edge cycle never "
-                    "reaches end-of-stream): pass feedback such as a published policy through a "
-                    "runtime object both stages share (e.g. thundersync.pipeline.policy.PolicyClock)"
-                ]
-        return []
+            if name not in state and (found := visit(name)) is not None:
+                return found
+        return None

@@ -11,9 +11,15 @@ Rules of a run:
 * **End-of-stream.** When a stage's ``run`` returns, the runner closes its outbox; a consumer's
   inbox ends when every producer it reads from has closed. Stages never need to close their
   outbox themselves (closing it twice is harmless). A run ends when every stage has returned.
+* **Loops.** A stage with feedback edges (``Graph.add(..., feedback=[...])``) reads them from a
+  second inbox, ``inbox.feedback``. Its forward inbox ends as above; the stage then closes its
+  outbox itself once no work of its own waits on the loop (generate: no open trajectory), the
+  loop's other stages see end-of-stream and return, and the feedback inbox ends in turn.
 * **Backpressure.** Each inbox is a bounded memory-object stream of the stage's ``capacity``; a
   producer that sends to a full inbox waits, so a slow stage throttles everything upstream of it
-  and the events in flight never exceed the sum of the capacities.
+  and the events in flight never exceed the sum of the capacities. Around a loop the consumer
+  must keep reading its feedback inbox while it waits to send (generate hands each observation to
+  the waiting trajectory without sending anything), so a full feedback inbox cannot deadlock.
 * **Failure.** The first stage that raises cancels every other stage, and ``run_graph`` raises one
   :class:`~thundersync.errors.StageFailed` that names the stage and the last event its inbox
   handed out, with the stage's exception as ``__cause__``.

@@ -41,6 +41,11 @@ class Inbox(Protocol):
         """The next event; raises ``anyio.EndOfStream`` once every producer has finished."""
         ...
 
+    @property
+    def feedback(self) -> Inbox | None:
+        """The inbox of the stage's feedback edges (``Graph.add(..., feedback=[...])``), else None."""
+        ...
+
 
 @runtime_checkable
 class Outbox(Protocol):

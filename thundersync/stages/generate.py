@@ -1,73 +1,74 @@
 """``type = "generate"``: turns each PromptSubmitted into a group of sampled trajectories.
 
-Consumes: PromptSubmitted. Produces: GroupOpened, then per trajectory ActionGenerated for each
-turn and, between turns, ToolObserved. Waits for: the ``generator`` and the ``tools`` it was
-given; with a ``policy`` clock, the policy of the batch before it starts a batch (batch ``n``
-needs version ``n``: zero staleness). Unblocked by: step publishing the policy.
+Consumes: PromptSubmitted; ToolObserved on its feedback inbox. Produces: GroupOpened, then per
+trajectory ActionGenerated for each turn. Waits for: the ``generator``; between turns, the tool
+stage's ToolObserved; with a ``policy`` clock, the policy of the batch before it starts a batch
+(batch ``n`` needs version ``n``: zero staleness). Unblocked by: tool-execute answering an action,
+step publishing the policy.
 
-Generate runs the agent loop itself: after each action that calls a tool it runs the tool and
-sends the observation (with the tool's exit status and flags) as ToolObserved, and the next
-action continues from it. There is no separate tool stage.
+The agent loop is generate -> tool-execute -> generate: an action that calls a tool (the
+``tool_calls`` parser finds a call in it, and it is not the last of ``turns``) is sent with
+``final=False``; tool-execute runs it and sends a ToolObserved back along a feedback edge
+(``Graph.add("generate", ..., feedback=["tool-execute"])``), and the trajectory's next action
+continues from prompt + actions + observations. Generate closes its outbox once its prompts ended
+and no trajectory is open, so the loop's stages end after it. Its feedback reader hands each
+observation to the waiting trajectory and never sends, so a full channel anywhere on the loop
+cannot deadlock it. The tool stage must answer every action it is sent (tool-execute does, or
+fails); one that returns before answering fails generate, naming a trajectory left waiting.
 
 Runtime objects: ``generator`` (any :class:`~thundersync.generation.base.Generator`: token ids
-in, token ids and log-probs out), ``tools`` (a :class:`ToolRunner`; without one every trajectory
-is a single action) and ``policy`` (a :class:`~thundersync.pipeline.policy.PolicyClock`).
+in, token ids and log-probs out), ``tool_calls`` (a :class:`~thundersync.tools.ToolCallParser`;
+without one every trajectory is a single action) and ``policy`` (a
+:class:`~thundersync.pipeline.policy.PolicyClock`).
 """
 
 from __future__ import annotations
 
 import zlib
-from typing import Annotated, ClassVar, Protocol, runtime_checkable
+from typing import Annotated, ClassVar
 
+import anyio
 import msgspec
 
-from thundersync.errors import ConfigError
+from thundersync.errors import ConfigError, PipelineError
 from thundersync.events import ActionGenerated, EventBase, GroupOpened, Id, PromptSubmitted, ToolObserved
 from thundersync.generation.base import GenerationRequest, Generator, SamplingParams
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
 from thundersync.stages._tasks import Slots, task_group
+from thundersync.tools import ToolCallParser
 
-__all__ = ["GenerateStage", "ToolResult", "ToolRunner"]
-
-
-class ToolResult(msgspec.Struct, frozen=True, kw_only=True):
-    """What one tool call returned: the observation tokens and how the call ended.
-
-    ``exit_status`` is the tool process's exit status (``None``: killed before it exited),
-    ``truncated`` says output was dropped to fit a bound, ``timed_out`` that the call hit its time
-    limit. Generate copies them into the ToolObserved it sends.
-    """
-
-    token_ids: list[int]
-    exit_status: int | None = 0
-    truncated: bool = False
-    timed_out: bool = False
+__all__ = ["GenerateStage"]
 
 
-@runtime_checkable
-class ToolRunner(Protocol):
-    """Executes the tool call of an action and returns what the agent observes."""
+class _Waiter:
+    """A trajectory waiting for the observation that answers its action of ``turn``."""
 
-    def calls_tool(self, action_ids: list[int]) -> bool:
-        """Whether this action calls a tool (else it ends the trajectory)."""
-        ...
+    def __init__(self, turn: int) -> None:
+        self.turn = turn
+        self.observed: ToolObserved | None = None
+        self._arrived = anyio.Event()
 
-    async def run(self, action: ActionGenerated) -> ToolResult:
-        """Run the action's tool call; the observation tokens continue the trajectory."""
-        ...
+    def deliver(self, observed: ToolObserved) -> None:
+        self.observed = observed
+        self._arrived.set()
+
+    async def wait(self) -> ToolObserved:
+        await self._arrived.wait()
+        assert self.observed is not None
+        return self.observed
 
 
 class GenerateStage(Stage):
     """Sample ``num_trajectories`` trajectories per prompt, up to ``turns`` actions each.
 
-    At most ``concurrency`` trajectories are in flight (each makes one generator or tool call at
-    a time); while they all are, the stage stops reading prompts, so a slow generator or a full
-    outbox throttles the source through the bounded channels.
+    At most ``concurrency`` trajectories are open (each makes one generator call or waits for one
+    tool observation at a time); while they all are, the stage stops reading prompts, so a slow
+    generator, a slow tool or a full outbox throttles the source through the bounded channels.
     """
 
-    consumes: ClassVar[tuple[type[EventBase], ...]] = (PromptSubmitted,)
-    produces: ClassVar[tuple[type[EventBase], ...]] = (GroupOpened, ActionGenerated, ToolObserved)
+    consumes: ClassVar[tuple[type[EventBase], ...]] = (PromptSubmitted, ToolObserved)
+    produces: ClassVar[tuple[type[EventBase], ...]] = (GroupOpened, ActionGenerated)
 
     class Config(Stage.Config, frozen=True):
         max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
@@ -85,24 +86,66 @@ class GenerateStage(Stage):
         /,
         *,
         generator: Generator,
-        tools: ToolRunner | None = None,
+        tool_calls: ToolCallParser | None = None,
         policy: PolicyClock | None = None,
     ) -> None:
         super().__init__(config)
         self.generator = generator
-        self.tools = tools
+        self.tool_calls = tool_calls
         self.policy = policy
         self._batches: set[Id] = set()  # batch ids started in this run
         self._base_version = 0  # batch n of this run needs policy version base + n
+        self._waiting: dict[tuple[Id, Id], _Waiter] = {}  # (group, trajectory) -> its pending tool call
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
-        self._batches, self._base_version = set(), self._version()  # a graph can run again
-        async with task_group() as group:
-            trajectories = Slots(group, self.config.concurrency)
-            async for event in inbox:
-                assert isinstance(event, PromptSubmitted)
-                await self._wait_for_policy(event)
-                await self._open(event, outbox, trajectories)
+        self._batches, self._base_version, self._waiting = set(), self._version(), {}  # a graph can run again
+        feedback = inbox.feedback
+        if self.tool_calls is not None and feedback is None:
+            raise ConfigError(
+                "generate has a tool_calls parser, so its trajectories wait for tool observations, but it "
+                'reads no feedback edge; declare one (Graph.add("generate", ..., feedback=["tool-execute"]), '
+                'or feedback = ["tool-execute"] in a pipeline file) or drop tool_calls'
+            )
+        async with task_group() as loop:
+            if feedback is not None:
+                loop.start_soon(self._observe, feedback)
+            async with task_group() as group:
+                trajectories = Slots(group, self.config.concurrency)
+                async for event in inbox:
+                    prompt = self._prompt(event)
+                    await self._wait_for_policy(prompt)
+                    await self._open(prompt, outbox, trajectories)
+            await outbox.aclose()  # no trajectory is open: the loop's other stages can end
+
+    @staticmethod
+    def _prompt(event: EventBase) -> PromptSubmitted:
+        if not isinstance(event, PromptSubmitted):
+            raise PipelineError(
+                f"generate got a {type(event).__name__} on its forward inbox; tool observations come back "
+                "only along a feedback edge: move their producer from reads to feedback"
+            )
+        return event
+
+    async def _observe(self, feedback: Inbox) -> None:
+        """Hand each observation to the trajectory waiting for it (never sends: no deadlock)."""
+        async for event in feedback:
+            assert isinstance(event, ToolObserved)
+            waiter = self._waiting.get((event.group_id, event.trajectory_id))
+            if waiter is None or waiter.turn != event.turn:
+                raise PipelineError(
+                    f"generate got a ToolObserved for group {event.group_id!r}, trajectory "
+                    f"{event.trajectory_id!r}, turn {event.turn}, which no open trajectory waits for; "
+                    "only the tool stage that answers generate's actions may feed it back"
+                )
+            del self._waiting[(event.group_id, event.trajectory_id)]
+            waiter.deliver(event)
+        if self._waiting:
+            (group_id, trajectory_id), waiter = next(iter(self._waiting.items()))
+            raise PipelineError(
+                f"generate's feedback inbox ended while {len(self._waiting)} trajectories waited for a tool "
+                f"observation (group {group_id!r}, trajectory {trajectory_id!r}, turn {waiter.turn}): the "
+                "tool stage returned without answering every action"
+            )
 
     async def _wait_for_policy(self, prompt: PromptSubmitted) -> None:
         if prompt.batch_id in self._batches:
@@ -138,35 +181,26 @@ class GenerateStage(Stage):
         for turn in range(self.config.turns):
             request = self._request(prompt.group_id, trajectory_id, turn, context)
             result = await self.generator.generate(request)
-            final = turn == self.config.turns - 1 or self.tools is None or not self.tools.calls_tool(result.token_ids)
             action = ActionGenerated(
                 group_id=prompt.group_id,
                 trajectory_id=trajectory_id,
                 turn=turn,
                 token_ids=result.token_ids,
                 behaviour_logprobs=result.logprobs,
-                final=final,
+                final=not self._calls_tool(turn, result.token_ids),
                 policy_version=self._version(),
             )
-            await outbox.send(action)
-            if final:
+            if action.final:
+                await outbox.send(action)
                 return
-            assert self.tools is not None
-            observed = self._observed(action, await self.tools.run(action))
-            await outbox.send(observed)
+            waiter = self._waiting[(prompt.group_id, trajectory_id)] = _Waiter(turn)  # before the answer can come
+            await outbox.send(action)
+            observed = await waiter.wait()
             context = context + result.token_ids + observed.token_ids  # a new list: requests keep theirs
 
-    @staticmethod
-    def _observed(action: ActionGenerated, result: ToolResult) -> ToolObserved:
-        return ToolObserved(
-            group_id=action.group_id,
-            trajectory_id=action.trajectory_id,
-            turn=action.turn,
-            token_ids=list(result.token_ids),
-            exit_status=result.exit_status,
-            truncated=result.truncated,
-            timed_out=result.timed_out,
-        )
+    def _calls_tool(self, turn: int, token_ids: list[int]) -> bool:
+        """Whether the action continues its trajectory through a tool (not on the last turn)."""
+        return turn < self.config.turns - 1 and self.tool_calls is not None and bool(self.tool_calls.parse(token_ids))
 
     def _request(self, group_id: Id, trajectory_id: int, turn: int, context: list[int]) -> GenerationRequest:
         key = f"{self.config.seed}/{group_id!r}/{trajectory_id}/{turn}".encode()
