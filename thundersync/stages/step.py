@@ -8,7 +8,8 @@ Runtime objects: ``trainer``, any :class:`Trainer` (:class:`StreamingTrainer` pu
 engine's safe-to-step check, clipping and the optimizer step behind it), ``policy``, the
 :class:`~thundersync.pipeline.policy.PolicyClock` that generate waits on, and ``checkpointer``,
 any :class:`Checkpointer` (:class:`thundersync.app.checkpoint.Checkpointer`): it is told of each
-step after the optimizer step and before the policy is published, and of the end of the stream.
+step after the optimizer step and before StepDone is sent and the policy published (a step the
+application sees done has its checkpoint, if one was due), and of the end of the stream.
 """
 
 from __future__ import annotations
@@ -151,9 +152,9 @@ class StepStage(Stage):
             assert isinstance(ready, BatchReady)
             result = StepResult() if self.trainer is None else await self.trainer.step(ready)
             self.version += 1
-            await outbox.send(_step_done(ready, self.version, result))
-            if self.checkpointer is not None:
+            if self.checkpointer is not None:  # before StepDone: a step seen done has its checkpoint
                 await self.checkpointer.stepped(self.version, ready.batch_id)
+            await outbox.send(_step_done(ready, self.version, result))
             if self.policy is not None:
                 self.policy.publish(self.version)
             await outbox.send(PolicyPublished(policy_version=self.version))
