@@ -140,7 +140,12 @@ def _run(path: Path, args: argparse.Namespace) -> int:
         try:
             stats = anyio.run(
                 lambda: run_pipeline(
-                    graph, objects, metrics, progress=sys.stderr if show else None, timeout_s=timeout_s
+                    graph,
+                    objects,
+                    metrics,
+                    progress=sys.stderr if show else None,
+                    summary=sys.stderr,
+                    timeout_s=timeout_s,
                 )
             )
         except BaseException as error:
