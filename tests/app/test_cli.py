@@ -288,3 +288,13 @@ def test_python_dash_m_thundersync_checks_and_runs_the_example(tmp_path: Path) -
         timeout=120,
     )
     assert bad.returncode == 2 and "cannot read the pipeline file" in bad.stderr
+
+
+def test_resume_without_a_checkpointer_exits_2_and_says_what_to_give(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", str(_small(tmp_path)), "--resume", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"thundersync: invalid settings (ConfigError): --resume {tmp_path} needs a checkpointer among the "
+        "file's objects, and there is none; give the step stage a Checkpointer, or run without --resume\n"
+    )

@@ -5,6 +5,7 @@
     thundersync check examples/pipeline_fake.toml        # validate: schema, objects, graph wiring
     thundersync run examples/pipeline_fake.toml          # run it to completion
     thundersync run FILE --metrics out.jsonl --progress  # metrics as JSON lines, a live stderr line
+    thundersync run FILE --resume runs/a                 # continue from the newest checkpoint in runs/a
     thundersync plot out.jsonl [--out curves.png]        # reward and step-time curves (needs [plot])
 
 Exit status: 0 on success, 1 when the run failed, 2 when the file, the command line or the
@@ -74,6 +75,12 @@ def _parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace the metrics file if it exists (never done silently)"
     )
     run.add_argument(
+        "--resume",
+        type=Path,
+        metavar="DIR",
+        help="restore the file's checkpointer objects from DIR (a checkpoint, or the newest one in DIR) first",
+    )
+    run.add_argument(
         "--timeout", type=_seconds, metavar="SECONDS", help="fail the run after this long (overrides run.timeout_s)"
     )
     return parser
@@ -132,8 +139,24 @@ def _check(path: Path) -> int:
     return EXIT_OK
 
 
+def _resume(objects: dict[str, object], directory: Path) -> None:
+    """Restore every Checkpointer among ``objects`` from ``directory`` (``--resume``)."""
+    from thundersync.app.checkpoint import Checkpointer  # loads torch: only when resuming
+
+    checkpointers = [obj for obj in objects.values() if isinstance(obj, Checkpointer)]
+    if not checkpointers:
+        raise ConfigError(
+            f"--resume {directory} needs a checkpointer among the file's objects, and there is none; "
+            "give the step stage a Checkpointer, or run without --resume"
+        )
+    for checkpointer in checkpointers:
+        checkpointer.resume(directory)
+
+
 def _run(path: Path, args: argparse.Namespace) -> int:
     spec, objects, graph = _prepare(path)
+    if args.resume is not None:
+        _resume(objects, args.resume)
     settings = spec.run
     metrics_path = args.metrics if args.metrics is not None else settings.metrics
     timeout_s = args.timeout if args.timeout is not None else settings.timeout_s
