@@ -129,7 +129,7 @@ class _Clock:
         return self.now
 
 
-def test_times_are_measured_from_the_batchs_first_prompt_and_the_previous_step() -> None:
+def test_times_are_measured_from_the_batchs_first_group_and_the_previous_step() -> None:
     clock = _Clock()
     steps = StepMetrics(clock)
     script: list[tuple[float, EventBase]] = [
@@ -155,7 +155,7 @@ def test_times_are_measured_from_the_batchs_first_prompt_and_the_previous_step()
         "reward_mean": 1.0,
         "reward_std": 0.5,
         "step_s": 8.0,
-        "rollout_s": 4.0,
+        "rollout_s": 3.5,  # from the first GroupOpened (101.5), not the first PromptSubmitted
         "learn_s": 1.25,
         "tokens": 6,
         "tokens_per_s": 0.75,
@@ -179,3 +179,16 @@ def test_the_watched_graph_keeps_its_results_and_names_the_watcher_apart() -> No
     plain = Graph().add("step-metrics", SourceStage(SourceStage.Config(prompts=[[1]])))
     assert [n.name for n in watched(plain, lambda event: None)] == ["step-metrics", "step-metrics-2"]
     assert copy["step-metrics"].reads == ("source", "generate", "reward", "close", "step")
+
+
+def test_without_group_events_rollout_counts_from_the_first_prompt() -> None:
+    clock = _Clock()
+    steps = StepMetrics(clock)
+    for now, event in [
+        (101.0, PromptSubmitted(group_id=0, prompt_tokens=[1], batch_id=0)),
+        (104.0, ActionGenerated(group_id=0, trajectory_id=0, turn=0, token_ids=[5], final=True)),
+    ]:
+        clock.now = now
+        steps.observe(event)
+    record = steps.observe(StepDone(batch_id=0, policy_version=1))
+    assert record is not None and record["rollout_s"] == 3.0

@@ -12,8 +12,11 @@ Definitions (times in seconds, from the watcher's clock):
 
 - ``reward_mean`` / ``reward_std``: mean and population standard deviation of the batch's
   Rewarded values (``null`` when it has none, as in OPD);
-- ``rollout_s``: from the batch's first PromptSubmitted (its first GroupOpened when the source
-  is not watched) to its last final ActionGenerated;
+- ``rollout_s``: from the start of the batch's generation to its last final ActionGenerated.
+  The start is the batch's first GroupOpened (generate began the batch), or its first
+  PromptSubmitted when no GroupOpened is seen: the source submits the next batch's prompts while
+  the current step still runs (up to its channel's capacity), so counting from submission would
+  count the wait for the new policy as rollout;
 - ``learn_s``: the time the step waited for the engine's queued work plus the optimizer step
   (the trainer measures it: StepDone.learn_s);
 - ``step_s``: since the previous StepDone (the first step: since the watcher started);
@@ -53,7 +56,8 @@ WATCHER = "step-metrics"
 
 @dataclass
 class _Batch:
-    first_prompt_s: float | None = None
+    submitted_s: float | None = None
+    started_s: float | None = None
     last_final_s: float | None = None
     rewards: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -76,8 +80,10 @@ class StepMetrics:
         if isinstance(event, (PromptSubmitted, GroupOpened)):
             self._batch_of_group[event.group_id] = event.batch_id
             batch = self._batches.setdefault(event.batch_id, _Batch())
-            if batch.first_prompt_s is None:
-                batch.first_prompt_s = now
+            if isinstance(event, PromptSubmitted) and batch.submitted_s is None:
+                batch.submitted_s = now
+            if isinstance(event, GroupOpened) and batch.started_s is None:
+                batch.started_s = now
         elif isinstance(event, StepDone):
             return self._record(event, now)
         elif isinstance(event, (ActionGenerated, Rewarded, ToolObserved)):
@@ -103,9 +109,8 @@ class StepMetrics:
         batch = self._batches.pop(done.batch_id, _Batch())
         self._batch_of_group = {g: b for g, b in self._batch_of_group.items() if b != done.batch_id}
         step_s, self._last_step_s = now - self._last_step_s, now
-        rollout_s = None
-        if batch.first_prompt_s is not None and batch.last_final_s is not None:
-            rollout_s = batch.last_final_s - batch.first_prompt_s
+        start = batch.started_s if batch.started_s is not None else batch.submitted_s
+        rollout_s = None if start is None or batch.last_final_s is None else batch.last_final_s - start
         return {
             "step": done.policy_version,
             "batch_id": done.batch_id,
