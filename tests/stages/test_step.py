@@ -100,3 +100,15 @@ async def test_the_streaming_trainer_reports_lr_time_and_the_objectives_logprob_
     assert (result.grad_norm, result.lr, result.logprob_mismatch) == (5.0, 0.5, 0.03125)
     assert result.learn_s > 0 and objective.weight.tolist() == [-1.5, -2.0]
     assert (await StreamingTrainer(objective, optimizer).step(BatchReady(batch_id=1))).logprob_mismatch is None
+
+
+class _PlainOptimizer:
+    """An optimizer without param_groups (a duck-typed one)."""
+
+    def step(self) -> None: ...
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+
+async def test_an_optimizer_without_param_groups_reports_no_lr() -> None:
+    trainer = StreamingTrainer(_MismatchObjective(None), _PlainOptimizer())  # type: ignore[arg-type]  # fakes
+    assert (await trainer.step(BatchReady(batch_id=0))).lr is None

@@ -116,12 +116,18 @@ class StreamingTrainer:
         params = self.objective.run.params
         limit = math.inf if self.max_grad_norm is None else self.max_grad_norm
         norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
-        lr = float(self.optimizer.param_groups[0]["lr"])
+        lr = _learning_rate(self.optimizer)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         objective = self.objective
         mismatch = objective.take_logprob_mismatch() if isinstance(objective, ReportsLogprobMismatch) else None
         return StepResult(grad_norm=norm, learn_s=perf_counter() - start, lr=lr, logprob_mismatch=mismatch)
+
+
+def _learning_rate(optimizer: torch.optim.Optimizer) -> float | None:
+    """The first parameter group's learning rate (None: an optimizer without ``param_groups``)."""
+    groups = getattr(optimizer, "param_groups", None)
+    return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
 
 
 class StepStage(Stage):
