@@ -207,3 +207,36 @@ def test_invalid_every_or_keep_is_refused(tmp_path: Path) -> None:
         ConfigError, match=r"^need every >= 0 \(0: only at the end\) and keep >= 1, got every=0, keep=0$"
     ):
         Checkpointer(tmp_path, model=model, optimizer=torch.optim.SGD(model.parameters()), policy=PolicyClock(), keep=0)
+
+
+def test_the_lr_scheduler_state_is_restored(tmp_path: Path) -> None:
+    model = tiny_qwen3(seed=0)
+
+    def checkpointer(gamma: float) -> Checkpointer:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=gamma)
+        return Checkpointer(tmp_path, model=model, optimizer=optimizer, policy=PolicyClock(), scheduler=scheduler)
+
+    saved = checkpointer(0.5)
+    for _ in range(3):
+        saved.optimizer.step()
+        saved.scheduler.step()  # type: ignore[union-attr]  # given above
+    saved.save(3)
+    restored = checkpointer(0.9)
+    restored.resume(tmp_path)
+    assert restored.scheduler.state_dict() == saved.scheduler.state_dict()  # type: ignore[union-attr]
+    assert restored.optimizer.param_groups[0]["lr"] == 0.125 and restored.policy.version == 3
+
+
+@pytest.mark.gpu
+def test_the_cuda_rng_state_is_restored(tmp_path: Path) -> None:
+    model = tiny_qwen3(seed=0)
+    checkpointer = Checkpointer(
+        tmp_path, model=model, optimizer=torch.optim.SGD(model.parameters()), policy=PolicyClock()
+    )
+    torch.cuda.manual_seed_all(3)
+    checkpointer.save(1)
+    expected = torch.rand(4, device="cuda")
+    torch.cuda.manual_seed_all(4)
+    checkpointer.resume(tmp_path)
+    assert torch.equal(torch.rand(4, device="cuda"), expected)
