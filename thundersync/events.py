@@ -259,7 +259,9 @@ class BatchReady(EventBase, frozen=True):
 
 class StepDone(EventBase, frozen=True):
     """The optimizer stepped on a logical batch; ``grad_norm`` is the total gradient norm
-    before clipping.
+    before clipping, ``learn_s`` the seconds the step waited for the engine plus the optimizer
+    step, ``lr`` the learning rate it used (first parameter group) and ``logprob_mismatch`` the
+    mean |behaviour - learner| log-prob over the batch's scored tokens (``None``: not known).
 
     Produced by step; no stage consumes it: it is a result of the graph for the application and
     the metrics file.
@@ -268,6 +270,9 @@ class StepDone(EventBase, frozen=True):
     batch_id: Id
     policy_version: NonNegInt
     grad_norm: float = 0.0
+    learn_s: float = 0.0
+    lr: float | None = None
+    logprob_mismatch: float | None = None
 
 
 class PolicyPublished(EventBase, frozen=True):

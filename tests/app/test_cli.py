@@ -78,8 +78,8 @@ def test_run_writes_one_metrics_line_per_lifecycle_event_and_stage(
     metrics = tmp_path / "metrics.jsonl"
     assert main(["run", str(EXAMPLE), "--metrics", str(metrics)]) == 0
     records = _records(metrics)
-    kinds = Counter(record["type"] for record in records)
-    assert records[0]["type"] == "run_started" and records[0]["stages"] == [
+    kinds = Counter(record["event"] for record in records)
+    assert records[0]["event"] == "run_started" and records[0]["stages"] == [
         "source",
         "generate",
         "tool-execute",
@@ -88,21 +88,23 @@ def test_run_writes_one_metrics_line_per_lifecycle_event_and_stage(
         "close",
         "step",
     ]
-    assert records[-1]["type"] == "run_finished" and records[-1]["status"] == "ok"
+    assert records[-1]["event"] == "run_finished" and records[-1]["status"] == "ok"
     # 4 prompts x 25 repeats = 100 groups of 4 samples, 2 groups per batch
     assert kinds["GroupClosed"] == 100 and kinds["TrajectoryClosed"] == 400
-    assert kinds["BatchReady"] == kinds["StepDone"] == kinds["PolicyPublished"] == 50
-    assert kinds["stage_statistics"] == 7
-    versions = [r["policy_version"] for r in records if r["type"] == "StepDone"]
-    assert versions == list(range(1, 51))
-    assert capsys.readouterr().err == ""  # not a terminal: no progress line, and logs are quiet
+    assert kinds["BatchReady"] == kinds["StepDone"] == kinds["PolicyPublished"] == kinds["step"] == 50
+    assert kinds["stage_statistics"] == 8  # the seven stages and the step-metrics watcher
+    versions = [r["policy_version"] for r in records if r["event"] == "StepDone"]
+    assert versions == list(range(1, 51)) == [r["step"] for r in records if r["event"] == "step"]
+    err = capsys.readouterr().err  # not a terminal: no progress line, logs are quiet, one summary line
+    assert re.fullmatch(rf"thundersync: 50/50 steps in 0:00:\d\d, last reward \d\.\d{{3}}; metrics: {metrics}\n", err)
 
 
 def test_run_shows_progress_when_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", str(_small(tmp_path)), "--progress"]) == 0
-    err = capsys.readouterr().err
-    last = err.rstrip("\n").split("\r\x1b[K")[-1]
-    assert last.endswith("source 3  generate 3  reward 9  close 15  step 3"), err
+    *_, live, summary = capsys.readouterr().err.rstrip("\n").split("\n")
+    last = live.split("\r\x1b[K")[-1]
+    assert re.fullmatch(r"step 3/3  reward \d\.\d{3} ± \d\.\d{3}  \d+ tok/s  elapsed 0:00:0\d  ETA 0:00:00", last), live
+    assert summary.startswith("thundersync: 3/3 steps in 0:00:0")
 
 
 def test_run_settings_in_the_file_name_the_metrics_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -233,12 +235,10 @@ def test_errors_escape_control_characters_from_the_file(tmp_path: Path, capsys: 
     assert "stages.s\\x1b[2J\\u202e.x: unknown field" in err and "\x1b" not in err and err.count("\n") == 1
 
 
-def test_the_progress_line_escapes_stage_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    text = _small(tmp_path).read_text().replace("[stages.step]", '[stages."st\\u0007ep"]')
-    (tmp_path / "p.toml").write_text(text)
-    assert main(["run", str(tmp_path / "p.toml"), "--progress"]) == 0
+def test_the_summary_line_escapes_the_metrics_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(_small(tmp_path)), "--metrics", str(tmp_path / "m\x07.jsonl")]) == 0
     err = capsys.readouterr().err
-    assert "st\\x07ep 3" in err and "\x07" not in err
+    assert err.endswith(f"; metrics: {tmp_path}/m\\x07.jsonl\n") and "\x07" not in err
 
 
 def test_a_file_nested_too_deeply_exits_2_naming_the_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -289,3 +289,13 @@ def test_python_dash_m_thundersync_checks_and_runs_the_example(tmp_path: Path) -
         timeout=120,
     )
     assert bad.returncode == 2 and "cannot read the pipeline file" in bad.stderr
+
+
+def test_resume_without_a_checkpointer_exits_2_and_says_what_to_give(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", str(_small(tmp_path)), "--resume", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"thundersync: invalid settings (ConfigError): --resume {tmp_path} needs a checkpointer among the "
+        "file's objects, and there is none; give the step stage a Checkpointer, or run without --resume\n"
+    )

@@ -39,8 +39,8 @@ def test_lines_are_written_and_flushed_as_they_come(tmp_path: Path) -> None:
         assert len(path.read_text().splitlines()) == 2  # readable before the sink closes
         metrics.statistics(stats)
     records = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["type"] for r in records] == ["run_started", "GroupClosed", "stage_statistics"]
-    assert records[1] | {"t": 0} == {"t": 0, "type": "GroupClosed", "group_id": "g", "num_trajectories": 4}
+    assert [r["event"] for r in records] == ["run_started", "GroupClosed", "stage_statistics"]
+    assert records[1] | {"t": 0} == {"t": 0, "event": "GroupClosed", "group_id": "g", "num_trajectories": 4}
     assert records[2]["name"] == "s" and records[2]["received"] == 3
     assert all(r["t"] >= 0 for r in records) and metrics.lines == 3
 
@@ -76,7 +76,7 @@ def test_an_existing_file_is_replaced_only_with_overwrite(tmp_path: Path) -> Non
     assert path.read_text() == "an earlier run, longer than the new one\n"
     with JsonlMetrics(path, overwrite=True) as metrics:
         metrics.write("run_started")
-    assert [json.loads(line)["type"] for line in path.read_text().splitlines()] == ["run_started"]
+    assert [json.loads(line)["event"] for line in path.read_text().splitlines()] == ["run_started"]
 
 
 @pytest.mark.parametrize("overwrite", [False, True])

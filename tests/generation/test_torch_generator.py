@@ -470,3 +470,19 @@ def test_a_batcher_failure_raises_generation_error_in_the_driver_and_the_waiting
         assert isinstance(error, GenerationError) and isinstance(error.__cause__, RuntimeError)
         assert str(error) == "generation failed: boom in decode"
     assert not batcher.busy
+
+
+def test_a_restored_rng_state_samples_the_same_tokens_again(make_qwen3) -> None:
+    model = make_qwen3()
+    unseeded = [
+        GenerationRequest(prompt_ids=[5 + i, 6, 7], params=SamplingParams(temperature=1.0, max_new_tokens=16))
+        for i in range(3)
+    ]
+    first = TorchGenerator(model, max_batch=4, max_seq_len=64, seed=7)
+    run(first, unseeded[:1])
+    state = first.get_rng_state()
+    expected = run(first, unseeded)
+    restored = TorchGenerator(model, max_batch=4, max_seq_len=64, seed=999)
+    assert [r.token_ids for r in run(restored, unseeded)] != [r.token_ids for r in expected]
+    restored.set_rng_state(state)
+    assert [r.token_ids for r in run(restored, unseeded)] == [r.token_ids for r in expected]

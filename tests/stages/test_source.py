@@ -31,6 +31,7 @@ def test_batches_are_consecutive_full_and_declare_their_size(
     assert all(e.num_trajectories == samples for e in out)
     batches = [e.batch_id for e in out]
     assert batches == sorted(batches) and set(batches) == set(range(batches[-1] + 1))
+    assert stage.num_batches == batches[-1] + 1
     for batch in set(batches):
         members = [e for e in out if e.batch_id == batch]
         assert all(e.groups_in_batch == len(members) for e in members)
@@ -45,6 +46,14 @@ async def test_the_source_sends_its_submissions_and_ends(run_stage: Callable[...
         PromptSubmitted(group_id=0, prompt_tokens=[1], batch_id=0, groups_in_batch=1),
         PromptSubmitted(group_id=1, prompt_tokens=[2, 3], batch_id=1, groups_in_batch=1),
     ]
+
+
+def test_a_resumed_source_skips_consumed_batches_and_keeps_the_ids() -> None:
+    stage = SourceStage(SourceStage.Config(prompts=[[1], [2], [3]], groups_per_batch=2, repeat=2))
+    everything = stage.submissions()
+    stage.skip_batches([0, 2])
+    assert stage.submissions() == [e for e in everything if e.batch_id == 1]
+    assert stage.num_batches == 3
 
 
 def test_empty_prompts_are_rejected() -> None:

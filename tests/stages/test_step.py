@@ -6,10 +6,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from thundersync.events import BatchReady, PolicyPublished, StepDone
 from thundersync.pipeline.policy import PolicyClock
-from thundersync.stages.step import StepStage
+from thundersync.stages.step import StepResult, StepStage, StreamingTrainer
 from thundersync.testing import RecordingTrainer
 
 pytestmark = pytest.mark.anyio
@@ -31,3 +32,83 @@ async def test_each_ready_batch_is_stepped_then_published(run_stage: Callable[..
 async def test_without_a_trainer_the_stage_only_counts(run_stage: Callable[..., Any]) -> None:
     out = await run_stage(StepStage(), [BatchReady(batch_id=0)])
     assert out == [StepDone(batch_id=0, policy_version=1), PolicyPublished(policy_version=1)]
+
+
+class _RecordingCheckpointer:
+    """Records each call with the policy version live at that moment."""
+
+    def __init__(self, clock: PolicyClock) -> None:
+        self.clock = clock
+        self.calls: list[tuple[str, int, object, int]] = []
+
+    async def stepped(self, step: int, batch_id: object) -> None:
+        self.calls.append(("stepped", step, batch_id, self.clock.version))
+
+    async def finished(self, step: int) -> None:
+        self.calls.append(("finished", step, None, self.clock.version))
+
+
+async def test_the_checkpointer_sees_each_step_before_its_policy_is_published(run_stage: Callable[..., Any]) -> None:
+    clock = PolicyClock(version=2)
+    checkpointer = _RecordingCheckpointer(clock)
+    stage = StepStage(trainer=RecordingTrainer(), policy=clock, checkpointer=checkpointer)
+    await run_stage(stage, [BatchReady(batch_id="a"), BatchReady(batch_id="b")])
+    assert checkpointer.calls == [("stepped", 3, "a", 2), ("stepped", 4, "b", 3), ("finished", 4, None, 4)]
+
+
+class _FixedTrainer:
+    async def step(self, ready: BatchReady) -> StepResult:
+        return StepResult(grad_norm=1.5, learn_s=0.25, lr=3e-4, logprob_mismatch=0.125)
+
+
+async def test_step_done_carries_what_the_trainer_reports(run_stage: Callable[..., Any]) -> None:
+    (done, _) = await run_stage(StepStage(trainer=_FixedTrainer()), [BatchReady(batch_id=0)])
+    assert done == StepDone(batch_id=0, policy_version=1, grad_norm=1.5, learn_s=0.25, lr=3e-4, logprob_mismatch=0.125)
+
+
+class _Run:
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+
+
+class _MismatchObjective:
+    """A streaming objective whose batch is done: its one parameter holds the gradient [3, 4]."""
+
+    def __init__(self, mismatch: float | None) -> None:
+        self.weight = torch.nn.Parameter(torch.zeros(2))
+        self.weight.grad = torch.tensor([3.0, 4.0])
+        self.run = _Run([self.weight])
+        self.signal = None
+        self.mismatch = mismatch
+
+    def open_group(self, group_id: object, prompt_tokens: object) -> None: ...
+    def append_turn(self, *args: object, **kwargs: object) -> None: ...
+    def close_trajectory(self, group_id: object, trajectory_id: object, reward: float | None = None) -> None: ...
+    def close_group(self, group_id: object) -> None: ...
+    def assert_safe_to_step(self) -> None: ...
+    def discard(self) -> None: ...
+
+    def take_logprob_mismatch(self) -> float | None:
+        taken, self.mismatch = self.mismatch, None
+        return taken
+
+
+async def test_the_streaming_trainer_reports_lr_time_and_the_objectives_logprob_mismatch() -> None:
+    objective = _MismatchObjective(0.03125)
+    optimizer = torch.optim.SGD([objective.weight], lr=0.5)
+    result = await StreamingTrainer(objective, optimizer).step(BatchReady(batch_id=0))  # type: ignore[arg-type]  # a fake, not a StreamingRun
+    assert (result.grad_norm, result.lr, result.logprob_mismatch) == (5.0, 0.5, 0.03125)
+    assert result.learn_s > 0 and objective.weight.tolist() == [-1.5, -2.0]
+    assert (await StreamingTrainer(objective, optimizer).step(BatchReady(batch_id=1))).logprob_mismatch is None
+
+
+class _PlainOptimizer:
+    """An optimizer without param_groups (a duck-typed one)."""
+
+    def step(self) -> None: ...
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+
+async def test_an_optimizer_without_param_groups_reports_no_lr() -> None:
+    trainer = StreamingTrainer(_MismatchObjective(None), _PlainOptimizer())  # type: ignore[arg-type]  # fakes
+    assert (await trainer.step(BatchReady(batch_id=0))).lr is None

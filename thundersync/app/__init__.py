@@ -9,8 +9,9 @@ The top layer of the package: it imports the stages (``thundersync.stages``) and
     build        build_graph: a spec and its runtime objects -> a validated Graph
     factories    the runtime objects a file can build by name (``factory = "policy-clock"``)
     cli          ``thundersync check`` / ``thundersync run`` (also ``python -m thundersync``)
-    metrics      JsonlMetrics: lifecycle events and per-stage statistics as JSON lines
-    progress     the live progress line that ``thundersync run`` draws on stderr
+    metrics      JsonlMetrics: per-step metrics, lifecycle events and per-stage statistics as JSON lines
+    progress     the live progress line that ``thundersync run`` draws on stderr, and its summary line
+    checkpoint   Checkpointer: atomic checkpoints every N steps and at the end; bitwise resume
 """
 
 from __future__ import annotations

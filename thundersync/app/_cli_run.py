@@ -1,26 +1,32 @@
-"""What ``thundersync run`` does once the file is valid: run the graph with progress and metrics.
+"""What ``thundersync run`` does once the file is valid: run the graph with metrics, progress, summary.
 
 The graph runs as an embedded :class:`~thundersync.pipeline.Pipeline` so that its output
 events (the lifecycle events: TrajectoryClosed, GroupClosed, BatchReady, StepDone...) reach the
-metrics file as they happen; a progress task redraws one stderr line (:mod:`thundersync.app.progress`).
-Runtime objects that are async context managers (engines, sandbox pools) are entered for the
-run and left after it.
+metrics file as they happen. A watcher stage added to the graph (:func:`~thundersync.app._step_metrics.watched`)
+sees every event and turns each optimizer step into a ``step`` line of the metrics file and an
+update of the progress display (:mod:`thundersync.app.progress`); the run ends with one summary
+line. Runtime objects that are async context managers (engines, sandbox pools) are entered for
+the run and left after it.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from typing import Any, TextIO
 
 import anyio
 
+from thundersync.app._step_metrics import StepMetrics, watched
 from thundersync.app.metrics import JsonlMetrics
-from thundersync.app.progress import show_final, show_progress
+from thundersync.app.progress import Progress, show_progress
 from thundersync.errors import PipelineError
+from thundersync.events import EventBase
 from thundersync.pipeline import Pipeline
 from thundersync.pipeline.graph import Graph
 from thundersync.pipeline.runner import RunStatistics
+from thundersync.stages.source import SourceStage
 
 __all__ = ["run_pipeline"]
 
@@ -31,21 +37,32 @@ async def run_pipeline(
     metrics: JsonlMetrics,
     *,
     progress: TextIO | None,
+    summary: TextIO | None = None,
     interval_s: float = 0.2,
     timeout_s: float | None = None,
 ) -> RunStatistics:
-    """Run ``graph`` to completion, writing its output events to ``metrics``; returns statistics.
+    """Run ``graph`` to completion, writing its output events and step records to ``metrics``.
 
-    ``progress`` is the stream for the live line (None: no progress display).
+    ``progress`` is the stream for the live line (None: no progress display); ``summary`` the
+    stream for the line that ends a successful run (None: none). Returns the run's statistics.
     """
-    pipeline = Pipeline(graph)
+    shown = Progress(_total_steps(graph))
+    steps = StepMetrics()
+
+    def see(event: EventBase) -> None:
+        record = steps.observe(event)
+        if record is not None:
+            metrics.write("step", **record)
+            shown.update(record)
+
+    pipeline = Pipeline(watched(graph, see))
     try:
         with anyio.fail_after(timeout_s):
             async with AsyncExitStack() as stack:
                 for obj in objects.values():
                     if hasattr(obj, "__aenter__") and hasattr(obj, "__aexit__"):
                         await stack.enter_async_context(obj)
-                await _drive(pipeline, metrics, progress, interval_s)
+                await _drive(pipeline, metrics, shown, progress, interval_s)
     except TimeoutError:
         raise PipelineError(
             f"the run took longer than its timeout of {timeout_s} s (run.timeout_s / --timeout); it was cancelled"
@@ -54,21 +71,42 @@ async def run_pipeline(
         stats = _statistics(pipeline)
         if stats is not None:
             metrics.statistics(stats)
-        if progress is not None:
-            show_final(progress, stats)
+    if summary is not None:  # a failed run ends with its one error line instead
+        where = None if metrics.path is None else str(metrics.path)
+        summary.write(shown.summary(metrics=where, checkpoints=_checkpoints(objects)) + "\n")
+        summary.flush()
     assert stats is not None
     return stats
 
 
-async def _drive(pipeline: Pipeline, metrics: JsonlMetrics, progress: TextIO | None, interval_s: float) -> None:
+async def _drive(
+    pipeline: Pipeline, metrics: JsonlMetrics, shown: Progress, progress: TextIO | None, interval_s: float
+) -> None:
     async with pipeline:
         await pipeline.close()  # a file's graph is fed by its own sources
         async with anyio.create_task_group() as group:
             if progress is not None:
-                group.start_soon(show_progress, pipeline, progress, interval_s)
+                group.start_soon(show_progress, shown, progress, interval_s)
             async for event in pipeline.results():
                 metrics.event(event)
             group.cancel_scope.cancel()
+
+
+def _total_steps(graph: Graph) -> int | None:
+    """The number of steps of a graph fed by one source stage (None: not known in advance)."""
+    sources = [node.stage for node in graph if node.is_source]
+    if len(sources) == 1 and isinstance(sources[0], SourceStage):
+        return sources[0].num_batches
+    return None
+
+
+def _checkpoints(objects: Mapping[str, Any]) -> str | None:
+    """Where the run's checkpointers write (None: no checkpointer)."""
+    module = sys.modules.get("thundersync.app.checkpoint")  # a Checkpointer exists only once it is imported;
+    if module is None:  # importing it here would load torch for every run
+        return None
+    found = [str(obj.directory) for obj in objects.values() if isinstance(obj, module.Checkpointer)]
+    return ", ".join(found) or None
 
 
 def _statistics(pipeline: Pipeline) -> RunStatistics | None:

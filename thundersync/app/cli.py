@@ -1,13 +1,16 @@
-"""The ``thundersync`` command: ``run`` a pipeline definition file, or ``check`` one.
+"""The ``thundersync`` command: ``run`` a pipeline definition file, ``check`` one, ``plot`` a run.
 
 ::
 
     thundersync check examples/pipeline_fake.toml        # validate: schema, objects, graph wiring
     thundersync run examples/pipeline_fake.toml          # run it to completion
     thundersync run FILE --metrics out.jsonl --progress  # metrics as JSON lines, a live stderr line
+    thundersync run FILE --resume runs/a                 # continue from the newest checkpoint in runs/a
+    thundersync plot out.jsonl [--out curves.png]        # reward and step-time curves (needs [plot])
 
 Exit status: 0 on success, 1 when the run failed, 2 when the file, the command line or the
-metrics path is invalid, 130 when interrupted. Errors are one line on stderr; ``--verbose`` adds
+metrics path is invalid (for ``plot``: the metrics file is missing, malformed or has no step
+lines), 130 when interrupted. Errors are one line on stderr; ``--verbose`` adds
 the traceback and info-level logs. The metrics file is created new in an existing directory;
 ``--overwrite`` lets it replace an existing file (:mod:`thundersync.app.metrics`). Names from
 the file reach the terminal escaped (``\x1b``, ``\n``). This is the only place that configures
@@ -44,8 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     check = commands.add_parser("check", help="validate a pipeline file without running it")
     run = commands.add_parser("run", help="run a pipeline file to completion")
+    plot = commands.add_parser("plot", help="draw a run's reward and step-time curves to a PNG")
     for sub in (check, run):
         sub.add_argument("file", type=Path, metavar="FILE", help="the pipeline definition (TOML)")
+    plot.add_argument("file", type=Path, metavar="METRICS", help="a metrics file written by thundersync run")
+    plot.add_argument("--out", type=Path, metavar="PNG", help="where to write the PNG (default: beside METRICS)")
+    for sub in (check, run, plot):
         sub.add_argument("-v", "--verbose", action="store_true", help="tracebacks and info-level logs")
     run.add_argument(
         "--metrics",
@@ -66,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--overwrite", action="store_true", help="replace the metrics file if it exists (never done silently)"
+    )
+    run.add_argument(
+        "--resume",
+        type=Path,
+        metavar="DIR",
+        help="restore the file's checkpointer objects from DIR (a checkpoint, or the newest one in DIR) first",
     )
     run.add_argument(
         "--timeout", type=_seconds, metavar="SECONDS", help="fail the run after this long (overrides run.timeout_s)"
@@ -126,8 +139,24 @@ def _check(path: Path) -> int:
     return EXIT_OK
 
 
+def _resume(objects: dict[str, object], directory: Path) -> None:
+    """Restore every Checkpointer among ``objects`` from ``directory`` (``--resume``)."""
+    from thundersync.app.checkpoint import Checkpointer  # loads torch: only when resuming
+
+    checkpointers = [obj for obj in objects.values() if isinstance(obj, Checkpointer)]
+    if not checkpointers:
+        raise ConfigError(
+            f"--resume {directory} needs a checkpointer among the file's objects, and there is none; "
+            "give the step stage a Checkpointer, or run without --resume"
+        )
+    for checkpointer in checkpointers:
+        checkpointer.resume(directory)
+
+
 def _run(path: Path, args: argparse.Namespace) -> int:
     spec, objects, graph = _prepare(path)
+    if args.resume is not None:
+        _resume(objects, args.resume)
     settings = spec.run
     metrics_path = args.metrics if args.metrics is not None else settings.metrics
     timeout_s = args.timeout if args.timeout is not None else settings.timeout_s
@@ -140,7 +169,12 @@ def _run(path: Path, args: argparse.Namespace) -> int:
         try:
             stats = anyio.run(
                 lambda: run_pipeline(
-                    graph, objects, metrics, progress=sys.stderr if show else None, timeout_s=timeout_s
+                    graph,
+                    objects,
+                    metrics,
+                    progress=sys.stderr if show else None,
+                    summary=sys.stderr,
+                    timeout_s=timeout_s,
                 )
             )
         except BaseException as error:
@@ -151,14 +185,31 @@ def _run(path: Path, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _plot(path: Path, out: Path | None) -> int:
+    from thundersync.app._plot import plot_metrics
+
+    written = plot_metrics(path, out)
+    sys.stdout.write(f"{printable(str(written))}\n")
+    return EXIT_OK
+
+
+def _command(args: argparse.Namespace) -> int:
+    if args.command == "check":
+        return _check(args.file)
+    if args.command == "plot":
+        return _plot(args.file, args.out)
+    return _run(args.file, args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``thundersync`` command; returns the exit status."""
     args = _parser().parse_args(argv)
     configure_logging(args.verbose)
     try:
-        return _check(args.file) if args.command == "check" else _run(args.file, args)
+        return _command(args)
     except ConfigError as error:
         what = "pipeline" if isinstance(error, (DefinitionError, GraphError)) else "settings"
+        what = "metrics file" if args.command == "plot" else what
         _error(f"invalid {what} ({type(error).__name__})", error, args.verbose, hint_verbose=False)
         return EXIT_INVALID
     except ThunderSyncError as error:

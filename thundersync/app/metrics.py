@@ -1,13 +1,17 @@
-"""`JsonlMetrics`: lifecycle events and per-stage statistics as JSON lines (one object per line).
+"""`JsonlMetrics`: per-step metrics, lifecycle events and per-stage statistics as JSON lines.
 
-Every line is a JSON object with a ``type`` (the event's class name, or ``run_started``,
-``stage_statistics``, ``run_finished``) and ``t``, the seconds since the sink was opened::
+Every line is a JSON object with an ``event`` (``step``, an event's class name, ``run_started``,
+``stage_statistics`` or ``run_finished``) and ``t``, the seconds since the sink was opened::
 
-    {"t":0.0,"type":"run_started","file":"examples/pipeline_fake.toml","stages":["source",...]}
-    {"t":0.011,"type":"GroupClosed","group_id":0,"num_trajectories":4}
-    {"t":0.012,"type":"StepDone","batch_id":0,"policy_version":1,"grad_norm":0.0}
-    {"t":0.9,"type":"stage_statistics","name":"reward","state":"done","received":1640,...}
-    {"t":0.9,"type":"run_finished","status":"ok","elapsed_s":0.9}
+    {"t":0.0,"event":"run_started","file":"examples/pipeline_fake.toml","stages":["source",...]}
+    {"t":0.011,"event":"GroupClosed","group_id":0,"num_trajectories":4}
+    {"t":0.012,"event":"StepDone","batch_id":0,"policy_version":1,"grad_norm":0.0,...}
+    {"t":0.012,"event":"step","step":1,"reward_mean":0.41,"reward_std":0.12,"step_s":0.012,...}
+    {"t":0.9,"event":"stage_statistics","name":"reward","state":"done","received":1640,...}
+    {"t":0.9,"event":"run_finished","status":"ok","elapsed_s":0.9}
+
+The ``step`` lines (one per optimizer step; :mod:`thundersync.app._step_metrics` defines each
+key) are what other tools read: ``thundersync plot`` draws them.
 
 Lines reach the file as they are written (no buffer), so a crashed run leaves every line up to the crash.
 
@@ -76,18 +80,18 @@ class JsonlMetrics:
             self._file.close()
             self._file = None
 
-    def write(self, type: str, **fields: Any) -> None:
-        """Write one record ``{"t": ..., "type": type, **fields}``."""
+    def write(self, event: str, **fields: Any) -> None:
+        """Write one record ``{"t": ..., "event": event, **fields}``."""
         if self._file is None:
             return
-        record = {"t": round(perf_counter() - self._start, 6), "type": type, **fields}
+        record = {"t": round(perf_counter() - self._start, 6), "event": event, **fields}
         line = memoryview(self._encoder.encode(record) + b"\n")
         while line:  # unbuffered: each line reaches the file now, and a failed write is not retried at close
             line = line[self._file.write(line) :]
         self.lines += 1
 
     def event(self, event: EventBase) -> None:
-        """Write one pipeline event (its fields; ``type`` is its class name)."""
+        """Write one pipeline event (its fields; ``event`` is its class name)."""
         fields = msgspec.to_builtins(event)
         self.write(fields.pop("type"), **fields)
 

@@ -1,44 +1,107 @@
-"""The live progress line that ``thundersync run`` draws on stderr while a graph runs.
+"""What ``thundersync run`` shows on stderr: a live progress line, and one summary line at the end.
 
-One line, redrawn in place every ``interval_s`` from the runtime's statistics: the events each
-stage has processed so far (the events it sent, for a source)::
+The live line (on a terminal, or with ``--progress``) is redrawn in place every ``interval_s``
+from the per-step records (:mod:`thundersync.app._step_metrics`)::
 
-    [   1.2s] source 40  generate 40  reward 580  close 1200  step 9
+    step 3/10  reward 0.412 ± 0.118  812 tok/s  elapsed 0:00:12  ETA 0:00:28
 
-Stage names come from the pipeline file, so they are printed escaped
-(:func:`~thundersync.app._terminal.printable`). The final counts stay on screen.
+``reward`` is the last step's batch mean ± standard deviation, ``tok/s`` the last step's
+generated tokens over its duration, ``ETA`` the mean step time so far times the steps left
+(shown once a step is done and the number of steps is known). The summary line ends a
+successful run whether or not stderr is a terminal (a failed run ends with its error line)::
+
+    thundersync: 10/10 steps in 0:00:41, last reward 0.620; metrics: runs/a/metrics.jsonl; checkpoints: runs/a
+
+Paths come from the user and are printed escaped (:func:`~thundersync.app._terminal.printable`).
 """
 
 from __future__ import annotations
 
-from typing import TextIO
+from collections.abc import Callable, Mapping
+from time import perf_counter
+from typing import Any, TextIO
 
 import anyio
 
 from thundersync.app._terminal import printable
-from thundersync.pipeline import Pipeline
-from thundersync.pipeline.runner import RunStatistics
 
-__all__ = ["progress_line", "show_final", "show_progress"]
+__all__ = ["Progress", "duration", "show_progress"]
 
 _REDRAW = "\r\x1b[K"  # back to the line's start, then clear it
 
 
-def progress_line(stats: RunStatistics) -> str:
-    """``[   1.2s] source 40  generate 40  ...``: events processed per stage (sent, for a source)."""
-    parts = [f"{printable(name)} {s.received or s.sent}" for name, s in stats.stages.items()]
-    return f"[{stats.elapsed_s:7.1f}s] " + "  ".join(parts)
+def duration(seconds: float) -> str:
+    """``H:MM:SS`` (whole seconds)."""
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
-async def show_progress(pipeline: Pipeline, stream: TextIO, interval_s: float) -> None:
-    """Redraw the line on ``stream`` every ``interval_s`` until cancelled."""
-    while True:
-        stream.write(_REDRAW + progress_line(pipeline.statistics()))
+class Progress:
+    """The state behind the progress and summary lines: steps done of ``total`` (None: unknown)."""
+
+    def __init__(self, total: int | None, *, clock: Callable[[], float] = perf_counter) -> None:
+        self.total = total
+        self._clock = clock
+        self.started = clock()
+        self.steps = 0
+        self.last: Mapping[str, Any] | None = None
+        self._first_step = 0  # the step count this run started from (a resumed run's is > 0)
+
+    def update(self, record: Mapping[str, Any]) -> None:
+        """Take one step record (the fields of a metrics ``step`` line)."""
+        if self.last is None:
+            self._first_step = int(record["step"]) - 1
+        self.steps, self.last = int(record["step"]), record
+
+    def line(self) -> str:
+        """The live line, as of now."""
+        elapsed = self._clock() - self.started
+        parts = [f"step {self.steps}/{self.total}" if self.total is not None else f"step {self.steps}"]
+        parts += self._last_step_parts()
+        parts.append(f"elapsed {duration(elapsed)}")
+        eta = self.eta(elapsed)
+        if eta is not None:
+            parts.append(f"ETA {duration(eta)}")
+        return "  ".join(parts)
+
+    def _last_step_parts(self) -> list[str]:
+        if self.last is None:
+            return []
+        parts = []
+        if self.last.get("reward_mean") is not None:
+            parts.append(f"reward {self.last['reward_mean']:.3f} ± {self.last['reward_std']:.3f}")
+        if self.last.get("tokens_per_s") is not None:
+            parts.append(f"{self.last['tokens_per_s']:.0f} tok/s")
+        return parts
+
+    def eta(self, elapsed: float) -> float | None:
+        """Seconds left at the mean step time so far (None before a step or without a total)."""
+        done = self.steps - self._first_step
+        if self.total is None or self.last is None or done <= 0:
+            return None
+        return elapsed / done * max(self.total - self.steps, 0)
+
+    def summary(self, *, metrics: str | None, checkpoints: str | None) -> str:
+        """The one line that ends a run: steps, time, last reward, where the outputs went."""
+        elapsed = duration(self._clock() - self.started)
+        steps = f"{self.steps}/{self.total}" if self.total is not None else str(self.steps)
+        text = f"thundersync: {steps} steps in {elapsed}"
+        if self.last is not None and self.last.get("reward_mean") is not None:
+            text += f", last reward {self.last['reward_mean']:.3f}"
+        text += f"; metrics: {printable(metrics) if metrics else 'not written (no --metrics)'}"
+        if checkpoints is not None:
+            text += f"; checkpoints: {printable(checkpoints)}"
+        return text
+
+
+async def show_progress(progress: Progress, stream: TextIO, interval_s: float) -> None:
+    """Redraw the live line on ``stream`` every ``interval_s`` until cancelled; ends the line then."""
+    try:
+        while True:
+            stream.write(_REDRAW + progress.line())
+            stream.flush()
+            await anyio.sleep(interval_s)
+    finally:
+        stream.write(_REDRAW + progress.line() + "\n")
         stream.flush()
-        await anyio.sleep(interval_s)
-
-
-def show_final(stream: TextIO, stats: RunStatistics | None) -> None:
-    """Draw the last counts (nothing if the run never started) and end the line."""
-    stream.write(_REDRAW + (progress_line(stats) if stats is not None else "") + "\n")
-    stream.flush()

@@ -12,7 +12,10 @@ captured as CUDA graphs, one per 128-token key-length bucket, so a step costs on
 one read-back of the sampled tokens instead of hundreds of kernel launches.
 
 Sampling is done on the device with counter-based random numbers (``_sampling``), so a request's
-tokens depend only on its seed, its context and the weights, never on its batch neighbours.
+tokens depend only on its seed, its context and the weights, never on its batch neighbours. The
+only other randomness is the generator's own seed source (a ``random.Random`` seeded by ``seed``)
+that gives each request without a seed its seed: :meth:`TorchGenerator.get_rng_state` and
+:meth:`~TorchGenerator.set_rng_state` save and restore it, so a resumed run samples the same tokens.
 Behaviour log-probs follow :mod:`thundersync.generation.base`: by default the model's log-prob
 before temperature/top-k/top-p, ``SamplingParams(logprobs="sampling")`` for the sampling one.
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -137,6 +141,14 @@ class TorchGenerator:
         loading a state dict into ``.data``) are not. A request generating meanwhile fails.
         """
         self._batcher.invalidate()
+
+    def get_rng_state(self) -> tuple[Any, ...]:
+        """The state of the seed source that seeds requests without a seed (plain ints, picklable)."""
+        return self._seeds.getstate()
+
+    def set_rng_state(self, state: tuple[Any, ...]) -> None:
+        """Restore a state from :meth:`get_rng_state`: later requests get the seeds they got after it."""
+        self._seeds.setstate(state)
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -2,16 +2,21 @@
 
 Consumes: nothing (a source). Produces: PromptSubmitted. Waits for: nothing but backpressure
 from generate. Unblocked by: generate taking prompts from its inbox.
+
+Its data position is the set of batches already consumed (stepped on): a checkpoint records
+them and :meth:`SourceStage.skip_batches` makes a resumed source continue after them, with the
+same group and batch ids as an uninterrupted run.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, ClassVar
 
 import msgspec
 
 from thundersync.errors import ConfigError
-from thundersync.events import EventBase, PromptSubmitted
+from thundersync.events import EventBase, Id, PromptSubmitted
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
 
 __all__ = ["SourceStage"]
@@ -43,13 +48,30 @@ class SourceStage(Stage):
 
     config: Config
 
+    def __init__(self, config: Config, /) -> None:
+        super().__init__(config)
+        self.skipped: frozenset[Id] = frozenset()
+
+    def skip_batches(self, batch_ids: Iterable[Id]) -> None:
+        """Emit no prompt of these batches (a resumed run's consumed batches)."""
+        self.skipped = frozenset(batch_ids)
+
+    @property
+    def num_batches(self) -> int:
+        """How many batches this source emits in all, skipped ones included."""
+        groups = len(self.config.prompts) * self.config.repeat
+        per_batch = self.config.groups_per_batch or groups
+        return -(-groups // per_batch)
+
     def submissions(self) -> list[PromptSubmitted]:
-        """Every prompt this source emits, in order."""
+        """Every prompt this source emits, in order (none of the skipped batches)."""
         prompts = self.config.prompts * self.config.repeat
         per_batch = self.config.groups_per_batch or len(prompts)
         out = []
         for index, prompt in enumerate(prompts):
             batch = index // per_batch
+            if batch in self.skipped:
+                continue
             size = min(per_batch, len(prompts) - batch * per_batch)
             out.append(
                 PromptSubmitted(

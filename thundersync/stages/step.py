@@ -5,20 +5,24 @@ step (without one it only counts versions, as in tests and dry runs). Unblocked 
 announcing BatchReady.
 
 Runtime objects: ``trainer``, any :class:`Trainer` (:class:`StreamingTrainer` puts the streaming
-engine's safe-to-step check, clipping and the optimizer step behind it), and ``policy``, the
-:class:`~thundersync.pipeline.policy.PolicyClock` that generate waits on.
+engine's safe-to-step check, clipping and the optimizer step behind it), ``policy``, the
+:class:`~thundersync.pipeline.policy.PolicyClock` that generate waits on, and ``checkpointer``,
+any :class:`Checkpointer` (:class:`thundersync.app.checkpoint.Checkpointer`): it is told of each
+step after the optimizer step and before StepDone is sent and the policy published (a step the
+application sees done has its checkpoint, if one was due), and of the end of the stream.
 """
 
 from __future__ import annotations
 
 import math
+from time import perf_counter
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import anyio
 import msgspec
 
 from thundersync.errors import ConfigError
-from thundersync.events import BatchReady, EventBase, PolicyPublished, StepDone
+from thundersync.events import BatchReady, EventBase, Id, PolicyPublished, StepDone
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
 from thundersync.stages._objective import require_objective
@@ -28,13 +32,22 @@ if TYPE_CHECKING:
 
     from thundersync.engine.objective import StreamingObjective
 
-__all__ = ["StepResult", "StepStage", "StreamingTrainer", "Trainer"]
+__all__ = ["Checkpointer", "ReportsLogprobMismatch", "StepResult", "StepStage", "StreamingTrainer", "Trainer"]
 
 
 class StepResult(msgspec.Struct, frozen=True, kw_only=True):
-    """What one optimizer step reports: the total gradient norm before clipping."""
+    """What one optimizer step reports (copied into :class:`~thundersync.events.StepDone`).
+
+    ``grad_norm``: the total gradient norm before clipping; ``learn_s``: seconds spent waiting for
+    the engine's queued work plus the optimizer step; ``lr``: the learning rate of the step (first
+    parameter group); ``logprob_mismatch``: mean |behaviour - learner| log-prob over the batch's
+    scored tokens, ``None`` when the objective does not report it.
+    """
 
     grad_norm: float = 0.0
+    learn_s: float = 0.0
+    lr: float | None = None
+    logprob_mismatch: float | None = None
 
 
 @runtime_checkable
@@ -46,6 +59,31 @@ class Trainer(Protocol):
         ...
 
 
+@runtime_checkable
+class ReportsLogprobMismatch(Protocol):
+    """An objective that measures the train/inference mismatch of the batch it accumulated."""
+
+    def take_logprob_mismatch(self) -> float | None:
+        """Mean |behaviour - learner| log-prob over the scored tokens since the last call, then reset.
+
+        ``None`` when no scored token was seen.
+        """
+        ...
+
+
+@runtime_checkable
+class Checkpointer(Protocol):
+    """Saves the training state at step boundaries (when to save is its own business)."""
+
+    async def stepped(self, step: int, batch_id: Id) -> None:
+        """Step ``step`` (counted from 1 over all runs) consumed batch ``batch_id``; weights are final."""
+        ...
+
+    async def finished(self, step: int) -> None:
+        """The stream ended after step ``step``: save the last state if it is not saved yet."""
+        ...
+
+
 class StreamingTrainer:
     """The :class:`Trainer` of a streaming objective (the backward stage's): one full-batch update.
 
@@ -53,7 +91,8 @@ class StreamingTrainer:
     (``assert_safe_to_step``: afterwards ``p.grad`` holds the batch's gradient), clips the total
     gradient norm to ``max_grad_norm`` (``None``: no clipping; the norm is reported either way),
     steps ``optimizer`` and sets the gradients to ``None``. A generator that shares the model
-    (``TorchGenerator``) sees the new weights at once. The work runs in a worker thread.
+    (``TorchGenerator``) sees the new weights at once. The work runs in a worker thread. An
+    objective that is a :class:`ReportsLogprobMismatch` has its mismatch reported in the result.
     """
 
     def __init__(
@@ -72,13 +111,23 @@ class StreamingTrainer:
     def _step(self) -> StepResult:
         import torch
 
+        start = perf_counter()
         self.objective.assert_safe_to_step()
         params = self.objective.run.params
         limit = math.inf if self.max_grad_norm is None else self.max_grad_norm
         norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+        lr = _learning_rate(self.optimizer)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(grad_norm=norm)
+        objective = self.objective
+        mismatch = objective.take_logprob_mismatch() if isinstance(objective, ReportsLogprobMismatch) else None
+        return StepResult(grad_norm=norm, learn_s=perf_counter() - start, lr=lr, logprob_mismatch=mismatch)
+
+
+def _learning_rate(optimizer: torch.optim.Optimizer) -> float | None:
+    """The first parameter group's learning rate (None: an optimizer without ``param_groups``)."""
+    groups = getattr(optimizer, "param_groups", None)
+    return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
 
 
 class StepStage(Stage):
@@ -94,10 +143,12 @@ class StepStage(Stage):
         *,
         trainer: Trainer | None = None,
         policy: PolicyClock | None = None,
+        checkpointer: Checkpointer | None = None,
     ) -> None:
         super().__init__(config)
         self.trainer = trainer
         self.policy = policy
+        self.checkpointer = checkpointer
         self.version = 0 if policy is None else policy.version
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
@@ -107,9 +158,22 @@ class StepStage(Stage):
             assert isinstance(ready, BatchReady)
             result = StepResult() if self.trainer is None else await self.trainer.step(ready)
             self.version += 1
-            await outbox.send(
-                StepDone(batch_id=ready.batch_id, policy_version=self.version, grad_norm=result.grad_norm)
-            )
+            if self.checkpointer is not None:  # before StepDone: a step seen done has its checkpoint
+                await self.checkpointer.stepped(self.version, ready.batch_id)
+            await outbox.send(_step_done(ready, self.version, result))
             if self.policy is not None:
                 self.policy.publish(self.version)
             await outbox.send(PolicyPublished(policy_version=self.version))
+        if self.checkpointer is not None:
+            await self.checkpointer.finished(self.version)
+
+
+def _step_done(ready: BatchReady, version: int, result: StepResult) -> StepDone:
+    return StepDone(
+        batch_id=ready.batch_id,
+        policy_version=version,
+        grad_norm=result.grad_norm,
+        learn_s=result.learn_s,
+        lr=result.lr,
+        logprob_mismatch=result.logprob_mismatch,
+    )

@@ -1,0 +1,157 @@
+"""Per-step metrics: one record per optimizer step, aggregated from the graph's events (private).
+
+:class:`StepMetrics` watches every event of a run (:func:`watched` adds a stage that reads from
+all the others) and, on each StepDone, returns the step's record, which the metrics file writes
+as an ``"event": "step"`` line::
+
+    {"step": 3, "batch_id": 2, "reward_mean": 0.41, "reward_std": 0.12,
+     "step_s": 1.9, "rollout_s": 1.5, "learn_s": 0.3, "tokens": 1536, "tokens_per_s": 808.4,
+     "grad_norm": 0.8, "lr": 0.001, "tool_calls": 12, "tool_errors": 1, "logprob_mismatch": null}
+
+Definitions (times in seconds, from the watcher's clock):
+
+- ``reward_mean`` / ``reward_std``: mean and population standard deviation of the batch's
+  Rewarded values (``null`` when it has none, as in OPD);
+- ``rollout_s``: from the start of the batch's generation to its last final ActionGenerated.
+  The start is the batch's first GroupOpened (generate began the batch), or its first
+  PromptSubmitted when no GroupOpened is seen: the source submits the next batch's prompts while
+  the current step still runs (up to its channel's capacity), so counting from submission would
+  count the wait for the new policy as rollout;
+- ``learn_s``: the time the step waited for the engine's queued work plus the optimizer step
+  (the trainer measures it: StepDone.learn_s);
+- ``step_s``: since the previous StepDone (the first step: since the watcher started);
+- ``tokens``: action tokens generated for the batch (ActionGenerated); ``tokens_per_s``: tokens
+  over ``step_s``;
+- ``tool_calls``: the batch's ToolObserved; ``tool_errors``: those that timed out or whose
+  process did not exit with status 0 (killed ones included);
+- ``grad_norm``, ``lr``, ``logprob_mismatch``: as the step reported them (StepDone).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any, ClassVar
+
+from thundersync.events import (
+    ActionGenerated,
+    EventBase,
+    GroupOpened,
+    Id,
+    PromptSubmitted,
+    Rewarded,
+    StepDone,
+    ToolObserved,
+)
+from thundersync.pipeline.graph import Graph
+from thundersync.pipeline.stage import Inbox, Outbox, Stage
+
+__all__ = ["WATCHER", "StepMetrics", "watched"]
+
+WATCHER = "step-metrics"
+"""The name of the stage :func:`watched` adds (a graph that has it gets ``step-metrics-2``...)."""
+
+
+@dataclass
+class _Batch:
+    submitted_s: float | None = None
+    started_s: float | None = None
+    last_final_s: float | None = None
+    rewards: list[float] = field(default_factory=list)
+    tokens: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+
+class StepMetrics:
+    """Aggregates a run's events into one record per step; ``clock`` gives seconds (monotonic)."""
+
+    def __init__(self, clock: Callable[[], float] = perf_counter) -> None:
+        self._clock = clock
+        self._last_step_s = clock()
+        self._batch_of_group: dict[Id, Id] = {}
+        self._batches: dict[Id, _Batch] = {}
+
+    def observe(self, event: EventBase) -> dict[str, Any] | None:
+        """Take one event; returns the step record when ``event`` is a StepDone."""
+        now = self._clock()
+        if isinstance(event, (PromptSubmitted, GroupOpened)):
+            self._batch_of_group[event.group_id] = event.batch_id
+            batch = self._batches.setdefault(event.batch_id, _Batch())
+            if isinstance(event, PromptSubmitted) and batch.submitted_s is None:
+                batch.submitted_s = now
+            if isinstance(event, GroupOpened) and batch.started_s is None:
+                batch.started_s = now
+        elif isinstance(event, StepDone):
+            return self._record(event, now)
+        elif isinstance(event, (ActionGenerated, Rewarded, ToolObserved)):
+            self._count(event, self._batch(event.group_id), now)
+        return None
+
+    def _batch(self, group_id: Id) -> _Batch:
+        return self._batches.setdefault(self._batch_of_group.get(group_id, group_id), _Batch())
+
+    @staticmethod
+    def _count(event: ActionGenerated | Rewarded | ToolObserved, batch: _Batch, now: float) -> None:
+        if isinstance(event, ActionGenerated):
+            batch.tokens += len(event.token_ids)
+            if event.final:
+                batch.last_final_s = now
+        elif isinstance(event, Rewarded):
+            batch.rewards.append(event.reward)
+        else:
+            batch.tool_calls += 1
+            batch.tool_errors += event.timed_out or event.exit_status != 0
+
+    def _record(self, done: StepDone, now: float) -> dict[str, Any]:
+        batch = self._batches.pop(done.batch_id, _Batch())
+        self._batch_of_group = {g: b for g, b in self._batch_of_group.items() if b != done.batch_id}
+        step_s, self._last_step_s = now - self._last_step_s, now
+        start = batch.started_s if batch.started_s is not None else batch.submitted_s
+        rollout_s = None if start is None or batch.last_final_s is None else batch.last_final_s - start
+        return {
+            "step": done.policy_version,
+            "batch_id": done.batch_id,
+            "reward_mean": statistics.fmean(batch.rewards) if batch.rewards else None,
+            "reward_std": statistics.pstdev(batch.rewards) if batch.rewards else None,
+            "step_s": step_s,
+            "rollout_s": rollout_s,
+            "learn_s": done.learn_s,
+            "tokens": batch.tokens,
+            "tokens_per_s": batch.tokens / step_s if step_s > 0 else None,
+            "grad_norm": done.grad_norm,
+            "lr": done.lr,
+            "tool_calls": batch.tool_calls,
+            "tool_errors": batch.tool_errors,
+            "logprob_mismatch": done.logprob_mismatch,
+        }
+
+
+class _Watch(Stage):
+    """Reads every event of the stages it is wired to and hands each to ``see``; sends nothing."""
+
+    consumes: ClassVar[tuple[type[EventBase], ...]] = (EventBase,)
+
+    def __init__(self, see: Callable[[EventBase], None]) -> None:
+        super().__init__()
+        self.see = see
+
+    async def run(self, inbox: Inbox, outbox: Outbox) -> None:
+        async for event in inbox:
+            self.see(event)
+
+
+def watched(graph: Graph, see: Callable[[EventBase], None]) -> Graph:
+    """A copy of ``graph`` with the same results, plus a stage that hands every event to ``see``."""
+    outputs = {node.name for node in graph.outputs()}
+    copy = Graph()
+    for node in graph:
+        copy.add(node.name, node.stage, reads=node.reads, capacity=node.capacity, output=node.name in outputs)
+    name, n = WATCHER, 1
+    while name in copy:
+        n += 1
+        name = f"{WATCHER}-{n}"
+    producers = [node.name for node in graph if node.stage.produces]
+    return copy.add(name, _Watch(see), reads=producers)
