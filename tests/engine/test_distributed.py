@@ -254,3 +254,87 @@ def test_a_failed_rank_ends_the_others_with_a_message_naming_it(how: str) -> Non
         assert "rank 1: ValueError: reward function crashed on group" in survivor[2]
     else:
         assert codes[1] == 7 and "no rank reported a cause" in survivor[2]
+
+
+def _opd_batch(step: int, groups: int = 4) -> list[dict[str, Any]]:
+    """Random OPD groups: turns with teacher log-probs for their scored tokens."""
+    rng = random.Random(200 + step)
+    out = []
+    for _ in range(groups):
+        trajectories = []
+        for _ in range(rng.randint(1, 3)):
+            turns = []
+            for k in range(rng.randint(1, 2)):
+                if k:
+                    turns.append(([rng.randrange(VOCAB) for _ in range(rng.randint(1, 3))], None))
+                tokens = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 5))]
+                turns.append((tokens, [rng.uniform(-4.0, -0.1) for _ in tokens]))
+            trajectories.append(turns)
+        out.append({"prompt": [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))], "trajectories": trajectories})
+    return out
+
+
+def _stream_opd_group(opd: Any, index: int, group: dict[str, Any]) -> None:
+    opd.open_group(index, group["prompt"])
+    for t, turns in enumerate(group["trajectories"]):
+        for tokens, teacher in turns:
+            opd.append_turn(index, t, tokens, [teacher is not None] * len(tokens), teacher_logprobs=teacher)
+        opd.close_trajectory(index, t)
+    opd.close_group(index)
+
+
+def _opd_train(normalization: str, data_parallel: Any = None, claims: Any = None) -> tuple[list[Any], list[Any]]:
+    """Two steps through StreamingTrainer; with ``claims``, only the groups this rank claims."""
+    import anyio
+
+    import thundersync
+    from thundersync.events import BatchReady
+
+    model = tiny_qwen3(torch.float64)
+    run = thundersync.StreamingRun(model, data_parallel=data_parallel)
+    opd = thundersync.OPDStream(run, normalization=normalization)
+    trainer = thundersync.StreamingTrainer(opd, torch.optim.AdamW(run.params, lr=1e-2))
+    taken = []
+    for step in range(STEPS):
+        batch = _opd_batch(step)
+        if claims is None:
+            for index, group in enumerate(batch):
+                _stream_opd_group(opd, index, group)
+        else:
+            while (index := claims.claim(step, len(batch))) is not None:
+                _stream_opd_group(opd, index, batch[index])
+                taken.append((step, index))
+                claims.close(step, index, len(batch))
+            claims.wait_sealed(step)
+        anyio.run(trainer.step, BatchReady(batch_id=step, num_groups=len(batch)))
+        if claims is not None:
+            claims.finish(step)
+    return taken, [p.detach().clone() for p in run.params]
+
+
+def _opd_rank(rank: int, world_size: int, port: int, out: Any) -> None:
+    from thundersync.engine.distributed import DataParallel
+
+    store = _connect(rank, world_size, port)
+    torch.set_num_threads(1)
+    results = {}
+    for normalization in ("token_mean", "sum"):
+        claims = GroupClaims(store, rank=rank, world_size=world_size, prefix=f"opd/{normalization}", timeout_s=60)
+        results[normalization] = _opd_train(normalization, DataParallel(store=store, timeout_s=60), claims)
+    out.put((rank, _dumps(results)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_opd_ranks_through_the_trainer_reach_the_single_process_parameters(world_size: int) -> None:
+    """token_mean divides by the batch's global scored-token count, whatever each rank took."""
+    results, codes, _ = _spawn(_opd_rank, world_size)
+    assert codes == [0] * world_size, f"rank exit codes {codes}"
+    by_rank = {rank: torch.load(io.BytesIO(blob)) for rank, blob in results}
+    for normalization in ("token_mean", "sum"):
+        _, want = _opd_train(normalization)
+        claimed = sorted(item for rank in by_rank for item in by_rank[rank][normalization][0])
+        assert claimed == [(s, i) for s in range(STEPS) for i in range(4)]
+        for rank, trained in by_rank.items():
+            error = _relative_error(trained[normalization][1], want)
+            assert error < 1e-10, f"{normalization}, rank {rank}: relative error {error:.3g}"

@@ -15,7 +15,7 @@ the total into ``p.grad`` (one cast per parameter) and ends the batch.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -29,6 +29,9 @@ from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy, unwrap_p
 from thundersync.engine.inputs import build_config
 from thundersync.errors import ConfigError, UnsafeStepError
 
+if TYPE_CHECKING:
+    from thundersync.engine.distributed import DataParallel
+
 __all__ = ["StreamingRun"]
 
 
@@ -39,6 +42,9 @@ class StreamingRun:
     ``source_offload_device``: where the param-sized accumulators live (``"cpu"`` to keep them
     on the host; results are bitwise equal). ``background``: run the work on a worker thread
     (default: on CUDA only). How work is packed is the objective's option (``pack_tokens``).
+    ``data_parallel``: a :class:`~thundersync.engine.distributed.DataParallel` when this run is one
+    rank of several; the objectives then reduce their batch statistics (OPD's N) across ranks and
+    :class:`~thundersync.StreamingTrainer` sums the gradients before it steps.
 
     Between a batch's first ``open_group`` and ``assert_safe_to_step()`` leave ``p.grad`` alone
     (the worker briefly points it at its scratch during each backward), and neither change nor
@@ -52,7 +58,15 @@ class StreamingRun:
         source_offload_device: str | None = None
         background: bool | None = None
 
-    def __init__(self, model: nn.Module, config: Config | None = None, /, **options: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Config | None = None,
+        /,
+        *,
+        data_parallel: DataParallel | None = None,
+        **options: Any,
+    ) -> None:
         device = options.get("source_offload_device")
         if isinstance(device, torch.device):
             options["source_offload_device"] = str(device)
@@ -74,6 +88,7 @@ class StreamingRun:
         positions = getattr(getattr(unwrap_peft(model), "config", None), "max_position_embeddings", None)
         self.max_positions = int(positions) if positions is not None else None
         self.guard = ParameterGuard(model, self.params)
+        self.data_parallel = data_parallel
         self._capture: GradCapture | None = None
         self._total: FlatAccumulator | None = None
         self._owner: object | None = None  # the objective whose logical batch is running
@@ -86,6 +101,11 @@ class StreamingRun:
         if self._capture is None:
             self._capture = GradCapture(self.layout)
         return self._capture
+
+    def global_count(self, local: int) -> int:
+        """``local`` summed over the data-parallel ranks (itself without ``data_parallel``): every
+        rank must call it at the same point of the batch, as for any collective."""
+        return local if self.data_parallel is None else self.data_parallel.all_reduce_counts([local])[0]
 
     def new_accumulator(self) -> FlatAccumulator:
         return FlatAccumulator(self.layout, self.accumulator_device)

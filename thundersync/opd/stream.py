@@ -164,7 +164,8 @@ class OPDStream:
         if problem is not None:
             self._end_batch()
             raise UnsafeStepError(f"not safe to step: {problem}; the batch was dropped")
-        self._sink.finish_batch(normalizer(self.config.normalization, self._scored_tokens))
+        scored = self.run.global_count(self._scored_tokens)  # N of the whole batch, over every rank
+        self._sink.finish_batch(normalizer(self.config.normalization, scored))
         self._scored_tokens = 0
 
     def discard(self) -> None:

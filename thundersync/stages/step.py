@@ -90,9 +90,13 @@ class StreamingTrainer:
     ``step`` waits for the objective's queued work and checks that nothing is pending
     (``assert_safe_to_step``: afterwards ``p.grad`` holds the batch's gradient), clips the total
     gradient norm to ``max_grad_norm`` (``None``: no clipping; the norm is reported either way),
-    steps ``optimizer`` and sets the gradients to ``None``. A generator that shares the model
-    (``TorchGenerator``) sees the new weights at once. The work runs in a worker thread. An
-    objective that is a :class:`ReportsLogprobMismatch` has its mismatch reported in the result.
+    steps ``optimizer`` and sets the gradients to ``None``. When the run is one rank of several
+    (``StreamingRun(..., data_parallel=...)``), the ranks' gradients are summed first, so every
+    replica steps on the full batch's gradient; give ZeRO-1 as ``optimizer``
+    (``torch.distributed.optim.ZeroRedundancyOptimizer``) to shard its state. A generator that
+    shares the model (``TorchGenerator``) sees the new weights at once. The work runs in a worker
+    thread. An objective that is a :class:`ReportsLogprobMismatch` has its mismatch reported in
+    the result.
     """
 
     def __init__(
@@ -114,6 +118,9 @@ class StreamingTrainer:
         start = perf_counter()
         self.objective.assert_safe_to_step()
         params = self.objective.run.params
+        data_parallel = self.objective.run.data_parallel
+        if data_parallel is not None:  # each rank holds its groups' part: sum to the full batch's
+            data_parallel.all_reduce_gradients(params)
         limit = math.inf if self.max_grad_norm is None else self.max_grad_norm
         norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
         lr = _learning_rate(self.optimizer)
