@@ -2,6 +2,7 @@
 # One call on the H200 machine: the engine and generation benchmarks, phase and pack-cost timings,
 # the CUDA examples and every `gpu` test.
 #   device run (carry .whl): bash bench/gpu_check.sh
+#   ONLY="examples gpu_tests generate" bash bench/gpu_check.sh     # a subset, to fit one call's 10 minutes
 # Each step has its own time limit and writes its log under $OUT (or /tmp/gpu_check).
 # The GPU machine lacks msgspec, structlog and pytest-asyncio: fetch their Python 3.12 wheels once
 # (`.whl/` is git-ignored via .git/info/exclude):
@@ -12,8 +13,9 @@ out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-step() {  # step NAME SECONDS COMMAND...
+step() {  # step NAME SECONDS COMMAND...  (ONLY="name name..." runs just those steps)
     local name=$1 limit=$2; shift 2
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
     echo "== $name"
     timeout "$limit" "$@" > "$out/$name.log" 2>&1
     echo "== $name: exit $? after ${SECONDS}s"
@@ -27,5 +29,5 @@ step generate "${GENERATE_LIMIT:-120}" python3 bench/generate.py
 step examples 60 bash -c "python3 examples/streaming_grpo.py && python3 examples/streaming_opd.py"
 # GPU_TESTS narrows the tests (default: every file that has `gpu` tests).
 step gpu_tests "${TESTS_LIMIT:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 \
-    ${GPU_TESTS:-tests/kernels/test_gpu.py tests/grpo tests/opd tests/generation/test_fixed_shape_decode.py}
+    ${GPU_TESTS:-tests/kernels/test_gpu.py tests/grpo tests/opd tests/generation/test_fixed_shape_decode.py tests/app/test_checkpoint.py}
 for f in "$out"/*.log; do echo "---- $f"; tail -n 25 "$f"; done
