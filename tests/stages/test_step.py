@@ -69,6 +69,7 @@ async def test_step_done_carries_what_the_trainer_reports(run_stage: Callable[..
 class _Run:
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self.params = params
+        self.data_parallel = None  # a single-process run
 
 
 class _MismatchObjective:
