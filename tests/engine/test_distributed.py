@@ -315,12 +315,13 @@ def _opd_train(normalization: str, data_parallel: Any = None, claims: Any = None
 def _opd_rank(rank: int, world_size: int, port: int, out: Any) -> None:
     from thundersync.engine.distributed import DataParallel
 
-    store = _connect(rank, world_size, port)
+    _connect(rank, world_size, port)
     torch.set_num_threads(1)
     results = {}
     for normalization in ("token_mean", "sum"):
-        claims = GroupClaims(store, rank=rank, world_size=world_size, prefix=f"opd/{normalization}", timeout_s=60)
-        results[normalization] = _opd_train(normalization, DataParallel(store=store, timeout_s=60), claims)
+        dp = DataParallel(timeout_s=60)  # the default group's store carries the claims
+        claims = GroupClaims(dp.store, rank=rank, world_size=world_size, prefix=f"opd/{normalization}", timeout_s=60)
+        results[normalization] = _opd_train(normalization, dp, claims)
     out.put((rank, _dumps(results)))
     dist.destroy_process_group()
 

@@ -38,7 +38,11 @@ _T = TypeVar("_T")
 
 
 class DataParallel:
-    """Collectives of one data-parallel group (default: the whole world) with timeouts."""
+    """Collectives of one data-parallel group (default: the whole world) with timeouts.
+
+    ``store`` carries failure reports (and :class:`~thundersync.scheduling.GroupClaims`); by
+    default the default process group's own store.
+    """
 
     def __init__(
         self,
@@ -55,7 +59,7 @@ class DataParallel:
             )
         if bucket_bytes < 1 or not timeout_s > 0:
             raise ConfigError(f"bucket_bytes ({bucket_bytes}) and timeout_s ({timeout_s}) must be positive")
-        self.group, self.store = group, store
+        self.group, self.store = group, store if store is not None else _default_store()
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.bucket_bytes, self.timeout = bucket_bytes, datetime.timedelta(seconds=timeout_s)
         backend = dist.get_backend(group)
@@ -133,6 +137,15 @@ class DataParallel:
 
     def _failures(self) -> str:
         return "" if self.store is None else describe_failures(self.store, self.world_size, me=self.rank)
+
+
+def _default_store() -> Any:
+    """The store of the default process group (what ``init_process_group`` rendezvoused through);
+    torch exposes it only privately, so a missing one just leaves failure reports out."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
 
 
 def _grad_or_zeros(p: torch.nn.Parameter) -> torch.Tensor:
