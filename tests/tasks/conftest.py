@@ -1,0 +1,10 @@
+"""Fixtures of the task tests."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
