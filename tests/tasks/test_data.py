@@ -20,7 +20,7 @@ def _jsonl(tmp_path: Path, *lines: str) -> Path:
 
 def test_text_and_id_prompts_keep_their_other_keys_as_fields(tmp_path: Path) -> None:
     path = _jsonl(tmp_path, '{"prompt": "2+3?", "answer": "5"}', "", '{"prompt_ids": [7, 8], "answer": "12", "n": [1]}')
-    assert JsonlTasks(path).tasks() == [
+    assert JsonlTasks(str(path)).tasks() == [
         Task(prompt_ids=list(b"2+3?"), fields={"answer": "5"}),
         Task(prompt_ids=[7, 8], fields={"answer": "12", "n": [1]}),
     ]
@@ -46,14 +46,14 @@ def test_text_and_id_prompts_keep_their_other_keys_as_fields(tmp_path: Path) -> 
 )
 def test_a_bad_line_names_the_file_the_line_and_the_problem(tmp_path: Path, line: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        JsonlTasks(_jsonl(tmp_path, '{"prompt": "ok"}', line))
+        JsonlTasks(str(_jsonl(tmp_path, '{"prompt": "ok"}', line)))
 
 
 def test_a_missing_or_empty_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"cannot read the task file .*nope\.jsonl: No such file or directory"):
-        JsonlTasks(tmp_path / "nope.jsonl")
+        JsonlTasks(str(tmp_path / "nope.jsonl"))
     with pytest.raises(ConfigError, match=r"tasks\.jsonl: no tasks \(the file has no non-blank line\)"):
-        JsonlTasks(_jsonl(tmp_path, "", "  "))
+        JsonlTasks(str(_jsonl(tmp_path, "", "  ")))
 
 
 def test_arithmetic_tasks_are_seeded_and_carry_the_right_answer() -> None:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from thundersync.pipeline.policy import PolicyClock
+from thundersync.tasks import AnswerReward, ArithmeticTasks, FunctionReward, JsonlTasks
 from thundersync.testing import (
     FakeScorer,
     FakeTeacher,
@@ -38,6 +39,10 @@ FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
     "policy-clock": PolicyClock,
     "qwen3-tool-calls": Qwen3ToolCallParser,
     "sandbox-tools": sandbox_tools,
+    "jsonl-tasks": JsonlTasks,
+    "arithmetic-tasks": ArithmeticTasks,
+    "function-reward": FunctionReward,
+    "answer-reward": AnswerReward,
 }
 """Factories of real runtime objects, by the ``factory`` name a pipeline file gives them."""
 

@@ -53,7 +53,7 @@ class JsonlTasks:
     (default: :class:`~thundersync.tools.base.ByteTokenizer`, the byte-level tokenizer of the
     shipped tasks; give a model's own tokenizer when training a real model)."""
 
-    def __init__(self, path: str | Path, *, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, path: str, *, tokenizer: Tokenizer | None = None) -> None:
         self.path = Path(path)
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self._tasks = self._read()
