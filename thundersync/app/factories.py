@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from thundersync.pipeline.policy import PolicyClock
-from thundersync.tasks import AnswerReward, ArithmeticTasks, FunctionReward, JsonlTasks
+from thundersync.tasks import AnswerReward, ArithmeticTasks, FunctionReward, JsonlTasks, sandbox_check_reward
 from thundersync.testing import (
     FakeScorer,
     FakeTeacher,
@@ -43,6 +43,7 @@ FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
     "arithmetic-tasks": ArithmeticTasks,
     "function-reward": FunctionReward,
     "answer-reward": AnswerReward,
+    "sandbox-check-reward": sandbox_check_reward,
 }
 """Factories of real runtime objects, by the ``factory`` name a pipeline file gives them."""
 

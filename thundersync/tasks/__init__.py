@@ -16,14 +16,17 @@ from __future__ import annotations
 from thundersync.tasks.arithmetic import ArithmeticTasks
 from thundersync.tasks.data import JsonlTasks, Task, TaskSource
 from thundersync.tasks.rewards import AnswerReward, FunctionReward, load_function, parse_answer
+from thundersync.tasks.sandbox_reward import SandboxCheckReward, sandbox_check_reward
 
 __all__ = [
     "AnswerReward",
     "ArithmeticTasks",
     "FunctionReward",
     "JsonlTasks",
+    "SandboxCheckReward",
     "Task",
     "TaskSource",
     "load_function",
     "parse_answer",
+    "sandbox_check_reward",
 ]
