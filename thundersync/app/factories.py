@@ -23,6 +23,7 @@ from typing import Any, Final
 
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.tasks import AnswerReward, ArithmeticTasks, FunctionReward, JsonlTasks, sandbox_check_reward
+from thundersync.tasks.model_teacher import transformers_teacher
 from thundersync.testing import (
     FakeScorer,
     FakeTeacher,
@@ -44,6 +45,7 @@ FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
     "function-reward": FunctionReward,
     "answer-reward": AnswerReward,
     "sandbox-check-reward": sandbox_check_reward,
+    "transformers-teacher": transformers_teacher,
 }
 """Factories of real runtime objects, by the ``factory`` name a pipeline file gives them."""
 

@@ -7,6 +7,8 @@
 - teachers: :class:`TransformersTeacher` (a causal LM in process), :class:`OpenAITeacher`
   (a vLLM / OpenAI-compatible server's prompt log-probs).
 
+:mod:`.model_teacher` and :mod:`.openai_teacher` are imported by name (they need torch / httpx).
+
 This package sits between the pipeline runtime and the generation layer: it may use generation,
 tools and sandboxes, and the stages use it.
 """
