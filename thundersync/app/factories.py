@@ -24,6 +24,7 @@ from typing import Any, Final
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.tasks import AnswerReward, ArithmeticTasks, FunctionReward, JsonlTasks, sandbox_check_reward
 from thundersync.tasks.model_teacher import transformers_teacher
+from thundersync.tasks.openai_teacher import openai_teacher
 from thundersync.testing import (
     FakeScorer,
     FakeTeacher,
@@ -46,6 +47,7 @@ FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
     "answer-reward": AnswerReward,
     "sandbox-check-reward": sandbox_check_reward,
     "transformers-teacher": transformers_teacher,
+    "openai-teacher": openai_teacher,
 }
 """Factories of real runtime objects, by the ``factory`` name a pipeline file gives them."""
 
