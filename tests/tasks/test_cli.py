@@ -89,3 +89,21 @@ def test_a_failing_reward_function_is_the_one_error_line(
     )
     assert "ValueError: no <answer> tag in the completion (expected " in err
     assert "ExceptionGroup" not in err and "sub-exception" not in err
+
+
+def test_check_names_a_bad_task_file_line_and_accepts_a_good_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "tasks.jsonl"
+    data.write_text('{"prompt": "2+2?", "answer": "4"}\n{"promt": "3+3?"}\n')
+    path = tmp_path / "tasks.toml"
+    text = FILE.format(scorer='factory = "answer-reward"')
+    path.write_text(
+        text.replace('factory = "arithmetic-tasks"\ncount = 6\nseed = 2', f'factory = "jsonl-tasks"\npath = "{data}"')
+    )
+    assert main(["check", str(path)]) == 2
+    assert (
+        f"objects.tasks: jsonl-tasks failed: {data}:2: a task needs exactly one of 'prompt'" in capsys.readouterr().err
+    )
+    data.write_text('{"prompt": "2+2?", "answer": "4"}\n{"prompt_ids": [1, 2], "answer": "3"}\n')
+    assert main(["run", str(path)]) == 0
