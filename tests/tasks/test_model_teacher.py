@@ -73,3 +73,14 @@ async def test_the_factory_loads_a_saved_model_lazily(tmp_path: Path) -> None:
     assert got == pytest.approx(_direct(model, [1, 2], [3, 4]), abs=1e-6)
     with pytest.raises(ConfigError, match=r"the teacher path '.*nothing' is not a model directory \(no config\.json\)"):
         transformers_teacher(path=str(tmp_path / "nothing"))
+
+
+@pytest.mark.gpu
+async def test_a_teacher_moved_to_its_own_device_scores_there() -> None:
+    model = tiny_qwen3(torch.float32)
+    reference = [_direct(model, context, tokens) for context, tokens in REQUESTS]  # on the CPU
+    teacher = TransformersTeacher(model, device="cuda")
+    results = await _score_all(teacher)
+    assert next(model.parameters()).device.type == "cuda"
+    for got, want in zip(results, reference):
+        assert got == pytest.approx(want, abs=1e-5)  # CUDA kernels differ from the CPU's in fp32 rounding
