@@ -48,6 +48,13 @@ def _strategy(info: mi.Type) -> st.SearchStrategy[object]:
         return st.lists(_strategy(info.item_type), max_size=8)
     if isinstance(info, mi.UnionType):
         return st.one_of([_strategy(t) for t in info.types])
+    if isinstance(info, mi.DictType):
+        return st.dictionaries(_strategy(info.key_type), _strategy(info.value_type), max_size=4)
+    if isinstance(info, mi.AnyType):  # a JSON value (task fields)
+        scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | finite | st.text(max_size=8)
+        return st.recursive(
+            scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+        )
     raise NotImplementedError(f"no strategy for {info}")
 
 

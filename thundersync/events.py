@@ -56,6 +56,7 @@ __all__ = [
     "PromptSubmitted",
     "Rewarded",
     "StepDone",
+    "TaskFields",
     "TeacherScored",
     "ToolObserved",
     "TrajectoryClosed",
@@ -72,6 +73,9 @@ TokenIds: TypeAlias = list[TokenId]
 
 Id: TypeAlias = _Int64 | str
 """Group, trajectory and batch ids: an int (int64 range) or a str (JSON keeps both apart)."""
+
+TaskFields: TypeAlias = dict[str, Any]
+"""A task's own fields beside its prompt (``{"answer": "42"}``), JSON values; the reward reads them."""
 
 
 class EventBase(
@@ -107,6 +111,7 @@ class PromptSubmitted(EventBase, frozen=True):
     num_trajectories: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)] = 1
     batch_id: Id = 0
     groups_in_batch: NonNegInt = 0  # groups of the batch in all; 0: unknown until the stream ends
+    task: TaskFields = {}  # the task's own fields (an expected answer, a check command); copied to GroupOpened
 
 
 class GroupOpened(EventBase, frozen=True):
@@ -123,6 +128,7 @@ class GroupOpened(EventBase, frozen=True):
     batch_id: Id = 0
     policy_version: NonNegInt = 0
     groups_in_batch: NonNegInt = 0  # copied from PromptSubmitted: lets close seal the batch
+    task: TaskFields = {}  # copied from PromptSubmitted: reward reads it (expected answer, checks)
 
 
 class ActionGenerated(EventBase, frozen=True):

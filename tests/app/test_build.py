@@ -60,8 +60,8 @@ def test_stage_capacity_overrides_the_run_default() -> None:
         (
             '[objects.scorer]\nfactory = "test-fake-teacher"\n[stages.r]\ntype = "reward"\nreads = ["source"]\n',
             DefinitionError,
-            r"^stages\.r: runtime object 'scorer' is a FakeTeacher, but a 'reward' stage needs a "
-            r"Scorer for 'scorer'$",
+            r"^stages\.r: the reward stage's scorer is a FakeTeacher, which has neither score\(prompt_ids, "
+            r"completion_ids\) nor score_task\(prompt_ids, completion_ids, task\)$",
         ),
         (
             '[stages.r]\ntype = "reward"\nreads = ["source"]\nobjects = {scorer = "s2"}\n',

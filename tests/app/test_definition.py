@@ -40,8 +40,7 @@ def test_the_example_file_starts_with_the_command_that_runs_it() -> None:
             '[stages.src]\ntype = "source"\nprompts = [[1], [-2]]\n',
             r"^stages\.src\.prompts\[1\]\[0\]: Expected `int` >= 0$",
         ),
-        ('[stages.src]\ntype = "source"\n', r"^stages\.src\.prompts: missing required field$"),
-        ('[stages.src]\ntype = "source"\nprompts = []\n', r"^stages\.src: prompts must be a non-empty list"),
+        ('[stages.src]\ntype = "source"\nprompts = [[1], []]\n', r"^stages\.src: prompts must be non-empty token id"),
         ('[stages.g]\ntype = "generate"\nturns = 0\n', r"^stages\.g\.turns: Expected `int` >= 1$"),
         ('[stages.g]\ntype = "generate"\ncapacity = 0\n', r"^stages\.g\.capacity: Expected `int` >= 1$"),
         (

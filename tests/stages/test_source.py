@@ -10,8 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thundersync.errors import ConfigError
-from thundersync.events import PromptSubmitted
+from thundersync.events import GroupOpened, PromptSubmitted
+from thundersync.stages.generate import GenerateStage
 from thundersync.stages.source import SourceStage
+from thundersync.testing import ScriptedGenerator
 
 
 @settings(max_examples=60, deadline=None)
@@ -57,7 +59,13 @@ def test_a_resumed_source_skips_consumed_batches_and_keeps_the_ids() -> None:
 
 
 def test_empty_prompts_are_rejected() -> None:
-    with pytest.raises(
-        ConfigError, match=r"prompts must be a non-empty list of non-empty token id lists, got \[\[1\], \[\]\]"
-    ):
+    with pytest.raises(ConfigError, match=r"prompts must be non-empty token id lists, got \[\[1\], \[\]\]"):
         SourceStage.Config(prompts=[[1], []])
+
+
+@pytest.mark.anyio
+async def test_generate_copies_the_task_fields_onto_group_opened(run_stage: Callable[..., Any]) -> None:
+    prompt = PromptSubmitted(group_id=0, prompt_tokens=[1, 2], task={"answer": "3"})
+    out = await run_stage(GenerateStage(GenerateStage.Config(), generator=ScriptedGenerator()), [prompt])
+    opened = [e for e in out if isinstance(e, GroupOpened)]
+    assert [e.task for e in opened] == [{"answer": "3"}]

@@ -22,6 +22,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from thundersync.pipeline.policy import PolicyClock
+from thundersync.tasks import AnswerReward, ArithmeticTasks, FunctionReward, JsonlTasks, sandbox_check_reward
+from thundersync.tasks.model_teacher import transformers_teacher
+from thundersync.tasks.openai_teacher import openai_teacher
 from thundersync.testing import (
     FakeScorer,
     FakeTeacher,
@@ -38,6 +41,13 @@ FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
     "policy-clock": PolicyClock,
     "qwen3-tool-calls": Qwen3ToolCallParser,
     "sandbox-tools": sandbox_tools,
+    "jsonl-tasks": JsonlTasks,
+    "arithmetic-tasks": ArithmeticTasks,
+    "function-reward": FunctionReward,
+    "answer-reward": AnswerReward,
+    "sandbox-check-reward": sandbox_check_reward,
+    "transformers-teacher": transformers_teacher,
+    "openai-teacher": openai_teacher,
 }
 """Factories of real runtime objects, by the ``factory`` name a pipeline file gives them."""
 

@@ -8,7 +8,8 @@ per trajectory and frees it when the trajectory's final action has been handled.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, NamedTuple
 
 import msgspec
 
@@ -17,7 +18,15 @@ from thundersync.events import ActionGenerated, EventBase, GroupOpened, Id, Tool
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
 from thundersync.stages._tasks import Slots, task_group
 
-__all__ = ["ContextStage", "Contexts"]
+__all__ = ["Context", "ContextStage", "Contexts"]
+
+
+class Context(NamedTuple):
+    """What came before an action: the prompt, the trajectory's tokens after it, the task's fields."""
+
+    prompt: list[int]
+    before: list[int]
+    task: Mapping[str, Any]
 
 
 class Contexts:
@@ -26,10 +35,12 @@ class Contexts:
     def __init__(self, stage: str) -> None:
         self._stage = stage
         self._prompts: dict[Id, tuple[list[int], int]] = {}  # group -> (prompt, trajectories left)
+        self._tasks: dict[Id, Mapping[str, Any]] = {}  # group -> the task's fields (GroupOpened.task)
         self._tokens: dict[tuple[Id, Id], list[int]] = {}  # (group, trajectory) -> after prompt
 
     def open(self, event: GroupOpened) -> None:
         self._prompts[event.group_id] = (list(event.prompt_tokens), len(event.trajectory_ids))
+        self._tasks[event.group_id] = event.task
 
     def prompt(self, group_id: Id) -> list[int]:
         if group_id not in self._prompts:
@@ -38,6 +49,11 @@ class Contexts:
                 "GroupOpened; make it read from the stage that opens groups"
             )
         return self._prompts[group_id][0]
+
+    def task(self, group_id: Id) -> Mapping[str, Any]:
+        """The fields of the group's task (empty when its prompt came without any)."""
+        self.prompt(group_id)
+        return self._tasks[group_id]
 
     def completion(self, group_id: Id, trajectory_id: Id) -> list[int]:
         """The tokens of a trajectory after its prompt (actions and observations so far)."""
@@ -52,7 +68,7 @@ class Contexts:
         self._tokens.pop((group_id, trajectory_id), None)
         prompt, left = self._prompts[group_id]
         if left <= 1:
-            del self._prompts[group_id]
+            del self._prompts[group_id], self._tasks[group_id]
         else:
             self._prompts[group_id] = (prompt, left - 1)
 
@@ -88,14 +104,12 @@ class ContextStage(Stage):
                 if isinstance(event, ActionGenerated):
                     prompt = contexts.prompt(event.group_id)
                     before = list(contexts.completion(event.group_id, event.trajectory_id))
-                    await self.on_action(event, prompt, before, slots, outbox)
+                    task = contexts.task(event.group_id)
+                    await self.on_action(event, Context(prompt, before, task), slots, outbox)
                 contexts.append(event)
                 if isinstance(event, ActionGenerated) and event.final:
                     contexts.finish(event.group_id, event.trajectory_id)
 
-    async def on_action(
-        self, action: ActionGenerated, prompt: list[int], before: list[int], slots: Slots, outbox: Outbox
-    ) -> None:
-        """Start the work for ``action`` (``before``: the trajectory's tokens after the prompt,
-        up to the action) with ``await slots.start(action, fn, *args)``."""
+    async def on_action(self, action: ActionGenerated, context: Context, slots: Slots, outbox: Outbox) -> None:
+        """Start the work for ``action`` in its ``context`` with ``await slots.start(action, fn, *args)``."""
         raise NotImplementedError

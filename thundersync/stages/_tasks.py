@@ -1,9 +1,12 @@
 """`task_group()` and `Slots`: the tasks a stage runs concurrently, bounded and blamed on their event.
 
 A stage that runs work concurrently (one task per trajectory or per scoring call) owns a task
-group inside ``run``. anyio wraps a child's exception in an ``ExceptionGroup``; the runner would
-then report "unhandled errors in a TaskGroup" instead of the error itself. ``task_group`` raises
-the single underlying exception (with its traceback) so ``StageFailed`` names what actually failed.
+group inside ``run``. anyio wraps its children's exceptions in an ``ExceptionGroup``; the runner
+would then report "unhandled errors in a TaskGroup (2 sub-exceptions)" instead of the error itself.
+``task_group`` raises the first *cause* (with its traceback) so ``StageFailed`` names what actually
+failed: the first exception in the group that was not raised while a task was being cancelled
+(an exception whose context chain holds the cancellation is a consequence, not a cause). The
+other exceptions stay readable as notes on the one raised (``--verbose`` prints them).
 
 ``Slots`` starts those tasks at most ``n`` at a time: ``start`` waits for a free slot, so a stage
 whose work is slow stops reading its inbox and the bounded channels push back on its producers
@@ -28,16 +31,41 @@ __all__ = ["Slots", "task_group"]
 
 @asynccontextmanager
 async def task_group() -> AsyncIterator[TaskGroup]:
+    """An anyio task group that raises the first cause of a failure instead of an ExceptionGroup."""
     try:
         async with anyio.create_task_group() as group:
             yield group
     except BaseExceptionGroup as failure:
-        inner: BaseException = failure
-        while isinstance(inner, BaseExceptionGroup) and len(inner.exceptions) == 1:
-            inner = inner.exceptions[0]
-        if inner is failure or not isinstance(inner, Exception):
-            raise
-        raise inner from None
+        errors = [error for error in _leaves(failure) if isinstance(error, Exception)]
+        if not errors:
+            raise  # only cancellations: not a failure of this stage
+        causes = [error for error in errors if not _during_cancellation(error)]
+        cause = (causes or errors)[0]
+        for other in errors:
+            if other is not cause:
+                cause.add_note(f"also raised in the same stage: {type(other).__name__}: {other}")
+        raise cause from None
+
+
+def _leaves(failure: BaseException) -> list[BaseException]:
+    """The exceptions of a (nested) exception group, in order."""
+    if isinstance(failure, BaseExceptionGroup):
+        return [leaf for inner in failure.exceptions for leaf in _leaves(inner)]
+    return [failure]
+
+
+def _during_cancellation(error: BaseException) -> bool:
+    """Whether ``error`` was raised while a cancellation was propagating (a consequence of
+    another task's failure, e.g. a closed channel or a killed subprocess)."""
+    cancelled = anyio.get_cancelled_exc_class()
+    seen: set[int] = set()
+    context = error.__context__
+    while context is not None and id(context) not in seen:
+        if isinstance(context, cancelled):
+            return True
+        seen.add(id(context))
+        context = context.__context__
+    return False
 
 
 class Slots:

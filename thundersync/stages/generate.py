@@ -171,6 +171,7 @@ class GenerateStage(Stage):
                 batch_id=prompt.batch_id,
                 policy_version=self._version(),
                 groups_in_batch=prompt.groups_in_batch,
+                task=prompt.task,
             )
         )
         for trajectory_id in ids:

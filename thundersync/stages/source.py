@@ -1,15 +1,20 @@
-"""``type = "source"``: emits one PromptSubmitted per configured prompt, in logical batches.
+"""``type = "source"``: emits one PromptSubmitted per task, in logical batches.
 
 Consumes: nothing (a source). Produces: PromptSubmitted. Waits for: nothing but backpressure
 from generate. Unblocked by: generate taking prompts from its inbox.
 
+The tasks are the file's ``prompts`` (token ids, no fields) or a ``tasks`` runtime object, any
+:class:`~thundersync.tasks.TaskSource` (a JSONL file, the built-in arithmetic tasks), whose fields
+travel on ``PromptSubmitted.task`` to the reward.
+
 Its data position is the set of batches already consumed (stepped on): a checkpoint records
 them and :meth:`SourceStage.skip_batches` makes a resumed source continue after them, with the
-same group and batch ids as an uninterrupted run.
+same group and batch ids as an uninterrupted run (shuffling is seeded, so the order repeats).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 from typing import Annotated, ClassVar
 
@@ -18,6 +23,7 @@ import msgspec
 from thundersync.errors import ConfigError
 from thundersync.events import EventBase, Id, PromptSubmitted
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
+from thundersync.tasks.data import Task, TaskSource
 
 __all__ = ["SourceStage"]
 
@@ -25,31 +31,42 @@ _TokenIds = list[Annotated[int, msgspec.Meta(ge=0)]]
 
 
 class SourceStage(Stage):
-    """Submit ``prompts`` (token ids), ``repeat`` times, ``groups_per_batch`` groups per batch.
+    """Submit the tasks ``repeat`` times (epochs), ``groups_per_batch`` groups per batch.
 
-    Group ids count up from 0 over all repeats; batch ``b`` holds groups
-    ``b * groups_per_batch ... (b + 1) * groups_per_batch - 1`` (the last batch may be smaller;
-    ``groups_per_batch = 0`` puts every group in batch 0). Each prompt says how many groups its
-    batch has, so close can seal a batch without waiting for the end of the stream.
+    Each epoch is the task list, shuffled when ``shuffle_seed`` is set (a new order per epoch,
+    the same orders on every run with that seed). Group ids count up from 0 over all epochs;
+    batch ``b`` holds groups ``b * groups_per_batch ... (b + 1) * groups_per_batch - 1`` (the
+    last batch may be smaller; ``groups_per_batch = 0`` puts every group in batch 0). Each prompt
+    says how many groups its batch has, so close can seal a batch without waiting for the end of
+    the stream.
     """
 
     consumes: ClassVar[tuple[type[EventBase], ...]] = ()
     produces: ClassVar[tuple[type[EventBase], ...]] = (PromptSubmitted,)
 
     class Config(Stage.Config, frozen=True):
-        prompts: list[_TokenIds]
+        prompts: list[_TokenIds] = msgspec.field(default_factory=list)
         samples: Annotated[int, msgspec.Meta(ge=1)] = 1
         groups_per_batch: Annotated[int, msgspec.Meta(ge=0)] = 0
-        repeat: Annotated[int, msgspec.Meta(ge=1)] = 1
+        repeat: Annotated[int, msgspec.Meta(ge=1)] = 1  # epochs
+        shuffle_seed: int | None = None
 
         def __post_init__(self) -> None:
-            if not self.prompts or any(not prompt for prompt in self.prompts):
-                raise ConfigError(f"prompts must be a non-empty list of non-empty token id lists, got {self.prompts!r}")
+            if any(not prompt for prompt in self.prompts):
+                raise ConfigError(f"prompts must be non-empty token id lists, got {self.prompts!r}")
 
     config: Config
 
-    def __init__(self, config: Config, /) -> None:
+    def __init__(self, config: Config, /, *, tasks: TaskSource | None = None) -> None:
         super().__init__(config)
+        if bool(config.prompts) == (tasks is not None):
+            raise ConfigError(
+                "a source needs exactly one of prompts (token id lists in the file) and a tasks object "
+                f"(a JSONL file, the arithmetic tasks); got {'both' if tasks is not None else 'neither'}"
+            )
+        self._tasks = tasks.tasks() if tasks is not None else [Task(prompt_ids=list(p)) for p in config.prompts]
+        if not self._tasks:
+            raise ConfigError("the source's tasks object listed no task; give it at least one")
         self.skipped: frozenset[Id] = frozenset()
 
     def skip_batches(self, batch_ids: Iterable[Id]) -> None:
@@ -59,27 +76,38 @@ class SourceStage(Stage):
     @property
     def num_batches(self) -> int:
         """How many batches this source emits in all, skipped ones included."""
-        groups = len(self.config.prompts) * self.config.repeat
+        groups = len(self._tasks) * self.config.repeat
         per_batch = self.config.groups_per_batch or groups
         return -(-groups // per_batch)
 
+    def _ordered(self) -> list[Task]:
+        """Every epoch's tasks in submission order."""
+        shuffler = None if self.config.shuffle_seed is None else random.Random(self.config.shuffle_seed)
+        out: list[Task] = []
+        for _ in range(self.config.repeat):
+            epoch = list(self._tasks)
+            if shuffler is not None:
+                shuffler.shuffle(epoch)
+            out += epoch
+        return out
+
     def submissions(self) -> list[PromptSubmitted]:
         """Every prompt this source emits, in order (none of the skipped batches)."""
-        prompts = self.config.prompts * self.config.repeat
-        per_batch = self.config.groups_per_batch or len(prompts)
+        tasks = self._ordered()
+        per_batch = self.config.groups_per_batch or len(tasks)
         out = []
-        for index, prompt in enumerate(prompts):
+        for index, task in enumerate(tasks):
             batch = index // per_batch
             if batch in self.skipped:
                 continue
-            size = min(per_batch, len(prompts) - batch * per_batch)
             out.append(
                 PromptSubmitted(
                     group_id=index,
-                    prompt_tokens=list(prompt),
+                    prompt_tokens=list(task.prompt_ids),
                     num_trajectories=self.config.samples,
                     batch_id=batch,
-                    groups_in_batch=size,
+                    groups_in_batch=min(per_batch, len(tasks) - batch * per_batch),
+                    task=dict(task.fields),
                 )
             )
         return out

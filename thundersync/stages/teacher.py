@@ -15,7 +15,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 from thundersync.errors import PipelineError
 from thundersync.events import ActionGenerated, EventBase, TeacherScored
 from thundersync.pipeline.stage import Outbox
-from thundersync.stages._context import ContextStage
+from thundersync.stages._context import Context, ContextStage
 from thundersync.stages._tasks import Slots
 
 __all__ = ["Teacher", "TeacherStage"]
@@ -40,10 +40,8 @@ class TeacherStage(ContextStage):
         super().__init__(config)
         self.teacher = teacher
 
-    async def on_action(
-        self, action: ActionGenerated, prompt: list[int], before: list[int], slots: Slots, outbox: Outbox
-    ) -> None:
-        await slots.start(action, self._score, action, prompt + before, outbox)
+    async def on_action(self, action: ActionGenerated, context: Context, slots: Slots, outbox: Outbox) -> None:
+        await slots.start(action, self._score, action, context.prompt + context.before, outbox)
 
     async def _score(self, action: ActionGenerated, context: list[int], outbox: Outbox) -> None:
         logprobs = await self.teacher.logprobs(context, list(action.token_ids))
