@@ -172,9 +172,26 @@ def object_union() -> Any:
 
 def runtime_params(stage: type[Stage]) -> dict[str, tuple[Any, bool]]:
     """The runtime objects a stage class takes: kwarg name -> (annotation, required)."""
-    hints = typing.get_type_hints(stage.__init__, localns=dict(vars(stage)))
+    hints = _resolved_hints(stage.__init__, dict(vars(stage)))
     params = inspect.signature(stage.__init__).parameters.values()
     return {p.name: (hints.get(p.name, Any), p.default is p.empty) for p in params if p.kind is p.KEYWORD_ONLY}
+
+
+def _resolved_hints(function: Callable[..., Any], localns: dict[str, Any]) -> dict[str, Any]:
+    """The annotations of ``function``; one that names a type imported only for type checkers
+    (``if TYPE_CHECKING:``, to keep torch out of an import) reads as ``Any``."""
+    try:
+        return typing.get_type_hints(function, localns=localns)
+    except NameError:
+        pass
+    globalns = getattr(function, "__globals__", {})
+    hints: dict[str, Any] = {}
+    for name, annotation in function.__annotations__.items():
+        try:
+            hints[name] = eval(annotation, globalns, localns) if isinstance(annotation, str) else annotation
+        except NameError:
+            hints[name] = Any
+    return hints
 
 
 # --- errors ------------------------------------------------------------------------------------

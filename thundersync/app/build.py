@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from thundersync.app._schema import convert, factory_params, object_union, reference_params, runtime_params
+from thundersync.app.checkpoint import Checkpointer
 from thundersync.app.definition import ObjectSpec, PipelineSpec, StageSpec
 from thundersync.app.factories import ALL_FACTORIES
 from thundersync.app.object_graph import build_order, runtime_class
@@ -24,6 +25,7 @@ from thundersync.pipeline.graph import INPUT, Graph
 from thundersync.pipeline.stage import Stage
 from thundersync.stages import REGISTRY
 from thundersync.stages.generate import GenerateStage
+from thundersync.stages.source import SourceStage
 from thundersync.stages.step import StepStage
 
 __all__ = ["assemble_graph", "build_graph", "build_objects"]
@@ -74,7 +76,17 @@ def _is_instance(obj: Any, cls: type) -> bool:
 def build_graph(spec: PipelineSpec, /, **objects: Any) -> Graph:
     """Build and validate the :class:`Graph` of ``spec``; ``objects`` override ``[objects]`` by name."""
     built = build_objects(spec, **objects)
-    return assemble_graph(spec, {name: _make_stage(name, node, built) for name, node in spec.stages.items()})
+    graph = assemble_graph(spec, {name: _make_stage(name, node, built) for name, node in spec.stages.items()})
+    _attach_source(graph, built)
+    return graph
+
+
+def _attach_source(graph: Graph, objects: Mapping[str, Any]) -> None:
+    """Give checkpointers without a source the graph's only source stage (their data position)."""
+    sources = [node.stage for node in graph if isinstance(node.stage, SourceStage)]
+    for obj in objects.values():
+        if isinstance(obj, Checkpointer) and obj.source is None and len(sources) == 1:
+            obj.source = sources[0]
 
 
 def assemble_graph(spec: PipelineSpec, stages: Mapping[str, Stage]) -> Graph:

@@ -104,7 +104,7 @@ def runtime_class(hint: Any) -> type | None:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         options = [arg for arg in typing.get_args(hint) if arg is not type(None)]
         hint = options[0] if len(options) == 1 else None
-    if not isinstance(hint, type):
+    if not isinstance(hint, type) or hint is Any:  # Any is a class since Python 3.11
         return None
     if getattr(hint, "_is_protocol", False) and not getattr(hint, "_is_runtime_protocol", False):
         return None
