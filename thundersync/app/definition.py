@@ -214,13 +214,12 @@ def _object(name: str, table: Any) -> ObjectSpec:
     prefix = f"objects.{name}"
     table = _table(prefix, table)
     factory = _tag(table, "factory", prefix, list(ALL_FACTORIES))
-    known = factory in ALL_FACTORIES
     refs = {key: _reference(f"{prefix}.{key}", value) for key, value in table.items() if _is_reference(value)}
     values = {key: value for key, value in table.items() if key not in refs}
     fields = ["factory", *factory_params(factory), *reference_params(factory)] if factory in ALL_FACTORIES else None
     node = convert(values, object_union(), prefix, kind="factory", known=list(ALL_FACTORIES), fields=fields)
-    assert factory is not None and known  # the tagged union accepted the factory
-    _check_references(prefix, factory, refs, fields or [])
+    assert factory is not None and fields is not None  # the tagged union accepted the factory
+    _check_references(prefix, factory, refs, fields)
     args = {k: getattr(node, k) if k in node.__struct_fields__ else v for k, v in values.items() if k != "factory"}
     return ObjectSpec(factory, args, refs)
 
