@@ -127,8 +127,12 @@ def test_set_overrides_fields_of_any_table() -> None:
             "objects.model.device=cpu",  # not a TOML value: a plain string
             "stages.source.samples=8",
             "objects.optimizer.lr=1e-2",
+            "objects.model.config.hidden_size=64",  # inside an inline table
+            'objects.model.lora={ r = 4, target_modules = ["q_proj"] }',  # a field the file leaves unset
         ],
     )
+    assert spec.objects["model"].args["config"]["hidden_size"] == 64
+    assert spec.objects["model"].args["lora"] == {"r": 4, "target_modules": ["q_proj"]}
     assert spec.run.timeout_s == 60
     assert spec.objects["model"].args["dtype"] == "float64" and spec.objects["model"].args["device"] == "cpu"
     assert spec.stages["source"].config.samples == 8  # type: ignore[union-attr]  # a SourceStage.Config

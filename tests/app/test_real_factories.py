@@ -15,6 +15,7 @@ from thundersync.app.build import build_objects
 from thundersync.app.definition import loads
 from thundersync.errors import ConfigError
 from thundersync.generation.torch_generator import TorchGenerator
+from thundersync.generation.vllm_generator import VLLMGenerator
 from thundersync.grpo import RewardLinearBackward
 from thundersync.opd import OPDStream
 from thundersync.tools.base import ByteTokenizer
@@ -160,3 +161,22 @@ def test_sandbox_tools_take_a_tokenizer_reference() -> None:
     )
     built = build_objects(spec)
     assert built["tools"].tokenizer is built["tok"] and built["parser"].tokenizer is built["tok"]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning")
+def test_vllm_generator_from_a_file_passes_engine_fields_to_vllm(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    models.model(config={**SHAPES, "max_position_embeddings": 256}).save_pretrained(tmp_path / "m")
+    spec = loads(
+        f'[objects.generator]\nfactory = "vllm-generator"\nmodel = "{tmp_path / "m"}"\ndtype = "float32"\n'
+        "max_model_len = 128\nkv_cache_memory_bytes = 67108864\nskip_tokenizer_init = true\n"
+        '[stages.source]\ntype = "source"\nprompts = [[1]]\n'
+    )
+    generator = build_objects(spec)["generator"]
+    try:
+        assert isinstance(generator, VLLMGenerator)
+        assert generator.llm.llm_engine.model_config.max_model_len == 128  # an engine field, passed on
+    finally:
+        generator.close()
