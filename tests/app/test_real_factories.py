@@ -86,6 +86,21 @@ def test_tokenizer_builtin_bytes_and_its_errors() -> None:
         models.tokenizer(path="x", builtin="bytes")
 
 
+def test_tokenizer_from_a_local_directory_loads_offline(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models as vocabularies
+    from tokenizers import pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    rust = RustTokenizer(vocabularies.WordLevel({"[UNK]": 0, "add": 1, "two": 2}, unk_token="[UNK]"))
+    rust.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=rust, unk_token="[UNK]").save_pretrained(tmp_path / "t")
+    tok = models.tokenizer(path=str(tmp_path / "t"))
+    assert tok.encode("add two") == [1, 2] and tok.decode([1, 2]) == "add two"
+    with pytest.raises(ConfigError, match="^cannot load a tokenizer from '.*missing' \\(a local directory"):
+        models.tokenizer(path=str(tmp_path / "missing"))
+
+
 def test_objectives_wrap_the_library_configs() -> None:
     run = training.streaming_run(model=models.model(config=SHAPES))
     grpo = training.grpo(run=run, estimator="rloo", eps=0.0, pack_tokens=0)

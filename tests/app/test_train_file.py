@@ -45,3 +45,9 @@ def test_run_resume_continues_a_file_from_its_checkpoint(tmp_path: Path) -> None
     assert state["scheduler"] is not None  # the schedule is saved with the optimizer
     records = _run(tmp_path, "stages.source.repeat=2", resume=True)
     assert [r["step"] for r in records if r["event"] == "step"] == [3, 4]
+
+
+@pytest.mark.gpu
+def test_the_tiny_grpo_file_trains_on_cuda(tmp_path: Path) -> None:
+    records = _run(tmp_path, "objects.model.device=cuda")
+    assert [r["step"] for r in records if r["event"] == "step"] == [1, 2]
