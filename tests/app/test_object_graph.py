@@ -10,7 +10,7 @@ from thundersync.app import models
 from thundersync.app.build import build_graph, build_objects
 from thundersync.app.check import check_pipeline
 from thundersync.app.cli import main
-from thundersync.app.definition import load, loads
+from thundersync.app.definition import ObjectSpec, PipelineSpec, load, loads
 from thundersync.app.object_graph import build_order
 from thundersync.errors import DefinitionError
 from thundersync.tools.base import ByteTokenizer
@@ -154,3 +154,9 @@ def test_set_on_the_command_line_is_repeatable_and_checked(capsys: pytest.Captur
     assert main(["check", str(TINY), "--set", "stages.source.samples=2", "--set", "run.timeout_s=5"]) == 0
     assert main(["check", str(TINY), "--set", "objects.nothing.x=1"]) == 2
     assert "the file has no table objects.nothing" in capsys.readouterr().err
+
+
+def test_a_spec_built_in_python_with_an_unknown_factory_is_refused_by_name() -> None:
+    spec = PipelineSpec(stages={}, objects={"m": ObjectSpec("modle")})
+    with pytest.raises(DefinitionError, match="^objects.m.factory: unknown factory 'modle'; known: model, "):
+        build_objects(spec)

@@ -74,7 +74,11 @@ def _is_instance(obj: Any, cls: type) -> bool:
 
 
 def build_graph(spec: PipelineSpec, /, **objects: Any) -> Graph:
-    """Build and validate the :class:`Graph` of ``spec``; ``objects`` override ``[objects]`` by name."""
+    """Build and validate the :class:`Graph` of ``spec``; ``objects`` override ``[objects]`` by name.
+
+    A :class:`~thundersync.app.checkpoint.Checkpointer` without a ``source`` gets the graph's
+    source stage when there is exactly one (so that ``--resume`` skips the consumed batches).
+    """
     built = build_objects(spec, **objects)
     graph = assemble_graph(spec, {name: _make_stage(name, node, built) for name, node in spec.stages.items()})
     _attach_source(graph, built)

@@ -27,6 +27,7 @@ from typing import Any
 
 from thundersync.app._schema import factory_returns, reference_params
 from thundersync.app.definition import ObjectSpec, PipelineSpec
+from thundersync.app.factories import ALL_FACTORIES
 from thundersync.errors import DefinitionError
 
 __all__ = ["build_order", "check_references", "runtime_class"]
@@ -73,6 +74,10 @@ def check_references(spec: PipelineSpec, given: Iterable[str] = ()) -> None:
     fits the parameter's annotation, where both are known classes."""
     known = [*spec.objects, *(name for name in given if name not in spec.objects)]
     for name, obj in spec.objects.items():
+        if obj.factory not in ALL_FACTORIES:  # a spec built in Python, not read from a file
+            raise DefinitionError(
+                f"objects.{name}.factory: unknown factory {obj.factory!r}; known: {', '.join(ALL_FACTORIES)}"
+            )
         params = reference_params(obj.factory)
         for field, target in obj.refs.items():
             path = f"objects.{name}.{field}"
