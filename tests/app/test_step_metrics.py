@@ -27,11 +27,13 @@ from thundersync.events import (
 from thundersync.pipeline import Graph
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.stages.close import CloseStage
-from thundersync.stages.generate import GenerateStage, ToolResult
+from thundersync.stages.generate import GenerateStage
 from thundersync.stages.reward import RewardStage
 from thundersync.stages.source import SourceStage
 from thundersync.stages.step import StepStage
+from thundersync.stages.tool_execute import ToolExecuteStage
 from thundersync.testing import FakeScorer, RecordingTrainer, ScriptedGenerator, ScriptedTool
+from thundersync.tools.base import ToolResult
 
 KEYS = {
     "event",
@@ -64,18 +66,20 @@ class _FlakyTool(ScriptedTool):
 
 def _graph() -> Graph:
     policy = PolicyClock()
+    tool = _FlakyTool(vocab_size=50, end_token=7)  # it also says which actions call it
     generate = GenerateStage(
         GenerateStage.Config(turns=3, max_new_tokens=6),
         generator=ScriptedGenerator(vocab_size=50),
-        tools=_FlakyTool(vocab_size=50, end_token=7),
+        tool_calls=tool,
         policy=policy,
     )
     source = SourceStage(SourceStage.Config(prompts=[[1, 2], [3], [4, 5]], samples=3, groups_per_batch=2, repeat=2))
     return (
         Graph()
         .add("source", source, output=True)
-        .add("generate", generate, reads=["source"], output=True)
-        .add("reward", RewardStage(scorer=FakeScorer()), reads=["generate"], output=True)
+        .add("generate", generate, reads=["source"], feedback=["tool-execute"], output=True)
+        .add("tool-execute", ToolExecuteStage(tools=tool), reads=["generate"], output=True)
+        .add("reward", RewardStage(scorer=FakeScorer()), reads=["generate", "tool-execute"], output=True)
         .add("close", CloseStage(), reads=["generate", "reward"])
         .add("step", StepStage(trainer=RecordingTrainer(), policy=policy), reads=["close"], output=True)
     )
@@ -178,7 +182,8 @@ def test_the_watched_graph_keeps_its_results_and_names_the_watcher_apart() -> No
     assert [n.name for n in copy][-1] == "step-metrics"
     plain = Graph().add("step-metrics", SourceStage(SourceStage.Config(prompts=[[1]])))
     assert [n.name for n in watched(plain, lambda event: None)] == ["step-metrics", "step-metrics-2"]
-    assert copy["step-metrics"].reads == ("source", "generate", "reward", "close", "step")
+    assert copy["step-metrics"].reads == ("source", "generate", "tool-execute", "reward", "close", "step")
+    assert copy["generate"].feedback == ("tool-execute",)  # the agent loop survives the copy
 
 
 def test_without_group_events_rollout_counts_from_the_first_prompt() -> None:

@@ -148,7 +148,7 @@ def watched(graph: Graph, see: Callable[[EventBase], None]) -> Graph:
     outputs = {node.name for node in graph.outputs()}
     copy = Graph()
     for node in graph:
-        copy.add(node.name, node.stage, reads=node.reads, capacity=node.capacity, output=node.name in outputs)
+        copy.add(node.name, node.stage, reads=node.reads, capacity=node.capacity, output=node.name in outputs, feedback=node.feedback)
     name, n = WATCHER, 1
     while name in copy:
         n += 1
