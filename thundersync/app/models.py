@@ -51,7 +51,9 @@ def model(
     Exactly one of ``path`` (a local directory, loaded with ``from_pretrained`` offline) and
     ``config`` (the fields of the ``architecture``'s transformers config, e.g. ``Qwen3Config``;
     its weights are initialised from ``seed``). ``lora``: the fields of peft's ``LoraConfig``;
-    the model is then a peft model whose adapter alone is trainable.
+    the model is then a peft model whose adapter alone is trainable. ``float64`` casts the
+    weights; transformers' own RMSNorm still computes in float32, so the exactness tests use their
+    own norms (``tests/engine/tiny_models.py``) rather than this factory.
     """
     if (path is None) == (config is None):
         raise ConfigError(
