@@ -55,7 +55,7 @@ def test_stage_capacity_overrides_the_run_default() -> None:
             '[stages.r]\ntype = "reward"\nreads = ["source"]\n',
             DefinitionError,
             r"^stages\.r: a 'reward' stage needs a runtime object 'scorer'; add an \[objects\.scorer\] table "
-            r"\(factories: policy-clock, .*test-scripted-generator, .*\) or pass scorer=\.\.\. to build_graph$",
+            r"\(factories: model, .*policy-clock, .*test-scripted-generator, .*\) or pass scorer=\.\.\. to build_graph$",
         ),
         (
             '[objects.scorer]\nfactory = "test-fake-teacher"\n[stages.r]\ntype = "reward"\nreads = ["source"]\n',

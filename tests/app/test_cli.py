@@ -131,7 +131,9 @@ def test_an_invalid_file_exits_2_with_one_paragraph_and_no_traceback(
 def test_a_failing_object_factory_exits_2_naming_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _small(tmp_path).read_text().replace('factory = "policy-clock"', 'factory = "policy-clock"\nversion = -1')
     (tmp_path / "p.toml").write_text(path)
-    assert main(["check", str(tmp_path / "p.toml")]) == 2
+    assert main(["check", str(tmp_path / "p.toml")]) == 0  # check calls no factory
+    capsys.readouterr()
+    assert main(["run", str(tmp_path / "p.toml")]) == 2
     assert capsys.readouterr().err == (
         f"thundersync: invalid pipeline (DefinitionError): {tmp_path / 'p.toml'}: "
         "objects.policy: policy-clock failed: a policy version must be >= 0, got -1\n"

@@ -56,7 +56,7 @@ def test_the_example_file_starts_with_the_command_that_runs_it() -> None:
         ("run = {}\n", r"^stages: missing required field$"),
         (
             '[objects.g]\nfactory = "test-scripted-generatr"\n[stages]\n',
-            r"^objects\.g\.factory: unknown factory 'test-scripted-generatr'; known: policy-clock, .*test-scripted-generator, ",
+            r"^objects\.g\.factory: unknown factory 'test-scripted-generatr'; known: model, .*policy-clock, .*test-scripted-generator, ",
         ),
         (
             '[objects.g]\nfactory = "test-scripted-generator"\nvocab = 3\n[stages]\n',
@@ -79,7 +79,7 @@ def test_the_example_file_starts_with_the_command_that_runs_it() -> None:
         ("[stages.a]\ntype = {x = 1}\n", r"^stages\.a\.type: unknown stage type \{'x': 1\}; known: source, "),
         (
             '[objects.x]\nfactory = ["a"]\n[stages]\n',
-            r"^objects\.x\.factory: unknown factory \['a'\]; known: policy-clock, .*test-scripted-generator, ",
+            r"^objects\.x\.factory: unknown factory \['a'\]; known: model, .*policy-clock, .*test-scripted-generator, ",
         ),
         ("stages = {a = 5}\n", r"^stages\.a: expected a table, got int 5$"),
         ('objects = {g = "x"}\n[stages]\n', r"^objects\.g: expected a table, got str 'x'$"),

@@ -33,7 +33,7 @@ from thundersync.stages.source import SourceStage
 from thundersync.stages.step import StepStage
 from thundersync.stages.tool_execute import ToolExecuteStage
 from thundersync.testing import FakeScorer, RecordingTrainer, ScriptedGenerator, ScriptedTool
-from thundersync.tools import ToolResult
+from thundersync.tools.base import ToolResult
 
 KEYS = {
     "event",
@@ -66,7 +66,7 @@ class _FlakyTool(ScriptedTool):
 
 def _graph() -> Graph:
     policy = PolicyClock()
-    tool = _FlakyTool(vocab_size=50, end_token=7)
+    tool = _FlakyTool(vocab_size=50, end_token=7)  # it also says which actions call it
     generate = GenerateStage(
         GenerateStage.Config(turns=3, max_new_tokens=6),
         generator=ScriptedGenerator(vocab_size=50),
@@ -79,7 +79,7 @@ def _graph() -> Graph:
         .add("source", source, output=True)
         .add("generate", generate, reads=["source"], feedback=["tool-execute"], output=True)
         .add("tool-execute", ToolExecuteStage(tools=tool), reads=["generate"], output=True)
-        .add("reward", RewardStage(scorer=FakeScorer()), reads=["generate"], output=True)
+        .add("reward", RewardStage(scorer=FakeScorer()), reads=["generate", "tool-execute"], output=True)
         .add("close", CloseStage(), reads=["generate", "reward"])
         .add("step", StepStage(trainer=RecordingTrainer(), policy=policy), reads=["close"], output=True)
     )
@@ -183,7 +183,7 @@ def test_the_watched_graph_keeps_its_results_and_names_the_watcher_apart() -> No
     plain = Graph().add("step-metrics", SourceStage(SourceStage.Config(prompts=[[1]])))
     assert [n.name for n in watched(plain, lambda event: None)] == ["step-metrics", "step-metrics-2"]
     assert copy["step-metrics"].reads == ("source", "generate", "tool-execute", "reward", "close", "step")
-    assert copy["generate"].feedback == ("tool-execute",)
+    assert copy["generate"].feedback == ("tool-execute",)  # the agent loop survives the copy
 
 
 def test_without_group_events_rollout_counts_from_the_first_prompt() -> None:

@@ -6,8 +6,14 @@ The top layer of the package: it imports the stages (``thundersync.stages``) and
 ::
 
     definition   PipelineSpec and friends: a TOML file decoded straight into msgspec Structs
+    overrides    ``--set key.path=value``: command-line overrides of any field of a file
+    object_graph objects that reference objects (``{ object = "NAME" }``): order, cycles, types
+    check        ``thundersync check``: the whole file validated without building any object
     build        build_graph: a spec and its runtime objects -> a validated Graph
     factories    the runtime objects a file can build by name (``factory = "policy-clock"``)
+    models       the ``model`` and ``tokenizer`` factories
+    training     streaming-run, grpo, opd, optimizer, lr-schedule, streaming-trainer, checkpointer
+    generators   torch-generator, vllm-generator, openai-generator
     cli          ``thundersync check`` / ``thundersync run`` (also ``python -m thundersync``)
     metrics      JsonlMetrics: per-step metrics, lifecycle events and per-stage statistics as JSON lines
     progress     the live progress line that ``thundersync run`` draws on stderr, and its summary line

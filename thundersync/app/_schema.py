@@ -29,9 +29,12 @@ __all__ = [
     "convert",
     "definition_error",
     "factory_params",
+    "factory_returns",
     "object_union",
+    "reference_params",
     "runtime_params",
     "stage_union",
+    "takes_extra_options",
 ]
 
 GRAPH_FIELDS: tuple[tuple[str, Any, Any], ...] = (
@@ -99,19 +102,49 @@ def _plain(info: msgspec.inspect.Type) -> bool:
     return True
 
 
-@functools.cache
-def factory_params(factory: str) -> dict[str, tuple[Any, Any]]:
-    """Keyword arguments a file may give a factory: name -> (type, default or NODEFAULT)."""
+def _signature(factory: str) -> list[tuple[inspect.Parameter, Any]]:
+    """The keyword parameters of a factory with their resolved annotations (``Any`` when none)."""
     target: Callable[..., Any] = ALL_FACTORIES[factory]
     hints = typing.get_type_hints(
         typing.cast(Any, target).__init__ if isinstance(target, type) else target, include_extras=True
     )  # keep msgspec.Meta constraints
     params = inspect.signature(target).parameters.values()
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [(p, hints.get(p.name, Any)) for p in params if p.kind in keyword]
+
+
+@functools.cache
+def factory_params(factory: str) -> dict[str, tuple[Any, Any]]:
+    """Keyword arguments a file may give a factory as values: name -> (type, default or NODEFAULT)."""
     return {
-        p.name: (hints[p.name], p.default if p.default is not p.empty else msgspec.NODEFAULT)
-        for p in params
-        if p.name in hints and _decodable(hints[p.name]) and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        p.name: (hint, p.default if p.default is not p.empty else msgspec.NODEFAULT)
+        for p, hint in _signature(factory)
+        if _decodable(hint)
     }
+
+
+@functools.cache
+def reference_params(factory: str) -> dict[str, tuple[Any, bool]]:
+    """Keyword arguments a file gives a factory as references to other objects (their types are
+    not plain data: a model, an optimizer...): name -> (annotation, required)."""
+    return {p.name: (hint, p.default is p.empty) for p, hint in _signature(factory) if not _decodable(hint)}
+
+
+def takes_extra_options(factory: str) -> bool:
+    """Whether the factory takes ``**options`` (then unknown fields are passed on to it)."""
+    params = inspect.signature(ALL_FACTORIES[factory]).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def factory_returns(factory: str) -> Any:
+    """What a factory builds: the class itself, or a function's return annotation (``Any``: unknown)."""
+    target = ALL_FACTORIES[factory]
+    if isinstance(target, type):
+        return target
+    try:
+        return typing.get_type_hints(target).get("return", Any)
+    except NameError:  # an annotation imported only for type checkers: not checkable
+        return Any
 
 
 @functools.cache
@@ -131,7 +164,7 @@ def object_union() -> Any:
                 tag_field="factory",
                 kw_only=True,
                 frozen=True,
-                forbid_unknown_fields=True,
+                forbid_unknown_fields=not takes_extra_options(name),
             )
         )
     return Union[tuple(specs)]  # noqa: UP007
@@ -139,9 +172,26 @@ def object_union() -> Any:
 
 def runtime_params(stage: type[Stage]) -> dict[str, tuple[Any, bool]]:
     """The runtime objects a stage class takes: kwarg name -> (annotation, required)."""
-    hints = typing.get_type_hints(stage.__init__, localns=dict(vars(stage)))
+    hints = _resolved_hints(stage.__init__, dict(vars(stage)))
     params = inspect.signature(stage.__init__).parameters.values()
     return {p.name: (hints.get(p.name, Any), p.default is p.empty) for p in params if p.kind is p.KEYWORD_ONLY}
+
+
+def _resolved_hints(function: Callable[..., Any], localns: dict[str, Any]) -> dict[str, Any]:
+    """The annotations of ``function``; one that names a type imported only for type checkers
+    (``if TYPE_CHECKING:``, to keep torch out of an import) reads as ``Any``."""
+    try:
+        return typing.get_type_hints(function, localns=localns)
+    except NameError:
+        pass
+    globalns = getattr(function, "__globals__", {})
+    hints: dict[str, Any] = {}
+    for name, annotation in function.__annotations__.items():
+        try:
+            hints[name] = eval(annotation, globalns, localns) if isinstance(annotation, str) else annotation
+        except NameError:
+            hints[name] = Any
+    return hints
 
 
 # --- errors ------------------------------------------------------------------------------------

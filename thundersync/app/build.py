@@ -12,57 +12,94 @@ the stage::
 
 from __future__ import annotations
 
-import types
-import typing
+from collections.abc import Mapping
 from typing import Any
 
-from thundersync.app._schema import convert, factory_params, object_union, runtime_params
-from thundersync.app.definition import PipelineSpec, StageSpec
+from thundersync.app._schema import convert, factory_params, object_union, reference_params, runtime_params
+from thundersync.app.checkpoint import Checkpointer
+from thundersync.app.definition import ObjectSpec, PipelineSpec, StageSpec
 from thundersync.app.factories import ALL_FACTORIES
+from thundersync.app.object_graph import build_order, runtime_class
 from thundersync.errors import ConfigError, DefinitionError, GraphError
 from thundersync.pipeline.graph import INPUT, Graph
 from thundersync.pipeline.stage import Stage
 from thundersync.stages import REGISTRY
 from thundersync.stages.generate import GenerateStage
+from thundersync.stages.source import SourceStage
 from thundersync.stages.step import StepStage
 
-__all__ = ["build_graph", "build_objects"]
+__all__ = ["assemble_graph", "build_graph", "build_objects"]
 
 
 def build_objects(spec: PipelineSpec, /, **given: Any) -> dict[str, Any]:
-    """The runtime objects of ``spec`` by name: ``given`` ones, else built by their factory."""
+    """The runtime objects of ``spec`` by name: ``given`` ones, else built by their factory, each
+    after the objects it references (:func:`~thundersync.app.object_graph.build_order`)."""
     objects = dict(given)
-    for name, obj in spec.objects.items():
-        if name in given:
-            continue
-        prefix = f"objects.{name}"
-        if obj.factory not in ALL_FACTORIES:
-            raise DefinitionError(
-                f"{prefix}.factory: unknown factory {obj.factory!r}; known: {', '.join(ALL_FACTORIES)}"
-            )
-        node = convert(
-            {"factory": obj.factory, **obj.args},
-            object_union(),
-            prefix,
-            kind="factory",
-            known=list(ALL_FACTORIES),
-            fields=["factory", *factory_params(obj.factory)],
-        )
-        try:
-            objects[name] = ALL_FACTORIES[obj.factory](**{k: getattr(node, k) for k in obj.args})
-        except (TypeError, ValueError) as error:
-            raise DefinitionError(f"{prefix}: {obj.factory} failed: {error}") from error
+    for name in build_order(spec, given):
+        objects[name] = _build_object(name, spec.objects[name], objects)
     return objects
 
 
+def _build_object(name: str, obj: ObjectSpec, built: dict[str, Any]) -> Any:
+    prefix = f"objects.{name}"
+    node = convert(
+        {"factory": obj.factory, **obj.args},
+        object_union(),
+        prefix,
+        kind="factory",
+        known=list(ALL_FACTORIES),
+        fields=["factory", *factory_params(obj.factory)],
+    )
+    kwargs = {k: getattr(node, k) if k in node.__struct_fields__ else v for k, v in obj.args.items()}
+    params = reference_params(obj.factory)
+    for field, target in obj.refs.items():
+        expected = runtime_class(params[field][0]) if field in params else None
+        if expected is not None and not _is_instance(built[target], expected):
+            raise DefinitionError(
+                f"{prefix}.{field}: references {target!r}, a {type(built[target]).__name__}, but this field "
+                f"takes a {expected.__name__}"
+            )
+        kwargs[field] = built[target]
+    try:
+        return ALL_FACTORIES[obj.factory](**kwargs)
+    except (TypeError, ValueError, ConfigError) as error:
+        raise DefinitionError(f"{prefix}: {obj.factory} failed: {error}") from error
+
+
+def _is_instance(obj: Any, cls: type) -> bool:
+    try:
+        return isinstance(obj, cls)
+    except TypeError:  # not a runtime-checkable class
+        return True
+
+
 def build_graph(spec: PipelineSpec, /, **objects: Any) -> Graph:
-    """Build and validate the :class:`Graph` of ``spec``; ``objects`` override ``[objects]`` by name."""
+    """Build and validate the :class:`Graph` of ``spec``; ``objects`` override ``[objects]`` by name.
+
+    A :class:`~thundersync.app.checkpoint.Checkpointer` without a ``source`` gets the graph's
+    source stage when there is exactly one (so that ``--resume`` skips the consumed batches).
+    """
     built = build_objects(spec, **objects)
+    graph = assemble_graph(spec, {name: _make_stage(name, node, built) for name, node in spec.stages.items()})
+    _attach_source(graph, built)
+    return graph
+
+
+def _attach_source(graph: Graph, objects: Mapping[str, Any]) -> None:
+    """Give checkpointers without a source the graph's only source stage (their data position)."""
+    sources = [node.stage for node in graph if isinstance(node.stage, SourceStage)]
+    for obj in objects.values():
+        if isinstance(obj, Checkpointer) and obj.source is None and len(sources) == 1:
+            obj.source = sources[0]
+
+
+def assemble_graph(spec: PipelineSpec, stages: Mapping[str, Stage]) -> Graph:
+    """The validated :class:`Graph` of ``spec`` over these stage instances (one per stage of the spec)."""
     graph = Graph()
     for name, node in spec.stages.items():
         graph.add(
             name,
-            _make_stage(name, node, built),
+            stages[name],
             reads=node.reads,
             capacity=node.capacity or spec.run.capacity,
             output=node.output,
@@ -157,22 +194,10 @@ def _bind(prefix: str, node: StageSpec, param: str, hint: Any, required: bool, o
             )
         return None
     obj = objects[target]
-    expected = _runtime_class(hint)
+    expected = runtime_class(hint)
     if expected is not None and not isinstance(obj, expected):
         raise DefinitionError(
             f"{prefix}: runtime object {target!r} is a {type(obj).__name__}, but a "
             f"{node.type!r} stage needs a {expected.__name__} for {param!r}"
         )
     return obj
-
-
-def _runtime_class(hint: Any) -> type | None:
-    """The class an object bound to ``hint`` must be an instance of (None: not checkable)."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        options = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        hint = options[0] if len(options) == 1 else None
-    if not isinstance(hint, type):
-        return None
-    if getattr(hint, "_is_protocol", False) and not getattr(hint, "_is_runtime_protocol", False):
-        return None
-    return hint

@@ -2,7 +2,8 @@
 
 ::
 
-    thundersync check examples/pipeline_fake.toml        # validate: schema, objects, graph wiring
+    thundersync check examples/pipeline_fake.toml        # validate: schema, objects, graph wiring (builds nothing)
+    thundersync run FILE --set stages.source.samples=8   # override any field of the file (repeatable)
     thundersync run examples/pipeline_fake.toml          # run it to completion
     thundersync run FILE --metrics out.jsonl --progress  # metrics as JSON lines, a live stderr line
     thundersync run FILE --resume runs/a                 # continue from the newest checkpoint in runs/a
@@ -32,6 +33,7 @@ import structlog
 from thundersync.app._cli_run import run_pipeline
 from thundersync.app._terminal import configure_logging, printable
 from thundersync.app.build import build_graph, build_objects
+from thundersync.app.check import check_pipeline
 from thundersync.app.definition import PipelineSpec, load
 from thundersync.app.metrics import JsonlMetrics
 from thundersync.errors import ConfigError, DefinitionError, GraphError, ThunderSyncError
@@ -50,6 +52,14 @@ def _parser() -> argparse.ArgumentParser:
     plot = commands.add_parser("plot", help="draw a run's reward and step-time curves to a PNG")
     for sub in (check, run):
         sub.add_argument("file", type=Path, metavar="FILE", help="the pipeline definition (TOML)")
+        sub.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY.PATH=VALUE",
+            help="override a field of the file, e.g. --set objects.model.dtype=bfloat16 (a TOML value; repeatable)",
+        )
     plot.add_argument("file", type=Path, metavar="METRICS", help="a metrics file written by thundersync run")
     plot.add_argument("--out", type=Path, metavar="PNG", help="where to write the PNG (default: beside METRICS)")
     for sub in (check, run, plot):
@@ -104,8 +114,8 @@ def _error(message: str, error: BaseException, verbose: bool, *, hint_verbose: b
     sys.stderr.write(f"thundersync: {message}: {printable(str(error))}{hint}\n")
 
 
-def _prepare(path: Path) -> tuple[PipelineSpec, dict[str, object], Graph]:
-    spec = load(path)
+def _prepare(path: Path, overrides: Sequence[str]) -> tuple[PipelineSpec, dict[str, object], Graph]:
+    spec = load(path, overrides)
     try:
         objects = build_objects(spec)
         graph = build_graph(spec, **objects)
@@ -129,9 +139,13 @@ def _metrics(path: str | Path | None, *, overwrite: bool, **started: object) -> 
         yield sink
 
 
-def _check(path: Path) -> int:
-    spec, objects, graph = _prepare(path)
-    lines = [f"{path}: ok, {len(graph)} stages, {len(objects)} runtime objects"]
+def _check(path: Path, overrides: Sequence[str]) -> int:
+    spec = load(path, overrides)
+    try:
+        graph = check_pipeline(spec)
+    except ConfigError as error:  # object and graph errors are not path-qualified by themselves
+        raise type(error)(f"{path}: {error}") from None
+    lines = [f"{path}: ok, {len(graph)} stages, {len(spec.objects)} runtime objects"]
     for node in graph:
         reads = f"reads {', '.join(node.reads)}" if node.reads else "a source"
         lines.append(f"  {node.name}: type {spec.stages[node.name].type}, {reads}")
@@ -154,7 +168,7 @@ def _resume(objects: dict[str, object], directory: Path) -> None:
 
 
 def _run(path: Path, args: argparse.Namespace) -> int:
-    spec, objects, graph = _prepare(path)
+    spec, objects, graph = _prepare(path, args.overrides)
     if args.resume is not None:
         _resume(objects, args.resume)
     settings = spec.run
@@ -195,7 +209,7 @@ def _plot(path: Path, out: Path | None) -> int:
 
 def _command(args: argparse.Namespace) -> int:
     if args.command == "check":
-        return _check(args.file)
+        return _check(args.file, args.overrides)
     if args.command == "plot":
         return _plot(args.file, args.out)
     return _run(args.file, args)

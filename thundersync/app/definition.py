@@ -9,6 +9,10 @@ A file has three kinds of tables; its first comment is the command that runs it:
     [objects.scorer]               # a runtime object, built by a factory (app/factories.py)
     factory = "test-fake-scorer"
 
+    [objects.run]                  # a field that takes an object references it by name
+    factory = "streaming-run"
+    model = { object = "model" }
+
     [stages.reward]                # a stage: type (stages/REGISTRY), graph fields, Config fields
     type = "reward"
     reads = ["generate", "tool-execute"]
@@ -17,6 +21,10 @@ A file has three kinds of tables; its first comment is the command that runs it:
 A stage that closes a loop names the loop's edge back to it in ``feedback`` instead of ``reads``
 (``feedback = ["tool-execute"]`` on the generate stage of an agent loop); any other cycle fails
 with a path-qualified error naming it.
+
+A reference is a table with the single key ``object``; it is allowed on a factory's parameters
+whose type is not plain data (a model, an optimizer, a tokenizer...), and required there when the
+parameter has no default. Objects are built in dependency order (:mod:`thundersync.app.object_graph`).
 
 Unknown fields, wrong types and unknown stage types fail with a path-qualified
 :class:`~thundersync.errors.DefinitionError` (``stages.reward.factr: unknown field; valid
@@ -28,13 +36,23 @@ builds the same :class:`PipelineSpec` directly.
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from thundersync.app._schema import GRAPH_FIELDS, convert, factory_params, object_union, stage_union
+from thundersync.app._schema import (
+    GRAPH_FIELDS,
+    convert,
+    factory_params,
+    object_union,
+    reference_params,
+    stage_union,
+    takes_extra_options,
+)
 from thundersync.app.factories import ALL_FACTORIES
+from thundersync.app.overrides import apply_overrides
 from thundersync.errors import DefinitionError
 from thundersync.pipeline.graph import DEFAULT_CAPACITY
 from thundersync.pipeline.stage import Stage
@@ -62,10 +80,13 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
 
 class ObjectSpec(msgspec.Struct, frozen=True):
-    """A runtime object: the name of its factory (``app/factories.py``) and its keyword arguments."""
+    """A runtime object: the name of its factory (``app/factories.py``), its keyword arguments
+    given as values (``args``) and those given as references to other objects (``refs``:
+    parameter -> object name)."""
 
     factory: str
     args: dict[str, Any] = {}
+    refs: dict[str, str] = {}
 
 
 class StageSpec(msgspec.Struct, frozen=True):
@@ -98,8 +119,9 @@ class _File(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 # --- reading files -----------------------------------------------------------------------------
 
 
-def load(path: str | Path) -> PipelineSpec:
-    """Read and validate a pipeline file; errors start with the file's path."""
+def load(path: str | Path, overrides: Sequence[str] = ()) -> PipelineSpec:
+    """Read and validate a pipeline file, with ``--set`` ``overrides`` applied (``app/overrides.py``);
+    errors start with the file's path."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -108,13 +130,13 @@ def load(path: str | Path) -> PipelineSpec:
     except UnicodeDecodeError as error:
         raise DefinitionError(f"{path}: the pipeline file is not UTF-8 text: {error}") from None
     try:
-        return loads(text)
+        return loads(text, overrides)
     except DefinitionError as error:
         raise DefinitionError(f"{path}: {error}") from None
 
 
-def loads(text: str) -> PipelineSpec:
-    """Validate the TOML text of a pipeline file into a :class:`PipelineSpec`."""
+def loads(text: str, overrides: Sequence[str] = ()) -> PipelineSpec:
+    """Validate the TOML text of a pipeline file, with ``overrides`` applied, into a :class:`PipelineSpec`."""
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
@@ -126,6 +148,7 @@ def loads(text: str) -> PipelineSpec:
             f"the file nests tables and arrays more than {MAX_NESTING} levels deep; pipeline files "
             "need only a few levels, so flatten the deepest value"
         )
+    apply_overrides(raw, overrides)
     top = convert(
         raw, _File, "", fields={"": ["run", "objects", "stages"], ".run": list(RunSettings.__struct_fields__)}
     )
@@ -191,6 +214,40 @@ def _object(name: str, table: Any) -> ObjectSpec:
     prefix = f"objects.{name}"
     table = _table(prefix, table)
     factory = _tag(table, "factory", prefix, list(ALL_FACTORIES))
-    fields = ["factory", *factory_params(factory)] if factory in ALL_FACTORIES else None
-    node = convert(table, object_union(), prefix, kind="factory", known=list(ALL_FACTORIES), fields=fields)
-    return ObjectSpec(table["factory"], {k: getattr(node, k) for k in table if k != "factory"})
+    refs = {key: _reference(f"{prefix}.{key}", value) for key, value in table.items() if _is_reference(value)}
+    values = {key: value for key, value in table.items() if key not in refs}
+    fields = ["factory", *factory_params(factory), *reference_params(factory)] if factory in ALL_FACTORIES else None
+    node = convert(values, object_union(), prefix, kind="factory", known=list(ALL_FACTORIES), fields=fields)
+    assert factory is not None and fields is not None  # the tagged union accepted the factory
+    _check_references(prefix, factory, refs, fields)
+    args = {k: getattr(node, k) if k in node.__struct_fields__ else v for k, v in values.items() if k != "factory"}
+    return ObjectSpec(factory, args, refs)
+
+
+def _is_reference(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) == {"object"}
+
+
+def _reference(path: str, value: dict[str, Any]) -> str:
+    target = value["object"]
+    if not isinstance(target, str) or not target:
+        raise DefinitionError(
+            f'{path}.object: a reference names an object, e.g. {{ object = "model" }}; got {target!r}'
+        )
+    return target
+
+
+def _check_references(prefix: str, factory: str, refs: dict[str, str], fields: list[str]) -> None:
+    """References only on parameters that take objects; every required one given."""
+    takes = reference_params(factory)
+    for key in refs:
+        if key in takes or (key not in fields and takes_extra_options(factory)):
+            continue
+        if key in fields:
+            raise DefinitionError(f"{prefix}.{key}: takes a value, not a reference to an object")
+        raise DefinitionError(f"{prefix}.{key}: unknown field; valid fields: {', '.join(fields)}")
+    for key, (_, required) in takes.items():
+        if required and key not in refs:
+            raise DefinitionError(
+                f'{prefix}.{key}: missing required field (a reference to another object: {key} = {{ object = "NAME" }})'
+            )

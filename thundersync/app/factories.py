@@ -11,9 +11,12 @@ to :func:`~thundersync.app.build.build_graph` instead
 :mod:`thundersync.testing` under names that start with ``test-``, so that a file that runs on
 fakes (``examples/pipeline_fake.toml``) says so wherever it names one. A file may use both.
 
-Adding a factory is one line: a callable whose keyword arguments have plain annotated types (they
-are validated like the rest of the file). Factories must be cheap: ``thundersync check`` builds
-the objects without running anything.
+Adding a factory is one line: a callable whose keyword arguments have annotated types. Arguments
+of plain data types are validated like the rest of the file; the others (a model, an optimizer...)
+are references to other objects (``model = { object = "model" }``), built first. A factory may be
+expensive (it loads weights): ``thundersync check`` never calls one (:mod:`thundersync.app.check`).
+The real factories live in :mod:`~thundersync.app.models`, :mod:`~thundersync.app.training` and
+:mod:`~thundersync.app.generators`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
+from thundersync.app import generators, models, training
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.tasks import AnswerReward, ArithmeticTasks, FunctionReward, JsonlTasks, sandbox_check_reward
 from thundersync.tasks.model_teacher import transformers_teacher
@@ -38,6 +42,18 @@ from thundersync.tools import Qwen3ToolCallParser, sandbox_tools
 __all__ = ["ALL_FACTORIES", "FACTORIES", "TEST_FACTORIES", "TEST_PREFIX"]
 
 FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
+    "model": models.model,
+    "tokenizer": models.tokenizer,
+    "streaming-run": training.streaming_run,
+    "grpo": training.grpo,
+    "opd": training.opd,
+    "optimizer": training.optimizer,
+    "lr-schedule": training.lr_schedule,
+    "streaming-trainer": training.trainer,
+    "checkpointer": training.checkpointer,
+    "torch-generator": generators.torch_generator,
+    "vllm-generator": generators.vllm_generator,
+    "openai-generator": generators.openai_generator,
     "policy-clock": PolicyClock,
     "qwen3-tool-calls": Qwen3ToolCallParser,
     "sandbox-tools": sandbox_tools,

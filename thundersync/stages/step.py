@@ -90,9 +90,10 @@ class StreamingTrainer:
     ``step`` waits for the objective's queued work and checks that nothing is pending
     (``assert_safe_to_step``: afterwards ``p.grad`` holds the batch's gradient), clips the total
     gradient norm to ``max_grad_norm`` (``None``: no clipping; the norm is reported either way),
-    steps ``optimizer`` and sets the gradients to ``None``. When the run is one rank of several
-    (``StreamingRun(..., data_parallel=...)``), the ranks' gradients are summed first, so every
-    replica steps on the full batch's gradient; give ZeRO-1 as ``optimizer``
+    steps ``optimizer``, then ``scheduler`` (an LR scheduler, stepped once per optimizer step; the
+    reported ``lr`` is the one the step used) and sets the gradients to ``None``. When the run is
+    one rank of several (``StreamingRun(..., data_parallel=...)``), the ranks' gradients are summed
+    first, so every replica steps on the full batch's gradient; give ZeRO-1 as ``optimizer``
     (``torch.distributed.optim.ZeroRedundancyOptimizer``) to shard its state. A generator that
     shares the model (``TorchGenerator``) sees the new weights at once. The work runs in a worker
     thread. An objective that is a :class:`ReportsLogprobMismatch` has its mismatch reported in
@@ -100,7 +101,12 @@ class StreamingTrainer:
     """
 
     def __init__(
-        self, objective: StreamingObjective, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
+        self,
+        objective: StreamingObjective,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_grad_norm: float | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     ) -> None:
         require_objective(objective, "the trainer")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -108,6 +114,7 @@ class StreamingTrainer:
         self.objective = objective
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
+        self.scheduler = scheduler
 
     async def step(self, ready: BatchReady) -> StepResult:
         return await anyio.to_thread.run_sync(self._step)
@@ -125,6 +132,8 @@ class StreamingTrainer:
         norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
         lr = _learning_rate(self.optimizer)
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         objective = self.objective
         mismatch = objective.take_logprob_mismatch() if isinstance(objective, ReportsLogprobMismatch) else None

@@ -1,0 +1,53 @@
+"""A whole file trains: model -> run -> grpo -> optimizer -> schedule -> trainer, torch-generator, checkpointer."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from thundersync.app import training
+from thundersync.app.cli import main
+
+TINY = Path(__file__).resolve().parents[2] / "examples" / "train_tiny_grpo.toml"
+
+
+def _run(tmp_path: Path, *sets: str, resume: bool = False) -> list[dict[str, Any]]:
+    metrics = tmp_path / "m.jsonl"
+    metrics.unlink(missing_ok=True)
+    argv = ["run", str(TINY), "--metrics", str(metrics), "--no-progress"]
+    argv += ["--set", f'objects.checkpointer.directory="{tmp_path / "ckpt"}"', "--set", "stages.source.repeat=1"]
+    for item in sets:
+        argv += ["--set", item]
+    if resume:
+        argv += ["--resume", str(tmp_path / "ckpt")]
+    assert main(argv) == 0
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def test_the_tiny_grpo_file_trains_two_steps_on_its_schedule_and_checkpoints(tmp_path: Path) -> None:
+    records = _run(tmp_path, "objects.schedule.warmup_steps=2")
+    steps = [r for r in records if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(math.isfinite(r["grad_norm"]) and r["tokens"] > 0 for r in steps)
+    warm = [training.schedule_factor(k, warmup_steps=2, decay_steps=4, floor_ratio=0.1) for k in range(2)]
+    assert [r["lr"] for r in steps] == pytest.approx([3e-3 * f for f in warm])  # the trainer steps the schedule
+    assert (tmp_path / "ckpt" / "step-00000002" / "checkpoint.json").is_file()
+
+
+def test_run_resume_continues_a_file_from_its_checkpoint(tmp_path: Path) -> None:
+    _run(tmp_path)
+    state = torch.load(tmp_path / "ckpt" / "step-00000002" / "training_state.pt", weights_only=True)
+    assert state["scheduler"] is not None  # the schedule is saved with the optimizer
+    records = _run(tmp_path, "stages.source.repeat=2", resume=True)
+    assert [r["step"] for r in records if r["event"] == "step"] == [3, 4]
+
+
+@pytest.mark.gpu
+def test_the_tiny_grpo_file_trains_on_cuda(tmp_path: Path) -> None:
+    records = _run(tmp_path, "objects.model.device=cuda")
+    assert [r["step"] for r in records if r["event"] == "step"] == [1, 2]

@@ -1,0 +1,94 @@
+"""``thundersync check``: validate a whole pipeline file without building any object.
+
+:func:`check_pipeline` verifies what :func:`~thundersync.app.build.build_graph` would, short of
+calling a factory (no model is loaded, no sandbox started, no server contacted):
+
+- the object graph: references, their order, cycles, and that each referenced factory's product
+  fits the parameter's annotation (:mod:`thundersync.app.object_graph`); field types were checked
+  against the factories' signatures when the file was loaded;
+- each stage's runtime objects: the names exist, required ones are given, and the factory's product
+  fits the stage's parameter;
+- the stage graph's wiring, over stand-in stages whose runtime objects are :class:`Unbuilt`
+  placeholders: undeclared cycles, reads without common event types, stages that would wait
+  forever, a policy clock nobody publishes to.
+
+What only a built object can tell (a model directory that does not exist, a factory's own value
+checks) fails at ``run``, naming the object.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from thundersync.app._schema import factory_returns, runtime_params
+from thundersync.app.build import assemble_graph
+from thundersync.app.definition import PipelineSpec, StageSpec
+from thundersync.app.factories import ALL_FACTORIES
+from thundersync.app.object_graph import build_order, check_fits
+from thundersync.errors import DefinitionError
+from thundersync.pipeline.graph import Graph
+from thundersync.pipeline.stage import Stage
+from thundersync.stages import REGISTRY
+
+__all__ = ["Unbuilt", "check_pipeline"]
+
+
+class Unbuilt:
+    """Stands for the object ``name`` (made by ``factory``) in a checked, unbuilt graph.
+
+    Class attributes of the factory's product (an objective's ``signal``...) read through, so
+    that graph checks which depend on them see the real values.
+    """
+
+    def __init__(self, name: str, factory: str) -> None:
+        self.name, self.factory = name, factory
+
+    def __getattr__(self, attr: str) -> Any:
+        product = factory_returns(self.factory)
+        if isinstance(product, type) and not attr.startswith("__"):
+            return getattr(product, attr)
+        raise AttributeError(f"object {self.name!r} is not built (thundersync check builds none): no {attr!r}")
+
+    def __repr__(self) -> str:
+        return f"Unbuilt({self.name!r}, factory={self.factory!r})"
+
+
+def check_pipeline(spec: PipelineSpec) -> Graph:
+    """Validate ``spec`` as :func:`build_graph` would, without building objects; returns the graph
+    of stand-in stages (its nodes name the stages and their reads, nothing more: never run it)."""
+    build_order(spec)
+    placeholders = {name: Unbuilt(name, obj.factory) for name, obj in spec.objects.items()}
+    stages = {name: _stand_in(name, node, spec, placeholders) for name, node in spec.stages.items()}
+    return assemble_graph(spec, stages)
+
+
+def _stand_in(name: str, node: StageSpec, spec: PipelineSpec, placeholders: dict[str, Unbuilt]) -> Stage:
+    """The stage ``name`` with its config and placeholder objects, its constructor not called."""
+    prefix = f"stages.{name}"
+    cls = REGISTRY.get(node.type)
+    if cls is None:
+        raise DefinitionError(f"{prefix}.type: unknown stage type {node.type!r}; known: {', '.join(REGISTRY)}")
+    params = runtime_params(cls)
+    for extra in sorted(set(node.objects) - set(params)):
+        raise DefinitionError(
+            f"{prefix}.objects.{extra}: a {node.type!r} stage takes no runtime object "
+            f"{extra!r}; it takes: {', '.join(params) or 'none'}"
+        )
+    stage = cls.__new__(cls)
+    Stage.__init__(stage, node.config)
+    for param, (hint, required) in params.items():
+        target = node.objects.get(param, param)
+        if target in placeholders:
+            check_fits(f"{prefix}.objects.{param}", hint, spec.objects[target].factory, target)
+        elif param in node.objects:
+            raise DefinitionError(
+                f"{prefix}.objects.{param}: names {target!r}, which is not defined under [objects]; "
+                f"objects: {', '.join(placeholders) or 'none'}"
+            )
+        elif required:
+            raise DefinitionError(
+                f"{prefix}: a {node.type!r} stage needs a runtime object {param!r}; add an "
+                f"[objects.{param}] table (factories: {', '.join(ALL_FACTORIES)})"
+            )
+        setattr(stage, param, placeholders.get(target))
+    return stage

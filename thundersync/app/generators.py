@@ -1,0 +1,110 @@
+"""The generator factories of pipeline files: ``torch-generator``, ``vllm-generator``, ``openai-generator``.
+
+::
+
+    [objects.generator]        # samples from the learner's own model: it sees each step's weights at once
+    factory = "torch-generator"
+    model = { object = "model" }
+    max_seq_len = 512
+
+    [objects.generator]        # an in-process vLLM engine over a model directory
+    factory = "vllm-generator"
+    model = "models/qwen3-0.6b"
+    gpu_memory_utilization = 0.3     # any other field goes to vllm.LLM unchanged
+
+    [objects.generator]        # an OpenAI-compatible server (vLLM's in production)
+    factory = "openai-generator"
+    base_url = "http://localhost:8000/v1"
+    model = "qwen3"
+    api_key_env = "OPENAI_API_KEY"   # the key is read from this environment variable, never the file
+
+Each is a thin wrapper over the class of :mod:`thundersync.generation` with the same arguments.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any
+
+import msgspec
+from torch import nn
+
+from thundersync.errors import ConfigError
+from thundersync.generation.base import LogprobMode
+from thundersync.generation.openai_generator import OpenAIGenerator
+from thundersync.generation.torch_generator import TorchGenerator
+from thundersync.generation.vllm_generator import VLLMGenerator
+
+__all__ = ["openai_generator", "torch_generator", "vllm_generator"]
+
+_Positive = Annotated[int, msgspec.Meta(ge=1)]
+_NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0)]
+
+
+def torch_generator(
+    *,
+    model: nn.Module,
+    max_batch: _Positive = 64,
+    max_seq_len: Annotated[int, msgspec.Meta(ge=2)] = 4096,
+    prefill_tokens: _Positive = 8192,
+    cuda_graphs: bool | None = None,
+    seed: int = 0,
+) -> TorchGenerator:
+    """``torch-generator``: a :class:`~thundersync.generation.TorchGenerator` sharing the learner's weights."""
+    return TorchGenerator(
+        model,
+        max_batch=max_batch,
+        max_seq_len=max_seq_len,
+        prefill_tokens=prefill_tokens,
+        cuda_graphs=cuda_graphs,
+        seed=seed,
+    )
+
+
+def vllm_generator(
+    *,
+    model: str,
+    logprobs: LogprobMode = "model",
+    enable_lora: bool = False,
+    max_lora_rank: _Positive = 16,
+    seed: int = 0,
+    **engine_kwargs: Any,
+) -> VLLMGenerator:
+    """``vllm-generator``: a :class:`~thundersync.generation.VLLMGenerator` loading ``model`` (a
+    directory); other fields go to ``vllm.LLM``."""
+    return VLLMGenerator(
+        model, logprobs=logprobs, enable_lora=enable_lora, max_lora_rank=max_lora_rank, seed=seed, **engine_kwargs
+    )
+
+
+def openai_generator(
+    *,
+    base_url: str,
+    model: str,
+    api_key_env: str | None = None,
+    logprobs: LogprobMode = "model",
+    timeout: Annotated[float, msgspec.Meta(gt=0)] = 300.0,
+    max_retries: Annotated[int, msgspec.Meta(ge=0)] = 5,
+    backoff: _NonNegativeSeconds = 0.5,
+    max_backoff: _NonNegativeSeconds = 8.0,
+) -> OpenAIGenerator:
+    """``openai-generator``: an :class:`~thundersync.generation.OpenAIGenerator` for the server at
+    ``base_url``; the API key comes from the environment variable ``api_key_env`` (keys do not
+    belong in pipeline files)."""
+    if not base_url.startswith(("http://", "https://")):
+        raise ConfigError(f"base_url {base_url!r} is not an http(s) URL; give e.g. 'http://localhost:8000/v1'")
+    api_key = None
+    if api_key_env is not None:
+        api_key = os.environ.get(api_key_env)
+        if not api_key:
+            raise ConfigError(f"api_key_env names {api_key_env!r}, but that environment variable is not set")
+    return OpenAIGenerator(
+        base_url,
+        model,
+        api_key=api_key,
+        logprobs=logprobs,
+        timeout=timeout,
+        max_retries=max_retries,
+        backoff=backoff,
+        max_backoff=max_backoff,
+    )

@@ -1,0 +1,149 @@
+"""The ``model`` and ``tokenizer`` factories of pipeline files: what a run trains and how it reads text.
+
+::
+
+    [objects.model]
+    factory = "model"
+    config = { vocab_size = 300, hidden_size = 32, num_hidden_layers = 2, num_attention_heads = 4,
+               num_key_value_heads = 2, head_dim = 8, intermediate_size = 64 }
+    seed = 0                           # the initial weights of a model built from its config
+    dtype = "float32"                  # "bfloat16", "float64"
+    device = "cpu"                     # "cuda", "auto" (cuda when there is one)
+    lora = { r = 8, lora_alpha = 16, target_modules = ["q_proj", "v_proj"] }
+
+    [objects.tokenizer]
+    factory = "tokenizer"
+    builtin = "bytes"                  # or: path = "models/qwen3" (a local transformers tokenizer)
+
+Nothing is downloaded: ``path`` is read with ``local_files_only=True``. transformers and peft are
+imported when a factory is called, never by ``thundersync check``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Literal, cast
+
+import torch
+from torch import nn
+
+from thundersync.errors import ConfigError
+from thundersync.tools.base import ByteTokenizer, Tokenizer
+
+__all__ = ["model", "tokenizer"]
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def model(
+    *,
+    path: str | None = None,
+    config: dict[str, Any] | None = None,
+    architecture: str = "qwen3",
+    seed: int = 0,
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32",
+    device: Literal["cpu", "cuda", "auto"] = "cpu",
+    lora: dict[str, Any] | None = None,
+) -> nn.Module:
+    """A transformers causal LM in eval mode (the streaming engine refuses dropout).
+
+    Exactly one of ``path`` (a local directory, loaded with ``from_pretrained`` offline) and
+    ``config`` (the fields of the ``architecture``'s transformers config, e.g. ``Qwen3Config``;
+    its weights are initialised from ``seed``). ``lora``: the fields of peft's ``LoraConfig``;
+    the model is then a peft model whose adapter alone is trainable. ``float64`` casts the
+    weights; transformers' own RMSNorm still computes in float32, so the exactness tests use their
+    own norms (``tests/engine/tiny_models.py``) rather than this factory.
+    """
+    if (path is None) == (config is None):
+        raise ConfigError(
+            "give the model either path (a local model directory) or config (its shapes), not "
+            f"{'both' if path is not None else 'neither'}"
+        )
+    target = _device(device)
+    if path is not None:
+        built = _from_directory(path, DTYPES[dtype])
+    else:
+        assert config is not None
+        built = _from_config(architecture, config, seed)
+    built = built.to(device=target, dtype=DTYPES[dtype])
+    if lora is not None:
+        built = _with_lora(built, lora)
+    return built.eval()
+
+
+def _device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError('device = "cuda" but torch sees no CUDA device; use "cpu", or "auto" to take one if present')
+    return torch.device(device)
+
+
+def _from_directory(path: str, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        loaded: nn.Module = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    except OSError as error:
+        raise ConfigError(
+            f"cannot load a model from {path!r} (a local directory; nothing is downloaded): {error}"
+        ) from None
+    return loaded
+
+
+def _from_config(architecture: str, fields: dict[str, Any], seed: int) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config_class = type(AutoConfig.for_model(architecture))
+    except ValueError:
+        raise ConfigError(
+            f"unknown model architecture {architecture!r}; give a transformers model_type, e.g. 'qwen3'"
+        ) from None
+    params = inspect.signature(config_class.__init__).parameters
+    valid = [name for name in params if name not in ("self", "kwargs")] + ["attn_implementation"]
+    unknown = sorted(set(fields) - set(valid))
+    if unknown:
+        raise ConfigError(
+            f"config: unknown {config_class.__name__} field(s) {', '.join(unknown)}; valid fields: {', '.join(valid)}"
+        )
+    config = config_class(**{"attn_implementation": "sdpa", **fields})  # eager softmax is fp32 even in fp64
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        built: nn.Module = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+    return built
+
+
+def _with_lora(base: nn.Module, fields: dict[str, Any]) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    valid = [field.name for field in dataclasses.fields(LoraConfig) if field.init]
+    unknown = sorted(set(fields) - set(valid))
+    if unknown:
+        raise ConfigError(f"lora: unknown LoraConfig field(s) {', '.join(unknown)}; valid fields: {', '.join(valid)}")
+    wrapped: nn.Module = get_peft_model(base, LoraConfig(**fields))
+    return wrapped
+
+
+def tokenizer(*, path: str | None = None, builtin: Literal["bytes"] | None = None) -> Tokenizer:
+    """A tokenizer: a transformers tokenizer from the local directory ``path`` (offline), or
+    ``builtin = "bytes"``: :class:`~thundersync.tools.base.ByteTokenizer`, made in code, whose
+    ids 0-255 are the bytes of UTF-8 text. A model used with it needs ``vocab_size >= 256``
+    (ids above 255 decode to nothing, so a larger vocabulary is fine: e.g. 300)."""
+    if (path is None) == (builtin is None):
+        raise ConfigError(
+            'give the tokenizer either path (a local tokenizer directory) or builtin = "bytes", not '
+            f"{'both' if path is not None else 'neither'}"
+        )
+    if builtin is not None:
+        return ByteTokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        loaded = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except OSError as error:
+        raise ConfigError(
+            f"cannot load a tokenizer from {path!r} (a local directory; nothing is downloaded): {error}"
+        ) from None
+    return cast(Tokenizer, loaded)  # encode/decode fit the protocol; transformers' stubs spell them wider

@@ -1,0 +1,183 @@
+"""The training factories of pipeline files: streaming run, objective, optimizer, schedule, trainer, checkpointer.
+
+Each is a thin wrapper over the library's own classes; the references make the chain::
+
+    [objects.run]          # StreamingRun over the model
+    factory = "streaming-run"
+    model = { object = "model" }
+
+    [objects.objective]    # RewardLinearBackward (GRPO); "opd" makes an OPDStream
+    factory = "grpo"
+    run = { object = "run" }
+    estimator = "grpo"
+
+    [objects.optimizer]    # any torch.optim class over run.params; GRPO maximizes the reward
+    factory = "optimizer"
+    objective = { object = "objective" }
+    name = "AdamW"
+    lr = 1e-3
+
+    [objects.schedule]     # linear warm-up, then cosine decay to floor_ratio * lr
+    factory = "lr-schedule"
+    optimizer = { object = "optimizer" }
+    warmup_steps = 2
+    decay_steps = 20
+
+    [objects.trainer]      # what the step stage calls: clip, step, schedule
+    factory = "streaming-trainer"
+    objective = { object = "objective" }
+    optimizer = { object = "optimizer" }
+    schedule = { object = "schedule" }
+    max_grad_norm = 1.0
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+
+from thundersync.app.checkpoint import Checkpointer, RandomSource
+from thundersync.engine import StreamingObjective, StreamingRun
+from thundersync.errors import ConfigError
+from thundersync.grpo import RewardLinearBackward
+from thundersync.grpo.estimators import Estimator
+from thundersync.opd import Normalization, OPDStream
+from thundersync.pipeline.policy import PolicyClock
+from thundersync.stages.step import StreamingTrainer
+
+__all__ = ["checkpointer", "grpo", "lr_schedule", "opd", "optimizer", "schedule_factor", "streaming_run", "trainer"]
+
+_NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+def streaming_run(
+    *, model: nn.Module, source_offload_device: str | None = None, background: bool | None = None
+) -> StreamingRun:
+    """``streaming-run``: a :class:`~thundersync.engine.StreamingRun` over the model's trainable parameters."""
+    return StreamingRun(model, source_offload_device=source_offload_device, background=background)
+
+
+def grpo(
+    *,
+    run: StreamingRun,
+    estimator: Estimator = "grpo",
+    eps: Annotated[float, msgspec.Meta(ge=0)] = 1e-6,
+    pack_tokens: _NonNegative = 8192,
+) -> RewardLinearBackward:
+    """``grpo``: a :class:`~thundersync.grpo.RewardLinearBackward` (GRPO-family objective) on ``run``."""
+    return RewardLinearBackward(run, estimator=estimator, eps=eps, pack_tokens=pack_tokens)
+
+
+def opd(
+    *, run: StreamingRun, normalization: Normalization = "token_mean", pack_tokens: _NonNegative = 8192
+) -> OPDStream:
+    """``opd``: an :class:`~thundersync.opd.OPDStream` (on-policy distillation) on ``run``."""
+    return OPDStream(run, normalization=normalization, pack_tokens=pack_tokens)
+
+
+def optimizer(*, objective: StreamingObjective, name: str, **options: Any) -> torch.optim.Optimizer:
+    """``optimizer``: the ``torch.optim`` class ``name`` over ``objective.run.params``, with ``options``
+    as its keyword arguments (``lr = 1e-3``, ``weight_decay = 0.0``...).
+
+    A GRPO objective (reward signal) is maximized: ``maximize = True`` is set for it (the streamed
+    gradient is that of the reward); an OPD objective (a loss) is minimized.
+    """
+    cls = getattr(torch.optim, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or name == "Optimizer":
+        valid = sorted(
+            n for n, c in vars(torch.optim).items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
+        )
+        raise ConfigError(
+            f"name: unknown torch.optim optimizer {name!r}; valid: {', '.join(set(valid) - {'Optimizer'})}"
+        )
+    accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "params")]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ConfigError(f"{name} takes no option(s) {', '.join(unknown)}; its options: {', '.join(accepted)}")
+    maximize = objective.signal == "reward"
+    if "maximize" in options and options["maximize"] != maximize:
+        raise ConfigError(
+            f"maximize = {options['maximize']} would train the {objective.signal} objective the wrong way; "
+            "drop it (GRPO maximizes the reward, OPD minimizes its loss)"
+        )
+    if maximize:
+        if "maximize" not in accepted:
+            raise ConfigError(f"{name} cannot maximize (no maximize option), which GRPO needs; choose e.g. AdamW")
+        options = {**options, "maximize": True}
+    built: torch.optim.Optimizer = cls(objective.run.params, **options)
+    return built
+
+
+def schedule_factor(step: int, *, warmup_steps: int, decay_steps: int, floor_ratio: float) -> float:
+    """The learning-rate multiplier after ``step`` scheduler steps: linear warm-up over
+    ``warmup_steps`` (``(step + 1) / warmup_steps``), then a cosine from 1 down to ``floor_ratio``
+    over ``decay_steps`` (0: constant), then ``floor_ratio``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if decay_steps == 0:
+        return 1.0
+    progress = min(step - warmup_steps, decay_steps) / decay_steps
+    return floor_ratio + (1.0 - floor_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def lr_schedule(
+    *,
+    optimizer: torch.optim.Optimizer,
+    warmup_steps: _NonNegative = 0,
+    decay_steps: _NonNegative = 0,
+    floor_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0,
+) -> LRScheduler:
+    """``lr-schedule``: a ``torch.optim.lr_scheduler.LambdaLR`` of :func:`schedule_factor`; the
+    trainer steps it after each optimizer step."""
+    return LambdaLR(
+        optimizer,
+        lambda step: schedule_factor(step, warmup_steps=warmup_steps, decay_steps=decay_steps, floor_ratio=floor_ratio),
+    )
+
+
+def trainer(
+    *,
+    objective: StreamingObjective,
+    optimizer: torch.optim.Optimizer,
+    schedule: LRScheduler | None = None,
+    max_grad_norm: Annotated[float, msgspec.Meta(gt=0)] | None = None,
+) -> StreamingTrainer:
+    """``streaming-trainer``: a :class:`~thundersync.stages.step.StreamingTrainer` that clips the
+    gradient norm to ``max_grad_norm`` (unset: no clipping), steps ``optimizer``, then ``schedule``."""
+    return StreamingTrainer(objective, optimizer, max_grad_norm=max_grad_norm, scheduler=schedule)
+
+
+def checkpointer(
+    *,
+    directory: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    policy: PolicyClock,
+    every: _NonNegative = 0,
+    keep: Annotated[int, msgspec.Meta(ge=1)] = 2,
+    schedule: LRScheduler | None = None,
+    generator: RandomSource | None = None,
+) -> Checkpointer:
+    """``checkpointer``: a :class:`~thundersync.app.checkpoint.Checkpointer` in ``directory``, so
+    that ``thundersync run FILE --resume DIR`` continues a run. ``generator``: the generator whose
+    random state is saved with it (a ``torch-generator``). Give it to the step stage
+    (``objects = { checkpointer = "NAME" }``, or name the object ``checkpointer``); the graph's
+    source stage, when it has exactly one, is its data position."""
+    rngs = {"generator": generator} if generator is not None else None
+    return Checkpointer(
+        Path(directory),
+        model=model,
+        optimizer=optimizer,
+        policy=policy,
+        every=every,
+        keep=keep,
+        scheduler=schedule,
+        rngs=rngs,
+    )
