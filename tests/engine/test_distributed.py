@@ -219,9 +219,12 @@ def _failing_rank(rank: int, world_size: int, port: int, how: str, out: Any) -> 
     grpo = _grpo(model, "grpo")
     batch = _batch(0)
     started = time.monotonic()
+    if rank == 0:  # rank 1 must hold a group before rank 0 can take them all (start-up times differ)
+        store.wait(["test/rank1-claimed"])
     try:
         while (index := claims.claim(0, len(batch))) is not None:
             if rank == 1:
+                store.set("test/rank1-claimed", b"1")
                 if how == "killed":
                     import os
 
@@ -229,7 +232,6 @@ def _failing_rank(rank: int, world_size: int, port: int, how: str, out: Any) -> 
                 raise ValueError(f"reward function crashed on group {index}")
             _stream_group(grpo, index, batch[index])
             claims.close(0, index, len(batch))
-            time.sleep(0.05)  # let rank 1 claim one
         claims.wait_sealed(0)
         grpo.assert_safe_to_step()
         dp.all_reduce_gradients(grpo.run.params)
