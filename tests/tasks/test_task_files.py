@@ -91,7 +91,7 @@ def test_a_failing_reward_function_is_the_one_error_line(
     assert "ExceptionGroup" not in err and "sub-exception" not in err
 
 
-def test_check_names_a_bad_task_file_line_and_accepts_a_good_one(
+def test_run_names_a_bad_task_file_line_and_accepts_a_good_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     data = tmp_path / "tasks.jsonl"
@@ -101,7 +101,8 @@ def test_check_names_a_bad_task_file_line_and_accepts_a_good_one(
     path.write_text(
         text.replace('factory = "arithmetic-tasks"\ncount = 6\nseed = 2', f'factory = "jsonl-tasks"\npath = "{data}"')
     )
-    assert main(["check", str(path)]) == 2
+    assert main(["check", str(path)]) == 0  # check builds nothing, so it reads no data file
+    assert main(["run", str(path)]) == 2
     assert (
         f"objects.tasks: jsonl-tasks failed: {data}:2: a task needs exactly one of 'prompt'" in capsys.readouterr().err
     )

@@ -12,8 +12,9 @@ and does the shuffling, epochs and batching (:class:`~thundersync.stages.source.
     {"prompt_ids": [101, 7, 9], "answer": "12"}
 
 ``prompt`` (text, encoded with the tokenizer) or ``prompt_ids`` (token ids), not both; every other
-key is a task field. Blank lines are skipped. A bad file fails when the object is built (so
-``thundersync check`` finds it), naming the file, the line and what is wrong.
+key is a task field. Blank lines are skipped. A bad file fails when the object is built
+(at the start of ``thundersync run``; ``check`` builds nothing), naming the file, the line and what
+is wrong.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the logits of the scored tokens (``logits_to_keep``). The forward runs in a work
 device (give ``device`` to move it there; the teacher may share the learner's GPU or have its own).
 
 The model may be given as a loader (a callable returning it), loaded on first use, so that
-``thundersync check`` builds the object without reading weights.
+building the object (at the start of ``thundersync run``) reads no weights.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import msgspec
 
 from thundersync.errors import ConfigError
 
-if TYPE_CHECKING:  # torch loads when the teacher first scores, so `thundersync check` stays fast
+if TYPE_CHECKING:  # torch loads when the teacher first scores, so building the teacher stays cheap
     import torch
     from torch import nn
 
