@@ -7,7 +7,8 @@ through ``RewardLinearBackward`` with their closes interleaved across the groups
 finish in any order. After ``assert_safe_to_step()`` every ``p.grad`` holds the gradient of the
 GRPO objective; the same gradient computed densely (each full sequence through the model's
 ordinary forward) gives the relative error. Then one AdamW(maximize=True) step. Prints one JSON
-line.
+line and exits 1 when the relative error passes the fp32 tolerance (``TOLERANCE``, 1e-5: the
+streamed and dense sums differ only in rounding order).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 import thundersync
 
 VOCAB, EPS = 128, 1e-6
+TOLERANCE = 1e-5  # fp32 relative error of the streamed gradient against the dense one
 
 
 def make_model(device: torch.device) -> torch.nn.Module:
@@ -108,18 +110,26 @@ def main() -> None:
     dense(reference, batch)
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
     want = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, maximize=True)
     optimizer.step()
+    moved = float((torch.cat([p.detach().flatten() for p in model.parameters()]) - before).norm())
+    error = float((got - want).norm() / want.norm())
     print(
         json.dumps(
             {
                 "device": device.type,
                 "grad_norm": float(got.norm()),
-                "relative_error_vs_dense": float((got - want).norm() / want.norm()),
+                "relative_error_vs_dense": error,
+                "tolerance": TOLERANCE,
+                "within_tolerance": error < TOLERANCE,
+                "step_moved_parameters_by": moved,
                 "trajectories": sum(len(t) for _, t, _ in batch.values()),
             }
         )
     )
+    if not error < TOLERANCE:
+        raise SystemExit(f"streamed gradient is {error:.3g} from the dense one, past the tolerance {TOLERANCE:g}")
 
 
 if __name__ == "__main__":

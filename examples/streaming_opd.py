@@ -6,8 +6,10 @@ A small random Qwen3 student learns from a different small random Qwen3 teacher 
 code, no download). Several multi-turn trajectories with tool-observation turns are streamed: each
 action's teacher scores arrive right after it is generated, and the action is backpropagated at
 once; gradients that later actions send into earlier turns' K/V state are replayed when the
-trajectory closes. The script prints one JSON line: the loss, the gradient norm and the relative
-error of the streamed gradient against the ordinary forward + backward of the same loss.
+trajectory closes. Then one AdamW step on the streamed gradient. The script prints one JSON line:
+the loss, the gradient norm, the relative error of the streamed gradient against the ordinary
+forward + backward of the same loss, and how far the step moved the parameters; it exits 1 when
+the error passes the fp32 tolerance (``TOLERANCE``, 1e-5).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 import thundersync
 
 VOCAB = 128
+TOLERANCE = 1e-5  # fp32 relative error of the streamed gradient against the dense one
 
 
 def small_qwen3(seed: int, hidden: int, device: str) -> Qwen3ForCausalLM:
@@ -158,18 +161,30 @@ def main() -> None:
     dense = [p.grad for p in student.parameters()]
     diff = sum(float((s - d).double().pow(2).sum()) for s, d in zip(streamed, dense)) ** 0.5
     norm = sum(float(d.double().pow(2).sum()) for d in dense) ** 0.5
+    error = diff / norm
+
+    for p, g in zip(student.parameters(), streamed):  # the update uses the streamed gradient
+        p.grad = g
+    before = [p.detach().clone() for p in student.parameters()]
+    torch.optim.AdamW(student.parameters(), lr=1e-3).step()
+    moved = sum(float((p.detach() - b).double().pow(2).sum()) for p, b in zip(student.parameters(), before)) ** 0.5
     print(
         json.dumps(
             {
                 "loss": float(loss.detach()),
                 "grad_norm": norm,
-                "relative_error": diff / norm,
+                "relative_error": error,
+                "tolerance": TOLERANCE,
+                "within_tolerance": error < TOLERANCE,
+                "step_moved_parameters_by": moved,
                 "trajectories": len(batch),
                 "device": args.device,
                 "streamed_seconds": round(streamed_seconds, 4),
             }
         )
     )
+    if not error < TOLERANCE:
+        raise SystemExit(f"streamed gradient is {error:.3g} from the dense one, past the tolerance {TOLERANCE:g}")
 
 
 if __name__ == "__main__":

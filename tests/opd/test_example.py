@@ -21,6 +21,6 @@ def test_the_opd_example_prints_one_json_line_matching_the_dense_reference() -> 
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1, out.stdout
     result = json.loads(lines[0])
-    assert result["relative_error"] < 1e-5
-    assert result["grad_norm"] > 0
+    assert result["relative_error"] < 1e-5 and result["within_tolerance"] is True
+    assert result["grad_norm"] > 0 and result["step_moved_parameters_by"] > 0
     assert result["trajectories"] == 6
