@@ -15,11 +15,12 @@ transformers model, the adapter alone for a peft model. They load back with ``fr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final
 
@@ -108,10 +109,25 @@ def save_weights(model: nn.Module, directory: Path) -> None:
             f"cannot checkpoint a {type(model).__name__}: it has no save_pretrained; give the "
             "checkpointer a transformers model or a peft model"
         )
-    if is_adapter(model):
-        save(str(directory), safe_serialization=True)
-    else:
-        save(str(directory))  # transformers writes safetensors only
+    with _quiet_progress():  # transformers' "Writing model shards" bar would cut the live line
+        if is_adapter(model):
+            save(str(directory), safe_serialization=True)
+        else:
+            save(str(directory))  # transformers writes safetensors only
+
+
+@contextlib.contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """transformers' progress bars off for the block, as they were afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
 
 
 def load_weights(model: nn.Module, directory: Path) -> None:
