@@ -160,17 +160,26 @@ def _check_required_inputs(graph: Graph) -> None:
                 )
 
 
-def _make_stage(name: str, node: StageSpec, objects: dict[str, Any]) -> Stage:
+def stage_class(name: str, node: StageSpec) -> tuple[type[Stage], dict[str, tuple[Any, bool]]]:
+    """The stage type of ``stages.NAME`` and its runtime parameters, after checking that its
+    ``objects`` table names only parameters the stage takes (shared by building and ``check``)."""
     prefix = f"stages.{name}"
     cls = REGISTRY.get(node.type)
     if cls is None:
         raise DefinitionError(f"{prefix}.type: unknown stage type {node.type!r}; known: {', '.join(REGISTRY)}")
     params = runtime_params(cls)
-    for extra in sorted(set(node.objects) - set(params)):
+    extra = sorted(set(node.objects) - set(params))
+    if extra:
         raise DefinitionError(
-            f"{prefix}.objects.{extra}: a {node.type!r} stage takes no runtime object "
-            f"{extra!r}; it takes: {', '.join(params) or 'none'}"
+            f"{prefix}.objects.{extra[0]}: a {node.type!r} stage takes no runtime object "
+            f"{extra[0]!r}; it takes: {', '.join(params) or 'none'}"
         )
+    return cls, params
+
+
+def _make_stage(name: str, node: StageSpec, objects: dict[str, Any]) -> Stage:
+    prefix = f"stages.{name}"
+    cls, params = stage_class(name, node)
     kwargs = {param: _bind(prefix, node, param, hint, required, objects) for param, (hint, required) in params.items()}
     try:
         return cls(node.config, **{k: v for k, v in kwargs.items() if v is not None})

@@ -20,15 +20,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from thundersync.app._schema import factory_returns, runtime_params
-from thundersync.app.build import assemble_graph
+from thundersync.app._schema import factory_returns
+from thundersync.app.build import assemble_graph, stage_class
 from thundersync.app.definition import PipelineSpec, StageSpec
 from thundersync.app.factories import ALL_FACTORIES
 from thundersync.app.object_graph import build_order, check_fits
 from thundersync.errors import DefinitionError
 from thundersync.pipeline.graph import Graph
 from thundersync.pipeline.stage import Stage
-from thundersync.stages import REGISTRY
 
 __all__ = ["Unbuilt", "check_pipeline"]
 
@@ -65,15 +64,7 @@ def check_pipeline(spec: PipelineSpec) -> Graph:
 def _stand_in(name: str, node: StageSpec, spec: PipelineSpec, placeholders: dict[str, Unbuilt]) -> Stage:
     """The stage ``name`` with its config and placeholder objects, its constructor not called."""
     prefix = f"stages.{name}"
-    cls = REGISTRY.get(node.type)
-    if cls is None:
-        raise DefinitionError(f"{prefix}.type: unknown stage type {node.type!r}; known: {', '.join(REGISTRY)}")
-    params = runtime_params(cls)
-    for extra in sorted(set(node.objects) - set(params)):
-        raise DefinitionError(
-            f"{prefix}.objects.{extra}: a {node.type!r} stage takes no runtime object "
-            f"{extra!r}; it takes: {', '.join(params) or 'none'}"
-        )
+    cls, params = stage_class(name, node)
     stage = cls.__new__(cls)
     Stage.__init__(stage, node.config)
     for param, (hint, required) in params.items():
