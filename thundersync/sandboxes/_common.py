@@ -221,12 +221,12 @@ class TreeSandbox:
         try:
             os.fchmod(fd, 0o700)
             trees.empty_dir(fd)
+            if self._seed is None:
+                os.fchmod(fd, 0o755)
         finally:
             os.close(fd)
         if self._seed is not None:
             trees.copy_tree_into(self._seed, tree)
-        else:
-            os.chmod(tree, 0o755)
         if self._owner is not None:
             trees.chown_tree(tree, *self._owner)
         expected = seed_digest(self._seed) if self._seed is not None else trees.tree_digest_of_empty()

@@ -202,7 +202,7 @@ def copy_out(tree: Path, path: str | bytes, dest: Path, *, max_bytes: int | None
             _copy.refuse_oversized(os.fstat(fd), max_bytes, os.fsdecode(shown))
             with open(dest, "wb") as out:
                 _copy.copy_file(fd, out.fileno(), max_bytes)
-            os.chmod(dest, stat.S_IMODE(info.st_mode) & 0o755)
+                os.fchmod(out.fileno(), stat.S_IMODE(info.st_mode) & 0o755)
         finally:
             os.close(fd)
 
