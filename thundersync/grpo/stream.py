@@ -46,6 +46,7 @@ from thundersync.engine.run import StreamingRun
 from thundersync.errors import ConfigError
 from thundersync.grpo import _jobs
 from thundersync.grpo._jobs import Branch, GroupWork
+from thundersync.grpo._profile import CloseProfile
 from thundersync.grpo.estimators import Estimator, accumulator_coefficients, advantages, contributes
 
 __all__ = ["RewardLinearBackward"]
@@ -83,6 +84,8 @@ class RewardLinearBackward:
         self.config = inputs.build_config(RewardLinearBackward.Config, config, options, "RewardLinearBackward")
         self.run = run
         self._groups: OpenGroups[_Pending, Branch] = OpenGroups(run, new_trajectory=Branch)
+        # THUNDERSYNC_GRPO_CLOSE_TRACE and THUNDERSYNC_GRPO_PROFILE_*: diagnostics of the close packs
+        self._profile = CloseProfile.from_env(run.layout.device)
 
     def open_group(self, group_id: Hashable, prompt_tokens: Any) -> None:
         """Open a group; its prompt is forwarded once, shared by its trajectories (never before needed)."""
@@ -140,16 +143,20 @@ class RewardLinearBackward:
         packs = split(items, budget, lambda item: len(item[1])) if items else [[]]
         if len(packs) > 1:
             self._ensure_prompt_state(group)
-        for pack in packs[:-1]:
+        for index, pack in enumerate(packs[:-1]):
+            job = partial(_jobs.backward_final, self.run, pack)
             self.run.submit(
                 f"final backward of {len(pack)} branches of group {group_id!r}",
-                partial(_jobs.backward_final, self.run, pack),
+                self._profile.wrap(group_id, index, len(pack), sum(len(b) for _, b, _ in pack), job),
             )
         reference = pending.reference if pending.reference is not None else 0.0
         c1, c2 = accumulator_coefficients(rewards, estimator, eps, reference)
+        last = packs[-1]
+        job = partial(_jobs.close_group, self.run, pending.work, last, c1, c2)
+        tokens = len(pending.work.prompt) + sum(len(b) for _, b, _ in last)
         self.run.submit(
-            f"close of group {group_id!r} with {len(packs[-1])} branches",
-            partial(_jobs.close_group, self.run, pending.work, packs[-1], c1, c2),
+            f"close of group {group_id!r} with {len(last)} branches",
+            self._profile.wrap(group_id, len(packs) - 1, len(last), tokens, job),
         )
 
     def assert_safe_to_step(self) -> None:
