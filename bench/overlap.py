@@ -277,6 +277,7 @@ async def run_rows(args: argparse.Namespace, model: torch.nn.Module, device: tor
             objective = make_objective(row, thundersync.StreamingRun(model))
             warm = Learner(objective, plan[:1], teacher if row == "opd" else None)  # probes, allocator
             await learner_alone(warm, [item for item in finished if item[0] == 0])
+            dense_seconds(model, plan[:1], finished, warm.teacher)  # the dense path's kernels and autotuning
             learner = Learner(objective, plan, teacher if row == "opd" else None)
             rows.append(await measure_row(_ROW_NAMES[row], model, generator, learner, rollout_s, finished))
             print(f"[done] {markdown_table(COLUMNS, rows[-1:]).splitlines()[-1]}", file=sys.stderr, flush=True)

@@ -11,6 +11,7 @@ import torch
 import thundersync
 from tests.engine.tiny_models import tiny_qwen3
 from thundersync.engine._streams import JobStream
+from thundersync.engine.dense import relative_error
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many
 
 
@@ -55,10 +56,13 @@ def _stream_batch(model: torch.nn.Module, *, side: bool) -> list[torch.Tensor]:
 
 @pytest.mark.gpu
 def test_side_stream_gradients_equal_the_single_stream_ones_beside_a_generator() -> None:
-    """Bitwise: the same kernels in the same order, only launched on another stream."""
+    """Equal to fp32 rounding, not bitwise: on the H200 the two were not bitwise equal with the
+    generator running beside them (without it, runs repeat bitwise: tests/grpo/test_guards.py).
+    A missing wait (a job reading before its inputs exist, the caller reading ``.grad`` before the
+    jobs end) would show as an error of order 1, far above this bound."""
     model = tiny_qwen3(seed=5).to("cuda", torch.float32)
     single = _stream_batch(model, side=False)
     model.zero_grad(set_to_none=True)
     side = _stream_batch(model, side=True)
     assert len(single) == len(side) > 0
-    assert all(torch.equal(a, b) for a, b in zip(single, side))
+    assert relative_error(side, single) < 1e-5
