@@ -3,7 +3,8 @@
 The run owns what every streaming objective shares: the decoder's anatomy, the trainable
 parameters and their flat layout, the scratch that captures one backward's parameter gradients,
 the run-wide fp32 (fp64) total that groups add their combined gradient into, and the worker
-that executes the GPU work in submission order (off the caller's thread on CUDA by default).
+that executes the GPU work in submission order (off the caller's thread on CUDA by default, on
+the run's own CUDA stream: :mod:`thundersync.engine._streams` says how it is ordered).
 
 Parameters must not change while a logical batch is open: the run's
 :class:`~thundersync.engine._guard.ParameterGuard` claims them when the batch's first group
