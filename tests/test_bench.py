@@ -51,3 +51,11 @@ def test_pack_cost_bench_runs_every_form() -> None:
 def test_distributed_bench_runs_one_and_two_ranks_with_and_without_zero1() -> None:
     table = _run("distributed.py")
     assert "| 1 rank |" in table and "| 2 ranks |" in table and "| 2 ranks, ZeRO-1 |" in table
+
+
+@pytest.mark.timeout(300)
+def test_overlap_bench_runs_every_row() -> None:
+    table = _run("overlap.py")
+    for row in ("GRPO, pack_tokens=8192 (default)", "GRPO, pack_tokens=0", "OPD (teacher on the same device)"):
+        assert f"| {row} |" in table
+    assert "| balanced GRPO " in table and "| hidden | speed-up | rollout slowdown |" in table

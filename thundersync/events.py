@@ -267,7 +267,9 @@ class StepDone(EventBase, frozen=True):
     """The optimizer stepped on a logical batch; ``grad_norm`` is the total gradient norm
     before clipping, ``learn_s`` the seconds the step waited for the engine plus the optimizer
     step, ``lr`` the learning rate it used (first parameter group) and ``logprob_mismatch`` the
-    mean |behaviour - learner| log-prob over the batch's scored tokens (``None``: not known).
+    mean |behaviour - learner| log-prob over the batch's scored tokens (``None``: not known);
+    ``audit_rel_error`` the relative error of the streamed gradient against a dense recomputation
+    on audited steps (the trainer's ``audit_every``; ``None`` on other steps).
 
     Produced by step; no stage consumes it: it is a result of the graph for the application and
     the metrics file.
@@ -279,6 +281,7 @@ class StepDone(EventBase, frozen=True):
     learn_s: float = 0.0
     lr: float | None = None
     logprob_mismatch: float | None = None
+    audit_rel_error: float | None = None
 
 
 class PolicyPublished(EventBase, frozen=True):

@@ -49,6 +49,7 @@ KEYS = {
     "tool_calls",
     "tool_errors",
     "logprob_mismatch",
+    "audit_rel_error",
 }
 
 
@@ -152,7 +153,9 @@ def test_times_are_measured_from_the_batchs_first_group_and_the_previous_step() 
         clock.now = now
         assert steps.observe(event) is None
     clock.now = 108.0
-    done = StepDone(batch_id=0, policy_version=7, grad_norm=2.0, learn_s=1.25, lr=0.01, logprob_mismatch=0.5)
+    done = StepDone(
+        batch_id=0, policy_version=7, grad_norm=2.0, learn_s=1.25, lr=0.01, logprob_mismatch=0.5, audit_rel_error=3e-7
+    )
     assert steps.observe(done) == {
         "step": 7,
         "batch_id": 0,
@@ -168,6 +171,7 @@ def test_times_are_measured_from_the_batchs_first_group_and_the_previous_step() 
         "tool_calls": 1,
         "tool_errors": 1,
         "logprob_mismatch": 0.5,
+        "audit_rel_error": 3e-7,
     }
     clock.now = 110.5
     nothing = steps.observe(StepDone(batch_id=1, policy_version=8))

@@ -6,7 +6,8 @@ as an ``"event": "step"`` line::
 
     {"step": 3, "batch_id": 2, "reward_mean": 0.41, "reward_std": 0.12,
      "step_s": 1.9, "rollout_s": 1.5, "learn_s": 0.3, "tokens": 1536, "tokens_per_s": 808.4,
-     "grad_norm": 0.8, "lr": 0.001, "tool_calls": 12, "tool_errors": 1, "logprob_mismatch": null}
+     "grad_norm": 0.8, "lr": 0.001, "tool_calls": 12, "tool_errors": 1, "logprob_mismatch": null,
+     "audit_rel_error": null}
 
 Definitions (times in seconds, from the watcher's clock):
 
@@ -24,7 +25,8 @@ Definitions (times in seconds, from the watcher's clock):
   over ``step_s``;
 - ``tool_calls``: the batch's ToolObserved; ``tool_errors``: those that timed out or whose
   process did not exit with status 0 (killed ones included);
-- ``grad_norm``, ``lr``, ``logprob_mismatch``: as the step reported them (StepDone).
+- ``grad_norm``, ``lr``, ``logprob_mismatch``, ``audit_rel_error``: as the step reported them
+  (StepDone; ``audit_rel_error`` only on the trainer's audited steps, ``audit_every``).
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ class StepMetrics:
             "tool_calls": batch.tool_calls,
             "tool_errors": batch.tool_errors,
             "logprob_mismatch": done.logprob_mismatch,
+            "audit_rel_error": done.audit_rel_error,
         }
 
 

@@ -29,6 +29,7 @@ Each is a thin wrapper over the library's own classes; the references make the c
     optimizer = { object = "optimizer" }
     schedule = { object = "schedule" }
     max_grad_norm = 1.0
+    audit_every = 10       # every 10th step: audit_rel_error, the streamed gradient against a dense one
 """
 
 from __future__ import annotations
@@ -148,10 +149,15 @@ def trainer(
     optimizer: torch.optim.Optimizer,
     schedule: LRScheduler | None = None,
     max_grad_norm: Annotated[float, msgspec.Meta(gt=0)] | None = None,
+    audit_every: _NonNegative = 0,
 ) -> StreamingTrainer:
     """``streaming-trainer``: a :class:`~thundersync.stages.step.StreamingTrainer` that clips the
-    gradient norm to ``max_grad_norm`` (unset: no clipping), steps ``optimizer``, then ``schedule``."""
-    return StreamingTrainer(objective, optimizer, max_grad_norm=max_grad_norm, scheduler=schedule)
+    gradient norm to ``max_grad_norm`` (unset: no clipping), steps ``optimizer``, then ``schedule``;
+    every ``audit_every``-th step (0: never) it also recomputes the batch's gradient densely and
+    reports the streamed one's relative error (``audit_rel_error`` in the metrics)."""
+    return StreamingTrainer(
+        objective, optimizer, max_grad_norm=max_grad_norm, scheduler=schedule, audit_every=audit_every
+    )
 
 
 def checkpointer(

@@ -3,7 +3,8 @@
 The run owns what every streaming objective shares: the decoder's anatomy, the trainable
 parameters and their flat layout, the scratch that captures one backward's parameter gradients,
 the run-wide fp32 (fp64) total that groups add their combined gradient into, and the worker
-that executes the GPU work in submission order (off the caller's thread on CUDA by default).
+that executes the GPU work in submission order (off the caller's thread on CUDA by default, on
+the run's own CUDA stream: :mod:`thundersync.engine._streams` says how it is ordered).
 
 Parameters must not change while a logical batch is open: the run's
 :class:`~thundersync.engine._guard.ParameterGuard` claims them when the batch's first group
@@ -24,6 +25,7 @@ from torch import nn
 from thundersync.engine import inputs
 from thundersync.engine._accum import FlatAccumulator, GradCapture, ParamLayout
 from thundersync.engine._guard import ParameterGuard, check_deterministic
+from thundersync.engine._streams import JobStream
 from thundersync.engine._worker import Worker
 from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy, unwrap_peft
 from thundersync.engine.inputs import build_config
@@ -85,6 +87,7 @@ class StreamingRun:
         self.accumulator_device = _device(self.config.source_offload_device) or self.layout.device
         background = self.config.background
         self.worker = Worker(background=self.layout.device.type == "cuda" if background is None else background)
+        self.streams = JobStream(self.layout.device)
         positions = getattr(getattr(unwrap_peft(model), "config", None), "max_position_embeddings", None)
         self.max_positions = int(positions) if positions is not None else None
         self.guard = ParameterGuard(model, self.params)
@@ -123,10 +126,12 @@ class StreamingRun:
     # --- caller side ---------------------------------------------------------------------------
 
     def submit(self, label: str, job: Callable[[], None]) -> None:
-        """Queue GPU work (FIFO); it runs with gradients enabled whatever the caller's mode."""
+        """Queue GPU work (FIFO); it runs with gradients enabled whatever the caller's mode, on the
+        run's side stream (CUDA), after the work the caller's stream holds now."""
+        after = self.streams.mark()
 
         def run() -> None:  # inference_mode(False): enable_grad alone cannot lift inference mode
-            with torch.inference_mode(False), torch.enable_grad():
+            with torch.inference_mode(False), torch.enable_grad(), self.streams.running(after):
                 job()
 
         self.worker.submit(label, run)
@@ -155,6 +160,12 @@ class StreamingRun:
                 "with longer positions"
             )
 
+    def wait(self) -> None:
+        """Wait for every queued job (raising the first failure); the caller's stream then follows
+        the jobs' stream, so what they computed can be read."""
+        self.worker.join()
+        self.streams.join()
+
     def begin(self, owner: object) -> None:
         """Start a logical batch of ``owner`` (an objective) if none is running: check the model,
         claim its parameters, record their versions."""
@@ -179,7 +190,7 @@ class StreamingRun:
         """
         if pending:
             raise UnsafeStepError("not safe to step: " + "; ".join(pending))
-        self.worker.join()
+        self.wait()
         problem = self.guard.problem()
         if problem is None and self._total is not None:
             problem = self.guard.non_finite(self._total.per_parameter())
@@ -194,6 +205,7 @@ class StreamingRun:
         """Abandon the logical batch: wait for queued work and forget its failure, drop the run's
         total and release the parameters. The run can start a new batch afterwards."""
         self.worker.clear()
+        self.streams.join()
         self._end_batch()
 
     def _end_batch(self) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
@@ -44,9 +44,13 @@ from thundersync.engine.objective import Signal
 from thundersync.engine.packing import split
 from thundersync.engine.run import StreamingRun
 from thundersync.errors import ConfigError
-from thundersync.grpo import _jobs
+from thundersync.grpo import _jobs, dense
 from thundersync.grpo._jobs import Branch, GroupWork
+from thundersync.grpo._profile import CloseProfile
 from thundersync.grpo.estimators import Estimator, accumulator_coefficients, advantages, contributes
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["RewardLinearBackward"]
 
@@ -83,6 +87,9 @@ class RewardLinearBackward:
         self.config = inputs.build_config(RewardLinearBackward.Config, config, options, "RewardLinearBackward")
         self.run = run
         self._groups: OpenGroups[_Pending, Branch] = OpenGroups(run, new_trajectory=Branch)
+        # THUNDERSYNC_GRPO_CLOSE_TRACE and THUNDERSYNC_GRPO_PROFILE_*: diagnostics of the close packs
+        self._profile = CloseProfile.from_env(run.layout.device)
+        self._kept: list[dense.DenseGroup] | None = None  # closed groups' inputs, while auditing
 
     def open_group(self, group_id: Hashable, prompt_tokens: Any) -> None:
         """Open a group; its prompt is forwarded once, shared by its trajectories (never before needed)."""
@@ -130,6 +137,9 @@ class RewardLinearBackward:
         pending, estimator, eps = group.payload, self.config.estimator, self.config.eps
         branches = [t.payload for t in group.trajectories.values()]
         rewards = [b.reward for b in branches if b.reward is not None]
+        if self._kept is not None:
+            kept = [(b.tokens, b.scored, b.reward) for b in branches if b.reward is not None]
+            self._kept.append(dense.DenseGroup(pending.work.prompt, kept))
         if not contributes(rewards, estimator):
             pending.work.cancelled = True  # every advantage is exactly zero: skip the queued work
             self.run.submit(f"release of group {group_id!r}", pending.work.release)
@@ -140,16 +150,20 @@ class RewardLinearBackward:
         packs = split(items, budget, lambda item: len(item[1])) if items else [[]]
         if len(packs) > 1:
             self._ensure_prompt_state(group)
-        for pack in packs[:-1]:
+        for index, pack in enumerate(packs[:-1]):
+            job = partial(_jobs.backward_final, self.run, pack)
             self.run.submit(
                 f"final backward of {len(pack)} branches of group {group_id!r}",
-                partial(_jobs.backward_final, self.run, pack),
+                self._profile.wrap(group_id, index, len(pack), sum(len(b) for _, b, _ in pack), job),
             )
         reference = pending.reference if pending.reference is not None else 0.0
         c1, c2 = accumulator_coefficients(rewards, estimator, eps, reference)
+        last = packs[-1]
+        job = partial(_jobs.close_group, self.run, pending.work, last, c1, c2)
+        tokens = len(pending.work.prompt) + sum(len(b) for _, b, _ in last)
         self.run.submit(
-            f"close of group {group_id!r} with {len(packs[-1])} branches",
-            partial(_jobs.close_group, self.run, pending.work, packs[-1], c1, c2),
+            f"close of group {group_id!r} with {len(last)} branches",
+            self._profile.wrap(group_id, len(packs) - 1, len(last), tokens, job),
         )
 
     def assert_safe_to_step(self) -> None:
@@ -163,6 +177,23 @@ class RewardLinearBackward:
         """
         self._groups.clear()
         self.run.discard()
+        if self._kept is not None:
+            self._kept = []
+
+    def keep_batch(self, keep: bool) -> None:
+        """Keep the plain inputs (token ids, flags, rewards) of the groups that close from now on,
+        for :meth:`dense_gradient`; ``False`` stops and forgets them."""
+        self._kept = [] if keep else None
+
+    def dense_gradient(self) -> list[torch.Tensor]:
+        """The gradient of J over the groups kept since :meth:`keep_batch` or the last call,
+        recomputed densely (:mod:`thundersync.grpo.dense`), one tensor per ``run.params``; the
+        record then starts empty. Call it after :meth:`assert_safe_to_step`, before the step."""
+        if self._kept is None:
+            raise ConfigError("no batch was kept for a dense gradient: call keep_batch(True) before its first group")
+        groups, self._kept = self._kept, []
+        model, config = self.run.anatomy.model, self.config
+        return dense.dense_gradient(model, self.run.params, groups, config.estimator, config.eps)
 
     def retained_bytes(self) -> int:
         """Bytes of tensors held for open groups plus the run's scratch and total."""

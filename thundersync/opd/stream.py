@@ -39,7 +39,7 @@ precision").
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
@@ -49,9 +49,12 @@ from thundersync.engine.objective import Signal
 from thundersync.engine.packing import PackQueue
 from thundersync.engine.run import StreamingRun
 from thundersync.errors import ConfigError, UnsafeStepError
-from thundersync.opd import _replay
+from thundersync.opd import _replay, dense
 from thundersync.opd._replay import ClosedTrajectory, PendingTurn, PromptState, TurnChain, TurnState
 from thundersync.opd.loss import Normalization, normalizer
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["OPDStream"]
 
@@ -84,6 +87,8 @@ class OPDStream:
             limit, size=len, owner=_chain, ready=lambda closed: not self._turns.holds(closed.trajectory)
         )
         self._scored_tokens = 0
+        self._kept: list[dense.DenseTrajectory] | None = None  # closed trajectories' inputs, while auditing
+        self._normalizer = 1.0  # the N of the last stepped batch
 
     # --- the StreamingObjective protocol -------------------------------------------------------
 
@@ -135,6 +140,9 @@ class OPDStream:
             )
         group, trajectory = self._groups.closing(group_id, trajectory_id)
         chain = trajectory.payload
+        if self._kept is not None:
+            turns = [dense.DenseTurn(t.ids, t.scored, t.teacher, t.behaviour) for t in chain.turns]
+            self._kept.append(dense.DenseTrajectory(group.payload.prompt, turns))
         self._replays.push(ClosedTrajectory(group.payload, list(chain.turns), chain))
         where = trajectory_name(group_id, trajectory_id)
         self.run.submit(f"replay of the trajectories closed up to {where}", self._replay_queued)
@@ -165,7 +173,8 @@ class OPDStream:
             self._end_batch()
             raise UnsafeStepError(f"not safe to step: {problem}; the batch was dropped")
         scored = self.run.global_count(self._scored_tokens)  # N of the whole batch, over every rank
-        self._sink.finish_batch(normalizer(self.config.normalization, scored))
+        self._normalizer = normalizer(self.config.normalization, scored)
+        self._sink.finish_batch(self._normalizer)
         self._scored_tokens = 0
 
     def discard(self) -> None:
@@ -177,6 +186,21 @@ class OPDStream:
         self.run.discard()
         self._end_batch()
 
+    def keep_batch(self, keep: bool) -> None:
+        """Keep the plain inputs (token ids, scored positions, log-probs) of the trajectories that
+        close from now on, for :meth:`dense_gradient`; ``False`` stops and forgets them."""
+        self._kept = [] if keep else None
+
+    def dense_gradient(self) -> list[torch.Tensor]:
+        """The gradient of the loss over the trajectories kept since :meth:`keep_batch` or the last
+        call, recomputed densely with the N of the last step (:mod:`thundersync.opd.dense`), one
+        tensor per ``run.params``; the record then starts empty. Call it after
+        :meth:`assert_safe_to_step`, before the optimizer step."""
+        if self._kept is None:
+            raise ConfigError("no batch was kept for a dense gradient: call keep_batch(True) before its first group")
+        kept, self._kept = self._kept, []
+        return dense.dense_gradient(self.run.anatomy.model, self.run.params, kept, self._normalizer)
+
     # --- helpers -------------------------------------------------------------------------------
 
     def retained_bytes(self) -> int:
@@ -187,6 +211,8 @@ class OPDStream:
     def _end_batch(self) -> None:
         self._sink.abandon()
         self._scored_tokens = 0
+        if self._kept is not None:
+            self._kept = []
 
     def _backward_queued(self) -> None:
         """A run job: backpropagate the ready scored turns, packed (none left: no-op)."""

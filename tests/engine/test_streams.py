@@ -1,0 +1,68 @@
+"""The engine's side CUDA stream: same gradients as one stream, beside a generator on the default one."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+import torch
+
+import thundersync
+from tests.engine.tiny_models import tiny_qwen3
+from thundersync.engine._streams import JobStream
+from thundersync.engine.dense import relative_error
+from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many
+
+
+def test_a_cpu_run_has_no_side_stream_and_its_jobs_run_as_before() -> None:
+    run = thundersync.StreamingRun(tiny_qwen3())
+    assert run.streams.stream is None and run.streams.mark() is None
+    seen: list[bool] = []
+    run.submit("probe", lambda: seen.append(torch.is_grad_enabled()))
+    run.wait()
+    assert seen == [True]
+
+
+def _stream_batch(model: torch.nn.Module, *, side: bool) -> list[torch.Tensor]:
+    """A GRPO batch (pack_tokens=0: one job per branch) while a generator decodes on the default stream."""
+    run = thundersync.StreamingRun(model)
+    run.streams = JobStream(run.layout.device, side=side)
+    grpo = thundersync.RewardLinearBackward(run, pack_tokens=0)
+    generator = TorchGenerator(model, max_batch=4, max_seq_len=96, prefill_tokens=64)
+    requests = [GenerationRequest(prompt_ids=[1 + i, 2, 3], params=SamplingParams(max_new_tokens=48)) for i in range(4)]
+    stop = threading.Event()
+
+    def generate() -> None:
+        while not stop.is_set():
+            anyio.run(generate_many, generator, requests)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for g in range(3):
+            grpo.open_group(g, torch.randint(0, 97, (40,), generator=gen))
+            for i in range(4):
+                grpo.append_turn(g, i, torch.randint(0, 97, (30 + 7 * i,), generator=gen), [True] * (30 + 7 * i))
+                grpo.close_trajectory(g, i, float(i % 3))
+            grpo.close_group(g)
+        grpo.assert_safe_to_step()
+    finally:
+        stop.set()
+        thread.join()
+    return [p.grad.clone() for p in run.params if p.grad is not None]
+
+
+@pytest.mark.gpu
+def test_side_stream_gradients_equal_the_single_stream_ones_beside_a_generator() -> None:
+    """Equal to fp32 rounding, not bitwise: on the H200 the two were not bitwise equal with the
+    generator running beside them (without it, runs repeat bitwise: tests/grpo/test_guards.py).
+    A missing wait (a job reading before its inputs exist, the caller reading ``.grad`` before the
+    jobs end) would show as an error of order 1, far above this bound."""
+    model = tiny_qwen3(seed=5).to("cuda", torch.float32)
+    single = _stream_batch(model, side=False)
+    model.zero_grad(set_to_none=True)
+    side = _stream_batch(model, side=True)
+    assert len(single) == len(side) > 0
+    assert relative_error(side, single) < 1e-5

@@ -1,0 +1,59 @@
+"""The CUDA stream the engine's jobs run on, and its ordering against the caller's stream.
+
+On CUDA each :class:`~thundersync.engine.run.StreamingRun` launches its jobs on a side stream of
+its own, so the learner's kernels can run beside a generator's on the default stream. Ordering:
+
+- at each submit, an event is recorded on the caller's current stream, and the job's stream waits
+  for it before launching: whatever the caller enqueued before the submit (a job's inputs, the
+  optimizer step that last updated the parameters, ``.grad`` set aside by OPD) is done first;
+- before the caller reads the job's results (:meth:`JobStream.join`, called after the worker is
+  idle), the caller's stream waits for the side stream.
+
+Memory: a tensor the jobs allocate lives in the side stream's pool; one the caller then uses on
+its stream and frees (the run's total, a ``.grad`` a job created) is only reused by a later job,
+and every job first waits for the caller's stream as of its submit, so the reuse follows the use.
+On the CPU every call is a no-op: the ``JobStream`` of a CPU run has no stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["JobStream"]
+
+
+class JobStream:
+    """The side stream of one run on ``device`` (none on the CPU, or with ``side=False``: the jobs
+    then launch on the caller's current stream, as a reference for the side stream's results)."""
+
+    def __init__(self, device: torch.device, *, side: bool = True) -> None:
+        self.device = device
+        on_cuda = side and device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if on_cuda else None  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+
+    def mark(self) -> torch.cuda.Event | None:
+        """On the caller's thread, at a submit: an event after all the caller's work so far."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event.__new__ unannotated
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    @contextlib.contextmanager
+    def running(self, after: torch.cuda.Event | None) -> Iterator[None]:
+        """On the worker: run the block's kernels on the side stream, after the event ``after``."""
+        if self.stream is None:
+            yield
+            return
+        if after is not None:
+            self.stream.wait_event(after)
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def join(self) -> None:
+        """On the caller's thread: its stream waits for every job launched so far."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
