@@ -109,7 +109,24 @@ def assemble_graph(spec: PipelineSpec, stages: Mapping[str, Stage]) -> Graph:
     graph.validate()
     _check_required_inputs(graph)
     _check_policy_published(spec, graph)
+    _limit_steps(spec, graph)
     return graph
+
+
+def _limit_steps(spec: PipelineSpec, graph: Graph) -> None:
+    """``[run] steps``: the graph's one source stage emits that many batches (one step each)."""
+    if spec.run.steps is None:
+        return
+    sources = [node.name for node in graph if isinstance(node.stage, SourceStage)]
+    if len(sources) != 1:
+        raise DefinitionError(
+            f"run.steps: {spec.run.steps} steps need exactly one source stage to emit that many batches, "
+            f"but the graph has {len(sources)} ({', '.join(sources) or 'none'}); drop run.steps and bound "
+            "the sources with their repeat, or keep one source"
+        )
+    stage = graph[sources[0]].stage
+    assert isinstance(stage, SourceStage)
+    stage.limit_batches(spec.run.steps)
 
 
 def _check_acyclic(graph: Graph) -> None:

@@ -3,7 +3,7 @@
 A file has three kinds of tables; its first comment is the command that runs it::
 
     # thundersync run examples/pipeline_fake.toml
-    [run]                          # RunSettings: metrics file, progress, default capacity, timeout
+    [run]                          # RunSettings: metrics file, progress, capacity, timeout, steps
     metrics = "metrics.jsonl"
 
     [objects.scorer]               # a runtime object, built by a factory (app/factories.py)
@@ -70,10 +70,14 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
     ``metrics``: JSONL file for lifecycle events and per-stage statistics (None: none);
     ``progress``: a live stderr line (``auto``: only when stderr is a terminal); ``capacity``:
-    inbox size of stages that do not set their own; ``timeout_s``: fail a run that takes longer.
+    inbox size of stages that do not set their own; ``timeout_s``: fail a run that takes longer;
+    ``steps``: stop after this many optimizer steps (the graph's one source stage emits that many
+    batches, repeating its tasks epoch after epoch as needed, so ``steps`` wins over its
+    ``repeat``; None: the source's ``repeat`` epochs decide).
     """
 
     metrics: str | None = None
+    steps: Annotated[int, msgspec.Meta(ge=1)] | None = None
     progress: Literal["auto", "on", "off"] = "auto"
     capacity: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_CAPACITY
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
