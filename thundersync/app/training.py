@@ -164,13 +164,20 @@ def checkpointer(
     keep: Annotated[int, msgspec.Meta(ge=1)] = 2,
     schedule: LRScheduler | None = None,
     generator: RandomSource | None = None,
+    rngs: dict[str, RandomSource] | None = None,
 ) -> Checkpointer:
     """``checkpointer``: a :class:`~thundersync.app.checkpoint.Checkpointer` in ``directory``, so
     that ``thundersync run FILE --resume DIR`` continues a run. ``generator``: the generator whose
-    random state is saved with it (a ``torch-generator``). Give it to the step stage
+    random state is saved with it (a ``torch-generator``); ``rngs``: more objects with a random
+    state, by name (``rngs = { teacher = { object = "teacher" } }``). Give it to the step stage
     (``objects = { checkpointer = "NAME" }``, or name the object ``checkpointer``); the graph's
     source stage, when it has exactly one, is its data position."""
-    rngs = {"generator": generator} if generator is not None else None
+    if generator is not None and rngs is not None and "generator" in rngs:
+        raise ConfigError(
+            "generator and rngs.generator both name a random state 'generator'; give it once "
+            "(rngs = { generator = ... } alone, or generator = ...)"
+        )
+    rngs = {**({"generator": generator} if generator is not None else {}), **(rngs or {})}
     return Checkpointer(
         Path(directory),
         model=model,
