@@ -23,7 +23,11 @@ Each is a thin wrapper over the class of :mod:`thundersync.generation` with the 
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import inspect
 import os
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 import msgspec
@@ -35,7 +39,7 @@ from thundersync.generation.openai_generator import OpenAIGenerator
 from thundersync.generation.torch_generator import TorchGenerator
 from thundersync.generation.vllm_generator import VLLMGenerator
 
-__all__ = ["openai_generator", "torch_generator", "vllm_generator"]
+__all__ = ["check_vllm_options", "openai_generator", "torch_generator", "vllm_generator"]
 
 _Positive = Annotated[int, msgspec.Meta(ge=1)]
 _NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0)]
@@ -75,6 +79,29 @@ def vllm_generator(
     return VLLMGenerator(
         model, logprobs=logprobs, enable_lora=enable_lora, max_lora_rank=max_lora_rank, seed=seed, **engine_kwargs
     )
+
+
+def check_vllm_options(options: Mapping[str, Any]) -> str | None:
+    """Check the engine options a ``vllm-generator`` passes on to ``vllm.LLM`` without starting
+    an engine: each must be a field of vLLM's ``EngineArgs`` or a parameter of ``LLM``. Returns
+    None when checked, or why they could not be (vLLM is not importable here)."""
+    try:
+        from vllm import LLM
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError as error:
+        return f"vLLM is not importable here ({error}), so its engine options were not checked"
+    llm = inspect.signature(LLM.__init__).parameters.values()
+    valid = {f.name for f in dataclasses.fields(EngineArgs)} | {p.name for p in llm if p.kind is p.KEYWORD_ONLY}
+    unknown = sorted(set(options) - valid)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], valid, n=3)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        others = f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else ""
+        raise ConfigError(
+            f"{unknown[0]}: not an option of vLLM's engine (a field of vllm.engine.arg_utils.EngineArgs or "
+            f"a parameter of vllm.LLM){hint}{others}"
+        )
+    return None
 
 
 def openai_generator(

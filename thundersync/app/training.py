@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -45,6 +46,7 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from thundersync.app.checkpoint import Checkpointer, RandomSource
 from thundersync.engine import StreamingObjective, StreamingRun
+from thundersync.engine.objective import Signal
 from thundersync.errors import ConfigError
 from thundersync.grpo import RewardLinearBackward
 from thundersync.grpo.estimators import Estimator
@@ -52,7 +54,17 @@ from thundersync.opd import Normalization, OPDStream
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.stages.step import StreamingTrainer
 
-__all__ = ["checkpointer", "grpo", "lr_schedule", "opd", "optimizer", "schedule_factor", "streaming_run", "trainer"]
+__all__ = [
+    "checkpointer",
+    "grpo",
+    "lr_schedule",
+    "opd",
+    "optimizer",
+    "optimizer_options",
+    "schedule_factor",
+    "streaming_run",
+    "trainer",
+]
 
 _NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -89,30 +101,47 @@ def optimizer(*, objective: StreamingObjective, name: str, **options: Any) -> to
     A GRPO objective (reward signal) is maximized: ``maximize = True`` is set for it (the streamed
     gradient is that of the reward); an OPD objective (a loss) is minimized.
     """
-    cls = getattr(torch.optim, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or name == "Optimizer":
-        valid = sorted(
-            n for n, c in vars(torch.optim).items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
-        )
-        raise ConfigError(
-            f"name: unknown torch.optim optimizer {name!r}; valid: {', '.join(set(valid) - {'Optimizer'})}"
-        )
-    accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "params")]
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise ConfigError(f"{name} takes no option(s) {', '.join(unknown)}; its options: {', '.join(accepted)}")
-    maximize = objective.signal == "reward"
-    if "maximize" in options and options["maximize"] != maximize:
-        raise ConfigError(
-            f"maximize = {options['maximize']} would train the {objective.signal} objective the wrong way; "
-            "drop it (GRPO maximizes the reward, OPD minimizes its loss)"
-        )
-    if maximize:
-        if "maximize" not in accepted:
-            raise ConfigError(f"{name} cannot maximize (no maximize option), which GRPO needs; choose e.g. AdamW")
-        options = {**options, "maximize": True}
+    cls, options = optimizer_options(name, options, objective.signal)
     built: torch.optim.Optimizer = cls(objective.run.params, **options)
     return built
+
+
+def optimizer_options(
+    name: str, options: Mapping[str, Any], signal: Signal | None
+) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The ``torch.optim`` class ``name`` and the keyword arguments to build it with, checked
+    without building it (``thundersync check`` calls this): the class exists, it takes every
+    option and is given every option it needs, and ``maximize`` suits the objective's ``signal``
+    (None: not known). Errors start with the field they are about."""
+    cls = getattr(torch.optim, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or name == "Optimizer":
+        valid = {
+            n for n, c in vars(torch.optim).items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
+        }
+        raise ConfigError(
+            f"name: unknown torch.optim optimizer {name!r}; valid: {', '.join(sorted(valid - {'Optimizer'}))}"
+        )
+    params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name not in ("self", "params")]
+    accepted = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [] if any(p.kind is p.VAR_KEYWORD for p in params) else sorted(set(options) - set(accepted))
+    if unknown:
+        raise ConfigError(
+            f"{unknown[0]}: {name} takes no option(s) {', '.join(unknown)}; its options: {', '.join(accepted)}"
+        )
+    needed = [p.name for p in params if p.name in accepted and p.default is p.empty and p.name not in options]
+    if needed:
+        raise ConfigError(f"{needed[0]}: {name} needs option(s) {', '.join(needed)}; give them, e.g. {needed[0]} = ...")
+    if signal is None:
+        return cls, dict(options)
+    maximize = signal == "reward"
+    if "maximize" in options and options["maximize"] != maximize:
+        raise ConfigError(
+            f"maximize: maximize = {options['maximize']} would train the {signal} objective the wrong way; "
+            "drop it (GRPO maximizes the reward, OPD minimizes its loss)"
+        )
+    if maximize and "maximize" not in accepted:
+        raise ConfigError(f"name: {name} cannot maximize (no maximize option), which GRPO needs; choose e.g. AdamW")
+    return cls, {**options, "maximize": True} if maximize else dict(options)
 
 
 def schedule_factor(step: int, *, warmup_steps: int, decay_steps: int, floor_ratio: float) -> float:
