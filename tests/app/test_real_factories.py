@@ -162,9 +162,9 @@ def test_openai_generator_validates_at_construction(monkeypatch: pytest.MonkeyPa
     with pytest.raises(
         ConfigError, match="^api_key_env names 'TS_TEST_KEY', but that environment variable is not set$"
     ):
-        generators.openai_generator(base_url="http://localhost:8000/v1", model="m", api_key_env="TS_TEST_KEY")
+        generators.openai_generator(base_url="http://localhost:8000", model="m", api_key_env="TS_TEST_KEY")
     monkeypatch.setenv("TS_TEST_KEY", "sk-test")
-    made = generators.openai_generator(base_url="http://localhost:8000/v1", model="m", api_key_env="TS_TEST_KEY")
+    made = generators.openai_generator(base_url="http://localhost:8000", model="m", api_key_env="TS_TEST_KEY")
     assert made.model == "m"
 
 

@@ -48,13 +48,19 @@ from thundersync.app.checkpoint import Checkpointer, RandomSource
 from thundersync.engine import StreamingObjective, StreamingRun
 from thundersync.engine.objective import Signal
 from thundersync.errors import ConfigError
+from thundersync.events import BatchReady
+from thundersync.generation.base import Generator
+from thundersync.generation.openai_generator import OpenAIGenerator
+from thundersync.generation.torch_generator import TorchGenerator
+from thundersync.generation.vllm_generator import VLLMGenerator
 from thundersync.grpo import RewardLinearBackward
 from thundersync.grpo.estimators import Estimator
 from thundersync.opd import Normalization, OPDStream
 from thundersync.pipeline.policy import PolicyClock
-from thundersync.stages.step import StreamingTrainer
+from thundersync.stages.step import StepResult, StreamingTrainer
 
 __all__ = [
+    "PublishingTrainer",
     "checkpointer",
     "grpo",
     "lr_schedule",
@@ -177,10 +183,54 @@ def trainer(
     optimizer: torch.optim.Optimizer,
     schedule: LRScheduler | None = None,
     max_grad_norm: Annotated[float, msgspec.Meta(gt=0)] | None = None,
+    generator: Generator | None = None,
+    policy: PolicyClock | None = None,
 ) -> StreamingTrainer:
     """``streaming-trainer``: a :class:`~thundersync.stages.step.StreamingTrainer` that clips the
-    gradient norm to ``max_grad_norm`` (unset: no clipping), steps ``optimizer``, then ``schedule``."""
-    return StreamingTrainer(objective, optimizer, max_grad_norm=max_grad_norm, scheduler=schedule)
+    gradient norm to ``max_grad_norm`` (unset: no clipping), steps ``optimizer``, then ``schedule``.
+    Given a ``generator`` that does not share the model's weights, it then publishes the policy
+    to it (:class:`PublishingTrainer`); ``policy``, the step stage's clock, numbers the versions."""
+    if generator is None or isinstance(generator, TorchGenerator):  # the torch generator shares the weights
+        return StreamingTrainer(objective, optimizer, max_grad_norm=max_grad_norm, scheduler=schedule)
+    return PublishingTrainer(
+        objective, optimizer, generator=generator, policy=policy, max_grad_norm=max_grad_norm, scheduler=schedule
+    )
+
+
+class PublishingTrainer(StreamingTrainer):
+    """A :class:`StreamingTrainer` that publishes the policy to ``generator`` after each optimizer
+    step, before the step stage announces it: an in-process vLLM engine syncs the weights
+    (``VLLMGenerator.sync_from``), an OpenAI server takes them by its publish route
+    (``OpenAIGenerator.publish``). The version is the one the step stage publishes next
+    (``policy.version + 1``; without a clock, the count of this trainer's steps)."""
+
+    def __init__(
+        self,
+        objective: StreamingObjective,
+        optimizer: torch.optim.Optimizer,
+        *,
+        generator: Generator,
+        policy: PolicyClock | None = None,
+        **options: Any,
+    ) -> None:
+        if not isinstance(generator, (OpenAIGenerator, VLLMGenerator)):
+            raise ConfigError(
+                f"the trainer cannot publish weights to a {type(generator).__name__}; give it a vllm-generator or "
+                "an openai-generator (a torch-generator shares the weights and needs none)"
+            )
+        super().__init__(objective, optimizer, **options)
+        self.generator, self.policy, self.published = generator, policy, 0
+
+    async def step(self, ready: BatchReady) -> StepResult:
+        result = await super().step(ready)  # the optimizer has stepped: the weights are final
+        version = (self.policy.version if self.policy is not None else self.published) + 1
+        model = self.objective.run.anatomy.model
+        if isinstance(self.generator, OpenAIGenerator):
+            await self.generator.publish(model, version)
+        else:
+            await self.generator.sync_from(model)
+        self.published = version
+        return result
 
 
 def checkpointer(
