@@ -122,7 +122,9 @@ def test_optimizer_errors_list_what_is_valid() -> None:
     objective = training.grpo(run=training.streaming_run(model=models.model(config=SHAPES)))
     with pytest.raises(ConfigError, match="^name: unknown torch.optim optimizer 'Adamw'; valid: .*AdamW"):
         training.optimizer(objective=objective, name="Adamw")
-    with pytest.raises(ConfigError, match="^learning_rate: AdamW takes no option\\(s\\) learning_rate; its options: lr, "):
+    with pytest.raises(
+        ConfigError, match="^learning_rate: AdamW takes no option\\(s\\) learning_rate; its options: lr, "
+    ):
         training.optimizer(objective=objective, name="AdamW", learning_rate=1e-3)
     with pytest.raises(ConfigError, match="^maximize: maximize = False would train the reward objective the wrong way"):
         training.optimizer(objective=objective, name="AdamW", maximize=False)
