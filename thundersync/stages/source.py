@@ -57,6 +57,8 @@ class SourceStage(Stage):
                 raise ConfigError(f"prompts must be non-empty token id lists, got {self.prompts!r}")
 
     config: Config
+    batch_limit: int | None = None
+    """How many batches to emit (None: ``repeat`` epochs' worth); see :meth:`limit_batches`."""
 
     def __init__(self, config: Config, /, *, tasks: TaskSource | None = None) -> None:
         super().__init__(config)
@@ -69,9 +71,6 @@ class SourceStage(Stage):
         if not self._tasks:
             raise ConfigError("the source's tasks object listed no task; give it at least one")
         self.skipped: frozenset[Id] = frozenset()
-
-    batch_limit: int | None = None
-    """How many batches to emit (None: ``repeat`` epochs' worth); see :meth:`limit_batches`."""
 
     def limit_batches(self, batches: int) -> None:
         """Emit exactly ``batches`` full batches (one optimizer step each): the tasks repeat,
