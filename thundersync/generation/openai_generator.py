@@ -117,7 +117,7 @@ class OpenAIGenerator:
     async def post(self, path: str, payload: dict[str, Any]) -> Any:
         """POST ``payload`` as JSON to ``{base_url}{path}`` with this generator's retries; the
         reply's JSON (its text when it is not JSON, as vLLM's adapter routes answer)."""
-        response = await self._post(path, payload)
+        response = await self._send(path, payload)
         try:
             return response.json()
         except ValueError:
@@ -130,8 +130,8 @@ class OpenAIGenerator:
                 f"the server returns {self.logprobs_mode!r} log-probs (its --logprobs-mode) but the "
                 f"request asks for {request.params.logprobs!r}"
             )
-        response = await self._post("/v1/completions", self._payload(request))
-        return self._result(request, response.json())
+        body = await self._post("/v1/completions", self._payload(request))
+        return self._result(request, body)
 
     def _payload(self, request: GenerationRequest) -> dict[str, Any]:
         p = request.params
@@ -153,7 +153,13 @@ class OpenAIGenerator:
             payload["seed"] = p.seed
         return payload
 
-    async def _post(self, path: str, payload: dict[str, Any]) -> Any:
+    async def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`_send`, the reply's JSON object."""
+        body: dict[str, Any] = (await self._send(path, payload)).json()
+        return body
+
+    async def _send(self, path: str, payload: dict[str, Any]) -> Any:
+        """POST with retries (module docstring); the successful httpx response."""
         httpx = self._httpx
         for attempt in range(self.max_retries + 1):
             try:
