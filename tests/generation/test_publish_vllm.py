@@ -92,9 +92,11 @@ def test_the_server_serves_each_published_lora_adapter_then_reloaded_weights(
                 assert adapters.model == f"tiny-policy-v{version}"
                 tokens, served = await _served_logprobs(adapters)
                 torch.testing.assert_close(served, _local_logprobs(lora, tokens), atol=1e-4, rtol=0)
+                assert (served - _local_logprobs(tiny_model, tokens)).abs().max() > 1e-2  # not the base weights
         async with OpenAIGenerator(publishing_server, "tiny", publish="reload", publish_dir=tmp_path / "f") as full:
             await full.publish(changed, 3)
             tokens, served = await _served_logprobs(full)
             torch.testing.assert_close(served, _local_logprobs(changed, tokens), atol=1e-4, rtol=0)
+            assert (served - _local_logprobs(tiny_model, tokens)).abs().max() > 1e-2  # not the old weights
 
     anyio.run(scenario)
