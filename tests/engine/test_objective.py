@@ -58,10 +58,10 @@ def test_mypy_accepts_both_objectives_as_the_protocol(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_grpo_refuses_log_probs_and_needs_a_reward() -> None:
+def test_grpo_refuses_teacher_log_probs_and_needs_a_reward() -> None:
     grpo, _ = _objectives()
     grpo.open_group("g", [1, 2])
-    with pytest.raises(ConfigError, match=r"GRPO\) learns from rewards, not log-probs.*use an OPDStream"):
+    with pytest.raises(ConfigError, match=r"GRPO\) learns from rewards, not teacher log-probs.*use an OPDStream"):
         grpo.append_turn("g", "t", [3], [True], teacher_logprobs=[-1.0])
     grpo.append_turn("g", "t", [3], [True])
     with pytest.raises(

@@ -17,9 +17,9 @@ from typing import Any
 
 from thundersync.app._schema import convert, factory_params, object_union, reference_params, runtime_params
 from thundersync.app.checkpoint import Checkpointer
-from thundersync.app.definition import ObjectSpec, PipelineSpec, StageSpec
+from thundersync.app.definition import ObjectSpec, PipelineSpec, StageSpec, is_reference
 from thundersync.app.factories import ALL_FACTORIES
-from thundersync.app.object_graph import build_order, runtime_class
+from thundersync.app.object_graph import build_order, place_hint, runtime_class
 from thundersync.errors import ConfigError, DefinitionError, GraphError
 from thundersync.pipeline.graph import INPUT, Graph
 from thundersync.pipeline.stage import Stage
@@ -42,8 +42,10 @@ def build_objects(spec: PipelineSpec, /, **given: Any) -> dict[str, Any]:
 
 def _build_object(name: str, obj: ObjectSpec, built: dict[str, Any]) -> Any:
     prefix = f"objects.{name}"
+    params = reference_params(obj.factory)
+    values = {k: v for k, v in obj.args.items() if k not in params}  # the rest hold nested references
     node = convert(
-        {"factory": obj.factory, **obj.args},
+        {"factory": obj.factory, **values},
         object_union(),
         prefix,
         kind="factory",
@@ -51,19 +53,31 @@ def _build_object(name: str, obj: ObjectSpec, built: dict[str, Any]) -> Any:
         fields=["factory", *factory_params(obj.factory)],
     )
     kwargs = {k: getattr(node, k) if k in node.__struct_fields__ else v for k, v in obj.args.items()}
-    params = reference_params(obj.factory)
-    for field, target in obj.refs.items():
-        expected = runtime_class(params[field][0]) if field in params else None
+    for place, target in obj.refs.items():
+        expected = runtime_class(place_hint(params, place))
         if expected is not None and not _is_instance(built[target], expected):
             raise DefinitionError(
-                f"{prefix}.{field}: references {target!r}, a {type(built[target]).__name__}, but this field "
+                f"{prefix}.{place}: references {target!r}, a {type(built[target]).__name__}, but this field "
                 f"takes a {expected.__name__}"
             )
-        kwargs[field] = built[target]
+        if place.isidentifier():  # a whole argument; nested ones are replaced in place below
+            kwargs[place] = built[target]
+    kwargs = {k: _resolved(v, built) for k, v in kwargs.items()}
     try:
         return ALL_FACTORIES[obj.factory](**kwargs)
     except (TypeError, ValueError, ConfigError) as error:
         raise DefinitionError(f"{prefix}: {obj.factory} failed: {error}") from error
+
+
+def _resolved(value: Any, built: Mapping[str, Any]) -> Any:
+    """``value`` with every ``{ object = "NAME" }`` table in its tables and arrays replaced by the object."""
+    if is_reference(value):
+        return built[value["object"]]
+    if isinstance(value, dict):
+        return {k: _resolved(v, built) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_resolved(v, built) for v in value]
+    return value
 
 
 def _is_instance(obj: Any, cls: type) -> bool:
@@ -109,7 +123,24 @@ def assemble_graph(spec: PipelineSpec, stages: Mapping[str, Stage]) -> Graph:
     graph.validate()
     _check_required_inputs(graph)
     _check_policy_published(spec, graph)
+    _limit_steps(spec, graph)
     return graph
+
+
+def _limit_steps(spec: PipelineSpec, graph: Graph) -> None:
+    """``[run] steps``: the graph's one source stage emits that many batches (one step each)."""
+    if spec.run.steps is None:
+        return
+    sources = [node.name for node in graph if isinstance(node.stage, SourceStage)]
+    if len(sources) != 1:
+        raise DefinitionError(
+            f"run.steps: {spec.run.steps} steps need exactly one source stage to emit that many batches, "
+            f"but the graph has {len(sources)} ({', '.join(sources) or 'none'}); drop run.steps and bound "
+            "the sources with their repeat, or keep one source"
+        )
+    stage = graph[sources[0]].stage
+    assert isinstance(stage, SourceStage)
+    stage.limit_batches(spec.run.steps)
 
 
 def _check_acyclic(graph: Graph) -> None:

@@ -12,6 +12,12 @@ calling a factory (no model is loaded, no sandbox started, no server contacted):
   placeholders: undeclared cycles, reads without common event types, stages that would wait
   forever, a policy clock nobody publishes to.
 
+- options that the file passes on to a library: an ``optimizer``'s ``name`` is a ``torch.optim``
+  class that takes its options (and ``maximize`` suits the objective), a ``vllm-generator``'s
+  engine options are fields of vLLM's ``EngineArgs`` (when vLLM is importable here; otherwise a
+  warning says they were not checked), and every ``lr-schedule`` is stepped by a
+  ``streaming-trainer`` of the same optimizer (else its learning rate would never change).
+
 What only a built object can tell (a model directory that does not exist, a factory's own value
 checks) fails at ``run``, naming the object.
 """
@@ -20,16 +26,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from thundersync.app._schema import factory_returns
+from thundersync._logging import get_logger
+from thundersync.app import generators, training
+from thundersync.app._schema import factory_params, factory_returns
 from thundersync.app.build import assemble_graph, stage_class
 from thundersync.app.definition import PipelineSpec, StageSpec
 from thundersync.app.factories import ALL_FACTORIES
 from thundersync.app.object_graph import build_order, check_fits
-from thundersync.errors import DefinitionError
+from thundersync.errors import ConfigError, DefinitionError
 from thundersync.pipeline.graph import Graph
 from thundersync.pipeline.stage import Stage
 
 __all__ = ["Unbuilt", "check_pipeline"]
+
+_log = get_logger(__name__)
 
 
 class Unbuilt:
@@ -56,9 +66,50 @@ def check_pipeline(spec: PipelineSpec) -> Graph:
     """Validate ``spec`` as :func:`build_graph` would, without building objects; returns the graph
     of stand-in stages (its nodes name the stages and their reads, nothing more: never run it)."""
     build_order(spec)
+    _check_options(spec)
+    _check_schedules(spec)
     placeholders = {name: Unbuilt(name, obj.factory) for name, obj in spec.objects.items()}
     stages = {name: _stand_in(name, node, spec, placeholders) for name, node in spec.stages.items()}
     return assemble_graph(spec, stages)
+
+
+def _check_options(spec: PipelineSpec) -> None:
+    """The options of optimizers and vLLM engines, checked against torch's and vLLM's own signatures."""
+    for name, obj in spec.objects.items():
+        try:
+            if obj.factory == "optimizer":
+                objective = spec.objects.get(obj.refs.get("objective", ""))
+                signal = None if objective is None else getattr(factory_returns(objective.factory), "signal", None)
+                options = {k: v for k, v in obj.args.items() if k != "name"}
+                training.optimizer_options(obj.args["name"], options, signal)
+            elif obj.factory == "vllm-generator":
+                own = factory_params(obj.factory)
+                note = generators.check_vllm_options({k: v for k, v in obj.args.items() if k not in own})
+                if note is not None:
+                    _log.warning("vllm_options_not_checked", object=f"objects.{name}", reason=note)
+        except ConfigError as error:
+            raise DefinitionError(f"objects.{name}.{error}") from None
+
+
+def _check_schedules(spec: PipelineSpec) -> None:
+    """Every lr-schedule is stepped by a trainer that steps the schedule's own optimizer."""
+    trainers = {n: o for n, o in spec.objects.items() if o.factory == "streaming-trainer"}
+    for name, obj in spec.objects.items():
+        if obj.factory != "lr-schedule":
+            continue
+        users = [n for n, trainer in trainers.items() if trainer.refs.get("schedule") == name]
+        if not users:
+            raise DefinitionError(
+                f"objects.{name}: no streaming-trainer steps this lr-schedule, so its learning rate would never "
+                f'change; give it to the trainer (schedule = {{ object = "{name}" }})'
+            )
+        for user in users:
+            stepped = trainers[user].refs.get("optimizer")
+            if stepped != obj.refs.get("optimizer"):
+                raise DefinitionError(
+                    f"objects.{user}.schedule: the schedule {name!r} drives the optimizer "
+                    f"{obj.refs.get('optimizer')!r}, but this trainer steps {stepped!r}; reference the same optimizer"
+                )
 
 
 def _stand_in(name: str, node: StageSpec, spec: PipelineSpec, placeholders: dict[str, Unbuilt]) -> Stage:

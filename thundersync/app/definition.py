@@ -3,7 +3,7 @@
 A file has three kinds of tables; its first comment is the command that runs it::
 
     # thundersync run examples/pipeline_fake.toml
-    [run]                          # RunSettings: metrics file, progress, default capacity, timeout
+    [run]                          # RunSettings: metrics file, progress, capacity, timeout, steps
     metrics = "metrics.jsonl"
 
     [objects.scorer]               # a runtime object, built by a factory (app/factories.py)
@@ -24,7 +24,10 @@ with a path-qualified error naming it.
 
 A reference is a table with the single key ``object``; it is allowed on a factory's parameters
 whose type is not plain data (a model, an optimizer, a tokenizer...), and required there when the
-parameter has no default. Objects are built in dependency order (:mod:`thundersync.app.object_graph`).
+parameter has no default. It may also sit inside the tables and arrays of such a parameter's value
+(``rngs = { generator = { object = "generator" } }``, ``tools = [{ object = "calc" }]``) or of a
+free-form one (``dict[str, Any]``, a factory's ``**options``); each is replaced by its object when
+the factory is called. Objects are built in dependency order (:mod:`thundersync.app.object_graph`).
 
 Unknown fields, wrong types and unknown stage types fail with a path-qualified
 :class:`~thundersync.errors.DefinitionError` (``stages.reward.factr: unknown field; valid
@@ -36,7 +39,7 @@ builds the same :class:`PipelineSpec` directly.
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
@@ -58,7 +61,17 @@ from thundersync.pipeline.graph import DEFAULT_CAPACITY
 from thundersync.pipeline.stage import Stage
 from thundersync.stages import REGISTRY
 
-__all__ = ["MAX_NESTING", "ObjectSpec", "PipelineSpec", "RunSettings", "StageSpec", "load", "loads"]
+__all__ = [
+    "MAX_NESTING",
+    "ObjectSpec",
+    "PipelineSpec",
+    "RunSettings",
+    "StageSpec",
+    "is_reference",
+    "load",
+    "loads",
+    "references",
+]
 
 MAX_NESTING: Final = 32
 """How deep a pipeline file may nest tables and arrays (the file itself is level 1). Real files
@@ -70,19 +83,26 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
     ``metrics``: JSONL file for lifecycle events and per-stage statistics (None: none);
     ``progress``: a live stderr line (``auto``: only when stderr is a terminal); ``capacity``:
-    inbox size of stages that do not set their own; ``timeout_s``: fail a run that takes longer.
+    inbox size of stages that do not set their own; ``timeout_s``: fail a run that takes longer;
+    ``steps``: stop after this many optimizer steps (the graph's one source stage emits that many
+    batches, repeating its tasks epoch after epoch as needed, so ``steps`` wins over its
+    ``repeat``; None: the source's ``repeat`` epochs decide).
     """
 
     metrics: str | None = None
     progress: Literal["auto", "on", "off"] = "auto"
     capacity: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_CAPACITY
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    steps: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 class ObjectSpec(msgspec.Struct, frozen=True):
     """A runtime object: the name of its factory (``app/factories.py``), its keyword arguments
-    given as values (``args``) and those given as references to other objects (``refs``:
-    parameter -> object name)."""
+    given as values (``args``) and those given as references to other objects (``refs``: the
+    reference's path in the table -> object name). A reference that is a whole argument has its
+    parameter as path (``"model"``) and is not in ``args``; one nested inside an argument's tables
+    and arrays has a longer path (``"rngs.generator"``, ``"tools[0]"``) and stays in place, as its
+    ``{ object = "NAME" }`` table, in that argument's value."""
 
     factory: str
     args: dict[str, Any] = {}
@@ -214,17 +234,34 @@ def _object(name: str, table: Any) -> ObjectSpec:
     prefix = f"objects.{name}"
     table = _table(prefix, table)
     factory = _tag(table, "factory", prefix, list(ALL_FACTORIES))
-    refs = {key: _reference(f"{prefix}.{key}", value) for key, value in table.items() if _is_reference(value)}
-    values = {key: value for key, value in table.items() if key not in refs}
-    fields = ["factory", *factory_params(factory), *reference_params(factory)] if factory in ALL_FACTORIES else None
+    refs = dict(references(prefix, {k: v for k, v in table.items() if k != "factory"}))
+    whole = {key for key in refs if key in table}  # references that are a whole argument
+    takes = reference_params(factory) if factory in ALL_FACTORIES else {}
+    nested = {key.split(".")[0].split("[")[0] for key in refs if key not in whole} & set(takes)
+    values = {key: value for key, value in table.items() if key not in whole and key not in nested}
+    fields = ["factory", *factory_params(factory), *takes] if factory in ALL_FACTORIES else None
     node = convert(values, object_union(), prefix, kind="factory", known=list(ALL_FACTORIES), fields=fields)
     assert factory is not None and fields is not None  # the tagged union accepted the factory
-    _check_references(prefix, factory, refs, fields)
+    _check_references(prefix, factory, {key: refs[key] for key in whole}, fields)
     args = {k: getattr(node, k) if k in node.__struct_fields__ else v for k, v in values.items() if k != "factory"}
-    return ObjectSpec(factory, args, refs)
+    return ObjectSpec(factory, {**args, **{key: table[key] for key in nested}}, refs)
 
 
-def _is_reference(value: Any) -> bool:
+def references(prefix: str, value: Any, path: str = "") -> Iterator[tuple[str, str]]:
+    """``(path, object name)`` of every reference in ``value``, at any depth of its tables and
+    arrays (``model``, ``rngs.generator``, ``tools[0]``); ``prefix`` starts error messages."""
+    if is_reference(value):
+        yield path, _reference(f"{prefix}.{path}", value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from references(prefix, item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from references(prefix, item, f"{path}[{index}]")
+
+
+def is_reference(value: Any) -> bool:
+    """Whether ``value`` is a reference table, ``{ object = "NAME" }``."""
     return isinstance(value, dict) and set(value) == {"object"}
 
 

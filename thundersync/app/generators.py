@@ -14,28 +14,40 @@
 
     [objects.generator]        # an OpenAI-compatible server (vLLM's in production)
     factory = "openai-generator"
-    base_url = "http://localhost:8000/v1"
+    base_url = "http://localhost:8000"   # the server's root; requests go to /v1/completions
     model = "qwen3"
     api_key_env = "OPENAI_API_KEY"   # the key is read from this environment variable, never the file
+    publish = "lora"                 # how each new policy reaches the server: "lora", "reload", "module:function"
+    publish_dir = "/shared/policy"   # where it is saved for the server to read (default: a temporary folder)
 
 Each is a thin wrapper over the class of :mod:`thundersync.generation` with the same arguments.
+A trainer given the generator (``streaming-trainer``'s ``generator``) publishes each new policy
+to it after the optimizer step: vLLM in-process syncs the weights, an OpenAI server takes them by
+its ``publish`` route (:mod:`thundersync.generation._publish`), the torch generator shares them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import inspect
 import os
+import pkgutil
+import typing
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 import msgspec
 from torch import nn
 
 from thundersync.errors import ConfigError
+from thundersync.generation._publish import PublishHook, PublishRoute
 from thundersync.generation.base import LogprobMode
 from thundersync.generation.openai_generator import OpenAIGenerator
 from thundersync.generation.torch_generator import TorchGenerator
 from thundersync.generation.vllm_generator import VLLMGenerator
 
-__all__ = ["openai_generator", "torch_generator", "vllm_generator"]
+__all__ = ["check_vllm_options", "openai_generator", "torch_generator", "vllm_generator"]
 
 _Positive = Annotated[int, msgspec.Meta(ge=1)]
 _NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0)]
@@ -77,6 +89,29 @@ def vllm_generator(
     )
 
 
+def check_vllm_options(options: Mapping[str, Any]) -> str | None:
+    """Check the engine options a ``vllm-generator`` passes on to ``vllm.LLM`` without starting
+    an engine: each must be a field of vLLM's ``EngineArgs`` or a parameter of ``LLM``. Returns
+    None when checked, or why they could not be (vLLM is not importable here)."""
+    try:
+        from vllm import LLM
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError as error:
+        return f"vLLM is not importable here ({error}), so its engine options were not checked"
+    llm = inspect.signature(LLM.__init__).parameters.values()
+    valid = {f.name for f in dataclasses.fields(EngineArgs)} | {p.name for p in llm if p.kind is p.KEYWORD_ONLY}
+    unknown = sorted(set(options) - valid)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], valid, n=3)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        others = f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else ""
+        raise ConfigError(
+            f"{unknown[0]}: not an option of vLLM's engine (a field of vllm.engine.arg_utils.EngineArgs or "
+            f"a parameter of vllm.LLM){hint}{others}"
+        )
+    return None
+
+
 def openai_generator(
     *,
     base_url: str,
@@ -87,12 +122,21 @@ def openai_generator(
     max_retries: Annotated[int, msgspec.Meta(ge=0)] = 5,
     backoff: _NonNegativeSeconds = 0.5,
     max_backoff: _NonNegativeSeconds = 8.0,
+    publish: str | None = None,
+    publish_dir: str | None = None,
 ) -> OpenAIGenerator:
     """``openai-generator``: an :class:`~thundersync.generation.OpenAIGenerator` for the server at
-    ``base_url``; the API key comes from the environment variable ``api_key_env`` (keys do not
-    belong in pipeline files)."""
+    ``base_url`` (its root); the API key comes from the environment variable ``api_key_env`` (keys
+    do not belong in pipeline files). ``publish``: ``"lora"``, ``"reload"``, or a hook
+    ``"module:function"`` called as ``function(model, version, generator)`` (sync or async) for a
+    server without a weight-update route; ``publish_dir``: a folder the server reads the policy from."""
     if not base_url.startswith(("http://", "https://")):
-        raise ConfigError(f"base_url {base_url!r} is not an http(s) URL; give e.g. 'http://localhost:8000/v1'")
+        raise ConfigError(f"base_url {base_url!r} is not an http(s) URL; give e.g. 'http://localhost:8000'")
+    if base_url.rstrip("/").endswith("/v1"):
+        raise ConfigError(
+            f"base_url {base_url!r} ends in /v1, but it is the server's root (requests go to "
+            f"{base_url.rstrip('/')}/v1/completions); drop the /v1"
+        )
     api_key = None
     if api_key_env is not None:
         api_key = os.environ.get(api_key_env)
@@ -107,4 +151,31 @@ def openai_generator(
         max_retries=max_retries,
         backoff=backoff,
         max_backoff=max_backoff,
+        publish=_route(publish),
+        publish_dir=publish_dir,
     )
+
+
+def _route(name: str | None) -> PublishRoute | PublishHook | None:
+    if name is None:
+        return None
+    if name == "lora":
+        return "lora"
+    if name == "reload":
+        return "reload"
+    return _hook(name)
+
+
+def _hook(name: str) -> PublishHook:
+    """The callable a file names as ``publish = "module:function"``."""
+    if ":" not in name:
+        raise ConfigError(f"publish is {name!r}; give 'lora', 'reload' or a hook as 'module:function'")
+    try:
+        hook = pkgutil.resolve_name(name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ConfigError(
+            f"publish hook {name!r} cannot be loaded ({error}); check the module is on PYTHONPATH"
+        ) from None
+    if not callable(hook):
+        raise ConfigError(f"publish hook {name!r} is a {type(hook).__name__}, not a callable")
+    return typing.cast(PublishHook, hook)

@@ -11,15 +11,20 @@ An object's field references another object with a one-key table::
     model = { object = "model" }      # the object named "model"
 
 :func:`build_order` puts the objects in dependency order (each after the objects it references)
-and refuses a cycle naming its path (``objects.a.model -> objects.b.run -> objects.a``); an
-unknown reference names the field and the known objects. :func:`check_references` also verifies
-that what a referenced factory builds fits the parameter's annotation, where both are known
-classes (a model where an optimizer is wanted is refused). None of this calls a factory: it is
+and refuses a cycle naming its path (``objects.a.model -> objects.b.rngs.g -> objects.a``); an
+unknown reference names the field and the known objects. References may sit inside an argument's
+tables and arrays (``rngs = { g = { object = "generator" } }``); their paths say where
+(``objects.ckpt.rngs.g``, ``objects.x.tools[0]``). :func:`check_references` also verifies that
+what a referenced factory builds fits the annotation of the place it fills, where both are known
+classes (a model where an optimizer is wanted is refused; inside a ``dict[str, X]`` or
+``list[X]`` argument the place wants an ``X``). None of this calls a factory: it is
 what ``thundersync check`` verifies without loading any weights.
 """
 
 from __future__ import annotations
 
+import collections.abc
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -30,7 +35,7 @@ from thundersync.app.definition import ObjectSpec, PipelineSpec
 from thundersync.app.factories import ALL_FACTORIES
 from thundersync.errors import DefinitionError
 
-__all__ = ["build_order", "check_references", "runtime_class"]
+__all__ = ["build_order", "check_references", "place_hint", "runtime_class"]
 
 
 def build_order(spec: PipelineSpec, given: Iterable[str] = ()) -> list[str]:
@@ -79,15 +84,45 @@ def check_references(spec: PipelineSpec, given: Iterable[str] = ()) -> None:
                 f"objects.{name}.factory: unknown factory {obj.factory!r}; known: {', '.join(ALL_FACTORIES)}"
             )
         params = reference_params(obj.factory)
-        for field, target in obj.refs.items():
-            path = f"objects.{name}.{field}"
+        for place, target in obj.refs.items():
+            path = f"objects.{name}.{place}"
             if target not in known:
                 raise DefinitionError(
                     f"{path}: references {target!r}, which is not an object of the file; objects: "
                     f"{', '.join(known) or 'none'}"
                 )
-            if target in spec.objects and field in params:
-                check_fits(path, params[field][0], spec.objects[target].factory, target)
+            if target in spec.objects:
+                check_fits(path, place_hint(params, place), spec.objects[target].factory, target)
+
+
+_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+
+
+def place_hint(params: Mapping[str, tuple[Any, bool]], place: str) -> Any:
+    """The annotation of the place a reference fills: its parameter's (``place`` = ``"model"``),
+    or the item type inside it (``"rngs.g"`` in a ``dict[str, X]``, ``"tools[0]"`` in a
+    ``list[X]``: ``X``); ``Any`` where it is not known (a free-form value, ``**options``)."""
+    field = re.split(r"[.\[]", place, maxsplit=1)[0]
+    hint = params[field][0] if field in params else Any
+    for key, _ in _STEP.findall(place[len(field) :]):
+        hint = _item_hint(hint, mapping=bool(key))
+    return hint
+
+
+def _item_hint(hint: Any, *, mapping: bool) -> Any:
+    """The value type of a ``dict[K, V]`` (``mapping``) or the item type of a ``list[X]`` /
+    ``tuple[X, ...]`` / ``Sequence[X]`` annotation, through ``| None``; ``Any`` otherwise."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        options = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        hint = options[0] if len(options) == 1 else Any
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is None or not args or not isinstance(origin, type):
+        return Any
+    if mapping and issubclass(origin, collections.abc.Mapping) and len(args) == 2:
+        return args[1]
+    if not mapping and issubclass(origin, collections.abc.Sequence) and (len(args) == 1 or args[1:] == (...,)):
+        return args[0]
+    return Any
 
 
 def check_fits(path: str, hint: Any, factory: str, target: str) -> None:

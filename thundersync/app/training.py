@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -46,14 +47,31 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from thundersync.app.checkpoint import Checkpointer, RandomSource
 from thundersync.engine import StreamingObjective, StreamingRun
+from thundersync.engine.objective import Signal
 from thundersync.errors import ConfigError
+from thundersync.events import BatchReady
+from thundersync.generation.base import Generator
+from thundersync.generation.openai_generator import OpenAIGenerator
+from thundersync.generation.torch_generator import TorchGenerator
+from thundersync.generation.vllm_generator import VLLMGenerator
 from thundersync.grpo import RewardLinearBackward
 from thundersync.grpo.estimators import Estimator
 from thundersync.opd import Normalization, OPDStream
 from thundersync.pipeline.policy import PolicyClock
-from thundersync.stages.step import StreamingTrainer
+from thundersync.stages.step import StepResult, StreamingTrainer
 
-__all__ = ["checkpointer", "grpo", "lr_schedule", "opd", "optimizer", "schedule_factor", "streaming_run", "trainer"]
+__all__ = [
+    "PublishingTrainer",
+    "checkpointer",
+    "grpo",
+    "lr_schedule",
+    "opd",
+    "optimizer",
+    "optimizer_options",
+    "schedule_factor",
+    "streaming_run",
+    "trainer",
+]
 
 _NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -90,30 +108,47 @@ def optimizer(*, objective: StreamingObjective, name: str, **options: Any) -> to
     A GRPO objective (reward signal) is maximized: ``maximize = True`` is set for it (the streamed
     gradient is that of the reward); an OPD objective (a loss) is minimized.
     """
-    cls = getattr(torch.optim, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or name == "Optimizer":
-        valid = sorted(
-            n for n, c in vars(torch.optim).items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
-        )
-        raise ConfigError(
-            f"name: unknown torch.optim optimizer {name!r}; valid: {', '.join(set(valid) - {'Optimizer'})}"
-        )
-    accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "params")]
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise ConfigError(f"{name} takes no option(s) {', '.join(unknown)}; its options: {', '.join(accepted)}")
-    maximize = objective.signal == "reward"
-    if "maximize" in options and options["maximize"] != maximize:
-        raise ConfigError(
-            f"maximize = {options['maximize']} would train the {objective.signal} objective the wrong way; "
-            "drop it (GRPO maximizes the reward, OPD minimizes its loss)"
-        )
-    if maximize:
-        if "maximize" not in accepted:
-            raise ConfigError(f"{name} cannot maximize (no maximize option), which GRPO needs; choose e.g. AdamW")
-        options = {**options, "maximize": True}
+    cls, options = optimizer_options(name, options, objective.signal)
     built: torch.optim.Optimizer = cls(objective.run.params, **options)
     return built
+
+
+def optimizer_options(
+    name: str, options: Mapping[str, Any], signal: Signal | None
+) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The ``torch.optim`` class ``name`` and the keyword arguments to build it with, checked
+    without building it (``thundersync check`` calls this): the class exists, it takes every
+    option and is given every option it needs, and ``maximize`` suits the objective's ``signal``
+    (None: not known). Errors start with the field they are about."""
+    cls = getattr(torch.optim, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or name == "Optimizer":
+        valid = {
+            n for n, c in vars(torch.optim).items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
+        }
+        raise ConfigError(
+            f"name: unknown torch.optim optimizer {name!r}; valid: {', '.join(sorted(valid - {'Optimizer'}))}"
+        )
+    params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name not in ("self", "params")]
+    accepted = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [] if any(p.kind is p.VAR_KEYWORD for p in params) else sorted(set(options) - set(accepted))
+    if unknown:
+        raise ConfigError(
+            f"{unknown[0]}: {name} takes no option(s) {', '.join(unknown)}; its options: {', '.join(accepted)}"
+        )
+    needed = [p.name for p in params if p.name in accepted and p.default is p.empty and p.name not in options]
+    if needed:
+        raise ConfigError(f"{needed[0]}: {name} needs option(s) {', '.join(needed)}; give them, e.g. {needed[0]} = ...")
+    if signal is None:
+        return cls, dict(options)
+    maximize = signal == "reward"
+    if "maximize" in options and options["maximize"] != maximize:
+        raise ConfigError(
+            f"maximize: maximize = {options['maximize']} would train the {signal} objective the wrong way; "
+            "drop it (GRPO maximizes the reward, OPD minimizes its loss)"
+        )
+    if maximize and "maximize" not in accepted:
+        raise ConfigError(f"name: {name} cannot maximize (no maximize option), which GRPO needs; choose e.g. AdamW")
+    return cls, {**options, "maximize": True} if maximize else dict(options)
 
 
 def schedule_factor(step: int, *, warmup_steps: int, decay_steps: int, floor_ratio: float) -> float:
@@ -149,15 +184,64 @@ def trainer(
     optimizer: torch.optim.Optimizer,
     schedule: LRScheduler | None = None,
     max_grad_norm: Annotated[float, msgspec.Meta(gt=0)] | None = None,
+    generator: Generator | None = None,
+    policy: PolicyClock | None = None,
     audit_every: _NonNegative = 0,
 ) -> StreamingTrainer:
     """``streaming-trainer``: a :class:`~thundersync.stages.step.StreamingTrainer` that clips the
     gradient norm to ``max_grad_norm`` (unset: no clipping), steps ``optimizer``, then ``schedule``;
     every ``audit_every``-th step (0: never) it also recomputes the batch's gradient densely and
-    reports the streamed one's relative error (``audit_rel_error`` in the metrics)."""
-    return StreamingTrainer(
-        objective, optimizer, max_grad_norm=max_grad_norm, scheduler=schedule, audit_every=audit_every
+    reports the streamed one's relative error (``audit_rel_error`` in the metrics). Given a ``generator`` that does not share the model's weights, it then publishes the policy
+    to it (:class:`PublishingTrainer`); ``policy``, the step stage's clock, numbers the versions."""
+    if generator is None or isinstance(generator, TorchGenerator):  # the torch generator shares the weights
+        return StreamingTrainer(
+            objective, optimizer, max_grad_norm=max_grad_norm, scheduler=schedule, audit_every=audit_every
+        )
+    return PublishingTrainer(
+        objective,
+        optimizer,
+        generator=generator,
+        policy=policy,
+        max_grad_norm=max_grad_norm,
+        scheduler=schedule,
+        audit_every=audit_every,
     )
+
+
+class PublishingTrainer(StreamingTrainer):
+    """A :class:`StreamingTrainer` that publishes the policy to ``generator`` after each optimizer
+    step, before the step stage announces it: an in-process vLLM engine syncs the weights
+    (``VLLMGenerator.sync_from``), an OpenAI server takes them by its publish route
+    (``OpenAIGenerator.publish``). The version is the one the step stage publishes next
+    (``policy.version + 1``; without a clock, the count of this trainer's steps)."""
+
+    def __init__(
+        self,
+        objective: StreamingObjective,
+        optimizer: torch.optim.Optimizer,
+        *,
+        generator: Generator,
+        policy: PolicyClock | None = None,
+        **options: Any,
+    ) -> None:
+        if not isinstance(generator, (OpenAIGenerator, VLLMGenerator)):
+            raise ConfigError(
+                f"the trainer cannot publish weights to a {type(generator).__name__}; give it a vllm-generator or "
+                "an openai-generator (a torch-generator shares the weights and needs none)"
+            )
+        super().__init__(objective, optimizer, **options)
+        self.generator, self.policy, self.published = generator, policy, 0
+
+    async def step(self, ready: BatchReady) -> StepResult:
+        result = await super().step(ready)  # the optimizer has stepped: the weights are final
+        version = (self.policy.version if self.policy is not None else self.published) + 1
+        model = self.objective.run.anatomy.model
+        if isinstance(self.generator, OpenAIGenerator):
+            await self.generator.publish(model, version)
+        else:
+            await self.generator.sync_from(model)
+        self.published = version
+        return result
 
 
 def checkpointer(
@@ -170,13 +254,20 @@ def checkpointer(
     keep: Annotated[int, msgspec.Meta(ge=1)] = 2,
     schedule: LRScheduler | None = None,
     generator: RandomSource | None = None,
+    rngs: dict[str, RandomSource] | None = None,
 ) -> Checkpointer:
     """``checkpointer``: a :class:`~thundersync.app.checkpoint.Checkpointer` in ``directory``, so
     that ``thundersync run FILE --resume DIR`` continues a run. ``generator``: the generator whose
-    random state is saved with it (a ``torch-generator``). Give it to the step stage
+    random state is saved with it (a ``torch-generator``); ``rngs``: more objects with a random
+    state, by name (``rngs = { teacher = { object = "teacher" } }``). Give it to the step stage
     (``objects = { checkpointer = "NAME" }``, or name the object ``checkpointer``); the graph's
     source stage, when it has exactly one, is its data position."""
-    rngs = {"generator": generator} if generator is not None else None
+    if generator is not None and rngs is not None and "generator" in rngs:
+        raise ConfigError(
+            "generator and rngs.generator both name a random state 'generator'; give it once "
+            "(rngs = { generator = ... } alone, or generator = ...)"
+        )
+    rngs = {**({"generator": generator} if generator is not None else {}), **(rngs or {})}
     return Checkpointer(
         Path(directory),
         model=model,

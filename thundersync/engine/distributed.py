@@ -72,6 +72,12 @@ class DataParallel:
         self._all_reduce(values, "the count reduction")
         return [int(v) for v in values.tolist()]
 
+    def all_reduce_sum_and_count(self, total: float, count: int) -> tuple[float, int]:
+        """``total`` and ``count`` summed over the ranks in one fp64 collective (a metric's mean)."""
+        values = torch.tensor([total, float(count)], dtype=torch.float64, device=self.device)
+        self._all_reduce(values, "the metric reduction")
+        return float(values[0]), int(values[1])
+
     def all_reduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Sum every ``p.grad`` over the ranks (a missing grad counts as zeros and is created)."""
         for bucket in self._buckets(params):

@@ -15,18 +15,27 @@ it is listed in ``stop_token_ids``).
 Transient failures (connection errors, timeouts, HTTP 408/429/500/502/503/504) are retried with
 exponential backoff, ``min(max_backoff, backoff * 2**attempt)`` seconds times a random factor in
 [0.5, 1], up to ``max_retries`` times; other HTTP errors fail at once with the server's message.
+
+The server does not share the learner's weights: :meth:`OpenAIGenerator.publish` hands it each new
+policy, through vLLM's LoRA-adapter route, its dev-mode in-place reload, or a hook
+(``publish=``; :mod:`thundersync.generation._publish` says what each needs of the server).
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from thundersync._logging import get_logger
 from thundersync.errors import BackendCapabilityError, ConfigError, GenerationError, MissingExtraError
+from thundersync.generation._publish import Publisher, PublishHook, PublishRoute
 from thundersync.generation.base import GenerationRequest, GenerationResult, LogprobMode
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["OpenAIGenerator"]
 
@@ -45,8 +54,11 @@ def _import_httpx() -> Any:
 class OpenAIGenerator:
     """Generate through the completions endpoint of the server at ``base_url`` serving ``model``.
 
-    ``transport`` is handed to ``httpx.AsyncClient`` (tests pass a fake). Close the client with
-    ``await generator.aclose()`` or ``async with OpenAIGenerator(...) as generator``.
+    ``base_url`` is the server's root (``http://localhost:8000``: requests go to
+    ``{base_url}/v1/completions``). ``publish`` (``"lora"``, ``"reload"`` or a hook) and
+    ``publish_dir`` choose how :meth:`publish` reaches the server. ``transport`` is handed to
+    ``httpx.AsyncClient`` (tests pass a fake). Close the client with ``await generator.aclose()``
+    or ``async with OpenAIGenerator(...) as generator``.
     """
 
     def __init__(
@@ -60,6 +72,8 @@ class OpenAIGenerator:
         max_retries: int = 5,
         backoff: float = 0.5,
         max_backoff: float = 8.0,
+        publish: PublishRoute | PublishHook | None = None,
+        publish_dir: str | Path | None = None,
         transport: Any = None,
     ) -> None:
         if max_retries < 0 or backoff < 0 or max_backoff < 0:
@@ -76,6 +90,7 @@ class OpenAIGenerator:
         self.logprobs_mode: LogprobMode = logprobs
         self.max_retries, self.backoff, self.max_backoff = max_retries, backoff, max_backoff
         self._jitter = random.Random()
+        self._publisher = None if publish is None else Publisher(publish, publish_dir)
 
     async def __aenter__(self) -> OpenAIGenerator:
         return self
@@ -85,6 +100,28 @@ class OpenAIGenerator:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+        if self._publisher is not None:
+            self._publisher.close()
+
+    async def publish(self, model: nn.Module, version: int) -> None:
+        """Make the server serve ``model``'s current weights as policy ``version`` (after an
+        optimizer step, while no request is in flight); later requests use them."""
+        if self._publisher is None:
+            raise ConfigError(
+                f"the generator for {self._client.base_url} has no publish route, so the server would keep "
+                "its old weights; give publish='lora' (a LoRA policy), 'reload' (vLLM dev mode) or a hook"
+            )
+        await self._publisher.publish(self, model, version)
+        _log.info("openai_policy_published", version=version, model=self.model)
+
+    async def post(self, path: str, payload: dict[str, Any]) -> Any:
+        """POST ``payload`` as JSON to ``{base_url}{path}`` with this generator's retries; the
+        reply's JSON (its text when it is not JSON, as vLLM's adapter routes answer)."""
+        response = await self._send(path, payload)
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate a continuation of ``request.prompt_ids`` on the server."""
@@ -117,6 +154,12 @@ class OpenAIGenerator:
         return payload
 
     async def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`_send`, the reply's JSON object."""
+        body: dict[str, Any] = (await self._send(path, payload)).json()
+        return body
+
+    async def _send(self, path: str, payload: dict[str, Any]) -> Any:
+        """POST with retries (module docstring); the successful httpx response."""
         httpx = self._httpx
         for attempt in range(self.max_retries + 1):
             try:
@@ -125,7 +168,7 @@ class OpenAIGenerator:
                 problem: str = f"{type(error).__name__}: {error}"
             else:
                 if response.status_code < 400:
-                    return response.json()  # type: ignore[no-any-return]
+                    return response
                 problem = f"HTTP {response.status_code}: {response.text[:500]}"
                 if response.status_code not in _TRANSIENT_STATUS:
                     raise GenerationError(f"{self._client.base_url}{path} refused the request: {problem}")

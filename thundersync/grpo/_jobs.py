@@ -8,6 +8,7 @@ weighted by their final advantage. Only worker jobs touch them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ import torch
 
 from thundersync.engine import forest
 from thundersync.engine._accum import FlatAccumulator
+from thundersync.engine._mismatch import LogprobMismatch
 from thundersync.engine.adapter import KV
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.run import StreamingRun
@@ -24,22 +26,33 @@ __all__ = ["Branch", "GroupWork", "backward_final", "backward_linear", "close_gr
 
 @dataclass(eq=False)
 class Branch:
-    """A trajectory as one chunk after the prompt: all its turns' tokens and scored flags, and
-    its reward once closed."""
+    """A trajectory as one chunk after the prompt: all its turns' tokens and scored flags, the
+    behaviour log-probs of its scored tokens (NaN where none was given), and its reward once closed."""
 
     tokens: list[int] = field(default_factory=list)
     scored: list[bool] = field(default_factory=list)
+    behaviour: list[float] = field(default_factory=list)
     reward: float | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def add_turn(self, ids: list[int], flags: list[bool], behaviour: torch.Tensor | None) -> None:
+        """Append a turn; ``behaviour``: one log-prob per scored token of the turn, or None."""
+        if behaviour is not None or self.behaviour:  # keep the list aligned with the scored tokens
+            unknown = sum(self.scored) - len(self.behaviour) + (sum(flags) if behaviour is None else 0)
+            self.behaviour += [math.nan] * unknown + ([] if behaviour is None else behaviour.tolist())
+        self.tokens += ids
+        self.scored += flags
+
 
 @dataclass(eq=False)
 class GroupWork:
-    """A group's tensors (module docstring); ``cancelled`` once its rewards are all equal."""
+    """A group's tensors (module docstring); ``cancelled`` once its rewards are all equal;
+    ``mismatch``: where its branches' forwards report their behaviour/learner log-prob gaps."""
 
     prompt: list[int]
+    mismatch: LogprobMismatch = field(default_factory=LogprobMismatch)
     root: Segment | None = None
     g1: FlatAccumulator | None = None
     g2: FlatAccumulator | None = None
@@ -69,23 +82,31 @@ def forward_prompt(run: StreamingRun, work: GroupWork) -> None:
 
 
 def _forward_branches(
-    run: StreamingRun, roots: Sequence[Segment], branches: Sequence[Branch], prompt: Segment | None = None
+    run: StreamingRun,
+    roots: Sequence[Segment],
+    branches: Sequence[Branch],
+    mismatch: LogprobMismatch,
+    prompt: Segment | None = None,
 ) -> tuple[SegmentPack, list[torch.Tensor]]:
-    """Forward branches (after ``prompt`` in the same pack when given); their scored log-probs."""
+    """Forward branches (after ``prompt`` in the same pack when given); their scored log-probs,
+    whose gaps to the branches' behaviour log-probs go to ``mismatch``."""
     segments = [Segment(run.tensor(b.tokens), root) for root, b in zip(roots, branches)]
     head = [prompt] if prompt is not None else []
     pack = SegmentPack.forward(run.anatomy, [*head, *segments])
     device = run.layout.device
     picks = [torch.tensor([j for j, s in enumerate(b.scored) if s], dtype=torch.long, device=device) for b in branches]
-    logprobs = pack.scored_logprobs([*([None] * len(head)), *picks])
-    return pack, logprobs[len(head) :]
+    logprobs = pack.scored_logprobs([*([None] * len(head)), *picks])[len(head) :]
+    for branch, lp in zip(branches, logprobs):
+        if branch.behaviour:
+            mismatch.add(lp, torch.tensor(branch.behaviour, dtype=torch.float64))
+    return pack, logprobs
 
 
 def backward_linear(run: StreamingRun, work: GroupWork, branches: Sequence[Branch], delta: float) -> None:
     """Branches of one open group sharing the reward r = r0 + delta: G2 += g, G1 += delta * g."""
     if work.cancelled or work.root is None:
         return
-    pack, logprobs = _forward_branches(run, [work.root] * len(branches), branches)
+    pack, logprobs = _forward_branches(run, [work.root] * len(branches), branches, work.mismatch)
     objective = torch.stack([lp.sum() for lp in logprobs]).sum()
     adjoints = pack.backward(objective, params=run.params, sink=run.capture)
     if work.g2 is None:
@@ -104,7 +125,8 @@ def backward_final(run: StreamingRun, items: Sequence[tuple[GroupWork, Branch, f
     live = [(w, w.root, b, a) for w, b, a in items if not w.cancelled and w.root is not None]
     if not live:
         return
-    pack, logprobs = _forward_branches(run, [root for _, root, _, _ in live], [b for _, _, b, _ in live])
+    roots, branches = [root for _, root, _, _ in live], [b for _, _, b, _ in live]
+    pack, logprobs = _forward_branches(run, roots, branches, live[0][0].mismatch)
     objective = torch.stack([lp.sum() * a for (_, _, _, a), lp in zip(live, logprobs)]).sum()
     adjoints = pack.backward(objective, params=run.params, sink=run.capture)
     run.total.add_scratch(run.capture)
@@ -141,7 +163,7 @@ def close_group(
         work.release()
         return
     root = Segment(run.tensor(work.prompt))
-    pack, logprobs = _forward_branches(run, [root] * len(last), [b for _, b, _ in last], prompt=root)
+    pack, logprobs = _forward_branches(run, [root] * len(last), [b for _, b, _ in last], work.mismatch, prompt=root)
     terms = [lp.sum() * a for (_, _, a), lp in zip(last, logprobs)]
     objective = torch.stack(terms).sum() if terms else None
     kv_adjoints = [adjoint] + [None] * len(last)

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import msgspec
 
 from thundersync.engine import inputs
+from thundersync.engine._mismatch import LogprobMismatch
 from thundersync.engine.groups import Group, OpenGroups, trajectory_name
 from thundersync.engine.objective import Signal
 from thundersync.engine.packing import split
@@ -90,12 +91,13 @@ class RewardLinearBackward:
         # THUNDERSYNC_GRPO_CLOSE_TRACE and THUNDERSYNC_GRPO_PROFILE_*: diagnostics of the close packs
         self._profile = CloseProfile.from_env(run.layout.device)
         self._kept: list[dense.DenseGroup] | None = None  # closed groups' inputs, while auditing
+        self._mismatch = LogprobMismatch()
 
     def open_group(self, group_id: Hashable, prompt_tokens: Any) -> None:
         """Open a group; its prompt is forwarded once, shared by its trajectories (never before needed)."""
         prompt = self.run.prompt_ids(group_id, prompt_tokens)
         self.run.begin(self)
-        self._groups.open(group_id, prompt, _Pending(GroupWork(prompt)))
+        self._groups.open(group_id, prompt, _Pending(GroupWork(prompt, self._mismatch)))
 
     def append_turn(
         self,
@@ -107,17 +109,22 @@ class RewardLinearBackward:
         teacher_logprobs: Any = None,
         behaviour_logprobs: Any = None,
     ) -> None:
-        """Append a turn (policy turn: some tokens scored; observation turn: none)."""
-        if teacher_logprobs is not None or behaviour_logprobs is not None:
+        """Append a turn (policy turn: some tokens scored; observation turn: none).
+
+        ``behaviour_logprobs`` (optional, one per scored token: the generator's) do not change the
+        gradient; they are compared with the learner's log-probs for :meth:`take_logprob_mismatch`.
+        """
+        if teacher_logprobs is not None:
             raise ConfigError(
-                "RewardLinearBackward (GRPO) learns from rewards, not log-probs: leave teacher_logprobs and "
-                "behaviour_logprobs unset, or use an OPDStream for distillation"
+                "RewardLinearBackward (GRPO) learns from rewards, not teacher log-probs: leave teacher_logprobs "
+                "unset, or use an OPDStream for distillation"
             )
         self._groups.get(group_id)  # an unknown group is reported before the turn's contents
-        ids, flags = self.run.turn_ids(trajectory_name(group_id, trajectory_id), tokens, scored)
+        where = trajectory_name(group_id, trajectory_id)
+        ids, flags = self.run.turn_ids(where, tokens, scored)
+        behaviour = inputs.logprobs(behaviour_logprobs, "behaviour_logprobs", sum(flags), where, required=False)
         _, trajectory = self._groups.append(group_id, trajectory_id, len(ids))
-        trajectory.payload.tokens += ids
-        trajectory.payload.scored += flags
+        trajectory.payload.add_turn(ids, flags, behaviour)
 
     def close_trajectory(self, group_id: Hashable, trajectory_id: Hashable, reward: float | None = None) -> None:
         """Close a trajectory with its reward (required); its backward may run now (packed with others)."""
@@ -194,6 +201,17 @@ class RewardLinearBackward:
         groups, self._kept = self._kept, []
         model, config = self.run.anatomy.model, self.config
         return dense.dense_gradient(model, self.run.params, groups, config.estimator, config.eps)
+        self._mismatch.reset()
+
+    def take_logprob_mismatch(self) -> float | None:
+        """Mean |behaviour - learner| log-prob over the scored tokens forwarded since the last call
+        (over every rank under data parallel: a collective), then reset; None when none had a
+        behaviour log-prob. Call it after :meth:`assert_safe_to_step` (the work has run then).
+
+        Only forwarded tokens count: a group whose rewards are all equal contributes no gradient,
+        so its branches are never forwarded and not measured.
+        """
+        return self._mismatch.take(self.run.data_parallel)
 
     def retained_bytes(self) -> int:
         """Bytes of tensors held for open groups plus the run's scratch and total."""

@@ -15,6 +15,7 @@ import torch
 
 from thundersync.engine import forest
 from thundersync.engine._accum import FlatAccumulator
+from thundersync.engine._mismatch import LogprobMismatch
 from thundersync.engine.adapter import KV
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.run import StreamingRun
@@ -172,13 +173,16 @@ class PendingTurn:
         return len(self.turn.ids) + 1
 
 
-def backward_turns(run: StreamingRun, sink: GradientSink, pending: Sequence[PendingTurn]) -> None:
+def backward_turns(
+    run: StreamingRun, sink: GradientSink, pending: Sequence[PendingTurn], mismatch: LogprobMismatch
+) -> None:
     """Forward scored turns (of distinct trajectories) packed and backpropagate their losses now.
 
     Each turn reads its ancestors' states through proxies, except the turns before it that were
     never forwarded (observations since its trajectory's last scored turn): those go into the same
     pack, just before it, so one forward serves both and their own parameters get this turn's
-    gradient through the graph. Adjoints for the proxied ancestors go to their ledgers.
+    gradient through the graph. Adjoints for the proxied ancestors go to their ledgers. The
+    turns' behaviour/learner log-prob gaps go to ``mismatch``.
     """
     segments: list[Segment] = []
     selections: list[torch.Tensor | None] = []
@@ -203,6 +207,7 @@ def backward_turns(run: StreamingRun, sink: GradientSink, pending: Sequence[Pend
         assert item.turn.teacher is not None
         behaviour = None if item.turn.behaviour is None else item.turn.behaviour.to(lp)
         losses.append(surrogate_sum(lp, item.turn.teacher.to(lp), behaviour))
+        mismatch.add(lp, item.turn.behaviour)
     for ancestor, adjoint in sink.backward(pack, torch.stack(losses).sum(), None).items():
         ledgers[id(ancestor)].add(adjoint)
 

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import msgspec
 
 from thundersync.engine import inputs
+from thundersync.engine._mismatch import LogprobMismatch
 from thundersync.engine.groups import Group, OpenGroups, Trajectory, trajectory_name
 from thundersync.engine.objective import Signal
 from thundersync.engine.packing import PackQueue
@@ -89,6 +90,7 @@ class OPDStream:
         self._scored_tokens = 0
         self._kept: list[dense.DenseTrajectory] | None = None  # closed trajectories' inputs, while auditing
         self._normalizer = 1.0  # the N of the last stepped batch
+        self._mismatch = LogprobMismatch()
 
     # --- the StreamingObjective protocol -------------------------------------------------------
 
@@ -185,6 +187,13 @@ class OPDStream:
         self._replays.clear()
         self.run.discard()
         self._end_batch()
+        self._mismatch.reset()
+
+    def take_logprob_mismatch(self) -> float | None:
+        """Mean |behaviour - learner| log-prob over the scored tokens with a behaviour log-prob
+        since the last call (over every rank under data parallel: a collective), then reset; None
+        when there were none. Call it after :meth:`assert_safe_to_step` (the work has run then)."""
+        return self._mismatch.take(self.run.data_parallel)
 
     def keep_batch(self, keep: bool) -> None:
         """Keep the plain inputs (token ids, scored positions, log-probs) of the trajectories that
@@ -218,7 +227,7 @@ class OPDStream:
         """A run job: backpropagate the ready scored turns, packed (none left: no-op)."""
         pack = self._turns.take()
         if pack:
-            _replay.backward_turns(self.run, self._sink, pack)
+            _replay.backward_turns(self.run, self._sink, pack, self._mismatch)
 
     def _replay_queued(self) -> None:
         """A run job: replay the ready closed trajectories, level by level (none left: no-op)."""

@@ -12,7 +12,8 @@ objective's calls in each trajectory's own order, whatever order the edges deliv
 - ``"teacher"``: an action goes in once its teacher scores are there, with them and its
   behaviour log-probs (its backward is queued then, and its BackwardDone follows); observations
   behind it wait for it; the trajectory closes right after its final action.
-- ``"reward"``: the trajectory's turns go in, and it closes with its reward, once both its final
+- ``"reward"``: the trajectory's turns go in (with their behaviour log-probs, which GRPO only
+  compares with the learner's: ``take_logprob_mismatch``), and it closes with its reward, once both its final
   action and its reward are there (they travel on different edges). Holding the turns until then
   costs nothing: GRPO only records a turn's tokens, and queues the branch's backward at the close.
   The BackwardDone of each of its action turns follows the close.
@@ -210,10 +211,12 @@ class BackwardStage(Stage):
             )
             return
         scored = list(turn.scored) if turn.scored else [True] * len(tokens)
-        append = partial(self.objective.append_turn, group_id, trajectory_id, tokens, scored)
+        behaviour = [b for b, keep in zip(turn.behaviour_logprobs, scored) if keep] or None
+        append = partial(
+            self.objective.append_turn, group_id, trajectory_id, tokens, scored, behaviour_logprobs=behaviour
+        )
         if not self._rewarded:
-            behaviour = [b for b, keep in zip(turn.behaviour_logprobs, scored) if keep] or None
-            append = partial(append, teacher_logprobs=teacher, behaviour_logprobs=behaviour)
+            append = partial(append, teacher_logprobs=teacher)
         await self._call(append)
 
     async def _close(self, group_id: Id, trajectory_id: Id, reward: float | None) -> list[BackwardDone]:

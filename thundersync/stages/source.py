@@ -38,7 +38,8 @@ class SourceStage(Stage):
     batch ``b`` holds groups ``b * groups_per_batch ... (b + 1) * groups_per_batch - 1`` (the
     last batch may be smaller; ``groups_per_batch = 0`` puts every group in batch 0). Each prompt
     says how many groups its batch has, so close can seal a batch without waiting for the end of
-    the stream.
+    the stream. :meth:`limit_batches` (a file's ``[run] steps``) fixes the number of batches
+    instead: the epochs then go on as long as needed, whatever ``repeat`` says.
     """
 
     consumes: ClassVar[tuple[type[EventBase], ...]] = ()
@@ -56,6 +57,8 @@ class SourceStage(Stage):
                 raise ConfigError(f"prompts must be non-empty token id lists, got {self.prompts!r}")
 
     config: Config
+    batch_limit: int | None = None
+    """How many batches to emit (None: ``repeat`` epochs' worth); see :meth:`limit_batches`."""
 
     def __init__(self, config: Config, /, *, tasks: TaskSource | None = None) -> None:
         super().__init__(config)
@@ -69,6 +72,13 @@ class SourceStage(Stage):
             raise ConfigError("the source's tasks object listed no task; give it at least one")
         self.skipped: frozenset[Id] = frozenset()
 
+    def limit_batches(self, batches: int) -> None:
+        """Emit exactly ``batches`` full batches (one optimizer step each): the tasks repeat,
+        epoch after epoch, as often as needed; ``repeat`` no longer bounds them."""
+        if batches < 1:
+            raise ConfigError(f"a source must emit at least one batch, got a limit of {batches}")
+        self.batch_limit = batches
+
     def skip_batches(self, batch_ids: Iterable[Id]) -> None:
         """Emit no prompt of these batches (a resumed run's consumed batches)."""
         self.skipped = frozenset(batch_ids)
@@ -76,25 +86,33 @@ class SourceStage(Stage):
     @property
     def num_batches(self) -> int:
         """How many batches this source emits in all, skipped ones included."""
-        groups = len(self._tasks) * self.config.repeat
-        per_batch = self.config.groups_per_batch or groups
-        return -(-groups // per_batch)
+        return -(-self._groups() // self._per_batch())
+
+    def _per_batch(self) -> int:
+        return self.config.groups_per_batch or len(self._tasks) * self.config.repeat
+
+    def _groups(self) -> int:
+        """How many groups this source emits in all, skipped ones included."""
+        if self.batch_limit is None:
+            return len(self._tasks) * self.config.repeat
+        return self.batch_limit * self._per_batch()
 
     def _ordered(self) -> list[Task]:
-        """Every epoch's tasks in submission order."""
+        """Every group's task in submission order, epoch after epoch."""
         shuffler = None if self.config.shuffle_seed is None else random.Random(self.config.shuffle_seed)
+        groups = self._groups()
         out: list[Task] = []
-        for _ in range(self.config.repeat):
+        while len(out) < groups:
             epoch = list(self._tasks)
             if shuffler is not None:
                 shuffler.shuffle(epoch)
             out += epoch
-        return out
+        return out[:groups]
 
     def submissions(self) -> list[PromptSubmitted]:
         """Every prompt this source emits, in order (none of the skipped batches)."""
         tasks = self._ordered()
-        per_batch = self.config.groups_per_batch or len(tasks)
+        per_batch = self._per_batch()
         out = []
         for index, task in enumerate(tasks):
             batch = index // per_batch

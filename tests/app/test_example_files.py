@@ -1,0 +1,87 @@
+"""Every pipeline file in examples/ runs two optimizer steps through the real CLI and writes the
+metrics keys the issue lists.
+
+Each file runs as ``python -m thundersync run FILE --set run.steps=2`` in a scratch working
+directory (``examples/`` linked into it, so relative data paths resolve while metrics and
+checkpoints stay out of the repository). A file whose short run needs more overrides declares
+them in a leading comment line (before its first table)::
+
+    # ci-overrides: objects.warmup.steps=2 objects.model.config.num_hidden_layers=1
+
+(``KEY=VALUE`` items split like a shell line, so quote a value with spaces; they come after
+``run.steps=2`` and win over it). A file whose sandboxes are ``docker`` or ``udocker`` (after
+those overrides) is a ``docker`` test: it skips without that engine, or fails under
+``THUNDERSYNC_REQUIRE_SANDBOXES=1``, as the sandbox tests do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.app.test_step_metrics import KEYS
+from tests.sandboxes.conftest import require
+from thundersync.app.definition import load
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTAINERS = ("docker", "udocker")
+pytestmark = pytest.mark.slow
+
+
+def ci_overrides(path: Path) -> list[str]:
+    """The ``# ci-overrides:`` items of the file's leading comment lines."""
+    items: list[str] = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            break
+        body = line.lstrip().lstrip("#").strip()
+        if body.startswith("ci-overrides:"):
+            items += shlex.split(body.removeprefix("ci-overrides:"))
+    return items
+
+
+def container_backends(path: Path) -> list[str]:
+    """The container engines the file's objects start sandboxes with (after its ci-overrides)."""
+    spec = load(path, ["run.steps=2", *ci_overrides(path)])
+    return sorted({obj.args["backend"] for obj in spec.objects.values() if obj.args.get("backend") in CONTAINERS})
+
+
+def _cases() -> list[Any]:
+    cases = []
+    for path in sorted((ROOT / "examples").glob("*.toml")):
+        marks = [pytest.mark.docker] if container_backends(path) else []
+        cases.append(pytest.param(path, marks=marks, id=path.name))
+    return cases
+
+
+@pytest.mark.parametrize("path", _cases())
+def test_the_example_file_runs_two_steps_and_writes_every_metrics_key(path: Path, tmp_path: Path) -> None:
+    for backend in container_backends(path):
+        require(backend)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    metrics = tmp_path / "metrics.jsonl"
+    command = [sys.executable, "-m", "thundersync", "run", str(path), "--metrics", str(metrics), "--no-progress"]
+    for item in ["run.steps=2", *ci_overrides(path)]:
+        command += ["--set", item]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, f"{shlex.join(command)}\n{run.stderr[-4000:]}"
+    steps = [r for line in metrics.read_text().splitlines() if (r := json.loads(line))["event"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2]
+    for record in steps:
+        assert not KEYS - record.keys(), f"step {record['step']} lacks {sorted(KEYS - record.keys())}"
+
+
+def test_ci_overrides_are_read_from_the_leading_comment_lines_only(tmp_path: Path) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text(
+        "# thundersync run x.toml\n#\n# ci-overrides: a.b=1 c.d='\"two words\"'\n[run]\n# ci-overrides: e.f=3\n"
+    )
+    assert ci_overrides(path) == ["a.b=1", 'c.d="two words"']
