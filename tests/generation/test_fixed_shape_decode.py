@@ -1,4 +1,4 @@
-"""The fixed-shape decode step (what CUDA graphs capture): every slot decodes, parked ones too."""
+"""The fixed-shape decode step (what CUDA graphs capture): the live slots, padded to a batch bucket, decode."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import torch
 
 from thundersync.errors import ConfigError
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many
+from thundersync.generation._compiled import CompiledDecode
+from thundersync.generation._fixed_step import batch_buckets
 
 
 def scenario(generator: TorchGenerator, params: SamplingParams) -> list:
@@ -26,9 +28,43 @@ def scenario(generator: TorchGenerator, params: SamplingParams) -> list:
     return anyio.run(go)
 
 
-def fixed_shape(generator: TorchGenerator) -> TorchGenerator:
-    generator._batcher.use_fixed_step(capture=False)
+def fixed_shape(generator: TorchGenerator, compiled: CompiledDecode | None = None) -> TorchGenerator:
+    generator._batcher.use_fixed_step(capture=False, compiled=compiled)
     return generator
+
+
+def ragged(generator: TorchGenerator, count: int = 6) -> list:
+    """``count`` seeded requests of different lengths: the live batch shrinks one by one."""
+    requests = [
+        GenerationRequest(
+            prompt_ids=[3 + i] * (2 + i), params=SamplingParams(temperature=1.0, max_new_tokens=3 + 3 * i, seed=i)
+        )
+        for i in range(count)
+    ]
+    return anyio.run(generate_many, generator, requests)
+
+
+def record_batch_sizes(generator: TorchGenerator) -> list[tuple[int, int]]:
+    """(live sequences, rows decoded) of each decode step of ``generator``'s fixed step, appended as it runs."""
+    batcher = generator._batcher
+    plain_decode, plain_rows, sizes, live = batcher._decode, batcher.fixed._decode, [], []
+
+    def decode(running: list) -> None:
+        live.append(len(running))
+        plain_decode(running)
+
+    def rows(tokens: torch.Tensor, *args: object) -> torch.Tensor:
+        sizes.append((live[-1], tokens.shape[0]))
+        return plain_rows(tokens, *args)
+
+    batcher._decode, batcher.fixed._decode = decode, rows
+    return sizes
+
+
+def assert_same_results(expected: list, actual: list) -> None:
+    for a, b in zip(expected, actual, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -44,9 +80,81 @@ def test_fixed_shape_decode_equals_row_decode_and_keeps_parked_caches(make_qwen3
     rows = scenario(TorchGenerator(model, max_batch=4, max_seq_len=48), params)
     fixed = scenario(fixed_shape(TorchGenerator(model, max_batch=4, max_seq_len=48)), params)
     assert fixed[-1].cached_tokens > 0
-    for a, b in zip(rows, fixed, strict=True):
-        assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    assert_same_results(rows, fixed)
+
+
+def test_batch_buckets_are_powers_of_two_up_to_the_slot_count() -> None:
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(6) == (1, 2, 4, 6)
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+
+
+def test_the_fixed_step_decodes_only_the_live_slots_padded_to_a_bucket(make_qwen3) -> None:
+    model = make_qwen3()
+    expected = ragged(TorchGenerator(model, max_batch=8, max_seq_len=48))
+    generator = fixed_shape(TorchGenerator(model, max_batch=8, max_seq_len=48))
+    sizes = record_batch_sizes(generator)
+    assert_same_results(expected, ragged(generator))
+    assert {live for live, _ in sizes} == {1, 2, 3, 4, 5, 6}  # sequences finish one by one
+    bucket = {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8}
+    assert all(rows == bucket[live] for live, rows in sizes)
+
+
+def test_a_parked_session_padding_a_bucket_keeps_its_cache(make_qwen3) -> None:
+    model = make_qwen3()
+    params = SamplingParams(temperature=1.0, max_new_tokens=9, seed=4)
+    generator = fixed_shape(TorchGenerator(model, max_batch=4, max_seq_len=48))
+    sizes = record_batch_sizes(generator)
+    fixed = scenario(generator, params)
+    assert (3, 4) in sizes  # three live requests beside the parked session: its slot pads the bucket
+    assert fixed[-1].cached_tokens > 0
+    assert_same_results(scenario(TorchGenerator(model, max_batch=4, max_seq_len=48), params), fixed)
+
+
+COMPILE_WARNING = "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"  # inductor's imports
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings(COMPILE_WARNING)
+def test_a_compiled_decode_step_samples_what_the_eager_one_does(make_qwen3) -> None:
+    model = make_qwen3()
+    compiled = CompiledDecode()
+    results = ragged(fixed_shape(TorchGenerator(model, max_batch=8, max_seq_len=48), compiled))
+    assert compiled.failures == []
+    assert_same_results(ragged(TorchGenerator(model, max_batch=8, max_seq_len=48)), results)
+
+
+def failing_backend(graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
+    raise RuntimeError("no compiler here")
+
+
+@pytest.mark.filterwarnings(COMPILE_WARNING)
+def test_a_decode_step_that_fails_to_compile_runs_eagerly_counted_and_logged(make_qwen3, caplog) -> None:
+    model = make_qwen3()
+    compiled = CompiledDecode(backend=failing_backend)
+    with caplog.at_level("WARNING", logger="thundersync.generation._compiled"):
+        results = ragged(fixed_shape(TorchGenerator(model, max_batch=8, max_seq_len=48), compiled), count=3)
+    assert sorted(f.split(":")[0] for f in compiled.failures) == [
+        "attention_inputs",
+        "attention_output",
+        "embed",
+        "sample",
+    ]
+    assert all("no compiler here" in f for f in compiled.failures)
+    assert len(caplog.records) == 4 and "decode_compile_failed" in caplog.records[0].getMessage()
+    assert_same_results(ragged(TorchGenerator(model, max_batch=8, max_seq_len=48), count=3), results)
+
+
+@pytest.mark.filterwarnings(COMPILE_WARNING)
+def test_the_decode_compile_switch_is_read_from_the_environment(make_qwen3, monkeypatch) -> None:
+    model = make_qwen3()
+    monkeypatch.setenv("THUNDERSYNC_DECODE_COMPILE", "on")
+    assert TorchGenerator(model, max_batch=2, max_seq_len=48)._batcher.compiled is not None
+    monkeypatch.setenv("THUNDERSYNC_DECODE_COMPILE", "off")
+    assert TorchGenerator(model, max_batch=2, max_seq_len=48)._batcher.compiled is None
+    monkeypatch.setenv("THUNDERSYNC_DECODE_COMPILE", "yes")
+    with pytest.raises(ConfigError, match="THUNDERSYNC_DECODE_COMPILE must be auto, on or off, got 'yes'"):
+        TorchGenerator(model, max_batch=2, max_seq_len=48)
 
 
 def test_integer_temperature_and_top_p_decode_like_floats(make_qwen3) -> None:
@@ -71,17 +179,21 @@ def test_integer_temperature_and_top_p_decode_like_floats(make_qwen3) -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_matches_transformers_and_eager(make_qwen3) -> None:
+@pytest.mark.filterwarnings(COMPILE_WARNING)
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_cuda_graph_decode_matches_transformers_and_eager(make_qwen3, compile_decode) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     model = make_qwen3().cuda()
     params = SamplingParams(temperature=0.0, max_new_tokens=9)
-    graphs = TorchGenerator(model, max_batch=4, max_seq_len=300)
+    graphs = TorchGenerator(model, max_batch=4, max_seq_len=300, compile_decode=compile_decode)
     assert graphs._batcher.run_fixed is not None
     captured = scenario(graphs, params)
     eager = scenario(TorchGenerator(model, max_batch=4, max_seq_len=300, cuda_graphs=False), params)
-    for a, b in zip(captured, eager, strict=True):
-        assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    assert_same_results(eager, captured)
+    seeded = ragged(TorchGenerator(model, max_batch=8, max_seq_len=300, compile_decode=compile_decode))
+    assert_same_results(ragged(TorchGenerator(model, max_batch=8, max_seq_len=300, cuda_graphs=False)), seeded)
+    if compile_decode:
+        assert graphs._batcher.compiled is not None and graphs._batcher.compiled.failures == []
     prompt = list(range(20, 160))  # crosses a 128-token key bucket
     (long,) = anyio.run(
         generate_many,

@@ -20,6 +20,7 @@ from torch import nn
 
 from thundersync.engine.anatomy import decoder_anatomy
 from thundersync.errors import ConfigError, GenerationError
+from thundersync.generation._compiled import CompiledDecode
 from thundersync.generation._fixed_step import CapturedStep, FixedStep
 from thundersync.generation._forward import Rows, forward_hidden, logits_of, pack_prefill
 from thundersync.generation._kv_cache import KVCache
@@ -75,7 +76,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-StepFn = Callable[[int, bool], tuple[torch.Tensor, torch.Tensor]]
+StepFn = Callable[[int, int, bool], torch.Tensor]  # (bucket, key_len, filtered) -> [bucket, 2]
 
 
 class ContinuousBatcher:
@@ -90,14 +91,18 @@ class ContinuousBatcher:
         self.prefill_tokens = prefill_tokens
         self.key_bucket = key_bucket
         self.fixed: FixedStep | None = None  # see use_fixed_step
+        self.compiled: CompiledDecode | None = None
         self.run_fixed: StepFn | None = None
         self._clock = itertools.count(1)
         self._finished: list[Ticket] = []
         self.weights = WeightsWatch(model)
 
-    def use_fixed_step(self, *, capture: bool) -> None:
-        """Decode every slot with device-resident state (:mod:`._fixed_step`), CUDA graphs if ``capture``."""
-        self.fixed = FixedStep(self.decode_fixed, self.cache.slots, self.anatomy.device)
+    def use_fixed_step(self, *, capture: bool, compiled: CompiledDecode | None = None) -> None:
+        """Decode the live slots with device-resident state (:mod:`._fixed_step`), CUDA graphs if
+        ``capture``, the per-layer math and sampling of ``compiled`` if given."""
+        self.compiled = compiled
+        sample_fn = self.compiled.sample if self.compiled is not None else sample
+        self.fixed = FixedStep(self.decode_fixed, self.cache.slots, self.anatomy.device, sample_fn)
         self.run_fixed = CapturedStep(self.fixed) if capture else self.fixed
 
     # --- requests ------------------------------------------------------------------------------
@@ -248,15 +253,15 @@ class ContinuousBatcher:
             self._sample(running, self._decode_rows(running, key_len))
             return
         self.fixed.flush()
+        bucket = self.fixed.plan([s.index for s in running])
         filtered = any(_filtered(_ticket(s).request.params) for s in running)
-        tokens, logprobs = self.run_fixed(key_len, filtered)
-        tokens_list, logprobs_list = tokens.tolist(), logprobs.tolist()
-        for slot in running:
+        sampled = self.run_fixed(bucket, key_len, filtered).tolist()  # the step's one host sync
+        for slot, (token, logprob) in zip(running, sampled[: len(running)], strict=True):
             ticket = slot.ticket
             assert ticket is not None
             slot.cached.append(ticket.tokens[-1])
-            ticket.tokens.append(tokens_list[slot.index])
-            ticket.logprobs.append(logprobs_list[slot.index])
+            ticket.tokens.append(int(token))
+            ticket.logprobs.append(logprob)
             if self._maybe_finish(slot, ticket):
                 self.fixed.deactivate(slot.index)
 
@@ -271,11 +276,14 @@ class ContinuousBatcher:
             slot.cached.append(_ticket(slot).tokens[-1])
         return logits
 
-    def decode_fixed(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
-        """Decode one token in every slot (fixed shapes, capturable): logits [slots, V]."""
-        slots = torch.arange(self.cache.slots, device=tokens.device)
-        rows = Rows(slots=None, positions=positions[:, None], pad_index=None, unpad_index=None, key_len=key_len)
-        return logits_of(self.anatomy, forward_hidden(self.anatomy, self.cache, tokens, positions, slots, rows))
+    def decode_fixed(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, key_len: int
+    ) -> torch.Tensor:
+        """Decode one token in each of ``slots`` [R] (fixed shapes, capturable): logits [R, V]."""
+        rows = Rows(slots=slots, positions=positions[:, None], pad_index=None, unpad_index=None, key_len=key_len)
+        math = self.compiled.math if self.compiled is not None else None
+        hidden = forward_hidden(self.anatomy, self.cache, tokens, positions, slots, rows, math)
+        return logits_of(self.anatomy, hidden)
 
     # --- sampling and finishing ---------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from thundersync.engine.anatomy import DecoderAnatomy
-from thundersync.engine.decoder import apply_norm, decoder_forward
+from thundersync.engine.decoder import LayerMath, apply_norm, decoder_forward
 from thundersync.generation._kv_cache import KVCache
 
 __all__ = ["CacheAttention", "PrefillBatch", "Rows", "forward_hidden", "logits_of", "pack_prefill"]
@@ -157,9 +157,13 @@ def forward_hidden(
     positions: torch.Tensor,
     slots: torch.Tensor,
     rows: Rows,
+    math: LayerMath | None = None,
 ) -> torch.Tensor:
-    """Hidden states [T, hidden] (before the final norm) of the packed tokens; their keys/values enter the cache."""
-    return decoder_forward(an, tokens, positions, CacheAttention(an, cache, slots, positions, rows))
+    """Hidden states [T, hidden] (before the final norm) of the packed tokens; their keys/values enter the cache.
+
+    ``math`` is the stack's math around attention (default: eager; the decode step may pass compiled forms).
+    """
+    return decoder_forward(an, tokens, positions, CacheAttention(an, cache, slots, positions, rows), math)
 
 
 def logits_of(an: DecoderAnatomy, hidden: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ for exact on-policy sampling.
 
 from __future__ import annotations
 
+import os
 import random
 from collections import deque
 from collections.abc import Callable
@@ -41,9 +42,18 @@ from torch import nn
 
 from thundersync.errors import ConfigError, GenerationError
 from thundersync.generation._batcher import ContinuousBatcher, Ticket
+from thundersync.generation._compiled import CompiledDecode
 from thundersync.generation.base import GenerationRequest, GenerationResult
 
 __all__ = ["TorchGenerator"]
+
+
+def _compile_default(cuda_graphs: bool) -> bool:
+    """Whether to compile the decode step when the caller does not say (``THUNDERSYNC_DECODE_COMPILE``)."""
+    mode = os.environ.get("THUNDERSYNC_DECODE_COMPILE", "auto")
+    if mode not in ("auto", "on", "off"):
+        raise ConfigError(f"THUNDERSYNC_DECODE_COMPILE must be auto, on or off, got {mode!r}")
+    return mode == "on" or (mode == "auto" and cuda_graphs)
 
 
 class TorchGenerator:
@@ -51,7 +61,10 @@ class TorchGenerator:
 
     ``max_batch`` sequences (running or parked) fit in the KV cache at once, each up to
     ``max_seq_len`` tokens (prompt included). ``prefill_tokens`` bounds the prompt tokens prefilled
-    in one step (a single longer prompt is prefilled alone). ``cuda_graphs`` defaults to "on when the model is on CUDA". ``seed`` seeds the
+    in one step (a single longer prompt is prefilled alone). ``cuda_graphs`` defaults to "on when
+    the model is on CUDA". ``compile_decode`` runs the decode step's per-layer math and sampling
+    through ``torch.compile`` (:mod:`._compiled`; eager where compiling fails); it defaults to
+    ``THUNDERSYNC_DECODE_COMPILE`` (``auto``: with CUDA graphs; ``on``; ``off``). ``seed`` seeds the
     per-request seeds of requests that do not set one.
 
     No background task: one of the concurrent ``await generate(...)`` calls drives the batcher
@@ -70,6 +83,7 @@ class TorchGenerator:
         max_seq_len: int = 4096,
         prefill_tokens: int = 8192,
         cuda_graphs: bool | None = None,
+        compile_decode: bool | None = None,
         seed: int = 0,
     ) -> None:
         if max_batch < 1 or max_seq_len < 2 or prefill_tokens < 1:
@@ -83,10 +97,12 @@ class TorchGenerator:
         device = self._batcher.anatomy.device
         if cuda_graphs is None:
             cuda_graphs = device.type == "cuda"
-        if cuda_graphs:
-            if device.type != "cuda":
-                raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, it is on {device}")
-            self._batcher.use_fixed_step(capture=True)
+        if cuda_graphs and device.type != "cuda":
+            raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, it is on {device}")
+        if compile_decode is None:
+            compile_decode = _compile_default(cuda_graphs)
+        if cuda_graphs or compile_decode:
+            self._batcher.use_fixed_step(capture=cuda_graphs, compiled=CompiledDecode() if compile_decode else None)
         self._seeds = random.Random(seed)
         self._driver: Ticket | None = None  # the request whose task steps the batcher now
         self._wakes: dict[Ticket, anyio.Event] = {}  # waiting requests
