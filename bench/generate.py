@@ -1,17 +1,25 @@
-"""TorchGenerator against transformers' `generate` on a random Qwen3-0.6B-shaped model.
+"""TorchGenerator against transformers' `generate` on a random Qwen3-0.6B-shaped model, and a long-tail rollout.
 
-    python bench/generate.py                 # H200: bf16, batch 32/64/128, 128-token prompts, 256 new
+    python bench/generate.py                 # H200: bf16, batch 1/8/32/64/128, 128-token prompts, 256 new
     python bench/generate.py --tiny          # CPU smoke run of the same code on a tiny model
+    python bench/generate.py --batches 1 --long-tail-only   # just the decode tail
 
 Both sample at temperature 1 with no top-k/top-p and no stop token, from the same random prompts.
 Ours runs through the public async API (`generate_many`); each batcher step is timed (the first
 step prefills). The floor is the bytes one decode step must read (weights + the KV cache of the
 mean context) over the copy bandwidth measured in the same run.
+
+The long-tail rollout is issue 14's workload: 64 sequences with ~512-token prompts (uniform in
+448..576) and response lengths 64 x lognormal(1.5, 1) clipped to 64..2048 (seeded; about 25k
+tokens), max_batch 64, no stop token. Most of its time a few sequences decode alone, so its
+speed is the generator's small-batch step time. It runs once to warm up (compile, graph
+captures: the same shapes recur every training step) and is then timed.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -116,6 +124,41 @@ def run_ours(
     return seconds, statistics.median(steps[1:]), steps[0]
 
 
+def long_tail_workload(tiny: bool, vocab: int) -> list[GenerationRequest]:
+    """Issue 14's rollout: 64 prompts of ~512 tokens, 64 x lognormal(1.5, 1) new tokens in 64..2048 (tiny: / 16)."""
+    scale = 16 if tiny else 1
+    count, prompt, low, high = 64 // (4 if tiny else 1), 512 // scale, 64 // scale, 2048 // scale
+    rng = torch.Generator().manual_seed(14)
+    normal = torch.randn(count, generator=rng, dtype=torch.float64)
+    lengths = [min(high, max(low, round(low * math.exp(1.5 + z)))) for z in normal.tolist()]
+    prompt_lens = torch.randint(prompt - prompt // 8, prompt + prompt // 8 + 1, (count,), generator=rng).tolist()
+    return [
+        GenerationRequest(
+            prompt_ids=torch.randint(1, vocab, (n,), generator=rng).tolist(),
+            params=SamplingParams(temperature=1.0, max_new_tokens=new, seed=i),
+        )
+        for i, (n, new) in enumerate(zip(prompt_lens, lengths, strict=True))
+    ]
+
+
+def run_long_tail(
+    model: torch.nn.Module, requests: list[GenerationRequest], device: torch.device
+) -> tuple[float, int, float]:
+    """(seconds, generated tokens, warm-up seconds) of the long-tail rollout through TorchGenerator."""
+    longest = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
+    generator = TorchGenerator(model, max_batch=len(requests), max_seq_len=longest + 1)
+    start = time.perf_counter()
+    anyio.run(generate_many, generator, requests)  # warm-up: compile and graph captures
+    sync(device)
+    warm_up = time.perf_counter() - start
+    start = time.perf_counter()
+    results = anyio.run(generate_many, generator, requests)
+    sync(device)
+    seconds = time.perf_counter() - start
+    assert [len(r.token_ids) for r in results] == [r.params.max_new_tokens for r in requests]
+    return seconds, sum(len(r.token_ids) for r in results), warm_up
+
+
 def run_transformers(model: torch.nn.Module, prompts: torch.Tensor, new: int, device: torch.device) -> float:
     kwargs = dict(
         max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None
@@ -137,10 +180,11 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=None)
     parser.add_argument("--new", type=int, default=None)
     parser.add_argument("--baseline-new", type=int, default=None, help="new tokens for transformers (it is slow)")
+    parser.add_argument("--no-long-tail", action="store_true", help="skip the long-tail rollout")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    batches = [int(b) for b in (args.batches or ("2,4" if args.tiny else "32,64,128")).split(",")]
+    batches = [int(b) for b in (args.batches or ("1,2,4" if args.tiny else "1,8,32,64,128")).split(",")]
     prompt_len = args.prompt or (16 if args.tiny else 128)
     new = args.new or (32 if args.tiny else 256)
     baseline_new = args.baseline_new or new
@@ -194,6 +238,16 @@ def main() -> None:
             rows,
         )
     )
+    if not args.no_long_tail:
+        requests = long_tail_workload(args.tiny, config.vocab_size)
+        seconds, tokens, warm_up = run_long_tail(model, requests, device)
+        print("\nlong-tail rollout (issue 14: 64 prompts ~512, new 64 x lognormal(1.5, 1) in 64..2048, max_batch 64)\n")
+        print(
+            markdown_table(
+                ["sequences", "tokens", "seconds", "tok/s", "first run s (compile, captures)"],
+                [[len(requests), tokens, seconds, tokens / seconds, warm_up]],
+            )
+        )
 
 
 if __name__ == "__main__":
