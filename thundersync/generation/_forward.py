@@ -14,7 +14,7 @@ slot s attends to the cached keys of slot s at positions 0..p (its own key was j
 
 Grouped-query attention is computed without copying keys: the G = heads / kv_heads query heads
 that share a key head are stacked along the query axis. Decoding (one query per row) takes a
-shorter path of four kernels (``baddbmm`` with the mask as bias, softmax, cast, ``bmm``).
+shorter path of three kernels (``baddbmm`` with the mask as bias, softmax, ``bmm``).
 
 The fixed-shape decode step calls :func:`forward_hidden` inside a CUDA-graph capture: nothing
 here reads a device value back to the host or branches on one; shapes depend only on ``rows``
@@ -119,8 +119,15 @@ def _attend_decode(
     scores = torch.baddbmm(
         bias, q.view(batch, heads // an.num_kv_heads, dim), k.reshape(batch, -1, dim).transpose(1, 2), alpha=an.scaling
     )
-    weights = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
-    return torch.bmm(weights, v.reshape(batch, -1, dim)).view(r, heads * dim)
+    return torch.bmm(_softmax(scores, v.dtype), v.reshape(batch, -1, dim)).view(r, heads * dim)
+
+
+def _softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scores.softmax(-1)`` computed in fp32 and given in ``dtype``: for 16-bit scores one kernel (it
+    accumulates in fp32 and rounds once), else through an fp32 result."""
+    if scores.dtype in (torch.bfloat16, torch.float16) and dtype == scores.dtype:
+        return scores.softmax(dim=-1)
+    return scores.softmax(dim=-1, dtype=torch.float32).to(dtype)
 
 
 def _decode_bias(an: DecoderAnatomy, rows: Rows, dtype: torch.dtype) -> torch.Tensor:
