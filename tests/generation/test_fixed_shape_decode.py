@@ -180,6 +180,7 @@ def test_integer_temperature_and_top_p_decode_like_floats(make_qwen3) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings(COMPILE_WARNING)
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning")  # inductor, fp32 with TF32 off
 @pytest.mark.parametrize("compile_decode", [False, True])
 def test_cuda_graph_decode_matches_transformers_and_eager(make_qwen3, compile_decode) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
