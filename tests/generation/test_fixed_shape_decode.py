@@ -7,10 +7,12 @@ import msgspec
 import pytest
 import torch
 
+from thundersync.engine.anatomy import decoder_anatomy
 from thundersync.errors import ConfigError
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many
-from thundersync.generation._compiled import CompiledDecode
+from thundersync.generation._decode_math import DecodeMath
 from thundersync.generation._fixed_step import batch_buckets
+from thundersync.generation._fused import FusedWeights
 
 
 def scenario(generator: TorchGenerator, params: SamplingParams) -> list:
@@ -28,9 +30,13 @@ def scenario(generator: TorchGenerator, params: SamplingParams) -> list:
     return anyio.run(go)
 
 
-def fixed_shape(generator: TorchGenerator, compiled: CompiledDecode | None = None) -> TorchGenerator:
-    generator._batcher.use_fixed_step(capture=False, compiled=compiled)
+def fixed_shape(generator: TorchGenerator, math: DecodeMath | None = None) -> TorchGenerator:
+    generator._batcher.use_fixed_step(capture=False, math=math)
     return generator
+
+
+def fused_math(model: torch.nn.Module, compile: bool = False) -> DecodeMath:
+    return DecodeMath(compile=compile, fused=FusedWeights(decoder_anatomy(model)))
 
 
 def ragged(generator: TorchGenerator, count: int = 6) -> list:
@@ -118,7 +124,8 @@ COMPILE_WARNING = "ignore:`torch.jit.script_method` is deprecated:DeprecationWar
 @pytest.mark.filterwarnings(COMPILE_WARNING)
 def test_a_compiled_decode_step_samples_what_the_eager_one_does(make_qwen3) -> None:
     model = make_qwen3()
-    compiled = CompiledDecode()
+    compiled = fused_math(model, compile=True)  # fused layers and plain ones: the first layer is not fused
+    compiled.fused.layers[0] = None
     results = ragged(fixed_shape(TorchGenerator(model, max_batch=8, max_seq_len=48), compiled))
     assert compiled.failures == []
     assert_same_results(ragged(TorchGenerator(model, max_batch=8, max_seq_len=48)), results)
@@ -131,8 +138,8 @@ def failing_backend(graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> 
 @pytest.mark.filterwarnings(COMPILE_WARNING)
 def test_a_decode_step_that_fails_to_compile_runs_eagerly_counted_and_logged(make_qwen3, caplog) -> None:
     model = make_qwen3()
-    compiled = CompiledDecode(backend=failing_backend)
-    with caplog.at_level("WARNING", logger="thundersync.generation._compiled"):
+    compiled = DecodeMath(compile=True, backend=failing_backend)
+    with caplog.at_level("WARNING", logger="thundersync.generation._decode_math"):
         results = ragged(fixed_shape(TorchGenerator(model, max_batch=8, max_seq_len=48), compiled), count=3)
     assert sorted(f.split(":")[0] for f in compiled.failures) == [
         "attention_inputs",
@@ -149,12 +156,47 @@ def test_a_decode_step_that_fails_to_compile_runs_eagerly_counted_and_logged(mak
 def test_the_decode_compile_switch_is_read_from_the_environment(make_qwen3, monkeypatch) -> None:
     model = make_qwen3()
     monkeypatch.setenv("THUNDERSYNC_DECODE_COMPILE", "on")
-    assert TorchGenerator(model, max_batch=2, max_seq_len=48)._batcher.compiled is not None
+    monkeypatch.setenv("THUNDERSYNC_DECODE_FUSE", "on")
+    math = TorchGenerator(model, max_batch=2, max_seq_len=48)._batcher.decode_math
+    assert math is not None and math.compile and math.fused is not None
     monkeypatch.setenv("THUNDERSYNC_DECODE_COMPILE", "off")
-    assert TorchGenerator(model, max_batch=2, max_seq_len=48)._batcher.compiled is None
-    monkeypatch.setenv("THUNDERSYNC_DECODE_COMPILE", "yes")
-    with pytest.raises(ConfigError, match="THUNDERSYNC_DECODE_COMPILE must be auto, on or off, got 'yes'"):
+    monkeypatch.setenv("THUNDERSYNC_DECODE_FUSE", "auto")  # auto: on with CUDA graphs
+    assert TorchGenerator(model, max_batch=2, max_seq_len=48)._batcher.decode_math is None
+    assert TorchGenerator(model, max_batch=2, max_seq_len=48, fuse_projections=True)._batcher.decode_math.fused
+    monkeypatch.setenv("THUNDERSYNC_DECODE_FUSE", "yes")
+    with pytest.raises(ConfigError, match="THUNDERSYNC_DECODE_FUSE must be auto, on or off, got 'yes'"):
         TorchGenerator(model, max_batch=2, max_seq_len=48)
+
+
+def test_stacked_projections_decode_like_the_modules(make_qwen3) -> None:
+    model = make_qwen3()
+    math = fused_math(model)
+    assert all(layer is not None for layer in math.fused.layers)
+    assert_same_results(
+        ragged(TorchGenerator(model, max_batch=8, max_seq_len=48)),
+        ragged(fixed_shape(TorchGenerator(model, max_batch=8, max_seq_len=48), math)),
+    )
+
+
+def test_stacked_projections_follow_an_optimizer_step(make_qwen3) -> None:
+    model = make_qwen3()
+    generator = fixed_shape(TorchGenerator(model, max_batch=8, max_seq_len=48), fused_math(model))
+    before = ragged(generator, count=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=2e-3)
+    model(torch.tensor([[7, 8, 9]])).logits.sum().backward()
+    optimizer.step()
+    after = ragged(generator, count=3)
+    assert [r.token_ids for r in after] != [r.token_ids for r in before]
+    assert_same_results(ragged(TorchGenerator(model, max_batch=8, max_seq_len=48), count=3), after)
+
+
+def test_adapter_wrapped_projections_are_not_stacked(make_qwen3) -> None:
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(make_qwen3(), peft.LoraConfig(r=4, target_modules=["k_proj"], lora_dropout=0.0))
+    lora_mlp = peft.get_peft_model(make_qwen3(), peft.LoraConfig(r=4, target_modules=["up_proj"], lora_dropout=0.0))
+    assert FusedWeights(decoder_anatomy(lora)).layers == [None, None]
+    assert FusedWeights(decoder_anatomy(lora_mlp)).layers == [None, None]
+    assert FusedWeights(decoder_anatomy(lora_mlp)).nbytes == 0
 
 
 def test_integer_temperature_and_top_p_decode_like_floats(make_qwen3) -> None:
@@ -193,8 +235,8 @@ def test_cuda_graph_decode_matches_transformers_and_eager(make_qwen3, compile_de
     assert_same_results(eager, captured)
     seeded = ragged(TorchGenerator(model, max_batch=8, max_seq_len=300, compile_decode=compile_decode))
     assert_same_results(ragged(TorchGenerator(model, max_batch=8, max_seq_len=300, cuda_graphs=False)), seeded)
-    if compile_decode:
-        assert graphs._batcher.compiled is not None and graphs._batcher.compiled.failures == []
+    assert graphs._batcher.decode_math.fused is not None  # stacked projections: on with CUDA graphs
+    assert graphs._batcher.decode_math.failures == []
     prompt = list(range(20, 160))  # crosses a 128-token key bucket
     (long,) = anyio.run(
         generate_many,

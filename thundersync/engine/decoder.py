@@ -63,19 +63,22 @@ class LayerAttention(Protocol):
         ...
 
 
+Tensors3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 @dataclass(frozen=True)
 class LayerMath:
-    """The parts of the stack around attention, as callables, so a caller can swap in compiled forms.
+    """The stack's math around attention, as callables, so that a caller can swap in other forms.
 
-    ``embed(anatomy, tokens, positions) -> (x, cos, sin')``, ``before(parts, x, cos, sin', head_dim)
-    -> (q, k, v)`` and ``after(parts, x, a) -> x``; :data:`EAGER` holds this module's functions.
+    ``embed(anatomy, tokens, positions) -> (x, cos, sin')``; ``before(anatomy, layer, x, cos, sin')
+    -> (q, k, v)`` and ``after(anatomy, layer, x, a) -> x`` compute layer ``layer`` up to and after
+    attention. :data:`EAGER` runs this module's functions; the generator's decode step passes
+    compiled ones, or ones that multiply by concatenated q/k/v and gate/up weights.
     """
 
-    embed: Callable[[DecoderAnatomy, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    before: Callable[
-        [LayerParts, torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    ]
-    after: Callable[[LayerParts, torch.Tensor, torch.Tensor], torch.Tensor]
+    embed: Callable[[DecoderAnatomy, torch.Tensor, torch.Tensor], Tensors3]
+    before: Callable[[DecoderAnatomy, int, torch.Tensor, torch.Tensor, torch.Tensor], Tensors3]
+    after: Callable[[DecoderAnatomy, int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def decoder_forward(
@@ -87,13 +90,13 @@ def decoder_forward(
 ) -> torch.Tensor:
     """The residual stream [N, H] after every layer (before the final norm) of ``tokens`` [N] at ``positions`` [N].
 
-    ``math`` defaults to :data:`EAGER`; the generator passes compiled forms of the same functions.
+    ``math`` defaults to :data:`EAGER`.
     """
     math = math or EAGER
     x, cos, sin = math.embed(anatomy, tokens, positions)  # cos, sin' [N, 1, D]: broadcast over heads
-    for index, parts in enumerate(anatomy.layers):
-        q, k, v = math.before(parts, x, cos, sin, anatomy.head_dim)
-        x = math.after(parts, x, attention(index, q, k, v))
+    for index in range(len(anatomy.layers)):
+        q, k, v = math.before(anatomy, index, x, cos, sin)
+        x = math.after(anatomy, index, x, attention(index, q, k, v))
     return x
 
 
@@ -122,7 +125,11 @@ def attention_output(parts: LayerParts, x: torch.Tensor, a: torch.Tensor) -> tor
     return x + _call(parts.mlp, apply_norm(parts.post_norm, x))
 
 
-EAGER = LayerMath(embed, attention_inputs, attention_output)
+EAGER = LayerMath(
+    embed,
+    lambda an, index, x, cos, sin: attention_inputs(an.layers[index], x, cos, sin, an.head_dim),
+    lambda an, index, x, a: attention_output(an.layers[index], x, a),
+)
 
 
 def _heads(proj: torch.Tensor, norm: nn.Module | None, head_dim: int) -> torch.Tensor:

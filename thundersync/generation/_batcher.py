@@ -20,7 +20,7 @@ from torch import nn
 
 from thundersync.engine.anatomy import decoder_anatomy
 from thundersync.errors import ConfigError, GenerationError
-from thundersync.generation._compiled import CompiledDecode
+from thundersync.generation._decode_math import DecodeMath
 from thundersync.generation._fixed_step import CapturedStep, FixedStep
 from thundersync.generation._forward import Rows, forward_hidden, logits_of, pack_prefill
 from thundersync.generation._kv_cache import KVCache
@@ -91,17 +91,17 @@ class ContinuousBatcher:
         self.prefill_tokens = prefill_tokens
         self.key_bucket = key_bucket
         self.fixed: FixedStep | None = None  # see use_fixed_step
-        self.compiled: CompiledDecode | None = None
+        self.decode_math: DecodeMath | None = None
         self.run_fixed: StepFn | None = None
         self._clock = itertools.count(1)
         self._finished: list[Ticket] = []
         self.weights = WeightsWatch(model)
 
-    def use_fixed_step(self, *, capture: bool, compiled: CompiledDecode | None = None) -> None:
+    def use_fixed_step(self, *, capture: bool, math: DecodeMath | None = None) -> None:
         """Decode the live slots with device-resident state (:mod:`._fixed_step`), CUDA graphs if
-        ``capture``, the per-layer math and sampling of ``compiled`` if given."""
-        self.compiled = compiled
-        sample_fn = self.compiled.sample if self.compiled is not None else sample
+        ``capture``, the per-layer math and sampling of ``math`` if given (else eager)."""
+        self.decode_math = math
+        sample_fn = math.sample if math is not None else sample
         self.fixed = FixedStep(self.decode_fixed, self.cache.slots, self.anatomy.device, sample_fn)
         self.run_fixed = CapturedStep(self.fixed) if capture else self.fixed
 
@@ -192,6 +192,8 @@ class ContinuousBatcher:
     def _check_weights(self) -> None:
         if not self.weights.changed():
             return
+        if self.decode_math is not None and self.decode_math.fused is not None:
+            self.decode_math.fused.refresh()  # in place: captured graphs read the new values
         if any(s.ticket is not None and s.ticket.tokens for s in self.slots):
             raise GenerationError(
                 "the model's parameters changed while sequences were being generated; "
@@ -281,7 +283,7 @@ class ContinuousBatcher:
     ) -> torch.Tensor:
         """Decode one token in each of ``slots`` [R] (fixed shapes, capturable): logits [R, V]."""
         rows = Rows(slots=slots, positions=positions[:, None], pad_index=None, unpad_index=None, key_len=key_len)
-        math = self.compiled.math if self.compiled is not None else None
+        math = self.decode_math.math if self.decode_math is not None else None
         hidden = forward_hidden(self.anatomy, self.cache, tokens, positions, slots, rows, math)
         return logits_of(self.anatomy, hidden)
 

@@ -42,18 +42,21 @@ from torch import nn
 
 from thundersync.errors import ConfigError, GenerationError
 from thundersync.generation._batcher import ContinuousBatcher, Ticket
-from thundersync.generation._compiled import CompiledDecode
+from thundersync.generation._decode_math import DecodeMath
+from thundersync.generation._fused import FusedWeights
 from thundersync.generation.base import GenerationRequest, GenerationResult
 
 __all__ = ["TorchGenerator"]
 
 
-def _compile_default(cuda_graphs: bool) -> bool:
-    """Whether to compile the decode step when the caller does not say (``THUNDERSYNC_DECODE_COMPILE``)."""
-    mode = os.environ.get("THUNDERSYNC_DECODE_COMPILE", "auto")
+def _switch(name: str, value: bool | None, auto: bool) -> bool:
+    """``value``, or when it is None the environment variable ``name``: auto (-> ``auto``), on or off."""
+    if value is not None:
+        return value
+    mode = os.environ.get(name, "auto")
     if mode not in ("auto", "on", "off"):
-        raise ConfigError(f"THUNDERSYNC_DECODE_COMPILE must be auto, on or off, got {mode!r}")
-    return mode == "on" or (mode == "auto" and cuda_graphs)
+        raise ConfigError(f"{name} must be auto, on or off, got {mode!r}")
+    return mode == "on" or (mode == "auto" and auto)
 
 
 class TorchGenerator:
@@ -62,10 +65,13 @@ class TorchGenerator:
     ``max_batch`` sequences (running or parked) fit in the KV cache at once, each up to
     ``max_seq_len`` tokens (prompt included). ``prefill_tokens`` bounds the prompt tokens prefilled
     in one step (a single longer prompt is prefilled alone). ``cuda_graphs`` defaults to "on when
-    the model is on CUDA". ``compile_decode`` runs the decode step's per-layer math and sampling
-    through ``torch.compile`` (:mod:`._compiled`; eager where compiling fails); it defaults to
-    ``THUNDERSYNC_DECODE_COMPILE`` (``auto``: with CUDA graphs; ``on``; ``off``). ``seed`` seeds the
-    per-request seeds of requests that do not set one.
+    the model is on CUDA". The decode step decodes only the live sequences, padded to a power of
+    two. ``compile_decode`` runs its per-layer math and sampling through ``torch.compile``
+    (:mod:`._decode_math`; eager where compiling fails); ``fuse_projections`` multiplies by stacked
+    q/k/v and gate/up weights (:mod:`._fused`: a copy of about two thirds of the layers' weights,
+    refreshed when they change). Each defaults to its environment variable,
+    ``THUNDERSYNC_DECODE_COMPILE`` or ``THUNDERSYNC_DECODE_FUSE``: ``auto`` (on with CUDA graphs),
+    ``on`` or ``off``. ``seed`` seeds the per-request seeds of requests that do not set one.
 
     No background task: one of the concurrent ``await generate(...)`` calls drives the batcher
     (one step at a time in a worker thread, so the event loop stays responsive) until its own
@@ -84,6 +90,7 @@ class TorchGenerator:
         prefill_tokens: int = 8192,
         cuda_graphs: bool | None = None,
         compile_decode: bool | None = None,
+        fuse_projections: bool | None = None,
         seed: int = 0,
     ) -> None:
         if max_batch < 1 or max_seq_len < 2 or prefill_tokens < 1:
@@ -99,10 +106,12 @@ class TorchGenerator:
             cuda_graphs = device.type == "cuda"
         if cuda_graphs and device.type != "cuda":
             raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, it is on {device}")
-        if compile_decode is None:
-            compile_decode = _compile_default(cuda_graphs)
-        if cuda_graphs or compile_decode:
-            self._batcher.use_fixed_step(capture=cuda_graphs, compiled=CompiledDecode() if compile_decode else None)
+        compile_decode = _switch("THUNDERSYNC_DECODE_COMPILE", compile_decode, auto=cuda_graphs)
+        fuse_projections = _switch("THUNDERSYNC_DECODE_FUSE", fuse_projections, auto=cuda_graphs)
+        if cuda_graphs or compile_decode or fuse_projections:
+            fused = FusedWeights(self._batcher.anatomy) if fuse_projections else None
+            math = DecodeMath(compile=compile_decode, fused=fused)
+            self._batcher.use_fixed_step(capture=cuda_graphs, math=math)
         self._seeds = random.Random(seed)
         self._driver: Ticket | None = None  # the request whose task steps the batcher now
         self._wakes: dict[Ticket, anyio.Event] = {}  # waiting requests
