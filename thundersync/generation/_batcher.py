@@ -258,7 +258,8 @@ class ContinuousBatcher:
         bucket = self.fixed.plan([s.index for s in running])
         filtered = any(_filtered(_ticket(s).request.params) for s in running)
         sampled = self.run_fixed(bucket, key_len, filtered).tolist()  # the step's one host sync
-        for slot, (token, logprob) in zip(running, sampled[: len(running)], strict=True):
+        for slot in running:
+            token, logprob = sampled[self.fixed.row_of[slot.index]]
             ticket = slot.ticket
             assert ticket is not None
             slot.cached.append(ticket.tokens[-1])
@@ -281,8 +282,18 @@ class ContinuousBatcher:
     def decode_fixed(
         self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, key_len: int
     ) -> torch.Tensor:
-        """Decode one token in each of ``slots`` [R] (fixed shapes, capturable): logits [R, V]."""
-        rows = Rows(slots=slots, positions=positions[:, None], pad_index=None, unpad_index=None, key_len=key_len)
+        """Decode one token in each of ``slots`` [R] (fixed shapes, capturable): logits [R, V].
+
+        ``R`` equal to the slot count means every slot in slot order (:meth:`FixedStep.plan`): attention
+        then reads the cache in place instead of a gathered copy."""
+        every_slot = slots.shape[0] == self.cache.slots
+        rows = Rows(
+            slots=None if every_slot else slots,
+            positions=positions[:, None],
+            pad_index=None,
+            unpad_index=None,
+            key_len=key_len,
+        )
         math = self.decode_math.math if self.decode_math is not None else None
         hidden = forward_hidden(self.anatomy, self.cache, tokens, positions, slots, rows, math)
         return logits_of(self.anatomy, hidden)

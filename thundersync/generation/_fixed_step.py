@@ -9,7 +9,9 @@ its log-prob: the one sync), and updates the buffers when a sequence is admitted
 A step decodes ``bucket`` rows, the smallest of 1, 2, 4, ... (and ``slots``) that holds the live
 slots, not every slot: :meth:`FixedStep.plan` writes the slots of the rows into ``rows`` (a device
 index buffer the step reads; it changes only when the live set does), the step gathers those
-slots' state, decodes, and scatters the results back. Padding rows are distinct idle slots: such
+slots' state, decodes, and scatters the results back. Attention then reads a gathered copy of
+those rows' keys (cost: the bucket's keys, not every slot's); the full bucket decodes every slot
+in slot order and reads the cache in place. Padding rows are distinct idle slots: such
 a slot is not active, so it writes its throw-away key at its own first free position and is never
 advanced, and a parked session's cache stays intact. A row's result does not depend on the other
 rows except through the rounding of the batch's matrix products.
@@ -58,6 +60,7 @@ class FixedStep:
         self.rows = torch.arange(slots, device=device)  # rows[:bucket]: the slot each row decodes
         self.out = torch.zeros(slots, 2, dtype=torch.float64, device=device)  # per row: token, log-prob
         self._rows_on_device = list(range(slots))
+        self.row_of: dict[int, int] = {}  # slot -> its row in the next step (see plan)
         self._changes: dict[int, tuple[int, int, SamplingParams, int] | None] = {}
 
     def activate(self, slot: int, token: int, position: int, params: SamplingParams, seed: int) -> None:
@@ -68,13 +71,18 @@ class FixedStep:
         self._changes[slot] = None
 
     def plan(self, live: list[int]) -> int:
-        """Let the next step decode the active slots ``live`` (row i is ``live[i]``); returns its bucket."""
+        """Let the next step decode the active slots ``live``; returns its bucket, and :attr:`row_of`
+        says which row decodes which slot."""
         bucket = next(b for b in self.buckets if b >= len(live))
-        taken = set(live)
-        rows = live + [s for s in range(self.slots) if s not in taken][: bucket - len(live)]
+        if bucket == self.slots:  # every slot: in slot order, so that attention reads the cache in place
+            rows = list(range(self.slots))
+        else:
+            taken = set(live)
+            rows = live + [s for s in range(self.slots) if s not in taken][: bucket - len(live)]
         if rows != self._rows_on_device[:bucket]:
             self.rows[:bucket] = torch.tensor(rows, dtype=torch.long)
             self._rows_on_device[:bucket] = rows
+        self.row_of = {slot: row for row, slot in enumerate(rows)}
         return bucket
 
     def flush(self) -> None:
