@@ -7,9 +7,11 @@ graph. Two remedies, each optional:
 
 - ``compile``: inductor fuses each run of elementwise work between two matrix products into one
   kernel. What is compiled are the embedding with the rotary tables, a layer up to attention, a
-  layer after it (:class:`~thundersync.engine.decoder.LayerMath`) and the sampler: code whose
-  shapes depend only on the batch bucket. Attention, whose key length changes every 128 tokens,
-  stays eager. The layer functions take the layer's modules and weights as arguments, so every
+  layer after it (:class:`~thundersync.engine.decoder.LayerMath`) and the sampler's counter-based
+  hash: code whose shapes depend only on the batch bucket. Attention, whose key length changes
+  every 128 tokens, stays eager, and so do the sampler's reductions over the vocabulary (inductor
+  2.11 fails on a vocabulary-long argmax with a dynamic batch: "NYI TritonSplitDimKernel
+  reductions"). The layer functions take the layer's modules and weights as arguments, so every
   layer shares one compiled artifact (torch inlines built-in modules and lifts their parameters
   to graph inputs); the batch size turns dynamic at the first recompile, so all buckets above one
   share one too. Prefill never goes through these (its shapes vary with every batch).
@@ -23,6 +25,7 @@ in :attr:`DecodeMath.failures`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Generic, ParamSpec, TypeVar
 
@@ -32,7 +35,7 @@ from thundersync._logging import get_logger
 from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.engine.decoder import LayerMath, Tensors3, attention_inputs, attention_output, embed
 from thundersync.generation._fused import FusedWeights, fused_attention_inputs, fused_attention_output
-from thundersync.generation._sampling import sample
+from thundersync.generation._sampling import counter_uniform, sample
 
 __all__ = ["DecodeMath"]
 
@@ -55,7 +58,7 @@ class DecodeMath:
         self._fused_inputs = self._wrap(fused_attention_inputs)
         self._fused_output = self._wrap(fused_attention_output)
         self.math = LayerMath(self._wrap(embed), self._before, self._after)
-        self.sample = self._wrap(sample)
+        self.sample = functools.partial(sample, uniform=self._wrap(counter_uniform))
 
     def _wrap(self, fn: Callable[P, R]) -> Callable[P, R]:
         return _OrEager(fn, self.backend, self.failures) if self.compile else fn
