@@ -91,6 +91,7 @@ class ContinuousBatcher:
         self.prefill_tokens = prefill_tokens
         self.key_bucket = key_bucket
         self.fixed: FixedStep | None = None  # see use_fixed_step
+        self._slot_ids = torch.arange(slots, device=self.anatomy.device)
         self.decode_math: DecodeMath | None = None
         self.run_fixed: StepFn | None = None
         self._clock = itertools.count(1)
@@ -255,11 +256,11 @@ class ContinuousBatcher:
             self._sample(running, self._decode_rows(running, key_len))
             return
         self.fixed.flush()
-        bucket = self.fixed.plan([s.index for s in running])
+        running = self._compact(running)
         filtered = any(_filtered(_ticket(s).request.params) for s in running)
-        sampled = self.run_fixed(bucket, key_len, filtered).tolist()  # the step's one host sync
+        sampled = self.run_fixed(self.fixed.bucket(len(running)), key_len, filtered).tolist()  # the one host sync
         for slot in running:
-            token, logprob = sampled[self.fixed.row_of[slot.index]]
+            token, logprob = sampled[slot.index]
             ticket = slot.ticket
             assert ticket is not None
             slot.cached.append(ticket.tokens[-1])
@@ -267,6 +268,29 @@ class ContinuousBatcher:
             ticket.logprobs.append(logprob)
             if self._maybe_finish(slot, ticket):
                 self.fixed.deactivate(slot.index)
+
+    def _compact(self, running: list[_Slot]) -> list[_Slot]:
+        """Swap running sequences into the lowest slots (the fixed step decodes slots 0 .. n-1);
+        returns the running slots after the swaps, in slot order."""
+        n = len(running)
+        high = [s for s in running if s.index >= n]
+        low = [s for s in self.slots[:n] if s.ticket is None or s.ticket.result is not None]
+        for source, target in zip(high, low, strict=True):
+            self._swap(source, target)
+        return self.slots[:n]
+
+    def _swap(self, a: _Slot, b: _Slot) -> None:
+        """Exchange two slots' sequences: their caches, device state and bookkeeping."""
+        assert self.fixed is not None
+        self.cache.swap(a.index, b.index, max(len(a.cached), len(b.cached)))
+        self.fixed.swap(a.index, b.index)
+        a.cached, b.cached = b.cached, a.cached
+        a.session, b.session = b.session, a.session
+        a.ticket, b.ticket = b.ticket, a.ticket
+        a.last_used, b.last_used = b.last_used, a.last_used
+        for slot in (a, b):
+            if slot.session is not None:
+                self.sessions[slot.session] = slot
 
     def _decode_rows(self, running: list[_Slot], key_len: int) -> torch.Tensor:
         device = self.anatomy.device
@@ -279,21 +303,13 @@ class ContinuousBatcher:
             slot.cached.append(_ticket(slot).tokens[-1])
         return logits
 
-    def decode_fixed(
-        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, key_len: int
-    ) -> torch.Tensor:
-        """Decode one token in each of ``slots`` [R] (fixed shapes, capturable): logits [R, V].
+    def decode_fixed(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
+        """Decode one token in each of slots ``0 .. R-1`` (fixed shapes, capturable): logits [R, V].
 
-        ``R`` equal to the slot count means every slot in slot order (:meth:`FixedStep.plan`): attention
-        then reads the cache in place instead of a gathered copy."""
-        every_slot = slots.shape[0] == self.cache.slots
-        rows = Rows(
-            slots=None if every_slot else slots,
-            positions=positions[:, None],
-            pad_index=None,
-            unpad_index=None,
-            key_len=key_len,
-        )
+        Attention reads those slots' keys in place (views of the cache)."""
+        count = tokens.shape[0]
+        slots = self._slot_ids[:count]
+        rows = Rows(slots=None, positions=positions[:, None], pad_index=None, unpad_index=None, key_len=key_len)
         math = self.decode_math.math if self.decode_math is not None else None
         hidden = forward_hidden(self.anatomy, self.cache, tokens, positions, slots, rows, math)
         return logits_of(self.anatomy, hidden)

@@ -6,15 +6,14 @@ and moves the positions of active slots by one. Steady-state decoding therefore 
 from the host; the host reads one [bucket, 2] buffer back per step (each row's sampled token and
 its log-prob: the one sync), and updates the buffers when a sequence is admitted or finishes.
 
-A step decodes ``bucket`` rows, the smallest of 1, 2, 4, ... (and ``slots``) that holds the live
-slots, not every slot: :meth:`FixedStep.plan` writes the slots of the rows into ``rows`` (a device
-index buffer the step reads; it changes only when the live set does), the step gathers those
-slots' state, decodes, and scatters the results back. Attention then reads a gathered copy of
-those rows' keys (cost: the bucket's keys, not every slot's); the full bucket decodes every slot
-in slot order and reads the cache in place. Padding rows are distinct idle slots: such
-a slot is not active, so it writes its throw-away key at its own first free position and is never
-advanced, and a parked session's cache stays intact. A row's result does not depend on the other
-rows except through the rounding of the batch's matrix products.
+A step decodes the first ``bucket`` slots, the smallest of 1, 2, 4, ... (and ``slots``) that
+holds the live ones, not every slot: the batcher keeps the running sequences in the lowest slots
+(it swaps a sequence into a lower slot when one frees, :meth:`FixedStep.swap` and
+:meth:`~thundersync.generation._kv_cache.KVCache.swap`), so a step reads its state and the
+cache's keys in place, as slices. Padding slots are idle or parked: such a slot is not active,
+so it writes its throw-away key at its own first free position and is never advanced, and a
+parked session's cache stays intact. A row's result does not depend on the other rows except
+through the rounding of the batch's matrix products.
 
 :class:`CapturedStep` records the step as CUDA graphs, one per (batch bucket, key-length bucket,
 whether any row uses top-k/top-p), all in one memory pool.
@@ -31,8 +30,8 @@ from thundersync.generation.base import SamplingParams
 
 __all__ = ["CapturedStep", "FixedStep", "batch_buckets"]
 
-# (tokens [R], positions [R], slots [R], key_len) -> logits [R, V]
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# (tokens [R], positions [R], key_len) -> logits [R, V] of slots 0 .. R-1
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 SampleFn = Callable[[torch.Tensor, RowParams, torch.Tensor], SampleOutput]
 
 
@@ -57,10 +56,7 @@ class FixedStep:
         self.top_p = torch.ones(slots, device=device)
         self.seed = torch.zeros(slots, dtype=torch.long, device=device)
         self.sampling_logprobs = torch.zeros(slots, dtype=torch.bool, device=device)
-        self.rows = torch.arange(slots, device=device)  # rows[:bucket]: the slot each row decodes
-        self.out = torch.zeros(slots, 2, dtype=torch.float64, device=device)  # per row: token, log-prob
-        self._rows_on_device = list(range(slots))
-        self.row_of: dict[int, int] = {}  # slot -> its row in the next step (see plan)
+        self.out = torch.zeros(slots, 2, dtype=torch.float64, device=device)  # per slot: token, log-prob
         self._changes: dict[int, tuple[int, int, SamplingParams, int] | None] = {}
 
     def activate(self, slot: int, token: int, position: int, params: SamplingParams, seed: int) -> None:
@@ -70,20 +66,29 @@ class FixedStep:
     def deactivate(self, slot: int) -> None:
         self._changes[slot] = None
 
-    def plan(self, live: list[int]) -> int:
-        """Let the next step decode the active slots ``live``; returns its bucket, and :attr:`row_of`
-        says which row decodes which slot."""
-        bucket = next(b for b in self.buckets if b >= len(live))
-        if bucket == self.slots:  # every slot: in slot order, so that attention reads the cache in place
-            rows = list(range(self.slots))
-        else:
-            taken = set(live)
-            rows = live + [s for s in range(self.slots) if s not in taken][: bucket - len(live)]
-        if rows != self._rows_on_device[:bucket]:
-            self.rows[:bucket] = torch.tensor(rows, dtype=torch.long)
-            self._rows_on_device[:bucket] = rows
-        self.row_of = {slot: row for row, slot in enumerate(rows)}
-        return bucket
+    def bucket(self, live: int) -> int:
+        """The number of slots a step decodes when slots ``0 .. live - 1`` are the live ones."""
+        return next(b for b in self.buckets if b >= live)
+
+    def swap(self, a: int, b: int) -> None:
+        """Exchange the state of slots ``a`` and ``b`` (pending changes must be flushed)."""
+        assert not self._changes, "flush() before swap()"
+        index = torch.tensor([a, b], device=self.tokens.device)
+        for state in self._state:
+            state[index] = state[index.flip(0)]
+
+    @property
+    def _state(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.tokens,
+            self.positions,
+            self.active,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.seed,
+            self.sampling_logprobs,
+        )
 
     def flush(self) -> None:
         """Copy the pending slot changes to the device buffers."""
@@ -109,11 +114,11 @@ class FixedStep:
         self.sampling_logprobs[index] = torch.tensor([c[2].logprobs == "sampling" for c in values], device=device)
 
     def __call__(self, bucket: int, key_len: int, filtered: bool) -> torch.Tensor:
-        """Decode and sample one token in the first ``bucket`` rows; returns the [bucket, 2] float64
-        (token, log-prob) of each row."""
-        rows = self.rows[:bucket]
+        """Decode and sample one token in slots ``0 .. bucket - 1``; returns the [bucket, 2] float64
+        (token, log-prob) of each."""
+        rows = slice(0, bucket)
         positions = self.positions[rows]
-        logits = self._decode(self.tokens[rows], positions, rows, key_len)
+        logits = self._decode(self.tokens[rows], positions, key_len)
         params = RowParams(
             self.temperature[rows],
             self.top_k[rows],
@@ -123,11 +128,11 @@ class FixedStep:
             filtered,
         )
         out = self._sample(logits, params, positions + 1)
-        self.tokens.index_copy_(0, rows, out.tokens)
-        self.positions.index_add_(0, rows, self.active[rows])
-        self.out[:bucket, 0].copy_(out.tokens)
-        self.out[:bucket, 1].copy_(out.logprobs)
-        return self.out[:bucket]
+        self.tokens[rows].copy_(out.tokens)
+        positions.add_(self.active[rows])
+        self.out[rows, 0].copy_(out.tokens)
+        self.out[rows, 1].copy_(out.logprobs)
+        return self.out[rows]
 
 
 class CapturedStep:

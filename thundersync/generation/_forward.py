@@ -40,7 +40,7 @@ __all__ = ["CacheAttention", "PrefillBatch", "Rows", "forward_hidden", "logits_o
 class Rows:
     """How packed tokens form attention rows (see the module docstring)."""
 
-    slots: torch.Tensor | None  # [R] slot of each row, None = row r is slot r (all slots)
+    slots: torch.Tensor | None  # [R] slot of each row, None = row r is slot r (slots 0 .. R-1)
     positions: torch.Tensor  # [R, Q] query positions (padding: 0)
     pad_index: torch.Tensor | None  # [R, Q] into the packed tokens; None when Q == 1 and R == T
     unpad_index: torch.Tensor | None  # [T] into the flattened [R * Q]
@@ -151,7 +151,8 @@ class CacheAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer, self.slots, self.positions, k, v)
-        keys, values = self.cache.read(layer, self.rows.slots, self.rows.key_len)
+        slots = self.rows.slots if self.rows.slots is not None else self.rows.positions.shape[0]
+        keys, values = self.cache.read(layer, slots, self.rows.key_len)
         if self.bias is not None:
             return _attend_decode(self.an, q, keys, values, self.bias)
         return _attend_rows(self.an, q, keys, values, self.rows)
