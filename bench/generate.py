@@ -2,7 +2,7 @@
 
     python bench/generate.py                 # H200: bf16, batch 1/8/32/64/128, 128-token prompts, 256 new
     python bench/generate.py --tiny          # CPU smoke run of the same code on a tiny model
-    python bench/generate.py --batches 1 --long-tail-only   # just the decode tail
+    python bench/generate.py --batches 1 --no-long-tail     # one row, without the long-tail rollout
 
 Both sample at temperature 1 with no top-k/top-p and no stop token, from the same random prompts.
 Ours runs through the public async API (`generate_many`); each batcher step is timed (the first
@@ -23,6 +23,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -93,19 +94,37 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * 10 * src.numel() / (start.elapsed_time(end) / 1e3)
 
 
+def kernels_in(step: Callable[[], list], device: torch.device) -> float:
+    """How many device kernels one call of ``step`` launches (CUDA only; a graph replay counts its kernels)."""
+    if device.type != "cuda":
+        return float("nan")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        sync(device)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def run_ours(
     model: torch.nn.Module, prompts: torch.Tensor, new: int, device: torch.device
-) -> tuple[float, float, float]:
-    """(seconds, median decode-step seconds, first-step seconds) of a full batch through TorchGenerator."""
+) -> tuple[float, float, float, float]:
+    """(seconds, median decode-step seconds, first-step seconds, kernels of a decode step) of a full
+    batch through TorchGenerator."""
     batch, prompt_len = prompts.shape
     generator = TorchGenerator(model, max_batch=batch, max_seq_len=prompt_len + new, prefill_tokens=batch * prompt_len)
     params = SamplingParams(temperature=1.0, max_new_tokens=new)
     requests = [GenerationRequest(prompt_ids=p, params=params) for p in prompts.tolist()]
-    batcher = generator._batcher  # bench-only: time each batcher step
+    batcher = generator._batcher  # bench-only: time each batcher step, count one step's kernels
     steps: list[float] = []
+    kernels: list[float] = []
     plain_step = batcher.step
 
     def timed_step() -> list:
+        if len(steps) == 8 and not kernels:  # a decode step, profiled apart from the timed ones
+            finished: list = []
+            kernels.append(kernels_in(lambda: finished.extend(plain_step()), device))
+            return finished
         start = time.perf_counter()
         finished = plain_step()
         sync(device)
@@ -121,7 +140,7 @@ def run_ours(
     sync(device)
     seconds = time.perf_counter() - start
     assert all(len(r.token_ids) == new for r in results)
-    return seconds, statistics.median(steps[1:]), steps[0]
+    return seconds, statistics.median(steps[1:]), steps[0], kernels[0]
 
 
 def long_tail_workload(tiny: bool, vocab: int) -> list[GenerationRequest]:
@@ -200,7 +219,7 @@ def main() -> None:
         prompts = torch.randint(
             1, config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(batch)
         ).to(device)
-        ours, step, first = run_ours(model, prompts, new, device)
+        ours, step, first, kernels = run_ours(model, prompts, new, device)
         theirs = run_transformers(model, prompts, baseline_new, device)
         floor_bytes = weight_bytes + batch * (prompt_len + new / 2) * kv_per_token
         floor_step = floor_bytes / bandwidth
@@ -209,6 +228,7 @@ def main() -> None:
                 batch,
                 batch * new / ours,
                 step * 1e3,
+                kernels,
                 first * 1e3,
                 batch * baseline_new / theirs,
                 theirs / baseline_new * 1e3,
@@ -228,6 +248,7 @@ def main() -> None:
                 "batch",
                 "ours tok/s",
                 "ours ms/step",
+                "ours kernels/step",
                 "ours first step ms",
                 "transformers tok/s",
                 "transformers ms/step",
