@@ -10,10 +10,11 @@ step prefills). The floor is the bytes one decode step must read (weights + the 
 mean context) over the copy bandwidth measured in the same run.
 
 The long-tail rollout is issue 14's workload: 64 sequences with ~512-token prompts (uniform in
-448..576) and response lengths 64 x lognormal(1.5, 1) clipped to 64..2048 (seeded; about 25k
-tokens), max_batch 64, no stop token. Most of its time a few sequences decode alone, so its
-speed is the generator's small-batch step time. It runs once to warm up (compile, graph
-captures: the same shapes recur every training step) and is then timed.
+448..576) and response lengths 64 x lognormal(1.5, 1) clipped to 64..2048 (seeded; 26,711
+tokens), max_batch 64, no stop token. Most of its 2048 steps a few sequences decode alone over
+contexts of 1-2.5k tokens, so its speed is the small-batch step time plus attention over long
+keys. It runs once to warm up (compile, graph captures: the same shapes recur every training
+step) and is then timed.
 """
 
 from __future__ import annotations

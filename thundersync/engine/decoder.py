@@ -16,6 +16,10 @@ a layer's keys and values live, so that is the one parameter, a :class:`LayerAtt
 - the generator's writes the new keys into a preallocated KV cache and reads the slot's keys
   back (no gradients; fixed shapes, so a decode step can be captured as a CUDA graph).
 
+The math around attention (embedding and rotary tables, a layer up to attention, a layer after
+it) is a :class:`LayerMath` of callables; :data:`EAGER`, this module's functions, is the default,
+and the generator's decode step passes compiled or stacked-weight forms of the same functions.
+
 Two parts take fewer kernels than their modules launch, with the same arithmetic (each eager op
 costs a fixed 20-60 µs of host time on the H200 machine, which a small pack or a decode step pays
 many times per layer): transformers' RMSNorm, ``weight * rmsnorm_fp32(x).to(dtype)`` with both

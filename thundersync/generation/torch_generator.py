@@ -7,9 +7,11 @@ slot at once and a waiting request takes it on the next step. A request with a `
 keeps its slot and cache when it finishes (a sequence paused for a tool call costs no compute);
 the next request of that session prefills only the tokens the cache does not hold yet.
 
-On CUDA the decode step (forward pass and sampling of every slot, from device-resident state) is
-captured as CUDA graphs, one per 128-token key-length bucket, so a step costs one graph launch and
-one read-back of the sampled tokens instead of hundreds of kernel launches.
+On CUDA the decode step (forward pass and sampling of the live sequences, padded to a power of
+two, from device-resident state) is captured as CUDA graphs, one per (batch bucket, 128-token
+key-length bucket), so a step costs one graph launch and one read-back of the sampled tokens
+instead of hundreds of kernel launches; its per-layer math is compiled and its projections
+stacked (:mod:`._decode_math`, :mod:`._fused`).
 
 Sampling is done on the device with counter-based random numbers (``_sampling``), so a request's
 tokens depend only on its seed, its context and the weights, never on its batch neighbours. The
