@@ -162,7 +162,9 @@ def test_the_decode_compile_switch_is_read_from_the_environment(make_qwen3, monk
     monkeypatch.setenv("THUNDERSYNC_DECODE_COMPILE", "off")
     monkeypatch.setenv("THUNDERSYNC_DECODE_FUSE", "auto")  # auto: on with CUDA graphs
     assert TorchGenerator(model, max_batch=2, max_seq_len=48)._batcher.decode_math is None
-    assert TorchGenerator(model, max_batch=2, max_seq_len=48, fuse_projections=True)._batcher.decode_math.fused
+    stacked = TorchGenerator(model, max_batch=2, max_seq_len=48, fuse_projections=True)
+    assert stacked._batcher.decode_math.fused is not None and stacked.stacked_weight_bytes > 0
+    assert TorchGenerator(model, max_batch=2, max_seq_len=48).stacked_weight_bytes == 0
     monkeypatch.setenv("THUNDERSYNC_DECODE_FUSE", "yes")
     with pytest.raises(ConfigError, match="THUNDERSYNC_DECODE_FUSE must be auto, on or off, got 'yes'"):
         TorchGenerator(model, max_batch=2, max_seq_len=48)
@@ -172,6 +174,9 @@ def test_stacked_projections_decode_like_the_modules(make_qwen3) -> None:
     model = make_qwen3()
     math = fused_math(model)
     assert all(layer is not None for layer in math.fused.layers)
+    stacked = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
+    fp32_bytes = sum(p.numel() * 4 for name, p in model.named_parameters() if name.endswith(stacked))
+    assert math.fused.nbytes == fp32_bytes
     assert_same_results(
         ragged(TorchGenerator(model, max_batch=8, max_seq_len=48)),
         ragged(fixed_shape(TorchGenerator(model, max_batch=8, max_seq_len=48), math)),

@@ -6,6 +6,10 @@ finishes leaves its slot at once, so the next step refills it (continuous batchi
 with a ``session_id`` keeps its slot and cache when it finishes ("parked": no compute) until the
 session continues, is released, or its slot is needed by a waiting request (least recently used
 first). Cached prefixes are dropped when the weights change (:mod:`._weights_watch`).
+
+With the fixed-shape step (:mod:`._fixed_step`) the running sequences are kept in the lowest
+slots: before a decode step, a running sequence above them is swapped (cache rows, device state
+and bookkeeping) with an idle or parked slot below, so the step decodes slots 0 .. n-1 in place.
 """
 
 from __future__ import annotations

@@ -182,6 +182,12 @@ class TorchGenerator:
         """Bytes held by the preallocated KV cache."""
         return self._batcher.cache.nbytes
 
+    @property
+    def stacked_weight_bytes(self) -> int:
+        """Bytes held by the decode step's stacked q/k/v and gate/up weights (0 without ``fuse_projections``)."""
+        math = self._batcher.decode_math
+        return math.fused.nbytes if math is not None and math.fused is not None else 0
+
     def _apply(self, change: Callable[[], None]) -> None:
         """Change the batcher now if no step can be running, else before the driver's next step.
 
