@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+
 import anyio
 import msgspec
 import pytest
@@ -120,8 +123,17 @@ def test_a_parked_session_padding_a_bucket_keeps_its_cache(make_qwen3) -> None:
 COMPILE_WARNING = "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"  # inductor's imports
 
 
+@pytest.fixture()
+def keeps_recursion_limit() -> Iterator[None]:
+    """Inductor raises ``sys.getrecursionlimit()`` to 2000 when it compiles; later tests rely on the default."""
+    limit = sys.getrecursionlimit()
+    yield
+    sys.setrecursionlimit(limit)
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings(COMPILE_WARNING)
+@pytest.mark.usefixtures("keeps_recursion_limit")
 def test_a_compiled_decode_step_samples_what_the_eager_one_does(make_qwen3) -> None:
     model = make_qwen3()
     compiled = fused_math(model, compile=True)  # fused layers and plain ones: the first layer is not fused
@@ -229,6 +241,7 @@ def test_integer_temperature_and_top_p_decode_like_floats(make_qwen3) -> None:
 @pytest.mark.filterwarnings(COMPILE_WARNING)
 @pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning")  # inductor, fp32 with TF32 off
 @pytest.mark.parametrize("compile_decode", [False, True])
+@pytest.mark.usefixtures("keeps_recursion_limit")
 def test_cuda_graph_decode_matches_transformers_and_eager(make_qwen3, compile_decode) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     model = make_qwen3().cuda()
