@@ -1,20 +1,30 @@
-"""TorchGenerator against transformers' `generate` on a random Qwen3-0.6B-shaped model.
+"""TorchGenerator against transformers' `generate` on a random Qwen3-0.6B-shaped model, and a long-tail rollout.
 
-    python bench/generate.py                 # H200: bf16, batch 32/64/128, 128-token prompts, 256 new
+    python bench/generate.py                 # H200: bf16, batch 1/8/32/64/128, 128-token prompts, 256 new
     python bench/generate.py --tiny          # CPU smoke run of the same code on a tiny model
+    python bench/generate.py --batches 1 --no-long-tail     # one row, without the long-tail rollout
 
 Both sample at temperature 1 with no top-k/top-p and no stop token, from the same random prompts.
 Ours runs through the public async API (`generate_many`); each batcher step is timed (the first
 step prefills). The floor is the bytes one decode step must read (weights + the KV cache of the
 mean context) over the copy bandwidth measured in the same run.
+
+The long-tail rollout is issue 14's workload: 64 sequences with ~512-token prompts (uniform in
+448..576) and response lengths 64 x lognormal(1.5, 1) clipped to 64..2048 (seeded; 26,711
+tokens), max_batch 64, no stop token. Most of its 2048 steps a few sequences decode alone over
+contexts of 1-2.5k tokens, so its speed is the small-batch step time plus attention over long
+keys. It runs once to warm up (compile, graph captures: the same shapes recur every training
+step) and is then timed.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -85,19 +95,37 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * 10 * src.numel() / (start.elapsed_time(end) / 1e3)
 
 
+def kernels_in(step: Callable[[], list], device: torch.device) -> float:
+    """How many device kernels one call of ``step`` launches (CUDA only; a graph replay counts its kernels)."""
+    if device.type != "cuda":
+        return float("nan")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        sync(device)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def run_ours(
     model: torch.nn.Module, prompts: torch.Tensor, new: int, device: torch.device
-) -> tuple[float, float, float]:
-    """(seconds, median decode-step seconds, first-step seconds) of a full batch through TorchGenerator."""
+) -> tuple[float, float, float, float]:
+    """(seconds, median decode-step seconds, first-step seconds, kernels of a decode step) of a full
+    batch through TorchGenerator."""
     batch, prompt_len = prompts.shape
     generator = TorchGenerator(model, max_batch=batch, max_seq_len=prompt_len + new, prefill_tokens=batch * prompt_len)
     params = SamplingParams(temperature=1.0, max_new_tokens=new)
     requests = [GenerationRequest(prompt_ids=p, params=params) for p in prompts.tolist()]
-    batcher = generator._batcher  # bench-only: time each batcher step
+    batcher = generator._batcher  # bench-only: time each batcher step, count one step's kernels
     steps: list[float] = []
+    kernels: list[float] = []
     plain_step = batcher.step
 
     def timed_step() -> list:
+        if len(steps) == 8 and not kernels:  # a decode step, profiled apart from the timed ones
+            finished: list = []
+            kernels.append(kernels_in(lambda: finished.extend(plain_step()), device))
+            return finished
         start = time.perf_counter()
         finished = plain_step()
         sync(device)
@@ -113,7 +141,42 @@ def run_ours(
     sync(device)
     seconds = time.perf_counter() - start
     assert all(len(r.token_ids) == new for r in results)
-    return seconds, statistics.median(steps[1:]), steps[0]
+    return seconds, statistics.median(steps[1:]), steps[0], kernels[0]
+
+
+def long_tail_workload(tiny: bool, vocab: int) -> list[GenerationRequest]:
+    """Issue 14's rollout: 64 prompts of ~512 tokens, 64 x lognormal(1.5, 1) new tokens in 64..2048 (tiny: / 16)."""
+    scale = 16 if tiny else 1
+    count, prompt, low, high = 64 // (4 if tiny else 1), 512 // scale, 64 // scale, 2048 // scale
+    rng = torch.Generator().manual_seed(14)
+    normal = torch.randn(count, generator=rng, dtype=torch.float64)
+    lengths = [min(high, max(low, round(low * math.exp(1.5 + z)))) for z in normal.tolist()]
+    prompt_lens = torch.randint(prompt - prompt // 8, prompt + prompt // 8 + 1, (count,), generator=rng).tolist()
+    return [
+        GenerationRequest(
+            prompt_ids=torch.randint(1, vocab, (n,), generator=rng).tolist(),
+            params=SamplingParams(temperature=1.0, max_new_tokens=new, seed=i),
+        )
+        for i, (n, new) in enumerate(zip(prompt_lens, lengths, strict=True))
+    ]
+
+
+def run_long_tail(
+    model: torch.nn.Module, requests: list[GenerationRequest], device: torch.device
+) -> tuple[float, int, float]:
+    """(seconds, generated tokens, warm-up seconds) of the long-tail rollout through TorchGenerator."""
+    longest = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
+    generator = TorchGenerator(model, max_batch=len(requests), max_seq_len=longest + 1)
+    start = time.perf_counter()
+    anyio.run(generate_many, generator, requests)  # warm-up: compile and graph captures
+    sync(device)
+    warm_up = time.perf_counter() - start
+    start = time.perf_counter()
+    results = anyio.run(generate_many, generator, requests)
+    sync(device)
+    seconds = time.perf_counter() - start
+    assert [len(r.token_ids) for r in results] == [r.params.max_new_tokens for r in requests]
+    return seconds, sum(len(r.token_ids) for r in results), warm_up
 
 
 def run_transformers(model: torch.nn.Module, prompts: torch.Tensor, new: int, device: torch.device) -> float:
@@ -137,10 +200,11 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=None)
     parser.add_argument("--new", type=int, default=None)
     parser.add_argument("--baseline-new", type=int, default=None, help="new tokens for transformers (it is slow)")
+    parser.add_argument("--no-long-tail", action="store_true", help="skip the long-tail rollout")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    batches = [int(b) for b in (args.batches or ("2,4" if args.tiny else "32,64,128")).split(",")]
+    batches = [int(b) for b in (args.batches or ("1,2,4" if args.tiny else "1,8,32,64,128")).split(",")]
     prompt_len = args.prompt or (16 if args.tiny else 128)
     new = args.new or (32 if args.tiny else 256)
     baseline_new = args.baseline_new or new
@@ -156,7 +220,7 @@ def main() -> None:
         prompts = torch.randint(
             1, config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(batch)
         ).to(device)
-        ours, step, first = run_ours(model, prompts, new, device)
+        ours, step, first, kernels = run_ours(model, prompts, new, device)
         theirs = run_transformers(model, prompts, baseline_new, device)
         floor_bytes = weight_bytes + batch * (prompt_len + new / 2) * kv_per_token
         floor_step = floor_bytes / bandwidth
@@ -165,6 +229,7 @@ def main() -> None:
                 batch,
                 batch * new / ours,
                 step * 1e3,
+                kernels,
                 first * 1e3,
                 batch * baseline_new / theirs,
                 theirs / baseline_new * 1e3,
@@ -184,6 +249,7 @@ def main() -> None:
                 "batch",
                 "ours tok/s",
                 "ours ms/step",
+                "ours kernels/step",
                 "ours first step ms",
                 "transformers tok/s",
                 "transformers ms/step",
@@ -194,6 +260,16 @@ def main() -> None:
             rows,
         )
     )
+    if not args.no_long_tail:
+        requests = long_tail_workload(args.tiny, config.vocab_size)
+        seconds, tokens, warm_up = run_long_tail(model, requests, device)
+        print("\nlong-tail rollout (issue 14: 64 prompts ~512, new 64 x lognormal(1.5, 1) in 64..2048, max_batch 64)\n")
+        print(
+            markdown_table(
+                ["sequences", "tokens", "seconds", "tok/s", "first run s (compile, captures)"],
+                [[len(requests), tokens, seconds, tokens / seconds, warm_up]],
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -1,14 +1,21 @@
-"""The fixed-shape decode step (what CUDA graphs capture): every slot decodes, parked ones too."""
+"""The fixed-shape decode step (what CUDA graphs capture): the live slots, padded to a batch bucket, decode."""
 
 from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
 
 import anyio
 import msgspec
 import pytest
 import torch
 
+from thundersync.engine.anatomy import decoder_anatomy
 from thundersync.errors import ConfigError
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many
+from thundersync.generation._decode_math import DecodeMath
+from thundersync.generation._fixed_step import batch_buckets
+from thundersync.generation._fused import FusedWeights
 
 
 def scenario(generator: TorchGenerator, params: SamplingParams) -> list:
@@ -26,9 +33,47 @@ def scenario(generator: TorchGenerator, params: SamplingParams) -> list:
     return anyio.run(go)
 
 
-def fixed_shape(generator: TorchGenerator) -> TorchGenerator:
-    generator._batcher.use_fixed_step(capture=False)
+def fixed_shape(generator: TorchGenerator, math: DecodeMath | None = None) -> TorchGenerator:
+    generator._batcher.use_fixed_step(capture=False, math=math)
     return generator
+
+
+def fused_math(model: torch.nn.Module, compile: bool = False) -> DecodeMath:
+    return DecodeMath(compile=compile, fused=FusedWeights(decoder_anatomy(model)))
+
+
+def ragged(generator: TorchGenerator, count: int = 6) -> list:
+    """``count`` seeded requests of different lengths: the live batch shrinks one by one."""
+    requests = [
+        GenerationRequest(
+            prompt_ids=[3 + i] * (2 + i), params=SamplingParams(temperature=1.0, max_new_tokens=3 + 3 * i, seed=i)
+        )
+        for i in range(count)
+    ]
+    return anyio.run(generate_many, generator, requests)
+
+
+def record_batch_sizes(generator: TorchGenerator) -> list[tuple[int, int]]:
+    """(live sequences, rows decoded) of each decode step of ``generator``'s fixed step, appended as it runs."""
+    batcher = generator._batcher
+    plain_decode, plain_rows, sizes, live = batcher._decode, batcher.fixed._decode, [], []
+
+    def decode(running: list) -> None:
+        live.append(len(running))
+        plain_decode(running)
+
+    def rows(tokens: torch.Tensor, *args: object) -> torch.Tensor:
+        sizes.append((live[-1], tokens.shape[0]))
+        return plain_rows(tokens, *args)
+
+    batcher._decode, batcher.fixed._decode = decode, rows
+    return sizes
+
+
+def assert_same_results(expected: list, actual: list) -> None:
+    for a, b in zip(expected, actual, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -44,9 +89,131 @@ def test_fixed_shape_decode_equals_row_decode_and_keeps_parked_caches(make_qwen3
     rows = scenario(TorchGenerator(model, max_batch=4, max_seq_len=48), params)
     fixed = scenario(fixed_shape(TorchGenerator(model, max_batch=4, max_seq_len=48)), params)
     assert fixed[-1].cached_tokens > 0
-    for a, b in zip(rows, fixed, strict=True):
-        assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    assert_same_results(rows, fixed)
+
+
+def test_batch_buckets_are_powers_of_two_up_to_the_slot_count() -> None:
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(6) == (1, 2, 4, 6)
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+
+
+def test_the_fixed_step_decodes_only_the_live_slots_padded_to_a_bucket(make_qwen3) -> None:
+    model = make_qwen3()
+    expected = ragged(TorchGenerator(model, max_batch=8, max_seq_len=48))
+    generator = fixed_shape(TorchGenerator(model, max_batch=8, max_seq_len=48))
+    sizes = record_batch_sizes(generator)
+    assert_same_results(expected, ragged(generator))
+    assert {live for live, _ in sizes} == {1, 2, 3, 4, 5, 6}  # sequences finish one by one
+    bucket = {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8}
+    assert all(rows == bucket[live] for live, rows in sizes)
+
+
+def test_a_parked_session_padding_a_bucket_keeps_its_cache(make_qwen3) -> None:
+    model = make_qwen3()
+    params = SamplingParams(temperature=1.0, max_new_tokens=9, seed=4)
+    generator = fixed_shape(TorchGenerator(model, max_batch=4, max_seq_len=48))
+    sizes = record_batch_sizes(generator)
+    fixed = scenario(generator, params)
+    assert (3, 4) in sizes  # three live requests beside the parked session: its slot pads the bucket
+    assert fixed[-1].cached_tokens > 0
+    assert_same_results(scenario(TorchGenerator(model, max_batch=4, max_seq_len=48), params), fixed)
+
+
+COMPILE_WARNING = "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"  # inductor's imports
+
+
+@pytest.fixture()
+def keeps_recursion_limit() -> Iterator[None]:
+    """Inductor raises ``sys.getrecursionlimit()`` to 2000 when it compiles; later tests rely on the default."""
+    limit = sys.getrecursionlimit()
+    yield
+    sys.setrecursionlimit(limit)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings(COMPILE_WARNING)
+@pytest.mark.usefixtures("keeps_recursion_limit")
+def test_a_compiled_decode_step_samples_what_the_eager_one_does(make_qwen3) -> None:
+    model = make_qwen3()
+    compiled = fused_math(model, compile=True)  # fused layers and plain ones: the first layer is not fused
+    compiled.fused.layers[0] = None
+    results = ragged(fixed_shape(TorchGenerator(model, max_batch=8, max_seq_len=48), compiled))
+    assert compiled.failures == []
+    assert_same_results(ragged(TorchGenerator(model, max_batch=8, max_seq_len=48)), results)
+
+
+def failing_backend(graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
+    raise RuntimeError("no compiler here")
+
+
+@pytest.mark.filterwarnings(COMPILE_WARNING)
+def test_a_decode_step_that_fails_to_compile_runs_eagerly_counted_and_logged(make_qwen3, caplog) -> None:
+    model = make_qwen3()
+    compiled = DecodeMath(compile=True, backend=failing_backend)
+    with caplog.at_level("WARNING", logger="thundersync.generation._decode_math"):
+        results = ragged(fixed_shape(TorchGenerator(model, max_batch=8, max_seq_len=48), compiled), count=3)
+    assert sorted(f.split(":")[0] for f in compiled.failures) == [
+        "attention_inputs",
+        "attention_output",
+        "counter_uniform",
+        "embed",
+    ]
+    assert all("no compiler here" in f for f in compiled.failures)
+    assert len(caplog.records) == 4 and "decode_compile_failed" in caplog.records[0].getMessage()
+    assert_same_results(ragged(TorchGenerator(model, max_batch=8, max_seq_len=48), count=3), results)
+
+
+@pytest.mark.filterwarnings(COMPILE_WARNING)
+def test_the_decode_compile_switch_is_read_from_the_environment(make_qwen3, monkeypatch) -> None:
+    model = make_qwen3()
+    monkeypatch.setenv("THUNDERSYNC_DECODE_COMPILE", "on")
+    monkeypatch.setenv("THUNDERSYNC_DECODE_FUSE", "on")
+    math = TorchGenerator(model, max_batch=2, max_seq_len=48)._batcher.decode_math
+    assert math is not None and math.compile and math.fused is not None
+    monkeypatch.setenv("THUNDERSYNC_DECODE_COMPILE", "off")
+    monkeypatch.setenv("THUNDERSYNC_DECODE_FUSE", "auto")  # auto: on with CUDA graphs
+    assert TorchGenerator(model, max_batch=2, max_seq_len=48)._batcher.decode_math is None
+    stacked = TorchGenerator(model, max_batch=2, max_seq_len=48, fuse_projections=True)
+    assert stacked._batcher.decode_math.fused is not None and stacked.stacked_weight_bytes > 0
+    assert TorchGenerator(model, max_batch=2, max_seq_len=48).stacked_weight_bytes == 0
+    monkeypatch.setenv("THUNDERSYNC_DECODE_FUSE", "yes")
+    with pytest.raises(ConfigError, match="THUNDERSYNC_DECODE_FUSE must be auto, on or off, got 'yes'"):
+        TorchGenerator(model, max_batch=2, max_seq_len=48)
+
+
+def test_stacked_projections_decode_like_the_modules(make_qwen3) -> None:
+    model = make_qwen3()
+    math = fused_math(model)
+    assert all(layer is not None for layer in math.fused.layers)
+    stacked = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
+    fp32_bytes = sum(p.numel() * 4 for name, p in model.named_parameters() if name.endswith(stacked))
+    assert math.fused.nbytes == fp32_bytes
+    assert_same_results(
+        ragged(TorchGenerator(model, max_batch=8, max_seq_len=48)),
+        ragged(fixed_shape(TorchGenerator(model, max_batch=8, max_seq_len=48), math)),
+    )
+
+
+def test_stacked_projections_follow_an_optimizer_step(make_qwen3) -> None:
+    model = make_qwen3()
+    generator = fixed_shape(TorchGenerator(model, max_batch=8, max_seq_len=48), fused_math(model))
+    before = ragged(generator, count=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=2e-3)
+    model(torch.tensor([[7, 8, 9]])).logits.sum().backward()
+    optimizer.step()
+    after = ragged(generator, count=3)
+    assert [r.token_ids for r in after] != [r.token_ids for r in before]
+    assert_same_results(ragged(TorchGenerator(model, max_batch=8, max_seq_len=48), count=3), after)
+
+
+def test_adapter_wrapped_projections_are_not_stacked(make_qwen3) -> None:
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(make_qwen3(), peft.LoraConfig(r=4, target_modules=["k_proj"], lora_dropout=0.0))
+    lora_mlp = peft.get_peft_model(make_qwen3(), peft.LoraConfig(r=4, target_modules=["up_proj"], lora_dropout=0.0))
+    assert FusedWeights(decoder_anatomy(lora)).layers == [None, None]
+    assert FusedWeights(decoder_anatomy(lora_mlp)).layers == [None, None]
+    assert FusedWeights(decoder_anatomy(lora_mlp)).nbytes == 0
 
 
 def test_integer_temperature_and_top_p_decode_like_floats(make_qwen3) -> None:
@@ -71,17 +238,23 @@ def test_integer_temperature_and_top_p_decode_like_floats(make_qwen3) -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_matches_transformers_and_eager(make_qwen3) -> None:
+@pytest.mark.filterwarnings(COMPILE_WARNING)
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning")  # inductor, fp32 with TF32 off
+@pytest.mark.parametrize("compile_decode", [False, True])
+@pytest.mark.usefixtures("keeps_recursion_limit")
+def test_cuda_graph_decode_matches_transformers_and_eager(make_qwen3, compile_decode) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     model = make_qwen3().cuda()
     params = SamplingParams(temperature=0.0, max_new_tokens=9)
-    graphs = TorchGenerator(model, max_batch=4, max_seq_len=300)
+    graphs = TorchGenerator(model, max_batch=4, max_seq_len=300, compile_decode=compile_decode)
     assert graphs._batcher.run_fixed is not None
     captured = scenario(graphs, params)
     eager = scenario(TorchGenerator(model, max_batch=4, max_seq_len=300, cuda_graphs=False), params)
-    for a, b in zip(captured, eager, strict=True):
-        assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    assert_same_results(eager, captured)
+    seeded = ragged(TorchGenerator(model, max_batch=8, max_seq_len=300, compile_decode=compile_decode))
+    assert_same_results(ragged(TorchGenerator(model, max_batch=8, max_seq_len=300, cuda_graphs=False)), seeded)
+    assert graphs._batcher.decode_math.fused is not None  # stacked projections: on with CUDA graphs
+    assert graphs._batcher.decode_math.failures == []
     prompt = list(range(20, 160))  # crosses a 128-token key bucket
     (long,) = anyio.run(
         generate_many,

@@ -16,6 +16,10 @@ a layer's keys and values live, so that is the one parameter, a :class:`LayerAtt
 - the generator's writes the new keys into a preallocated KV cache and reads the slot's keys
   back (no gradients; fixed shapes, so a decode step can be captured as a CUDA graph).
 
+The math around attention (embedding and rotary tables, a layer up to attention, a layer after
+it) is a :class:`LayerMath` of callables; :data:`EAGER`, this module's functions, is the default,
+and the generator's decode step passes compiled or stacked-weight forms of the same functions.
+
 Two parts take fewer kernels than their modules launch, with the same arithmetic (each eager op
 costs a fixed 20-60 µs of host time on the H200 machine, which a small pack or a decode step pays
 many times per layer): transformers' RMSNorm, ``weight * rmsnorm_fp32(x).to(dtype)`` with both
@@ -27,6 +31,8 @@ and the rotary embedding ``x cos + rotate_half(x) sin`` becomes
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol, TypeGuard
 
 import torch
@@ -35,7 +41,18 @@ from torch import nn
 
 from thundersync.engine.anatomy import DecoderAnatomy, LayerParts
 
-__all__ = ["LayerAttention", "apply_norm", "apply_rotary", "decoder_forward", "rotary_tables"]
+__all__ = [
+    "EAGER",
+    "LayerAttention",
+    "LayerMath",
+    "apply_norm",
+    "apply_rotary",
+    "attention_inputs",
+    "attention_output",
+    "decoder_forward",
+    "embed",
+    "rotary_tables",
+]
 
 # Norm classes known to compute ``weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(dtype)``.
 _PLAIN_RMS_NORMS = frozenset({"Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm"})
@@ -50,31 +67,73 @@ class LayerAttention(Protocol):
         ...
 
 
+Tensors3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerMath:
+    """The stack's math around attention, as callables, so that a caller can swap in other forms.
+
+    ``embed(anatomy, tokens, positions) -> (x, cos, sin')``; ``before(anatomy, layer, x, cos, sin')
+    -> (q, k, v)`` and ``after(anatomy, layer, x, a) -> x`` compute layer ``layer`` up to and after
+    attention. :data:`EAGER` runs this module's functions; the generator's decode step passes
+    compiled ones, or ones that multiply by concatenated q/k/v and gate/up weights.
+    """
+
+    embed: Callable[[DecoderAnatomy, torch.Tensor, torch.Tensor], Tensors3]
+    before: Callable[[DecoderAnatomy, int, torch.Tensor, torch.Tensor, torch.Tensor], Tensors3]
+    after: Callable[[DecoderAnatomy, int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def decoder_forward(
-    anatomy: DecoderAnatomy, tokens: torch.Tensor, positions: torch.Tensor, attention: LayerAttention
+    anatomy: DecoderAnatomy,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    attention: LayerAttention,
+    math: LayerMath | None = None,
 ) -> torch.Tensor:
-    """The residual stream [N, H] after every layer (before the final norm) of ``tokens`` [N] at ``positions`` [N]."""
-    x = _call(anatomy.embed, tokens)
-    rope = rotary_tables(anatomy, x, positions)  # [N, 1, D] each: broadcast over heads
-    for index, parts in enumerate(anatomy.layers):
-        x = _layer(anatomy, parts, index, x, rope, attention)
+    """The residual stream [N, H] after every layer (before the final norm) of ``tokens`` [N] at ``positions`` [N].
+
+    ``math`` defaults to :data:`EAGER`.
+    """
+    math = math or EAGER
+    x, cos, sin = math.embed(anatomy, tokens, positions)  # cos, sin' [N, 1, D]: broadcast over heads
+    for index in range(len(anatomy.layers)):
+        q, k, v = math.before(anatomy, index, x, cos, sin)
+        x = math.after(anatomy, index, x, attention(index, q, k, v))
     return x
 
 
-def _layer(
-    anatomy: DecoderAnatomy,
-    parts: LayerParts,
-    index: int,
-    x: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    attention: LayerAttention,
-) -> torch.Tensor:
+def embed(
+    anatomy: DecoderAnatomy, tokens: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The embeddings x [N, H] of ``tokens`` [N] and the rotary tables (cos, sin') [N, 1, D] of ``positions``."""
+    x = _call(anatomy.embed, tokens)
+    return (x, *rotary_tables(anatomy, x, positions))
+
+
+def attention_inputs(
+    parts: LayerParts, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer up to attention: q [N, Hq, D], k, v [N, Hkv, D] of the residual stream x [N, H]."""
     h = apply_norm(parts.input_norm, x)
-    q = apply_rotary(_heads(_call(parts.q_proj, h), parts.q_norm, anatomy.head_dim), *rope)  # [N, Hq, D]
-    k = apply_rotary(_heads(_call(parts.k_proj, h), parts.k_norm, anatomy.head_dim), *rope)  # [N, Hkv, D]
-    v = _heads(_call(parts.v_proj, h), None, anatomy.head_dim)
-    x = x + _call(parts.o_proj, attention(index, q, k, v))
+    q = apply_rotary(_heads(_call(parts.q_proj, h), parts.q_norm, head_dim), cos, signed_sin)
+    k = apply_rotary(_heads(_call(parts.k_proj, h), parts.k_norm, head_dim), cos, signed_sin)
+    v = _heads(_call(parts.v_proj, h), None, head_dim)
+    return q, k, v
+
+
+def attention_output(parts: LayerParts, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """A layer after attention: the residual stream [N, H] given the attention output ``a`` [N, Hq * D]."""
+    x = x + _call(parts.o_proj, a)
     return x + _call(parts.mlp, apply_norm(parts.post_norm, x))
+
+
+EAGER = LayerMath(
+    embed,
+    lambda an, index, x, cos, sin: attention_inputs(an.layers[index], x, cos, sin, an.head_dim),
+    lambda an, index, x, a: attention_output(an.layers[index], x, a),
+)
 
 
 def _heads(proj: torch.Tensor, norm: nn.Module | None, head_dim: int) -> torch.Tensor:

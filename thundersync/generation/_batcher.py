@@ -6,6 +6,10 @@ finishes leaves its slot at once, so the next step refills it (continuous batchi
 with a ``session_id`` keeps its slot and cache when it finishes ("parked": no compute) until the
 session continues, is released, or its slot is needed by a waiting request (least recently used
 first). Cached prefixes are dropped when the weights change (:mod:`._weights_watch`).
+
+With the fixed-shape step (:mod:`._fixed_step`) the running sequences are kept in the lowest
+slots: before a decode step, a running sequence above them is swapped (cache rows, device state
+and bookkeeping) with an idle or parked slot below, so the step decodes slots 0 .. n-1 in place.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 
 from thundersync.engine.anatomy import decoder_anatomy
 from thundersync.errors import ConfigError, GenerationError
+from thundersync.generation._decode_math import DecodeMath
 from thundersync.generation._fixed_step import CapturedStep, FixedStep
 from thundersync.generation._forward import Rows, forward_hidden, logits_of, pack_prefill
 from thundersync.generation._kv_cache import KVCache
@@ -75,7 +80,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-StepFn = Callable[[int, bool], tuple[torch.Tensor, torch.Tensor]]
+StepFn = Callable[[int, int, bool], torch.Tensor]  # (bucket, key_len, filtered) -> [bucket, 2]
 
 
 class ContinuousBatcher:
@@ -90,14 +95,19 @@ class ContinuousBatcher:
         self.prefill_tokens = prefill_tokens
         self.key_bucket = key_bucket
         self.fixed: FixedStep | None = None  # see use_fixed_step
+        self._slot_ids = torch.arange(slots, device=self.anatomy.device)
+        self.decode_math: DecodeMath | None = None
         self.run_fixed: StepFn | None = None
         self._clock = itertools.count(1)
         self._finished: list[Ticket] = []
         self.weights = WeightsWatch(model)
 
-    def use_fixed_step(self, *, capture: bool) -> None:
-        """Decode every slot with device-resident state (:mod:`._fixed_step`), CUDA graphs if ``capture``."""
-        self.fixed = FixedStep(self.decode_fixed, self.cache.slots, self.anatomy.device)
+    def use_fixed_step(self, *, capture: bool, math: DecodeMath | None = None) -> None:
+        """Decode the live slots with device-resident state (:mod:`._fixed_step`), CUDA graphs if
+        ``capture``, the per-layer math and sampling of ``math`` if given (else eager)."""
+        self.decode_math = math
+        sample_fn = math.sample if math is not None else sample
+        self.fixed = FixedStep(self.decode_fixed, self.cache.slots, self.anatomy.device, sample_fn)
         self.run_fixed = CapturedStep(self.fixed) if capture else self.fixed
 
     # --- requests ------------------------------------------------------------------------------
@@ -187,6 +197,8 @@ class ContinuousBatcher:
     def _check_weights(self) -> None:
         if not self.weights.changed():
             return
+        if self.decode_math is not None and self.decode_math.fused is not None:
+            self.decode_math.fused.refresh()  # in place: captured graphs read the new values
         if any(s.ticket is not None and s.ticket.tokens for s in self.slots):
             raise GenerationError(
                 "the model's parameters changed while sequences were being generated; "
@@ -248,17 +260,41 @@ class ContinuousBatcher:
             self._sample(running, self._decode_rows(running, key_len))
             return
         self.fixed.flush()
+        running = self._compact(running)
         filtered = any(_filtered(_ticket(s).request.params) for s in running)
-        tokens, logprobs = self.run_fixed(key_len, filtered)
-        tokens_list, logprobs_list = tokens.tolist(), logprobs.tolist()
+        sampled = self.run_fixed(self.fixed.bucket(len(running)), key_len, filtered).tolist()  # the one host sync
         for slot in running:
+            token, logprob = sampled[slot.index]
             ticket = slot.ticket
             assert ticket is not None
             slot.cached.append(ticket.tokens[-1])
-            ticket.tokens.append(tokens_list[slot.index])
-            ticket.logprobs.append(logprobs_list[slot.index])
+            ticket.tokens.append(int(token))
+            ticket.logprobs.append(logprob)
             if self._maybe_finish(slot, ticket):
                 self.fixed.deactivate(slot.index)
+
+    def _compact(self, running: list[_Slot]) -> list[_Slot]:
+        """Swap running sequences into the lowest slots (the fixed step decodes slots 0 .. n-1);
+        returns the running slots after the swaps, in slot order."""
+        n = len(running)
+        high = [s for s in running if s.index >= n]
+        low = [s for s in self.slots[:n] if s.ticket is None or s.ticket.result is not None]
+        for source, target in zip(high, low, strict=True):
+            self._swap(source, target)
+        return self.slots[:n]
+
+    def _swap(self, a: _Slot, b: _Slot) -> None:
+        """Exchange two slots' sequences: their caches, device state and bookkeeping."""
+        assert self.fixed is not None
+        self.cache.swap(a.index, b.index, max(len(a.cached), len(b.cached)))
+        self.fixed.swap(a.index, b.index)
+        a.cached, b.cached = b.cached, a.cached
+        a.session, b.session = b.session, a.session
+        a.ticket, b.ticket = b.ticket, a.ticket
+        a.last_used, b.last_used = b.last_used, a.last_used
+        for slot in (a, b):
+            if slot.session is not None:
+                self.sessions[slot.session] = slot
 
     def _decode_rows(self, running: list[_Slot], key_len: int) -> torch.Tensor:
         device = self.anatomy.device
@@ -272,10 +308,15 @@ class ContinuousBatcher:
         return logits
 
     def decode_fixed(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
-        """Decode one token in every slot (fixed shapes, capturable): logits [slots, V]."""
-        slots = torch.arange(self.cache.slots, device=tokens.device)
+        """Decode one token in each of slots ``0 .. R-1`` (fixed shapes, capturable): logits [R, V].
+
+        Attention reads those slots' keys in place (views of the cache)."""
+        count = tokens.shape[0]
+        slots = self._slot_ids[:count]
         rows = Rows(slots=None, positions=positions[:, None], pad_index=None, unpad_index=None, key_len=key_len)
-        return logits_of(self.anatomy, forward_hidden(self.anatomy, self.cache, tokens, positions, slots, rows))
+        math = self.decode_math.math if self.decode_math is not None else None
+        hidden = forward_hidden(self.anatomy, self.cache, tokens, positions, slots, rows, math)
+        return logits_of(self.anatomy, hidden)
 
     # --- sampling and finishing ---------------------------------------------------------------------
 

@@ -1,16 +1,22 @@
-"""The fixed-shape decode step: every slot decodes and samples from device-resident state.
+"""The fixed-shape decode step: the live slots, padded to a batch bucket, decode and sample from device state.
 
 The inputs of a step (each slot's pending token, its position, its sampling parameters) live in
 device buffers that the step itself advances: it writes the sampled tokens back into ``tokens``
 and moves the positions of active slots by one. Steady-state decoding therefore copies nothing
-from the host; the host only reads the sampled tokens and log-probs back (one sync per step),
-and updates a slot's buffers when a sequence is admitted or finishes.
+from the host; the host reads one [bucket, 2] buffer back per step (each row's sampled token and
+its log-prob: the one sync), and updates the buffers when a sequence is admitted or finishes.
 
-A slot that is not active still runs (fixed shapes) but writes its throw-away key at its own first
-free position and is never advanced, so a parked session's cache stays intact.
+A step decodes the first ``bucket`` slots, the smallest of 1, 2, 4, ... (and ``slots``) that
+holds the live ones, not every slot: the batcher keeps the running sequences in the lowest slots
+(it swaps a sequence into a lower slot when one frees, :meth:`FixedStep.swap` and
+:meth:`~thundersync.generation._kv_cache.KVCache.swap`), so a step reads its state and the
+cache's keys in place, as slices. Padding slots are idle or parked: such a slot is not active,
+so it writes its throw-away key at its own first free position and is never advanced, and a
+parked session's cache stays intact. A row's result does not depend on the other rows except
+through the rounding of the batch's matrix products.
 
-:class:`CapturedStep` records the step as CUDA graphs, one per (key-length bucket, whether any
-row uses top-k/top-p), all in one memory pool.
+:class:`CapturedStep` records the step as CUDA graphs, one per (batch bucket, key-length bucket,
+whether any row uses top-k/top-p), all in one memory pool.
 """
 
 from __future__ import annotations
@@ -19,19 +25,29 @@ from collections.abc import Callable
 
 import torch
 
-from thundersync.generation._sampling import RowParams, sample
+from thundersync.generation._sampling import RowParams, SampleOutput, sample
 from thundersync.generation.base import SamplingParams
 
-__all__ = ["CapturedStep", "FixedStep"]
+__all__ = ["CapturedStep", "FixedStep", "batch_buckets"]
 
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]  # (tokens, positions, key_len) -> logits
+# (tokens [R], positions [R], key_len) -> logits [R, V] of slots 0 .. R-1
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+SampleFn = Callable[[torch.Tensor, RowParams, torch.Tensor], SampleOutput]
+
+
+def batch_buckets(slots: int) -> tuple[int, ...]:
+    """The batch sizes a step decodes: the powers of two below ``slots``, then ``slots``."""
+    sizes = [1 << i for i in range(slots.bit_length()) if 1 << i < slots]
+    return (*sizes, slots)
 
 
 class FixedStep:
-    """Device-resident decode state of ``slots`` sequences and the step that advances it."""
+    """Device-resident decode state of ``slots`` sequences and the step that advances the live ones."""
 
-    def __init__(self, decode: DecodeFn, slots: int, device: torch.device) -> None:
-        self._decode = decode
+    def __init__(self, decode: DecodeFn, slots: int, device: torch.device, sample_fn: SampleFn = sample) -> None:
+        self._decode, self._sample = decode, sample_fn
+        self.slots = slots
+        self.buckets = batch_buckets(slots)
         self.tokens = torch.zeros(slots, dtype=torch.long, device=device)
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)
         self.active = torch.zeros(slots, dtype=torch.long, device=device)
@@ -40,7 +56,7 @@ class FixedStep:
         self.top_p = torch.ones(slots, device=device)
         self.seed = torch.zeros(slots, dtype=torch.long, device=device)
         self.sampling_logprobs = torch.zeros(slots, dtype=torch.bool, device=device)
-        self.logprobs = torch.zeros(slots, device=device)
+        self.out = torch.zeros(slots, 2, dtype=torch.float64, device=device)  # per slot: token, log-prob
         self._changes: dict[int, tuple[int, int, SamplingParams, int] | None] = {}
 
     def activate(self, slot: int, token: int, position: int, params: SamplingParams, seed: int) -> None:
@@ -49,6 +65,30 @@ class FixedStep:
 
     def deactivate(self, slot: int) -> None:
         self._changes[slot] = None
+
+    def bucket(self, live: int) -> int:
+        """The number of slots a step decodes when slots ``0 .. live - 1`` are the live ones."""
+        return next(b for b in self.buckets if b >= live)
+
+    def swap(self, a: int, b: int) -> None:
+        """Exchange the state of slots ``a`` and ``b`` (pending changes must be flushed)."""
+        assert not self._changes, "flush() before swap()"
+        index = torch.tensor([a, b], device=self.tokens.device)
+        for state in self._state:
+            state[index] = state[index.flip(0)]
+
+    @property
+    def _state(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.tokens,
+            self.positions,
+            self.active,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.seed,
+            self.sampling_logprobs,
+        )
 
     def flush(self) -> None:
         """Copy the pending slot changes to the device buffers."""
@@ -73,15 +113,26 @@ class FixedStep:
         self.seed[index] = torch.tensor([c[3] for c in values], dtype=torch.long, device=device)
         self.sampling_logprobs[index] = torch.tensor([c[2].logprobs == "sampling" for c in values], device=device)
 
-    def __call__(self, key_len: int, filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode and sample one token in every slot; returns (tokens, logprobs) buffers [slots]."""
-        logits = self._decode(self.tokens, self.positions, key_len)
-        params = RowParams(self.temperature, self.top_k, self.top_p, self.seed, self.sampling_logprobs, filtered)
-        out = sample(logits, params, self.positions + 1)
-        self.tokens.copy_(out.tokens)
-        self.logprobs.copy_(out.logprobs)
-        self.positions.add_(self.active)
-        return self.tokens, self.logprobs
+    def __call__(self, bucket: int, key_len: int, filtered: bool) -> torch.Tensor:
+        """Decode and sample one token in slots ``0 .. bucket - 1``; returns the [bucket, 2] float64
+        (token, log-prob) of each."""
+        rows = slice(0, bucket)
+        positions = self.positions[rows]
+        logits = self._decode(self.tokens[rows], positions, key_len)
+        params = RowParams(
+            self.temperature[rows],
+            self.top_k[rows],
+            self.top_p[rows],
+            self.seed[rows],
+            self.sampling_logprobs[rows],
+            filtered,
+        )
+        out = self._sample(logits, params, positions + 1)
+        self.tokens[rows].copy_(out.tokens)
+        positions.add_(self.active[rows])
+        self.out[rows, 0].copy_(out.tokens)
+        self.out[rows, 1].copy_(out.logprobs)
+        return self.out[rows]
 
 
 class CapturedStep:
@@ -89,38 +140,38 @@ class CapturedStep:
 
     def __init__(self, step: FixedStep) -> None:
         self.step = step
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
-    def __call__(self, key_len: int, filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (key_len, filtered)
+    def __call__(self, bucket: int, key_len: int, filtered: bool) -> torch.Tensor:
+        key = (bucket, key_len, filtered)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(key_len, filtered)
+            self._graphs[key] = self._capture(*key)
         self._graphs[key].replay()
-        return self.step.tokens, self.step.logprobs
+        return self.step.out[:bucket]
 
-    def _capture(self, key_len: int, filtered: bool) -> torch.cuda.CUDAGraph:
-        # Warm up on a side stream (lazy initialisations must not be captured), then restore the
-        # state the warm-up advanced. Its cache writes land at or after each slot's first free
-        # position, which the replay rewrites.
-        state = (self.step.tokens, self.step.positions, self.step.logprobs)
+    def _capture(self, bucket: int, key_len: int, filtered: bool) -> torch.cuda.CUDAGraph:
+        # Warm up on a side stream (lazy initialisations and torch.compile must not be captured),
+        # then restore the state the warm-up advanced. Its cache writes land at or after each
+        # slot's first free position, which the replay rewrites.
+        state = (self.step.tokens, self.step.positions, self.step.out)
         saved = [t.clone() for t in state]
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch.cuda.Stream.__new__ is unannotated
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.step(key_len, filtered)
+                self.step(bucket, key_len, filtered)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: in a pipeline the engine's worker thread keeps launching backward work
         # while generation captures; "global" would forbid its CUDA calls during the capture.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self.step(key_len, filtered)
+            self.step(bucket, key_len, filtered)
         for tensor, value in zip(state, saved, strict=True):
             tensor.copy_(value)
         return graph
 
     @property
     def captured(self) -> int:
-        """How many (key length, filtered) shapes have a graph."""
+        """How many (batch bucket, key length, filtered) shapes have a graph."""
         return len(self._graphs)

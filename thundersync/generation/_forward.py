@@ -14,7 +14,7 @@ slot s attends to the cached keys of slot s at positions 0..p (its own key was j
 
 Grouped-query attention is computed without copying keys: the G = heads / kv_heads query heads
 that share a key head are stacked along the query axis. Decoding (one query per row) takes a
-shorter path of four kernels (``baddbmm`` with the mask as bias, softmax, cast, ``bmm``).
+shorter path of three kernels (``baddbmm`` with the mask as bias, softmax, ``bmm``).
 
 The fixed-shape decode step calls :func:`forward_hidden` inside a CUDA-graph capture: nothing
 here reads a device value back to the host or branches on one; shapes depend only on ``rows``
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from thundersync.engine.anatomy import DecoderAnatomy
-from thundersync.engine.decoder import apply_norm, decoder_forward
+from thundersync.engine.decoder import LayerMath, apply_norm, decoder_forward
 from thundersync.generation._kv_cache import KVCache
 
 __all__ = ["CacheAttention", "PrefillBatch", "Rows", "forward_hidden", "logits_of", "pack_prefill"]
@@ -40,7 +40,7 @@ __all__ = ["CacheAttention", "PrefillBatch", "Rows", "forward_hidden", "logits_o
 class Rows:
     """How packed tokens form attention rows (see the module docstring)."""
 
-    slots: torch.Tensor | None  # [R] slot of each row, None = row r is slot r (all slots)
+    slots: torch.Tensor | None  # [R] slot of each row, None = row r is slot r (slots 0 .. R-1)
     positions: torch.Tensor  # [R, Q] query positions (padding: 0)
     pad_index: torch.Tensor | None  # [R, Q] into the packed tokens; None when Q == 1 and R == T
     unpad_index: torch.Tensor | None  # [T] into the flattened [R * Q]
@@ -119,8 +119,15 @@ def _attend_decode(
     scores = torch.baddbmm(
         bias, q.view(batch, heads // an.num_kv_heads, dim), k.reshape(batch, -1, dim).transpose(1, 2), alpha=an.scaling
     )
-    weights = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
-    return torch.bmm(weights, v.reshape(batch, -1, dim)).view(r, heads * dim)
+    return torch.bmm(_softmax(scores, v.dtype), v.reshape(batch, -1, dim)).view(r, heads * dim)
+
+
+def _softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scores.softmax(-1)`` computed in fp32 and given in ``dtype``: for 16-bit scores one kernel (it
+    accumulates in fp32 and rounds once), else through an fp32 result."""
+    if scores.dtype in (torch.bfloat16, torch.float16) and dtype == scores.dtype:
+        return scores.softmax(dim=-1)
+    return scores.softmax(dim=-1, dtype=torch.float32).to(dtype)
 
 
 def _decode_bias(an: DecoderAnatomy, rows: Rows, dtype: torch.dtype) -> torch.Tensor:
@@ -144,7 +151,8 @@ class CacheAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer, self.slots, self.positions, k, v)
-        keys, values = self.cache.read(layer, self.rows.slots, self.rows.key_len)
+        slots = self.rows.slots if self.rows.slots is not None else self.rows.positions.shape[0]
+        keys, values = self.cache.read(layer, slots, self.rows.key_len)
         if self.bias is not None:
             return _attend_decode(self.an, q, keys, values, self.bias)
         return _attend_rows(self.an, q, keys, values, self.rows)
@@ -157,9 +165,13 @@ def forward_hidden(
     positions: torch.Tensor,
     slots: torch.Tensor,
     rows: Rows,
+    math: LayerMath | None = None,
 ) -> torch.Tensor:
-    """Hidden states [T, hidden] (before the final norm) of the packed tokens; their keys/values enter the cache."""
-    return decoder_forward(an, tokens, positions, CacheAttention(an, cache, slots, positions, rows))
+    """Hidden states [T, hidden] (before the final norm) of the packed tokens; their keys/values enter the cache.
+
+    ``math`` is the stack's math around attention (default: eager; the decode step may pass compiled forms).
+    """
+    return decoder_forward(an, tokens, positions, CacheAttention(an, cache, slots, positions, rows), math)
 
 
 def logits_of(an: DecoderAnatomy, hidden: torch.Tensor) -> torch.Tensor:

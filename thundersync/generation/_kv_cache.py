@@ -30,13 +30,20 @@ class KVCache:
         self.k[layer][slots, :, positions] = k
         self.v[layer][slots, :, positions] = v
 
-    def read(self, layer: int, slots: torch.Tensor | None, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [R, kv_heads, key_len, head_dim] of ``slots`` (``None``: every slot)."""
+    def read(self, layer: int, slots: torch.Tensor | int, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [R, kv_heads, key_len, head_dim] of ``slots`` [R], or of the first ``slots``
+        slots when it is an int (views of the cache then, not copies)."""
         k = self.k[layer][:, :, :key_len]
         v = self.v[layer][:, :, :key_len]
-        if slots is None:
-            return k, v
+        if isinstance(slots, int):
+            return k[:slots], v[:slots]
         return k.index_select(0, slots), v.index_select(0, slots)
+
+    def swap(self, a: int, b: int, length: int) -> None:
+        """Exchange the first ``length`` keys and values of slots ``a`` and ``b`` in every layer."""
+        index = torch.tensor([a, b], device=self.k.device)
+        for store in (self.k, self.v):
+            store[:, index, :, :length] = store[:, index.flip(0), :, :length]
 
     @property
     def nbytes(self) -> int:

@@ -16,6 +16,7 @@ Greedy rows (``T = 0``) take ``argmax z``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,8 +83,16 @@ def _filter(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     return scaled.masked_fill(mask, float("-inf"))
 
 
-def sample(logits: torch.Tensor, params: RowParams, positions: torch.Tensor) -> SampleOutput:
-    """Draw one token per row of ``logits`` [R, V] for the tokens at ``positions`` [R]."""
+def sample(
+    logits: torch.Tensor,
+    params: RowParams,
+    positions: torch.Tensor,
+    uniform: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = counter_uniform,
+) -> SampleOutput:
+    """Draw one token per row of ``logits`` [R, V] for the tokens at ``positions`` [R].
+
+    ``uniform`` is :func:`counter_uniform` or a compiled form of it (its ~30 integer operations
+    are one kernel then)."""
     logits = logits.float()
     model_logprobs = logits.log_softmax(dim=-1)
     greedy = params.temperature == 0.0
@@ -92,7 +101,7 @@ def sample(logits: torch.Tensor, params: RowParams, positions: torch.Tensor) -> 
         scaled = _filter(scaled, params.top_k, params.top_p)
     sampling_logprobs = scaled.log_softmax(dim=-1)
     cdf = sampling_logprobs.exp().to(torch.float64).cumsum(dim=-1)
-    u = counter_uniform(params.seed, positions) * cdf[:, -1]
+    u = uniform(params.seed, positions) * cdf[:, -1]
     drawn = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)
     tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
     chosen = tokens[:, None]

@@ -7,9 +7,11 @@ slot at once and a waiting request takes it on the next step. A request with a `
 keeps its slot and cache when it finishes (a sequence paused for a tool call costs no compute);
 the next request of that session prefills only the tokens the cache does not hold yet.
 
-On CUDA the decode step (forward pass and sampling of every slot, from device-resident state) is
-captured as CUDA graphs, one per 128-token key-length bucket, so a step costs one graph launch and
-one read-back of the sampled tokens instead of hundreds of kernel launches.
+On CUDA the decode step (forward pass and sampling of the live sequences, padded to a power of
+two, from device-resident state) is captured as CUDA graphs, one per (batch bucket, 128-token
+key-length bucket), so a step costs one graph launch and one read-back of the sampled tokens
+instead of hundreds of kernel launches; its per-layer math is compiled and its projections
+stacked (:mod:`._decode_math`, :mod:`._fused`).
 
 Sampling is done on the device with counter-based random numbers (``_sampling``), so a request's
 tokens depend only on its seed, its context and the weights, never on its batch neighbours. The
@@ -30,6 +32,7 @@ for exact on-policy sampling.
 
 from __future__ import annotations
 
+import os
 import random
 from collections import deque
 from collections.abc import Callable
@@ -41,9 +44,21 @@ from torch import nn
 
 from thundersync.errors import ConfigError, GenerationError
 from thundersync.generation._batcher import ContinuousBatcher, Ticket
+from thundersync.generation._decode_math import DecodeMath
+from thundersync.generation._fused import FusedWeights
 from thundersync.generation.base import GenerationRequest, GenerationResult
 
 __all__ = ["TorchGenerator"]
+
+
+def _switch(name: str, value: bool | None, auto: bool) -> bool:
+    """``value``, or when it is None the environment variable ``name``: auto (-> ``auto``), on or off."""
+    if value is not None:
+        return value
+    mode = os.environ.get(name, "auto")
+    if mode not in ("auto", "on", "off"):
+        raise ConfigError(f"{name} must be auto, on or off, got {mode!r}")
+    return mode == "on" or (mode == "auto" and auto)
 
 
 class TorchGenerator:
@@ -51,8 +66,14 @@ class TorchGenerator:
 
     ``max_batch`` sequences (running or parked) fit in the KV cache at once, each up to
     ``max_seq_len`` tokens (prompt included). ``prefill_tokens`` bounds the prompt tokens prefilled
-    in one step (a single longer prompt is prefilled alone). ``cuda_graphs`` defaults to "on when the model is on CUDA". ``seed`` seeds the
-    per-request seeds of requests that do not set one.
+    in one step (a single longer prompt is prefilled alone). ``cuda_graphs`` defaults to "on when
+    the model is on CUDA". The decode step decodes only the live sequences, padded to a power of
+    two. ``compile_decode`` runs its per-layer math and sampling through ``torch.compile``
+    (:mod:`._decode_math`; eager where compiling fails); ``fuse_projections`` multiplies by stacked
+    q/k/v and gate/up weights (:mod:`._fused`: a copy of about two thirds of the layers' weights,
+    refreshed when they change). Each defaults to its environment variable,
+    ``THUNDERSYNC_DECODE_COMPILE`` or ``THUNDERSYNC_DECODE_FUSE``: ``auto`` (on with CUDA graphs),
+    ``on`` or ``off``. ``seed`` seeds the per-request seeds of requests that do not set one.
 
     No background task: one of the concurrent ``await generate(...)`` calls drives the batcher
     (one step at a time in a worker thread, so the event loop stays responsive) until its own
@@ -70,6 +91,8 @@ class TorchGenerator:
         max_seq_len: int = 4096,
         prefill_tokens: int = 8192,
         cuda_graphs: bool | None = None,
+        compile_decode: bool | None = None,
+        fuse_projections: bool | None = None,
         seed: int = 0,
     ) -> None:
         if max_batch < 1 or max_seq_len < 2 or prefill_tokens < 1:
@@ -83,10 +106,14 @@ class TorchGenerator:
         device = self._batcher.anatomy.device
         if cuda_graphs is None:
             cuda_graphs = device.type == "cuda"
-        if cuda_graphs:
-            if device.type != "cuda":
-                raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, it is on {device}")
-            self._batcher.use_fixed_step(capture=True)
+        if cuda_graphs and device.type != "cuda":
+            raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, it is on {device}")
+        compile_decode = _switch("THUNDERSYNC_DECODE_COMPILE", compile_decode, auto=cuda_graphs)
+        fuse_projections = _switch("THUNDERSYNC_DECODE_FUSE", fuse_projections, auto=cuda_graphs)
+        if cuda_graphs or compile_decode or fuse_projections:
+            fused = FusedWeights(self._batcher.anatomy) if fuse_projections else None
+            math = DecodeMath(compile=compile_decode, fused=fused)
+            self._batcher.use_fixed_step(capture=cuda_graphs, math=math)
         self._seeds = random.Random(seed)
         self._driver: Ticket | None = None  # the request whose task steps the batcher now
         self._wakes: dict[Ticket, anyio.Event] = {}  # waiting requests
@@ -154,6 +181,12 @@ class TorchGenerator:
     def kv_cache_bytes(self) -> int:
         """Bytes held by the preallocated KV cache."""
         return self._batcher.cache.nbytes
+
+    @property
+    def stacked_weight_bytes(self) -> int:
+        """Bytes held by the decode step's stacked q/k/v and gate/up weights (0 without ``fuse_projections``)."""
+        math = self._batcher.decode_math
+        return math.fused.nbytes if math is not None and math.fused is not None else 0
 
     def _apply(self, change: Callable[[], None]) -> None:
         """Change the batcher now if no step can be running, else before the driver's next step.
