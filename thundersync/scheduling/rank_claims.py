@@ -20,6 +20,7 @@ that hold unclosed groups) after the claims' ``timeout_s``.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -60,7 +61,9 @@ class RankClaims:
         self.claims, self.poll_s = claims, poll_s
         self._batches: dict[Id, _Batch] = {}
         self._batch_of: dict[Id, tuple[_Batch, int]] = {}  # local group id -> its batch, its index there
-        self._send, self._announced = anyio.create_memory_object_stream[_Batch](1)
+        self._announced: deque[_Batch] = deque()  # fully claimed, not yet sealed, in claim order
+        self._ended = False
+        self._changed: anyio.Event | None = None  # set when a batch is announced or claims end
 
     @property
     def rank(self) -> int:
@@ -78,7 +81,8 @@ class RankClaims:
         if index is None:
             batch.all_claimed = True
             batch.update()
-            await self._send.send(batch)
+            self._announced.append(batch)
+            self._notify()
             return None
         group_id = group_ids[index]
         batch.claimed.append(group_id)
@@ -87,7 +91,12 @@ class RankClaims:
 
     def end(self) -> None:
         """No more batches (the source is done): :meth:`sealed` ends after the announced ones."""
-        self._send.close()
+        self._ended = True
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
 
     async def group_closed(self, group_id: Id, *, trajectories: int, scored_tokens: int) -> None:
         """A local group closed (its GroupClosed was sent): count it, and close it in the store."""
@@ -106,18 +115,22 @@ class RankClaims:
 
     async def sealed(self) -> AsyncIterator[BatchReady]:
         """Each announced batch's BatchReady (this rank's counts), once it is sealed on every rank."""
-        async with self._announced:
-            async for batch in self._announced:
-                await batch.done.wait()
-                await self._wait_sealed(batch.batch_id)
-                yield BatchReady(
-                    batch_id=batch.batch_id,
-                    num_groups=len(batch.claimed),
-                    num_trajectories=batch.trajectories,
-                    num_scored_tokens=batch.scored_tokens,
-                )
-                del self._batches[batch.batch_id]
-                await anyio.to_thread.run_sync(self.claims.finish, batch.batch_id)
+        while self._announced or not self._ended:
+            if not self._announced:
+                self._changed = anyio.Event()
+                await self._changed.wait()
+                continue
+            batch = self._announced.popleft()
+            await batch.done.wait()
+            await self._wait_sealed(batch.batch_id)
+            yield BatchReady(
+                batch_id=batch.batch_id,
+                num_groups=len(batch.claimed),
+                num_trajectories=batch.trajectories,
+                num_scored_tokens=batch.scored_tokens,
+            )
+            del self._batches[batch.batch_id]
+            await anyio.to_thread.run_sync(self.claims.finish, batch.batch_id)
 
     async def _wait_sealed(self, batch_id: Id) -> None:
         with anyio.move_on_after(self.claims.timeout_s) as scope:
