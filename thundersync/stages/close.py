@@ -38,6 +38,7 @@ from thundersync.events import (
     TeacherScored,
     TrajectoryClosed,
 )
+from thundersync.pipeline._runtime import EVENT_ATTRIBUTE
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
 from thundersync.pipeline.tracker import Need, Tracker
 from thundersync.scheduling import Admission, RankClaims
@@ -101,8 +102,12 @@ class CloseStage(Stage):
 
     @staticmethod
     async def _send_sealed(claims: RankClaims, outbox: Outbox) -> None:
-        async for ready in claims.sealed():
-            await outbox.send(ready)
+        try:
+            async for ready in claims.sealed():
+                await outbox.send(ready)
+        except Exception as error:
+            setattr(error, EVENT_ATTRIBUTE, None)  # not the inbox's event: StageFailed says "outside any event"
+            raise
 
     def handle(self, event: EventBase) -> list[EventBase]:
         """The closures that ``event`` causes (events the tracker does not wait for cause none)."""
