@@ -46,8 +46,8 @@ async def _results(graph: Graph, out: list[EventBase]) -> None:
             out.append(event)
 
 
-def _ranks(world_size: int, timeout_s: float = 30) -> list[RankClaims]:
-    store = dist.HashStore()
+def _ranks(world_size: int, timeout_s: float = 30, store: Any = None) -> list[RankClaims]:
+    store = dist.HashStore() if store is None else store
     return [
         RankClaims(GroupClaims(store, rank=r, world_size=world_size, timeout_s=timeout_s), poll_s=0.01)
         for r in range(world_size)
@@ -59,7 +59,8 @@ async def test_ranks_close_every_group_once_and_each_rank_sees_every_batch_ready
     per_batch: int, delays: tuple[float, float]
 ) -> None:
     """Rank 1 is slower (3 groups per batch) or a batch has one group, so some rank claims none of it."""
-    ranks = _ranks(2)
+    store = dist.HashStore()
+    ranks = _ranks(2, store=store)
     outs: list[list[EventBase]] = [[], []]
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tasks:
@@ -84,6 +85,7 @@ async def test_ranks_close_every_group_once_and_each_rank_sees_every_batch_ready
                 assert all(g // per_batch != event.batch_id for g in later), (event, later)
     if per_batch == 1:
         assert any(e.num_groups == 0 for rank_ready in ready for e in rank_ready)
+    assert store.num_keys() == 0, "the last rank to finish a batch deletes its keys"
 
 
 async def test_a_batch_not_closed_on_another_rank_fails_with_the_ranks_that_hold_it() -> None:

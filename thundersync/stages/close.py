@@ -24,6 +24,7 @@ also for a batch of which this rank claimed no group (every rank takes part in e
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from typing import ClassVar, Literal
 
 from thundersync.errors import TrackerError
@@ -103,8 +104,9 @@ class CloseStage(Stage):
     @staticmethod
     async def _send_sealed(claims: RankClaims, outbox: Outbox) -> None:
         try:
-            async for ready in claims.sealed():
-                await outbox.send(ready)
+            async with aclosing(claims.sealed()) as sealed:
+                async for ready in sealed:
+                    await outbox.send(ready)
         except Exception as error:
             setattr(error, EVENT_ATTRIBUTE, None)  # not the inbox's event: StageFailed says "outside any event"
             raise
