@@ -21,7 +21,7 @@ that hold unclosed groups) after the claims' ``timeout_s``.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -113,7 +113,7 @@ class RankClaims:
         batch.scored_tokens += scored_tokens
         batch.update()
 
-    async def sealed(self) -> AsyncIterator[BatchReady]:
+    async def sealed(self) -> AsyncGenerator[BatchReady, None]:
         """Each announced batch's BatchReady (this rank's counts), once it is sealed on every rank."""
         while self._announced or not self._ended:
             if not self._announced:
