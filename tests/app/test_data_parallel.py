@@ -2,7 +2,9 @@
 
 The tests launch ``python -m torch.distributed.run --nproc-per-node 2 --standalone -m thundersync
 run`` on the tiny GRPO file (fp64 model, 3 groups per batch, so the ranks' shares are uneven and
-decided at run time) and compare the final checkpoint with the single-process run's. Rollouts are
+decided at run time) and compare the final checkpoint with the single-process run's. The file
+gets an admission of one group in flight, so a rank claims a group only when it has room and
+both ranks take part (without a bound the first rank at a batch may claim all of it). Rollouts are
 a pure function of (seed, group, trajectory, turn) and the weights (``GenerateStage`` derives each
 request's seed from its ids, ``TorchGenerator``'s sampling is counter-based), so a group samples
 the same tokens whichever rank claims it.
@@ -27,7 +29,15 @@ from thundersync.app.cli import main
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "examples" / "train_tiny_grpo.toml"
+ADMISSION = '\n[objects.admission]\nfactory = "admission"\nmax_groups = 1\n'
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    """examples/train_tiny_grpo.toml with an admission object."""
+    path = tmp_path / "tiny.toml"
+    path.write_text((ROOT / "examples" / "train_tiny_grpo.toml").read_text() + ADMISSION)
+    return path
 
 
 def _sets(tmp: Path, repeat: int, *extra: str, per_batch: int = 3) -> list[str]:
@@ -39,7 +49,16 @@ def _sets(tmp: Path, repeat: int, *extra: str, per_batch: int = 3) -> list[str]:
 
 def _torchrun(tmp: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240) -> Any:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
-    command += ["-m", "thundersync", "run", str(TINY), "--metrics", str(tmp / "m.jsonl"), "--no-progress", *args]
+    command += [
+        "-m",
+        "thundersync",
+        "run",
+        str(tmp / "tiny.toml"),
+        "--metrics",
+        str(tmp / "m.jsonl"),
+        "--no-progress",
+        *args,
+    ]
     environ = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -63,13 +82,20 @@ def _relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
 def _single_process(tmp: Path, per_batch: int) -> Path:
     """The final checkpoint of the one-process run of two epochs (8 groups)."""
     tmp.mkdir()
-    argv = ["run", str(TINY), "--metrics", str(tmp / "m.jsonl"), "--no-progress", *_sets(tmp, 2, per_batch=per_batch)]
+    argv = [
+        "run",
+        str(tmp.parent / "tiny.toml"),
+        "--metrics",
+        str(tmp / "m.jsonl"),
+        "--no-progress",
+        *_sets(tmp, 2, per_batch=per_batch),
+    ]
     assert main(argv) == 0
     (last,) = (tmp / "ckpt").iterdir()
     return last
 
 
-def test_two_ranks_from_the_command_line_reach_the_single_process_parameters(tmp_path: Path) -> None:
+def test_two_ranks_from_the_command_line_reach_the_single_process_parameters(tmp_path: Path, tiny: Path) -> None:
     """8 groups in batches of 3, 3, 2: the ranks' shares are uneven and decided as they run."""
     want = _single_process(tmp_path / "single", per_batch=3)
     done = _torchrun(tmp_path, *_sets(tmp_path, 2))
@@ -88,7 +114,7 @@ def test_two_ranks_from_the_command_line_reach_the_single_process_parameters(tmp
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000003"]
 
 
-def test_two_ranks_resume_from_a_checkpoint_and_reach_the_uninterrupted_parameters(tmp_path: Path) -> None:
+def test_two_ranks_resume_from_a_checkpoint_and_reach_the_uninterrupted_parameters(tmp_path: Path, tiny: Path) -> None:
     """Batches of 2 groups: one epoch (steps 1-2), then resumed for the second (steps 3-4)."""
     want = _single_process(tmp_path / "single", per_batch=2)
     first = _torchrun(tmp_path, *_sets(tmp_path, 1, per_batch=2))
@@ -102,7 +128,9 @@ def test_two_ranks_resume_from_a_checkpoint_and_reach_the_uninterrupted_paramete
 
 
 @pytest.mark.parametrize("how", ["raise", "kill"])
-def test_a_rank_that_fails_mid_run_ends_every_rank_with_an_error_naming_it(tmp_path: Path, how: str) -> None:
+def test_a_rank_that_fails_mid_run_ends_every_rank_with_an_error_naming_it(
+    tmp_path: Path, tiny: Path, how: str
+) -> None:
     reward = [
         'objects.scorer.factory="function-reward"',
         'objects.scorer.function="tests.app.rank_rewards:even_tokens"',
@@ -121,7 +149,7 @@ def test_a_rank_that_fails_mid_run_ends_every_rank_with_an_error_naming_it(tmp_p
 
 
 @pytest.mark.gpu
-def test_two_cuda_ranks_through_nccl_reach_the_single_process_parameters(tmp_path: Path) -> None:
+def test_two_cuda_ranks_through_nccl_reach_the_single_process_parameters(tmp_path: Path, tiny: Path) -> None:
     """Each rank on cuda:LOCAL_RANK (``device = "cuda"``), NCCL. fp64 on CUDA reduces in a different
     order than on the CPU, hence 1e-8 rather than the CPU test's 1e-10."""
     if torch.cuda.device_count() < 2:
@@ -129,7 +157,7 @@ def test_two_cuda_ranks_through_nccl_reach_the_single_process_parameters(tmp_pat
     cuda = 'objects.model.device="cuda"'
     tmp_single = tmp_path / "single"
     tmp_single.mkdir()
-    argv = ["run", str(TINY), "--metrics", str(tmp_single / "m.jsonl"), "--no-progress", *_sets(tmp_single, 2, cuda)]
+    argv = ["run", str(tiny), "--metrics", str(tmp_single / "m.jsonl"), "--no-progress", *_sets(tmp_single, 2, cuda)]
     assert main(argv) == 0
     done = _torchrun(tmp_path, *_sets(tmp_path, 2, cuda))
     assert done.returncode == 0, done.stderr[-3000:]
