@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from thundersync.errors import ConfigError
 
 __all__ = ["TIMEOUT_ENV", "Launch", "attach", "launch", "rank_label"]
@@ -96,8 +98,14 @@ def attach(launch: Launch, objects: Mapping[str, Any]) -> dict[str, Any]:
     (``claims``), to pass to :func:`~thundersync.app.build.build_graph`."""
     from thundersync.engine import StreamingRun
     from thundersync.engine.distributed import DataParallel
-    from thundersync.scheduling import GroupClaims, RankClaims
+    from thundersync.scheduling import Admission, GroupClaims, RankClaims
 
+    if not any(isinstance(obj, Admission) for obj in objects.values()):
+        structlog.get_logger("thundersync.distributed").warning(
+            "no admission object: each rank claims groups as fast as generate reads prompts, so one rank may "
+            'take a whole batch; add [objects.admission] factory = "admission" with max_groups for balanced claims',
+            rank=launch.rank,
+        )
     for obj in objects.values():
         if isinstance(obj, StreamingRun):
             obj.data_parallel = DataParallel(store=launch.store, timeout_s=launch.timeout_s)

@@ -1,8 +1,9 @@
 """``type = "source"``: emits one PromptSubmitted per task, in logical batches.
 
 Consumes: nothing (a source). Produces: PromptSubmitted. Waits for: backpressure from generate;
-with an ``admission``, room for the next group; with ``claims``, each batch's policy. Unblocked
-by: generate taking prompts from its inbox, close releasing groups, step publishing the policy.
+with an ``admission``, room for the next group; with ``claims``, each batch's policy.
+Unblocked by: generate taking prompts from its inbox, close releasing groups, step publishing
+the policy.
 
 The tasks are the file's ``prompts`` (token ids, no fields) or a ``tasks`` runtime object, any
 :class:`~thundersync.tasks.TaskSource` (a JSONL file, the built-in arithmetic tasks), whose fields
