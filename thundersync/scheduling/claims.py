@@ -29,7 +29,6 @@ import datetime
 from collections.abc import Hashable
 from typing import Any
 
-from thundersync.engine._failures import describe_failures
 from thundersync.errors import ConfigError, DistributedError
 
 __all__ = ["GroupClaims"]
@@ -98,6 +97,8 @@ class GroupClaims:
     def not_sealed(self, batch_id: Hashable) -> DistributedError:
         """The error of a batch not sealed within the timeout: who holds its unclosed groups, and why
         any rank that reported a failure stopped."""
+        from thundersync.engine._failures import describe_failures  # the engine package loads torch: only now
+
         return DistributedError(
             f"rank {self.rank}: batch {batch_id!r} was not sealed within {self.timeout_s:g} s: "
             f"{self._holders(batch_id)}{describe_failures(self.store, self.world_size, me=self.rank)}"
