@@ -233,3 +233,14 @@ def test_the_cuda_rng_state_is_restored(tmp_path: Path) -> None:
     torch.cuda.manual_seed_all(4)
     checkpointer.resume(tmp_path)
     assert torch.equal(torch.rand(4, device="cuda"), expected)
+
+
+def test_a_checkpointer_that_is_not_the_writer_records_the_data_position_but_writes_nothing(tmp_path: Path) -> None:
+    model = tiny_qwen3(seed=0)
+    optimizer = torch.optim.SGD(model.parameters())
+    checkpointer = Checkpointer(tmp_path / "c", model=model, optimizer=optimizer, policy=PolicyClock(), writer=False)
+    assert Checkpointer(tmp_path, model=model, optimizer=optimizer, policy=PolicyClock()).writer  # no process group
+    checkpointer.every = 1
+    anyio.run(checkpointer.stepped, 1, "b0")
+    anyio.run(checkpointer.finished, 1)
+    assert checkpointer.consumed == ["b0"] and not (tmp_path / "c").exists()

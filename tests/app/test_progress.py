@@ -86,3 +86,15 @@ def test_the_live_line_is_redrawn_in_place_and_ended_when_cancelled() -> None:
         text.rstrip("\n").split("\r\x1b[K")[-1]
         == "step 1/2  reward 0.412 ± 0.118  812 tok/s  elapsed 0:00:00  ETA 0:00:00"
     )
+
+
+def test_in_a_data_parallel_run_the_summary_names_the_rank_and_only_rank_0_lists_files() -> None:
+    clock = _Clock()
+    progress = Progress(5, clock=clock)
+    progress.update(_step(5))
+    assert progress.summary(metrics="m.jsonl", checkpoints=None, rank=("rank 0 of 2", True)) == (
+        "thundersync: rank 0 of 2: 5/5 steps in 0:00:00, last reward 0.412; metrics: m.jsonl"
+    )
+    assert progress.summary(metrics=None, checkpoints=None, rank=("rank 1 of 2", False)) == (
+        "thundersync: rank 1 of 2: 5/5 steps in 0:00:00; no files (rank 0 writes the metrics and checkpoints)"
+    )

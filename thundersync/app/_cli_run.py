@@ -5,6 +5,8 @@ events (the lifecycle events: TrajectoryClosed, GroupClosed, BatchReady, StepDon
 metrics file as they happen. A watcher stage added to the graph (:func:`~thundersync.app._step_metrics.watched`)
 sees every event and turns each optimizer step into a ``step`` line of the metrics file and an
 update of the progress display (:mod:`thundersync.app.progress`); the run ends with one summary
+line (in a data-parallel launch, each rank's, naming it; :mod:`thundersync.app.distributed`).
+An :class:`~thundersync.scheduling.Admission` among the objects adds its decisions to each step
 line. Runtime objects that are async context managers (engines, sandbox pools) are entered for
 the run and left after it.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 
@@ -26,7 +28,11 @@ from thundersync.events import EventBase
 from thundersync.pipeline import Pipeline
 from thundersync.pipeline.graph import Graph
 from thundersync.pipeline.runner import RunStatistics
+from thundersync.scheduling import Admission
 from thundersync.stages.source import SourceStage
+
+if TYPE_CHECKING:
+    from thundersync.app.distributed import Launch
 
 __all__ = ["run_pipeline"]
 
@@ -40,14 +46,16 @@ async def run_pipeline(
     summary: TextIO | None = None,
     interval_s: float = 0.2,
     timeout_s: float | None = None,
+    ranks: Launch | None = None,
 ) -> RunStatistics:
     """Run ``graph`` to completion, writing its output events and step records to ``metrics``.
 
     ``progress`` is the stream for the live line (None: no progress display); ``summary`` the
-    stream for the line that ends a successful run (None: none). Returns the run's statistics.
+    stream for the line that ends a successful run (None: none); ``ranks``: this process's place in
+    a data-parallel launch (the summary names it). Returns the run's statistics.
     """
     shown = Progress(_total_steps(graph))
-    steps = StepMetrics()
+    steps = StepMetrics(admission=_admission(objects))
 
     def see(event: EventBase) -> None:
         record = steps.observe(event)
@@ -73,7 +81,8 @@ async def run_pipeline(
             metrics.statistics(stats)
     if summary is not None:  # a failed run ends with its one error line instead
         where = None if metrics.path is None else str(metrics.path)
-        summary.write(shown.summary(metrics=where, checkpoints=_checkpoints(objects)) + "\n")
+        rank = None if ranks is None else (ranks.label, ranks.writes_files)
+        summary.write(shown.summary(metrics=where, checkpoints=_checkpoints(objects), rank=rank) + "\n")
         summary.flush()
     assert stats is not None
     return stats
@@ -98,6 +107,12 @@ def _total_steps(graph: Graph) -> int | None:
     if len(sources) == 1 and isinstance(sources[0], SourceStage):
         return sources[0].num_batches
     return None
+
+
+def _admission(objects: Mapping[str, Any]) -> Admission | None:
+    """The run's admission (the one among the objects; None when there is none or several)."""
+    found = [obj for obj in objects.values() if isinstance(obj, Admission)]
+    return found[0] if len(found) == 1 else None
 
 
 def _checkpoints(objects: Mapping[str, Any]) -> str | None:

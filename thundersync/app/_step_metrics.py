@@ -26,7 +26,14 @@ Definitions (times in seconds, from the watcher's clock):
 - ``tool_calls``: the batch's ToolObserved; ``tool_errors``: those that timed out or whose
   process did not exit with status 0 (killed ones included);
 - ``grad_norm``, ``lr``, ``logprob_mismatch``, ``audit_rel_error``: as the step reported them
-  (StepDone; ``audit_rel_error`` only on the trainer's audited steps, ``audit_every``).
+  (StepDone; ``audit_rel_error`` only on the trainer's audited steps, ``audit_every``);
+- with an :class:`~thundersync.scheduling.Admission`, its decisions since the previous step:
+  ``admission_waits`` (admissions and reservations that had to wait), ``admission_wait_s``
+  (their total wait), ``admission_forced`` (groups let in over a bound so the pipeline keeps
+  moving), and the peaks ``in_flight_groups`` and ``in_flight_tokens``.
+
+In a data-parallel run each rank sees its own groups' events, so rank 0's line (the one written)
+counts rewards, tokens and tool calls of the groups rank 0 claimed.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from thundersync.events import (
 )
 from thundersync.pipeline.graph import Graph
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
+from thundersync.scheduling import Admission, AdmissionStats
 
 __all__ = ["WATCHER", "StepMetrics", "watched"]
 
@@ -70,8 +78,10 @@ class _Batch:
 class StepMetrics:
     """Aggregates a run's events into one record per step; ``clock`` gives seconds (monotonic)."""
 
-    def __init__(self, clock: Callable[[], float] = perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float] = perf_counter, *, admission: Admission | None = None) -> None:
         self._clock = clock
+        self._admission = admission
+        self._admitted = AdmissionStats()  # the admission's counters at the previous step
         self._last_step_s = clock()
         self._batch_of_group: dict[Id, Id] = {}
         self._batches: dict[Id, _Batch] = {}
@@ -129,6 +139,19 @@ class StepMetrics:
             "tool_errors": batch.tool_errors,
             "logprob_mismatch": done.logprob_mismatch,
             "audit_rel_error": done.audit_rel_error,
+        } | self._admission_record()
+
+    def _admission_record(self) -> dict[str, Any]:
+        if self._admission is None:
+            return {}
+        now, before = self._admission.stats(reset_peaks=True), self._admitted
+        self._admitted = now
+        return {
+            "admission_waits": now.waits - before.waits,
+            "admission_wait_s": now.waited_s - before.waited_s,
+            "admission_forced": now.forced - before.forced,
+            "in_flight_groups": now.peak_groups,
+            "in_flight_tokens": now.peak_tokens,
         }
 
 

@@ -20,6 +20,10 @@ It loads back with ``AutoModelForCausalLM.from_pretrained(path)`` or
 (python ``random``, torch CPU, CUDA when present, and each named generator's ``get_rng_state``),
 and the data position (the ``source`` skips the consumed batches). Then a run stopped after step
 k and resumed performs the same steps as an uninterrupted one, to the bit.
+
+In a data-parallel run every rank holds the same weights and optimizer state, so only one rank
+writes (``writer``; default: rank 0 of the default process group, or the only process when
+there is none); every rank resumes from the same directory.
 """
 
 from __future__ import annotations
@@ -78,7 +82,8 @@ class Checkpointer:
     ``policy``: the clock the step stage publishes on (resume sets its version to the saved step).
     ``scheduler``: an LR scheduler (anything with ``state_dict``). ``rngs``: named objects with
     ``get_rng_state`` / ``set_rng_state`` (the generator). ``source``: the source stage whose
-    consumed batches a resumed run skips.
+    consumed batches a resumed run skips. ``writer``: whether this process writes the files
+    (default: see the module docstring); one that does not still records the data position.
     """
 
     def __init__(
@@ -93,6 +98,7 @@ class Checkpointer:
         scheduler: _Stateful | None = None,
         rngs: Mapping[str, RandomSource] | None = None,
         source: SourceStage | None = None,
+        writer: bool | None = None,
     ) -> None:
         if every < 0 or keep < 1:
             raise ConfigError(f"need every >= 0 (0: only at the end) and keep >= 1, got every={every}, keep={keep}")
@@ -101,18 +107,19 @@ class Checkpointer:
         self.every, self.keep = every, keep
         self.rngs = dict(rngs or {})
         self.source = source
+        self.writer = _first_rank() if writer is None else writer
         self.consumed: list[Id] = []  # the data position: batches stepped on, over all runs
         self.saved_step = policy.version  # the step of the newest checkpoint (or where the run started)
 
     async def stepped(self, step: int, batch_id: Id) -> None:
         """Record the consumed batch; save when ``step`` is a multiple of ``every``."""
         self.consumed.append(batch_id)
-        if self.every and step % self.every == 0:
+        if self.every and step % self.every == 0 and self.writer:
             await anyio.to_thread.run_sync(self.save, step)
 
     async def finished(self, step: int) -> None:
         """Save the final state unless it is saved already."""
-        if step > self.saved_step:
+        if step > self.saved_step and self.writer:
             await anyio.to_thread.run_sync(self.save, step)
 
     def save(self, step: int) -> Path:
@@ -187,3 +194,10 @@ class Checkpointer:
             raise ConfigError(f"the checkpoint {checkpoint} has no RNG state for {', '.join(missing)}")
         for name, source in self.rngs.items():
             source.set_rng_state(state["rngs"][name])
+
+
+def _first_rank() -> bool:
+    """Whether this process is rank 0 of the default process group (True without one)."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

@@ -8,11 +8,13 @@
     thundersync run FILE --metrics out.jsonl --progress  # metrics as JSON lines, a live stderr line
     thundersync run FILE --resume runs/a                 # continue from the newest checkpoint in runs/a
     thundersync plot out.jsonl [--out curves.png]        # reward and step-time curves (needs [plot])
+    torchrun --nproc-per-node 2 -m thundersync run FILE  # data parallel: one rank per GPU (or CPU process)
 
 Exit status: 0 on success, 1 when the run failed, 2 when the file, the command line or the
 metrics path is invalid (for ``plot``: the metrics file is missing, malformed or has no step
 lines), 130 when interrupted. Errors are one line on stderr; ``--verbose`` adds
-the traceback and info-level logs. The metrics file is created new in an existing directory;
+the traceback and info-level logs; under a data-parallel launch the line starts with the rank
+(:mod:`thundersync.app.distributed`, where rank 0 alone writes files). The metrics file is created new in an existing directory;
 ``--overwrite`` lets it replace an existing file (:mod:`thundersync.app.metrics`). Names from
 the file reach the terminal escaped (``\x1b``, ``\n``). This is the only place that configures
 logging (structlog, to stderr); the library itself configures no handlers.
@@ -35,6 +37,7 @@ from thundersync.app._terminal import configure_logging, printable
 from thundersync.app.build import build_graph, build_objects
 from thundersync.app.check import check_pipeline
 from thundersync.app.definition import PipelineSpec, load
+from thundersync.app.distributed import Launch, attach, launch, rank_label
 from thundersync.app.metrics import JsonlMetrics
 from thundersync.errors import ConfigError, DefinitionError, GraphError, ThunderSyncError
 from thundersync.pipeline.graph import Graph
@@ -111,14 +114,17 @@ def _error(message: str, error: BaseException, verbose: bool, *, hint_verbose: b
     if verbose:
         traceback.print_exception(error, file=sys.stderr)
     hint = " (run with --verbose for the traceback)" if hint_verbose and not verbose else ""
-    sys.stderr.write(f"thundersync: {message}: {printable(str(error))}{hint}\n")
+    sys.stderr.write(f"thundersync: {rank_label()}{message}: {printable(str(error))}{hint}\n")
 
 
-def _prepare(path: Path, overrides: Sequence[str]) -> tuple[PipelineSpec, dict[str, object], Graph]:
+def _prepare(
+    path: Path, overrides: Sequence[str], ranks: Launch | None = None
+) -> tuple[PipelineSpec, dict[str, object], Graph]:
     spec = load(path, overrides)
     try:
         objects = build_objects(spec)
-        graph = build_graph(spec, **objects)
+        given = {} if ranks is None else attach(ranks, objects)
+        graph = build_graph(spec, **objects, **given)
     except ConfigError as error:  # object and graph errors are not path-qualified by themselves
         raise type(error)(f"{path}: {error}") from None
     return spec, objects, graph
@@ -168,14 +174,20 @@ def _resume(objects: dict[str, object], directory: Path) -> None:
 
 
 def _run(path: Path, args: argparse.Namespace) -> int:
-    spec, objects, graph = _prepare(path, args.overrides)
+    with launch() as ranks:
+        return _run_rank(path, args, ranks)
+
+
+def _run_rank(path: Path, args: argparse.Namespace, ranks: Launch | None) -> int:
+    spec, objects, graph = _prepare(path, args.overrides, ranks)
     if args.resume is not None:
         _resume(objects, args.resume)
     settings = spec.run
-    metrics_path = args.metrics if args.metrics is not None else settings.metrics
+    writes = ranks is None or ranks.writes_files
+    metrics_path = (args.metrics if args.metrics is not None else settings.metrics) if writes else None
     timeout_s = args.timeout if args.timeout is not None else settings.timeout_s
     mode = args.progress or settings.progress
-    show = mode == "on" or (mode == "auto" and sys.stderr.isatty())
+    show = writes and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
     log = structlog.get_logger("thundersync.cli")
     stages = [node.name for node in graph]
     with _metrics(metrics_path, overwrite=args.overwrite, file=str(path), stages=stages) as metrics:
@@ -189,6 +201,7 @@ def _run(path: Path, args: argparse.Namespace) -> int:
                     progress=sys.stderr if show else None,
                     summary=sys.stderr,
                     timeout_s=timeout_s,
+                    ranks=ranks,
                 )
             )
         except BaseException as error:

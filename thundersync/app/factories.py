@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from thundersync.app import generators, models, training
+from thundersync.app import generators, models, scheduling, training
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.tasks import AnswerReward, ArithmeticTasks, FunctionReward, JsonlTasks, sandbox_check_reward
 from thundersync.tasks.model_teacher import transformers_teacher
@@ -51,6 +51,7 @@ FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
     "lr-schedule": training.lr_schedule,
     "streaming-trainer": training.trainer,
     "checkpointer": training.checkpointer,
+    "admission": scheduling.admission,
     "torch-generator": generators.torch_generator,
     "vllm-generator": generators.vllm_generator,
     "openai-generator": generators.openai_generator,

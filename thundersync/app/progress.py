@@ -12,6 +12,11 @@ successful run whether or not stderr is a terminal (a failed run ends with its e
 
     thundersync: 10/10 steps in 0:00:41, last reward 0.620; metrics: runs/a/metrics.jsonl; checkpoints: runs/a
 
+In a data-parallel launch every rank ends with its line; rank 0 alone writes files (and shows the
+live line), the others say so::
+
+    thundersync: rank 1 of 2: 10/10 steps in 0:00:41; no files (rank 0 writes the metrics and checkpoints)
+
 Paths come from the user and are printed escaped (:func:`~thundersync.app._terminal.printable`).
 """
 
@@ -82,11 +87,18 @@ class Progress:
             return None
         return elapsed / done * max(self.total - self.steps, 0)
 
-    def summary(self, *, metrics: str | None, checkpoints: str | None) -> str:
-        """The one line that ends a run: steps, time, last reward, where the outputs went."""
+    def summary(self, *, metrics: str | None, checkpoints: str | None, rank: tuple[str, bool] | None = None) -> str:
+        """The one line that ends a run: steps, time, last reward, where the outputs went.
+
+        ``rank``: in a data-parallel launch, this rank's label (``"rank 1 of 2"``) and whether it
+        writes the files; a rank that does not reports its steps only (its reward would be of its
+        own groups)."""
         elapsed = duration(self._clock() - self.started)
         steps = f"{self.steps}/{self.total}" if self.total is not None else str(self.steps)
-        text = f"thundersync: {steps} steps in {elapsed}"
+        label = "" if rank is None else f"{rank[0]}: "
+        text = f"thundersync: {label}{steps} steps in {elapsed}"
+        if rank is not None and not rank[1]:
+            return text + "; no files (rank 0 writes the metrics and checkpoints)"
         if self.last is not None and self.last.get("reward_mean") is not None:
             text += f", last reward {self.last['reward_mean']:.3f}"
         text += f"; metrics: {printable(metrics) if metrics else 'not written (no --metrics)'}"

@@ -32,7 +32,7 @@ from thundersync.engine._accum import accumulate_dtype
 from thundersync.engine._failures import describe_failures, report_failure
 from thundersync.errors import ConfigError, DistributedError
 
-__all__ = ["DataParallel"]
+__all__ = ["DataParallel", "default_store"]
 
 _T = TypeVar("_T")
 
@@ -59,7 +59,7 @@ class DataParallel:
             )
         if bucket_bytes < 1 or not timeout_s > 0:
             raise ConfigError(f"bucket_bytes ({bucket_bytes}) and timeout_s ({timeout_s}) must be positive")
-        self.group, self.store = group, store if store is not None else _default_store()
+        self.group, self.store = group, store if store is not None else default_store()
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.bucket_bytes, self.timeout = bucket_bytes, datetime.timedelta(seconds=timeout_s)
         backend = dist.get_backend(group)
@@ -145,7 +145,7 @@ class DataParallel:
         return "" if self.store is None else describe_failures(self.store, self.world_size, me=self.rank)
 
 
-def _default_store() -> Any:
+def default_store() -> Any:
     """The store of the default process group (what ``init_process_group`` rendezvoused through);
     torch exposes it only privately, so a missing one just leaves failure reports out."""
     try:

@@ -9,6 +9,10 @@ A group is *in flight* from its admission (before its prompt is submitted) until
   this budget (``memory_probe``, default ``torch.cuda.memory_allocated`` of the current device);
 - ``sandbox_slots``: tool calls running at once (:meth:`Admission.sandbox_slot`).
 
+In a pipeline file it is the ``admission`` object (``factory = "admission"``): the source stage
+admits each group before it submits the prompt (``tokens``: prompt length times samples) and
+the close stage releases it when the group closes.
+
 Progress is guaranteed: the oldest group in flight is never kept waiting for tokens, and a group
 is admitted into an empty pipeline whatever its size or the memory reading, so bounds slow a
 pipeline down but cannot deadlock it. Every decision is counted in :meth:`Admission.stats`, which
@@ -95,6 +99,12 @@ class Admission:
         self._stats.admitted += 1
         self._update_peaks()
 
+    async def wait_for_room(self, tokens: int = 0) -> None:
+        """Wait until a group of ``tokens`` would be admitted, without admitting one (a data-parallel
+        source waits for room before it claims a group, so that a busy rank leaves it to others)."""
+        _check_count(tokens, "tokens")
+        await self._wait(lambda: self._blocks_group(tokens, count_forced=False))
+
     async def reserve_tokens(self, group_id: Hashable, tokens: int) -> None:
         """Count ``tokens`` more for an admitted group, waiting while that would pass ``max_tokens``
         (the oldest group in flight never waits: it is the one whose release frees the rest)."""
@@ -125,19 +135,23 @@ class Admission:
                 self._count_wait("sandbox_slots", time.perf_counter() - started)
             yield
 
-    def stats(self) -> AdmissionStats:
-        """A snapshot of the counters."""
+    def stats(self, *, reset_peaks: bool = False) -> AdmissionStats:
+        """A snapshot of the counters; ``reset_peaks`` then starts the peaks again from what is in
+        flight now (the metrics report each step's peaks)."""
         snapshot = msgspec.structs.replace(self._stats, waits_by_reason=dict(self._stats.waits_by_reason))
         snapshot.groups_in_flight = len(self._tokens)
         snapshot.tokens_in_flight = sum(self._tokens.values())
+        if reset_peaks:
+            self._stats.peak_groups, self._stats.peak_tokens = 0, 0
+            self._update_peaks()
         return snapshot
 
     # --- decisions ------------------------------------------------------------------------------
 
-    def _blocks_group(self, tokens: int) -> str | None:
+    def _blocks_group(self, tokens: int, *, count_forced: bool = True) -> str | None:
         """Why a new group of ``tokens`` must wait (None: admit it)."""
         if not self._tokens:
-            if self._over_bounds(tokens):
+            if count_forced and self._over_bounds(tokens):
                 self._stats.forced += 1  # alone it must run, whatever its size
             return None
         limits = self.config

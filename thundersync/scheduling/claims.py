@@ -29,7 +29,6 @@ import datetime
 from collections.abc import Hashable
 from typing import Any
 
-from thundersync.engine._failures import describe_failures
 from thundersync.errors import ConfigError, DistributedError
 
 __all__ = ["GroupClaims"]
@@ -89,10 +88,21 @@ class GroupClaims:
         try:
             self.store.wait([key], datetime.timedelta(seconds=self.timeout_s))
         except Exception as error:  # the store raises its own DistStoreError/RuntimeError on timeout
-            raise DistributedError(
-                f"rank {self.rank}: batch {batch_id!r} was not sealed within {self.timeout_s:g} s: "
-                f"{self._holders(batch_id)}{describe_failures(self.store, self.world_size, me=self.rank)}"
-            ) from error
+            raise self.not_sealed(batch_id) from error
+
+    def is_sealed(self, batch_id: Hashable) -> bool:
+        """Whether every group of the batch has closed on some rank (one store call, no wait)."""
+        return bool(self.store.check([self._key(batch_id, "sealed")]))
+
+    def not_sealed(self, batch_id: Hashable) -> DistributedError:
+        """The error of a batch not sealed within the timeout: who holds its unclosed groups, and why
+        any rank that reported a failure stopped."""
+        from thundersync.engine._failures import describe_failures  # the engine package loads torch: only now
+
+        return DistributedError(
+            f"rank {self.rank}: batch {batch_id!r} was not sealed within {self.timeout_s:g} s: "
+            f"{self._holders(batch_id)}{describe_failures(self.store, self.world_size, me=self.rank)}"
+        )
 
     def finish(self, batch_id: Hashable) -> None:
         """This rank is done with the batch; the last rank to finish deletes its keys."""

@@ -12,10 +12,19 @@ When its inbox ends it seals batches of unknown size; if work is still pending t
 
 The :class:`~thundersync.pipeline.tracker.Tracker` it drives is ``close.tracker`` (to inspect
 states); it is cleared when a run starts, so a graph can run again.
+
+Runtime objects, both optional: ``admission`` (the source's
+:class:`~thundersync.scheduling.Admission`): each GroupClosed releases its group. ``claims`` (a
+:class:`~thundersync.scheduling.RankClaims`, data parallel): this rank sees only the groups it
+claimed, so a batch is ready when the store says every rank has closed its groups of it; the
+tracker then gates each group alone (as a batch of one, whose readiness only counts the group
+into its batch) and the BatchReady of each batch comes from ``claims.sealed()``, in batch order,
+also for a batch of which this rank claimed no group (every rank takes part in each step).
 """
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from typing import ClassVar, Literal
 
 from thundersync.errors import TrackerError
@@ -30,8 +39,11 @@ from thundersync.events import (
     TeacherScored,
     TrajectoryClosed,
 )
+from thundersync.pipeline._runtime import EVENT_ATTRIBUTE
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
 from thundersync.pipeline.tracker import Need, Tracker
+from thundersync.scheduling import Admission, RankClaims
+from thundersync.stages._tasks import task_group
 
 __all__ = ["CloseStage"]
 
@@ -53,9 +65,12 @@ class CloseStage(Stage):
 
     config: Config
 
-    def __init__(self, config: Config | None = None, /) -> None:
+    def __init__(
+        self, config: Config | None = None, /, *, admission: Admission | None = None, claims: RankClaims | None = None
+    ) -> None:
         super().__init__(config)
         self.tracker = Tracker(Need(name) for name in self.config.wait_for)
+        self.admission, self.claims = admission, claims
 
     def required_inputs(self) -> tuple[type[EventBase], ...]:
         """The event types some stage it reads from must produce, or the tracker would wait forever."""
@@ -64,19 +79,44 @@ class CloseStage(Stage):
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
         self.tracker.clear()  # each run of the graph starts from no groups
-        async for event in inbox:
-            for closure in self.handle(event):
-                await outbox.send(closure)
-        for closure in self.tracker.seal_all():
-            await outbox.send(closure)
-        pending = self.tracker.pending()
-        if pending:
-            raise TrackerError(f"the input ended while work is still pending: {'; '.join(pending)}")
+        async with task_group() as group:
+            if self.claims is not None:
+                group.start_soon(self._send_sealed, self.claims, outbox)
+            async for event in inbox:
+                for closure in self.handle(event):
+                    await self._send(closure, outbox)
+            for closure in self.tracker.seal_all():
+                await self._send(closure, outbox)
+            pending = self.tracker.pending()
+            if pending:
+                raise TrackerError(f"the input ended while work is still pending: {'; '.join(pending)}")
+
+    async def _send(self, closure: EventBase, outbox: Outbox) -> None:
+        if isinstance(closure, GroupClosed) and self.admission is not None:
+            self.admission.release_group(closure.group_id)
+        if isinstance(closure, BatchReady) and self.claims is not None:  # a group's own batch of one
+            await self.claims.group_closed(
+                closure.batch_id, trajectories=closure.num_trajectories, scored_tokens=closure.num_scored_tokens
+            )
+            return
+        await outbox.send(closure)
+
+    @staticmethod
+    async def _send_sealed(claims: RankClaims, outbox: Outbox) -> None:
+        try:
+            async with aclosing(claims.sealed()) as sealed:
+                async for ready in sealed:
+                    await outbox.send(ready)
+        except Exception as error:
+            setattr(error, EVENT_ATTRIBUTE, None)  # not the inbox's event: StageFailed says "outside any event"
+            raise
 
     def handle(self, event: EventBase) -> list[EventBase]:
         """The closures that ``event`` causes (events the tracker does not wait for cause none)."""
         t, needs = self.tracker, self.tracker.needs
         if isinstance(event, GroupOpened):
+            if self.claims is not None:  # the group is a batch of one; claims seal the real batch
+                return t.open_group(event.group_id, event.trajectory_ids, batch_id=event.group_id, groups_in_batch=1)
             return t.open_group(
                 event.group_id, event.trajectory_ids, batch_id=event.batch_id, groups_in_batch=event.groups_in_batch
             )

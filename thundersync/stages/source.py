@@ -1,7 +1,9 @@
 """``type = "source"``: emits one PromptSubmitted per task, in logical batches.
 
-Consumes: nothing (a source). Produces: PromptSubmitted. Waits for: nothing but backpressure
-from generate. Unblocked by: generate taking prompts from its inbox.
+Consumes: nothing (a source). Produces: PromptSubmitted. Waits for: backpressure from generate;
+with an ``admission``, room for the next group; with ``claims``, each batch's policy.
+Unblocked by: generate taking prompts from its inbox, close releasing groups, step publishing
+the policy.
 
 The tasks are the file's ``prompts`` (token ids, no fields) or a ``tasks`` runtime object, any
 :class:`~thundersync.tasks.TaskSource` (a JSONL file, the built-in arithmetic tasks), whose fields
@@ -10,6 +12,13 @@ travel on ``PromptSubmitted.task`` to the reward.
 Its data position is the set of batches already consumed (stepped on): a checkpoint records
 them and :meth:`SourceStage.skip_batches` makes a resumed source continue after them, with the
 same group and batch ids as an uninterrupted run (shuffling is seeded, so the order repeats).
+
+Runtime objects, all optional: ``admission`` (an :class:`~thundersync.scheduling.Admission`):
+each group is admitted (its prompt tokens times ``samples``) before its prompt is sent, and the
+close stage releases it. ``claims`` (a :class:`~thundersync.scheduling.RankClaims`, given by a
+data-parallel launch): the source emits only the groups this rank claims, one claim whenever it
+has room, after waiting for the batch's ``policy`` version (a rank that finished its groups
+early takes more of the next batch, instead of reserving them while others still work).
 """
 
 from __future__ import annotations
@@ -22,7 +31,9 @@ import msgspec
 
 from thundersync.errors import ConfigError
 from thundersync.events import EventBase, Id, PromptSubmitted
+from thundersync.pipeline.policy import PolicyClock
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
+from thundersync.scheduling import Admission, RankClaims
 from thundersync.tasks.data import Task, TaskSource
 
 __all__ = ["SourceStage"]
@@ -60,8 +71,18 @@ class SourceStage(Stage):
     batch_limit: int | None = None
     """How many batches to emit (None: ``repeat`` epochs' worth); see :meth:`limit_batches`."""
 
-    def __init__(self, config: Config, /, *, tasks: TaskSource | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        /,
+        *,
+        tasks: TaskSource | None = None,
+        admission: Admission | None = None,
+        claims: RankClaims | None = None,
+        policy: PolicyClock | None = None,
+    ) -> None:
         super().__init__(config)
+        self.admission, self.claims, self.policy = admission, claims, policy
         if bool(config.prompts) == (tasks is not None):
             raise ConfigError(
                 "a source needs exactly one of prompts (token id lists in the file) and a tasks object "
@@ -131,5 +152,35 @@ class SourceStage(Stage):
         return out
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
-        for event in self.submissions():
-            await outbox.send(event)
+        if self.claims is None:
+            for event in self.submissions():
+                await self._admit(event)
+                await outbox.send(event)
+            return
+        try:
+            await self._claim_batches(self.claims, outbox)
+        finally:
+            self.claims.end()
+
+    async def _claim_batches(self, claims: RankClaims, outbox: Outbox) -> None:
+        """Emit the groups this rank claims, batch by batch, each batch on its policy."""
+        base = 0 if self.policy is None else self.policy.version
+        batches: dict[Id, dict[Id, PromptSubmitted]] = {}
+        for prompt in self.submissions():
+            batches.setdefault(prompt.batch_id, {})[prompt.group_id] = prompt
+        for n, (batch_id, prompts) in enumerate(batches.items()):
+            if self.policy is not None:
+                await self.policy.wait_for(base + n)
+            while True:
+                if self.admission is not None:
+                    await self.admission.wait_for_room()
+                group_id = await claims.claim(batch_id, list(prompts))
+                if group_id is None:
+                    break
+                await self._admit(prompts[group_id])
+                await outbox.send(prompts[group_id])
+
+    async def _admit(self, prompt: PromptSubmitted) -> None:
+        if self.admission is not None:
+            tokens = len(prompt.prompt_tokens) * prompt.num_trajectories
+            await self.admission.admit_group(prompt.group_id, tokens=tokens)
