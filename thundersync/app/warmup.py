@@ -16,7 +16,8 @@ signal. A pipeline file can teach the format first, in the open::
 It is plain next-token cross-entropy on the tokens the model writes in each
 :class:`~thundersync.tasks.demonstrations.Demonstration` (its actions; the prompt and the tool
 observations are context), averaged over the batch's written tokens, with AdamW (no weight
-decay) at a constant learning rate. Batches are drawn without replacement from the
+decay) at a constant learning rate, the gradient norm clipped to ``max_grad_norm`` (a spike
+late in the warm-up would undo it). Batches are drawn without replacement from the
 demonstrations shuffled by ``seed``, so the warmed-up weights are a function of the file.
 Progress goes to stderr (one line every ``log_every`` steps and a last one). The warm-up runs when
 the object is built (``thundersync check`` builds nothing); on ``--resume`` it runs too, and the
@@ -50,11 +51,13 @@ def supervised_warmup(
     steps: Annotated[int, msgspec.Meta(ge=0)] = 300,
     batch_size: _Positive = 32,
     lr: Annotated[float, msgspec.Meta(gt=0)] = 3e-3,
+    max_grad_norm: Annotated[float, msgspec.Meta(gt=0)] | None = 1.0,
     seed: int = 0,
     log_every: _Positive = 50,
 ) -> nn.Module:
     """``supervised-warmup``: ``model`` after ``steps`` AdamW steps of cross-entropy on the
-    demonstrations' written tokens (see the module docstring); returned in eval mode."""
+    demonstrations' written tokens, clipped to ``max_grad_norm`` (None: no clipping), with
+    progress every ``log_every`` steps (see the module docstring); returned in eval mode."""
     examples = demonstrations.demonstrations()
     if not examples:
         raise ConfigError("the warm-up's demonstrations object listed none; give it at least one task")
@@ -68,6 +71,8 @@ def supervised_warmup(
         loss = warmup_loss(model, batch, device)
         optimizer.zero_grad(set_to_none=True)
         torch.autograd.backward(loss)
+        if max_grad_norm is not None:
+            nn.utils.clip_grad_norm_(params, max_grad_norm)
         optimizer.step()
         if step % log_every == 0 or step == steps:
             _report(step, steps, loss.item(), time.perf_counter() - started)
