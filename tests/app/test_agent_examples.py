@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from thundersync.app.models import model as build_model
 from thundersync.app.warmup import supervised_warmup, warmup_loss
 from thundersync.errors import ConfigError
 from thundersync.sandboxes._process import unshare_available
+from thundersync.sandboxes.local import NotIsolatedWarning
 from thundersync.tasks import ArithmeticTasks, CalculatorDemonstrations
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -110,7 +112,8 @@ def grpo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[
     if problem is not None:
         pytest.skip(f"the example's local sandbox backend cannot run here: {problem}")
     tmp_path = tmp_path_factory.mktemp("agent")
-    with pytest.MonkeyPatch.context() as patch, pytest.warns(Warning):  # the local backend's NotIsolatedWarning
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotIsolatedWarning)  # the example's local backend says it is no isolation
         patch.setenv("THUNDERSYNC_SANDBOX_SCRATCH", str(tmp_path / "scratch"))
         records = _run(tmp_path, "agent_grpo")
         structlog.reset_defaults()
@@ -150,3 +153,26 @@ def test_agent_opd_without_the_grpo_checkpoint_says_to_train_it_first(
     err = capsys.readouterr().err
     assert "holds no checkpoint" in err and "thundersync run examples/agent_grpo.toml" in err
     assert "warm-up" not in err  # it failed before training anything
+
+
+def test_reverse_kl_pairs_each_actions_scored_behaviour_log_probs_with_its_teachers_in_either_order() -> None:
+    from thundersync.app._step_metrics import StepMetrics
+    from thundersync.events import ActionGenerated, StepDone, TeacherScored
+
+    metrics = StepMetrics(clock=lambda: 0.0)
+    events = [
+        ActionGenerated(
+            group_id="b",
+            trajectory_id=0,
+            turn=0,
+            token_ids=[1, 2, 3],
+            behaviour_logprobs=[-1.0, -2.0, -3.0],
+            scored=[True, False, True],
+        ),
+        TeacherScored(group_id="b", trajectory_id=0, turn=0, teacher_logprobs=[-1.5, -2.0]),  # 0.5, -1.0
+        TeacherScored(group_id="b", trajectory_id=0, turn=1, teacher_logprobs=[-0.5]),  # before its action
+        ActionGenerated(group_id="b", trajectory_id=0, turn=1, token_ids=[4], behaviour_logprobs=[-0.25]),  # 0.25
+    ]
+    assert all(metrics.observe(event) is None for event in events)
+    record = metrics.observe(StepDone(batch_id="b", policy_version=1))
+    assert record is not None and record["reverse_kl"] == pytest.approx((0.5 - 1.0 + 0.25) / 3)
