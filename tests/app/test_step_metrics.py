@@ -172,6 +172,7 @@ def test_times_are_measured_from_the_batchs_first_group_and_the_previous_step() 
         "tool_errors": 1,
         "logprob_mismatch": 0.5,
         "audit_rel_error": 3e-7,
+        "reverse_kl": None,
     }
     clock.now = 110.5
     nothing = steps.observe(StepDone(batch_id=1, policy_version=8))

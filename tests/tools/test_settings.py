@@ -6,7 +6,7 @@ import pytest
 
 from thundersync.errors import ConfigError, SandboxError
 from thundersync.testing import ScriptedReplies
-from thundersync.tools import SandboxToolRunner, sandbox_tools
+from thundersync.tools import SandboxToolRunner, ToolCall, sandbox_tools
 
 
 def _never() -> object:
@@ -21,11 +21,17 @@ def test_the_runner_rejects_settings_it_cannot_honour() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_runner_is_open_in_one_place_at_a_time() -> None:
+async def test_a_runner_entered_twice_keeps_its_pool_until_the_last_exit() -> None:
+    """``thundersync run`` enters its objects, and the tool-execute stage enters its runner again."""
     runner = SandboxToolRunner(_never)  # type: ignore[arg-type]
     async with runner:
-        with pytest.raises(SandboxError, match=r"this SandboxToolRunner is already open; one stage or 'async with'"):
-            await runner.__aenter__()
+        pool = runner._pool
+        async with runner:
+            assert runner._pool is pool and pool is not None
+        assert runner._pool is pool
+    assert runner._pool is None
+    with pytest.raises(SandboxError, match=r"the SandboxToolRunner is not open: use 'async with runner'"):
+        await runner._outcomes([ToolCall(name="calculator", arguments={"expression": "1 + 1"})])
 
 
 def test_the_factory_needs_an_image_for_container_backends() -> None:

@@ -7,7 +7,7 @@ as an ``"event": "step"`` line::
     {"step": 3, "batch_id": 2, "reward_mean": 0.41, "reward_std": 0.12,
      "step_s": 1.9, "rollout_s": 1.5, "learn_s": 0.3, "tokens": 1536, "tokens_per_s": 808.4,
      "grad_norm": 0.8, "lr": 0.001, "tool_calls": 12, "tool_errors": 1, "logprob_mismatch": null,
-     "audit_rel_error": null}
+     "audit_rel_error": null, "reverse_kl": null}
 
 Definitions (times in seconds, from the watcher's clock):
 
@@ -27,6 +27,9 @@ Definitions (times in seconds, from the watcher's clock):
   process did not exit with status 0 (killed ones included);
 - ``grad_norm``, ``lr``, ``logprob_mismatch``, ``audit_rel_error``: as the step reported them
   (StepDone; ``audit_rel_error`` only on the trainer's audited steps, ``audit_every``);
+- ``reverse_kl`` (OPD): the mean over the batch's teacher-scored tokens of behaviour log-prob
+  minus teacher log-prob, the sampled estimate of the policy's KL(policy || teacher) per token
+  (``null`` when no teacher scored the batch);
 - with an :class:`~thundersync.scheduling.Admission`, its decisions since the previous step:
   ``admission_waits`` (admissions and reservations that had to wait), ``admission_wait_s``
   (their total wait), ``admission_forced`` (groups let in over a bound so the pipeline keeps
@@ -52,6 +55,7 @@ from thundersync.events import (
     PromptSubmitted,
     Rewarded,
     StepDone,
+    TeacherScored,
     ToolObserved,
 )
 from thundersync.pipeline.graph import Graph
@@ -73,6 +77,10 @@ class _Batch:
     tokens: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    kl_sum: float = 0.0  # over teacher-scored tokens: behaviour - teacher log-prob
+    kl_tokens: int = 0
+    unpaired: dict[tuple[Id, Id, int], list[float]] = field(default_factory=dict)  # an action's scored
+    # behaviour log-probs or its teacher's log-probs, whichever came first
 
 
 class StepMetrics:
@@ -100,7 +108,27 @@ class StepMetrics:
             return self._record(event, now)
         elif isinstance(event, (ActionGenerated, Rewarded, ToolObserved)):
             self._count(event, self._batch(event.group_id), now)
+        if isinstance(event, (ActionGenerated, TeacherScored)):
+            self._pair(event)
         return None
+
+    def _pair(self, event: ActionGenerated | TeacherScored) -> None:
+        """Add an action's per-token reverse KL once both its behaviour and teacher log-probs came."""
+        if isinstance(event, ActionGenerated):
+            if not event.behaviour_logprobs:
+                return
+            scored = event.scored or [True] * len(event.behaviour_logprobs)
+            mine = [b for b, s in zip(event.behaviour_logprobs, scored) if s]
+        else:
+            mine = event.teacher_logprobs
+        batch, turn = self._batch(event.group_id), (event.group_id, event.trajectory_id, event.turn)
+        other = batch.unpaired.pop(turn, None)
+        if other is None:
+            batch.unpaired[turn] = mine
+            return
+        behaviour, teacher = (mine, other) if isinstance(event, ActionGenerated) else (other, mine)
+        batch.kl_sum += sum(b - q for b, q in zip(behaviour, teacher))
+        batch.kl_tokens += len(teacher)
 
     def _batch(self, group_id: Id) -> _Batch:
         return self._batches.setdefault(self._batch_of_group.get(group_id, group_id), _Batch())
@@ -139,6 +167,7 @@ class StepMetrics:
             "tool_errors": batch.tool_errors,
             "logprob_mismatch": done.logprob_mismatch,
             "audit_rel_error": done.audit_rel_error,
+            "reverse_kl": batch.kl_sum / batch.kl_tokens if batch.kl_tokens else None,
         } | self._admission_record()
 
     def _admission_record(self) -> dict[str, Any]:

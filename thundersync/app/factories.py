@@ -16,7 +16,7 @@ of plain data types are validated like the rest of the file; the others (a model
 are references to other objects (``model = { object = "model" }``), built first. A factory may be
 expensive (it loads weights): ``thundersync check`` never calls one (:mod:`thundersync.app.check`).
 The real factories live in :mod:`~thundersync.app.models`, :mod:`~thundersync.app.training` and
-:mod:`~thundersync.app.generators`.
+:mod:`~thundersync.app.generators`; the warm-up in :mod:`~thundersync.app.warmup`.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from thundersync.app import generators, models, scheduling, training
+from thundersync.app import generators, models, scheduling, training, warmup
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.tasks import AnswerReward, ArithmeticTasks, FunctionReward, JsonlTasks, sandbox_check_reward
+from thundersync.tasks.demonstrations import CalculatorDemonstrations
 from thundersync.tasks.model_teacher import transformers_teacher
 from thundersync.tasks.openai_teacher import openai_teacher
 from thundersync.testing import (
@@ -60,6 +61,8 @@ FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
     "sandbox-tools": sandbox_tools,
     "jsonl-tasks": JsonlTasks,
     "arithmetic-tasks": ArithmeticTasks,
+    "calculator-demonstrations": CalculatorDemonstrations,
+    "supervised-warmup": warmup.supervised_warmup,
     "function-reward": FunctionReward,
     "answer-reward": AnswerReward,
     "sandbox-check-reward": sandbox_check_reward,

@@ -15,6 +15,7 @@ building the object (at the start of ``thundersync run``) reads no weights.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,9 +166,10 @@ def transformers_teacher(
     max_wait_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.002,
 ) -> TransformersTeacher:
     """The ``transformers-teacher`` factory: the causal LM saved at ``path`` (a local directory,
-    loaded offline with ``from_pretrained`` on first use) on ``device`` in ``dtype``."""
-    if not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"the teacher path {path!r} is not a model directory (no config.json); save one there")
+    loaded offline with ``from_pretrained`` on first use) on ``device`` in ``dtype``. ``path`` may
+    also be a training run's checkpoint directory (``runs/agent_grpo``): its newest checkpoint is
+    the teacher."""
+    path = str(_model_directory(Path(path)))
 
     def load() -> nn.Module:
         import torch
@@ -179,3 +181,25 @@ def transformers_teacher(
         return model
 
     return TransformersTeacher(load, device=device, max_batch=max_batch, max_wait_s=max_wait_s)
+
+
+def _model_directory(path: Path) -> Path:
+    """``path`` if it holds a model, else its newest complete ``step-N`` checkpoint that holds one."""
+    if (path / "config.json").is_file():
+        return path
+    # thundersync.app.checkpoint's layout (the app layer sits above this one): step-N, complete once
+    # its checkpoint.json is written
+    found = [
+        (int(match[1]), child)
+        for child in (path.iterdir() if path.is_dir() else ())
+        if (match := re.fullmatch(r"step-(\d+)", child.name))
+        and (child / "checkpoint.json").is_file()
+        and (child / "config.json").is_file()
+    ]
+    if not found:
+        raise ConfigError(
+            f"the teacher path {str(path)!r} is not a model directory (no config.json) and holds no checkpoint "
+            "of full weights (no step-N/checkpoint.json); save a model there, or train the teacher first "
+            "(thundersync run examples/agent_grpo.toml writes runs/agent_grpo)"
+        )
+    return max(found)[1]

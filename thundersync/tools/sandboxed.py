@@ -93,17 +93,21 @@ class SandboxToolRunner:
         self._sandbox = sandbox
         self._max_sandboxes = max_sandboxes
         self._pool: SandboxPool | None = None
+        self._opened = 0  # open contexts: `thundersync run` enters its objects and tool-execute its runner
 
     async def __aenter__(self) -> SandboxToolRunner:
-        if self._pool is not None:
-            raise SandboxError("this SandboxToolRunner is already open; one stage or 'async with' at a time")
-        self._pool = SandboxPool(self._sandbox, max_size=self._max_sandboxes)
+        """Open the pool, or join the context that opened it; the last exit closes it."""
+        if self._pool is None:
+            self._pool = SandboxPool(self._sandbox, max_size=self._max_sandboxes)
+        self._opened += 1
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            await pool.aclose()
+        self._opened -= 1
+        if self._opened == 0:
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                await pool.aclose()
 
     async def run(self, action: ActionGenerated) -> ToolResult:
         calls = self.parser.parse(action.token_ids)

@@ -1,0 +1,133 @@
+"""The agent example's task side: arithmetic options, calculator demonstrations, a teacher from a run's checkpoints."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from thundersync.errors import ConfigError
+from thundersync.events import ActionGenerated
+from thundersync.sandboxes import SandboxLimits, make_sandbox
+from thundersync.sandboxes._process import unshare_available
+from thundersync.sandboxes.local import NotIsolatedWarning
+from thundersync.tasks import AnswerReward, ArithmeticTasks, CalculatorDemonstrations, Demonstration, Task
+from thundersync.tasks.model_teacher import transformers_teacher
+from thundersync.tools import ByteTokenizer, Qwen3ToolCallParser, SandboxToolRunner
+
+END = 256
+TOKENS = ByteTokenizer()
+PRODUCTS = ArithmeticTasks(count=8, seed=3, terms=2, operators=("*",), low=317, high=999)
+
+
+def _pieces(demo: Demonstration) -> list[tuple[bool, list[int]]]:
+    """The demonstration's runs of written and read tokens, in order."""
+    pieces: list[tuple[bool, list[int]]] = []
+    for token, written in zip(demo.token_ids, demo.written):
+        if not pieces or pieces[-1][0] != written:
+            pieces.append((written, []))
+        pieces[-1][1].append(token)
+    return pieces
+
+
+def test_arithmetic_tasks_draw_the_given_terms_and_operators() -> None:
+    for task in PRODUCTS.tasks():
+        expression = task.fields["expression"]
+        assert len(expression) == 9 and expression[3:6] == " * "
+        assert task.fields["answer"] == str(eval(expression)) and len(task.fields["answer"]) == 6
+    with pytest.raises(
+        ConfigError, match=r"need terms >= 2 and operators from '\+', '-', '\*'; got terms=3, operators=\['/'\]"
+    ):
+        ArithmeticTasks(operators=("/",))  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+@pytest.mark.filterwarnings("ignore::thundersync.sandboxes.local.NotIsolatedWarning")
+async def test_a_calculator_demonstration_is_the_episode_the_agent_loop_produces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its call parses with the Qwen3 parser; the calculator, run in a local sandbox, answers with its
+    observation; its final answer earns the reward."""
+    problem = unshare_available()
+    if problem is not None:
+        pytest.skip(f"the local sandbox backend cannot run here: {problem}")
+    monkeypatch.setenv("THUNDERSYNC_SANDBOX_SCRATCH", str(tmp_path))
+    task = PRODUCTS.tasks()[0]
+    demo = CalculatorDemonstrations(tasks=PRODUCTS, end_token_id=END).demonstration(task)
+    (_, prompt), (_, call), (_, observation), (_, answer) = _pieces(demo)
+    assert prompt == task.prompt_ids and call[-1] == END and answer[-1] == END
+    assert Qwen3ToolCallParser(TOKENS).parse(call) == [
+        Qwen3ToolCallParser.parse_text(
+            f'<tool_call>{{"name": "calculator", "arguments": {{"expression": '
+            f'"{task.fields["expression"]}"}}}}</tool_call>'
+        )[0]
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotIsolatedWarning)
+        runner = SandboxToolRunner(lambda: make_sandbox("local", limits=SandboxLimits(timeout_s=10.0)))
+    async with runner:
+        result = await runner.run(ActionGenerated(group_id=0, trajectory_id=0, turn=0, token_ids=call))
+    assert result.token_ids == observation and result.exit_status == 0
+    reward = await AnswerReward().score_task(prompt, call + observation + answer, task.fields)
+    assert TOKENS.decode(answer) == f"<answer>{task.fields['answer']}</answer>" and reward == 1.0
+
+
+def test_all_demonstrations_come_in_the_tasks_order() -> None:
+    demos = CalculatorDemonstrations(tasks=PRODUCTS, end_token_id=END).demonstrations()
+    tasks = PRODUCTS.tasks()
+    assert [d.token_ids[: len(t.prompt_ids)] for d, t in zip(demos, tasks)] == [t.prompt_ids for t in tasks]
+    assert len(demos) == len(tasks)
+    assert CalculatorDemonstrations.call("1 + 2") == (
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>'
+    )
+
+
+def test_a_calculator_demonstration_needs_an_expression_and_an_answer() -> None:
+    demos = CalculatorDemonstrations(tasks=PRODUCTS, end_token_id=END)
+    with pytest.raises(
+        ConfigError,
+        match=r"needs text fields 'expression' and 'answer'; this task has \['answer'\], "
+        r"missing \['expression'\]",
+    ):
+        demos.demonstration(Task(prompt_ids=[1], fields={"answer": "3"}))
+    with pytest.raises(
+        ConfigError,
+        match=r"one written flag per token and at least one written token; got 2 tokens, "
+        r"1 flags, 0 written",
+    ):
+        Demonstration([1, 2], [False])
+
+
+def _save_checkpoint(directory: Path, model: torch.nn.Module, *, complete: bool = True) -> None:
+    model.save_pretrained(directory)
+    if complete:
+        (directory / "checkpoint.json").write_text(json.dumps({"format": 1, "step": 1}))
+
+
+def test_the_teacher_of_a_runs_checkpoint_directory_is_its_newest_complete_checkpoint(tmp_path: Path) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
+    _save_checkpoint(tmp_path / "run" / "step-00000002", Qwen3ForCausalLM(config))
+    _save_checkpoint(tmp_path / "run" / "step-00000010", Qwen3ForCausalLM(config))
+    _save_checkpoint(tmp_path / "run" / "step-00000012", Qwen3ForCausalLM(config), complete=False)
+    teacher = transformers_teacher(path=str(tmp_path / "run"))
+    assert teacher._model is None  # nothing loaded yet
+    assert teacher.model.name_or_path == str(tmp_path / "run" / "step-00000010")
+    with pytest.raises(
+        ConfigError,
+        match=r"the teacher path '.*empty' is not a model directory \(no config\.json\) and "
+        r"holds no checkpoint .*train the teacher first \(thundersync run examples/agent_grpo\.toml",
+    ):
+        transformers_teacher(path=str(tmp_path / "empty"))

@@ -1,0 +1,117 @@
+"""Demonstrations: worked episodes of a task, for a supervised warm-up before reinforcement learning.
+
+A :class:`Demonstration` is one whole trajectory as the agent loop would produce it (prompt,
+actions, tool observations) with a mask of the tokens the model writes itself (its actions); a
+warm-up trains on those tokens only (:mod:`thundersync.app.warmup`). A
+:class:`DemonstrationSource` lists them.
+
+:class:`CalculatorDemonstrations` writes the calculator episode of each task that has an
+``expression`` and its ``answer`` (the fields of :class:`~thundersync.tasks.ArithmeticTasks`)::
+
+    What is 347 * 293 - 118? Use the calculator tool, then answer with <answer>N</answer>.
+    <tool_call>{"name": "calculator", "arguments": {"expression": "347 * 293 - 118"}}</tool_call>[end]
+    <|im_start|>user
+    <tool_response>
+    101553
+    </tool_response><|im_end|>
+    <|im_start|>assistant
+    <answer>101553</answer>[end]
+
+The call is Qwen3's ``<tool_call>`` JSON (:class:`~thundersync.tools.Qwen3ToolCallParser`
+parses it), the observation is that parser's answer to a calculator whose output is the value,
+exactly what the ``sandbox-tools`` runner sends back, and ``[end]`` is ``end_token_id``: the
+token generate stops an action at (its ``stop_token_ids``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Annotated, Any, Protocol, runtime_checkable
+
+import msgspec
+
+from thundersync.errors import ConfigError
+from thundersync.tasks.data import Task, TaskSource
+from thundersync.tools.base import ByteTokenizer, Tokenizer
+from thundersync.tools.qwen import Qwen3ToolCallParser
+
+__all__ = ["CalculatorDemonstrations", "Demonstration", "DemonstrationSource"]
+
+
+class Demonstration(msgspec.Struct, frozen=True):
+    """One worked trajectory: its token ids and, per token, whether the model writes it (an action
+    token, trained on) or reads it (prompt and tool observations)."""
+
+    token_ids: list[int]
+    written: list[bool]
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.written) or not any(self.written):
+            raise ConfigError(
+                f"a demonstration needs one written flag per token and at least one written token; got "
+                f"{len(self.token_ids)} tokens, {len(self.written)} flags, {sum(self.written)} written"
+            )
+
+
+@runtime_checkable
+class DemonstrationSource(Protocol):
+    """Anything that lists demonstrations, in a fixed order (a warm-up shuffles them)."""
+
+    def demonstrations(self) -> list[Demonstration]:
+        """Every demonstration, in the source's own order."""
+        ...
+
+
+class CalculatorDemonstrations:
+    """The calculator episode of each of ``tasks``' tasks (see the module docstring).
+
+    Each task needs the fields ``expression`` (what the call passes to the calculator) and
+    ``answer`` (the calculator's output, and the final answer). ``tokenizer`` (default
+    :class:`~thundersync.tools.ByteTokenizer`) encodes the text; ``end_token_id`` ends each action.
+    """
+
+    def __init__(
+        self,
+        *,
+        tasks: TaskSource,
+        end_token_id: Annotated[int, msgspec.Meta(ge=0)],
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        self.tasks = tasks
+        self.end_token_id = end_token_id
+        self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.parser = Qwen3ToolCallParser(self.tokenizer)
+
+    def demonstrations(self) -> list[Demonstration]:
+        return [self.demonstration(task) for task in self.tasks.tasks()]
+
+    def demonstration(self, task: Task) -> Demonstration:
+        """The episode of one task: prompt, call, observation, answer."""
+        expression, answer = _fields(task.fields)
+        ids, written = list(task.prompt_ids), [False] * len(task.prompt_ids)
+        for text, writes in (
+            (self.call(expression), True),
+            (self.parser.observation([answer]), False),
+            (f"<answer>{answer}</answer>", True),
+        ):
+            tokens = list(self.tokenizer.encode(text)) + ([self.end_token_id] if writes else [])
+            ids += tokens
+            written += [writes] * len(tokens)
+        return Demonstration(ids, written)
+
+    @staticmethod
+    def call(expression: str) -> str:
+        """The action that asks the calculator for ``expression``."""
+        body = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+        return f"<tool_call>{body}</tool_call>"
+
+
+def _fields(fields: Mapping[str, Any]) -> tuple[str, str]:
+    missing = [name for name in ("expression", "answer") if not isinstance(fields.get(name), str)]
+    if missing:
+        raise ConfigError(
+            f"a calculator demonstration needs text fields 'expression' and 'answer'; this task has "
+            f"{sorted(fields) or 'no fields'}, missing {missing} (use arithmetic-tasks, or give them in the task file)"
+        )
+    return fields["expression"], fields["answer"]
