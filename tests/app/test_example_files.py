@@ -9,7 +9,9 @@ them in a leading comment line (before its first table)::
     # ci-overrides: objects.warmup.steps=2 objects.model.config.num_hidden_layers=1
 
 (``KEY=VALUE`` items split like a shell line, so quote a value with spaces; they come after
-``run.steps=2`` and win over it). A file whose sandboxes are ``docker`` or ``udocker`` (after
+``run.steps=2`` and win over it). A file that needs another file's output (a checkpoint to distil
+from) names it in a ``# ci-after: examples/OTHER.toml`` line: the other file's short run goes
+first, in the same working directory. A file whose sandboxes are ``docker`` or ``udocker`` (after
 those overrides) is a ``docker`` test: it skips without that engine, or fails under
 ``THUNDERSYNC_REQUIRE_SANDBOXES=1``, as the sandbox tests do.
 """
@@ -35,16 +37,21 @@ CONTAINERS = ("docker", "udocker")
 pytestmark = pytest.mark.slow
 
 
-def ci_overrides(path: Path) -> list[str]:
-    """The ``# ci-overrides:`` items of the file's leading comment lines."""
+def ci_items(path: Path, key: str) -> list[str]:
+    """The items of the file's leading ``# KEY:`` comment lines (``ci-overrides``, ``ci-after``)."""
     items: list[str] = []
     for line in path.read_text(encoding="utf-8").splitlines():
         if line.strip() and not line.lstrip().startswith("#"):
             break
         body = line.lstrip().lstrip("#").strip()
-        if body.startswith("ci-overrides:"):
-            items += shlex.split(body.removeprefix("ci-overrides:"))
+        if body.startswith(f"{key}:"):
+            items += shlex.split(body.removeprefix(f"{key}:"))
     return items
+
+
+def ci_overrides(path: Path) -> list[str]:
+    """The ``# ci-overrides:`` items of the file's leading comment lines."""
+    return ci_items(path, "ci-overrides")
 
 
 def container_backends(path: Path) -> list[str]:
@@ -66,17 +73,23 @@ def test_the_example_file_runs_two_steps_and_writes_every_metrics_key(path: Path
     for backend in container_backends(path):
         require(backend)
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    metrics = tmp_path / "metrics.jsonl"
+    for before in ci_items(path, "ci-after"):
+        run_two_steps(ROOT / before, tmp_path, tmp_path / f"{Path(before).stem}.metrics.jsonl")
+    steps = run_two_steps(path, tmp_path, tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in steps] == [1, 2]
+    for record in steps:
+        assert not KEYS - record.keys(), f"step {record['step']} lacks {sorted(KEYS - record.keys())}"
+
+
+def run_two_steps(path: Path, cwd: Path, metrics: Path) -> list[dict[str, Any]]:
+    """Run ``path`` for two steps with its ci-overrides in ``cwd``; its step records."""
     command = [sys.executable, "-m", "thundersync", "run", str(path), "--metrics", str(metrics), "--no-progress"]
     for item in ["run.steps=2", *ci_overrides(path)]:
         command += ["--set", item]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, f"{shlex.join(command)}\n{run.stderr[-4000:]}"
-    steps = [r for line in metrics.read_text().splitlines() if (r := json.loads(line))["event"] == "step"]
-    assert [r["step"] for r in steps] == [1, 2]
-    for record in steps:
-        assert not KEYS - record.keys(), f"step {record['step']} lacks {sorted(KEYS - record.keys())}"
+    return [r for line in metrics.read_text().splitlines() if (r := json.loads(line))["event"] == "step"]
 
 
 def test_ci_overrides_are_read_from_the_leading_comment_lines_only(tmp_path: Path) -> None:
@@ -85,3 +98,5 @@ def test_ci_overrides_are_read_from_the_leading_comment_lines_only(tmp_path: Pat
         "# thundersync run x.toml\n#\n# ci-overrides: a.b=1 c.d='\"two words\"'\n[run]\n# ci-overrides: e.f=3\n"
     )
     assert ci_overrides(path) == ["a.b=1", 'c.d="two words"']
+    path.write_text("# ci-after: examples/a.toml\n# ci-overrides: x=1\n[run]\n")
+    assert ci_items(path, "ci-after") == ["examples/a.toml"]
