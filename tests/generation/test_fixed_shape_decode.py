@@ -270,3 +270,17 @@ def test_cuda_graph_decode_matches_transformers_and_eager(make_qwen3, compile_de
     expected = logits.log_softmax(-1).gather(-1, torch.tensor(long.token_ids, device="cuda")[:, None])[:, 0].cpu()
     torch.testing.assert_close(torch.tensor(long.logprobs, dtype=torch.float64), expected, atol=1e-5, rtol=0)
     assert graphs._batcher.run_fixed.captured >= 2
+
+
+def test_a_decode_step_whose_compile_call_raises_runs_eagerly(make_qwen3, monkeypatch) -> None:
+    # torch.compile itself can raise before any graph is traced (on the H200 with torch 2.11, the
+    # first import of inductor warned, which warnings-as-errors turned into an exception)
+    def refuse(*args: object, **kwargs: object) -> object:
+        raise DeprecationWarning("inductor import warned")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    model = make_qwen3()
+    compiled = DecodeMath(compile=True)
+    results = ragged(fixed_shape(TorchGenerator(model, max_batch=8, max_seq_len=48), compiled), count=3)
+    assert compiled.failures and all("inductor import warned" in f for f in compiled.failures)
+    assert_same_results(ragged(TorchGenerator(model, max_batch=8, max_seq_len=48), count=3), results)

@@ -84,7 +84,16 @@ class _OrEager(Generic[P, R]):
 
     def __init__(self, fn: Callable[P, R], backend: Backend, failures: list[str]) -> None:
         self.fn, self.failures = fn, failures
-        self.compiled: Callable[P, R] | None = torch.compile(fn, backend=backend, dynamic=None)
+        self.compiled: Callable[P, R] | None = None
+        try:
+            self.compiled = torch.compile(fn, backend=backend, dynamic=None)
+        except Exception as error:  # e.g. inductor's first import under warnings-as-errors: run eagerly
+            self._fall_back(error)
+
+    def _fall_back(self, error: Exception) -> None:
+        self.compiled = None
+        self.failures.append(f"{self.fn.__name__}: {type(error).__name__}: {error}")
+        _log.warning("decode_compile_failed", function=self.fn.__name__, error=repr(error), fallback="eager")
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if self.compiled is None:
@@ -92,7 +101,5 @@ class _OrEager(Generic[P, R]):
         try:
             return self.compiled(*args, **kwargs)
         except Exception as error:  # any compiler failure: the eager form computes the same function
-            self.compiled = None
-            self.failures.append(f"{self.fn.__name__}: {type(error).__name__}: {error}")
-            _log.warning("decode_compile_failed", function=self.fn.__name__, error=repr(error), fallback="eager")
+            self._fall_back(error)
             return self.fn(*args, **kwargs)
