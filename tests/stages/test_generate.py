@@ -199,3 +199,36 @@ async def test_an_observation_on_the_forward_inbox_says_to_declare_feedback(run_
     stage = GenerateStage(generator=ScriptedGenerator())
     with pytest.raises(StageFailed, match=r"generate got a ToolObserved on its forward inbox; .* move their producer"):
         await run_stage(stage, [ToolObserved(group_id=0, trajectory_id=0, turn=0, token_ids=[1])])
+
+
+class _CountingTool(ScriptedTool):
+    """A scripted tool that records how many of its calls run at once."""
+
+    def __init__(self) -> None:
+        super().__init__(observation_len=2, delay_s=0.01)
+        self.running = self.peak = self.calls = 0
+
+    async def run(self, action: ActionGenerated) -> ToolResult:
+        self.running += 1
+        self.calls += 1
+        self.peak = max(self.peak, self.running)
+        try:
+            return await super().run(action)
+        finally:
+            self.running -= 1
+
+
+async def test_an_admission_bounds_the_actions_running_tools_at_once() -> None:
+    from thundersync.scheduling import Admission
+
+    tool, admission = _CountingTool(), Admission(sandbox_slots=2)
+    generate = GenerateStage(
+        GenerateStage.Config(turns=3, max_new_tokens=3),
+        generator=ScriptedGenerator(vocab_size=20),
+        tool_calls=ScriptedTool(end_token=5),
+    )
+    tool_stage = ToolExecuteStage(ToolExecuteStage.Config(concurrency=8), tools=tool, admission=admission)
+    out = await _loop(generate, tool, [_prompt(0, [9, 9], samples=8)], tool_stage=tool_stage)
+    assert tool.calls == sum(isinstance(e, ToolObserved) for e in out) > 2
+    assert tool.peak == 2
+    assert admission.stats().waits > 0

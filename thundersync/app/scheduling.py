@@ -7,8 +7,9 @@
     max_groups = 8             # groups between their admission and their GroupClosed
     max_tokens = 65536         # prompt tokens times samples of the groups in flight
     gpu_memory_bytes = 60_000_000_000  # admit only while the device's allocated memory is under this
+    sandbox_slots = 4          # tool-execute: actions running their tool calls at once
 
-The source and close stages take it by name (``admission``); its decisions show in each step
+The source, close and tool-execute stages take it by name (``admission``); its decisions show in each step
 line of the metrics file (:mod:`thundersync.app._step_metrics`).
 """
 
@@ -30,8 +31,10 @@ def admission(
     max_groups: _Positive | None = None,
     max_tokens: _Positive | None = None,
     gpu_memory_bytes: _Positive | None = None,
+    sandbox_slots: _Positive | None = None,
 ) -> Admission:
     """``admission``: an :class:`~thundersync.scheduling.Admission` with these bounds (unset:
-    unbounded). Its ``sandbox_slots`` are not offered here: the tool stage does not take an
-    admission (a ``SandboxPool``'s size bounds the sandboxes)."""
-    return Admission(max_groups=max_groups, max_tokens=max_tokens, gpu_memory_bytes=gpu_memory_bytes)
+    unbounded); ``sandbox_slots`` bounds the tool-execute stage's actions running tools at once."""
+    return Admission(
+        max_groups=max_groups, max_tokens=max_tokens, gpu_memory_bytes=gpu_memory_bytes, sandbox_slots=sandbox_slots
+    )

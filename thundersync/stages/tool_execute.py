@@ -15,6 +15,9 @@ each observation in their inboxes before generate sees it, so they see turns in 
 Runtime objects: ``tools`` (a :class:`~thundersync.tools.ToolRunner`, e.g.
 :class:`~thundersync.tools.SandboxToolRunner`). A runner that is an async context manager is
 entered for as long as the stage runs (the sandbox runner opens and closes its pool there).
+Optional: ``admission`` (an :class:`~thundersync.scheduling.Admission`): each action's calls hold
+one of its ``sandbox_slots`` while they run, a bound shared with whatever else admits through it,
+and its waits show in the step metrics.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import msgspec
 
 from thundersync.events import ActionGenerated, EventBase, ToolObserved
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
+from thundersync.scheduling import Admission
 from thundersync.stages._tasks import Slots, task_group
 from thundersync.tools import ToolResult, ToolRunner
 
@@ -43,9 +47,11 @@ class ToolExecuteStage(Stage):
 
     config: Config
 
-    def __init__(self, config: Config | None = None, /, *, tools: ToolRunner) -> None:
+    def __init__(
+        self, config: Config | None = None, /, *, tools: ToolRunner, admission: Admission | None = None
+    ) -> None:
         super().__init__(config)
-        self.tools = tools
+        self.tools, self.admission = tools, admission
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
         async with AsyncExitStack() as stack:
@@ -59,7 +65,12 @@ class ToolExecuteStage(Stage):
                         await calls.start(action, self._execute, action, outbox)
 
     async def _execute(self, action: ActionGenerated, outbox: Outbox) -> None:
-        await outbox.send(_observed(action, await self.tools.run(action)))
+        if self.admission is None:
+            result = await self.tools.run(action)
+        else:
+            async with self.admission.sandbox_slot():
+                result = await self.tools.run(action)
+        await outbox.send(_observed(action, result))
 
 
 def _observed(action: ActionGenerated, result: ToolResult) -> ToolObserved:
