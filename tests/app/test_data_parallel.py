@@ -109,8 +109,12 @@ def test_two_ranks_from_the_command_line_reach_the_single_process_parameters(tmp
     assert [r["step"] for r in lines if r["event"] == "step"] == [1, 2, 3]
     assert [r["status"] for r in lines if r["event"] == "run_finished"] == ["ok"]  # one writer
     single = [json.loads(line) for line in (tmp_path / "single" / "m.jsonl").read_text().splitlines()]
-    rank0_tokens = sum(r["tokens"] for r in lines if r["event"] == "step")  # rank 0's groups only
-    assert rank0_tokens < sum(r["tokens"] for r in single if r["event"] == "step"), "rank 1 took no group"
+    steps = [r for r in lines if r["event"] == "step"]
+    single_steps = [r for r in single if r["event"] == "step"]
+    for key in ("tokens", "reward_mean", "reward_std", "tool_calls"):  # the whole batch's, gathered from the ranks
+        assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-12), key
+    assert [sum(r["groups_per_rank"]) for r in steps] == [3, 3, 2]
+    assert sum(r["groups_per_rank"][1] for r in steps) > 0, "rank 1 took no group"
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000003"]
 
 

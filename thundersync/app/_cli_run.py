@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 
-from thundersync.app._step_metrics import StepMetrics, watched
+from thundersync.app._step_metrics import StepMetrics, merge_ranks, watched
 from thundersync.app.metrics import JsonlMetrics
 from thundersync.app.progress import Progress, show_progress
 from thundersync.errors import PipelineError
@@ -57,11 +57,15 @@ async def run_pipeline(
     shown = Progress(_total_steps(graph))
     steps = StepMetrics(admission=_admission(objects))
 
-    def see(event: EventBase) -> None:
+    async def see(event: EventBase) -> None:
         record = steps.observe(event)
-        if record is not None:
-            metrics.write("step", **record)
-            shown.update(record)
+        if record is None:
+            return
+        if ranks is not None and steps.share is not None:  # the whole batch's rewards, tokens...
+            shares = await anyio.to_thread.run_sync(ranks.gather, steps.share)
+            record = merge_ranks(record, shares)
+        metrics.write("step", **record)
+        shown.update(record)
 
     pipeline = Pipeline(watched(graph, see))
     try:

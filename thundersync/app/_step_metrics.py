@@ -35,14 +35,15 @@ Definitions (times in seconds, from the watcher's clock):
   (their total wait), ``admission_forced`` (groups let in over a bound so the pipeline keeps
   moving), and the peaks ``in_flight_groups`` and ``in_flight_tokens``.
 
-In a data-parallel run each rank sees its own groups' events, so rank 0's line (the one written)
-counts rewards, tokens and tool calls of the groups rank 0 claimed.
+In a data-parallel run each rank sees only its own groups' events; the ranks gather their shares
+at each step (:func:`merge_ranks`), so rank 0's line (the one written) has the rewards, tokens,
+tool calls and reverse KL of the whole batch, plus ``groups_per_rank`` (how the claims fell).
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, ClassVar
@@ -62,7 +63,7 @@ from thundersync.pipeline.graph import Graph
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
 from thundersync.scheduling import Admission, AdmissionStats
 
-__all__ = ["WATCHER", "StepMetrics", "watched"]
+__all__ = ["WATCHER", "RankShare", "StepMetrics", "merge_ranks", "watched"]
 
 WATCHER = "step-metrics"
 """The name of the stage :func:`watched` adds (a graph that has it gets ``step-metrics-2``...)."""
@@ -79,6 +80,7 @@ class _Batch:
     tool_errors: int = 0
     kl_sum: float = 0.0  # over teacher-scored tokens: behaviour - teacher log-prob
     kl_tokens: int = 0
+    groups: int = 0  # GroupOpened seen
     unpaired: dict[tuple[Id, Id, int], list[float]] = field(default_factory=dict)  # an action's scored
     # behaviour log-probs or its teacher's log-probs, whichever came first
 
@@ -93,6 +95,7 @@ class StepMetrics:
         self._last_step_s = clock()
         self._batch_of_group: dict[Id, Id] = {}
         self._batches: dict[Id, _Batch] = {}
+        self.share: RankShare | None = None  # this rank's part of the last recorded batch
 
     def observe(self, event: EventBase) -> dict[str, Any] | None:
         """Take one event; returns the step record when ``event`` is a StepDone."""
@@ -102,8 +105,9 @@ class StepMetrics:
             batch = self._batches.setdefault(event.batch_id, _Batch())
             if isinstance(event, PromptSubmitted) and batch.submitted_s is None:
                 batch.submitted_s = now
-            if isinstance(event, GroupOpened) and batch.started_s is None:
-                batch.started_s = now
+            if isinstance(event, GroupOpened):
+                batch.groups += 1
+                batch.started_s = now if batch.started_s is None else batch.started_s
         elif isinstance(event, StepDone):
             return self._record(event, now)
         elif isinstance(event, (ActionGenerated, Rewarded, ToolObserved)):
@@ -151,24 +155,27 @@ class StepMetrics:
         step_s, self._last_step_s = now - self._last_step_s, now
         start = batch.started_s if batch.started_s is not None else batch.submitted_s
         rollout_s = None if start is None or batch.last_final_s is None else batch.last_final_s - start
-        return {
+        self.share = RankShare(
+            batch.rewards,
+            batch.tokens,
+            batch.tool_calls,
+            batch.tool_errors,
+            batch.kl_sum,
+            batch.kl_tokens,
+            batch.groups,
+        )
+        record = {
             "step": done.policy_version,
             "batch_id": done.batch_id,
-            "reward_mean": statistics.fmean(batch.rewards) if batch.rewards else None,
-            "reward_std": statistics.pstdev(batch.rewards) if batch.rewards else None,
             "step_s": step_s,
             "rollout_s": rollout_s,
             "learn_s": done.learn_s,
-            "tokens": batch.tokens,
-            "tokens_per_s": batch.tokens / step_s if step_s > 0 else None,
             "grad_norm": done.grad_norm,
             "lr": done.lr,
-            "tool_calls": batch.tool_calls,
-            "tool_errors": batch.tool_errors,
             "logprob_mismatch": done.logprob_mismatch,
             "audit_rel_error": done.audit_rel_error,
-            "reverse_kl": batch.kl_sum / batch.kl_tokens if batch.kl_tokens else None,
-        } | self._admission_record()
+        }
+        return _with_share(record, self.share) | self._admission_record()
 
     def _admission_record(self) -> dict[str, Any]:
         if self._admission is None:
@@ -184,22 +191,66 @@ class StepMetrics:
         }
 
 
+@dataclass
+class RankShare:
+    """One rank's part of a batch: what the ranks of a data-parallel run add up for its record."""
+
+    rewards: list[float]
+    tokens: int
+    tool_calls: int
+    tool_errors: int
+    kl_sum: float
+    kl_tokens: int
+    groups: int
+
+
+def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, Any]:
+    """``record`` (this rank's) with the batch fields taken over every rank's share, in rank order:
+    rewards, tokens, tool calls and reverse KL of the whole batch, and ``groups_per_rank``."""
+    total = RankShare(
+        [r for share in shares for r in share.rewards],
+        sum(share.tokens for share in shares),
+        sum(share.tool_calls for share in shares),
+        sum(share.tool_errors for share in shares),
+        sum(share.kl_sum for share in shares),
+        sum(share.kl_tokens for share in shares),
+        sum(share.groups for share in shares),
+    )
+    return _with_share(record, total) | {"groups_per_rank": [share.groups for share in shares]}
+
+
+def _with_share(record: dict[str, Any], share: RankShare) -> dict[str, Any]:
+    step_s = record["step_s"]
+    return record | {
+        "reward_mean": statistics.fmean(share.rewards) if share.rewards else None,
+        "reward_std": statistics.pstdev(share.rewards) if share.rewards else None,
+        "tokens": share.tokens,
+        "tokens_per_s": share.tokens / step_s if step_s > 0 else None,
+        "tool_calls": share.tool_calls,
+        "tool_errors": share.tool_errors,
+        "reverse_kl": share.kl_sum / share.kl_tokens if share.kl_tokens else None,
+    }
+
+
 class _Watch(Stage):
     """Reads every event of the stages it is wired to and hands each to ``see``; sends nothing."""
 
     consumes: ClassVar[tuple[type[EventBase], ...]] = (EventBase,)
 
-    def __init__(self, see: Callable[[EventBase], None]) -> None:
+    def __init__(self, see: Callable[[EventBase], Awaitable[None] | None]) -> None:
         super().__init__()
         self.see = see
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
         async for event in inbox:
-            self.see(event)
+            seen = self.see(event)
+            if seen is not None:
+                await seen
 
 
-def watched(graph: Graph, see: Callable[[EventBase], None]) -> Graph:
-    """A copy of ``graph`` with the same results, plus a stage that hands every event to ``see``."""
+def watched(graph: Graph, see: Callable[[EventBase], Awaitable[None] | None]) -> Graph:
+    """A copy of ``graph`` with the same results, plus a stage that hands every event to ``see``
+    (awaiting what it returns, when it returns an awaitable)."""
     outputs = {node.name for node in graph.outputs()}
     copy = Graph()
     for node in graph:

@@ -48,6 +48,7 @@ class Launch:
     local_rank: int
     timeout_s: float
     store: Any  # the default process group's torch.distributed.Store
+    metrics_group: Any = None  # a gloo group for the step records' gather (apart from the gradients')
 
     @property
     def writes_files(self) -> bool:
@@ -57,6 +58,15 @@ class Launch:
     @property
     def label(self) -> str:
         return f"rank {self.rank} of {self.world_size}"
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (a blocking collective of all ranks: call it from a
+        worker thread, each rank once per step record)."""
+        import torch.distributed as dist
+
+        objs: list[Any] = [None] * self.world_size
+        dist.all_gather_object(objs, obj, group=self.metrics_group)
+        return objs
 
 
 def rank_label(environ: Mapping[str, str] = os.environ) -> str:
@@ -84,8 +94,11 @@ def launch(environ: Mapping[str, str] = os.environ) -> Iterator[Launch | None]:
         torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     store = default_store()
+    # the step records travel on their own gloo group: their gather runs in a worker thread while
+    # the trainer's collectives may run on another, and one group's calls must come in one order
+    metrics_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        yield Launch(rank, world_size, local_rank, timeout_s, store)
+        yield Launch(rank, world_size, local_rank, timeout_s, store, metrics_group)
     except BaseException as error:
         report_failure(store, rank, error)
         raise
