@@ -49,6 +49,7 @@ KEYS = {
 }
 # A short run: a warm-up long enough that the model writes tool calls, one step of 2 groups x 4
 SHORT = [
+    "run.steps=1",
     "objects.model.steps=40",
     "objects.model.lr=1e-2",
     "objects.model.batch_size=8",
