@@ -57,8 +57,7 @@ class OpenAITeacher:
             raise ValueError("the teacher needs a non-empty context (the prompt) to score the first token")
         if not token_ids:
             return []
-        # OpenAIGenerator has no public raw-request method; _post brings its retries and errors.
-        body = await self.client._post("/v1/completions", self.payload(context_ids, token_ids))
+        body = await self.client.post("/v1/completions", self.payload(context_ids, token_ids))  # with its retries
         return self._parse(body, [*context_ids, *token_ids], len(context_ids))
 
     def _parse(self, body: dict[str, Any], sequence: list[int], start: int) -> list[float]:
