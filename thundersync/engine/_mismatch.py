@@ -39,8 +39,9 @@ class LogprobMismatch:
         count = int(known.sum())
         if count == 0:
             return
-        behaviour = behaviour.to(learner.device, torch.float64)
-        gap = (behaviour - learner.detach().to(torch.float64)).abs()[known.to(learner.device)].sum()
+        gaps = (behaviour.to(learner.device, torch.float64) - learner.detach().to(torch.float64)).abs()
+        # where, not a mask index: indexing by a device mask would sync the host on every pack
+        gap = torch.where(known.to(learner.device), gaps, 0.0).sum()
         self._sum = gap if self._sum is None else self._sum + gap
         self._count += count
 
