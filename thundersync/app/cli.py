@@ -35,7 +35,7 @@ import structlog
 from thundersync.app._cli_run import run_pipeline
 from thundersync.app._terminal import configure_logging, printable
 from thundersync.app.build import build_graph, build_objects
-from thundersync.app.check import check_pipeline
+from thundersync.app.check import check_pipeline, check_run_settings
 from thundersync.app.definition import PipelineSpec, load
 from thundersync.app.distributed import Launch, attach, launch, rank_label
 from thundersync.app.metrics import JsonlMetrics
@@ -122,6 +122,7 @@ def _prepare(
 ) -> tuple[PipelineSpec, dict[str, object], Graph]:
     spec = load(path, overrides)
     try:
+        check_run_settings(spec, data_parallel=ranks is not None)
         objects = build_objects(spec)
         given = {} if ranks is None else attach(ranks, objects)
         graph = build_graph(spec, **objects, **given)
