@@ -11,7 +11,8 @@ calling a factory (no model is loaded, no sandbox started, no server contacted):
 - the stage graph's wiring, over stand-in stages whose runtime objects are :class:`Unbuilt`
   placeholders: undeclared cycles, reads without common event types, stages that would wait
   forever, a policy clock nobody publishes to;
-- ``[run]``: its ``device`` was checked when the file was loaded (CUDA's presence is checked at ``run``);
+- ``[run]``: the tensorboard package is installed when ``tensorboard`` is set (``device`` was
+  checked when the file was loaded; CUDA's presence is checked at ``run``);
 - options that the file passes on to a library: an ``optimizer``'s ``name`` is a ``torch.optim``
   class that takes its options (and ``maximize`` suits the objective), a ``vllm-generator``'s
   engine options are fields of vLLM's ``EngineArgs`` (when vLLM is importable here; otherwise a
@@ -29,6 +30,7 @@ from typing import Any
 from thundersync._logging import get_logger
 from thundersync.app import generators, training
 from thundersync.app._schema import factory_params, factory_returns
+from thundersync.app._tensorboard import require_tensorboard
 from thundersync.app.build import assemble_graph, stage_class
 from thundersync.app.definition import PipelineSpec, StageSpec
 from thundersync.app.factories import ALL_FACTORIES
@@ -75,8 +77,10 @@ def check_pipeline(spec: PipelineSpec) -> Graph:
 
 
 def check_run_settings(spec: PipelineSpec, *, data_parallel: bool = False) -> None:
-    """What ``[run]`` needs besides its schema: under a data-parallel launch a ``device`` without
-    a GPU index (each rank takes its own)."""
+    """What ``[run]`` needs besides its schema: the tensorboard package for ``tensorboard``, and
+    under a data-parallel launch a ``device`` without a GPU index (each rank takes its own)."""
+    if spec.run.tensorboard is not None:
+        require_tensorboard()
     if data_parallel and spec.run.device.startswith("cuda:"):
         raise DefinitionError(
             f"run.device: {spec.run.device!r} would put every rank of a data-parallel launch on one GPU; "

@@ -3,7 +3,7 @@
 A file has three kinds of tables; its first comment is the command that runs it::
 
     # thundersync run examples/pipeline_fake.toml
-    [run]                          # RunSettings: device, metrics file, progress, capacity, timeout, steps
+    [run]                          # RunSettings: device, metrics file, TensorBoard, progress, capacity, timeout, steps
     metrics = "metrics.jsonl"
     device = "cpu"                 # every object that takes a device and gives none (default "auto")
 
@@ -90,10 +90,12 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     batches, repeating its tasks epoch after epoch as needed, so ``steps`` wins over its
     ``repeat``; None: the source's ``repeat`` epochs decide); ``device``: the device of every
     object whose factory takes a ``device`` and whose table gives none (``cpu``, ``cuda``,
-    ``cuda:N``, or ``auto``: the GPU when there is one).
+    ``cuda:N``, or ``auto``: the GPU when there is one); ``tensorboard``: a directory for
+    TensorBoard scalars of each step line (:mod:`thundersync.app._tensorboard`; None: none).
     """
 
     metrics: str | None = None
+    tensorboard: str | None = None
     progress: Literal["auto", "on", "off"] = "auto"
     capacity: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_CAPACITY
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
