@@ -97,3 +97,13 @@ def test_check_and_run_say_how_to_install_a_missing_tensorboard(
     assert "run.tensorboard needs the 'train' extra (module 'tensorboard' is not installed)" in err[0]
     assert not (tmp_path / "tb").exists()
     assert main(["check", str(FAKE)]) == 0  # without run.tensorboard, nothing needs it
+
+
+def test_a_resumed_writer_hides_what_the_earlier_run_wrote_after_the_checkpoint(tmp_path: Path) -> None:
+    with JsonlMetrics(None, tensorboard=TensorBoardSteps(tmp_path / "tb")) as crashed:
+        for step in (1, 2, 3):  # the checkpoint was at step 1; steps 2 and 3 are lost with the run
+            crashed.write("step", step=step, lr=0.0)
+    with JsonlMetrics(None, tensorboard=TensorBoardSteps(tmp_path / "tb", resume_step=1)) as resumed:
+        for step in (2, 3):
+            resumed.write("step", step=step, lr=1.0)
+    assert _scalars(tmp_path / "tb") == {"lr": [(1, 0.0), (2, 1.0), (3, 1.0)]}
