@@ -86,12 +86,14 @@ class EventError(ConfigError):
 
 
 class MissingExtraError(ThunderSyncError, ImportError):
-    """An optional dependency is missing; the message gives the pip command that installs it."""
+    """An optional dependency is missing; the message gives the pip command that installs it
+    (``alone``: the package that can also be installed by itself)."""
 
-    def __init__(self, feature: str, extra: str, module: str) -> None:
+    def __init__(self, feature: str, extra: str, module: str, *, alone: str | None = None) -> None:
+        either = f" (or pip install {alone})" if alone is not None else ""
         super().__init__(
             f"{feature} needs the {extra!r} extra (module {module!r} is not installed): "
-            f"pip install 'thundersync[{extra}]'"
+            f"pip install 'thundersync[{extra}]'{either}"
         )
         self.feature = feature
         self.extra = extra

@@ -85,8 +85,10 @@ async def run_pipeline(
             metrics.statistics(stats)
     if summary is not None:  # a failed run ends with its one error line instead
         where = None if metrics.path is None else str(metrics.path)
+        board = None if metrics.tensorboard is None else str(metrics.tensorboard.directory)
         rank = None if ranks is None else (ranks.label, ranks.writes_files)
-        summary.write(shown.summary(metrics=where, checkpoints=_checkpoints(objects), rank=rank) + "\n")
+        line = shown.summary(metrics=where, checkpoints=_checkpoints(objects), rank=rank, tensorboard=board)
+        summary.write(line + "\n")
         summary.flush()
     assert stats is not None
     return stats

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from thundersync._device import resolve_device
 from thundersync.app._schema import convert, factory_params, object_union, reference_params, runtime_params
 from thundersync.app.checkpoint import Checkpointer
 from thundersync.app.definition import ObjectSpec, PipelineSpec, StageSpec, is_reference
@@ -33,11 +34,26 @@ __all__ = ["assemble_graph", "build_graph", "build_objects"]
 
 def build_objects(spec: PipelineSpec, /, **given: Any) -> dict[str, Any]:
     """The runtime objects of ``spec`` by name: ``given`` ones, else built by their factory, each
-    after the objects it references (:func:`~thundersync.app.object_graph.build_order`)."""
+    after the objects it references (:func:`~thundersync.app.object_graph.build_order`). A factory
+    that takes a ``device`` gets ``run.device`` when the object's table gives none."""
     objects = dict(given)
-    for name in build_order(spec, given):
-        objects[name] = _build_object(name, spec.objects[name], objects)
+    order = build_order(spec, given)
+    if any(_takes_run_device(spec.objects[name]) for name in order):
+        try:
+            resolve_device(spec.run.device)  # once, naming run.device, before any object is built
+        except ConfigError as error:
+            raise DefinitionError(f"run.device: {error}") from None
+    for name in order:
+        obj = spec.objects[name]
+        if _takes_run_device(obj):
+            obj = ObjectSpec(obj.factory, {**obj.args, "device": spec.run.device}, obj.refs)
+        objects[name] = _build_object(name, obj, objects)
     return objects
+
+
+def _takes_run_device(obj: ObjectSpec) -> bool:
+    """Whether the object's factory takes a ``device`` that its table does not give."""
+    return "device" in factory_params(obj.factory) and "device" not in obj.args
 
 
 def _build_object(name: str, obj: ObjectSpec, built: dict[str, Any]) -> Any:

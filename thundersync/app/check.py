@@ -10,8 +10,9 @@ calling a factory (no model is loaded, no sandbox started, no server contacted):
   fits the stage's parameter;
 - the stage graph's wiring, over stand-in stages whose runtime objects are :class:`Unbuilt`
   placeholders: undeclared cycles, reads without common event types, stages that would wait
-  forever, a policy clock nobody publishes to.
-
+  forever, a policy clock nobody publishes to;
+- ``[run]``: the tensorboard package is installed when ``tensorboard`` is set (``device`` was
+  checked when the file was loaded; CUDA's presence is checked at ``run``);
 - options that the file passes on to a library: an ``optimizer``'s ``name`` is a ``torch.optim``
   class that takes its options (and ``maximize`` suits the objective), a ``vllm-generator``'s
   engine options are fields of vLLM's ``EngineArgs`` (when vLLM is importable here; otherwise a
@@ -29,6 +30,7 @@ from typing import Any
 from thundersync._logging import get_logger
 from thundersync.app import generators, training
 from thundersync.app._schema import factory_params, factory_returns
+from thundersync.app._tensorboard import require_tensorboard
 from thundersync.app.build import assemble_graph, stage_class
 from thundersync.app.definition import PipelineSpec, StageSpec
 from thundersync.app.factories import ALL_FACTORIES
@@ -65,12 +67,25 @@ class Unbuilt:
 def check_pipeline(spec: PipelineSpec) -> Graph:
     """Validate ``spec`` as :func:`build_graph` would, without building objects; returns the graph
     of stand-in stages (its nodes name the stages and their reads, nothing more: never run it)."""
+    check_run_settings(spec)
     build_order(spec)
     _check_options(spec)
     _check_schedules(spec)
     placeholders = {name: Unbuilt(name, obj.factory) for name, obj in spec.objects.items()}
     stages = {name: _stand_in(name, node, spec, placeholders) for name, node in spec.stages.items()}
     return assemble_graph(spec, stages)
+
+
+def check_run_settings(spec: PipelineSpec, *, data_parallel: bool = False) -> None:
+    """What ``[run]`` needs besides its schema: the tensorboard package for ``tensorboard``, and
+    under a data-parallel launch a ``device`` without a GPU index (each rank takes its own)."""
+    if spec.run.tensorboard is not None:
+        require_tensorboard()
+    if data_parallel and spec.run.device.startswith("cuda:"):
+        raise DefinitionError(
+            f"run.device: {spec.run.device!r} would put every rank of a data-parallel launch on one GPU; "
+            'give "cuda" or "auto" (each rank takes cuda:LOCAL_RANK)'
+        )
 
 
 def _check_options(spec: PipelineSpec) -> None:

@@ -15,7 +15,8 @@ metrics path is invalid (for ``plot``: the metrics file is missing, malformed or
 lines), 130 when interrupted. Errors are one line on stderr; ``--verbose`` adds
 the traceback and info-level logs; under a data-parallel launch the line starts with the rank
 (:mod:`thundersync.app.distributed`, where rank 0 alone writes files). The metrics file is created new in an existing directory;
-``--overwrite`` lets it replace an existing file (:mod:`thundersync.app.metrics`). Names from
+``--overwrite`` lets it replace an existing file (:mod:`thundersync.app.metrics`), and the event
+files of an earlier run in ``run.tensorboard``'s directory (:mod:`thundersync.app._tensorboard`). Names from
 the file reach the terminal escaped (``\x1b``, ``\n``). This is the only place that configures
 logging (structlog, to stderr); the library itself configures no handlers.
 """
@@ -33,9 +34,10 @@ import anyio
 import structlog
 
 from thundersync.app._cli_run import run_pipeline
+from thundersync.app._tensorboard import TensorBoardSteps
 from thundersync.app._terminal import configure_logging, printable
 from thundersync.app.build import build_graph, build_objects
-from thundersync.app.check import check_pipeline
+from thundersync.app.check import check_pipeline, check_run_settings
 from thundersync.app.definition import PipelineSpec, load
 from thundersync.app.distributed import Launch, attach, launch, rank_label
 from thundersync.app.metrics import JsonlMetrics
@@ -85,7 +87,9 @@ def _parser() -> argparse.ArgumentParser:
         "--no-progress", dest="progress", action="store_const", const="off", help="never show the progress line"
     )
     run.add_argument(
-        "--overwrite", action="store_true", help="replace the metrics file if it exists (never done silently)"
+        "--overwrite",
+        action="store_true",
+        help="replace the metrics file and run.tensorboard's event files if they exist (never done silently)",
     )
     run.add_argument(
         "--resume",
@@ -122,6 +126,7 @@ def _prepare(
 ) -> tuple[PipelineSpec, dict[str, object], Graph]:
     spec = load(path, overrides)
     try:
+        check_run_settings(spec, data_parallel=ranks is not None)
         objects = build_objects(spec)
         given = {} if ranks is None else attach(ranks, objects)
         graph = build_graph(spec, **objects, **given)
@@ -131,10 +136,12 @@ def _prepare(
 
 
 @contextmanager
-def _metrics(path: str | Path | None, *, overwrite: bool, **started: object) -> Iterator[JsonlMetrics]:
-    """The metrics sink, open, with its ``run_started`` line written: a path that cannot take that
-    line (``/proc/version``...) is refused before anything runs (exit 2)."""
-    with JsonlMetrics(path, overwrite=overwrite) as sink:
+def _metrics(
+    path: str | Path | None, *, overwrite: bool, tensorboard: TensorBoardSteps | None, **started: object
+) -> Iterator[JsonlMetrics]:
+    """The metrics sink (and its TensorBoard writer), open, with its ``run_started`` line written: a
+    path that cannot take that line (``/proc/version``...) is refused before anything runs (exit 2)."""
+    with JsonlMetrics(path, overwrite=overwrite, tensorboard=tensorboard) as sink:
         try:
             sink.write("run_started", **started)
         except OSError as error:
@@ -159,8 +166,9 @@ def _check(path: Path, overrides: Sequence[str]) -> int:
     return EXIT_OK
 
 
-def _resume(objects: dict[str, object], directory: Path) -> None:
-    """Restore every Checkpointer among ``objects`` from ``directory`` (``--resume``)."""
+def _resume(objects: dict[str, object], directory: Path) -> int:
+    """Restore every Checkpointer among ``objects`` from ``directory`` (``--resume``); returns the
+    step they resumed at."""
     from thundersync.app.checkpoint import Checkpointer  # loads torch: only when resuming
 
     checkpointers = [obj for obj in objects.values() if isinstance(obj, Checkpointer)]
@@ -171,6 +179,7 @@ def _resume(objects: dict[str, object], directory: Path) -> None:
         )
     for checkpointer in checkpointers:
         checkpointer.resume(directory)
+    return max(checkpointer.saved_step for checkpointer in checkpointers)
 
 
 def _run(path: Path, args: argparse.Namespace) -> int:
@@ -180,17 +189,21 @@ def _run(path: Path, args: argparse.Namespace) -> int:
 
 def _run_rank(path: Path, args: argparse.Namespace, ranks: Launch | None) -> int:
     spec, objects, graph = _prepare(path, args.overrides, ranks)
-    if args.resume is not None:
-        _resume(objects, args.resume)
+    resumed = None if args.resume is None else _resume(objects, args.resume)
     settings = spec.run
     writes = ranks is None or ranks.writes_files
     metrics_path = (args.metrics if args.metrics is not None else settings.metrics) if writes else None
+    tensorboard = None
+    if writes and settings.tensorboard is not None:
+        tensorboard = TensorBoardSteps(settings.tensorboard, overwrite=args.overwrite, resume_step=resumed)
     timeout_s = args.timeout if args.timeout is not None else settings.timeout_s
     mode = args.progress or settings.progress
     show = writes and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
     log = structlog.get_logger("thundersync.cli")
     stages = [node.name for node in graph]
-    with _metrics(metrics_path, overwrite=args.overwrite, file=str(path), stages=stages) as metrics:
+    with _metrics(
+        metrics_path, overwrite=args.overwrite, tensorboard=tensorboard, file=str(path), stages=stages
+    ) as metrics:
         log.info("run started", file=str(path), stages=len(graph))
         try:
             stats = anyio.run(

@@ -3,8 +3,9 @@
 A file has three kinds of tables; its first comment is the command that runs it::
 
     # thundersync run examples/pipeline_fake.toml
-    [run]                          # RunSettings: metrics file, progress, capacity, timeout, steps
+    [run]                          # RunSettings: device, metrics file, TensorBoard, progress, capacity, timeout, steps
     metrics = "metrics.jsonl"
+    device = "cpu"                 # every object that takes a device and gives none (default "auto")
 
     [objects.scorer]               # a runtime object, built by a factory (app/factories.py)
     factory = "test-fake-scorer"
@@ -45,6 +46,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
+from thundersync._device import check_device
 from thundersync.app._schema import (
     GRAPH_FIELDS,
     convert,
@@ -56,7 +58,7 @@ from thundersync.app._schema import (
 )
 from thundersync.app.factories import ALL_FACTORIES
 from thundersync.app.overrides import apply_overrides
-from thundersync.errors import DefinitionError
+from thundersync.errors import ConfigError, DefinitionError
 from thundersync.pipeline.graph import DEFAULT_CAPACITY
 from thundersync.pipeline.stage import Stage
 from thundersync.stages import REGISTRY
@@ -86,14 +88,19 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     inbox size of stages that do not set their own; ``timeout_s``: fail a run that takes longer;
     ``steps``: stop after this many optimizer steps (the graph's one source stage emits that many
     batches, repeating its tasks epoch after epoch as needed, so ``steps`` wins over its
-    ``repeat``; None: the source's ``repeat`` epochs decide).
+    ``repeat``; None: the source's ``repeat`` epochs decide); ``device``: the device of every
+    object whose factory takes a ``device`` and whose table gives none (``cpu``, ``cuda``,
+    ``cuda:N``, or ``auto``: the GPU when there is one); ``tensorboard``: a directory for
+    TensorBoard scalars of each step line (:mod:`thundersync.app._tensorboard`; None: none).
     """
 
     metrics: str | None = None
+    tensorboard: str | None = None
     progress: Literal["auto", "on", "off"] = "auto"
     capacity: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_CAPACITY
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     steps: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    device: str = "auto"
 
 
 class ObjectSpec(msgspec.Struct, frozen=True):
@@ -172,6 +179,7 @@ def loads(text: str, overrides: Sequence[str] = ()) -> PipelineSpec:
     top = convert(
         raw, _File, "", fields={"": ["run", "objects", "stages"], ".run": list(RunSettings.__struct_fields__)}
     )
+    _check_device("run.device", top.run.device)
     return PipelineSpec(
         stages={name: _stage(name, table) for name, table in top.stages.items()},
         objects={name: _object(name, table) for name, table in top.objects.items()},
@@ -243,8 +251,17 @@ def _object(name: str, table: Any) -> ObjectSpec:
     node = convert(values, object_union(), prefix, kind="factory", known=list(ALL_FACTORIES), fields=fields)
     assert factory is not None and fields is not None  # the tagged union accepted the factory
     _check_references(prefix, factory, {key: refs[key] for key in whole}, fields)
+    if "device" in factory_params(factory) and "device" in values:
+        _check_device(f"{prefix}.device", values["device"])
     args = {k: getattr(node, k) if k in node.__struct_fields__ else v for k, v in values.items() if k != "factory"}
     return ObjectSpec(factory, {**args, **{key: table[key] for key in nested}}, refs)
+
+
+def _check_device(path: str, value: object) -> None:
+    try:
+        check_device(value)
+    except ConfigError as error:
+        raise DefinitionError(f"{path}: {error}") from None
 
 
 def references(prefix: str, value: Any, path: str = "") -> Iterator[tuple[str, str]]:

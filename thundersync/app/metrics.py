@@ -11,7 +11,9 @@ Every line is a JSON object with an ``event`` (``step``, an event's class name, 
     {"t":0.9,"event":"run_finished","status":"ok","elapsed_s":0.9}
 
 The ``step`` lines (one per optimizer step; :mod:`thundersync.app._step_metrics` defines each
-key) are what other tools read: ``thundersync plot`` draws them.
+key) are what other tools read: ``thundersync plot`` draws them. Given ``tensorboard``
+(:class:`~thundersync.app._tensorboard.TensorBoardSteps`, ``[run] tensorboard``), the sink also
+hands each step record to it, opens it with itself and closes it with itself.
 
 Lines reach the file as they are written (no buffer), so a crashed run leaves every line up to the crash.
 
@@ -35,6 +37,7 @@ from typing import Any
 
 import msgspec
 
+from thundersync.app._tensorboard import TensorBoardSteps
 from thundersync.errors import ConfigError
 from thundersync.events import EventBase
 from thundersync.pipeline.runner import RunStatistics
@@ -56,12 +59,16 @@ _HINT = "give --metrics (or run.metrics) the path of a new file"
 class JsonlMetrics:
     """Write metric records to ``path`` (``None``: a sink that drops everything).
 
-    ``overwrite``: replace an existing regular file instead of refusing to open.
+    ``overwrite``: replace an existing regular file instead of refusing to open; ``tensorboard``:
+    where the step records also go (None: nowhere else).
     """
 
-    def __init__(self, path: str | Path | None, *, overwrite: bool = False) -> None:
+    def __init__(
+        self, path: str | Path | None, *, overwrite: bool = False, tensorboard: TensorBoardSteps | None = None
+    ) -> None:
         self.path = None if path is None else Path(path)
         self.overwrite = overwrite
+        self.tensorboard = tensorboard
         self._file: io.FileIO | None = None
         self._encoder = msgspec.json.Encoder()
         self._start = perf_counter()
@@ -70,18 +77,30 @@ class JsonlMetrics:
     def __enter__(self) -> JsonlMetrics:
         if self.path is not None:
             self._file = _open_new(self.path, overwrite=self.overwrite)
+        if self.tensorboard is not None:
+            try:
+                self.tensorboard.__enter__()
+            except BaseException:
+                self.__exit__(None, None, None)
+                raise
         self._start = perf_counter()
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        try:
+            if self.tensorboard is not None:
+                self.tensorboard.__exit__(exc_type, exc, traceback)
+        finally:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
     def write(self, event: str, **fields: Any) -> None:
-        """Write one record ``{"t": ..., "event": event, **fields}``."""
+        """Write one record ``{"t": ..., "event": event, **fields}`` (a ``step`` record also to TensorBoard)."""
+        if event == "step" and self.tensorboard is not None:
+            self.tensorboard.add(fields)
         if self._file is None:
             return
         record = {"t": round(perf_counter() - self._start, 6), "event": event, **fields}

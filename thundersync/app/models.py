@@ -8,7 +8,7 @@
                num_key_value_heads = 2, head_dim = 8, intermediate_size = 64 }
     seed = 0                           # the initial weights of a model built from its config
     dtype = "float32"                  # "bfloat16", "float64"
-    device = "cpu"                     # "cuda", "auto" (cuda when there is one)
+    device = "cpu"                     # "cuda", "cuda:1", "auto" (cuda when there is one); absent: run.device
     lora = { r = 8, lora_alpha = 16, target_modules = ["q_proj", "v_proj"] }
 
     [objects.tokenizer]
@@ -28,6 +28,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import nn
 
+from thundersync._device import resolve_device
 from thundersync.errors import ConfigError
 from thundersync.tools.base import ByteTokenizer, Tokenizer
 
@@ -43,7 +44,7 @@ def model(
     architecture: str = "qwen3",
     seed: int = 0,
     dtype: Literal["float32", "bfloat16", "float64"] = "float32",
-    device: Literal["cpu", "cuda", "auto"] = "cpu",
+    device: str = "cpu",
     lora: dict[str, Any] | None = None,
 ) -> nn.Module:
     """A transformers causal LM in eval mode (the streaming engine refuses dropout).
@@ -51,7 +52,8 @@ def model(
     Exactly one of ``path`` (a local directory, loaded with ``from_pretrained`` offline) and
     ``config`` (the fields of the ``architecture``'s transformers config, e.g. ``Qwen3Config``;
     its weights are initialised from ``seed``). ``lora``: the fields of peft's ``LoraConfig``;
-    the model is then a peft model whose adapter alone is trainable. ``float64`` casts the
+    the model is then a peft model whose adapter alone is trainable. ``device``: ``cpu``, ``cuda``,
+    ``cuda:N`` or ``auto`` (a file's ``[run] device`` when its table gives none). ``float64`` casts the
     weights; transformers' own RMSNorm still computes in float32, so the exactness tests use their
     own norms (``tests/engine/tiny_models.py``) rather than this factory.
     """
@@ -60,7 +62,7 @@ def model(
             "give the model either path (a local model directory) or config (its shapes), not "
             f"{'both' if path is not None else 'neither'}"
         )
-    target = _device(device)
+    target = resolve_device(device)
     if path is not None:
         built = _from_directory(path, DTYPES[dtype])
     else:
@@ -70,14 +72,6 @@ def model(
     if lora is not None:
         built = _with_lora(built, lora)
     return built.eval()
-
-
-def _device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError('device = "cuda" but torch sees no CUDA device; use "cpu", or "auto" to take one if present')
-    return torch.device(device)
 
 
 def _from_directory(path: str, dtype: torch.dtype) -> nn.Module:

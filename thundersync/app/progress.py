@@ -87,7 +87,14 @@ class Progress:
             return None
         return elapsed / done * max(self.total - self.steps, 0)
 
-    def summary(self, *, metrics: str | None, checkpoints: str | None, rank: tuple[str, bool] | None = None) -> str:
+    def summary(
+        self,
+        *,
+        metrics: str | None,
+        checkpoints: str | None,
+        rank: tuple[str, bool] | None = None,
+        tensorboard: str | None = None,
+    ) -> str:
         """The one line that ends a run: steps, time, last reward, where the outputs went.
 
         ``rank``: in a data-parallel launch, this rank's label (``"rank 1 of 2"``) and whether it
@@ -102,6 +109,8 @@ class Progress:
         if self.last is not None and self.last.get("reward_mean") is not None:
             text += f", last reward {self.last['reward_mean']:.3f}"
         text += f"; metrics: {printable(metrics) if metrics else 'not written (no --metrics)'}"
+        if tensorboard is not None:
+            text += f"; tensorboard: {printable(tensorboard)}"
         if checkpoints is not None:
             text += f"; checkpoints: {printable(checkpoints)}"
         return text

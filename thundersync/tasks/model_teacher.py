@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 import anyio
 import msgspec
 
+from thundersync._device import resolve_device
 from thundersync.errors import ConfigError
 
 if TYPE_CHECKING:  # torch loads when the teacher first scores, so building the teacher stays cheap
@@ -166,7 +167,8 @@ def transformers_teacher(
     max_wait_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.002,
 ) -> TransformersTeacher:
     """The ``transformers-teacher`` factory: the causal LM saved at ``path`` (a local directory,
-    loaded offline with ``from_pretrained`` on first use) on ``device`` in ``dtype``. ``path`` may
+    loaded offline with ``from_pretrained`` on first use) on ``device`` (``cpu``, ``cuda``, ``cuda:N``,
+    ``auto``; a file's ``[run] device`` when its table gives none) in ``dtype``. ``path`` may
     also be a training run's checkpoint directory (``runs/agent_grpo``): its newest checkpoint is
     the teacher."""
     path = str(_model_directory(Path(path)))
@@ -180,7 +182,7 @@ def transformers_teacher(
         )
         return model
 
-    return TransformersTeacher(load, device=device, max_batch=max_batch, max_wait_s=max_wait_s)
+    return TransformersTeacher(load, device=resolve_device(device), max_batch=max_batch, max_wait_s=max_wait_s)
 
 
 def _model_directory(path: Path) -> Path:
