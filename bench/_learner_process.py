@@ -18,6 +18,7 @@ child's traceback when it failed.
 
 from __future__ import annotations
 
+import multiprocessing
 import queue
 import traceback
 from collections.abc import Awaitable, Callable
@@ -65,13 +66,14 @@ class LearnerProcess:
         """The payload of the child's next answer, which must be ``expected``."""
         while True:
             try:
-                kind, *payload = self.answers.get(timeout=1.0)
+                answer: tuple[Any, ...] = self.answers.get(timeout=1.0)
             except queue.Empty:
                 if not self.process.is_alive():
                     raise RuntimeError(
                         f"the learner process exited (code {self.process.exitcode}) before answering {expected!r}"
                     ) from None
                 continue
+            kind, *payload = answer
             if kind == "failed":
                 raise RuntimeError(f"the learner process failed (the parent waited for {expected!r}):\n{payload[0]}")
             assert kind == expected, f"the learner process answered {kind!r}, the parent waited for {expected!r}"
@@ -99,6 +101,7 @@ def _child_main(
     serve: Serve,
     args: tuple[Any, ...],
 ) -> None:
+    commands = _FromParent(commands)
     try:
         model = share_into(model_class, config, tensors)
         _write_and_restore(model, commands, answers)
@@ -106,6 +109,22 @@ def _child_main(
     except BaseException:
         answers.put(("failed", traceback.format_exc()))
         raise
+
+
+class _FromParent:
+    """The command queue, read so that the child exits when its parent died (no orphan on a GPU)."""
+
+    def __init__(self, commands: Any) -> None:
+        self.commands = commands
+
+    def get(self) -> Any:
+        while True:
+            try:
+                return self.commands.get(timeout=1.0)
+            except queue.Empty:
+                parent = multiprocessing.parent_process()
+                if parent is not None and not parent.is_alive():
+                    raise SystemExit("the parent process is gone") from None
 
 
 def share_into(model_class: type, config: Any, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
