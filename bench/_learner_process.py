@@ -18,6 +18,7 @@ child's traceback when it failed.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import queue
 import traceback
@@ -86,6 +87,8 @@ class LearnerProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()  # forget the blocks shared with the child, which released them
 
 
 def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -106,6 +109,9 @@ def _child_main(
         model = share_into(model_class, config, tensors)
         _write_and_restore(model, commands, answers)
         anyio.run(serve, model, commands, answers, *args)
+        del model  # release the parent's memory before exiting (the parent frees it in close())
+        gc.collect()
+        _sync()
     except BaseException:
         answers.put(("failed", traceback.format_exc()))
         raise
