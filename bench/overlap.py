@@ -4,7 +4,8 @@
     python bench/overlap.py --tiny           # CPU, tiny model, seconds (checks the script)
     python bench/overlap.py --rows grpo,opd  # a subset of the rows
 
-The objects are called directly, in one process, as issue 14 measured (no pipeline): a
+The objects are called directly, in one process, as issue 14 measured (no pipeline; the
+``-2proc`` rows use two, see below): a
 ``TorchGenerator`` on the model samples every trajectory of the batch (temperature 1, no stop
 token, each response as long as its drawn length: 64 x lognormal(1.5, 1) clipped to 64..2048,
 prompts ~512, seeded), and each finished trajectory goes to the objective at once, on the event
@@ -28,6 +29,28 @@ Columns, each measured in the same run:
 Rows: GRPO with the default packing and with ``pack_tokens=0``, OPD, and a balanced GRPO
 workload whose learner costs about as much as its rollout (prompts ~2048, responses
 64 x lognormal(0.7, 0.5) clipped to 64..512), where the ceiling is close to 2x.
+
+The ``-2proc`` rows (``grpo-2proc``, ``opd-2proc``, ``balanced-2proc``) run the same workloads and
+objectives with the learner in a second process (issue 14's alternative to threads that share one
+GIL; ``bench/_learner_process.py`` starts it). The parent keeps the model and the ``TorchGenerator`` and sends each finished trajectory
+(group, index, token ids) down a queue as it finishes. The child, started with
+``torch.multiprocessing`` (spawn), owns everything else: the ``StreamingRun`` and its objective,
+the engine's worker thread, for OPD the teacher (it scores in the child), and the gradient in its
+own ``.grad``. It receives the parameters through ``torch.multiprocessing`` (a CUDA tensor
+travels as an IPC handle of the parent's memory: zero copy; on CPU the storage moves into shared
+memory) and builds the model on the meta device around them, so its parameters are the parent's
+storage; a write in the child that the parent reads back proves it once at start. On the batch's
+end message the child runs ``assert_safe_to_step()``, synchronizes and answers; ``streamed`` is
+measured in the parent from the batch's start to that answer, ``learner`` in the child alone,
+``dense`` in the parent. Each ``-2proc`` row also compares the child's gradient with this
+process's streamed gradient over the same trajectories (printed under the table).
+
+In a product the optimizer would live in the child beside the gradient and step the shared
+parameters in place; the generator reads them in place, so publishing a policy needs no copy,
+only an ordering: the child's step recorded as an interprocess CUDA event (or a barrier after a
+synchronize) that the generator's stream waits on before its next batch, and a message that
+tells the generator the weights changed (a write from another process bumps no version counter
+here, so the generator's caches, e.g. its fused q/k/v copy, must be invalidated by that message).
 """
 
 from __future__ import annotations
@@ -49,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import thundersync
 from bench._common import header, markdown_table
+from bench._learner_process import LearnerProcess
 from bench.engine import Batch, Group, Trajectory, dense, make_model, padded_logprobs
 from bench.engine_opd import OPDGroup, OPDTrajectory, opd_dense
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator
@@ -118,6 +142,8 @@ class Learner:
         self.remaining: list[int] = []
 
     def begin(self) -> None:
+        for p in self.objective.run.params:
+            p.grad = None  # the previous batch's gradient stays until here (the 2-process check reads it)
         self.remaining = [len(group.trajectories) for group in self.plan]
         for g, group in enumerate(self.plan):
             self.objective.open_group(g, group.prompt)
@@ -140,8 +166,6 @@ class Learner:
     def end(self) -> None:
         self.objective.assert_safe_to_step()
         _sync()
-        for p in self.objective.run.params:
-            p.grad = None
 
 
 def teacher_logprobs(teacher: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -179,6 +203,7 @@ def dense_seconds(
 ) -> float:
     """The synchronous learner's time over the same tokens (teacher scoring included for OPD)."""
     tokens = {(g, i): t for g, i, t in finished}
+    model.zero_grad(set_to_none=True)
     _sync()
     start = time.perf_counter()
     if teacher is None:
@@ -200,22 +225,13 @@ def dense_seconds(
     return seconds
 
 
-async def measure_row(
-    name: str,
-    model: torch.nn.Module,
-    generator: TorchGenerator,
-    learner: Learner,
-    rollout_s: float,
-    finished: list[Finished],
+def cells(
+    row: str, rollout_s: float, learner_s: float, dense_s: float, step_s: float, last_s: float, tokens: int
 ) -> list[Any]:
     """One row of the table (the rollout alone was measured once for the workload)."""
-    learner_s = await learner_alone(learner, finished)
-    dense_s = dense_seconds(model, learner.plan, finished, learner.teacher)
-    step_s, last_s = await streamed(generator, learner)
     sync_s = rollout_s + learner_s
-    tokens = sum(len(t) for _, _, t in finished)
     return [
-        name,
+        _ROW_NAMES[row],
         rollout_s,
         learner_s,
         dense_s,
@@ -246,6 +262,146 @@ COLUMNS = [
 ]
 
 
+async def warmed_learner(
+    row: str, model: torch.nn.Module, plan: Batch, finished: list[Finished], teacher: torch.nn.Module | None
+) -> Learner:
+    """The row's objective on a new ``StreamingRun``, warmed on the first group (probes, allocator)."""
+    objective = make_objective(row, thundersync.StreamingRun(model))
+    await learner_alone(Learner(objective, plan[:1], teacher), [item for item in finished if item[0] == 0])
+    return Learner(objective, plan, teacher)
+
+
+async def measure_in_process(
+    row: str,
+    model: torch.nn.Module,
+    generator: TorchGenerator,
+    plan: Batch,
+    rollout_s: float,
+    finished: list[Finished],
+    teacher: torch.nn.Module | None,
+) -> list[Any]:
+    learner = await warmed_learner(row, model, plan, finished, teacher)
+    dense_seconds(model, plan[:1], finished, teacher)  # the dense path's kernels and autotuning
+    learner_s = await learner_alone(learner, finished)
+    dense_s = dense_seconds(model, plan, finished, teacher)
+    step_s, last_s = await streamed(generator, learner)
+    return cells(row, rollout_s, learner_s, dense_s, step_s, last_s, sum(len(t) for _, _, t in finished))
+
+
+async def measure_in_child(
+    row: str,
+    model: torch.nn.Module,
+    generator: TorchGenerator,
+    child: LearnerProcess,
+    plan: Batch,
+    rollout_s: float,
+    finished: list[Finished],
+    teacher: torch.nn.Module | None,
+) -> tuple[list[Any], str]:
+    """The row's cells and its gradient check, the learner in ``child``."""
+    child.send("row", row, plan, finished)
+    (learner_s,) = child.receive("ready")
+    dense_seconds(model, plan[:1], finished, teacher)
+    dense_s = dense_seconds(model, plan, finished, teacher)
+    step_s, last_s, done = await streamed_in_child(generator, child, plan)
+    check = await gradient_check(row, model, child, plan, done, teacher)
+    return cells(row, rollout_s, learner_s, dense_s, step_s, last_s, sum(len(t) for _, _, t in finished)), check
+
+
+async def streamed_in_child(
+    generator: TorchGenerator, child: LearnerProcess, plan: Batch
+) -> tuple[float, float, list[Finished]]:
+    """(seconds of the step, seconds to the last trajectory, the trajectories in finish order)."""
+
+    async def feed(item: Finished) -> None:
+        child.send("feed", item)
+
+    start = time.perf_counter()
+    child.send("begin")
+    last, done = await rollout(generator, plan, feed)
+    child.send("end")
+    child.receive("ended")
+    return time.perf_counter() - start, last, done
+
+
+CHECKED = "model.norm.weight"  # the parameter whose gradient the 2-process rows compare element-wise
+
+
+@dataclass(frozen=True)
+class GradientDigest:
+    """A gradient in brief: the norm of all of it and ``CHECKED``'s gradient (host floats)."""
+
+    norm: float
+    checked: list[float]
+
+    @staticmethod
+    def of(model: torch.nn.Module) -> GradientDigest:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        squares = sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads)
+        checked = model.get_parameter(CHECKED).grad
+        assert checked is not None, f"{CHECKED} has no gradient"
+        return GradientDigest(math.sqrt(squares), checked.float().flatten().tolist())
+
+    def errors(self, want: GradientDigest) -> tuple[float, float]:
+        """(relative error of ``CHECKED``'s gradient, relative difference of the norms)."""
+        got, ref = torch.tensor(self.checked, dtype=torch.float64), torch.tensor(want.checked, dtype=torch.float64)
+        return float((got - ref).norm() / ref.norm()), abs(self.norm - want.norm) / want.norm
+
+
+async def gradient_check(
+    row: str, model: torch.nn.Module, child: LearnerProcess, plan: Batch, done: list[Finished], teacher: Any
+) -> str:
+    """The child's streamed gradient against this process's over the same trajectories, same order."""
+    child.send("gradient")
+    (got,) = child.receive("gradient")
+    await learner_alone(Learner(make_objective(row, thundersync.StreamingRun(model)), plan, teacher), done)
+    want = GradientDigest.of(model)
+    model.zero_grad(set_to_none=True)
+    checked, norm = got.errors(want)
+    return (
+        f"{_ROW_NAMES[row]}: {CHECKED} rel. error {checked:.3g}; "
+        f"gradient norm {got.norm:.6g} (child) vs {want.norm:.6g} (one process), rel. {norm:.3g}"
+    )
+
+
+async def serve_learner(model: torch.nn.Module, commands: Any, answers: Any, tiny: bool) -> None:
+    """The learner process's loop over the parent's commands (each answered where it says):
+
+    ``("row", row, plan, finished)``: make and warm the row's learner (OPD: the teacher once),
+    time it alone over ``finished``, answer ``("ready", seconds)``; ``("begin",)``,
+    ``("feed", (group, index, tokens))``: stream the batch; ``("end",)``: ``assert_safe_to_step()``,
+    synchronize, answer ``("ended",)``; ``("gradient",)``: answer the batch's ``GradientDigest``;
+    ``("stop",)``: return.
+    """
+    teacher: torch.nn.Module | None = None
+    learner: Learner | None = None
+    while True:
+        kind, *payload = await anyio.to_thread.run_sync(commands.get)
+        if kind == "row":
+            row, plan, finished = payload
+            if _objective_kind(row) == "opd" and teacher is None:
+                parameter = next(model.parameters())
+                teacher = make_teacher(tiny, parameter.device, parameter.dtype)
+            learner = await warmed_learner(
+                row, model, plan, finished, teacher if _objective_kind(row) == "opd" else None
+            )
+            answers.put(("ready", await learner_alone(learner, finished)))
+        elif kind == "stop":
+            return
+        elif kind == "gradient":
+            answers.put(("gradient", GradientDigest.of(model)))
+        else:
+            assert learner is not None, f"{kind!r} before any row"
+            if kind == "begin":
+                learner.begin()
+            elif kind == "feed":
+                await learner.feed(payload[0])
+            else:
+                assert kind == "end", f"unknown command {kind!r}"
+                learner.end()
+                answers.put(("ended",))
+
+
 def workloads(tiny: bool) -> dict[str, Workload]:
     if tiny:
         return {"main": Workload(2, 3, (12, 20), (4, 32)), "balanced": Workload(2, 3, (48, 64), (4, 12), 0.7, 0.5)}
@@ -255,43 +411,68 @@ def workloads(tiny: bool) -> dict[str, Workload]:
     }
 
 
-async def run_rows(args: argparse.Namespace, model: torch.nn.Module, device: torch.device) -> list[list[Any]]:
-    vocab = model.config.vocab_size
+async def run_rows(
+    args: argparse.Namespace, model: torch.nn.Module, device: torch.device
+) -> tuple[list[list[Any]], list[str]]:
+    """The table's rows and the 2-process rows' gradient checks."""
     shapes = workloads(args.tiny)
     rows: list[list[Any]] = []
+    checks: list[str] = []
     teacher: torch.nn.Module | None = None
-    for workload_name in ("main", "balanced"):
-        wanted = [r for r in args.rows if (r == "balanced") == (workload_name == "balanced")]
-        if not wanted:
-            continue
-        workload = shapes[workload_name]
-        plan = make_plan(workload, vocab, seed=0)
-        longest = max(len(g.prompt) for g in plan) + workload.response[1] + 1
-        generator = TorchGenerator(model, max_batch=min(64, workload.groups * workload.size), max_seq_len=longest)
-        await rollout(generator, plan)  # warm-up: decode graphs for every key length, kernels, allocator
-        rollout_s, finished = await rollout(generator, plan)
-        print(f"[done] {workload_name} rollout alone: {rollout_s:.2f} s", file=sys.stderr, flush=True)
-        for row in wanted:
-            if row == "opd" and teacher is None:
-                teacher = make_teacher(args.tiny, device, next(model.parameters()).dtype)
-            objective = make_objective(row, thundersync.StreamingRun(model))
-            warm = Learner(objective, plan[:1], teacher if row == "opd" else None)  # probes, allocator
-            await learner_alone(warm, [item for item in finished if item[0] == 0])
-            dense_seconds(model, plan[:1], finished, warm.teacher)  # the dense path's kernels and autotuning
-            learner = Learner(objective, plan, teacher if row == "opd" else None)
-            rows.append(await measure_row(_ROW_NAMES[row], model, generator, learner, rollout_s, finished))
-            print(f"[done] {markdown_table(COLUMNS, rows[-1:]).splitlines()[-1]}", file=sys.stderr, flush=True)
-    return rows
+    child: LearnerProcess | None = None
+    try:
+        for workload_name in ("main", "balanced"):
+            wanted = [r for r in args.rows if _workload(r) == workload_name]
+            if not wanted:
+                continue
+            workload = shapes[workload_name]
+            plan = make_plan(workload, model.config.vocab_size, seed=0)
+            longest = max(len(g.prompt) for g in plan) + workload.response[1] + 1
+            generator = TorchGenerator(model, max_batch=min(64, workload.groups * workload.size), max_seq_len=longest)
+            await rollout(generator, plan)  # warm-up: decode graphs for every key length, kernels, allocator
+            rollout_s, finished = await rollout(generator, plan)
+            print(f"[done] {workload_name} rollout alone: {rollout_s:.2f} s", file=sys.stderr, flush=True)
+            for row in wanted:
+                if _objective_kind(row) == "opd" and teacher is None:
+                    teacher = make_teacher(args.tiny, device, next(model.parameters()).dtype)
+                row_teacher = teacher if _objective_kind(row) == "opd" else None
+                if row.endswith(_IN_CHILD):
+                    child = child or LearnerProcess(model, serve_learner, args.tiny)
+                    cells_, check = await measure_in_child(
+                        row, model, generator, child, plan, rollout_s, finished, row_teacher
+                    )
+                    checks.append(check)
+                    print(f"[check] {check}", file=sys.stderr, flush=True)
+                else:
+                    cells_ = await measure_in_process(row, model, generator, plan, rollout_s, finished, row_teacher)
+                rows.append(cells_)
+                print(f"[done] {markdown_table(COLUMNS, rows[-1:]).splitlines()[-1]}", file=sys.stderr, flush=True)
+    finally:
+        if child is not None:
+            child.close()
+    return rows, checks
+
+
+_IN_CHILD = "-2proc"
+
+
+def _objective_kind(row: str) -> str:
+    return row.removesuffix(_IN_CHILD)
+
+
+def _workload(row: str) -> str:
+    return "balanced" if _objective_kind(row) == "balanced" else "main"
 
 
 def make_objective(row: str, run: thundersync.StreamingRun) -> Any:
-    if row == "opd":
+    kind = _objective_kind(row)
+    if kind == "opd":
         return thundersync.OPDStream(run)
-    return thundersync.RewardLinearBackward(run, pack_tokens=0 if row == "grpo-pack0" else 8192)
+    return thundersync.RewardLinearBackward(run, pack_tokens=0 if kind == "grpo-pack0" else 8192)
 
 
 def make_teacher(tiny: bool, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """A second model of the student's shape (other weights), frozen."""
+    """A second model of the student's shape (other weights), frozen; the same in every process."""
     teacher = make_model(tiny, device, dtype).requires_grad_(False)
     generator = torch.Generator(device=device).manual_seed(1)
     with torch.no_grad():
@@ -305,6 +486,9 @@ _ROW_NAMES = {
     "grpo-pack0": "GRPO, pack_tokens=0",
     "opd": "OPD (teacher on the same device)",
     "balanced": "balanced GRPO (prompts ~2048, short responses)",
+    "grpo-2proc": "GRPO, learner in a 2nd process",
+    "opd-2proc": "OPD, learner and teacher in a 2nd process",
+    "balanced-2proc": "balanced GRPO, learner in a 2nd process",
 }
 
 
@@ -316,14 +500,20 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.rows = args.rows.split(",")
+    unknown = [row for row in args.rows if row not in _ROW_NAMES]
+    if unknown:
+        parser.error(f"unknown row(s) {', '.join(unknown)}; the rows are {', '.join(_ROW_NAMES)}")
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
     model = make_model(args.tiny, device, torch.bfloat16 if cuda else torch.float32)
-    rows = anyio.run(run_rows, args, model, device)
+    rows, checks = anyio.run(run_rows, args, model, device)
     print(header(" ".join(["python", *sys.argv])))
     shapes = workloads(args.tiny)
     print(f"workload: {shapes['main']}; balanced: {shapes['balanced']}; dtype {next(model.parameters()).dtype}\n")
     print(markdown_table(COLUMNS, rows))
+    if checks:
+        print("\ngradient check, the learner process's streamed gradient against one process's:")
+        print("\n".join(f"- {check}" for check in checks))
 
 
 if __name__ == "__main__":

@@ -59,3 +59,13 @@ def test_overlap_bench_runs_every_row() -> None:
     for row in ("GRPO, pack_tokens=8192 (default)", "GRPO, pack_tokens=0", "OPD (teacher on the same device)"):
         assert f"| {row} |" in table
     assert "| balanced GRPO " in table and "| hidden | speed-up | rollout slowdown |" in table
+
+
+@pytest.mark.timeout(300)
+def test_overlap_bench_runs_the_learner_in_a_second_process_with_the_same_gradient() -> None:
+    out = _run("overlap.py", "--rows", "grpo-2proc,opd-2proc,balanced-2proc")
+    for row in ("GRPO, learner in a 2nd process", "OPD, learner and teacher in a 2nd process"):
+        assert f"| {row} |" in out
+    assert "| balanced GRPO, learner in a 2nd process |" in out
+    errors = [float(e) for e in re.findall(r"model\.norm\.weight rel\. error ([0-9.e+-]+)", out)]
+    assert len(errors) == 3 and max(errors) < 1e-5, out[-2000:]
