@@ -15,6 +15,7 @@ from thundersync.sandboxes import SandboxLimits, make_sandbox
 from thundersync.sandboxes._process import unshare_available
 from thundersync.sandboxes.local import NotIsolatedWarning
 from thundersync.tasks import AnswerReward, ArithmeticTasks, CalculatorDemonstrations, Demonstration, Task
+from thundersync.tasks.demonstrations import estimate
 from thundersync.tasks.model_teacher import transformers_teacher
 from thundersync.tools import ByteTokenizer, Qwen3ToolCallParser, SandboxToolRunner
 
@@ -83,6 +84,33 @@ def test_all_demonstrations_come_in_the_tasks_order() -> None:
     assert CalculatorDemonstrations.call("1 + 2") == (
         '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>'
     )
+
+
+def test_a_share_of_demonstrations_answers_at_once_with_an_estimate() -> None:
+    """direct_fraction: that share of the episodes (seeded) is the prompt and a two-digit estimate,
+    a well-formed answer the reward scores as wrong; the rest are calculator episodes."""
+    tasks = ArithmeticTasks(count=400, seed=5, terms=2, operators=("*",), low=317, high=999)
+    mixed = CalculatorDemonstrations(tasks=tasks, end_token_id=END, direct_fraction=0.25, seed=7).demonstrations()
+    assert (
+        mixed == CalculatorDemonstrations(tasks=tasks, end_token_id=END, direct_fraction=0.25, seed=7).demonstrations()
+    )
+    direct = 0
+    for demo, task in zip(mixed, tasks.tasks()):
+        pieces = _pieces(demo)
+        if len(pieces) == 2:
+            direct += 1
+            value = int(task.fields["answer"])
+            written = TOKENS.decode(pieces[1][1][:-1])
+            assert written == f"<answer>{round(value, -4)}</answer>" and pieces[1][1][-1] == END
+        else:
+            assert len(pieces) == 4
+    assert 70 <= direct <= 130  # 100 expected of 400
+    assert all(len(_pieces(d)) == 4 for d in CalculatorDemonstrations(tasks=tasks, end_token_id=END).demonstrations())
+    assert estimate("287663") == "290000" and estimate("-4521") == "-4500" and estimate("95") == "95"
+    with pytest.raises(ConfigError, match=r"needs an integer answer, got '1.5'"):
+        estimate("1.5")
+    with pytest.raises(ConfigError, match=r"direct_fraction is a share of the episodes, in \[0, 1\]; got 1.5"):
+        CalculatorDemonstrations(tasks=tasks, end_token_id=END, direct_fraction=1.5)
 
 
 def test_a_calculator_demonstration_needs_an_expression_and_an_answer() -> None:

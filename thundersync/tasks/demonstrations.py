@@ -21,11 +21,24 @@ The call is Qwen3's ``<tool_call>`` JSON (:class:`~thundersync.tools.Qwen3ToolCa
 parses it), the observation is that parser's answer to a calculator whose output is the value,
 exactly what the ``sandbox-tools`` runner sends back, and ``[end]`` is ``end_token_id``: the
 token generate stops an action at (its ``stop_token_ids``).
+
+With ``direct_fraction`` > 0, that share of the episodes (drawn with ``seed``) skips the tool and
+answers at once with a two-significant-digit estimate, as a person would without a calculator::
+
+    What is 347 * 293 - 118? Use the calculator tool, then answer with <answer>N</answer>.
+    <answer>100000</answer>[end]
+
+A warm-up on such a mix teaches both formats and leaves the choice between them to reinforcement
+learning: a policy that calls the tool in about ``1 - direct_fraction`` of its samples, whose
+direct answers are well-formed but almost always wrong. GRPO then has a clear signal to learn
+from (a group's calls earn 1, its estimates the format reward), which is the point of the shipped
+agent example.
 """
 
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Mapping
 from typing import Annotated, Any, Protocol, runtime_checkable
 
@@ -69,6 +82,8 @@ class CalculatorDemonstrations:
     Each task needs the fields ``expression`` (what the call passes to the calculator) and
     ``answer`` (the calculator's output, and the final answer). ``tokenizer`` (default
     :class:`~thundersync.tools.ByteTokenizer`) encodes the text; ``end_token_id`` ends each action.
+    ``direct_fraction`` of the episodes, drawn with ``seed``, answer at once with an estimate
+    instead (see the module docstring; their answer must be an integer).
     """
 
     def __init__(
@@ -77,24 +92,36 @@ class CalculatorDemonstrations:
         tasks: TaskSource,
         end_token_id: Annotated[int, msgspec.Meta(ge=0)],
         tokenizer: Tokenizer | None = None,
+        direct_fraction: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0,
+        seed: int = 0,
     ) -> None:
+        if not 0.0 <= direct_fraction <= 1.0:
+            raise ConfigError(f"direct_fraction is a share of the episodes, in [0, 1]; got {direct_fraction}")
         self.tasks = tasks
         self.end_token_id = end_token_id
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self.parser = Qwen3ToolCallParser(self.tokenizer)
+        self.direct_fraction, self.seed = direct_fraction, seed
 
     def demonstrations(self) -> list[Demonstration]:
-        return [self.demonstration(task) for task in self.tasks.tasks()]
+        draw = random.Random(self.seed)
+        return [self.demonstration(task, direct=draw.random() < self.direct_fraction) for task in self.tasks.tasks()]
 
-    def demonstration(self, task: Task) -> Demonstration:
-        """The episode of one task: prompt, call, observation, answer."""
+    def demonstration(self, task: Task, *, direct: bool = False) -> Demonstration:
+        """The episode of one task: prompt, call, observation, answer; or, ``direct``, the prompt
+        and an estimated answer."""
         expression, answer = _fields(task.fields)
         ids, written = list(task.prompt_ids), [False] * len(task.prompt_ids)
-        for text, writes in (
-            (self.call(expression), True),
-            (self.parser.observation([answer]), False),
-            (f"<answer>{answer}</answer>", True),
-        ):
+        actions = (
+            [(f"<answer>{estimate(answer)}</answer>", True)]
+            if direct
+            else [
+                (self.call(expression), True),
+                (self.parser.observation([answer]), False),
+                (f"<answer>{answer}</answer>", True),
+            ]
+        )
+        for text, writes in actions:
             tokens = list(self.tokenizer.encode(text)) + ([self.end_token_id] if writes else [])
             ids += tokens
             written += [writes] * len(tokens)
@@ -105,6 +132,17 @@ class CalculatorDemonstrations:
         """The action that asks the calculator for ``expression``."""
         body = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
         return f"<tool_call>{body}</tool_call>"
+
+
+def estimate(answer: str) -> str:
+    """``answer`` (an integer) rounded to two significant digits: 287663 -> "290000", -4521 -> "-4500"."""
+    try:
+        value = int(answer)
+    except ValueError:
+        raise ConfigError(
+            f"a direct (estimated) answer needs an integer answer, got {answer!r}; use integer tasks or direct_fraction = 0"
+        ) from None
+    return str(round(value, 2 - len(str(abs(value)))))
 
 
 def _fields(fields: Mapping[str, Any]) -> tuple[str, str]:
