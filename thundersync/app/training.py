@@ -89,9 +89,10 @@ def grpo(
     estimator: Estimator = "grpo",
     eps: Annotated[float, msgspec.Meta(ge=0)] = 1e-6,
     pack_tokens: _NonNegative = 8192,
+    stream_early: bool = True,
 ) -> RewardLinearBackward:
     """``grpo``: a :class:`~thundersync.grpo.RewardLinearBackward` (GRPO-family objective) on ``run``."""
-    return RewardLinearBackward(run, estimator=estimator, eps=eps, pack_tokens=pack_tokens)
+    return RewardLinearBackward(run, estimator=estimator, eps=eps, pack_tokens=pack_tokens, stream_early=stream_early)
 
 
 def opd(
