@@ -26,8 +26,8 @@ Columns, each measured in the same run:
   rollout alone; ``tail``: from the last trajectory to the end of the step; tokens/s: generated
   tokens over the step's time.
 
-Rows: GRPO with the default packing (``stream_early``), with the old default
-(``grpo-late``: ``stream_early=False``, branches wait for 8192 tokens or their group's close) and
+Rows: GRPO with the default packing (branches wait for 8192 tokens or their group's close), with
+``stream_early=True`` (``grpo-early``: a close that finds the worker idle submits what waits) and
 with ``pack_tokens=0``, OPD, and a balanced GRPO
 workload whose learner costs about as much as its rollout (prompts ~2048, responses
 64 x lognormal(0.7, 0.5) clipped to 64..512), where the ceiling is close to 2x.
@@ -471,7 +471,7 @@ def make_objective(row: str, run: thundersync.StreamingRun) -> Any:
     if kind == "opd":
         return thundersync.OPDStream(run)
     return thundersync.RewardLinearBackward(
-        run, pack_tokens=0 if kind == "grpo-pack0" else 8192, stream_early=kind != "grpo-late"
+        run, pack_tokens=0 if kind == "grpo-pack0" else 8192, stream_early=kind == "grpo-early"
     )
 
 
@@ -486,8 +486,8 @@ def make_teacher(tiny: bool, device: torch.device, dtype: torch.dtype) -> torch.
 
 
 _ROW_NAMES = {
-    "grpo": "GRPO, pack_tokens=8192, stream_early (default)",
-    "grpo-late": "GRPO, pack_tokens=8192, stream_early=False",
+    "grpo": "GRPO, pack_tokens=8192 (default)",
+    "grpo-early": "GRPO, pack_tokens=8192, stream_early=True",
     "grpo-pack0": "GRPO, pack_tokens=0",
     "opd": "OPD (teacher on the same device)",
     "balanced": "balanced GRPO (prompts ~2048, short responses)",
@@ -501,7 +501,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model and batch on CPU (seconds)")
     parser.add_argument(
-        "--rows", default="grpo,grpo-late,opd,grpo-pack0,balanced", help=f"comma-separated, of {', '.join(_ROW_NAMES)}"
+        "--rows", default="grpo,grpo-early,opd,grpo-pack0,balanced", help=f"comma-separated, of {', '.join(_ROW_NAMES)}"
     )
     args = parser.parse_args()
     args.rows = args.rows.split(",")

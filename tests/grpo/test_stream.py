@@ -141,7 +141,7 @@ def test_streaming_early_beside_a_worker_busy_at_random_equals_the_dense_referen
 def test_a_closed_branch_waits_while_the_worker_is_busy_and_goes_at_the_next_idle_close() -> None:
     """retained_bytes() counts the tensors of work that ran: zero while every branch waits."""
     run = thundersync.StreamingRun(tiny_qwen3(), background=True)
-    grpo = thundersync.RewardLinearBackward(run)  # stream_early and pack_tokens=8192 by default
+    grpo = thundersync.RewardLinearBackward(run, stream_early=True)  # pack_tokens=8192 by default
     for g in ("a", "b"):
         grpo.open_group(g, [1, 2, 3])
         grpo.append_turn(g, 0, [4, 5], [True, True])

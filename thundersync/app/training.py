@@ -89,7 +89,7 @@ def grpo(
     estimator: Estimator = "grpo",
     eps: Annotated[float, msgspec.Meta(ge=0)] = 1e-6,
     pack_tokens: _NonNegative = 8192,
-    stream_early: bool = True,
+    stream_early: bool = False,
 ) -> RewardLinearBackward:
     """``grpo``: a :class:`~thundersync.grpo.RewardLinearBackward` (GRPO-family objective) on ``run``."""
     return RewardLinearBackward(run, estimator=estimator, eps=eps, pack_tokens=pack_tokens, stream_early=stream_early)

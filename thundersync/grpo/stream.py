@@ -10,7 +10,7 @@ g_i = grad S_i does not depend on any reward, so a closed branch can run before 
 closes: ready branches of an open group are packed by equal reward r and add G2 += g_pack,
 G1 += (r - r0) g_pack (r0: the first such reward of the group), with the same pair of ledgers
 for the adjoint of the prompt's K/V state (computed once, when the first such pack runs).
-With ``stream_early`` (the default) a closed branch does not wait for a pack while the
+With ``stream_early`` (off by default; see below) a closed branch does not wait for a pack while the
 engine's worker is idle: at every trajectory close that finds the worker with nothing running
 or queued, every open group's waiting branches are submitted through the same linear path, so
 packs grow by themselves only while the worker is busy (a branch that waits goes with the next
@@ -34,6 +34,9 @@ idle at random: at most 3.5e-7 relative to the fp64 dense gradient (3.6e-7 witho
 most 3.2e-7 between the two (tests/grpo/test_stream.py). No rule that reads only the calls can
 know when the worker is free, so this is not made deterministic: the cost is that two runs of
 one batch agree to rounding, not bitwise (``stream_early=False`` when bitwise matters).
+It is off by default because the H200 overlap benchmark measured it slower in one process
+(bench/RESULTS.md, "Streaming early"): small early packs cost host time that the generator's
+thread then waits for under the GIL (streamed step 14.48 s against 11.93 s with it off).
 
 Which groups and trajectories are open or closed is kept by
 :class:`~thundersync.engine.groups.OpenGroups`; this module keeps only GRPO's payloads: per group
@@ -102,7 +105,7 @@ class RewardLinearBackward:
         eps: Annotated[float, msgspec.Meta(ge=0)] = 1e-6
         estimator: Estimator = "grpo"
         pack_tokens: Annotated[int, msgspec.Meta(ge=0)] = 8192
-        stream_early: bool = True
+        stream_early: bool = False
 
     signal: Signal = "reward"
 
