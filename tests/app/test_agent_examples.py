@@ -34,9 +34,11 @@ SHAPES = dict(
     head_dim=16,
 )
 KEYS = STEP_KEYS - {"event"} | {"reverse_kl"}  # a step record without its JSON-lines "event" field
-# A short run: a warm-up long enough that the model writes tool calls, one step of 2 groups x 4
+# A short run: a warm-up long enough that the model writes tool calls (on calculator episodes only:
+# 40 steps on the files' half-and-half mix can leave a policy that never calls), one step of 2 groups x 4
 SHORT = [
     "run.steps=1",
+    "objects.demonstrations.direct_fraction=0",
     "objects.model.steps=40",
     "objects.model.lr=1e-2",
     "objects.model.batch_size=8",
