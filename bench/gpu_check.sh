@@ -28,6 +28,14 @@ step pack_cost "${PACK_LIMIT:-90}" python3 bench/engine_pack.py
 step generate "${GENERATE_LIMIT:-120}" python3 bench/generate.py
 step overlap "${OVERLAP_LIMIT:-240}" python3 bench/overlap.py ${OVERLAP_ROWS:+--rows $OVERLAP_ROWS}
 step examples 60 bash -c "python3 examples/streaming_grpo.py && python3 examples/streaming_opd.py"
+# The agent example on a Qwen3-0.6B-shaped model (byte vocabulary), in a scratch directory; metrics to $out.
+step agent "${AGENT_LIMIT:-240}" bash -c "d=\$(mktemp -d) && ln -s '$PWD/examples' \$d/examples && cd \$d && \
+    python3 -m thundersync run examples/agent_grpo.toml --no-progress --set run.device=cuda \
+    --set run.metrics='$out/agent_grpo.jsonl' --set run.steps=${AGENT_STEPS:-8} --set objects.schedule.decay_steps=8 \
+    --set objects.base_model.config.hidden_size=1024 --set objects.base_model.config.intermediate_size=3072 \
+    --set objects.base_model.config.num_hidden_layers=28 --set objects.base_model.config.num_attention_heads=16 \
+    --set objects.base_model.config.num_key_value_heads=8 --set objects.base_model.config.head_dim=128 \
+    --set objects.base_model.dtype=bfloat16 --set objects.model.lr=3e-4 --set objects.optimizer.lr=2e-5"
 # GPU_TESTS narrows the tests (default: every file that has `gpu` tests).
 step gpu_tests "${TESTS_LIMIT:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 \
     ${GPU_TESTS:-tests/kernels/test_gpu.py tests/grpo tests/opd tests/generation tests/engine/test_streams.py tests/app/test_checkpoint.py tests/app/test_train_file.py}
