@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from thundersync.app._plot import SIZE_PX, plot_metrics
+from thundersync.app._plot import SIZE_PX, draw, plot_metrics, read_steps
 from thundersync.app.cli import main
 from thundersync.errors import MissingExtraError
 
@@ -54,6 +54,19 @@ def test_plot_writes_a_png_of_the_expected_size_beside_the_metrics(
     png = tmp_path / "metrics.png"
     assert capsys.readouterr().out == f"{png}\n"
     assert _png_size(png) == SIZE_PX
+
+
+def test_a_distillation_runs_reverse_kl_is_drawn_beside_the_reward(tmp_path: Path) -> None:
+    """Only when the steps have a reverse_kl (OPD), on a right-hand axis of the reward panel."""
+    pytest.importorskip("matplotlib")
+    steps = read_steps(_metrics(tmp_path))
+    assert [axes.get_ylabel() for axes in draw(steps, "grpo").axes] == ["reward", "seconds"]
+    for record in steps:
+        record["reverse_kl"] = 1.0 / record["step"]
+    steps[0]["reverse_kl"] = None  # a step without the metric is a gap
+    kl_axes = [axes for axes in draw(steps, "opd").axes if axes.get_ylabel() == "reverse KL (per token)"]
+    (line,) = kl_axes[0].get_lines()
+    assert list(line.get_ydata())[1:] == [1.0 / record["step"] for record in steps[1:]]
 
 
 def test_plot_writes_where_out_says(tmp_path: Path) -> None:

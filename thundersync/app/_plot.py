@@ -1,8 +1,9 @@
 """``thundersync plot METRICS.jsonl``: reward and step-time curves of a run, as a PNG (private).
 
 Reads the ``step`` lines of a metrics file (:mod:`thundersync.app.metrics`) and draws two panels
-over the step number: the batch-mean reward with a ± one standard deviation band, and the step
-time split into rollout and learn time. matplotlib (the ``plot`` extra) is imported only here,
+over the step number: the batch-mean reward with a ± one standard deviation band (and, for a
+distillation run, its ``reverse_kl`` on a right-hand axis), and the step time split into rollout
+and learn time. matplotlib (the ``plot`` extra) is imported only here,
 and only when a plot is drawn; no pyplot, so no global figure state.
 """
 
@@ -11,11 +12,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from thundersync.errors import ConfigError, MissingExtraError
 
-__all__ = ["SIZE_PX", "plot_metrics", "read_steps"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["SIZE_PX", "draw", "plot_metrics", "read_steps"]
 
 SIZE_PX: Final = (1000, 700)
 """Width and height of the PNG, in pixels."""
@@ -53,11 +57,23 @@ def read_steps(path: Path) -> list[dict[str, Any]]:
 def plot_metrics(path: Path, out: Path | None = None) -> Path:
     """Draw the curves of the metrics file ``path`` to ``out`` (default: beside it, ``.png``)."""
     steps = read_steps(path)
+    out = path.with_suffix(".png") if out is None else out
+    figure = draw(steps, path.name)
+    try:
+        figure.savefig(out, format="png")
+    except OSError as error:
+        raise ConfigError(
+            f"cannot write the plot {out}: {error.strerror or error}; give --out a writable path"
+        ) from None
+    return out
+
+
+def draw(steps: list[dict[str, Any]], title: str) -> Figure:
+    """The figure of ``steps`` (records as :func:`read_steps` returns them)."""
     try:
         from matplotlib.figure import Figure
     except ImportError as error:
         raise MissingExtraError("thundersync plot", "plot", "matplotlib") from error
-    out = path.with_suffix(".png") if out is None else out
     figure = Figure(figsize=(SIZE_PX[0] / _DPI, SIZE_PX[1] / _DPI), dpi=_DPI, layout="constrained")
     reward, time = figure.subplots(2, 1, sharex=True)
     x = [int(record["step"]) for record in steps]
@@ -68,20 +84,20 @@ def plot_metrics(path: Path, out: Path | None = None) -> Path:
         x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.25, label="± std"
     )
     reward.set_ylabel("reward")
-    reward.legend(loc="best")
+    reward.legend(loc="upper left")
+    kl = [_number(record.get("reverse_kl")) for record in steps]
+    if not all(math.isnan(value) for value in kl):  # a distillation run: its loss beside the reward
+        right = reward.twinx()
+        right.plot(x, kl, marker="s", markersize=3, color="tab:red", label="reverse KL")
+        right.set_ylabel("reverse KL (per token)")
+        right.legend(loc="upper right")
     for key in ("step_s", "rollout_s", "learn_s"):
         time.plot(x, [_number(record.get(key)) for record in steps], marker="o", markersize=3, label=key)
     time.set_xlabel("step")
     time.set_ylabel("seconds")
     time.legend(loc="best")
-    figure.suptitle(path.name)
-    try:
-        figure.savefig(out, format="png")
-    except OSError as error:
-        raise ConfigError(
-            f"cannot write the plot {out}: {error.strerror or error}; give --out a writable path"
-        ) from None
-    return out
+    figure.suptitle(title)
+    return figure
 
 
 def _number(value: Any) -> float:
