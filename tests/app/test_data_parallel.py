@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMISSION = '\n[objects.admission]\nfactory = "admission"\nmax_groups = 1\n'
+SHARD = "objects.optimizer.shard_state=true"
 
 
 @pytest.fixture
@@ -79,8 +81,8 @@ def _relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
     return num / sum(float(w.pow(2).sum()) for w in want.values()) ** 0.5
 
 
-def _single_process(tmp: Path, per_batch: int) -> Path:
-    """The final checkpoint of the one-process run of two epochs (8 groups)."""
+def _single_process(tmp: Path, per_batch: int, *extra: str, repeat: int = 2) -> Path:
+    """The final checkpoint of the one-process run of ``repeat`` epochs (4 groups each)."""
     tmp.mkdir()
     argv = [
         "run",
@@ -88,7 +90,7 @@ def _single_process(tmp: Path, per_batch: int) -> Path:
         "--metrics",
         str(tmp / "m.jsonl"),
         "--no-progress",
-        *_sets(tmp, 2, per_batch=per_batch),
+        *_sets(tmp, repeat, *extra, per_batch=per_batch),
     ]
     assert main(argv) == 0
     (last,) = (tmp / "ckpt").iterdir()
@@ -124,6 +126,50 @@ def test_two_ranks_resume_from_a_checkpoint_and_reach_the_uninterrupted_paramete
     first = _torchrun(tmp_path, *_sets(tmp_path, 1, per_batch=2))
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = _torchrun(tmp_path, *_sets(tmp_path, 2, per_batch=2), "--overwrite", "--resume", str(tmp_path / "ckpt"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r["event"] == "step"] == [3, 4]
+    error = _relative_error(_weights(tmp_path / "ckpt" / "step-00000004"), _weights(want))
+    assert error < 1e-10, f"relative error {error:.3g}"
+
+
+def _optimizer_state(checkpoint: Path) -> dict[int, dict[str, torch.Tensor]]:
+    state: dict[int, dict[str, torch.Tensor]] = torch.load(checkpoint / "training_state.pt")["optimizer"]["state"]
+    return state
+
+
+def test_two_ranks_with_sharded_optimizer_state_reach_the_single_process_parameters_and_state(
+    tmp_path: Path, tiny: Path
+) -> None:
+    """``shard_state = true``: ZeRO-1, each rank keeps the AdamW state of its part of the parameters;
+    the checkpoint gathers the whole state on rank 0 (the single process's, to 1e-10)."""
+    want = _single_process(tmp_path / "single", per_batch=3)
+    done = _torchrun(tmp_path, *_sets(tmp_path, 2, SHARD), "--verbose")
+    assert done.returncode == 0, done.stderr[-3000:]
+    shards = re.findall(r"event='optimizer_sharded' parameters='(\d+) of (\d+)' rank=(\d)", done.stderr)
+    assert sorted(rank for _, _, rank in shards) == ["0", "1"], done.stderr[-3000:]
+    assert sum(int(here) for here, _, _ in shards) == int(shards[0][1]) == len(_weights(want))
+    got = tmp_path / "ckpt" / "step-00000003"
+    error = _relative_error(_weights(got), _weights(want))
+    assert error < 1e-10, f"relative error {error:.3g}"
+    state, want_state = _optimizer_state(got), _optimizer_state(want)
+    assert state.keys() == want_state.keys() and len(state) == len(_weights(want))
+    for index, moments in want_state.items():
+        assert float(state[index]["step"]) == float(moments["step"]) == 3
+        for name in ("exp_avg", "exp_avg_sq"):
+            error = _relative_error({name: state[index][name]}, {name: moments[name]})
+            assert error < 1e-10, f"{name} of parameter {index}: relative error {error:.3g}"
+
+
+def test_two_ranks_with_sharded_optimizer_state_resume_and_reach_the_uninterrupted_parameters(
+    tmp_path: Path, tiny: Path
+) -> None:
+    """Batches of 2 groups, ZeRO-1: one epoch (steps 1-2), then resumed for the second (steps 3-4)."""
+    want = _single_process(tmp_path / "single", per_batch=2)
+    first = _torchrun(tmp_path, *_sets(tmp_path, 1, SHARD, per_batch=2))
+    assert first.returncode == 0, first.stderr[-3000:]
+    args = (*_sets(tmp_path, 2, SHARD, per_batch=2), "--overwrite", "--resume", str(tmp_path / "ckpt"))
+    resumed = _torchrun(tmp_path, *args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if r["event"] == "step"] == [3, 4]
