@@ -32,6 +32,11 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 ADMISSION = '\n[objects.admission]\nfactory = "admission"\nmax_groups = 1\n'
 SHARD = "objects.optimizer.shard_state=true"
+SLOW_REWARD = (
+    'objects.scorer.factory="function-reward"',
+    'objects.scorer.function="tests.app.rank_rewards:slow_even_tokens"',
+    "objects.scorer.text=false",
+)
 
 
 @pytest.fixture
@@ -39,6 +44,14 @@ def tiny(tmp_path: Path) -> Path:
     """examples/train_tiny_grpo.toml with an admission object."""
     path = tmp_path / "tiny.toml"
     path.write_text((ROOT / "examples" / "train_tiny_grpo.toml").read_text() + ADMISSION)
+    return path
+
+
+@pytest.fixture
+def unbounded(tmp_path: Path) -> Path:
+    """examples/train_tiny_grpo.toml as it is: no admission object."""
+    path = tmp_path / "tiny.toml"
+    path.write_text((ROOT / "examples" / "train_tiny_grpo.toml").read_text())
     return path
 
 
@@ -174,6 +187,24 @@ def test_two_ranks_with_sharded_optimizer_state_resume_and_reach_the_uninterrupt
     lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if r["event"] == "step"] == [3, 4]
     error = _relative_error(_weights(tmp_path / "ckpt" / "step-00000004"), _weights(want))
+    assert error < 1e-10, f"relative error {error:.3g}"
+
+
+def test_without_an_admission_each_rank_claims_at_most_its_share_of_a_batch(tmp_path: Path, unbounded: Path) -> None:
+    """8 groups per batch over 2 ranks and no admission object: each rank has at most 4 groups in
+    flight, so neither takes more than 4 of a batch while the other claims, and the update is still
+    the single process's. The reward pauses (``slow_even_tokens``) so that a group stays in flight
+    longer than the ranks' start may differ, as real rollouts do: a rank that came to a batch alone
+    may claim more than its share once its own groups close (the bound is on groups in flight)."""
+    want = _single_process(tmp_path / "single", 8, *SLOW_REWARD, repeat=4)
+    done = _torchrun(tmp_path, *_sets(tmp_path, 4, *SLOW_REWARD, per_batch=8), "--verbose")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("event='admission bound' max_groups=4") == 2, done.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if r["event"] == "step"]
+    assert [r["in_flight_groups"] <= 4 for r in steps] == [True, True]  # rank 0's admission
+    assert [r["groups_per_rank"] for r in steps] == [[4, 4], [4, 4]]
+    error = _relative_error(_weights(tmp_path / "ckpt" / "step-00000002"), _weights(want))
     assert error < 1e-10, f"relative error {error:.3g}"
 
 
