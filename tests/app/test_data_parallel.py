@@ -4,7 +4,8 @@ The tests launch ``python -m torch.distributed.run --nproc-per-node 2 --standalo
 run`` on the tiny GRPO file (fp64 model, 3 groups per batch, so the ranks' shares are uneven and
 decided at run time) and compare the final checkpoint with the single-process run's. The file
 gets an admission of one group in flight, so a rank claims a group only when it has room and
-both ranks take part (without a bound the first rank at a batch may claim all of it). Rollouts are
+both ranks take part (without one, each rank may have its share of a batch in flight: 2 of 3
+groups). Rollouts are
 a pure function of (seed, group, trajectory, turn) and the weights (``GenerateStage`` derives each
 request's seed from its ids, ``TorchGenerator``'s sampling is counter-based), so a group samples
 the same tokens whichever rank claims it.
