@@ -1,4 +1,4 @@
-"""A test-only reward function for data-parallel runs: fails on one rank, on request.
+"""Test-only reward functions for data-parallel runs: one fails on one rank, on request; one is slow.
 
 ``THUNDERSYNC_TEST_FAIL_RANK`` names the rank that fails and ``THUNDERSYNC_TEST_FAIL_HOW`` how:
 ``raise`` (a ValueError: the rank reports it and exits) or ``kill`` (SIGKILL: no word at all).
@@ -11,6 +11,8 @@ import os
 import signal
 from typing import Any
 
+import anyio
+
 _calls = 0
 
 
@@ -22,4 +24,11 @@ def even_tokens(prompt: list[int], completion: list[int], task: dict[str, Any]) 
         if os.environ.get("THUNDERSYNC_TEST_FAIL_HOW") == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise ValueError(f"reward crashed on rank {os.environ['RANK']} (test)")
+    return sum(1 for token in completion if token % 2 == 0) / max(len(completion), 1)
+
+
+async def slow_even_tokens(prompt: list[int], completion: list[int], task: dict[str, Any]) -> float:
+    """``even_tokens``'s reward after a pause of ``THUNDERSYNC_TEST_REWARD_S`` seconds (default 0.3),
+    so that a group stays in flight about as long as it takes the other rank to claim its share."""
+    await anyio.sleep(float(os.environ.get("THUNDERSYNC_TEST_REWARD_S", "0.3")))
     return sum(1 for token in completion if token % 2 == 0) / max(len(completion), 1)

@@ -45,6 +45,12 @@ def test_check_refuses_optimizer_options_torch_would_refuse(override: str, messa
         check_pipeline(loads(TINY, [override]))
 
 
+def test_check_accepts_shard_state_and_refuses_a_non_bool() -> None:
+    check_pipeline(loads(TINY, ["objects.optimizer.shard_state=true"]))
+    with pytest.raises(DefinitionError, match=r"^objects.optimizer.shard_state: Expected `bool`, got `int`"):
+        check_pipeline(loads(TINY, ["objects.optimizer.shard_state=1"]))
+
+
 def test_check_accepts_any_torch_optim_class_with_its_own_options() -> None:
     check_pipeline(loads(TINY, ['objects.optimizer.name="SGD"', "objects.optimizer.momentum=0.9"]))
 

@@ -4,7 +4,8 @@ The tests launch ``python -m torch.distributed.run --nproc-per-node 2 --standalo
 run`` on the tiny GRPO file (fp64 model, 3 groups per batch, so the ranks' shares are uneven and
 decided at run time) and compare the final checkpoint with the single-process run's. The file
 gets an admission of one group in flight, so a rank claims a group only when it has room and
-both ranks take part (without a bound the first rank at a batch may claim all of it). Rollouts are
+both ranks take part (without one, each rank may have its share of a batch in flight: 2 of 3
+groups). Rollouts are
 a pure function of (seed, group, trajectory, turn) and the weights (``GenerateStage`` derives each
 request's seed from its ids, ``TorchGenerator``'s sampling is counter-based), so a group samples
 the same tokens whichever rank claims it.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -30,6 +32,12 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMISSION = '\n[objects.admission]\nfactory = "admission"\nmax_groups = 1\n'
+SHARD = "objects.optimizer.shard_state=true"
+SLOW_REWARD = (
+    'objects.scorer.factory="function-reward"',
+    'objects.scorer.function="tests.app.rank_rewards:slow_even_tokens"',
+    "objects.scorer.text=false",
+)
 
 
 @pytest.fixture
@@ -37,6 +45,14 @@ def tiny(tmp_path: Path) -> Path:
     """examples/train_tiny_grpo.toml with an admission object."""
     path = tmp_path / "tiny.toml"
     path.write_text((ROOT / "examples" / "train_tiny_grpo.toml").read_text() + ADMISSION)
+    return path
+
+
+@pytest.fixture
+def unbounded(tmp_path: Path) -> Path:
+    """examples/train_tiny_grpo.toml as it is: no admission object."""
+    path = tmp_path / "tiny.toml"
+    path.write_text((ROOT / "examples" / "train_tiny_grpo.toml").read_text())
     return path
 
 
@@ -79,8 +95,8 @@ def _relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
     return num / sum(float(w.pow(2).sum()) for w in want.values()) ** 0.5
 
 
-def _single_process(tmp: Path, per_batch: int) -> Path:
-    """The final checkpoint of the one-process run of two epochs (8 groups)."""
+def _single_process(tmp: Path, per_batch: int, *extra: str, repeat: int = 2) -> Path:
+    """The final checkpoint of the one-process run of ``repeat`` epochs (4 groups each)."""
     tmp.mkdir()
     argv = [
         "run",
@@ -88,7 +104,7 @@ def _single_process(tmp: Path, per_batch: int) -> Path:
         "--metrics",
         str(tmp / "m.jsonl"),
         "--no-progress",
-        *_sets(tmp, 2, per_batch=per_batch),
+        *_sets(tmp, repeat, *extra, per_batch=per_batch),
     ]
     assert main(argv) == 0
     (last,) = (tmp / "ckpt").iterdir()
@@ -128,6 +144,68 @@ def test_two_ranks_resume_from_a_checkpoint_and_reach_the_uninterrupted_paramete
     lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if r["event"] == "step"] == [3, 4]
     error = _relative_error(_weights(tmp_path / "ckpt" / "step-00000004"), _weights(want))
+    assert error < 1e-10, f"relative error {error:.3g}"
+
+
+def _optimizer_state(checkpoint: Path) -> dict[int, dict[str, torch.Tensor]]:
+    state: dict[int, dict[str, torch.Tensor]] = torch.load(checkpoint / "training_state.pt")["optimizer"]["state"]
+    return state
+
+
+def test_two_ranks_with_sharded_optimizer_state_reach_the_single_process_parameters_and_state(
+    tmp_path: Path, tiny: Path
+) -> None:
+    """``shard_state = true``: ZeRO-1, each rank keeps the AdamW state of its part of the parameters;
+    the checkpoint gathers the whole state on rank 0 (the single process's, to 1e-10)."""
+    want = _single_process(tmp_path / "single", per_batch=3)
+    done = _torchrun(tmp_path, *_sets(tmp_path, 2, SHARD), "--verbose")
+    assert done.returncode == 0, done.stderr[-3000:]
+    shards = re.findall(r"event='optimizer_sharded' parameters='(\d+) of (\d+)' rank=(\d)", done.stderr)
+    assert sorted(rank for _, _, rank in shards) == ["0", "1"], done.stderr[-3000:]
+    assert sum(int(here) for here, _, _ in shards) == int(shards[0][1]) == len(_weights(want))
+    got = tmp_path / "ckpt" / "step-00000003"
+    error = _relative_error(_weights(got), _weights(want))
+    assert error < 1e-10, f"relative error {error:.3g}"
+    state, want_state = _optimizer_state(got), _optimizer_state(want)
+    assert state.keys() == want_state.keys() and len(state) == len(_weights(want))
+    for index, moments in want_state.items():
+        assert float(state[index]["step"]) == float(moments["step"]) == 3
+        for name in ("exp_avg", "exp_avg_sq"):
+            error = _relative_error({name: state[index][name]}, {name: moments[name]})
+            assert error < 1e-10, f"{name} of parameter {index}: relative error {error:.3g}"
+
+
+def test_two_ranks_with_sharded_optimizer_state_resume_and_reach_the_uninterrupted_parameters(
+    tmp_path: Path, tiny: Path
+) -> None:
+    """Batches of 2 groups, ZeRO-1: one epoch (steps 1-2), then resumed for the second (steps 3-4)."""
+    want = _single_process(tmp_path / "single", per_batch=2)
+    first = _torchrun(tmp_path, *_sets(tmp_path, 1, SHARD, per_batch=2))
+    assert first.returncode == 0, first.stderr[-3000:]
+    args = (*_sets(tmp_path, 2, SHARD, per_batch=2), "--overwrite", "--resume", str(tmp_path / "ckpt"))
+    resumed = _torchrun(tmp_path, *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r["event"] == "step"] == [3, 4]
+    error = _relative_error(_weights(tmp_path / "ckpt" / "step-00000004"), _weights(want))
+    assert error < 1e-10, f"relative error {error:.3g}"
+
+
+def test_without_an_admission_each_rank_claims_at_most_its_share_of_a_batch(tmp_path: Path, unbounded: Path) -> None:
+    """8 groups per batch over 2 ranks and no admission object: each rank has at most 4 groups in
+    flight, so neither takes more than 4 of a batch while the other claims, and the update is still
+    the single process's. The reward pauses (``slow_even_tokens``) so that a group stays in flight
+    longer than the ranks' start may differ, as real rollouts do: a rank that came to a batch alone
+    may claim more than its share once its own groups close (the bound is on groups in flight)."""
+    want = _single_process(tmp_path / "single", 8, *SLOW_REWARD, repeat=4)
+    done = _torchrun(tmp_path, *_sets(tmp_path, 4, *SLOW_REWARD, per_batch=8), "--verbose")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("event='admission bound' max_groups=4") == 2, done.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if r["event"] == "step"]
+    assert [r["in_flight_groups"] <= 4 for r in steps] == [True, True]  # rank 0's admission
+    assert [r["groups_per_rank"] for r in steps] == [[4, 4], [4, 4]]
+    error = _relative_error(_weights(tmp_path / "ckpt" / "step-00000002"), _weights(want))
     assert error < 1e-10, f"relative error {error:.3g}"
 
 

@@ -118,6 +118,15 @@ def test_optimizer_by_name_maximizes_grpo_and_minimizes_opd() -> None:
     assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["maximize"] is False
 
 
+def test_optimizer_with_sharded_state_in_one_process_is_the_plain_optimizer(caplog: pytest.LogCaptureFixture) -> None:
+    run = training.streaming_run(model=models.model(config=SHAPES))
+    with caplog.at_level("INFO", logger="thundersync.app.training"):
+        adamw = training.optimizer(objective=training.grpo(run=run), name="AdamW", shard_state=True, lr=1e-3)
+    assert type(adamw) is torch.optim.AdamW and adamw.defaults["maximize"] is True
+    (record,) = [r for r in caplog.records if r.name == "thundersync.app.training"]
+    assert record.levelname == "INFO" and "optimizer_not_sharded" in record.getMessage()
+
+
 def test_optimizer_errors_list_what_is_valid() -> None:
     objective = training.grpo(run=training.streaming_run(model=models.model(config=SHAPES)))
     with pytest.raises(ConfigError, match="^name: unknown torch.optim optimizer 'Adamw'; valid: .*AdamW"):

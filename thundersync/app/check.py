@@ -95,7 +95,8 @@ def _check_options(spec: PipelineSpec) -> None:
             if obj.factory == "optimizer":
                 objective = spec.objects.get(obj.refs.get("objective", ""))
                 signal = None if objective is None else getattr(factory_returns(objective.factory), "signal", None)
-                options = {k: v for k, v in obj.args.items() if k != "name"}
+                own = factory_params(obj.factory)  # name, shard_state: the rest are the class's options
+                options = {k: v for k, v in obj.args.items() if k not in own}
                 training.optimizer_options(obj.args["name"], options, signal)
             elif obj.factory == "vllm-generator":
                 own = factory_params(obj.factory)

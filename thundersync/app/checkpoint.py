@@ -23,7 +23,11 @@ k and resumed performs the same steps as an uninterrupted one, to the bit.
 
 In a data-parallel run every rank holds the same weights and optimizer state, so only one rank
 writes (``writer``; default: rank 0 of the default process group, or the only process when
-there is none); every rank resumes from the same directory.
+there is none); every rank resumes from the same directory. A sharded optimizer (ZeRO-1,
+``torch.distributed.optim.ZeroRedundancyOptimizer``) holds only its part of the state on each
+rank: at every checkpoint all ranks first gather it on rank 0 (``consolidate_state_dict``, a
+collective, so every rank saves at the same steps whether it writes or not), which then writes
+the whole state; on resume every rank loads the whole state and keeps its own part.
 """
 
 from __future__ import annotations
@@ -67,6 +71,13 @@ class RandomSource(Protocol):
     def get_rng_state(self) -> Any: ...
 
     def set_rng_state(self, state: Any) -> None: ...
+
+
+@runtime_checkable
+class _Sharded(Protocol):
+    """An optimizer whose state is split over the ranks (ZeRO-1's ``ZeroRedundancyOptimizer``)."""
+
+    def consolidate_state_dict(self, to: int = 0) -> None: ...
 
 
 class _Stateful(Protocol):
@@ -114,16 +125,26 @@ class Checkpointer:
     async def stepped(self, step: int, batch_id: Id) -> None:
         """Record the consumed batch; save when ``step`` is a multiple of ``every``."""
         self.consumed.append(batch_id)
-        if self.every and step % self.every == 0 and self.writer:
-            await anyio.to_thread.run_sync(self.save, step)
+        if self.every and step % self.every == 0:
+            await self._checkpoint(step)
 
     async def finished(self, step: int) -> None:
         """Save the final state unless it is saved already."""
-        if step > self.saved_step and self.writer:
+        if step > self.saved_step:
+            await self._checkpoint(step)
+
+    async def _checkpoint(self, step: int) -> None:
+        """Every rank comes here at the same steps: a sharded optimizer's state is gathered on
+        rank 0 (all ranks take part), then the writer saves."""
+        if isinstance(self.optimizer, _Sharded):
+            await anyio.to_thread.run_sync(self.optimizer.consolidate_state_dict, 0)
+        if self.writer:
             await anyio.to_thread.run_sync(self.save, step)
+        self.saved_step = step
 
     def save(self, step: int) -> Path:
-        """Write the checkpoint of ``step`` now; returns its directory."""
+        """Write the checkpoint of ``step`` now; returns its directory. A sharded optimizer's state
+        must be consolidated on this rank first (every rank: ``consolidate_state_dict(to=0)``)."""
         target = self.directory / f"step-{step:08d}"
         publish(target, lambda path: self._fill(path, step))
         prune(self.directory, self.keep)

@@ -39,7 +39,7 @@ from thundersync.app._terminal import configure_logging, printable
 from thundersync.app.build import build_graph, build_objects
 from thundersync.app.check import check_pipeline, check_run_settings
 from thundersync.app.definition import PipelineSpec, load
-from thundersync.app.distributed import Launch, attach, launch, rank_label
+from thundersync.app.distributed import Launch, attach, balance, launch, rank_label
 from thundersync.app.metrics import JsonlMetrics
 from thundersync.errors import ConfigError, DefinitionError, GraphError, ThunderSyncError
 from thundersync.pipeline.graph import Graph
@@ -128,8 +128,11 @@ def _prepare(
     try:
         check_run_settings(spec, data_parallel=ranks is not None)
         objects = build_objects(spec)
-        given = {} if ranks is None else attach(ranks, objects)
-        graph = build_graph(spec, **objects, **given)
+        if ranks is not None:  # claims, and an admission when the file has none (its step lines show it)
+            objects = {**objects, **attach(ranks, objects)}
+        graph = build_graph(spec, **objects)
+        if ranks is not None:
+            balance(ranks, graph)
     except ConfigError as error:  # object and graph errors are not path-qualified by themselves
         raise type(error)(f"{path}: {error}") from None
     return spec, objects, graph

@@ -13,6 +13,9 @@ with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT
   gradients before each step), makes the replicas' trainable parameters rank 0's, and returns
   the :class:`~thundersync.scheduling.RankClaims` that the source (claims whole groups) and the
   close stage (seals each batch once every rank closed its groups) share;
+- the source claims a group only when its admission has room; without a ``max_groups`` in the
+  file, :func:`balance` bounds each rank to ``ceil(groups_per_batch / world_size)`` groups in
+  flight (an info log line names the bound), so the first rank at a batch cannot claim all of it;
 - only rank 0 writes files: the metrics file, checkpoints (:class:`~thundersync.app.checkpoint.Checkpointer`
   asks the process group) and the progress display; every rank loads a ``--resume`` checkpoint;
 - a rank that fails writes its cause into the store before it stops, so the others' timeouts
@@ -27,13 +30,17 @@ import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import structlog
-
+from thundersync._logging import get_logger
 from thundersync.errors import ConfigError
 
-__all__ = ["TIMEOUT_ENV", "Launch", "attach", "launch", "rank_label"]
+if TYPE_CHECKING:
+    from thundersync.pipeline.graph import Graph
+
+__all__ = ["TIMEOUT_ENV", "Launch", "attach", "balance", "launch", "rank_label"]
+
+_log = get_logger(__name__)
 
 TIMEOUT_ENV = "THUNDERSYNC_DIST_TIMEOUT_S"
 """Seconds any collective, claim or seal may wait for the other ranks (default 600)."""
@@ -108,23 +115,46 @@ def launch(environ: Mapping[str, str] = os.environ) -> Iterator[Launch | None]:
 
 def attach(launch: Launch, objects: Mapping[str, Any]) -> dict[str, Any]:
     """Make the file's streaming runs data-parallel; returns the objects the graph's stages take
-    (``claims``), to pass to :func:`~thundersync.app.build.build_graph`."""
+    (``claims``, and an unbounded ``admission`` when the file has none, which :func:`balance`
+    bounds), to pass to :func:`~thundersync.app.build.build_graph`."""
     from thundersync.engine import StreamingRun
     from thundersync.engine.distributed import DataParallel
     from thundersync.scheduling import Admission, GroupClaims, RankClaims
 
-    if not any(isinstance(obj, Admission) for obj in objects.values()):
-        structlog.get_logger("thundersync.distributed").warning(
-            "no admission object: each rank claims groups as fast as generate reads prompts, so one rank may "
-            'take a whole batch; add [objects.admission] factory = "admission" with max_groups for balanced claims',
-            rank=launch.rank,
-        )
     for obj in objects.values():
         if isinstance(obj, StreamingRun):
             obj.data_parallel = DataParallel(store=launch.store, timeout_s=launch.timeout_s)
             obj.data_parallel.broadcast_parameters(obj.params)
     claims = GroupClaims(launch.store, rank=launch.rank, world_size=launch.world_size, timeout_s=launch.timeout_s)
-    return {"claims": RankClaims(claims)}
+    given: dict[str, Any] = {"claims": RankClaims(claims)}
+    if "admission" not in objects and not any(isinstance(obj, Admission) for obj in objects.values()):
+        given["admission"] = Admission()
+    return given
+
+
+def balance(launch: Launch, graph: Graph) -> None:
+    """Bound each claiming source's admission to ``ceil(groups_per_batch / world_size)`` groups in
+    flight when the file gives no ``max_groups``: then no rank claims more than its share of a
+    batch while the others still claim theirs (a rank whose bound is full claims again when one of
+    its groups closes, so every group of a batch is still claimed)."""
+    import msgspec
+
+    from thundersync.stages.source import SourceStage
+
+    for node in graph:
+        source = node.stage
+        if not isinstance(source, SourceStage) or source.claims is None or source.admission is None:
+            continue
+        admission = source.admission
+        if admission.config.max_groups is None:
+            bound = -(-source.groups_per_batch // launch.world_size)
+            admission.config = msgspec.structs.replace(admission.config, max_groups=bound)
+            _log.info(
+                "admission bound",
+                max_groups=bound,
+                reason=f"no max_groups given: {source.groups_per_batch} groups per batch over {launch.world_size} ranks",
+                rank=launch.rank,
+            )
 
 
 def _int(environ: Mapping[str, str], name: str, default: int) -> int:

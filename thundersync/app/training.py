@@ -16,6 +16,7 @@ Each is a thin wrapper over the library's own classes; the references make the c
     objective = { object = "objective" }
     name = "AdamW"
     lr = 1e-3
+    shard_state = false    # true: ZeRO-1 under torchrun (each rank keeps its part of the state)
 
     [objects.schedule]     # linear warm-up, then cosine decay to floor_ratio * lr
     factory = "lr-schedule"
@@ -45,6 +46,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
+from thundersync._logging import get_logger
 from thundersync.app.checkpoint import Checkpointer, RandomSource
 from thundersync.engine import StreamingObjective, StreamingRun
 from thundersync.engine.objective import Signal
@@ -74,6 +76,7 @@ __all__ = [
 ]
 
 _NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+_log = get_logger(__name__)
 
 
 def streaming_run(
@@ -102,16 +105,40 @@ def opd(
     return OPDStream(run, normalization=normalization, pack_tokens=pack_tokens)
 
 
-def optimizer(*, objective: StreamingObjective, name: str, **options: Any) -> torch.optim.Optimizer:
+def optimizer(
+    *, objective: StreamingObjective, name: str, shard_state: bool = False, **options: Any
+) -> torch.optim.Optimizer:
     """``optimizer``: the ``torch.optim`` class ``name`` over ``objective.run.params``, with ``options``
     as its keyword arguments (``lr = 1e-3``, ``weight_decay = 0.0``...).
 
     A GRPO objective (reward signal) is maximized: ``maximize = True`` is set for it (the streamed
     gradient is that of the reward); an OPD objective (a loss) is minimized.
+
+    ``shard_state = true`` shards the optimizer's state over the ranks of a data-parallel launch
+    (ZeRO-1: ``torch.distributed.optim.ZeroRedundancyOptimizer`` over the class ``name``; each
+    rank keeps the state of its part of the parameters, steps that part and broadcasts it). With
+    one process there is nothing to shard: the optimizer is the plain one.
     """
     cls, options = optimizer_options(name, options, objective.signal)
-    built: torch.optim.Optimizer = cls(objective.run.params, **options)
+    params = objective.run.params
+    if shard_state:
+        if _world_size() > 1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            sharded = ZeroRedundancyOptimizer(params, optimizer_class=cls, **options)
+            here = sum(len(group["params"]) for group in sharded.optim.param_groups)
+            _log.info("optimizer_sharded", rank=sharded.rank, parameters=f"{here} of {len(params)}")
+            return sharded
+        _log.info("optimizer_not_sharded", reason="shard_state = true, but one process holds all the state")
+    built: torch.optim.Optimizer = cls(params, **options)
     return built
+
+
+def _world_size() -> int:
+    """The ranks of the default process group (1 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def optimizer_options(

@@ -107,16 +107,18 @@ class SourceStage(Stage):
     @property
     def num_batches(self) -> int:
         """How many batches this source emits in all, skipped ones included."""
-        return -(-self._groups() // self._per_batch())
+        return -(-self._groups() // self.groups_per_batch)
 
-    def _per_batch(self) -> int:
+    @property
+    def groups_per_batch(self) -> int:
+        """How many groups a full batch holds (with ``groups_per_batch = 0``: all of them)."""
         return self.config.groups_per_batch or len(self._tasks) * self.config.repeat
 
     def _groups(self) -> int:
         """How many groups this source emits in all, skipped ones included."""
         if self.batch_limit is None:
             return len(self._tasks) * self.config.repeat
-        return self.batch_limit * self._per_batch()
+        return self.batch_limit * self.groups_per_batch
 
     def _ordered(self) -> list[Task]:
         """Every group's task in submission order, epoch after epoch."""
@@ -133,7 +135,7 @@ class SourceStage(Stage):
     def submissions(self) -> list[PromptSubmitted]:
         """Every prompt this source emits, in order (none of the skipped batches)."""
         tasks = self._ordered()
-        per_batch = self._per_batch()
+        per_batch = self.groups_per_batch
         out = []
         for index, task in enumerate(tasks):
             batch = index // per_batch
