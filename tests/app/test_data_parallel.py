@@ -193,8 +193,8 @@ def test_two_ranks_with_sharded_optimizer_state_resume_and_reach_the_uninterrupt
 
 def test_without_an_admission_each_rank_claims_at_most_its_share_of_a_batch(tmp_path: Path, unbounded: Path) -> None:
     """8 groups per batch over 2 ranks and no admission object: each rank has at most 4 groups in
-    flight, so neither takes more than 4 of a batch while the other claims, and the update is still
-    the single process's. The reward pauses (``slow_even_tokens``) so that a group stays in flight
+    flight, so neither takes more than 4 of a batch while the other claims (usually 4 each; not
+    checked, it depends on timing), and the update is still the single process's. The reward pauses (``slow_even_tokens``) so that a group stays in flight
     longer than the ranks' start may differ, as real rollouts do: a rank that came to a batch alone
     may claim more than its share once its own groups close (the bound is on groups in flight)."""
     want = _single_process(tmp_path / "single", 8, *SLOW_REWARD, repeat=4)
@@ -204,7 +204,8 @@ def test_without_an_admission_each_rank_claims_at_most_its_share_of_a_batch(tmp_
     lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     steps = [r for r in lines if r["event"] == "step"]
     assert [r["in_flight_groups"] <= 4 for r in steps] == [True, True]  # rank 0's admission
-    assert [r["groups_per_rank"] for r in steps] == [[4, 4], [4, 4]]
+    # how the 8 fell between the ranks depends on their timing (the bound is on groups in flight)
+    assert [sum(r["groups_per_rank"]) for r in steps] == [8, 8]
     error = _relative_error(_weights(tmp_path / "ckpt" / "step-00000002"), _weights(want))
     assert error < 1e-10, f"relative error {error:.3g}"
 
