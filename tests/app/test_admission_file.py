@@ -67,6 +67,8 @@ def test_step_lines_carry_the_admission_decisions_within_the_bound(tmp_path: Pat
         assert 1 <= record["in_flight_groups"] <= 2
     assert sum(record["admission_waits"] for record in steps) >= 1
     assert all(record["admission_forced"] == 0 for record in steps)
+    prompts_only = 2 * 3 * 2  # two groups of two samples of at most 3 prompt tokens
+    assert max(record["in_flight_tokens"] for record in steps) > prompts_only, "generate counts its actions"
 
 
 def test_step_lines_have_no_admission_keys_without_an_admission(tmp_path: Path) -> None:

@@ -21,7 +21,8 @@ from thundersync.stages.close import CloseStage
 from thundersync.stages.generate import GenerateStage
 from thundersync.stages.reward import RewardStage
 from thundersync.stages.source import SourceStage
-from thundersync.testing import FakeScorer, ScriptedGenerator
+from thundersync.stages.tool_execute import ToolExecuteStage
+from thundersync.testing import FakeScorer, ScriptedGenerator, ScriptedTool
 
 pytestmark = pytest.mark.anyio
 
@@ -108,8 +109,8 @@ async def test_closing_a_group_that_was_never_claimed_is_refused() -> None:
 class _LongTail:
     """Group 0's trajectories take ``slow_s``, every other group's are immediate; counts what runs at once."""
 
-    def __init__(self, admission: Admission, slow_s: float) -> None:
-        self.inner, self.admission, self.slow_s = ScriptedGenerator(), admission, slow_s
+    def __init__(self, admission: Admission, slow_s: float, inner: ScriptedGenerator | None = None) -> None:
+        self.inner, self.admission, self.slow_s = inner or ScriptedGenerator(), admission, slow_s
         self.peak_in_flight = 0
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
@@ -143,3 +144,86 @@ async def test_a_group_larger_than_max_tokens_runs_alone_rather_than_blocking_th
     assert sorted(e.group_id for e in out if isinstance(e, GroupClosed)) == list(range(len(PROMPTS)))
     stats = admission.stats()
     assert stats.forced >= 1 and stats.peak_tokens <= 6
+
+
+LONG = 32  # every action is exactly this long (a long-tailed rollout, compressed)
+OBSERVED = 5  # every observation's length
+
+
+def _agent_graph(admission: Admission, *, tool_concurrency: int = 16, slow_s: float = 0.0) -> Graph:
+    """source -> generate <-> tool-execute -> reward -> close: two actions and one observation per
+    trajectory; group 0 (the oldest) generates ``slow_s`` late."""
+    source = SourceStage.Config(prompts=PROMPTS, samples=2, groups_per_batch=0)
+    generate = GenerateStage(
+        GenerateStage.Config(max_new_tokens=LONG, turns=2),
+        generator=_LongTail(admission, slow_s, ScriptedGenerator(min_new_tokens=LONG)),
+        tool_calls=ScriptedTool(),
+        admission=admission,
+    )
+    tool = ToolExecuteStage(
+        ToolExecuteStage.Config(concurrency=tool_concurrency),
+        tools=ScriptedTool(observation_len=OBSERVED),
+        admission=admission,
+    )
+    return (
+        Graph()
+        .add("source", SourceStage(source, admission=admission))
+        .add("generate", generate, reads=["source"], feedback=["tool"])
+        .add("tool", tool, reads=["generate"])
+        .add("reward", RewardStage(scorer=FakeScorer()), reads=["generate", "tool"])
+        .add("close", CloseStage(admission=admission), reads=["generate", "reward"], output=True)
+    )
+
+
+def _group_tokens(prompt: list[int]) -> int:
+    return 2 * (len(prompt) + LONG + OBSERVED + LONG)  # two samples: prompt, action, observation, action
+
+
+async def _run_agent(admission: Admission, **kwargs: Any) -> list[EventBase]:
+    out: list[EventBase] = []
+    with anyio.fail_after(30):
+        await _results(_agent_graph(admission, **kwargs), out)
+    return out
+
+
+def _assert_all_closed_and_released(out: list[EventBase], admission: Admission) -> None:
+    assert sorted(e.group_id for e in out if isinstance(e, GroupClosed)) == list(range(len(PROMPTS)))
+    stats = admission.stats()
+    assert (stats.admitted, stats.released, stats.groups_in_flight) == (len(PROMPTS), len(PROMPTS), 0)
+    assert stats.tokens_in_flight == 0, "each close returns the prompt, generated and observed tokens"
+
+
+async def test_tokens_in_flight_count_generated_and_observed_tokens_until_the_group_closes() -> None:
+    admission = Admission(max_groups=1)  # one group at a time: the peak is the largest group's total
+    out = await _run_agent(admission)
+    _assert_all_closed_and_released(out, admission)
+    assert admission.stats().peak_tokens == max(_group_tokens(p) for p in PROMPTS)
+
+
+async def test_max_tokens_bounds_generated_tokens_and_every_group_still_closes() -> None:
+    largest = max(_group_tokens(p) for p in PROMPTS)
+    bound = 2 * largest  # the prompts all fit; what the groups generate does not
+    admission = Admission(max_tokens=bound)
+    out = await _run_agent(admission)
+    _assert_all_closed_and_released(out, admission)
+    stats = admission.stats()
+    assert stats.waits_by_reason.get("max_tokens", 0) >= 1
+    assert largest < stats.peak_tokens <= bound + largest, "only the oldest group's own tokens pass the bound"
+
+
+async def test_a_bound_smaller_than_one_group_still_finishes_through_the_oldest_group() -> None:
+    admission = Admission(max_tokens=min(_group_tokens(p) for p in PROMPTS) - 1)
+    out = await _run_agent(admission)
+    _assert_all_closed_and_released(out, admission)
+    stats = admission.stats()
+    assert stats.forced >= 1 and stats.waits_by_reason.get("max_tokens", 0) >= 1
+
+
+async def test_observations_waiting_for_room_leave_the_tool_slot_to_the_oldest_groups_calls() -> None:
+    """The younger groups' first actions fill the bound, so their observations wait for room; the
+    slow oldest group's tool call still finds the one tool slot free, and its close frees the room."""
+    prompts = 2 * sum(len(p) for p in PROMPTS)
+    admission = Admission(max_tokens=prompts + 3 * LONG + OBSERVED - 1)
+    out = await _run_agent(admission, tool_concurrency=1, slow_s=0.2)
+    _assert_all_closed_and_released(out, admission)
+    assert admission.stats().forced >= 1

@@ -228,7 +228,31 @@ async def test_an_admission_bounds_the_actions_running_tools_at_once() -> None:
         tool_calls=ScriptedTool(end_token=5),
     )
     tool_stage = ToolExecuteStage(ToolExecuteStage.Config(concurrency=8), tools=tool, admission=admission)
+    await admission.admit_group(0, tokens=2 * 8)  # as a source would: tool-execute counts tokens for the group
     out = await _loop(generate, tool, [_prompt(0, [9, 9], samples=8)], tool_stage=tool_stage)
     assert tool.calls == sum(isinstance(e, ToolObserved) for e in out) > 2
     assert tool.peak == 2
     assert admission.stats().waits > 0
+
+
+async def test_with_an_admission_each_action_and_observation_is_counted_for_its_group() -> None:
+    from thundersync.scheduling import Admission
+
+    admission = Admission()
+    generate = GenerateStage(
+        GenerateStage.Config(turns=3, max_new_tokens=4),
+        generator=ScriptedGenerator(vocab_size=20),
+        tool_calls=ScriptedTool(end_token=5),
+        admission=admission,
+    )
+    tool_stage = ToolExecuteStage(tools=ScriptedTool(observation_len=2), admission=admission)
+    for group in (0, 1):
+        await admission.admit_group(group, tokens=2 * 3)
+    out = await _loop(generate, ScriptedTool(), [_prompt(g, [9, 9], samples=3) for g in (0, 1)], tool_stage=tool_stage)
+    for group in (0, 1):
+        turns = [e for e in out if isinstance(e, ActionGenerated | ToolObserved) and e.group_id == group]
+        assert any(isinstance(e, ToolObserved) for e in turns)
+        before = admission.stats().tokens_in_flight
+        admission.release_group(group)  # as close would: the prompts, actions and observations are freed
+        assert before - admission.stats().tokens_in_flight == 2 * 3 + sum(len(e.token_ids) for e in turns)
+    assert admission.stats().tokens_in_flight == 0

@@ -32,8 +32,9 @@ Definitions (times in seconds, from the watcher's clock):
   (``null`` when no teacher scored the batch);
 - with an :class:`~thundersync.scheduling.Admission`, its decisions since the previous step:
   ``admission_waits`` (admissions and reservations that had to wait), ``admission_wait_s``
-  (their total wait), ``admission_forced`` (groups let in over a bound so the pipeline keeps
-  moving), and the peaks ``in_flight_groups`` and ``in_flight_tokens``.
+  (their total wait), ``admission_forced`` (groups let in, or the oldest group's tokens counted,
+  over a bound so the pipeline keeps moving), and the peaks ``in_flight_groups`` and
+  ``in_flight_tokens`` (prompts, actions and observations of the groups in flight).
 
 In a data-parallel run each rank sees only its own groups' events; the ranks gather their shares
 at each step (:func:`merge_ranks`), so rank 0's line (the one written) has the rewards, tokens,

@@ -5,12 +5,12 @@
     [objects.admission]        # the source admits each group, the close stage releases it
     factory = "admission"
     max_groups = 8             # groups between their admission and their GroupClosed
-    max_tokens = 65536         # prompt tokens times samples of the groups in flight
+    max_tokens = 65536         # the groups in flight: prompts x samples, then actions and observations
     gpu_memory_bytes = 60_000_000_000  # admit only while the device's allocated memory is under this
     sandbox_slots = 4          # tool-execute: actions running their tool calls at once
 
-The source, close and tool-execute stages take it by name (``admission``); its decisions show in each step
-line of the metrics file (:mod:`thundersync.app._step_metrics`).
+The source, generate, tool-execute and close stages take it by name (``admission``); its decisions show in
+each step line of the metrics file (:mod:`thundersync.app._step_metrics`).
 """
 
 from __future__ import annotations

@@ -4,23 +4,27 @@ A group is *in flight* from its admission (before its prompt is submitted) until
 (when the learner is done with it: its GroupClosed). :class:`Admission` bounds, all optional:
 
 - ``max_groups``: groups in flight;
-- ``max_tokens``: tokens in flight (prompts at admission, generated tokens as they are reserved);
+- ``max_tokens``: tokens in flight: a group's prompt tokens times samples from its admission, and
+  every action's and observation's tokens once they exist (:meth:`Admission.reserve_tokens`);
 - ``gpu_memory_bytes``: a group is admitted only while the device's allocated memory is under
   this budget (``memory_probe``, default ``torch.cuda.memory_allocated`` of the current device);
 - ``sandbox_slots``: tool calls running at once (:meth:`Admission.sandbox_slot`).
 
 In a pipeline file it is the ``admission`` object (``factory = "admission"``): the source stage
-admits each group before it submits the prompt (``tokens``: prompt length times samples) and
-the close stage releases it when the group closes.
+admits each group before it submits the prompt (``tokens``: prompt length times samples), the
+generate stage reserves each action's tokens and the tool-execute stage each observation's before
+sending them on, and the close stage releases the group, with all its tokens, when it closes.
 
 Progress is guaranteed: the oldest group in flight is never kept waiting for tokens, and a group
 is admitted into an empty pipeline whatever its size or the memory reading, so bounds slow a
-pipeline down but cannot deadlock it. Every decision is counted in :meth:`Admission.stats`, which
-the metrics sink writes with each step.
+pipeline down but cannot deadlock it. The price: the oldest group's own reservations may pass
+``max_tokens`` (counted as ``forced``), so tokens in flight are at most ``max_tokens`` plus the
+oldest group's tokens. Every decision is counted in :meth:`Admission.stats`, which the metrics
+sink writes with each step.
 
     >>> admission = Admission(max_groups=8, max_tokens=65_536)        # doctest: +SKIP
     >>> await admission.admit_group(group_id, tokens=len(prompt) * samples)  # source   # doctest: +SKIP
-    >>> await admission.reserve_tokens(group_id, 1)                  # generate, per token # doctest: +SKIP
+    >>> await admission.reserve_tokens(group_id, len(tokens))   # generate, tool-execute   # doctest: +SKIP
     >>> admission.release_group(group_id)                            # on GroupClosed     # doctest: +SKIP
 """
 

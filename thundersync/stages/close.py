@@ -14,12 +14,13 @@ The :class:`~thundersync.pipeline.tracker.Tracker` it drives is ``close.tracker`
 states); it is cleared when a run starts, so a graph can run again.
 
 Runtime objects, both optional: ``admission`` (the source's
-:class:`~thundersync.scheduling.Admission`): each GroupClosed releases its group. ``claims`` (a
-:class:`~thundersync.scheduling.RankClaims`, data parallel): this rank sees only the groups it
-claimed, so a batch is ready when the store says every rank has closed its groups of it; the
-tracker then gates each group alone (as a batch of one, whose readiness only counts the group
-into its batch) and the BatchReady of each batch comes from ``claims.sealed()``, in batch order,
-also for a batch of which this rank claimed no group (every rank takes part in each step).
+:class:`~thundersync.scheduling.Admission`): each GroupClosed releases its group, with every token
+reserved for it. ``claims`` (a :class:`~thundersync.scheduling.RankClaims`, data parallel): this
+rank sees only the groups it claimed, so a batch is ready when the store says every rank has closed
+its groups of it; the tracker then gates each group alone (as a batch of one, whose readiness only
+counts the group into its batch) and the BatchReady of each batch comes from ``claims.sealed()``,
+in batch order, also for a batch of which this rank claimed no group (every rank takes part in each
+step).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Consumes: PromptSubmitted; ToolObserved on its feedback inbox. Produces: GroupOpened, then per
 trajectory ActionGenerated for each turn. Waits for: the ``generator``; between turns, the tool
 stage's ToolObserved; with a ``policy`` clock, the policy of the batch before it starts a batch
-(batch ``n`` needs version ``n``: zero staleness). Unblocked by: tool-execute answering an action,
-step publishing the policy.
+(batch ``n`` needs version ``n``: zero staleness); with an ``admission``, room for each action's
+tokens. Unblocked by: tool-execute answering an action, step publishing the policy, close
+releasing a group.
 
 The agent loop is generate -> tool-execute -> generate: an action that calls a tool (the
 ``tool_calls`` parser finds a call in it, and it is not the last of ``turns``) is sent with
@@ -18,8 +19,14 @@ fails); one that returns before answering fails generate, naming a trajectory le
 
 Runtime objects: ``generator`` (any :class:`~thundersync.generation.base.Generator`: token ids
 in, token ids and log-probs out), ``tool_calls`` (a :class:`~thundersync.tools.ToolCallParser`;
-without one every trajectory is a single action) and ``policy`` (a
-:class:`~thundersync.pipeline.policy.PolicyClock`).
+without one every trajectory is a single action), ``policy`` (a
+:class:`~thundersync.pipeline.policy.PolicyClock`) and ``admission`` (an
+:class:`~thundersync.scheduling.Admission`, the source's): each action's tokens are reserved for
+its group once generated, before the action is sent, so ``max_tokens`` covers what groups hold,
+not only their prompts. Only a group that is not the oldest in flight waits for room, and that
+cannot stall the stage: it reads prompts in the order its source admitted them, so every
+trajectory of the oldest group has started before a younger one takes a slot, and the oldest
+group's close frees the room.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from thundersync.events import ActionGenerated, EventBase, GroupOpened, Id, Prom
 from thundersync.generation.base import GenerationRequest, Generator, SamplingParams
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
+from thundersync.scheduling import Admission
 from thundersync.stages._tasks import Slots, task_group
 from thundersync.tools import ToolCallParser
 
@@ -88,11 +96,13 @@ class GenerateStage(Stage):
         generator: Generator,
         tool_calls: ToolCallParser | None = None,
         policy: PolicyClock | None = None,
+        admission: Admission | None = None,
     ) -> None:
         super().__init__(config)
         self.generator = generator
         self.tool_calls = tool_calls
         self.policy = policy
+        self.admission = admission
         self._batches: set[Id] = set()  # batch ids started in this run
         self._base_version = 0  # batch n of this run needs policy version base + n
         self._waiting: dict[tuple[Id, Id], _Waiter] = {}  # (group, trajectory) -> its pending tool call
@@ -182,6 +192,8 @@ class GenerateStage(Stage):
         for turn in range(self.config.turns):
             request = self._request(prompt.group_id, trajectory_id, turn, context)
             result = await self.generator.generate(request)
+            if self.admission is not None:
+                await self.admission.reserve_tokens(prompt.group_id, len(result.token_ids))
             action = ActionGenerated(
                 group_id=prompt.group_id,
                 trajectory_id=trajectory_id,
