@@ -56,7 +56,9 @@ def stream_beside_a_busy_worker(
     """Stream early on a background worker that, before each call, the seed may drain (idle) and
     then keep busy with a held job, so that each close finds it idle or busy at random."""
     run = thundersync.StreamingRun(model, background=True)
-    grpo = thundersync.RewardLinearBackward(run, eps=EPS, estimator=estimator, pack_tokens=pack_tokens)
+    grpo = thundersync.RewardLinearBackward(
+        run, eps=EPS, estimator=estimator, pack_tokens=pack_tokens, stream_early=True
+    )
     rng = random.Random(seed)
     hold = threading.Event()
     try:

@@ -15,10 +15,11 @@ same group and batch ids as an uninterrupted run (shuffling is seeded, so the or
 
 Runtime objects, all optional: ``admission`` (an :class:`~thundersync.scheduling.Admission`):
 each group is admitted (its prompt tokens times ``samples``) before its prompt is sent, generate
-and tool-execute add its actions' and observations' tokens, and the close stage releases it. ``claims`` (a :class:`~thundersync.scheduling.RankClaims`, given by a
-data-parallel launch): the source emits only the groups this rank claims, one claim whenever it
-has room, after waiting for the batch's ``policy`` version (a rank that finished its groups
-early takes more of the next batch, instead of reserving them while others still work).
+and tool-execute add its actions' and observations' tokens, and the close stage releases it.
+``claims`` (a :class:`~thundersync.scheduling.RankClaims`, given by a data-parallel launch): the
+source emits only the groups this rank claims, one claim whenever it has room, after waiting for
+the batch's ``policy`` version (a rank that finished its groups early takes more of the next
+batch, instead of reserving them while others still work).
 """
 
 from __future__ import annotations
