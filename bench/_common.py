@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 __all__ = ["header", "machine", "markdown_table", "median_seconds"]
@@ -64,3 +65,17 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def engine_compile(on: bool) -> Iterator[None]:
+    """Within the block the engine's packs run compiled layers (on) or eager ones (off)."""
+    saved = os.environ.get("THUNDERSYNC_ENGINE_COMPILE")
+    os.environ["THUNDERSYNC_ENGINE_COMPILE"] = "on" if on else "off"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["THUNDERSYNC_ENGINE_COMPILE"]
+        else:
+            os.environ["THUNDERSYNC_ENGINE_COMPILE"] = saved

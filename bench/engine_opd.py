@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import thundersync
-from bench._common import header, markdown_table
+from bench._common import engine_compile, header, markdown_table
 from bench.engine import make_model, measure, padded_logprobs, profile, relative_error
 
 
@@ -136,12 +136,6 @@ def opd_table(model: torch.nn.Module, tiny: bool, cuda: bool, repeat: int) -> tu
         torch.cuda.empty_cache()
     rows = []
     dense_s, dense_peak, dense_grads = measure(opd_dense, model, batch, cuda, repeat)
-    stream_s, stream_peak, stream_grads = measure(opd_streaming, model, batch, cuda, repeat)
-    latencies: list[float] = []
-    opd_streaming(model, batch, latencies)
-    latencies.sort()
-    p50 = latencies[len(latencies) // 2] * 1e3
-    p95 = latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))] * 1e3
     rows.append(
         [
             "dense OPD (padded micro-batches of 8, fused log-probs)",
@@ -154,18 +148,24 @@ def opd_table(model: torch.nn.Module, tiny: bool, cuda: bool, repeat: int) -> tu
             relative_error(dense_grads, want),
         ]
     )
-    rows.append(
-        [
-            "streaming OPD (OPDStream, backward at each action)",
-            stream_s,
-            tokens / stream_s,
-            stream_s / dense_s,
-            stream_peak,
-            p50,
-            p95,
-            relative_error(stream_grads, want),
-        ]
-    )
+    for name, compiled in (("", True), (", eager layers (THUNDERSYNC_ENGINE_COMPILE=off)", False)):
+        with engine_compile(compiled):
+            stream_s, stream_peak, stream_grads = measure(opd_streaming, model, batch, cuda, repeat)
+            latencies: list[float] = []
+            opd_streaming(model, batch, latencies)
+        latencies.sort()
+        rows.append(
+            [
+                f"streaming OPD (OPDStream, backward at each action){name}",
+                stream_s,
+                tokens / stream_s,
+                stream_s / dense_s,
+                stream_peak,
+                latencies[len(latencies) // 2] * 1e3,
+                latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))] * 1e3,
+                relative_error(stream_grads, want),
+            ]
+        )
     info = (
         f"OPD batch: {len(batch)} groups x {len(batch[0].trajectories)} trajectories, {tokens} tokens, "
         f"{scored} scored, {len(latencies)} actions"

@@ -1,4 +1,4 @@
-"""The fixed cost of one pack: forward+backward through the adapter, two forms side by side.
+"""The fixed cost of one pack: forward+backward through the adapter, eager and compiled layers side by side.
 
     python bench/engine_pack.py            # H200: Qwen3-0.6B-shaped, bf16, 28 layers
     python bench/engine_pack.py --tiny     # the same on CPU with a tiny model, in seconds
@@ -6,19 +6,19 @@
 A small pack (one OPD action of 64-512 tokens) costs far more than its arithmetic: every eager op
 of every layer pays a fixed host cost. Each row times ``forward_pack`` + backward of one pack after
 a 512-token prefix (a detached proxy that requires grad, as the engine builds it), median of 5
-after warm-up, synchronized, in two forms of the norms and the rotary embedding:
+after warm-up, synchronized, with the layers' math in two forms:
 
-- ``modules``: the model's own RMSNorm modules and transformers' ``x cos + rotate_half(x) sin``;
-- ``ours``: the decoder layers as they are (``decoder.apply_norm``: ``F.rms_norm`` and a multiply;
-  ``decoder.apply_rotary``: ``addcmul`` with ``roll``).
+- ``eager``: :data:`thundersync.engine.decoder.EAGER`, op by op;
+- ``compiled``: :data:`thundersync.engine._compiled.COMPILED` (``torch.compile`` of a layer up to
+  attention and after it, rows dynamic; what the engine runs on CUDA by default). Its compile
+  happens in the warm-up (``pack_math``), outside the timing.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,49 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import header, markdown_table, median_seconds
 from bench.engine import make_model
-from thundersync.engine import adapter, anatomy, decoder
+from thundersync.engine import adapter, anatomy
+from thundersync.engine._compiled import pack_math
 from thundersync.engine.adapter import ChunkSpec, forward_pack
-
-
-def _module_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return module(x)
-
-
-def _module_rotary_tables(
-    an: anatomy.DecoderAnatomy, x: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = an.rotary(x, positions[None])
-    return cos[0, :, None], sin[0, :, None]
-
-
-def _rotate_half_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-FORMS: dict[str, dict[str, Callable[..., torch.Tensor] | None]] = {
-    "modules": {
-        "apply_norm": _module_norm,
-        "rotary_tables": _module_rotary_tables,
-        "apply_rotary": _rotate_half_rotary,
-    },
-    "ours": {},
-}
-
-
-@contextlib.contextmanager
-def form(name: str) -> Iterator[None]:
-    """Within the block the decoder layers (and the adapter's final norm) use the named form."""
-    swaps = [(module, attr, fn) for module in (decoder, adapter) for attr, fn in FORMS[name].items()]
-    swaps = [(module, attr, fn) for module, attr, fn in swaps if hasattr(module, attr)]
-    saved = [(module, attr, getattr(module, attr)) for module, attr, _ in swaps]
-    for module, attr, fn in swaps:
-        setattr(module, attr, fn)
-    try:
-        yield
-    finally:
-        for module, attr, fn in saved:
-            setattr(module, attr, fn)
+from thundersync.engine.decoder import EAGER, LayerMath
 
 
 def make_prefix(an: anatomy.DecoderAnatomy, vocab: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -77,12 +38,12 @@ def make_prefix(an: anatomy.DecoderAnatomy, vocab: int, length: int) -> list[tup
     tokens = torch.randint(0, vocab, (length,), device=an.device)
     with torch.no_grad():
         out = forward_pack(an, [ChunkSpec(tokens, 0, adapter.empty_prefix(an))])
-    return [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in out.kv[0]]
+    return [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in out.kv(0)]
 
 
-def pack_step(an: anatomy.DecoderAnatomy, chunks: list[ChunkSpec]) -> Callable[[], None]:
+def pack_step(an: anatomy.DecoderAnatomy, chunks: list[ChunkSpec], math: LayerMath) -> Callable[[], None]:
     def run() -> None:
-        out = forward_pack(an, chunks)
+        out = forward_pack(an, chunks, math)
         out.hidden.float().pow(2).mean().backward()
 
     return run
@@ -94,7 +55,7 @@ def main() -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="after the table, profile one 64-token pack (ours): ops and kernels by count and host time",
+        help="after the table, profile one 64-token pack in each form: ops and kernels by count and host time",
     )
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
@@ -112,31 +73,26 @@ def main() -> None:
 
     cases = [(f"1 chunk of {n} after P={prefix_len}", [chunk(n)]) for n in sizes]
     cases.append((f"8 chunks of {sizes[1]} after P={prefix_len}", [chunk(sizes[1]) for _ in range(8)]))
+    cases.append((f"64 chunks of {sizes[0]} after P={prefix_len}", [chunk(sizes[0]) for _ in range(64)]))
+    forms = {"eager": EAGER, "compiled": pack_math(an, True)}  # compiles here, before any timing
     rows = []
     for label, chunks in cases:
         ms = {}
-        for name in FORMS:
-            with form(name):
-                ms[name] = 1e3 * median_seconds(pack_step(an, chunks), cuda=cuda)
+        for name, math in forms.items():
+            ms[name] = 1e3 * median_seconds(pack_step(an, chunks, math), cuda=cuda)
             model.zero_grad(set_to_none=True)
         tokens = sum(int(c.tokens.numel()) for c in chunks)
-        rows.append(
-            [
-                label,
-                tokens,
-                ms["modules"],
-                ms["ours"],
-                f"{ms['modules'] / ms['ours']:.2f}x",
-            ]
-        )
+        rows.append([label, tokens, ms["eager"], ms["compiled"], f"{ms['eager'] / ms['compiled']:.2f}x"])
     layers = len(an.layers)
     print(header("python bench/engine_pack.py" + (" --tiny" if args.tiny else "")))
     print(
         f"model: {layers} layers, hidden {model.config.hidden_size}, dtype {an.dtype}; forward+backward of one pack\n"
     )
-    print(markdown_table(["pack", "tokens", "modules ms", "ours ms", "ours speedup"], rows))
+    print(markdown_table(["pack", "tokens", "eager ms", "compiled ms", "compiled speedup"], rows))
     if args.profile:
-        profile(pack_step(an, cases[0][1]), cuda)
+        for name, math in forms.items():
+            print(f"\n{name}, {cases[0][0]}:")
+            profile(pack_step(an, cases[0][1], math), cuda)
 
 
 def profile(step: Callable[[], None], cuda: bool) -> None:

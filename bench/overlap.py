@@ -73,7 +73,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import thundersync
-from bench._common import header, markdown_table
+from bench._common import engine_compile, header, markdown_table
 from bench._learner_process import LearnerProcess
 from bench.engine import Batch, Group, Trajectory, dense, make_model, padded_logprobs
 from bench.engine_opd import OPDGroup, OPDTrajectory, opd_dense
@@ -446,7 +446,8 @@ async def run_rows(
                     checks.append(check)
                     print(f"[check] {check}", file=sys.stderr, flush=True)
                 else:
-                    cells_ = await measure_in_process(row, model, generator, plan, rollout_s, finished, row_teacher)
+                    with engine_compile(not row.endswith(_EAGER)):
+                        cells_ = await measure_in_process(row, model, generator, plan, rollout_s, finished, row_teacher)
                 rows.append(cells_)
                 print(f"[done] {markdown_table(COLUMNS, rows[-1:]).splitlines()[-1]}", file=sys.stderr, flush=True)
     finally:
@@ -456,10 +457,11 @@ async def run_rows(
 
 
 _IN_CHILD = "-2proc"
+_EAGER = "-eager"  # the engine's layers eager (THUNDERSYNC_ENGINE_COMPILE=off), in this process
 
 
 def _objective_kind(row: str) -> str:
-    return row.removesuffix(_IN_CHILD)
+    return row.removesuffix(_IN_CHILD).removesuffix(_EAGER)
 
 
 def _workload(row: str) -> str:
@@ -491,6 +493,9 @@ _ROW_NAMES = {
     "grpo-pack0": "GRPO, pack_tokens=0",
     "opd": "OPD (teacher on the same device)",
     "balanced": "balanced GRPO (prompts ~2048, short responses)",
+    "grpo-eager": "GRPO, pack_tokens=8192, eager layers",
+    "opd-eager": "OPD, eager layers",
+    "balanced-eager": "balanced GRPO, eager layers",
     "grpo-2proc": "GRPO, learner in a 2nd process",
     "opd-2proc": "OPD, learner and teacher in a 2nd process",
     "balanced-2proc": "balanced GRPO, learner in a 2nd process",

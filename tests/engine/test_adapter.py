@@ -25,7 +25,7 @@ def _adapter_logprobs_split(model: torch.nn.Module, tokens: torch.Tensor, cut: i
     """
     anatomy = decoder_anatomy(model)
     first = forward_pack(anatomy, [ChunkSpec(tokens[:cut], 0, empty_prefix(anatomy))])
-    prefix = [(k[:, : cut - 1].detach(), v[:, : cut - 1].detach()) for k, v in first.kv[0]]
+    prefix = [(k[:, : cut - 1].detach(), v[:, : cut - 1].detach()) for k, v in first.kv(0)]
     pack = forward_pack(
         anatomy,
         [
@@ -59,7 +59,7 @@ def test_adapter_gradients_reach_parameters_and_prefix() -> None:
     tokens = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         first = forward_pack(anatomy, [ChunkSpec(tokens[:6], 0, empty_prefix(anatomy))])
-    proxy = [(k[:, :5].clone().requires_grad_(), v[:, :5].clone().requires_grad_()) for k, v in first.kv[0]]
+    proxy = [(k[:, :5].clone().requires_grad_(), v[:, :5].clone().requires_grad_()) for k, v in first.kv(0)]
     pack = forward_pack(anatomy, [ChunkSpec(tokens[5:], 5, proxy)])
     head_logprobs(anatomy, pack.hidden[:-1], tokens[6:]).sum().backward()
     assert all(k.grad is not None and k.grad.abs().sum() > 0 for k, _ in proxy)

@@ -24,6 +24,7 @@ itself otherwise (a LoRA-wrapped head).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from thundersync.engine.anatomy import DecoderAnatomy
-from thundersync.engine.decoder import apply_norm, decoder_forward
+from thundersync.engine.decoder import LayerMath, apply_norm, decoder_forward
 from thundersync.kernels.attention import PackedLayout, packed_chunk_attention
 from thundersync.kernels.dtypes import accumulate_dtype
 
@@ -46,20 +47,35 @@ class ChunkSpec:
 
     tokens: torch.Tensor
     start: int
-    prefix: Sequence[KV]  # per layer, each [Hkv, P, D]; P may be 0
+    # Per layer (k, v), each [Hkv, P, D], in any float dtype (the engine passes its fp32 proxies):
+    # the chunk reads rows [0, prefix_len) (all P when None). Chunks that pass the same sequence
+    # object share it: it is cast and laid out once per layer for all of them. P may be 0.
+    prefix: Sequence[KV]
     # The prefix continues with rows [offsets[c] + skip, offsets[c + 1] - trim) of earlier chunks
     # c of the same pack, in this order (ancestors forwarded together with their descendants:
     # the gradient flows through the graph).
     in_pack: tuple[tuple[int, int, int], ...] = ()
+    prefix_len: int | None = None
+
+    @property
+    def prefix_rows(self) -> int:
+        """How many rows of ``prefix`` the chunk reads."""
+        return int(self.prefix[0][0].shape[1]) if self.prefix_len is None else self.prefix_len
 
 
 @dataclass
 class PackOutput:
-    """What a packed forward returns; ``kv[c][l]`` is chunk c's own (k, v) at layer l, with graph."""
+    """What a packed forward returns: final-normed hidden states and every layer's new (k, v)."""
 
     hidden: torch.Tensor  # [N, H], the final-normed hidden states of all chunks, concatenated
     offsets: list[int]  # chunk c occupies rows offsets[c] : offsets[c + 1]
-    kv: list[list[KV]]
+    layer_kv: list[KV]  # per layer, the pack's own (k, v) [N, Hkv, D], with graph
+
+    def kv(self, chunk: int) -> list[KV]:
+        """Chunk ``chunk``'s own per-layer (k, v) [Hkv, T, D], with graph."""
+        rows = slice(self.offsets[chunk], self.offsets[chunk + 1])
+        with torch.enable_grad():  # views that keep the graph even when asked for under no_grad
+            return [(k[rows].transpose(0, 1), v[rows].transpose(0, 1)) for k, v in self.layer_kv]
 
 
 def empty_prefix(anatomy: DecoderAnatomy, device: torch.device | None = None) -> list[KV]:
@@ -73,49 +89,84 @@ def empty_prefix(anatomy: DecoderAnatomy, device: torch.device | None = None) ->
 @dataclass(frozen=True)
 class _PackAttention:
     """The engine's :class:`~thundersync.engine.decoder.LayerAttention`: each chunk's queries over its
-    prefix state, its in-pack ancestors' rows and its own rows; records each chunk's own (k, v)."""
+    keys, gathered by one index from the distinct prefixes and the pack's own rows; records every
+    layer's (k, v).
 
-    chunks: Sequence[ChunkSpec]
-    rows: list[list[slice]]  # per chunk: rows of the pack its keys continue with (its own last)
+    The gather runs in the accumulation dtype (fp32 for 16-bit models): its backward sums the
+    adjoints of a row that several chunks read (a shared prompt) in fp32 before the one rounding.
+    """
+
+    sources: Sequence[Sequence[KV]]  # the distinct prefixes, per layer [Hkv, P_s, D]
+    key_index: torch.Tensor | None  # rows of cat(sources..., pack) per chunk; None: the pack's rows as they are
     layout: PackedLayout
     scale: float
-    kv: list[list[KV]]  # filled: kv[c][layer]
+    kv: list[KV]  # filled: kv[layer]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        keys, values = [], []  # per chunk, in order: its prefix state, then its rows of this pack
-        for chunk, spans, out in zip(self.chunks, self.rows, self.kv):
-            k_p, v_p = chunk.prefix[layer]
-            keys += [k_p.transpose(0, 1), *(k[span] for span in spans)]
-            values += [v_p.transpose(0, 1), *(v[span] for span in spans)]
-            own = spans[-1]
-            out.append((k[own].transpose(0, 1), v[own].transpose(0, 1)))
-        attn = packed_chunk_attention(q, torch.cat(keys), torch.cat(values), self.layout, scale=self.scale)
+        self.kv.append((k, v))
+        keys, values = k, v
+        if self.key_index is not None:
+            acc = accumulate_dtype(k.dtype)
+            keys, values = (
+                torch.cat([*(s[layer][i].transpose(0, 1).to(acc) for s in self.sources), own.to(acc)])
+                .index_select(0, self.key_index)
+                .to(own.dtype)
+                for i, own in ((0, k), (1, v))
+            )
+        attn = packed_chunk_attention(q, keys, values, self.layout, scale=self.scale)
         return attn.view(q.shape[0], -1)
 
 
-def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec]) -> PackOutput:
-    """Forward ``chunks`` packed into one row; gradients flow to parameters and to the prefixes."""
+def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec], math: LayerMath | None = None) -> PackOutput:
+    """Forward ``chunks`` packed into one row; gradients flow to parameters and to the prefixes.
+
+    ``math`` is the layers' math (:data:`~thundersync.engine.decoder.EAGER` by default).
+    """
     offsets = [0]
     for chunk in chunks:
         offsets.append(offsets[-1] + int(chunk.tokens.numel()))
     tokens = torch.cat([chunk.tokens for chunk in chunks])
     device = tokens.device
-    positions = torch.cat([torch.arange(c.start, c.start + c.tokens.numel(), device=device) for c in chunks])
-    # Rows of this pack that each chunk's keys continue with after its prefix: its in-pack
-    # ancestors, then itself (always last).
-    rows = [
-        [slice(offsets[i] + skip, offsets[i + 1] - trim) for i, skip, trim in c.in_pack]
-        + [slice(offsets[n], offsets[n + 1])]
-        for n, c in enumerate(chunks)
-    ]
-    key_lengths = [
-        int(c.prefix[0][0].shape[1]) + sum(r.stop - r.start for r in spans) for c, spans in zip(chunks, rows)
-    ]
+    positions = _gather_index([(c.start, c.start + int(c.tokens.numel())) for c in chunks]).to(device)
+    sources, spans = _key_spans(chunks, offsets)
+    key_lengths = [sum(stop - start for start, stop in per_chunk) for per_chunk in spans]
+    flat = [span for per_chunk in spans for span in per_chunk]
+    identity = not sources and all(a[1] == b[0] for a, b in itertools.pairwise(flat))  # the pack's rows in order
+    key_index = None if identity else _gather_index(flat).to(device, non_blocking=True)
     layout = PackedLayout([int(c.tokens.numel()) for c in chunks], key_lengths, device)
-    kv: list[list[KV]] = [[] for _ in chunks]
-    attention = _PackAttention(chunks, rows, layout, anatomy.scaling, kv)
-    x = decoder_forward(anatomy, tokens, positions, attention)
-    return PackOutput(hidden=apply_norm(anatomy.norm, x), offsets=offsets, kv=kv)
+    kv: list[KV] = []
+    attention = _PackAttention(sources, key_index, layout, anatomy.scaling, kv)
+    x = decoder_forward(anatomy, tokens, positions, attention, math)
+    return PackOutput(hidden=apply_norm(anatomy.norm, x), offsets=offsets, layer_kv=kv)
+
+
+def _key_spans(
+    chunks: Sequence[ChunkSpec], offsets: list[int]
+) -> tuple[list[Sequence[KV]], list[list[tuple[int, int]]]]:
+    """The distinct prefixes and, per chunk, the spans of its key rows in ``cat(prefixes..., pack
+    rows)``: its prefix rows, its in-pack ancestors' rows, its own rows (always last)."""
+    sources: list[Sequence[KV]] = []
+    base: dict[int, int] = {}  # id(prefix) -> its first row
+    rows = 0
+    for chunk in chunks:
+        if chunk.prefix_rows and id(chunk.prefix) not in base:
+            base[id(chunk.prefix)] = rows
+            sources.append(chunk.prefix)
+            rows += int(chunk.prefix[0][0].shape[1])
+    spans = []
+    for n, chunk in enumerate(chunks):
+        own = [] if not chunk.prefix_rows else [(base[id(chunk.prefix)], base[id(chunk.prefix)] + chunk.prefix_rows)]
+        own += [(rows + offsets[i] + skip, rows + offsets[i + 1] - trim) for i, skip, trim in chunk.in_pack]
+        spans.append([*own, (rows + offsets[n], rows + offsets[n + 1])])
+    return sources, spans
+
+
+def _gather_index(spans: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows of ``spans`` concatenated, as a host long tensor (four ops, however many spans)."""
+    bounds = torch.tensor(spans, dtype=torch.long).reshape(-1, 2)
+    lengths = bounds[:, 1] - bounds[:, 0]
+    shift = bounds[:, 0] - (lengths.cumsum(0) - lengths)  # row - position in the index, per span
+    return shift.repeat_interleave(lengths) + torch.arange(int(lengths.sum()))
 
 
 def head_logprobs(anatomy: DecoderAnatomy, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 import torch
 
 from thundersync.engine._accum import GradCapture, accumulate_dtype
+from thundersync.engine._compiled import pack_math
 from thundersync.engine.adapter import KV, ChunkSpec, PackOutput, empty_prefix, forward_pack, head_logprobs
 from thundersync.engine.anatomy import DecoderAnatomy
 
@@ -132,7 +133,7 @@ class SegmentPack:
         with torch.enable_grad() if grad else torch.no_grad():
             for seg in segments:
                 chunks.append(_chunk(anatomy, seg, index, leaves, grad))
-            output = forward_pack(anatomy, chunks)
+            output = forward_pack(anatomy, chunks, pack_math(anatomy))
         pack = cls(anatomy, segments, output, leaves)
         if keep_state:
             for position, seg in enumerate(segments):
@@ -143,7 +144,7 @@ class SegmentPack:
         """Segment ``index``'s own per-layer (k, v) [Hkv, T, D], with graph (boundary token dropped)."""
         seg = self.segments[index]
         skip = 0 if seg.parent is None else 1
-        return [(k[:, skip:], v[:, skip:]) for k, v in self.output.kv[index]]
+        return [(k[:, skip:], v[:, skip:]) for k, v in self.output.kv(index)]
 
     def scored_logprobs(self, selections: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """Per segment, log pi(token j | everything before it) for the own-token indices given.
@@ -269,12 +270,10 @@ def _chunk(
     if not all(packed[first:]):
         raise ValueError("a segment's ancestors in the same pack must be the lowest ones of its chain")
     above, inside = chain[:first], chain[first:]
+    prefix, rows = empty_prefix(anatomy, seg.tokens.device), None
     if above:
-        per_layer = _proxy(anatomy, above, leaves, grad)
-        cut = -1 if not inside else None  # the direct parent's last token is recomputed in the chunk
-        prefix = [(k[:, :cut].to(anatomy.dtype), v[:, :cut].to(anatomy.dtype)) for k, v in per_layer]
-    else:
-        prefix = empty_prefix(anatomy, seg.tokens.device)
+        prefix = _proxy(anatomy, above, leaves, grad)  # read as it is: the pack casts it once per layer
+        rows = None if inside else seg.parent.end - 1  # the direct parent's last token is recomputed in the chunk
     in_pack = tuple((index[id(a)], 0 if a.parent is None else 1, 1 if a is seg.parent else 0) for a in inside)
     tokens = torch.cat([seg.parent.tokens[-1:], seg.tokens])
-    return ChunkSpec(tokens, seg.start - 1, prefix, in_pack=in_pack)
+    return ChunkSpec(tokens, seg.start - 1, prefix, in_pack=in_pack, prefix_len=rows)

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Generic, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
 import torch
 
-from thundersync._logging import get_logger
+from thundersync._compile import Backend, OrEager
 from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.engine.decoder import LayerMath, Tensors3, attention_inputs, attention_output, embed
 from thundersync.generation._fused import FusedWeights, fused_attention_inputs, fused_attention_output
@@ -39,11 +39,8 @@ from thundersync.generation._sampling import counter_uniform, sample
 
 __all__ = ["DecodeMath"]
 
-_log = get_logger(__name__)
-
 P = ParamSpec("P")
 R = TypeVar("R")
-Backend = str | Callable[..., object]
 
 
 class DecodeMath:
@@ -61,7 +58,7 @@ class DecodeMath:
         self.sample = functools.partial(sample, uniform=self._wrap(counter_uniform))
 
     def _wrap(self, fn: Callable[P, R]) -> Callable[P, R]:
-        return _OrEager(fn, self.backend, self.failures) if self.compile else fn
+        return OrEager(fn, self.backend, self.failures, event="decode_compile_failed") if self.compile else fn
 
     def _before(
         self, an: DecoderAnatomy, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -77,29 +74,3 @@ class DecodeMath:
         if fused is None:
             return self._output(an.layers[index], x, a)
         return self._fused_output(an.layers[index], fused.gate_up_weight, x, a)
-
-
-class _OrEager(Generic[P, R]):
-    """``torch.compile(fn)``, or ``fn`` itself once compiling or running the compiled form failed."""
-
-    def __init__(self, fn: Callable[P, R], backend: Backend, failures: list[str]) -> None:
-        self.fn, self.failures = fn, failures
-        self.compiled: Callable[P, R] | None = None
-        try:
-            self.compiled = torch.compile(fn, backend=backend, dynamic=None)
-        except Exception as error:  # e.g. inductor's first import under warnings-as-errors: run eagerly
-            self._fall_back(error)
-
-    def _fall_back(self, error: Exception) -> None:
-        self.compiled = None
-        self.failures.append(f"{self.fn.__name__}: {type(error).__name__}: {error}")
-        _log.warning("decode_compile_failed", function=self.fn.__name__, error=repr(error), fallback="eager")
-
-    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        if self.compiled is None:
-            return self.fn(*args, **kwargs)
-        try:
-            return self.compiled(*args, **kwargs)
-        except Exception as error:  # any compiler failure: the eager form computes the same function
-            self._fall_back(error)
-            return self.fn(*args, **kwargs)

@@ -32,7 +32,6 @@ for exact on-policy sampling.
 
 from __future__ import annotations
 
-import os
 import random
 from collections import deque
 from collections.abc import Callable
@@ -42,6 +41,7 @@ import anyio
 import anyio.to_thread
 from torch import nn
 
+from thundersync._compile import switch
 from thundersync.errors import ConfigError, GenerationError
 from thundersync.generation._batcher import ContinuousBatcher, Ticket
 from thundersync.generation._decode_math import DecodeMath
@@ -49,16 +49,6 @@ from thundersync.generation._fused import FusedWeights
 from thundersync.generation.base import GenerationRequest, GenerationResult
 
 __all__ = ["TorchGenerator"]
-
-
-def _switch(name: str, value: bool | None, auto: bool) -> bool:
-    """``value``, or when it is None the environment variable ``name``: auto (-> ``auto``), on or off."""
-    if value is not None:
-        return value
-    mode = os.environ.get(name, "auto")
-    if mode not in ("auto", "on", "off"):
-        raise ConfigError(f"{name} must be auto, on or off, got {mode!r}")
-    return mode == "on" or (mode == "auto" and auto)
 
 
 class TorchGenerator:
@@ -108,8 +98,8 @@ class TorchGenerator:
             cuda_graphs = device.type == "cuda"
         if cuda_graphs and device.type != "cuda":
             raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, it is on {device}")
-        compile_decode = _switch("THUNDERSYNC_DECODE_COMPILE", compile_decode, auto=cuda_graphs)
-        fuse_projections = _switch("THUNDERSYNC_DECODE_FUSE", fuse_projections, auto=cuda_graphs)
+        compile_decode = switch("THUNDERSYNC_DECODE_COMPILE", compile_decode, auto=cuda_graphs)
+        fuse_projections = switch("THUNDERSYNC_DECODE_FUSE", fuse_projections, auto=cuda_graphs)
         if cuda_graphs or compile_decode or fuse_projections:
             fused = FusedWeights(self._batcher.anatomy) if fuse_projections else None
             math = DecodeMath(compile=compile_decode, fused=fused)

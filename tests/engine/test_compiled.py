@@ -1,0 +1,128 @@
+"""The engine's compiled layer math (``THUNDERSYNC_ENGINE_COMPILE``) computes what the eager math does.
+
+On CPU the compiled functions go through AOTAutograd with the ``aot_eager`` backend (inductor's
+C++ code generation is the GPU test's job): the same dynamic-shape tracing, the same compiled
+backward and the same warm-up, with eager kernels, so the fp64 results still equal the dense
+gradient to 1e-10.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+from tests.engine import test_forest
+from tests.engine.tiny_models import tiny_qwen3, with_lora
+from thundersync._compile import OrEager
+from thundersync.engine import Segment, SegmentPack, _compiled
+from thundersync.engine.anatomy import decoder_anatomy
+from thundersync.engine.decoder import EAGER, attention_inputs, attention_output
+
+
+class Counting:
+    """An ``aot_eager`` backend that counts the forward and backward graphs it is handed."""
+
+    def __init__(self) -> None:
+        self.forward = self.backward = 0
+        self.backend = aot_autograd(fw_compiler=self._fw, bw_compiler=self._bw)
+
+    def _fw(self, gm: torch.fx.GraphModule, inputs: object) -> Callable[..., object]:
+        self.forward += 1
+        return make_boxed_func(gm.forward)
+
+    def _bw(self, gm: torch.fx.GraphModule, inputs: object) -> Callable[..., object]:
+        self.backward += 1
+        return make_boxed_func(gm.forward)
+
+
+@pytest.fixture
+def compiled(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counting]:
+    torch._dynamo.reset()
+    counting = Counting()
+    failures: list[str] = []
+    monkeypatch.setenv("THUNDERSYNC_ENGINE_COMPILE", "on")
+    monkeypatch.setattr(_compiled, "failures", failures)
+    monkeypatch.setattr(_compiled, "_inputs", OrEager(attention_inputs, counting.backend, failures))
+    monkeypatch.setattr(_compiled, "_output", OrEager(attention_output, counting.backend, failures))
+    monkeypatch.setattr(_compiled, "_warm", type(_compiled._warm)())
+    yield counting
+    assert failures == []
+    torch._dynamo.reset()
+
+
+def test_the_switch_picks_the_math(monkeypatch: pytest.MonkeyPatch) -> None:
+    anatomy = decoder_anatomy(tiny_qwen3())
+    assert _compiled.pack_math(anatomy) is EAGER  # auto: eager off CUDA
+    monkeypatch.setenv("THUNDERSYNC_ENGINE_COMPILE", "sometimes")
+    with pytest.raises(Exception, match="THUNDERSYNC_ENGINE_COMPILE must be auto, on or off, got 'sometimes'"):
+        _compiled.pack_math(anatomy)
+    assert _compiled.pack_math(anatomy, enabled=False) is EAGER
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_compiled_turn_by_turn_backward_equals_dense(compiled: Counting, lora: bool) -> None:
+    test_forest.test_turn_by_turn_backward_with_ledger_replay_equals_dense(lora)
+    assert compiled.forward >= 2 and compiled.backward >= 2  # both functions, forward and backward
+
+
+@pytest.mark.parametrize("root_in_pack", [True, False], ids=["root-in-pack", "root-by-proxy"])
+def test_compiled_packs_with_parents_equal_dense(compiled: Counting, root_in_pack: bool) -> None:
+    test_forest.test_parents_forwarded_in_the_same_pack_as_their_children_equal_dense(root_in_pack)
+
+
+def test_packs_of_new_sizes_compile_nothing_new(compiled: Counting) -> None:
+    """The warm-up compiles every graph (rows dynamic from the first call); later packs of other
+    sizes, with or without autograd, reuse them."""
+    anatomy = decoder_anatomy(tiny_qwen3(torch.float64))
+    assert _compiled.pack_math(anatomy) is _compiled.COMPILED
+    counts = (compiled.forward, compiled.backward)
+    assert counts[0] >= 2 and counts[1] >= 2
+    params = anatomy.trainable_parameters()
+    for length in (3, 7, 12):
+        root = Segment(torch.arange(length) % 90 + 1)
+        SegmentPack.forward(anatomy, [root], grad=False, keep_state=True)
+        pack = SegmentPack.forward(anatomy, [Segment(torch.arange(length) + 2, root)])
+        (lp,) = pack.scored_logprobs([torch.arange(length)])
+        pack.backward(lp.sum(), params=params, sink=None)
+    assert (compiled.forward, compiled.backward) == counts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_inductor_packs_on_cuda_equal_the_eager_math(monkeypatch: pytest.MonkeyPatch, lora: bool) -> None:
+    """The default on CUDA (inductor): a pack of chunks after a shared prefix and an in-pack parent
+    gives the eager math's log-probs, prefix adjoints and parameter gradients (fp32, 1e-5), and
+    compiles without falling back."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = tiny_qwen3(seed=6).to("cuda")
+    if lora:
+        model = with_lora(model)
+    anatomy = decoder_anatomy(model)
+    params = anatomy.trainable_parameters()
+    tokens = torch.Generator().manual_seed(7)
+
+    def run(enabled: bool) -> list[torch.Tensor]:
+        monkeypatch.setenv("THUNDERSYNC_ENGINE_COMPILE", "on" if enabled else "off")
+        root = Segment(torch.randint(0, 97, (9,), generator=tokens).cuda())
+        SegmentPack.forward(anatomy, [root], grad=False, keep_state=True)
+        a = Segment(torch.randint(0, 97, (5,), generator=tokens).cuda(), root)
+        segments = [a, Segment(torch.randint(0, 97, (7,), generator=tokens).cuda(), a)]
+        segments += [Segment(torch.randint(0, 97, (n,), generator=tokens).cuda(), root) for n in (1, 4, 12)]
+        model.zero_grad(set_to_none=True)
+        pack = SegmentPack.forward(anatomy, segments)
+        lps = pack.scored_logprobs([torch.arange(s.tokens.numel(), device="cuda") for s in segments])
+        adjoints = pack.backward(sum(lp.sum() * (i + 1) for i, lp in enumerate(lps)), params=params, sink=None)
+        return [*lps, *(t for k, v in adjoints[root] for t in (k, v)), *(p.grad for p in params)]
+
+    tokens.manual_seed(7)
+    eager = run(False)
+    tokens.manual_seed(7)
+    compiled = run(True)
+    assert _compiled.failures == []
+    for got, want in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,92 @@
+"""The engine's layer math through ``torch.compile``: fewer kernels and far less host time per pack.
+
+A pack's forward and backward run every layer's norms, projections, per-head norms, rotary
+embedding, residual adds and MLP as eager ops: about 100 kernels per layer, each launched from
+Python or autograd at 7-30 µs of host time, so a small pack costs ~70-110 ms of host time for
+~10 ms of GPU work on the H200 (bench/RESULTS.md, "The fixed cost of a pack"). Compiled,
+a layer up to attention and a layer after it are one call each way (inductor fuses each run of
+elementwise work into one kernel; AOTAutograd compiles the backward with it). Attention, which
+joins each chunk's keys, stays eager.
+
+The token count N of a pack changes with every pack, so it is marked dynamic from the first call:
+one compiled artifact per function (forward and backward), shared by every layer (the functions
+take the layer's modules as arguments; torch lifts their parameters to graph inputs) and every
+pack. A pack of one token runs eagerly (dynamo specializes sizes 0 and 1). :func:`pack_math`
+compiles everything for a model before its first pack, while it holds
+:data:`~thundersync._compile.COMPILE_LOCK` (AOTAutograd compiles a dynamic backward lazily, on
+autograd's thread, where the lock of each compiled call would not cover it).
+
+``THUNDERSYNC_ENGINE_COMPILE``: ``auto`` (default: on when the model is on CUDA), ``on``, ``off``.
+The compiled math computes the same functions up to rounding (fused elementwise kernels round
+intermediate values differently); :data:`failures` lists the functions that fell back to eager.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from thundersync._compile import COMPILE_LOCK, OrEager, switch
+from thundersync.engine.anatomy import DecoderAnatomy
+from thundersync.engine.decoder import EAGER, LayerMath, Tensors3, attention_inputs, attention_output, embed
+
+__all__ = ["COMPILED", "failures", "pack_math"]
+
+failures: list[str] = []  # "function: error" of each compiled function that runs eagerly
+_inputs = OrEager(attention_inputs, "inductor", failures, event="engine_compile_failed")
+_output = OrEager(attention_output, "inductor", failures, event="engine_compile_failed")
+_warm: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models compiled for
+
+
+def _dynamic_rows(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        torch._dynamo.mark_dynamic(t, 0)
+
+
+def _before(an: DecoderAnatomy, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tensors3:
+    if x.shape[0] < 2:
+        return attention_inputs(an.layers[index], x, cos, sin, an.head_dim)
+    _dynamic_rows(x, cos, sin)
+    return _inputs(an.layers[index], x, cos, sin, an.head_dim)
+
+
+def _after(an: DecoderAnatomy, index: int, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] < 2:
+        return attention_output(an.layers[index], x, a)
+    _dynamic_rows(x, a)
+    return _output(an.layers[index], x, a)
+
+
+COMPILED = LayerMath(embed, _before, _after)
+
+
+def pack_math(anatomy: DecoderAnatomy, enabled: bool | None = None) -> LayerMath:
+    """The layer math for ``anatomy``'s packs: :data:`COMPILED` where compiling is on (``enabled``,
+    else ``THUNDERSYNC_ENGINE_COMPILE``), else :data:`~thundersync.engine.decoder.EAGER`.
+
+    The first call for a model compiles: under :data:`~thundersync._compile.COMPILE_LOCK` it runs a
+    two-token pack forward without and with autograd, and that pack's backward (whose gradients it
+    returns instead of accumulating them), so no later pack compiles beside the generator.
+    """
+    if not switch("THUNDERSYNC_ENGINE_COMPILE", enabled, auto=anatomy.device.type == "cuda"):
+        return EAGER
+    if anatomy.model not in _warm:
+        with COMPILE_LOCK:
+            if anatomy.model not in _warm:
+                _warm_up(anatomy)
+                _warm.add(anatomy.model)
+    return COMPILED
+
+
+def _warm_up(anatomy: DecoderAnatomy) -> None:
+    from thundersync.engine.adapter import ChunkSpec, empty_prefix, forward_pack
+
+    chunk = ChunkSpec(torch.zeros(2, dtype=torch.long, device=anatomy.device), 0, empty_prefix(anatomy))
+    with torch.no_grad():
+        forward_pack(anatomy, [chunk], COMPILED)
+    params = anatomy.trainable_parameters()
+    with torch.enable_grad():
+        out = forward_pack(anatomy, [chunk], COMPILED)
+        if params and out.hidden.requires_grad:
+            torch.autograd.grad(out.hidden.float().square().sum(), params, allow_unused=True)
