@@ -68,6 +68,7 @@ class PackOutput:
     """What a packed forward returns: final-normed hidden states and every layer's new (k, v)."""
 
     hidden: torch.Tensor  # [N, H], the final-normed hidden states of all chunks, concatenated
+    tokens: torch.Tensor  # [N], the chunks' tokens, concatenated
     offsets: list[int]  # chunk c occupies rows offsets[c] : offsets[c + 1]
     layer_kv: list[KV]  # per layer, the pack's own (k, v) [N, Hkv, D], with graph
 
@@ -137,7 +138,7 @@ def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec], math: Lay
     kv: list[KV] = []
     attention = _PackAttention(sources, key_index, layout, anatomy.scaling, kv)
     x = decoder_forward(anatomy, tokens, positions, attention, math)
-    return PackOutput(hidden=apply_norm(anatomy.norm, x), offsets=offsets, layer_kv=kv)
+    return PackOutput(hidden=apply_norm(anatomy.norm, x), tokens=tokens, offsets=offsets, layer_kv=kv)
 
 
 def _key_spans(

@@ -146,25 +146,25 @@ class SegmentPack:
         skip = 0 if seg.parent is None else 1
         return [(k[:, skip:], v[:, skip:]) for k, v in self.output.kv(index)]
 
-    def scored_logprobs(self, selections: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    def scored_logprobs(self, selections: Sequence[Sequence[int] | torch.Tensor | None]) -> list[torch.Tensor]:
         """Per segment, log pi(token j | everything before it) for the own-token indices given.
 
-        ``selections[i]`` is a long tensor of indices into segment i's tokens (``None``: none).
-        A root's token 0 has no context and cannot be selected. One fused head call for all.
+        ``selections[i]``: indices into segment i's tokens, ints or a long tensor (best on the
+        host: a device tensor is read back), ``None`` for none. A root's token 0 has no context and
+        cannot be selected. One index copy and one fused head call for the whole pack.
         """
-        rows, targets, sizes = [], [], []
+        rows: list[int] = []
+        sizes = []
         for index, (seg, picked) in enumerate(zip(self.segments, selections)):
-            n = 0 if picked is None else int(picked.numel())
-            sizes.append(n)
-            if n:
-                assert picked is not None
-                shift = 1 if seg.parent is None else 0
-                rows.append(picked + (self.output.offsets[index] - shift))
-                targets.append(seg.tokens[picked])
+            ids = [] if picked is None else picked.tolist() if isinstance(picked, torch.Tensor) else picked
+            base = self.output.offsets[index] - (1 if seg.parent is None else 0)  # the row before token 0
+            rows += [base + j for j in ids]
+            sizes.append(len(ids))
         if not rows:
             empty = self.output.hidden.new_zeros(0, dtype=accumulate_dtype(self.output.hidden.dtype))
             return [empty for _ in sizes]
-        lp = head_logprobs(self.anatomy, self.output.hidden[torch.cat(rows)], torch.cat(targets))
+        picked = torch.tensor(rows, dtype=torch.long).to(self.output.hidden.device, non_blocking=True)
+        lp = head_logprobs(self.anatomy, self.output.hidden[picked], self.output.tokens[picked + 1])
         return list(torch.split(lp, sizes))
 
     def backward(

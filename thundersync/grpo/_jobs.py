@@ -90,15 +90,16 @@ def _forward_branches(
 ) -> tuple[SegmentPack, list[torch.Tensor]]:
     """Forward branches (after ``prompt`` in the same pack when given); their scored log-probs,
     whose gaps to the branches' behaviour log-probs go to ``mismatch``."""
-    segments = [Segment(run.tensor(b.tokens), root) for root, b in zip(roots, branches)]
+    ids = run.tensor([t for b in branches for t in b.tokens])  # one copy for the pack
+    segments = [Segment(t, root) for root, t in zip(roots, torch.split(ids, [len(b) for b in branches]))]
     head = [prompt] if prompt is not None else []
     pack = SegmentPack.forward(run.anatomy, [*head, *segments])
-    device = run.layout.device
-    picks = [torch.tensor([j for j, s in enumerate(b.scored) if s], dtype=torch.long, device=device) for b in branches]
+    picks = [[j for j, s in enumerate(b.scored) if s] for b in branches]
     logprobs = pack.scored_logprobs([*([None] * len(head)), *picks])[len(head) :]
-    for branch, lp in zip(branches, logprobs):
-        if branch.behaviour:
-            mismatch.add(lp, torch.tensor(branch.behaviour, dtype=torch.float64))
+    known = [(lp, b.behaviour) for b, lp in zip(branches, logprobs) if b.behaviour]
+    if known:  # one comparison for the pack
+        learner = torch.cat([lp for lp, _ in known])
+        mismatch.add(learner, torch.tensor([x for _, behaviour in known for x in behaviour], dtype=torch.float64))
     return pack, logprobs
 
 

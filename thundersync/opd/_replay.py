@@ -185,7 +185,7 @@ def backward_turns(
     turns' behaviour/learner log-prob gaps go to ``mismatch``.
     """
     segments: list[Segment] = []
-    selections: list[torch.Tensor | None] = []
+    selections: list[Sequence[int] | None] = []
     ledgers: dict[int, AdjointLedger] = {}
     for item in pending:
         assert item.group.root is not None
@@ -198,7 +198,7 @@ def backward_turns(
             parent = turn.segment
         item.turn.segment = Segment(run.tensor(item.turn.ids), parent)
         segments.append(item.turn.segment)
-        selections.append(torch.tensor(item.turn.scored, device=parent.tokens.device))
+        selections.append(item.turn.scored)
         ledgers.update(_ledgers(item.group, item.prior))
     pack = SegmentPack.forward(run.anatomy, segments, keep_state=True)
     logprobs = [lp for lp, picked in zip(pack.scored_logprobs(selections), selections) if picked is not None]
