@@ -68,14 +68,20 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 
 @contextlib.contextmanager
-def engine_compile(on: bool) -> Iterator[None]:
-    """Within the block the engine's packs run compiled layers (on) or eager ones (off)."""
-    saved = os.environ.get("THUNDERSYNC_ENGINE_COMPILE")
-    os.environ["THUNDERSYNC_ENGINE_COMPILE"] = "on" if on else "off"
+def engine_layers(mode: str) -> Iterator[None]:
+    """Within the block the engine's packs run their layers as ``mode``: ``graphs`` (CUDA graphs,
+    the default on CUDA), ``compiled`` (torch.compile) or ``eager``."""
+    values = {
+        "THUNDERSYNC_ENGINE_GRAPHS": "on" if mode == "graphs" else "off",
+        "THUNDERSYNC_ENGINE_COMPILE": "on" if mode == "compiled" else "off",
+    }
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if saved is None:
-            del os.environ["THUNDERSYNC_ENGINE_COMPILE"]
-        else:
-            os.environ["THUNDERSYNC_ENGINE_COMPILE"] = saved
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import thundersync
-from bench._common import engine_compile, header, markdown_table
+from bench._common import engine_layers, header, markdown_table
 from thundersync.kernels import linear_logprobs
 
 EPS = 1e-6
@@ -135,14 +135,14 @@ def streaming(model: torch.nn.Module, batch: Batch, pack_tokens: int = 8192) -> 
 
 
 def _eager(mode: Callable[..., None], model: torch.nn.Module, batch: Any) -> None:
-    with engine_compile(False):
+    with engine_layers("eager"):
         mode(model, batch)
 
 
 MODES: dict[str, Callable[[torch.nn.Module, Batch], None]] = {
     "dense (padded micro-batches of 8, fused log-probs)": dense,
     "streaming (RewardLinearBackward)": streaming,
-    "streaming, eager layers (THUNDERSYNC_ENGINE_COMPILE=off)": lambda m, b: _eager(streaming, m, b),
+    "streaming, eager layers (THUNDERSYNC_ENGINE_GRAPHS=off)": lambda m, b: _eager(streaming, m, b),
     "streaming, pack_tokens=0 (one trajectory per backward)": lambda m, b: streaming(m, b, pack_tokens=0),
 }
 

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import thundersync
-from bench._common import engine_compile, header, markdown_table
+from bench._common import engine_layers, header, markdown_table
 from bench.engine import make_model, measure, padded_logprobs, profile, relative_error
 
 
@@ -148,8 +148,8 @@ def opd_table(model: torch.nn.Module, tiny: bool, cuda: bool, repeat: int) -> tu
             relative_error(dense_grads, want),
         ]
     )
-    for name, compiled in (("", True), (", eager layers (THUNDERSYNC_ENGINE_COMPILE=off)", False)):
-        with engine_compile(compiled):
+    for name, layers in (("", "graphs"), (", eager layers (THUNDERSYNC_ENGINE_GRAPHS=off)", "eager")):
+        with engine_layers(layers):
             stream_s, stream_peak, stream_grads = measure(opd_streaming, model, batch, cuda, repeat)
             latencies: list[float] = []
             opd_streaming(model, batch, latencies)

@@ -73,7 +73,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import thundersync
-from bench._common import engine_compile, header, markdown_table
+from bench._common import engine_layers, header, markdown_table
 from bench._learner_process import LearnerProcess
 from bench.engine import Batch, Group, Trajectory, dense, make_model, padded_logprobs
 from bench.engine_opd import OPDGroup, OPDTrajectory, opd_dense
@@ -446,7 +446,7 @@ async def run_rows(
                     checks.append(check)
                     print(f"[check] {check}", file=sys.stderr, flush=True)
                 else:
-                    with engine_compile(not row.endswith(_EAGER)):
+                    with engine_layers("eager" if row.endswith(_EAGER) else "graphs"):
                         cells_ = await measure_in_process(row, model, generator, plan, rollout_s, finished, row_teacher)
                 rows.append(cells_)
                 print(f"[done] {markdown_table(COLUMNS, rows[-1:]).splitlines()[-1]}", file=sys.stderr, flush=True)
@@ -457,7 +457,7 @@ async def run_rows(
 
 
 _IN_CHILD = "-2proc"
-_EAGER = "-eager"  # the engine's layers eager (THUNDERSYNC_ENGINE_COMPILE=off), in this process
+_EAGER = "-eager"  # the engine's layers eager (no CUDA graphs), in this process
 
 
 def _objective_kind(row: str) -> str:

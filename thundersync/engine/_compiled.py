@@ -16,7 +16,12 @@ compiles everything for a model before its first pack, while it holds
 :data:`~thundersync._compile.COMPILE_LOCK` (AOTAutograd compiles a dynamic backward lazily, on
 autograd's thread, where the lock of each compiled call would not cover it).
 
-``THUNDERSYNC_ENGINE_COMPILE``: ``auto`` (default: on when the model is on CUDA), ``on``, ``off``.
+``THUNDERSYNC_ENGINE_COMPILE``: ``auto`` (default, off), ``on``, ``off``. It is off by default
+because it measured slower on the H200 where it matters (bench/RESULTS.md, 2026-12-01): the
+compiled regions' Python wrappers cost about what the fused kernels save (a 64-token pack: 127 ms
+against 118 ms eager), streamed GRPO took 1.14 s against 0.91 s and streamed OPD beside the
+rollout 21.1 s against 15.4 s; alone, streamed OPD was faster (2.18 s against 2.64 s) and used 23%
+less memory.
 The compiled math computes the same functions up to rounding (fused elementwise kernels round
 intermediate values differently); :data:`failures` lists the functions that fell back to eager.
 """
@@ -69,7 +74,7 @@ def pack_math(anatomy: DecoderAnatomy, enabled: bool | None = None) -> LayerMath
     two-token pack forward without and with autograd, and that pack's backward (whose gradients it
     returns instead of accumulating them), so no later pack compiles beside the generator.
     """
-    if not switch("THUNDERSYNC_ENGINE_COMPILE", enabled, auto=anatomy.device.type == "cuda"):
+    if not switch("THUNDERSYNC_ENGINE_COMPILE", enabled, auto=False):
         return EAGER
     if anatomy.model not in _warm:
         with COMPILE_LOCK:

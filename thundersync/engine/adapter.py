@@ -137,7 +137,7 @@ def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec], math: Lay
     layout = PackedLayout([int(c.tokens.numel()) for c in chunks], key_lengths, device)
     kv: list[KV] = []
     attention = _PackAttention(sources, key_index, layout, anatomy.scaling, kv)
-    x = decoder_forward(anatomy, tokens, positions, attention, math)
+    x = decoder_forward(anatomy, tokens, positions, attention, math)[: offsets[-1]]  # a math may pad rows
     return PackOutput(hidden=apply_norm(anatomy.norm, x), tokens=tokens, offsets=offsets, layer_kv=kv)
 
 

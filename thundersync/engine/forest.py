@@ -48,6 +48,7 @@ import torch
 
 from thundersync.engine._accum import GradCapture, accumulate_dtype
 from thundersync.engine._compiled import pack_math
+from thundersync.engine._graphed import GraphedLayers, graphed_layers
 from thundersync.engine.adapter import KV, ChunkSpec, PackOutput, empty_prefix, forward_pack, head_logprobs
 from thundersync.engine.anatomy import DecoderAnatomy
 
@@ -121,6 +122,7 @@ class SegmentPack:
         self.segments = list(segments)
         self.output = output
         self._leaves = leaves  # id(parent) -> (its chain incl. the parent, per-layer proxy leaves)
+        self._graphs: GraphedLayers | None = None  # whose static buffers hold this pack's activations
 
     @classmethod
     def forward(
@@ -130,11 +132,19 @@ class SegmentPack:
         leaves: dict[int, tuple[list[Segment], list[KV]]] = {}
         chunks: list[ChunkSpec] = []
         index = {id(seg): i for i, seg in enumerate(segments)}
-        with torch.enable_grad() if grad else torch.no_grad():
-            for seg in segments:
-                chunks.append(_chunk(anatomy, seg, index, leaves, grad))
-            output = forward_pack(anatomy, chunks, pack_math(anatomy))
+        graphs = graphed_layers(anatomy) if grad else None
+        graphed = graphs.math(sum(int(s.tokens.numel()) + (s.parent is not None) for s in segments)) if graphs else None
+        try:
+            with torch.enable_grad() if grad else torch.no_grad():
+                for seg in segments:
+                    chunks.append(_chunk(anatomy, seg, index, leaves, grad))
+                output = forward_pack(anatomy, chunks, graphed or pack_math(anatomy))
+        except BaseException:
+            if graphed is not None and graphs is not None:
+                graphs.release()
+            raise
         pack = cls(anatomy, segments, output, leaves)
+        pack._graphs = graphs if graphed is not None else None
         if keep_state:
             for position, seg in enumerate(segments):
                 seg.state = [(k.detach().clone(), v.detach().clone()) for k, v in pack.kv(position)]
@@ -200,7 +210,16 @@ class SegmentPack:
         result = self._ancestor_adjoints()
         self.output = None  # type: ignore[assignment]  # free the activations now
         self._leaves = {}
+        self._release()
         return result
+
+    def _release(self) -> None:
+        if self._graphs is not None:
+            self._graphs.release()
+            self._graphs = None
+
+    def __del__(self) -> None:
+        self._release()  # a pack dropped without its backward frees its graphs' buffers too
 
     def _ancestor_adjoints(self) -> dict[Segment, list[KV]]:
         result: dict[Segment, list[KV]] = {}

@@ -1,0 +1,75 @@
+"""The engine's layers replayed as CUDA graphs (``THUNDERSYNC_ENGINE_GRAPHS``) compute what eager layers do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.tiny_models import tiny_qwen3, with_lora
+from thundersync.engine import AdjointLedger, Segment, SegmentPack
+from thundersync.engine._graphed import MAX_ROWS, bucket, graphed_layers
+from thundersync.engine.anatomy import decoder_anatomy
+
+
+def test_buckets_are_powers_of_two_from_64_up_to_the_limit() -> None:
+    assert [bucket(n) for n in (1, 2, 64, 65, 128, 129, MAX_ROWS)] == [64, 64, 64, 128, 128, 256, MAX_ROWS]
+    assert bucket(MAX_ROWS + 1) is None
+
+
+def test_no_graphs_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    anatomy = decoder_anatomy(tiny_qwen3())
+    assert graphed_layers(anatomy) is None
+    monkeypatch.setenv("THUNDERSYNC_ENGINE_GRAPHS", "on")
+    assert graphed_layers(anatomy) is None
+
+
+def _pack_results(anatomy: object, tokens: torch.Generator, second: bool) -> list[torch.Tensor]:
+    """A pack after a prompt read by proxy: a branch with its in-pack child and three more branches
+    (one of a single token); a weighted log-prob objective, then the prompt's replay with the
+    adjoint it received. Returns the log-probs, the prompt's adjoint and every gradient."""
+    an = anatomy  # DecoderAnatomy
+    params = an.trainable_parameters()  # type: ignore[attr-defined]
+
+    def ids(n: int) -> torch.Tensor:
+        return torch.randint(0, 97, (n,), generator=tokens).cuda()
+
+    root = Segment(ids(9))
+    SegmentPack.forward(an, [root], grad=False, keep_state=True)  # type: ignore[arg-type]
+    a = Segment(ids(5), root)
+    segments = [a, Segment(ids(7), a), *(Segment(ids(n), root) for n in (1, 4, 30))]
+    pack = SegmentPack.forward(an, segments)  # type: ignore[arg-type]
+    if second:  # a second pack while the first waits for its backward: it must not share buffers
+        other = SegmentPack.forward(an, [Segment(ids(6), root)])  # type: ignore[arg-type]
+        (lp_other,) = other.scored_logprobs([list(range(6))])
+    lps = pack.scored_logprobs([list(range(s.tokens.numel())) for s in segments])
+    objective = sum(lp.sum() * (i + 1) for i, lp in enumerate(lps))
+    adjoints = pack.backward(objective, params=params, sink=None)  # type: ignore[arg-type]
+    ledger = AdjointLedger()
+    ledger.add(adjoints[root])
+    if second:
+        ledger.add(other.backward(lp_other.sum(), params=params, sink=None)[root])
+    replay = SegmentPack.forward(an, [root])  # type: ignore[arg-type]
+    replay.backward(None, [ledger.tensors], params=params, sink=None)
+    assert ledger.tensors is not None
+    return [*lps, *(t for kv in ledger.tensors for t in kv), *(p.grad for p in params)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("second", [False, True], ids=["one-pack", "two-packs-pending"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_graphed_packs_equal_eager_packs(monkeypatch: pytest.MonkeyPatch, lora: bool, second: bool) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = tiny_qwen3(seed=6).to("cuda")
+    if lora:
+        model = with_lora(model)
+    anatomy = decoder_anatomy(model)
+    results = {}
+    for mode in ("off", "on", "on"):  # the second graphed run replays graphs captured by the first
+        monkeypatch.setenv("THUNDERSYNC_ENGINE_GRAPHS", mode)
+        model.zero_grad(set_to_none=True)
+        results[mode] = _pack_results(anatomy, torch.Generator().manual_seed(7), second)
+    layers = graphed_layers(anatomy)
+    assert layers is not None and layers.buckets() == [64]
+    for got, want in zip(results["on"], results["off"], strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)

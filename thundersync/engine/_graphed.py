@@ -1,0 +1,259 @@
+# mypy: disable-error-code="no-untyped-call"
+# (torch.autograd.Function.apply is untyped in torch's stubs)
+"""The engine's layers as CUDA graphs: a pack replays each layer's math instead of launching it op by op.
+
+A pack's forward and backward launch ~110 kernels per layer, each from Python or autograd at
+~10 µs of host time on the H200 machine, so a small pack costs ~120 ms of host time for ~10 ms of
+GPU work (bench/RESULTS.md, "The fixed cost of a pack"). Here each layer's two row-wise parts, up
+to attention and after it (:mod:`~thundersync.engine.decoder`), are captured as CUDA graphs,
+forward and backward, for a bucket of rows; a pack pads its rows to the bucket and replays them::
+
+    x, cos, sin' = embed(tokens, positions), padded to B rows           (eager)
+    layer i:  q, k, v = replay before_i(x, cos, sin')[:N]               (one graph; backward: one)
+              a = attention(i, q, k, v)                                 (eager: the chunks' layout)
+              x = replay after_i(x, pad(a))                             (one graph; backward: one)
+
+Rows are independent in both parts, so the padding rows (zeros) change no real row; their
+adjoints are zero, so they add nothing to any gradient. What changes is the rounding of the matrix
+products, whose kernels see B rows instead of N.
+
+Buckets are powers of two from 64 to :data:`MAX_ROWS`; a larger pack runs eagerly. All graphs of
+a model share one memory pool, captured in the order a pack replays them (forwards in layer
+order, then backwards in reverse), so a pack's graphs never overwrite each other's live memory;
+the static activations of every bucket stay allocated (about twice the largest bucket's
+activations). Graphs hold the addresses of the parameters: a model whose parameters moved (or
+changed ``requires_grad``) is captured again. The captures run on the worker thread with
+``capture_error_mode="thread_local"``, so the generator's thread keeps working meanwhile.
+
+A pack's outputs (q, k, v, the layers' outputs) live in the graphs' static buffers until its
+backward: :meth:`GraphedLayers.math` refuses (returns None: eager) while another graphed pack's
+backward is pending (:meth:`GraphedLayers.release`).
+
+``THUNDERSYNC_ENGINE_GRAPHS``: ``auto`` (default: on when the model is on CUDA), ``on``, ``off``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from thundersync._compile import switch
+from thundersync.engine.anatomy import DecoderAnatomy, LayerParts
+from thundersync.engine.decoder import LayerMath, Tensors3, attention_inputs, attention_output, embed
+
+__all__ = ["MAX_ROWS", "MIN_ROWS", "GraphedLayers", "graphed_layers"]
+
+MIN_ROWS = 64
+MAX_ROWS = 2048
+_WARMUP = 2
+
+_models: weakref.WeakKeyDictionary[torch.nn.Module, GraphedLayers] = weakref.WeakKeyDictionary()
+
+
+def graphed_layers(anatomy: DecoderAnatomy, enabled: bool | None = None) -> GraphedLayers | None:
+    """The model's :class:`GraphedLayers`, or None where graphs are off (``enabled``, else
+    ``THUNDERSYNC_ENGINE_GRAPHS``) or the model is not on CUDA."""
+    cuda = anatomy.device.type == "cuda"
+    if not switch("THUNDERSYNC_ENGINE_GRAPHS", enabled, auto=cuda) or not cuda:
+        return None
+    layers = _models.get(anatomy.model)
+    if layers is None:
+        layers = _models[anatomy.model] = GraphedLayers(anatomy)
+    return layers
+
+
+def bucket(rows: int) -> int | None:
+    """The bucket of a pack of ``rows`` rows (None: over :data:`MAX_ROWS`, run eagerly)."""
+    size = max(MIN_ROWS, 1 << max(rows - 1, 0).bit_length())
+    return size if size <= MAX_ROWS else None
+
+
+class _Part:
+    """One layer part captured for one bucket: static inputs and outputs, forward and backward graphs."""
+
+    def __init__(self, fn: Callable[..., Any], inputs: list[torch.Tensor], params: list[torch.nn.Parameter]) -> None:
+        self.fn, self.inputs, self.params = fn, inputs, params
+        self.outputs: tuple[torch.Tensor, ...] = ()
+        self.grad_outputs: list[torch.Tensor] = []
+        self.grads: tuple[torch.Tensor | None, ...] = ()
+        self.forward = torch.cuda.CUDAGraph()
+        self.backward = torch.cuda.CUDAGraph()
+
+    def differentiable(self) -> list[torch.Tensor]:
+        return [t for t in self.inputs if t.requires_grad] + list(self.params)
+
+    def run(self) -> tuple[torch.Tensor, ...]:
+        out = self.fn(*self.inputs)
+        return tuple(out) if isinstance(out, tuple) else (out,)
+
+
+def _capture(parts: Sequence[_Part], pool: Any) -> None:
+    """Warm up, then capture every part's forward in order and every backward in reverse order."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.enable_grad():
+        for _ in range(_WARMUP):
+            for part in parts:
+                outs = part.run()
+                torch.autograd.grad(outs, part.differentiable(), [torch.zeros_like(o) for o in outs], allow_unused=True)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    with torch.enable_grad():
+        for part in parts:
+            with torch.cuda.graph(part.forward, pool=pool, capture_error_mode="thread_local"):
+                part.outputs = part.run()
+            part.grad_outputs = [torch.zeros_like(o) for o in part.outputs]
+        for part in reversed(parts):
+            with torch.cuda.graph(part.backward, pool=pool, capture_error_mode="thread_local"):
+                part.grads = torch.autograd.grad(
+                    part.outputs, part.differentiable(), part.grad_outputs, allow_unused=True
+                )
+
+
+class _Replay(torch.autograd.Function):
+    """A captured part as an autograd function: copy the inputs in, replay; backward likewise."""
+
+    @staticmethod
+    def forward(ctx: Any, part: _Part, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        for static, given in zip(part.inputs, args):
+            static.copy_(given)
+        part.forward.replay()
+        ctx.part = part
+        return tuple(o.detach() for o in part.outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        part: _Part = ctx.part
+        for static, grad in zip(part.grad_outputs, grads):
+            if grad is None:
+                static.zero_()
+            else:
+                static.copy_(grad)
+        part.backward.replay()
+        results = iter(part.grads)
+        inputs = [next(results) if t.requires_grad else None for t in part.inputs]
+        # A parameter without a .grad would take the static buffer itself as its gradient (autograd
+        # steals an unshared incoming gradient), which the next replay overwrites: give it a copy.
+        params = [g if g is None or p.grad is not None else g.clone() for p, g in zip(part.params, results)]
+        return (None, *(g if g is None else g.detach() for g in inputs), *params)
+
+
+def _params(*modules: torch.nn.Module | None) -> list[torch.nn.Parameter]:
+    seen: dict[int, torch.nn.Parameter] = {}
+    for module in modules:
+        if module is not None:
+            for p in module.parameters():
+                if p.requires_grad:
+                    seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+class GraphedLayers:
+    """A model's layer parts captured per row bucket (lazily, every bucket at the first use)."""
+
+    def __init__(self, anatomy: DecoderAnatomy) -> None:
+        # No reference to the model itself: it is the key of the module's weak cache.
+        self._model = weakref.ref(anatomy.model)
+        self.layers = anatomy.layers
+        self.device, self.dtype = anatomy.device, anatomy.dtype
+        norm_weight = anatomy.norm.weight
+        assert isinstance(norm_weight, torch.Tensor), "the final norm has no weight"
+        self.hidden = int(norm_weight.shape[0])
+        self.heads, self.head_dim = anatomy.num_heads, anatomy.head_dim
+        self._before: dict[int, list[_Part]] = {}
+        self._after: dict[int, list[_Part]] = {}
+        self._pool: Any = None
+        self._key: tuple[tuple[int, bool], ...] = ()
+        self._busy = False
+
+    def _params_key(self) -> tuple[tuple[int, bool], ...]:
+        model = self._model()
+        return () if model is None else tuple((p.data_ptr(), p.requires_grad) for p in model.parameters())
+
+    def math(self, rows: int) -> LayerMath | None:
+        """The layer math for a pack of ``rows`` rows (with autograd), or None: run it eagerly
+        (no bucket, or another graphed pack's backward is pending). The caller calls
+        :meth:`release` once the pack's backward has run or the pack is dropped."""
+        size = bucket(rows)
+        if size is None or self._busy or rows < 2:
+            return None
+        key = self._params_key()
+        if key != self._key or self._pool is None:
+            self._before, self._after, self._pool, self._key = {}, {}, torch.cuda.graph_pool_handle(), key
+        if size not in self._before:
+            self._capture_bucket(size)
+        self._busy = True
+        return _PackMath(self._before[size], self._after[size], size, rows).math()
+
+    def buckets(self) -> list[int]:
+        """The row buckets captured so far."""
+        return sorted(self._before)
+
+    def release(self) -> None:
+        """The pack that :meth:`math` served is done: its static buffers may be overwritten."""
+        self._busy = False
+
+    def _capture_bucket(self, size: int) -> None:
+        def static(*shape: int, grad: bool = False) -> torch.Tensor:
+            return torch.zeros(size, *shape, device=self.device, dtype=self.dtype, requires_grad=grad)
+
+        befores, afters = [], []
+        for layer in self.layers:
+            x, cos, sin = static(self.hidden, grad=True), static(1, self.head_dim) + 1, static(1, self.head_dim)
+            befores.append(_Part(_Before(layer, self.head_dim), [x, cos, sin], _params(*_before_modules(layer))))
+            y, a = static(self.hidden, grad=True), static(self.heads * self.head_dim, grad=True)
+            afters.append(_Part(_After(layer), [y, a], _params(layer.o_proj, layer.post_norm, layer.mlp)))
+        _capture([part for pair in zip(befores, afters) for part in pair], self._pool)
+        self._before[size], self._after[size] = befores, afters
+
+
+def _before_modules(layer: LayerParts) -> tuple[torch.nn.Module | None, ...]:
+    return (layer.input_norm, layer.q_proj, layer.k_proj, layer.v_proj, layer.q_norm, layer.k_norm)
+
+
+class _Before:
+    def __init__(self, layer: LayerParts, head_dim: int) -> None:
+        self.layer, self.head_dim = layer, head_dim
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tensors3:
+        return attention_inputs(self.layer, x, cos, sin, self.head_dim)
+
+
+class _After:
+    def __init__(self, layer: LayerParts) -> None:
+        self.layer = layer
+
+    def __call__(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        return attention_output(self.layer, x, a)
+
+
+class _PackMath:
+    """One pack's :class:`LayerMath` over the graphs of its bucket: rows padded to ``size``."""
+
+    def __init__(self, before: list[_Part], after: list[_Part], size: int, rows: int) -> None:
+        self.before_parts, self.after_parts, self.size, self.rows = before, after, size, rows
+
+    def math(self) -> LayerMath:
+        return LayerMath(self.embed, self.before, self.after)
+
+    def _pad(self, t: torch.Tensor) -> torch.Tensor:
+        return F.pad(t, (0, 0) * (t.dim() - 1) + (0, self.size - self.rows))
+
+    def embed(self, an: DecoderAnatomy, tokens: torch.Tensor, positions: torch.Tensor) -> Tensors3:
+        x, cos, sin = embed(an, tokens, positions)
+        return self._pad(x), self._pad(cos), self._pad(sin)
+
+    def before(self, an: DecoderAnatomy, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tensors3:
+        part = self.before_parts[index]
+        q, k, v = _Replay.apply(part, x, cos, sin, *part.params)
+        return q[: self.rows], k[: self.rows], v[: self.rows]
+
+    def after(self, an: DecoderAnatomy, index: int, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        part = self.after_parts[index]
+        out: torch.Tensor = _Replay.apply(part, x, self._pad(a), *part.params)[0]
+        return out
