@@ -73,10 +73,22 @@ def bucket(rows: int) -> int | None:
 
 
 class _Part:
-    """One layer part captured for one bucket: static inputs and outputs, forward and backward graphs."""
+    """One layer part captured for one bucket: static inputs and outputs, forward and backward graphs.
 
-    def __init__(self, fn: Callable[..., Any], inputs: list[torch.Tensor], params: list[torch.nn.Parameter]) -> None:
-        self.fn, self.inputs, self.params = fn, inputs, params
+    The graphs compute gradients with respect to detached aliases of the parameters (same
+    storage, so they read the current values), never the parameters themselves: autograd ties a
+    parameter's gradient accumulator to the stream it was created on, and one kept alive from an
+    earlier pass on another stream would make the capture wait on that stream (and fail). The
+    parameters' own accumulation happens outside the graphs, where :class:`_Replay` hands them
+    the gradients.
+    """
+
+    def __init__(self, fn: Callable[..., Any], modules: dict[str, torch.nn.Module], inputs: list[torch.Tensor]) -> None:
+        self.module = _Wrapper(fn, modules)
+        named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.aliases = {name: p.detach().requires_grad_() for name, p in named}
+        self.inputs = inputs
         self.outputs: tuple[torch.Tensor, ...] = ()
         self.grad_outputs: list[torch.Tensor] = []
         self.grads: tuple[torch.Tensor | None, ...] = ()
@@ -84,11 +96,23 @@ class _Part:
         self.backward = torch.cuda.CUDAGraph()
 
     def differentiable(self) -> list[torch.Tensor]:
-        return [t for t in self.inputs if t.requires_grad] + list(self.params)
+        return [t for t in self.inputs if t.requires_grad] + list(self.aliases.values())
 
     def run(self) -> tuple[torch.Tensor, ...]:
-        out = self.fn(*self.inputs)
+        out = torch.func.functional_call(self.module, self.aliases, tuple(self.inputs))
         return tuple(out) if isinstance(out, tuple) else (out,)
+
+
+class _Wrapper(torch.nn.Module):
+    """``fn`` as a module whose submodules are the layer's parts (so their parameters have names)."""
+
+    def __init__(self, fn: Callable[..., Any], modules: dict[str, torch.nn.Module]) -> None:
+        super().__init__()
+        self.fn = fn
+        self.parts = torch.nn.ModuleDict(modules)
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        return self.fn(*inputs)
 
 
 def _capture(parts: Sequence[_Part], pool: Any) -> None:
@@ -143,16 +167,6 @@ class _Replay(torch.autograd.Function):
         return (None, *(g if g is None else g.detach() for g in inputs), *params)
 
 
-def _params(*modules: torch.nn.Module | None) -> list[torch.nn.Parameter]:
-    seen: dict[int, torch.nn.Parameter] = {}
-    for module in modules:
-        if module is not None:
-            for p in module.parameters():
-                if p.requires_grad:
-                    seen.setdefault(id(p), p)
-    return list(seen.values())
-
-
 class GraphedLayers:
     """A model's layer parts captured per row bucket (lazily, every bucket at the first use)."""
 
@@ -205,15 +219,19 @@ class GraphedLayers:
         befores, afters = [], []
         for layer in self.layers:
             x, cos, sin = static(self.hidden, grad=True), static(1, self.head_dim) + 1, static(1, self.head_dim)
-            befores.append(_Part(_Before(layer, self.head_dim), [x, cos, sin], _params(*_before_modules(layer))))
+            befores.append(_Part(_Before(layer, self.head_dim), _modules(layer, _BEFORE), [x, cos, sin]))
             y, a = static(self.hidden, grad=True), static(self.heads * self.head_dim, grad=True)
-            afters.append(_Part(_After(layer), [y, a], _params(layer.o_proj, layer.post_norm, layer.mlp)))
+            afters.append(_Part(_After(layer), _modules(layer, _AFTER), [y, a]))
         _capture([part for pair in zip(befores, afters) for part in pair], self._pool)
         self._before[size], self._after[size] = befores, afters
 
 
-def _before_modules(layer: LayerParts) -> tuple[torch.nn.Module | None, ...]:
-    return (layer.input_norm, layer.q_proj, layer.k_proj, layer.v_proj, layer.q_norm, layer.k_norm)
+_BEFORE = ("input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm")
+_AFTER = ("o_proj", "post_norm", "mlp")
+
+
+def _modules(layer: LayerParts, names: tuple[str, ...]) -> dict[str, torch.nn.Module]:
+    return {name: module for name in names if (module := getattr(layer, name)) is not None}
 
 
 class _Before:
