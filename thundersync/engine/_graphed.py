@@ -124,6 +124,9 @@ def _capture(parts: Sequence[_Part], pool: Any) -> None:
             for part in parts:
                 outs = part.run()
                 torch.autograd.grad(outs, part.differentiable(), [torch.zeros_like(o) for o in outs], allow_unused=True)
+                # Let the warm-up's graph die now: a leaf's gradient accumulator outlives it only through
+                # the graph, and one made here, on the side stream, would be reused by the capture.
+                del outs
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     with torch.enable_grad():
