@@ -267,9 +267,11 @@ COLUMNS = [
 async def warmed_learner(
     row: str, model: torch.nn.Module, plan: Batch, finished: list[Finished], teacher: torch.nn.Module | None
 ) -> Learner:
-    """The row's objective on a new ``StreamingRun``, warmed on the first group (probes, allocator)."""
+    """The row's objective on a new ``StreamingRun``, warmed on the whole batch once (probes, the
+    allocator, and the CUDA graphs of every row bucket the batch's packs need), so that the measured
+    passes include no capture."""
     objective = make_objective(row, thundersync.StreamingRun(model))
-    await learner_alone(Learner(objective, plan[:1], teacher), [item for item in finished if item[0] == 0])
+    await learner_alone(Learner(objective, plan, teacher), finished)
     return Learner(objective, plan, teacher)
 
 
