@@ -166,6 +166,10 @@ def opd_table(model: torch.nn.Module, tiny: bool, cuda: bool, repeat: int) -> tu
                 relative_error(stream_grads, want),
             ]
         )
+    if cuda:
+        from thundersync.engine import graph_counts
+
+        print(f"engine graphs (whole run): {graph_counts()}", file=sys.stderr, flush=True)
     info = (
         f"OPD batch: {len(batch)} groups x {len(batch[0].trajectories)} trajectories, {tokens} tokens, "
         f"{scored} scored, {len(latencies)} actions"

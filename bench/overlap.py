@@ -523,6 +523,10 @@ def main() -> None:
     shapes = workloads(args.tiny)
     print(f"workload: {shapes['main']}; balanced: {shapes['balanced']}; dtype {next(model.parameters()).dtype}\n")
     print(markdown_table(COLUMNS, rows))
+    if cuda:
+        from thundersync.engine import graph_counts
+
+        print(f"\nengine graphs in this process (all rows): {graph_counts()}")
     if checks:
         print("\ngradient check, the learner process's streamed gradient against one process's:")
         print("\n".join(f"- {check}" for check in checks))

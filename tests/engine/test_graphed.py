@@ -73,3 +73,37 @@ def test_graphed_packs_equal_eager_packs(monkeypatch: pytest.MonkeyPatch, lora: 
     assert layers is not None and layers.buckets() == [64]
     for got, want in zip(results["on"], results["off"], strict=True):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_which_packs_replay_and_which_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decision and its counts, with the captures stubbed (no GPU here): one bucket per power of
+    two, captured once; eager over the largest bucket, for one row, and while a graphed pack's
+    backward is pending; everything captured again once a parameter changes."""
+    from thundersync.engine import _graphed
+
+    captured: list[int] = []
+
+    def fake_capture(self: _graphed.GraphedLayers, size: int) -> None:
+        captured.append(size)
+        self._before[size], self._after[size] = [], []
+
+    monkeypatch.setattr(_graphed.GraphedLayers, "_capture_bucket", fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 0))
+    _graphed.reset_graph_counts()
+    model = tiny_qwen3()
+    layers = _graphed.GraphedLayers(decoder_anatomy(model))
+    assert layers.math(100) is not None and captured == [128]
+    assert layers.math(50) is None  # the first pack's backward is pending
+    layers.release()
+    assert layers.math(MAX_ROWS + 1) is None and layers.math(1) is None
+    assert layers.math(120) is not None and captured == [128]  # replayed, not captured again
+    layers.release()
+    model.model.layers[0].mlp.down_proj.weight.requires_grad_(False)
+    assert layers.math(64) is not None and captured == [128, 64] and layers.buckets() == [64]
+    assert _graphed.graph_counts() == {
+        "replayed": 3,
+        "captured": 2,
+        "eager_busy": 1,
+        "eager_too_long": 1,
+        "eager_one_row": 1,
+    }

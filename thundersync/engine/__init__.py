@@ -5,13 +5,23 @@ detached prefix state; ``forest`` is the segment core that objectives build on (
 shows the API); :class:`StreamingRun` owns the parameters, accumulators and worker of a batch.
 What the objectives share: ``objective`` (the contract both implement), ``groups`` (which groups
 and trajectories are open), ``packing`` (which queued work shares a pass), ``inputs`` (validation
-at the API boundary).
+at the API boundary). On CUDA a pack replays its layers as CUDA graphs (``_graphed``);
+:func:`graph_counts` says how many packs did and why the others ran eagerly.
 """
 
 from __future__ import annotations
 
+from thundersync.engine._graphed import graph_counts, reset_graph_counts
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.objective import StreamingObjective
 from thundersync.engine.run import StreamingRun
 
-__all__ = ["AdjointLedger", "Segment", "SegmentPack", "StreamingObjective", "StreamingRun"]
+__all__ = [
+    "AdjointLedger",
+    "Segment",
+    "SegmentPack",
+    "StreamingObjective",
+    "StreamingRun",
+    "graph_counts",
+    "reset_graph_counts",
+]

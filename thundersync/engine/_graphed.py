@@ -34,6 +34,7 @@ backward is pending (:meth:`GraphedLayers.release`).
 
 from __future__ import annotations
 
+import collections
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,13 +46,26 @@ from thundersync._compile import switch
 from thundersync.engine.anatomy import DecoderAnatomy, LayerParts
 from thundersync.engine.decoder import LayerMath, Tensors3, attention_inputs, attention_output, embed
 
-__all__ = ["MAX_ROWS", "MIN_ROWS", "GraphedLayers", "graphed_layers"]
+__all__ = ["MAX_ROWS", "MIN_ROWS", "GraphedLayers", "graph_counts", "graphed_layers", "reset_graph_counts"]
 
 MIN_ROWS = 64
 MAX_ROWS = 2048
 _WARMUP = 2
 
 _models: weakref.WeakKeyDictionary[torch.nn.Module, GraphedLayers] = weakref.WeakKeyDictionary()
+_COUNTS: collections.Counter[str] = collections.Counter()
+
+
+def graph_counts() -> dict[str, int]:
+    """What the graphed layers did in this process: packs ``replayed``, packs run eagerly because
+    they were ``eager_too_long`` (over :data:`MAX_ROWS` rows), ``eager_one_row`` or ``eager_busy``
+    (another graphed pack's backward pending), and row buckets ``captured``."""
+    return dict(_COUNTS)
+
+
+def reset_graph_counts() -> None:
+    """Set every count of :func:`graph_counts` back to zero."""
+    _COUNTS.clear()
 
 
 def graphed_layers(anatomy: DecoderAnatomy, enabled: bool | None = None) -> GraphedLayers | None:
@@ -197,14 +211,20 @@ class GraphedLayers:
         (no bucket, or another graphed pack's backward is pending). The caller calls
         :meth:`release` once the pack's backward has run or the pack is dropped."""
         size = bucket(rows)
-        if size is None or self._busy or rows < 2:
+        reason = (
+            "eager_too_long" if size is None else "eager_one_row" if rows < 2 else "eager_busy" if self._busy else ""
+        )
+        if reason or size is None:
+            _COUNTS[reason] += 1
             return None
         key = self._params_key()
         if key != self._key or self._pool is None:
             self._before, self._after, self._pool, self._key = {}, {}, torch.cuda.graph_pool_handle(), key
         if size not in self._before:
             self._capture_bucket(size)
+            _COUNTS["captured"] += 1
         self._busy = True
+        _COUNTS["replayed"] += 1
         return _PackMath(self._before[size], self._after[size], size, rows).math()
 
     def buckets(self) -> list[int]:
