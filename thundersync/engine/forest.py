@@ -173,8 +173,8 @@ class SegmentPack:
         if not rows:
             empty = self.output.hidden.new_zeros(0, dtype=accumulate_dtype(self.output.hidden.dtype))
             return [empty for _ in sizes]
-        picked = torch.tensor(rows, dtype=torch.long).to(self.output.hidden.device, non_blocking=True)
-        lp = head_logprobs(self.anatomy, self.output.hidden[picked], self.output.tokens[picked + 1])
+        at = torch.tensor(rows, dtype=torch.long).to(self.output.hidden.device, non_blocking=True)
+        lp = head_logprobs(self.anatomy, self.output.hidden[at], self.output.tokens[at + 1])  # row r predicts r + 1
         return list(torch.split(lp, sizes))
 
     def backward(
@@ -289,10 +289,10 @@ def _chunk(
     if not all(packed[first:]):
         raise ValueError("a segment's ancestors in the same pack must be the lowest ones of its chain")
     above, inside = chain[:first], chain[first:]
-    prefix, rows = empty_prefix(anatomy, seg.tokens.device), None
+    prefix, prefix_len = empty_prefix(anatomy, seg.tokens.device), None
     if above:
         prefix = _proxy(anatomy, above, leaves, grad)  # read as it is: the pack casts it once per layer
-        rows = None if inside else seg.parent.end - 1  # the direct parent's last token is recomputed in the chunk
+        prefix_len = None if inside else seg.parent.end - 1  # the parent's last token is recomputed in the chunk
     in_pack = tuple((index[id(a)], 0 if a.parent is None else 1, 1 if a is seg.parent else 0) for a in inside)
     tokens = torch.cat([seg.parent.tokens[-1:], seg.tokens])
-    return ChunkSpec(tokens, seg.start - 1, prefix, in_pack=in_pack, prefix_len=rows)
+    return ChunkSpec(tokens, seg.start - 1, prefix, in_pack=in_pack, prefix_len=prefix_len)
