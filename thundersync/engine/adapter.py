@@ -12,10 +12,15 @@ chunk's queries see its own prefix and, causally, its own tokens; never another 
 a chunk may name an earlier chunk of the pack as the end of its prefix, e.g. a prompt packed with
 its branches)::
 
-    x = decoder_forward(tokens, positions, attention)              [N, H]
-        attention at layer l:  keys = cat over chunks c of [K_prefix(c); ancestors' rows; k_c]
+    x = decoder_forward(tokens, positions, attention, math)        [N, H]
+        attention at layer l:  keys = cat(distinct prefixes, k)[index]   per chunk c: K_prefix(c);
+                                                                         ancestors' rows; k_c
                                a = packed_chunk_attention(q, keys, values)   chunk c: q_c over its keys
     hidden = norm(x)                                               [N, H]
+
+The index is built once per pack, so a layer costs the same few ops however many chunks share it.
+``math`` is the layers' math around attention (eager by default; the forest passes CUDA-graphed
+or compiled forms, :mod:`~thundersync.engine._graphed`, :mod:`~thundersync.engine._compiled`).
 
 Log-probabilities of chosen rows come from :func:`head_logprobs`: the fused
 ``kernels.linear_logprobs`` for a plain linear head (never the [N, V] logits), the head module
