@@ -16,9 +16,10 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from tests.engine import test_forest
+from tests.engine.test_graphed import pack_results
 from tests.engine.tiny_models import tiny_qwen3, with_lora
 from thundersync._compile import OrEager
-from thundersync.engine import Segment, SegmentPack, _compiled
+from thundersync.engine import Segment, SegmentPack, _compiled, graph_counts, reset_graph_counts
 from thundersync.engine.anatomy import decoder_anatomy
 from thundersync.engine.decoder import EAGER, attention_inputs, attention_output
 
@@ -94,35 +95,23 @@ def test_packs_of_new_sizes_compile_nothing_new(compiled: Counting) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_inductor_packs_on_cuda_equal_the_eager_math(monkeypatch: pytest.MonkeyPatch, lora: bool) -> None:
-    """The default on CUDA (inductor): a pack of chunks after a shared prefix and an in-pack parent
+    """Opt-in on CUDA (inductor): a pack of chunks after a shared prefix and an in-pack parent
     gives the eager math's log-probs, prefix adjoints and parameter gradients (fp32, 1e-5), and
-    compiles without falling back."""
+    compiles without falling back. Asking for it turns the CUDA graphs off."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     model = tiny_qwen3(seed=6).to("cuda")
     if lora:
         model = with_lora(model)
     anatomy = decoder_anatomy(model)
-    params = anatomy.trainable_parameters()
-    tokens = torch.Generator().manual_seed(7)
-
-    def run(enabled: bool) -> list[torch.Tensor]:
-        monkeypatch.setenv("THUNDERSYNC_ENGINE_COMPILE", "on" if enabled else "off")
-        root = Segment(torch.randint(0, 97, (9,), generator=tokens).cuda())
-        SegmentPack.forward(anatomy, [root], grad=False, keep_state=True)
-        a = Segment(torch.randint(0, 97, (5,), generator=tokens).cuda(), root)
-        segments = [a, Segment(torch.randint(0, 97, (7,), generator=tokens).cuda(), a)]
-        segments += [Segment(torch.randint(0, 97, (n,), generator=tokens).cuda(), root) for n in (1, 4, 12)]
+    reset_graph_counts()
+    results = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv("THUNDERSYNC_ENGINE_GRAPHS", "off" if mode == "off" else "auto")
+        monkeypatch.setenv("THUNDERSYNC_ENGINE_COMPILE", mode)
         model.zero_grad(set_to_none=True)
-        pack = SegmentPack.forward(anatomy, segments)
-        lps = pack.scored_logprobs([torch.arange(s.tokens.numel(), device="cuda") for s in segments])
-        adjoints = pack.backward(sum(lp.sum() * (i + 1) for i, lp in enumerate(lps)), params=params, sink=None)
-        return [*lps, *(t for k, v in adjoints[root] for t in (k, v)), *(p.grad for p in params)]
-
-    tokens.manual_seed(7)
-    eager = run(False)
-    tokens.manual_seed(7)
-    compiled = run(True)
+        results[mode] = pack_results(anatomy, torch.Generator().manual_seed(7), second=False)
     assert _compiled.failures == []
-    for got, want in zip(compiled, eager, strict=True):
+    assert graph_counts().get("replayed", 0) == 0
+    for got, want in zip(results["on"], results["off"], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

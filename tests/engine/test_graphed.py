@@ -23,7 +23,7 @@ def test_no_graphs_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     assert graphed_layers(anatomy) is None
 
 
-def _pack_results(anatomy: object, tokens: torch.Generator, second: bool) -> list[torch.Tensor]:
+def pack_results(anatomy: object, tokens: torch.Generator, second: bool) -> list[torch.Tensor]:
     """A pack after a prompt read by proxy: a branch with its in-pack child and three more branches
     (one of a single token); a weighted log-prob objective, then the prompt's replay with the
     adjoint it received. Returns the log-probs, the prompt's adjoint and every gradient."""
@@ -68,7 +68,7 @@ def test_graphed_packs_equal_eager_packs(monkeypatch: pytest.MonkeyPatch, lora: 
     for mode in ("off", "on", "on"):  # the second graphed run replays graphs captured by the first
         monkeypatch.setenv("THUNDERSYNC_ENGINE_GRAPHS", mode)
         model.zero_grad(set_to_none=True)
-        results[mode] = _pack_results(anatomy, torch.Generator().manual_seed(7), second)
+        results[mode] = pack_results(anatomy, torch.Generator().manual_seed(7), second)
     layers = graphed_layers(anatomy)
     assert layers is not None and layers.buckets() == [64]
     for got, want in zip(results["on"], results["off"], strict=True):

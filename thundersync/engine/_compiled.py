@@ -16,7 +16,8 @@ compiles everything for a model before its first pack, while it holds
 :data:`~thundersync._compile.COMPILE_LOCK` (AOTAutograd compiles a dynamic backward lazily, on
 autograd's thread, where the lock of each compiled call would not cover it).
 
-``THUNDERSYNC_ENGINE_COMPILE``: ``auto`` (default, off), ``on``, ``off``. It is off by default
+``THUNDERSYNC_ENGINE_COMPILE``: ``auto`` (default, off), ``on``, ``off``; on, it replaces the
+CUDA graphs of :mod:`~thundersync.engine._graphed` (a pack runs one form of its layers). It is off by default
 because it measured slower on the H200 where it matters (bench/RESULTS.md, 2026-12-01): the
 compiled regions' Python wrappers cost about what the fused kernels save (a 64-token pack: 127 ms
 against 118 ms eager), streamed GRPO took 1.14 s against 0.91 s and streamed OPD beside the

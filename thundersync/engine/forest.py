@@ -51,6 +51,7 @@ from thundersync.engine._compiled import pack_math
 from thundersync.engine._graphed import GraphedLayers, graphed_layers
 from thundersync.engine.adapter import KV, ChunkSpec, PackOutput, empty_prefix, forward_pack, head_logprobs
 from thundersync.engine.anatomy import DecoderAnatomy
+from thundersync.engine.decoder import EAGER
 
 __all__ = ["AdjointLedger", "Segment", "SegmentPack", "forward_prompt"]
 
@@ -132,13 +133,14 @@ class SegmentPack:
         leaves: dict[int, tuple[list[Segment], list[KV]]] = {}
         chunks: list[ChunkSpec] = []
         index = {id(seg): i for i, seg in enumerate(segments)}
-        graphs = graphed_layers(anatomy) if grad else None
+        math = pack_math(anatomy)  # the compiled math when asked for (opt-in), else eager
+        graphs = graphed_layers(anatomy) if grad and math is EAGER else None
         graphed = graphs.math(sum(int(s.tokens.numel()) + (s.parent is not None) for s in segments)) if graphs else None
         try:
             with torch.enable_grad() if grad else torch.no_grad():
                 for seg in segments:
                     chunks.append(_chunk(anatomy, seg, index, leaves, grad))
-                output = forward_pack(anatomy, chunks, graphed or pack_math(anatomy))
+                output = forward_pack(anatomy, chunks, graphed or math)
         except BaseException:
             if graphed is not None and graphs is not None:
                 graphs.release()
