@@ -142,7 +142,7 @@ def _eager(mode: Callable[..., None], model: torch.nn.Module, batch: Any) -> Non
 MODES: dict[str, Callable[[torch.nn.Module, Batch], None]] = {
     "dense (padded micro-batches of 8, fused log-probs)": dense,
     "streaming (RewardLinearBackward)": streaming,
-    "streaming, eager layers (THUNDERSYNC_ENGINE_GRAPHS=off)": lambda m, b: _eager(streaming, m, b),
+    "streaming, eager (both graph switches off)": lambda m, b: _eager(streaming, m, b),
     "streaming, pack_tokens=0 (one trajectory per backward)": lambda m, b: streaming(m, b, pack_tokens=0),
 }
 

@@ -148,7 +148,12 @@ def opd_table(model: torch.nn.Module, tiny: bool, cuda: bool, repeat: int) -> tu
             relative_error(dense_grads, want),
         ]
     )
-    for name, layers in (("", "graphs"), (", eager layers (THUNDERSYNC_ENGINE_GRAPHS=off)", "eager")):
+    forms = (
+        ("", "graphs"),
+        (", layer graphs only (THUNDERSYNC_ENGINE_PACK_GRAPHS=off)", "layers"),
+        (", eager (both graph switches off)", "eager"),
+    )
+    for name, layers in forms:
         with engine_layers(layers):
             stream_s, stream_peak, stream_grads = measure(opd_streaming, model, batch, cuda, repeat)
             latencies: list[float] = []

@@ -12,8 +12,11 @@ after warm-up, synchronized, with the layers' math in two forms:
 - ``compiled``: :data:`thundersync.engine._compiled.COMPILED` (``torch.compile`` of a layer up to
   attention and after it, rows dynamic; opt-in). Its compile happens in ``pack_math``, before the
   timing;
-- ``graphs``: :mod:`thundersync.engine._graphed` (each layer's two parts replayed as CUDA graphs,
-  rows padded to a power of two; the default on CUDA). Its captures happen in the warm-up calls.
+- ``layer graphs``: :mod:`thundersync.engine._graphed` (each layer's two parts replayed as CUDA
+  graphs, rows padded to a power of two; attention eager). Its captures happen in the warm-up calls;
+- ``pack graph``: :mod:`thundersync.engine._pack_graph` (the whole pack, attention included, one
+  graph forward and one backward per bucket; the default on CUDA). "-" where the pack fits no
+  bucket (it then takes the layer graphs).
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import header, markdown_table, median_seconds
 from bench.engine import make_model
-from thundersync.engine import adapter, anatomy
+from thundersync.engine import _graphed, _pack_graph, adapter, anatomy
 from thundersync.engine._compiled import pack_math
-from thundersync.engine._graphed import graphed_layers
+from thundersync.engine._graphed import GraphedLayers, graphed_layers
+from thundersync.engine._pack_graph import PackGraphs, pack_graphs
 from thundersync.engine.adapter import ChunkSpec, forward_pack
 from thundersync.engine.decoder import EAGER, LayerMath
 
@@ -44,16 +48,27 @@ def make_prefix(an: anatomy.DecoderAnatomy, vocab: int, length: int) -> list[tup
     return [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in out.kv(0)]
 
 
-def pack_step(an: anatomy.DecoderAnatomy, chunks: list[ChunkSpec], math: LayerMath | None) -> Callable[[], None]:
-    """One pack's forward and backward with ``math`` (None: the CUDA graphs)."""
+def pack_step(an: anatomy.DecoderAnatomy, chunks: list[ChunkSpec], form: LayerMath | str) -> Callable[[], None] | None:
+    """One pack's forward and backward with the layer math ``form``, or "layers" (the layer graphs)
+    or "pack" (the pack graph); None where the pack graph refuses the pack."""
     rows = sum(int(c.tokens.numel()) for c in chunks)
+    if form == "pack" and isinstance(_pack_graph.plan(chunks), str):
+        return None
 
     def run() -> None:
-        layers = graphed_layers(an, True) if math is None else None
-        out = forward_pack(an, chunks, math or (layers.math(rows) if layers else None) or EAGER)
+        owner: PackGraphs | GraphedLayers | None = None
+        if form == "pack":
+            owner = pack_graphs(an, True)
+            assert owner is not None, "the pack graphs need CUDA"
+            out = owner.forward(chunks)
+            assert out is not None, f"the pack graph refused the pack: {_graphed.graph_counts()}"
+        else:
+            owner = graphed_layers(an, True) if form == "layers" else None
+            math = owner.math(rows) if owner is not None else form
+            out = forward_pack(an, chunks, math if isinstance(math, LayerMath) else EAGER)
         out.hidden.float().pow(2).mean().backward()
-        if layers is not None:
-            layers.release()
+        if owner is not None:
+            owner.release()
 
     return run
 
@@ -83,25 +98,32 @@ def main() -> None:
     cases = [(f"1 chunk of {n} after P={prefix_len}", [chunk(n)]) for n in sizes]
     cases.append((f"8 chunks of {sizes[1]} after P={prefix_len}", [chunk(sizes[1]) for _ in range(8)]))
     cases.append((f"32 chunks of {sizes[0]} after P={prefix_len}", [chunk(sizes[0]) for _ in range(32)]))
-    forms: dict[str, LayerMath | None] = {"eager": EAGER, "compiled": pack_math(an, True), "graphs": None}
+    forms: dict[str, LayerMath | str] = {"eager": EAGER, "compiled": pack_math(an, True)}
+    if cuda:
+        forms |= {"layer graphs": "layers", "pack graph": "pack"}
     rows = []
     for label, chunks in cases:
-        ms = {}
-        for name, math in forms.items():
-            ms[name] = 1e3 * median_seconds(pack_step(an, chunks, math), cuda=cuda)
+        ms: dict[str, float | str] = {}
+        for name, form in forms.items():
+            step = pack_step(an, chunks, form)
+            ms[name] = "-" if step is None else 1e3 * median_seconds(step, cuda=cuda)
             model.zero_grad(set_to_none=True)
+        best = min((v for v in ms.values() if isinstance(v, float)), default=float("nan"))
         tokens = sum(int(c.tokens.numel()) for c in chunks)
-        rows.append([label, tokens, ms["eager"], ms["compiled"], ms["graphs"], f"{ms['eager'] / ms['graphs']:.2f}x"])
+        rows.append([label, tokens, *ms.values(), f"{float(ms['eager']) / best:.2f}x"])
     layers = len(an.layers)
     print(header("python bench/engine_pack.py" + (" --tiny" if args.tiny else "")))
     print(
         f"model: {layers} layers, hidden {model.config.hidden_size}, dtype {an.dtype}; forward+backward of one pack\n"
     )
-    print(markdown_table(["pack", "tokens", "eager ms", "compiled ms", "graphs ms", "graphs speedup"], rows))
+    print(markdown_table(["pack", "tokens", *(f"{name} ms" for name in forms), "best speed-up"], rows))
+    print(f"\ngraph counts: {_graphed.graph_counts()}")
     if args.profile:
-        for name, math in forms.items():
-            print(f"\n{name}, {cases[0][0]}:")
-            profile(pack_step(an, cases[0][1], math), cuda)
+        for name, form in forms.items():
+            step = pack_step(an, cases[0][1], form)
+            if step is not None:
+                print(f"\n{name}, {cases[0][0]}:")
+                profile(step, cuda)
 
 
 def profile(step: Callable[[], None], cuda: bool) -> None:
@@ -120,6 +142,8 @@ def profile(step: Callable[[], None], cuda: bool) -> None:
     ops = sum(e.count for e in events if e.key.startswith("aten::") and e.device_type.name == "CPU")
     print(f"\nprofile of one pack step: {ops} aten op calls (nested calls included), {kernels} CUDA kernels\n")
     print(events.table(sort_by="self_cpu_time_total", row_limit=25))
+    if cuda:
+        print(events.table(sort_by="self_device_time_total", row_limit=12))
 
 
 if __name__ == "__main__":

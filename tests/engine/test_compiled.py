@@ -114,4 +114,4 @@ def test_inductor_packs_on_cuda_equal_the_eager_math(monkeypatch: pytest.MonkeyP
     assert _compiled.failures == []
     assert graph_counts().get("replayed", 0) == 0
     for got, want in zip(results["on"], results["off"], strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5)  # inductor reorders fp32 sums

@@ -23,7 +23,7 @@ def test_no_graphs_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     assert graphed_layers(anatomy) is None
 
 
-def pack_results(anatomy: object, tokens: torch.Generator, second: bool) -> list[torch.Tensor]:
+def pack_results(anatomy: object, tokens: torch.Generator, second: bool, device: str = "cuda") -> list[torch.Tensor]:
     """A pack after a prompt read by proxy: a branch with its in-pack child and three more branches
     (one of a single token); a weighted log-prob objective, then the prompt's replay with the
     adjoint it received. Returns the log-probs, the prompt's adjoint and every gradient."""
@@ -31,7 +31,7 @@ def pack_results(anatomy: object, tokens: torch.Generator, second: bool) -> list
     params = an.trainable_parameters()  # type: ignore[attr-defined]
 
     def ids(n: int) -> torch.Tensor:
-        return torch.randint(0, 97, (n,), generator=tokens).cuda()
+        return torch.randint(0, 97, (n,), generator=tokens).to(device)
 
     root = Segment(ids(9))
     SegmentPack.forward(an, [root], grad=False, keep_state=True)  # type: ignore[arg-type]
@@ -65,6 +65,7 @@ def test_graphed_packs_equal_eager_packs(monkeypatch: pytest.MonkeyPatch, lora: 
         model = with_lora(model)
     anatomy = decoder_anatomy(model)
     results = {}
+    monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPHS", "off")  # else whole-pack graphs take these packs
     for mode in ("off", "on", "on"):  # the second graphed run replays graphs captured by the first
         monkeypatch.setenv("THUNDERSYNC_ENGINE_GRAPHS", mode)
         model.zero_grad(set_to_none=True)

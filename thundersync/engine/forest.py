@@ -49,6 +49,7 @@ import torch
 from thundersync.engine._accum import GradCapture, accumulate_dtype
 from thundersync.engine._compiled import pack_math
 from thundersync.engine._graphed import GraphedLayers, graphed_layers
+from thundersync.engine._pack_graph import PackGraphs, pack_graphs
 from thundersync.engine.adapter import KV, ChunkSpec, PackOutput, empty_prefix, forward_pack, head_logprobs
 from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.engine.decoder import EAGER
@@ -123,7 +124,7 @@ class SegmentPack:
         self.segments = list(segments)
         self.output = output
         self._leaves = leaves  # id(parent) -> (its chain incl. the parent, per-layer proxy leaves)
-        self._graphs: GraphedLayers | None = None  # whose static buffers hold this pack's activations
+        self._graphs: PackGraphs | GraphedLayers | None = None  # whose static buffers hold this pack's activations
 
     @classmethod
     def forward(
@@ -134,19 +135,27 @@ class SegmentPack:
         chunks: list[ChunkSpec] = []
         index = {id(seg): i for i, seg in enumerate(segments)}
         math = pack_math(anatomy)  # the compiled math when asked for (opt-in), else eager
-        graphs = graphed_layers(anatomy) if grad and math is EAGER else None
-        graphed = graphs.math(sum(int(s.tokens.numel()) + (s.parent is not None) for s in segments)) if graphs else None
+        graphed = grad and math is EAGER
+        owner: PackGraphs | GraphedLayers | None = None  # whose static buffers hold the activations
         try:
             with torch.enable_grad() if grad else torch.no_grad():
                 for seg in segments:
                     chunks.append(_chunk(anatomy, seg, index, leaves, grad))
-                output = forward_pack(anatomy, chunks, graphed or math)
+                whole = pack_graphs(anatomy) if graphed else None
+                output = whole.forward(chunks) if whole is not None else None
+                if output is not None:
+                    owner = whole
+                else:
+                    layers = graphed_layers(anatomy) if graphed else None
+                    layer_math = layers.math(sum(int(c.tokens.numel()) for c in chunks)) if layers else None
+                    owner = layers if layer_math is not None else None
+                    output = forward_pack(anatomy, chunks, layer_math or math)
         except BaseException:
-            if graphed is not None and graphs is not None:
-                graphs.release()
+            if owner is not None:
+                owner.release()
             raise
         pack = cls(anatomy, segments, output, leaves)
-        pack._graphs = graphs if graphed is not None else None
+        pack._graphs = owner
         if keep_state:
             for position, seg in enumerate(segments):
                 seg.state = [(k.detach().clone(), v.detach().clone()) for k, v in pack.kv(position)]

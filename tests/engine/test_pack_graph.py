@@ -1,0 +1,133 @@
+"""Whole packs replayed as CUDA graphs (``THUNDERSYNC_ENGINE_PACK_GRAPHS``) compute what eager packs do.
+
+Off CUDA the graphs' recorded steps run as they are (no capture), so the padded, bucketed math
+(static inputs, the key gather into the shared prefix buffer, the masked attention, the padding
+chunk, the autograd node and its gradient buffers) is checked against the eager pack in fp64
+here; the GPU tests check the captured graphs themselves.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from tests.engine.test_graphed import pack_results
+from tests.engine.tiny_models import tiny_qwen3, with_lora
+from thundersync.engine import _graphed, _pack_graph, forest
+from thundersync.engine._pack_graph import MAX_CHUNKS, MAX_KEYS, PackGraphs, pack_graphs, plan
+from thundersync.engine.adapter import ChunkSpec, empty_prefix
+from thundersync.engine.anatomy import decoder_anatomy
+
+
+def _prefix(rows: int, layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    t = torch.zeros(2, rows, 16)
+    return [(t, t) for _ in range(layers)]
+
+
+def test_a_plan_lays_the_pack_out_in_its_bucket() -> None:
+    """Rows padded to 64 by a padding chunk that reads itself; the pack's own rows moved behind the
+    prefix buffer's 256 rows; chunk offsets padded with empty chunks to 3 slots (4 offsets)."""
+    anatomy = decoder_anatomy(tiny_qwen3())
+    prompt = _prefix(10)
+    a = ChunkSpec(torch.arange(4), 9, prompt, prefix_len=9)  # reads 9 of the prompt's 10 rows
+    b = ChunkSpec(torch.arange(3), 12, prompt, in_pack=((0, 1, 0),), prefix_len=9)  # and a's rows 1..3
+    layout = plan([a, b])
+    assert not isinstance(layout, str)
+    assert layout.shape == (64, 256, 256, 3) and layout.rows == 7 and layout.offsets == [0, 4, 7]
+    positions, index, cu = layout.io[:64], layout.io[64:320], layout.io[320:].view(2, 4)
+    assert positions[:7].tolist() == [9, 10, 11, 12, 12, 13, 14] and not positions[7:].any()
+    own = list(range(256, 256 + 64))  # the pack's rows follow the prefix buffer
+    want = [*range(9), *own[:4], *range(9), *own[1:4], *own[4:7], *own[7:]]
+    assert index[: len(want)].tolist() == want and (index[len(want) :] == 256 + 64).all()  # the zero row
+    assert cu.tolist() == [[0, 4, 7, 64], [0, 13, 28, 85]]
+    assert len(layout.sources) == 1 and layout.sources[0] is prompt
+    root = ChunkSpec(torch.arange(64), 0, empty_prefix(anatomy))  # exactly a bucket: no padding chunk
+    layout = plan([root])
+    assert not isinstance(layout, str) and layout.shape == (64, 0, 256, 3)
+    assert layout.io[64 + 256 :].view(2, 4).tolist() == [[0, 64, 64, 64], [0, 64, 64, 64]]
+
+
+def test_packs_that_fit_no_bucket_are_refused() -> None:
+    assert plan([ChunkSpec(torch.arange(_graphed.MAX_ROWS + 1), 0, _prefix(0))]) == "pack_too_long"
+    assert plan([ChunkSpec(torch.arange(4), MAX_KEYS, _prefix(MAX_KEYS))]) == "pack_too_many_keys"
+    many = [ChunkSpec(torch.arange(1), 0, _prefix(0)) for _ in range(MAX_CHUNKS)]
+    assert plan(many) == "pack_too_many_chunks"
+
+
+def test_no_pack_graphs_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    anatomy = decoder_anatomy(tiny_qwen3())
+    assert pack_graphs(anatomy) is None
+    monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPHS", "on")
+    assert pack_graphs(anatomy) is None
+
+
+def _uncaptured(monkeypatch: pytest.MonkeyPatch, anatomy: object) -> PackGraphs:
+    """PackGraphs whose 'graphs' run the recorded steps each time (what a capture records)."""
+
+    def capture(self: _pack_graph._Graph, pool: object) -> None:
+        self.forward_step()
+        self.grad_outputs = [torch.zeros_like(o) for o in self.outputs]
+        self.backward_step()
+        self.forward = types.SimpleNamespace(replay=self.forward_step)
+        self.backward = types.SimpleNamespace(replay=self.backward_step)
+
+    monkeypatch.setattr(_pack_graph._Graph, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    graphs = PackGraphs(anatomy)  # type: ignore[arg-type]
+    monkeypatch.setattr(forest, "pack_graphs", lambda an: graphs if an is anatomy else None)
+    return graphs
+
+
+@pytest.mark.parametrize("second", [False, True], ids=["one-pack", "two-packs-pending"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_bucketed_pack_math_equals_the_eager_pack_in_fp64(
+    monkeypatch: pytest.MonkeyPatch, lora: bool, second: bool
+) -> None:
+    model = tiny_qwen3(torch.float64, seed=6)
+    if lora:
+        model = with_lora(model)
+    anatomy = decoder_anatomy(model)
+    model.zero_grad(set_to_none=True)
+    want = pack_results(anatomy, torch.Generator().manual_seed(7), second, device="cpu")
+    graphs = _uncaptured(monkeypatch, anatomy)
+    _graphed.reset_graph_counts()
+    for _ in range(2):  # the second pass replays the buckets of the first
+        model.zero_grad(set_to_none=True)
+        got = pack_results(anatomy, torch.Generator().manual_seed(7), second, device="cpu")
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    counts = _graphed.graph_counts()
+    # per pass: the branches' pack and the prompt's replay; with a second pack pending, it runs eagerly
+    assert counts["pack_replayed"] == 4 and counts["pack_captured"] == 2
+    assert counts.get("pack_busy", 0) == (2 if second else 0)
+    assert graphs.buckets() == [(64, 0, 256, 3), (64, 256, 256, 7)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-masked", "bf16-varlen"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_pack_graphs_equal_eager_packs(monkeypatch: pytest.MonkeyPatch, lora: bool, dtype: torch.dtype) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = tiny_qwen3(dtype, seed=6).to("cuda")
+    if lora:
+        model = with_lora(model)
+    anatomy = decoder_anatomy(model)
+    results = {}
+    monkeypatch.setenv("THUNDERSYNC_ENGINE_GRAPHS", "off")  # the pending second pack runs eagerly
+    _graphed.reset_graph_counts()
+    for mode in ("off", "on", "on"):  # the second graphed run replays graphs captured by the first
+        monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPHS", mode)
+        model.zero_grad(set_to_none=True)
+        results[mode] = pack_results(anatomy, torch.Generator().manual_seed(7), True)
+    graphs = pack_graphs(anatomy)
+    assert graphs is not None and len(graphs.buckets()) == 2
+    assert _graphed.graph_counts()["pack_replayed"] == 4
+    for got, want in zip(results["on"], results["off"], strict=True):
+        if dtype == torch.float32:  # masked SDPA against the per-chunk kernels
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        else:  # bf16 gradients summed in another order: compare as vectors
+            error = (got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-6)
+            assert error < 2e-2, f"relative error {error:.3g} for a tensor of shape {tuple(want.shape)}"

@@ -1,0 +1,435 @@
+# mypy: disable-error-code="no-untyped-call"
+# (torch.autograd.Function.apply and torch.cuda.Stream are untyped in torch's stubs)
+"""Whole packs as CUDA graphs: a pack's forward is one replay, its backward another, attention included.
+
+The per-layer graphs (:mod:`~thundersync.engine._graphed`) leave attention, its key gather and
+each part's autograd bookkeeping eager: ~60 host ops per layer, ~40 ms of host time per pack on
+the H200 machine. Here the whole pack, embedding to final norm, forward and backward, is captured
+for a bucket of shapes and a pack costs a few dozen host ops:
+
+    static inputs   io = [positions R | key index K | cu 2 x (C + 1)]   (one host-to-device copy)
+                    ids [R] (the tokens, copied on the device), prefix [L, 2, P, Hkv, D] (fp32)
+    forward graph   x = decoder_forward(ids, positions)      each layer's attention:
+                        keys = cat(prefix[l], k, 0).index_select(index)   (as adapter._PackAttention)
+                        a = varlen flash attention over cu            (a masked SDPA off bf16/fp16)
+                    -> hidden [R, H] (final norm), k_l, v_l [R, Hkv, D]
+    backward graph  d hidden, d k_l, d v_l -> d prefix (copied to a shared buffer),
+                    d parameters (copied to one shared flat buffer)
+
+A bucket is (rows R, prefix rows P, gathered keys K, chunk slots C), each a power of two. The
+pack's N rows are padded to R: the padding rows form one extra chunk that attends to itself, so
+every row attends to at least one key and stays finite; its adjoints are zero, so it adds nothing
+to any gradient. Unused chunk slots have zero length. Prefix rows beyond the pack's are never
+gathered. Key rows are gathered the same way and in the same dtype as the eager pack, so a real
+row's result differs from the eager pack's only through the rounding of kernels that see padded
+shapes.
+
+Gradients flow as through the eager pack: :class:`_PackReplay` is one autograd node whose inputs
+are the pack's prefix proxies and the trainable parameters. The graphs differentiate with respect
+to detached aliases of the parameters (see :class:`~thundersync.engine._graphed._Part`).
+
+One pack at a time owns the static buffers, as with the per-layer graphs; the buckets share one
+memory pool, and the prefix input and the gradient outputs are shared buffers outside it, so a
+new bucket costs its activations' peak only while it is captured. Parameters that moved, or a
+prefix larger than the shared buffer holds, drop every capture (captured again on first use).
+A capture that fails turns these graphs off for the model, logged once; the pack then takes the
+per-layer graphs or runs eagerly.
+
+``THUNDERSYNC_ENGINE_PACK_GRAPHS``: ``auto`` (default: on when the model is on CUDA), ``on``, ``off``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from thundersync._compile import switch
+from thundersync._logging import get_logger
+from thundersync.engine._graphed import _AFTER, _BEFORE, _COUNTS, _WARMUP, _Wrapper, bucket
+from thundersync.engine.adapter import KV, ChunkSpec, PackOutput, _gather_index, _key_spans
+from thundersync.engine.anatomy import DecoderAnatomy
+from thundersync.engine.decoder import apply_norm, decoder_forward
+from thundersync.kernels._attention_varlen import varlen_packed_attention
+from thundersync.kernels.attention import capability
+from thundersync.kernels.dtypes import accumulate_dtype
+
+__all__ = ["MAX_CHUNKS", "MAX_KEYS", "PackGraphs", "pack_graphs"]
+
+_log = get_logger(__name__)
+
+MAX_KEYS = 16384  # gathered key rows of a pack (its prefix rows are at most as many)
+MAX_CHUNKS = 64  # chunk slots, the padding chunk included
+_MIN_KEYS = 256
+_PREFIX_ROWS = 1024  # the shared prefix buffer's first size (it grows to the largest bucket's)
+
+_models: weakref.WeakKeyDictionary[torch.nn.Module, PackGraphs] = weakref.WeakKeyDictionary()
+
+
+def pack_graphs(anatomy: DecoderAnatomy, enabled: bool | None = None) -> PackGraphs | None:
+    """The model's :class:`PackGraphs`, or None where they are off (``enabled``, else
+    ``THUNDERSYNC_ENGINE_PACK_GRAPHS``), the model is not on CUDA, or a capture failed."""
+    cuda = anatomy.device.type == "cuda"
+    if not switch("THUNDERSYNC_ENGINE_PACK_GRAPHS", enabled, auto=cuda) or not cuda:
+        return None
+    graphs = _models.get(anatomy.model)
+    if graphs is None:
+        graphs = _models[anatomy.model] = PackGraphs(anatomy)
+    return None if graphs.failed else graphs
+
+
+def _power_of_two(n: int, low: int) -> int:
+    return max(low, 1 << max(n - 1, 0).bit_length())
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One pack laid out in its bucket: the host-side inputs of the graphs."""
+
+    shape: tuple[int, int, int, int]  # the bucket: rows R, prefix rows P, keys K, chunk slots C
+    rows: int  # the pack's real rows N
+    io: torch.Tensor  # host long [R + K + 2 (C + 1)]: positions, key index, cu
+    sources: list[Sequence[KV]]  # the distinct prefixes, per layer (k, v) [Hkv, P_s, D]
+    offsets: list[int]  # chunk c occupies rows offsets[c] : offsets[c + 1]
+
+
+def plan(chunks: Sequence[ChunkSpec]) -> Plan | str:
+    """The bucket and inputs of ``chunks``, or why they fit none (a :func:`graph_counts` key)."""
+    offsets = [0]
+    for chunk in chunks:
+        offsets.append(offsets[-1] + int(chunk.tokens.numel()))
+    n = offsets[-1]
+    rows = bucket(n)
+    if rows is None:
+        return "pack_too_long"
+    sources, spans = _key_spans(chunks, offsets)
+    prefix = sum(int(s[0][0].shape[1]) for s in sources)
+    q_lens = [int(c.tokens.numel()) for c in chunks]
+    k_lens = [sum(stop - start for start, stop in per_chunk) for per_chunk in spans]
+    flat = [span for per_chunk in spans for span in per_chunk]
+    if rows > n:  # the padding chunk: its rows attend to themselves
+        q_lens.append(rows - n)
+        k_lens.append(rows - n)
+        flat.append((prefix + n, prefix + rows))
+    keys = sum(k_lens)
+    p_rows = 0 if prefix == 0 else _power_of_two(prefix, _MIN_KEYS)
+    k_rows = _power_of_two(keys, _MIN_KEYS)
+    slots = _power_of_two(len(q_lens) + 1, 4) - 1  # C + 1 offsets: a power of two
+    if k_rows > MAX_KEYS or p_rows > MAX_KEYS:
+        return "pack_too_many_keys"
+    if slots > MAX_CHUNKS:
+        return "pack_too_many_chunks"
+    index = _gather_index(flat)
+    index = torch.where(index >= prefix, index + (p_rows - prefix), index)  # own rows follow the P buffer rows
+    positions = _gather_index([(c.start, c.start + int(c.tokens.numel())) for c in chunks])
+    cu = torch.zeros(2, slots + 1, dtype=torch.long)
+    cu[0, 1 : len(q_lens) + 1] = torch.tensor(q_lens).cumsum(0)
+    cu[1, 1 : len(k_lens) + 1] = torch.tensor(k_lens).cumsum(0)
+    cu[:, len(q_lens) + 1 :] = cu[:, len(q_lens) : len(q_lens) + 1]  # empty slots
+    # Key rows past the chunks' gather the zero row behind the pack's rows: flash attention leaves
+    # their adjoints unwritten, and the zero row's adjoint goes nowhere.
+    index = F.pad(index, (0, k_rows - keys), value=p_rows + rows)
+    io = torch.cat([F.pad(positions, (0, rows - n)), index, cu.flatten()])
+    return Plan((rows, p_rows, k_rows, slots), n, io, sources, offsets)
+
+
+class _Body:
+    """The pack's forward from its static inputs: the eager pack's math with every shape fixed."""
+
+    def __init__(self, anatomy: DecoderAnatomy, shape: tuple[int, int, int, int]) -> None:
+        self.anatomy = anatomy
+        self.rows, self.prefix_rows, self.keys, self.slots = shape
+
+    def __call__(self, ids: torch.Tensor, io: torch.Tensor, *prefix: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``prefix``: per layer its keys and values [P, Hkv, D], each its own leaf (a view of one
+        leaf would make the backward of every layer fill and add a gradient of the whole)."""
+        rows, keys = self.rows, self.keys
+        positions, index = io[:rows], io[rows : rows + keys]
+        cu = io[rows + keys :].view(2, -1).to(torch.int32)
+        kv: list[torch.Tensor] = []
+
+        def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kv.extend((k, v))
+            acc = accumulate_dtype(k.dtype)
+            zero = k.new_zeros((1, *k.shape[1:]), dtype=acc)
+            keys, values = (
+                torch.cat([prefix[2 * layer + i], own.to(acc), zero]).index_select(0, index).to(own.dtype)
+                for i, own in ((0, k), (1, v))
+            )
+            return _attention(q, keys, values, cu, self.anatomy.scaling).reshape(q.shape[0], -1)
+
+        x = decoder_forward(self.anatomy, ids, positions, attention)
+        return (apply_norm(self.anatomy.norm, x), *kv)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each chunk's queries over its keys (bottom-right causal), q [R, Hq, D], k/v [K, Hkv, D]."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and capability("varlen", q, k).ok:
+        return varlen_packed_attention(q, k, v, cu[0], cu[1], q.shape[0], k.shape[0], scale)
+    rows, keys = q.shape[0], k.shape[0]
+    row = torch.arange(rows, device=q.device, dtype=torch.int32)
+    chunk = torch.searchsorted(cu[0, 1:], row, right=True)
+    first = cu[1, chunk]
+    last = cu[1, chunk + 1] - (cu[0, chunk + 1] - row)  # the last key a row sees
+    column = torch.arange(keys, device=q.device, dtype=torch.int32)
+    mask = (column >= first[:, None]) & (column <= last[:, None])
+    groups = q.shape[1] // k.shape[1]
+    q, k, v = (t.transpose(0, 1) for t in (q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(0, 1)
+
+
+class _Graph:
+    """One bucket's static inputs and outputs, its forward and backward graphs."""
+
+    def __init__(self, owner: PackGraphs, shape: tuple[int, int, int, int]) -> None:
+        an = owner.anatomy
+        rows, prefix_rows, keys, slots = shape
+        self.shape = shape
+        self.module = _Wrapper(_Body(an, shape), _modules(an))
+        named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.aliases = {name: p.detach().requires_grad_() for name, p in named}
+        self.ids = torch.zeros(rows, dtype=torch.long, device=an.device)
+        self.io = torch.zeros(rows + keys + 2 * (slots + 1), dtype=torch.long, device=an.device)
+        cuda = an.device.type == "cuda"
+        self.staging = torch.zeros_like(self.io, device="cpu", pin_memory=cuda)
+        self.copied = torch.cuda.Event() if cuda else None
+        self.buffer, self.buffer_grad = owner.prefix, owner.prefix_grad
+        # per layer, keys then values: leaves sharing the buffer's rows
+        self.prefix = [t[:prefix_rows].detach().requires_grad_() for layer in owner.prefix for t in layer]
+        self.prefix_grad = [t[:prefix_rows] for layer in owner.prefix_grad for t in layer]
+        self.param_grads = _views(owner.flats(self.params), self.params)
+        self.used: list[bool] = []  # per parameter: whether the pack's math reaches it
+        self.outputs: tuple[torch.Tensor, ...] = ()
+        self.grad_outputs: list[torch.Tensor] = []
+        self._live: tuple[torch.Tensor, ...] = ()  # the outputs with their autograd graph, until the backward
+        self.forward: Any = None  # the graphs (CUDAGraph), set by capture
+        self.backward: Any = None
+
+    def load(self, plan: Plan, tokens: torch.Tensor) -> None:
+        """Copy a pack's inputs into the static buffers (the host's through pinned memory: a copy
+        from pageable memory would wait for the device to finish its queued work)."""
+        self.ids[: plan.rows].copy_(tokens)
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous pack's copy has left the staging buffer
+            self.staging.copy_(plan.io)
+            self.io.copy_(self.staging, non_blocking=True)
+            self.copied.record()
+        else:
+            self.io.copy_(plan.io)
+        destinations, sources = _prefix_views(self.buffer, plan.sources)
+        if destinations:
+            torch._foreach_copy_(destinations, sources)
+
+    def run(self) -> tuple[torch.Tensor, ...]:
+        out: tuple[torch.Tensor, ...] = torch.func.functional_call(
+            self.module, self.aliases, (self.ids, self.io, *self.prefix)
+        )
+        return out
+
+    def grads(self, outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        return list(
+            torch.autograd.grad(outputs, [*self.prefix, *self.aliases.values()], grad_outputs, allow_unused=True)
+        )
+
+    def forward_step(self) -> None:
+        """What the forward graph records."""
+        with torch.enable_grad():
+            self._live = self.run()
+        self.outputs = tuple(o.detach() for o in self._live)
+
+    def backward_step(self) -> None:
+        """What the backward graph records: the gradients, copied into the shared buffers."""
+        grads = self.grads(self._live, self.grad_outputs)
+        self._live = ()
+        prefix, params = grads[: len(self.prefix)], grads[len(self.prefix) :]
+        self.used = [g is not None for g in params]
+        for t in (dst for dst, g in zip(self.prefix_grad, prefix) if g is None):
+            t.zero_()
+        pairs = [(dst, g) for dst, g in zip([*self.prefix_grad, *self.param_grads], grads) if g is not None]
+        if pairs:
+            torch._foreach_copy_([d for d, _ in pairs], [g for _, g in pairs])
+
+    def capture(self, pool: Any) -> None:
+        """Warm up on a side stream, then capture the forward and the backward step."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(_WARMUP):
+                self.forward_step()
+                self.grad_outputs = [torch.zeros_like(o) for o in self.outputs]
+                self.backward_step()  # the warm-up's autograd graph dies here, before the capture
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self.forward, self.backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.forward, pool=pool, capture_error_mode="thread_local"):
+            self.forward_step()
+        self.grad_outputs = [torch.zeros_like(o) for o in self.outputs]
+        with torch.cuda.graph(self.backward, pool=pool, capture_error_mode="thread_local"):
+            self.backward_step()  # the gradients' own memory returns to the pool for later captures
+
+
+def _modules(an: DecoderAnatomy) -> dict[str, torch.nn.Module]:
+    """Every module the body calls, by name (the wrapper's parameter names come from these)."""
+    modules = {"embed": an.embed, "norm": an.norm}
+    for i, layer in enumerate(an.layers):
+        for name in (*_BEFORE, *_AFTER):
+            if (module := getattr(layer, name)) is not None:
+                modules[f"{name}_{i}"] = module
+    return modules
+
+
+class _PackReplay(torch.autograd.Function):
+    """A pack's graphs as one autograd node: inputs the prefix proxies and the parameters."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, graph: _Graph, plan: Plan, tokens: torch.Tensor, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        graph.load(plan, tokens)
+        graph.forward.replay()
+        ctx.graph, ctx.plan = graph, plan
+        return tuple(o.detach() for o in graph.outputs)  # new tensors over the static buffers
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        graph: _Graph = ctx.graph
+        given = [(s, g) for s, g in zip(graph.grad_outputs, grads) if g is not None]
+        missing = [s for s, g in zip(graph.grad_outputs, grads) if g is None]
+        if given:
+            torch._foreach_copy_([s for s, _ in given], [g for _, g in given])
+        if missing:
+            torch._foreach_zero_(missing)
+        graph.backward.replay()
+        # Autograd keeps an incoming gradient as a leaf's .grad itself where the leaf has none: the
+        # proxies' (fresh leaves) come from one copy; a parameter without a .grad gets its own.
+        prefix_grads = _prefix_views(graph.buffer_grad[:, :, : graph.shape[1]].clone(), ctx.plan.sources)[0]
+        params = [
+            None if not used else g if p.grad is not None else g.clone()
+            for p, g, used in zip(graph.params, graph.param_grads, graph.used)
+        ]
+        return (None, None, None, *prefix_grads, *params)
+
+
+def _prefix_views(
+    buffer: torch.Tensor, sources: Sequence[Sequence[KV]]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The rows of ``buffer`` [L, 2, P, Hkv, D] that hold each source, as [Hkv, P_s, D] views, and the
+    sources' tensors in the same order (source, layer, k then v)."""
+    views, tensors = [], []
+    start = 0
+    for source in sources:
+        length = int(source[0][0].shape[1])
+        for layer, kv in enumerate(source):
+            for i, t in enumerate(kv):
+                views.append(buffer[layer, i, start : start + length].transpose(0, 1))
+                tensors.append(t)
+        start += length
+    return views, tensors
+
+
+def _views(flats: dict[torch.dtype, torch.Tensor], params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One view per parameter, in order, of the flat buffer of its dtype."""
+    views, starts = [], dict.fromkeys(flats, 0)
+    for p in params:
+        start = starts[p.dtype]
+        views.append(flats[p.dtype][start : start + p.numel()].view_as(p))
+        starts[p.dtype] = start + p.numel()
+    return views
+
+
+class PackGraphs:
+    """A model's packs captured per bucket (lazily) and replayed."""
+
+    def __init__(self, anatomy: DecoderAnatomy) -> None:
+        # No reference to the model itself: it is the key of the module's weak cache. The anatomy
+        # kept names the embedding in its place (its only use there: the device and dtype).
+        self._model = weakref.ref(anatomy.model)
+        self.anatomy = dataclasses.replace(anatomy, model=anatomy.embed)
+        self._graphs: dict[tuple[int, int, int, int], _Graph] = {}
+        self._pool: Any = None
+        self._key: tuple[tuple[int, bool], ...] | None = None
+        self._busy = False
+        self.failed = False
+        self.prefix = self.prefix_grad = torch.zeros(0)  # [L, 2, capacity, Hkv, D], see _reset
+        self._flats: dict[torch.dtype, torch.Tensor] = {}
+
+    def _params_key(self) -> tuple[tuple[int, bool], ...]:
+        model = self._model()
+        return () if model is None else tuple((p.data_ptr(), p.requires_grad) for p in model.parameters())
+
+    def flats(self, params: Sequence[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
+        """The shared buffers of the parameters' gradients: one flat vector per dtype."""
+        sizes: dict[torch.dtype, int] = {}
+        for p in params:
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+        if not self._flats:
+            self._flats = {d: torch.zeros(n, dtype=d, device=self.anatomy.device) for d, n in sizes.items()}
+        assert {d: f.numel() for d, f in self._flats.items()} == sizes, "every bucket has the same parameters"
+        return self._flats
+
+    def _reset(self, prefix_rows: int) -> None:
+        """Drop every capture; shared buffers for prefixes of up to ``prefix_rows`` rows."""
+        an = self.anatomy
+        shape = (len(an.layers), 2, prefix_rows, an.num_kv_heads, an.head_dim)
+        self.prefix = torch.zeros(shape, dtype=accumulate_dtype(an.dtype), device=an.device)
+        self.prefix_grad = torch.zeros_like(self.prefix)
+        self._graphs, self._pool, self._flats = {}, torch.cuda.graph_pool_handle(), {}
+        self._key = self._params_key()
+
+    def forward(self, chunks: Sequence[ChunkSpec]) -> PackOutput | None:
+        """The pack's output through its bucket's graphs, or None: run it another way (no bucket,
+        another pack's backward is pending, or the capture failed). The caller calls
+        :meth:`release` once the pack's backward has run or the pack is dropped."""
+        layout = plan(chunks)
+        reason = layout if isinstance(layout, str) else "pack_busy" if self._busy else ""
+        if reason or isinstance(layout, str):
+            _COUNTS[reason] += 1
+            return None
+        capacity = self.prefix.shape[2] if self.prefix.dim() == 5 else -1
+        if self._params_key() != self._key or layout.shape[1] > capacity:
+            self._reset(max(layout.shape[1], capacity, _PREFIX_ROWS))
+        tokens = torch.cat([c.tokens for c in chunks])
+        graph = self._graphs.get(layout.shape) or self._capture(layout, tokens)
+        if graph is None:
+            return None
+        self._busy = True
+        _COUNTS["pack_replayed"] += 1
+        leaves = [t for source in layout.sources for kv in source for t in kv]
+        try:
+            outputs = _PackReplay.apply(graph, layout, tokens, *leaves, *graph.params)
+        except BaseException:
+            self._busy = False
+            raise
+        n = layout.rows
+        kv = [(outputs[1 + 2 * i][:n], outputs[2 + 2 * i][:n]) for i in range(len(self.anatomy.layers))]
+        return PackOutput(hidden=outputs[0][:n], tokens=tokens, offsets=layout.offsets, layer_kv=kv)
+
+    def _capture(self, layout: Plan, tokens: torch.Tensor) -> _Graph | None:
+        shape = layout.shape
+        try:
+            graph = _Graph(self, shape)
+            graph.load(layout, tokens)  # a valid layout to warm up on (an all-zero one indexes out of range)
+            graph.capture(self._pool)
+        except Exception as error:  # a model whose math cannot be captured: the other forms compute the same
+            self.failed = True
+            _COUNTS["pack_capture_failed"] += 1
+            _log.warning("pack_graph_capture_failed", shape=shape, error=repr(error), fallback="layer graphs or eager")
+            return None
+        self._graphs[shape] = graph
+        _COUNTS["pack_captured"] += 1
+        return graph
+
+    def buckets(self) -> list[tuple[int, int, int, int]]:
+        """The (rows, prefix rows, keys, chunk slots) buckets captured so far."""
+        return sorted(self._graphs)
+
+    def release(self) -> None:
+        """The pack that :meth:`forward` served is done: its static buffers may be overwritten."""
+        self._busy = False
