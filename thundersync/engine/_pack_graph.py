@@ -30,8 +30,9 @@ to detached aliases of the parameters (see :class:`~thundersync.engine._graphed.
 
 One pack at a time owns the static buffers, as with the per-layer graphs; the buckets share one
 memory pool, and the prefix input and the gradient outputs are shared buffers outside it, so a
-new bucket costs its activations' peak only while it is captured. Parameters that moved, or a
-prefix larger than the shared buffer holds, drop every capture (captured again on first use).
+new bucket costs its activations' peak only while it is captured. A prefix larger than the shared
+buffer holds gets a new buffer, twice as large, for the buckets captured from then on (earlier
+ones keep theirs). Parameters that moved drop every capture (captured again on first use).
 A capture that fails turns these graphs off for the model, logged once; the pack then takes the
 per-layer graphs or runs eagerly.
 
@@ -357,7 +358,7 @@ class PackGraphs:
         self._key: tuple[tuple[int, bool], ...] | None = None
         self._busy = False
         self.failed = False
-        self.prefix = self.prefix_grad = torch.zeros(0)  # [L, 2, capacity, Hkv, D], see _reset
+        self.prefix = self.prefix_grad = torch.zeros(0)  # [L, 2, capacity, Hkv, D], see _grow
         self._flats: dict[torch.dtype, torch.Tensor] = {}
 
     def _params_key(self) -> tuple[tuple[int, bool], ...]:
@@ -374,12 +375,16 @@ class PackGraphs:
         assert {d: f.numel() for d, f in self._flats.items()} == sizes, "every bucket has the same parameters"
         return self._flats
 
-    def _reset(self, prefix_rows: int) -> None:
-        """Drop every capture; shared buffers for prefixes of up to ``prefix_rows`` rows."""
+    def _grow(self, prefix_rows: int) -> None:
+        """New shared prefix buffers of ``prefix_rows`` rows for the buckets captured from now on
+        (those captured before keep theirs)."""
         an = self.anatomy
         shape = (len(an.layers), 2, prefix_rows, an.num_kv_heads, an.head_dim)
         self.prefix = torch.zeros(shape, dtype=accumulate_dtype(an.dtype), device=an.device)
         self.prefix_grad = torch.zeros_like(self.prefix)
+
+    def _reset(self) -> None:
+        """Drop every capture (the parameters moved)."""
         self._graphs, self._pool, self._flats = {}, torch.cuda.graph_pool_handle(), {}
         self._key = self._params_key()
 
@@ -392,9 +397,11 @@ class PackGraphs:
         if reason or isinstance(layout, str):
             _COUNTS[reason] += 1
             return None
-        capacity = self.prefix.shape[2] if self.prefix.dim() == 5 else -1
-        if self._params_key() != self._key or layout.shape[1] > capacity:
-            self._reset(max(layout.shape[1], capacity, _PREFIX_ROWS))
+        if self._params_key() != self._key:
+            self._reset()
+        capacity = self.prefix.shape[2] if self.prefix.dim() == 5 else 0
+        if layout.shape[1] > capacity:
+            self._grow(max(layout.shape[1], 2 * capacity, _PREFIX_ROWS))
         tokens = torch.cat([c.tokens for c in chunks])
         graph = self._graphs.get(layout.shape) or self._capture(layout, tokens)
         if graph is None:
