@@ -44,7 +44,7 @@ def test_opd_engine_bench_and_the_phase_timings_run() -> None:
 def test_pack_cost_bench_runs_every_form() -> None:
     table = _run("engine_pack.py")
     assert table.count("| 1 chunk of ") == 2 and "| 8 chunks of " in table and "| 32 chunks of " in table
-    assert "| eager ms | compiled ms | graphs ms |" in table
+    assert "| eager ms | compiled ms | best speed-up |" in table  # the graph columns need CUDA
 
 
 @pytest.mark.timeout(300)

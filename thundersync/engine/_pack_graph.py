@@ -41,6 +41,7 @@ per-layer graphs or runs eagerly.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
 from collections.abc import Sequence
@@ -191,6 +192,7 @@ class _Graph:
         an = owner.anatomy
         rows, prefix_rows, keys, slots = shape
         self.shape = shape
+        an = owner.private
         self.module = _Wrapper(_Body(an, shape), _modules(an))
         named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
@@ -360,6 +362,7 @@ class PackGraphs:
         self.failed = False
         self.prefix = self.prefix_grad = torch.zeros(0)  # [L, 2, capacity, Hkv, D], see _grow
         self._flats: dict[torch.dtype, torch.Tensor] = {}
+        self.private = self.anatomy  # the modules the captures run, see _reset
 
     def _params_key(self) -> tuple[tuple[int, bool], ...]:
         model = self._model()
@@ -384,9 +387,15 @@ class PackGraphs:
         self.prefix_grad = torch.zeros_like(self.prefix)
 
     def _reset(self) -> None:
-        """Drop every capture (the parameters moved)."""
+        """Drop every capture (the parameters moved) and copy the modules again."""
         self._graphs, self._pool, self._flats = {}, torch.cuda.graph_pool_handle(), {}
         self._key = self._params_key()
+        # The captures swap parameters for aliases module by module (functional_call): on private
+        # copies of the modules that share every tensor, so that another thread reading the model
+        # meanwhile (the generator's weights watch, a rollout) never sees a half-swapped model.
+        model = self._model()
+        tensors = [] if model is None else [*model.parameters(), *model.buffers()]
+        self.private = copy.deepcopy(self.anatomy, memo={id(t): t for t in tensors})
 
     def forward(self, chunks: Sequence[ChunkSpec]) -> PackOutput | None:
         """The pack's output through its bucket's graphs, or None: run it another way (no bucket,
