@@ -131,3 +131,63 @@ def test_pack_graphs_equal_eager_packs(monkeypatch: pytest.MonkeyPatch, lora: bo
         else:  # bf16 gradients summed in another order: compare as vectors
             error = (got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-6)
             assert error < 2e-2, f"relative error {error:.3g} for a tensor of shape {tuple(want.shape)}"
+
+
+def _prompt_packs(anatomy: object, lengths: list[int]) -> list[torch.Tensor]:
+    """Per prompt length: a 5-token branch after the prompt, its log-probs' sum backpropagated;
+    returns the log-probs, the prompt's adjoint and the gradients."""
+    an = anatomy  # DecoderAnatomy
+    params = an.trainable_parameters()  # type: ignore[attr-defined]
+    tokens = torch.Generator().manual_seed(3)
+    results: list[torch.Tensor] = []
+    for n in lengths:
+        root = forest.forward_prompt(an, torch.randint(0, 97, (n,), generator=tokens))  # type: ignore[arg-type]
+        branch = forest.Segment(torch.randint(0, 97, (5,), generator=tokens), root)
+        pack = forest.SegmentPack.forward(an, [branch])  # type: ignore[arg-type]
+        (lp,) = pack.scored_logprobs([list(range(5))])
+        adjoint = pack.backward(lp.sum(), params=params, sink=None)[root]
+        results += [lp, *(t for kv in adjoint for t in kv)]
+    return [*results, *(p.grad for p in params)]
+
+
+def test_a_longer_prefix_gets_new_buffers_and_earlier_buckets_keep_theirs(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_qwen3(torch.float64, seed=2)
+    anatomy = decoder_anatomy(model)
+    want = _prompt_packs(anatomy, [9, 300, 9])
+    model.zero_grad(set_to_none=True)
+    monkeypatch.setattr(_pack_graph, "_PREFIX_ROWS", 256)
+    graphs = _uncaptured(monkeypatch, anatomy)
+    _graphed.reset_graph_counts()
+    got = _prompt_packs(anatomy, [9, 300, 9])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    assert graphs.buckets() == [(64, 256, 256, 3), (64, 512, 512, 3)]
+    assert graphs.prefix.shape[2] == 512  # grown from 256 for the second bucket
+    assert _graphed.graph_counts() == {"pack_captured": 2, "pack_replayed": 3}  # the third replays the first
+
+
+def test_captures_never_swap_the_models_own_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graphs' steps run private copies of the modules (same tensors): another thread reading the
+    model while a bucket is captured (the generator's weights watch) sees it untouched."""
+    model = tiny_qwen3(torch.float64, tie=True)
+    anatomy = decoder_anatomy(model)
+    graphs = _uncaptured(monkeypatch, anatomy)
+    inside = []
+    real_step = _pack_graph._Graph.forward_step
+
+    def watched_step(self: _pack_graph._Graph) -> None:
+        inside.append(True)
+        try:
+            real_step(self)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(_pack_graph._Graph, "forward_step", watched_step)
+    real = (anatomy.embed, anatomy.layers[0].q_proj, anatomy.norm)
+    seen: list[tuple[bool, bool]] = []  # per call: (a real module, inside a graph step); copies share the hook
+    for module in real:
+        module.register_forward_pre_hook(lambda m, args: seen.append((any(m is r for r in real), bool(inside))))
+    _prompt_packs(anatomy, [9])
+    assert graphs.buckets() and (False, True) in seen  # the copies ran inside the steps
+    assert (True, True) not in seen  # the model's own modules never did
+    assert graphs.private.embed is not anatomy.embed and graphs.private.embed.weight is anatomy.embed.weight

@@ -57,9 +57,13 @@ _COUNTS: collections.Counter[str] = collections.Counter()
 
 
 def graph_counts() -> dict[str, int]:
-    """What the graphed layers did in this process: packs ``replayed``, packs run eagerly because
-    they were ``eager_too_long`` (over :data:`MAX_ROWS` rows), ``eager_one_row`` or ``eager_busy``
-    (another graphed pack's backward pending), and row buckets ``captured``."""
+    """What the engine's CUDA graphs did in this process. Layer graphs: packs ``replayed``, packs
+    run eagerly because they were ``eager_too_long`` (over :data:`MAX_ROWS` rows), ``eager_one_row``
+    or ``eager_busy`` (another graphed pack's backward pending), and row buckets ``captured``.
+    Whole-pack graphs (:mod:`~thundersync.engine._pack_graph`): ``pack_replayed``,
+    ``pack_captured``, ``pack_capture_failed``, and packs passed on to the layer graphs because
+    they were ``pack_too_long``, had ``pack_too_many_keys`` or ``pack_too_many_chunks``, or
+    found the graphs ``pack_busy``."""
     return dict(_COUNTS)
 
 
