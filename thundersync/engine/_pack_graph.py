@@ -32,7 +32,10 @@ One pack at a time owns the static buffers, as with the per-layer graphs; the bu
 memory pool, and the prefix input and the gradient outputs are shared buffers outside it, so a
 new bucket costs its activations' peak only while it is captured. A prefix larger than the shared
 buffer holds gets a new buffer, twice as large, for the buckets captured from then on (earlier
-ones keep theirs). Parameters that moved drop every capture (captured again on first use).
+ones keep theirs). Parameters that moved drop every capture (captured again on first use). Like
+any CUDA graph, a capture keeps the modules' behaviour of its time: a module switched another way
+afterwards (peft's ``disable_adapter()``, say) without moving or freezing a parameter is not seen;
+turn the graphs off around such code.
 A capture that fails turns these graphs off for the model, logged once; the pack then takes the
 per-layer graphs or runs eagerly.
 
@@ -189,7 +192,6 @@ class _Graph:
     """One bucket's static inputs and outputs, its forward and backward graphs."""
 
     def __init__(self, owner: PackGraphs, shape: tuple[int, int, int, int]) -> None:
-        an = owner.anatomy
         rows, prefix_rows, keys, slots = shape
         self.shape = shape
         an = owner.private
