@@ -19,6 +19,7 @@ from thundersync.engine import _graphed, _pack_graph, forest
 from thundersync.engine._pack_graph import MAX_CHUNKS, MAX_KEYS, PackGraphs, pack_graphs, plan
 from thundersync.engine.adapter import ChunkSpec, empty_prefix
 from thundersync.engine.anatomy import decoder_anatomy
+from thundersync.errors import ConfigError
 
 
 def _prefix(rows: int, layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -54,6 +55,18 @@ def test_packs_that_fit_no_bucket_are_refused() -> None:
     assert plan([ChunkSpec(torch.arange(4), MAX_KEYS, _prefix(MAX_KEYS))]) == "pack_too_many_keys"
     many = [ChunkSpec(torch.arange(1), 0, _prefix(0)) for _ in range(MAX_CHUNKS)]
     assert plan(many) == "pack_too_many_chunks"
+
+
+def test_the_row_cap_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    long = [ChunkSpec(torch.arange(3000), 0, _prefix(0))]
+    assert plan(long) == "pack_too_long"
+    monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPH_ROWS", "4096")
+    layout = plan(long)
+    assert not isinstance(layout, str) and layout.shape[0] == 4096
+    for bad in ("3000", "32", "lots"):
+        monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPH_ROWS", bad)
+        with pytest.raises(ConfigError, match=f"power of two from 64 to 65536, got '{bad}'"):
+            plan(long)
 
 
 def test_no_pack_graphs_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -39,13 +39,15 @@ turn the graphs off around such code.
 A capture that fails turns these graphs off for the model, logged once; the pack then takes the
 per-layer graphs or runs eagerly.
 
-``THUNDERSYNC_ENGINE_PACK_GRAPHS``: ``auto`` (default: on when the model is on CUDA), ``on``, ``off``.
+``THUNDERSYNC_ENGINE_PACK_GRAPHS``: ``auto`` (default: on when the model is on CUDA), ``on``, ``off``;
+``THUNDERSYNC_ENGINE_PACK_GRAPH_ROWS``: the largest row bucket (:func:`max_rows`).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,15 +58,16 @@ import torch.nn.functional as F
 
 from thundersync._compile import switch
 from thundersync._logging import get_logger
-from thundersync.engine._graphed import _AFTER, _BEFORE, _COUNTS, _WARMUP, _Wrapper, bucket
+from thundersync.engine._graphed import _AFTER, _BEFORE, _COUNTS, _WARMUP, MAX_ROWS, MIN_ROWS, _Wrapper
 from thundersync.engine.adapter import KV, ChunkSpec, PackOutput, _gather_index, _key_spans
 from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.engine.decoder import apply_norm, decoder_forward
+from thundersync.errors import ConfigError
 from thundersync.kernels._attention_varlen import varlen_packed_attention
 from thundersync.kernels.attention import capability
 from thundersync.kernels.dtypes import accumulate_dtype
 
-__all__ = ["MAX_CHUNKS", "MAX_KEYS", "PackGraphs", "pack_graphs"]
+__all__ = ["MAX_CHUNKS", "MAX_KEYS", "PackGraphs", "max_rows", "pack_graphs"]
 
 _log = get_logger(__name__)
 
@@ -88,6 +91,22 @@ def pack_graphs(anatomy: DecoderAnatomy, enabled: bool | None = None) -> PackGra
     return None if graphs.failed else graphs
 
 
+def max_rows() -> int:
+    """The largest row bucket: ``THUNDERSYNC_ENGINE_PACK_GRAPH_ROWS`` (a power of two, 64 to 65536;
+    default 2048, as the layer graphs). Larger buckets graph longer packs (an OPD trajectory's
+    replay) at the cost of their captured activations and outputs."""
+    text = os.environ.get("THUNDERSYNC_ENGINE_PACK_GRAPH_ROWS", "").strip()
+    if not text:
+        return MAX_ROWS
+    value = int(text) if text.isdigit() else 0
+    if not 64 <= value <= 65536 or value & (value - 1):
+        raise ConfigError(
+            f"THUNDERSYNC_ENGINE_PACK_GRAPH_ROWS must be a power of two from 64 to 65536, got {text!r}; "
+            "unset it for the default (2048)"
+        )
+    return value
+
+
 def _power_of_two(n: int, low: int) -> int:
     return max(low, 1 << max(n - 1, 0).bit_length())
 
@@ -109,8 +128,8 @@ def plan(chunks: Sequence[ChunkSpec]) -> Plan | str:
     for chunk in chunks:
         offsets.append(offsets[-1] + int(chunk.tokens.numel()))
     n = offsets[-1]
-    rows = bucket(n)
-    if rows is None:
+    rows = _power_of_two(n, MIN_ROWS)
+    if rows > max_rows():
         return "pack_too_long"
     sources, spans = _key_spans(chunks, offsets)
     prefix = sum(int(s[0][0].shape[1]) for s in sources)
