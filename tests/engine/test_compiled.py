@@ -16,8 +16,8 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from tests.engine import test_forest
-from tests.engine.test_graphed import pack_results
-from tests.engine.tiny_models import tiny_qwen3, with_lora
+from tests.engine.test_graphed import cuda_anatomy, pack_results
+from tests.engine.tiny_models import tiny_qwen3
 from thundersync._compile import OrEager
 from thundersync.engine import Segment, SegmentPack, _compiled, graph_counts, reset_graph_counts
 from thundersync.engine.anatomy import decoder_anatomy
@@ -98,12 +98,8 @@ def test_inductor_packs_on_cuda_equal_the_eager_math(monkeypatch: pytest.MonkeyP
     """Opt-in on CUDA (inductor): a pack of chunks after a shared prefix and an in-pack parent
     gives the eager math's log-probs, prefix adjoints and parameter gradients (fp32, 1e-5), and
     compiles without falling back. Asking for it turns the CUDA graphs off."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    model = tiny_qwen3(seed=6).to("cuda")
-    if lora:
-        model = with_lora(model)
-    anatomy = decoder_anatomy(model)
+    anatomy = cuda_anatomy(lora)
+    model = anatomy.model
     reset_graph_counts()
     results = {}
     for mode in ("off", "on"):

@@ -8,7 +8,7 @@ import torch
 from tests.engine.tiny_models import tiny_qwen3, with_lora
 from thundersync.engine import AdjointLedger, Segment, SegmentPack
 from thundersync.engine._graphed import MAX_ROWS, bucket, graphed_layers
-from thundersync.engine.anatomy import decoder_anatomy
+from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy
 
 
 def test_buckets_are_powers_of_two_from_64_up_to_the_limit() -> None:
@@ -21,6 +21,14 @@ def test_no_graphs_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     assert graphed_layers(anatomy) is None
     monkeypatch.setenv("THUNDERSYNC_ENGINE_GRAPHS", "on")
     assert graphed_layers(anatomy) is None
+
+
+def cuda_anatomy(lora: bool, dtype: torch.dtype = torch.float32) -> DecoderAnatomy:
+    """The tiny Qwen3 (seed 6) on CUDA, LoRA-wrapped if ``lora``; skips the test without CUDA."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = tiny_qwen3(dtype, seed=6).to("cuda")
+    return decoder_anatomy(with_lora(model) if lora else model)
 
 
 def pack_results(anatomy: object, tokens: torch.Generator, second: bool, device: str = "cuda") -> list[torch.Tensor]:
@@ -58,12 +66,8 @@ def pack_results(anatomy: object, tokens: torch.Generator, second: bool, device:
 @pytest.mark.parametrize("second", [False, True], ids=["one-pack", "two-packs-pending"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_graphed_packs_equal_eager_packs(monkeypatch: pytest.MonkeyPatch, lora: bool, second: bool) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    model = tiny_qwen3(seed=6).to("cuda")
-    if lora:
-        model = with_lora(model)
-    anatomy = decoder_anatomy(model)
+    anatomy = cuda_anatomy(lora)
+    model = anatomy.model
     results = {}
     monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPHS", "off")  # else whole-pack graphs take these packs
     for mode in ("off", "on", "on"):  # the second graphed run replays graphs captured by the first

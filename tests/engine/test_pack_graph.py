@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from tests.engine.test_graphed import pack_results
+from tests.engine.test_graphed import cuda_anatomy, pack_results
 from tests.engine.tiny_models import tiny_qwen3, with_lora
 from thundersync.engine import _graphed, _pack_graph, forest
 from thundersync.engine._pack_graph import MAX_CHUNKS, MAX_KEYS, PackGraphs, pack_graphs, plan
@@ -122,12 +122,8 @@ def test_the_bucketed_pack_math_equals_the_eager_pack_in_fp64(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-masked", "bf16-varlen"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_pack_graphs_equal_eager_packs(monkeypatch: pytest.MonkeyPatch, lora: bool, dtype: torch.dtype) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    model = tiny_qwen3(dtype, seed=6).to("cuda")
-    if lora:
-        model = with_lora(model)
-    anatomy = decoder_anatomy(model)
+    anatomy = cuda_anatomy(lora, dtype)
+    model = anatomy.model
     results = {}
     monkeypatch.setenv("THUNDERSYNC_ENGINE_GRAPHS", "off")  # the pending second pack runs eagerly
     _graphed.reset_graph_counts()

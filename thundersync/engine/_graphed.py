@@ -37,7 +37,7 @@ from __future__ import annotations
 import collections
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -72,21 +72,41 @@ def reset_graph_counts() -> None:
     _COUNTS.clear()
 
 
+T = TypeVar("T")
+
+
+def for_model(
+    name: str,
+    enabled: bool | None,
+    anatomy: DecoderAnatomy,
+    cache: weakref.WeakKeyDictionary[torch.nn.Module, T],
+    make: Callable[[DecoderAnatomy], T],
+) -> T | None:
+    """The model's graphs from ``cache`` (made by ``make`` on first use), or None where the switch
+    ``name`` (``enabled`` when given) turns them off or the model is not on CUDA."""
+    cuda = anatomy.device.type == "cuda"
+    if not switch(name, enabled, auto=cuda) or not cuda:
+        return None
+    value = cache.get(anatomy.model)
+    if value is None:
+        value = cache[anatomy.model] = make(anatomy)
+    return value
+
+
 def graphed_layers(anatomy: DecoderAnatomy, enabled: bool | None = None) -> GraphedLayers | None:
     """The model's :class:`GraphedLayers`, or None where graphs are off (``enabled``, else
     ``THUNDERSYNC_ENGINE_GRAPHS``) or the model is not on CUDA."""
-    cuda = anatomy.device.type == "cuda"
-    if not switch("THUNDERSYNC_ENGINE_GRAPHS", enabled, auto=cuda) or not cuda:
-        return None
-    layers = _models.get(anatomy.model)
-    if layers is None:
-        layers = _models[anatomy.model] = GraphedLayers(anatomy)
-    return layers
+    return for_model("THUNDERSYNC_ENGINE_GRAPHS", enabled, anatomy, _models, GraphedLayers)
+
+
+def power_of_two(n: int, low: int) -> int:
+    """The smallest power of two that is at least ``n`` and ``low``."""
+    return max(low, 1 << max(n - 1, 0).bit_length())
 
 
 def bucket(rows: int) -> int | None:
     """The bucket of a pack of ``rows`` rows (None: over :data:`MAX_ROWS`, run eagerly)."""
-    size = max(MIN_ROWS, 1 << max(rows - 1, 0).bit_length())
+    size = power_of_two(rows, MIN_ROWS)
     return size if size <= MAX_ROWS else None
 
 

@@ -56,9 +56,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from thundersync._compile import switch
 from thundersync._logging import get_logger
-from thundersync.engine._graphed import _AFTER, _BEFORE, _COUNTS, _WARMUP, MAX_ROWS, MIN_ROWS, _Wrapper
+from thundersync.engine._graphed import (
+    _AFTER,
+    _BEFORE,
+    _COUNTS,
+    _WARMUP,
+    MAX_ROWS,
+    MIN_ROWS,
+    _Wrapper,
+    for_model,
+    power_of_two,
+)
 from thundersync.engine.adapter import KV, ChunkSpec, PackOutput, _gather_index, _key_spans
 from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.engine.decoder import apply_norm, decoder_forward
@@ -82,13 +91,8 @@ _models: weakref.WeakKeyDictionary[torch.nn.Module, PackGraphs] = weakref.WeakKe
 def pack_graphs(anatomy: DecoderAnatomy, enabled: bool | None = None) -> PackGraphs | None:
     """The model's :class:`PackGraphs`, or None where they are off (``enabled``, else
     ``THUNDERSYNC_ENGINE_PACK_GRAPHS``), the model is not on CUDA, or a capture failed."""
-    cuda = anatomy.device.type == "cuda"
-    if not switch("THUNDERSYNC_ENGINE_PACK_GRAPHS", enabled, auto=cuda) or not cuda:
-        return None
-    graphs = _models.get(anatomy.model)
-    if graphs is None:
-        graphs = _models[anatomy.model] = PackGraphs(anatomy)
-    return None if graphs.failed else graphs
+    graphs = for_model("THUNDERSYNC_ENGINE_PACK_GRAPHS", enabled, anatomy, _models, PackGraphs)
+    return None if graphs is None or graphs.failed else graphs
 
 
 def max_rows() -> int:
@@ -105,10 +109,6 @@ def max_rows() -> int:
             "unset it for the default (2048)"
         )
     return value
-
-
-def _power_of_two(n: int, low: int) -> int:
-    return max(low, 1 << max(n - 1, 0).bit_length())
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def plan(chunks: Sequence[ChunkSpec]) -> Plan | str:
     for chunk in chunks:
         offsets.append(offsets[-1] + int(chunk.tokens.numel()))
     n = offsets[-1]
-    rows = _power_of_two(n, MIN_ROWS)
+    rows = power_of_two(n, MIN_ROWS)
     if rows > max_rows():
         return "pack_too_long"
     sources, spans = _key_spans(chunks, offsets)
@@ -141,9 +141,9 @@ def plan(chunks: Sequence[ChunkSpec]) -> Plan | str:
         k_lens.append(rows - n)
         flat.append((prefix + n, prefix + rows))
     keys = sum(k_lens)
-    p_rows = 0 if prefix == 0 else _power_of_two(prefix, _MIN_KEYS)
-    k_rows = _power_of_two(keys, _MIN_KEYS)
-    slots = _power_of_two(len(q_lens) + 1, 4) - 1  # C + 1 offsets: a power of two
+    p_rows = 0 if prefix == 0 else power_of_two(prefix, _MIN_KEYS)
+    k_rows = power_of_two(keys, _MIN_KEYS)
+    slots = power_of_two(len(q_lens) + 1, 4) - 1  # C + 1 offsets: a power of two
     if k_rows > MAX_KEYS or p_rows > MAX_KEYS:
         return "pack_too_many_keys"
     if slots > MAX_CHUNKS:
@@ -167,7 +167,7 @@ class _Body:
 
     def __init__(self, anatomy: DecoderAnatomy, shape: tuple[int, int, int, int]) -> None:
         self.anatomy = anatomy
-        self.rows, self.prefix_rows, self.keys, self.slots = shape
+        self.rows, _, self.keys, _ = shape
 
     def __call__(self, ids: torch.Tensor, io: torch.Tensor, *prefix: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``prefix``: per layer its keys and values [P, Hkv, D], each its own leaf (a view of one
@@ -423,9 +423,8 @@ class PackGraphs:
         another pack's backward is pending, or the capture failed). The caller calls
         :meth:`release` once the pack's backward has run or the pack is dropped."""
         layout = plan(chunks)
-        reason = layout if isinstance(layout, str) else "pack_busy" if self._busy else ""
-        if reason or isinstance(layout, str):
-            _COUNTS[reason] += 1
+        if isinstance(layout, str) or self._busy:
+            _COUNTS[layout if isinstance(layout, str) else "pack_busy"] += 1
             return None
         if self._params_key() != self._key:
             self._reset()
