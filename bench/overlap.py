@@ -10,7 +10,8 @@ The objects are called directly, in one process, as issue 14 measured (no pipeli
 token, each response as long as its drawn length: 64 x lognormal(1.5, 1) clipped to 64..2048,
 prompts ~512, seeded), and each finished trajectory goes to the objective at once, on the event
 loop's thread: ``RewardLinearBackward`` (GRPO, binary rewards) or ``OPDStream`` (its teacher, a
-second random model on the same device, scores the trajectory first, in a worker thread). The
+second random model on the same device, scores the trajectory first, in a worker thread, through
+``PackedScorer`` as ``TransformersTeacher`` does: CUDA graphs of packed forwards). The
 engine's work runs on its own worker thread and CUDA stream.
 
 Columns, each measured in the same run:
@@ -58,11 +59,13 @@ here, so the generator's caches, e.g. its fused q/k/v copy, must be invalidated 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import random
+import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,9 +78,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import thundersync
 from bench._common import engine_layers, header, markdown_table
 from bench._learner_process import LearnerProcess
-from bench.engine import Batch, Group, Trajectory, dense, make_model, padded_logprobs
+from bench.engine import Batch, Group, Trajectory, dense, make_model
 from bench.engine_opd import OPDGroup, OPDTrajectory, opd_dense
+from thundersync.engine._worker import Worker
+from thundersync.engine.scoring import PackedScorer
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator
+from thundersync.generation._batcher import ContinuousBatcher
 
 Finished = tuple[int, int, list[int]]  # (group, trajectory, generated token ids)
 
@@ -92,6 +98,69 @@ class Workload:
     response: tuple[int, int]
     mu: float = 1.5  # response length = lo * exp(N(mu, sigma)), clipped
     sigma: float = 1.0
+
+
+class Timeline:
+    """Host spans of this process's engine jobs, teacher forwards and generator steps (wall clock),
+    to tell where a streamed step's tail comes from: a learner that fell behind (its jobs run after
+    the last trajectory) or a slow one."""
+
+    def __init__(self) -> None:
+        self.spans: dict[str, list[tuple[float, float]]] = {"engine": [], "teacher": [], "decode": []}
+
+    def install(self) -> None:
+        """Wrap the engine worker's job runner and the batcher's step (for the whole process)."""
+        for kind, owner, name in (("engine", Worker, "_run"), ("decode", ContinuousBatcher, "step")):
+            setattr(owner, name, self.timed(kind, getattr(owner, name)))
+
+    def timed(self, kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self.span(kind):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    @contextlib.contextmanager
+    def span(self, kind: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spans[kind].append((start, time.perf_counter()))
+
+    def summary(self, start: float, last: float, end: float, alone_step_ms: float) -> str:
+        """Busy seconds of each kind during the rollout (start..last) and after it (last..end)."""
+        parts = []
+        for kind in ("engine", "teacher"):
+            spans = [(a, b) for a, b in self.spans[kind] if b > start and a < end]
+            if not spans:
+                continue
+            during = sum(min(b, last) - max(a, start) for a, b in spans if a < last)
+            after = sum(b - max(a, last) for a, b in spans if b > last)
+            parts.append(f"{kind} {len(spans)} calls, busy {during:.2f} s during the rollout, {after:.2f} s after")
+        steps = [b - a for a, b in self.spans["decode"] if start <= a and b <= last]
+        if steps:
+            parts.append(
+                f"decode {len(steps)} steps, median {1e3 * statistics.median(steps):.2f} ms "
+                f"(rollout alone {alone_step_ms:.2f} ms)"
+            )
+        return "; ".join(parts)
+
+    def busy(self, start: float, end: float) -> str:
+        """Busy seconds of each learner kind within start..end (a run without a rollout)."""
+        parts = []
+        for kind in ("engine", "teacher"):
+            spans = [(a, b) for a, b in self.spans[kind] if start <= a and b <= end]
+            if spans:
+                parts.append(f"{kind} {len(spans)} calls, busy {sum(b - a for a, b in spans):.2f} s")
+        return "; ".join(parts)
+
+    def median_step_ms(self, start: float, end: float) -> float:
+        steps = [b - a for a, b in self.spans["decode"] if start <= a and b <= end]
+        return 1e3 * statistics.median(steps) if steps else float("nan")
+
+
+TIMELINE = Timeline()
 
 
 def make_plan(workload: Workload, vocab: int, seed: int) -> Batch:
@@ -138,10 +207,11 @@ async def rollout(
 class Learner:
     """Streams one batch into an objective: ``begin``, ``feed`` each finished trajectory, ``end``."""
 
-    def __init__(self, objective: Any, plan: Batch, teacher: torch.nn.Module | None = None) -> None:
+    def __init__(self, objective: Any, plan: Batch, teacher: PackedScorer | None = None) -> None:
         self.objective, self.plan, self.teacher = objective, plan, teacher
         self.limiter = anyio.CapacityLimiter(1)  # one teacher forward at a time
         self.remaining: list[int] = []
+        self.alone = ""  # the timeline of the last learner_alone run
 
     def begin(self) -> None:
         for p in self.objective.run.params:
@@ -157,7 +227,11 @@ class Learner:
             self.objective.close_trajectory(g, i, self.plan[g].trajectories[i].reward)
         else:
             q = await anyio.to_thread.run_sync(
-                teacher_logprobs, self.teacher, self.plan[g].prompt, tokens, limiter=self.limiter
+                TIMELINE.timed("teacher", teacher_logprobs),
+                self.teacher,
+                self.plan[g].prompt,
+                tokens,
+                limiter=self.limiter,
             )
             self.objective.append_turn(g, i, tokens, [True] * len(tokens), teacher_logprobs=q)
             self.objective.close_trajectory(g, i)
@@ -170,11 +244,11 @@ class Learner:
         _sync()
 
 
-def teacher_logprobs(teacher: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """The teacher's log-prob of each response token (host fp64)."""
-    with torch.no_grad():
-        positions = list(range(len(prompt) - 1, len(prompt) + len(tokens) - 1))
-        return padded_logprobs(teacher, [prompt + tokens], [positions]).double().cpu()
+def teacher_logprobs(teacher: PackedScorer, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The teacher's log-prob of each response token (host fp64), as ``TransformersTeacher`` scores
+    a Qwen3 model: one packed forward, replayed from CUDA graphs on a GPU."""
+    (scores,) = teacher.logprobs([prompt + tokens], [len(tokens)])
+    return torch.tensor(scores, dtype=torch.float64)
 
 
 def _sync() -> None:
@@ -188,21 +262,22 @@ async def learner_alone(learner: Learner, finished: list[Finished]) -> float:
     for item in finished:
         await learner.feed(item)
     learner.end()
+    learner.alone = TIMELINE.busy(start, time.perf_counter())
     return time.perf_counter() - start
 
 
-async def streamed(generator: TorchGenerator, learner: Learner) -> tuple[float, float]:
-    """(seconds of the whole step, seconds to the last trajectory) with the learner fed as they finish."""
+async def streamed(generator: TorchGenerator, learner: Learner, alone_step_ms: float) -> tuple[float, float, str]:
+    """(seconds of the whole step, seconds to the last trajectory, the timeline's summary) with the
+    learner fed as they finish."""
     start = time.perf_counter()
     learner.begin()
     last, _ = await rollout(generator, learner.plan, learner.feed)
     learner.end()
-    return time.perf_counter() - start, last
+    end = time.perf_counter()
+    return end - start, last, TIMELINE.summary(start, start + last, end, alone_step_ms)
 
 
-def dense_seconds(
-    model: torch.nn.Module, plan: Batch, finished: list[Finished], teacher: torch.nn.Module | None
-) -> float:
+def dense_seconds(model: torch.nn.Module, plan: Batch, finished: list[Finished], teacher: PackedScorer | None) -> float:
     """The synchronous learner's time over the same tokens (teacher scoring included for OPD)."""
     tokens = {(g, i): t for g, i, t in finished}
     model.zero_grad(set_to_none=True)
@@ -265,7 +340,7 @@ COLUMNS = [
 
 
 async def warmed_learner(
-    row: str, model: torch.nn.Module, plan: Batch, finished: list[Finished], teacher: torch.nn.Module | None
+    row: str, model: torch.nn.Module, plan: Batch, finished: list[Finished], teacher: PackedScorer | None
 ) -> Learner:
     """The row's objective on a new ``StreamingRun``, warmed on the whole batch once (probes, the
     allocator, and the CUDA graphs of every row bucket the batch's packs need), so that the measured
@@ -282,14 +357,18 @@ async def measure_in_process(
     plan: Batch,
     rollout_s: float,
     finished: list[Finished],
-    teacher: torch.nn.Module | None,
-) -> list[Any]:
+    teacher: PackedScorer | None,
+    alone_step_ms: float,
+) -> tuple[list[Any], str]:
+    """The row's cells and its streamed run's timeline summary."""
     learner = await warmed_learner(row, model, plan, finished, teacher)
     dense_seconds(model, plan[:1], finished, teacher)  # the dense path's kernels and autotuning
     learner_s = await learner_alone(learner, finished)
     dense_s = dense_seconds(model, plan, finished, teacher)
-    step_s, last_s = await streamed(generator, learner)
-    return cells(row, rollout_s, learner_s, dense_s, step_s, last_s, sum(len(t) for _, _, t in finished))
+    step_s, last_s, timeline = await streamed(generator, learner, alone_step_ms)
+    tokens = sum(len(t) for _, _, t in finished)
+    timeline = f"{_ROW_NAMES[row]}: {timeline} (learner alone: {learner.alone})"
+    return cells(row, rollout_s, learner_s, dense_s, step_s, last_s, tokens), timeline
 
 
 async def measure_in_child(
@@ -300,7 +379,7 @@ async def measure_in_child(
     plan: Batch,
     rollout_s: float,
     finished: list[Finished],
-    teacher: torch.nn.Module | None,
+    teacher: PackedScorer | None,
 ) -> tuple[list[Any], str]:
     """The row's cells and its gradient check, the learner in ``child``."""
     child.send("row", row, plan, finished)
@@ -377,7 +456,7 @@ async def serve_learner(model: torch.nn.Module, commands: Any, answers: Any, tin
     synchronize, answer ``("ended",)``; ``("gradient",)``: answer the batch's ``GradientDigest``;
     ``("stop",)``: return.
     """
-    teacher: torch.nn.Module | None = None
+    teacher: PackedScorer | None = None
     learner: Learner | None = None
     while True:
         kind, *payload = await anyio.to_thread.run_sync(commands.get)
@@ -417,12 +496,13 @@ def workloads(tiny: bool) -> dict[str, Workload]:
 
 async def run_rows(
     args: argparse.Namespace, model: torch.nn.Module, device: torch.device
-) -> tuple[list[list[Any]], list[str]]:
-    """The table's rows and the 2-process rows' gradient checks."""
+) -> tuple[list[list[Any]], list[str], list[str]]:
+    """The table's rows, the 2-process rows' gradient checks and the in-process rows' timelines."""
     shapes = workloads(args.tiny)
     rows: list[list[Any]] = []
     checks: list[str] = []
-    teacher: torch.nn.Module | None = None
+    timelines: list[str] = []
+    teacher: PackedScorer | None = None
     child: LearnerProcess | None = None
     try:
         for workload_name in ("main", "balanced"):
@@ -434,7 +514,9 @@ async def run_rows(
             longest = max(len(g.prompt) for g in plan) + workload.response[1] + 1
             generator = TorchGenerator(model, max_batch=min(64, workload.groups * workload.size), max_seq_len=longest)
             await rollout(generator, plan)  # warm-up: decode graphs for every key length, kernels, allocator
+            alone_start = time.perf_counter()
             rollout_s, finished = await rollout(generator, plan)
+            alone_step_ms = TIMELINE.median_step_ms(alone_start, time.perf_counter())
             print(f"[done] {workload_name} rollout alone: {rollout_s:.2f} s", file=sys.stderr, flush=True)
             for row in wanted:
                 if _objective_kind(row) == "opd" and teacher is None:
@@ -449,13 +531,17 @@ async def run_rows(
                     print(f"[check] {check}", file=sys.stderr, flush=True)
                 else:
                     with engine_layers("eager" if row.endswith(_EAGER) else "graphs"):
-                        cells_ = await measure_in_process(row, model, generator, plan, rollout_s, finished, row_teacher)
+                        cells_, timeline = await measure_in_process(
+                            row, model, generator, plan, rollout_s, finished, row_teacher, alone_step_ms
+                        )
+                    timelines.append(timeline)
+                    print(f"[timeline] {timeline}", file=sys.stderr, flush=True)
                 rows.append(cells_)
                 print(f"[done] {markdown_table(COLUMNS, rows[-1:]).splitlines()[-1]}", file=sys.stderr, flush=True)
     finally:
         if child is not None:
             child.close()
-    return rows, checks
+    return rows, checks, timelines
 
 
 _IN_CHILD = "-2proc"
@@ -479,14 +565,15 @@ def make_objective(row: str, run: thundersync.StreamingRun) -> Any:
     )
 
 
-def make_teacher(tiny: bool, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """A second model of the student's shape (other weights), frozen; the same in every process."""
+def make_teacher(tiny: bool, device: torch.device, dtype: torch.dtype) -> PackedScorer:
+    """The scorer of a second model of the student's shape (other weights), frozen; the same in
+    every process."""
     teacher = make_model(tiny, device, dtype).requires_grad_(False)
     generator = torch.Generator(device=device).manual_seed(1)
     with torch.no_grad():
         for p in teacher.parameters():
             p.add_(torch.randn(p.shape, generator=generator, device=device, dtype=p.dtype), alpha=0.02)
-    return teacher
+    return PackedScorer(teacher)
 
 
 _ROW_NAMES = {
@@ -510,7 +597,15 @@ def main() -> None:
     parser.add_argument(
         "--rows", default="grpo,grpo-early,opd,grpo-pack0,balanced", help=f"comma-separated, of {', '.join(_ROW_NAMES)}"
     )
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval(S) first: how long a thread may hold the GIL while another waits (Python's default 0.005)",
+    )
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     args.rows = args.rows.split(",")
     unknown = [row for row in args.rows if row not in _ROW_NAMES]
     if unknown:
@@ -518,15 +613,20 @@ def main() -> None:
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
     model = make_model(args.tiny, device, torch.bfloat16 if cuda else torch.float32)
-    rows, checks = anyio.run(run_rows, args, model, device)
+    TIMELINE.install()
+    rows, checks, timelines = anyio.run(run_rows, args, model, device)
     print(header(" ".join(["python", *sys.argv])))
     shapes = workloads(args.tiny)
-    print(f"workload: {shapes['main']}; balanced: {shapes['balanced']}; dtype {next(model.parameters()).dtype}\n")
+    print(f"workload: {shapes['main']}; balanced: {shapes['balanced']}; dtype {next(model.parameters()).dtype}")
+    print(f"GIL switch interval {sys.getswitchinterval()} s\n")
     print(markdown_table(COLUMNS, rows))
     if cuda:
         from thundersync.engine import graph_counts
 
         print(f"\nengine graphs in this process (all rows): {graph_counts()}")
+    if timelines:
+        print("\nhost time of the streamed runs (in-process rows), during the rollout and after its last trajectory:")
+        print("\n".join(f"- {line}" for line in timelines))
     if checks:
         print("\ngradient check, the learner process's streamed gradient against one process's:")
         print("\n".join(f"- {check}" for check in checks))

@@ -60,6 +60,14 @@ def test_overlap_bench_runs_every_row() -> None:
     for row in (*rows, "GRPO, pack_tokens=0", "OPD (teacher on the same device)"):
         assert f"| {row} |" in table
     assert "| balanced GRPO " in table and "| hidden | speed-up | rollout slowdown |" in table
+    assert "- OPD (teacher on the same device): engine " in table  # the streamed runs' host timeline
+
+
+@pytest.mark.timeout(300)
+def test_teacher_cost_bench_runs_and_the_packed_scorer_matches_transformers() -> None:
+    out = _run("teacher_cost.py")
+    diffs = [float(d) for d in re.findall(r"^\| \d+ \| [^|]+ \| [^|]+ \| - \| - \| ([0-9.e+-]+) \| - \|$", out, re.M)]
+    assert len(diffs) == 2 and max(diffs) < 1e-5, out
 
 
 @pytest.mark.timeout(300)

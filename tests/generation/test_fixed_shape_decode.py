@@ -284,3 +284,31 @@ def test_a_decode_step_whose_compile_call_raises_runs_eagerly(make_qwen3, monkey
     results = ragged(fixed_shape(TorchGenerator(model, max_batch=8, max_seq_len=48), compiled), count=3)
     assert compiled.failures and all("inductor import warned" in f for f in compiled.failures)
     assert_same_results(ragged(TorchGenerator(model, max_batch=8, max_seq_len=48), count=3), results)
+
+
+def test_a_priority_stream_needs_cuda(make_qwen3, monkeypatch) -> None:
+    model = make_qwen3()
+    assert TorchGenerator(model, max_batch=2, max_seq_len=48)._batcher.stream is None  # auto: off on the CPU
+    with pytest.raises(ConfigError, match="priority_stream=True needs the model on a CUDA device, it is on cpu"):
+        TorchGenerator(model, max_batch=2, max_seq_len=48, priority_stream=True)
+    monkeypatch.setenv("THUNDERSYNC_DECODE_PRIORITY", "high")
+    with pytest.raises(ConfigError, match="THUNDERSYNC_DECODE_PRIORITY must be auto, on or off, got 'high'"):
+        TorchGenerator(model, max_batch=2, max_seq_len=48)
+
+
+@pytest.mark.gpu
+def test_the_priority_stream_decodes_like_the_current_one_and_sees_writes_queued_before_generate(make_qwen3) -> None:
+    model = make_qwen3().cuda()
+    own = TorchGenerator(model, max_batch=4, max_seq_len=64, compile_decode=False)
+    assert own._batcher.stream is not None and own._batcher.stream.priority < 0  # auto: on with CUDA
+    current = TorchGenerator(model, max_batch=4, max_seq_len=64, compile_decode=False, priority_stream=False)
+    before = ragged(own, count=4)
+    assert_same_results(ragged(current, count=4), before)
+    # a weight write queued on the current stream behind ~0.1 s of device sleep: requests submitted
+    # after it must see it, although the generator's stream would reach them first
+    torch.cuda._sleep(200_000_000)
+    with torch.no_grad():
+        model.model.norm.weight.neg_()  # negates the logits
+    after = ragged(own, count=4)
+    assert [r.token_ids for r in after] != [r.token_ids for r in before]
+    assert_same_results(ragged(current, count=4), after)

@@ -43,6 +43,27 @@ async def test_concurrent_requests_share_one_forward_and_match_a_direct_forward(
     for (context, tokens), got in zip(REQUESTS, results):
         assert got == pytest.approx(_direct(model, context, tokens), abs=1e-6)
     assert teacher.batches == [4]
+    assert teacher._scorer and teacher._scorer.counts == {"eager": 1}  # packed, one forward
+
+
+class _Wrapped(torch.nn.Module):
+    """A causal LM in a layout the engine does not know (transformers' forward still works)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **kwargs: object) -> object:
+        return self.inner(**kwargs)
+
+
+async def test_a_model_of_another_layout_is_scored_by_its_own_padded_forward() -> None:
+    model = tiny_qwen3(torch.float32)
+    teacher = TransformersTeacher(_Wrapped(model), max_batch=16)
+    results = await _score_all(teacher)
+    assert teacher._scorer is False and teacher.batches == [4]
+    for (context, tokens), got in zip(REQUESTS, results):
+        assert got == pytest.approx(_direct(model, context, tokens), abs=1e-6)
 
 
 async def test_max_batch_splits_the_requests_into_several_forwards() -> None:

@@ -76,7 +76,7 @@ from thundersync.kernels._attention_varlen import varlen_packed_attention
 from thundersync.kernels.attention import capability
 from thundersync.kernels.dtypes import accumulate_dtype
 
-__all__ = ["MAX_CHUNKS", "MAX_KEYS", "PackGraphs", "max_rows", "pack_graphs"]
+__all__ = ["MAX_CHUNKS", "MAX_KEYS", "PackGraphs", "max_rows", "pack_graphs", "packed_attention"]
 
 _log = get_logger(__name__)
 
@@ -185,14 +185,15 @@ class _Body:
                 torch.cat([prefix[2 * layer + i], own.to(acc), zero]).index_select(0, index).to(own.dtype)
                 for i, own in ((0, k), (1, v))
             )
-            return _attention(q, keys, values, cu, self.anatomy.scaling).reshape(q.shape[0], -1)
+            return packed_attention(q, keys, values, cu, self.anatomy.scaling).reshape(q.shape[0], -1)
 
         x = decoder_forward(self.anatomy, ids, positions, attention)
         return (apply_norm(self.anatomy.norm, x), *kv)
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float) -> torch.Tensor:
-    """Each chunk's queries over its keys (bottom-right causal), q [R, Hq, D], k/v [K, Hkv, D]."""
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each chunk's queries over its keys (bottom-right causal), q [R, Hq, D], k/v [K, Hkv, D];
+    ``cu`` [2, C + 1]: the chunks' query and key offsets."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and capability("varlen", q, k).ok:
         return varlen_packed_attention(q, k, v, cu[0], cu[1], q.shape[0], k.shape[0], scale)
     rows, keys = q.shape[0], k.shape[0]

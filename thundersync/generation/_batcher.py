@@ -10,6 +10,14 @@ first). Cached prefixes are dropped when the weights change (:mod:`._weights_wat
 With the fixed-shape step (:mod:`._fixed_step`) the running sequences are kept in the lowest
 slots: before a decode step, a running sequence above them is swapped (cache rows, device state
 and bookkeeping) with an idle or parked slot below, so the step decodes slots 0 .. n-1 in place.
+
+On CUDA the batcher may run every step on a stream of its own (:meth:`ContinuousBatcher.use_stream`,
+high priority: the learner's kernels on other streams then wait for SMs behind the decode step's,
+not the other way round). Ordering: a request waits, before the step that admits it, for the
+submitter's stream as of its submission (an event recorded by :meth:`ContinuousBatcher.mark`), so an
+optimizer step or a weight load enqueued before ``generate`` is seen; every step ends with a host
+sync (the sampled tokens), so nothing of the batcher's is in flight when the caller next writes the
+weights.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +50,7 @@ class Ticket:
 
     request: GenerationRequest
     seed: int
+    after: torch.cuda.Event | None = None  # the submitter's stream at submission (see ContinuousBatcher.mark)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     cached_tokens: int = 0
@@ -101,6 +111,21 @@ class ContinuousBatcher:
         self._clock = itertools.count(1)
         self._finished: list[Ticket] = []
         self.weights = WeightsWatch(model)
+        self.stream: torch.cuda.Stream | None = None  # see use_stream
+
+    def use_stream(self) -> None:
+        """Run every step on a new high-priority CUDA stream, after all work on the current stream
+        so far (the cache and buffers were allocated there)."""
+        self.stream = torch.cuda.Stream(self.anatomy.device, priority=-100)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated; out-of-range priorities clamp to the highest
+        self.stream.wait_stream(torch.cuda.current_stream(self.anatomy.device))
+
+    def mark(self) -> torch.cuda.Event | None:
+        """On the submitter's thread: an event after its stream's work so far (None without a stream)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event.__new__ unannotated
+        event.record(torch.cuda.current_stream(self.anatomy.device))
+        return event
 
     def use_fixed_step(self, *, capture: bool, math: DecodeMath | None = None) -> None:
         """Decode the live slots with device-resident state (:mod:`._fixed_step`), CUDA graphs if
@@ -129,7 +154,7 @@ class ContinuousBatcher:
         session = request.session_id
         if session is not None and any(t.request.session_id == session for t in self._in_flight()):
             raise ConfigError(f"session {session!r} already has a request in flight; await it first")
-        ticket = Ticket(request, seed)
+        ticket = Ticket(request, seed, self.mark())
         self.enqueue(ticket)
         return ticket
 
@@ -179,9 +204,13 @@ class ContinuousBatcher:
         """Admit and prefill what fits, decode one token for each running sequence; returns the
         tickets that finished."""
         self._finished = []
-        self._check_weights()
-        admitted = self._admit()
-        with torch.no_grad():
+        with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            for ticket in self.waiting:  # before the weights check: its refresh reads the weights
+                if ticket.after is not None and self.stream is not None:
+                    self.stream.wait_event(ticket.after)
+                    ticket.after = None
+            self._check_weights()
+            admitted = self._admit()
             if admitted:
                 self._prefill(admitted)
             running = [s for s in self.slots if s.ticket is not None and s.ticket.result is None]

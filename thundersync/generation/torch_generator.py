@@ -63,7 +63,10 @@ class TorchGenerator:
     q/k/v and gate/up weights (:mod:`._fused`: a copy of about two thirds of the layers' weights,
     refreshed when they change). Each defaults to its environment variable,
     ``THUNDERSYNC_DECODE_COMPILE`` or ``THUNDERSYNC_DECODE_FUSE``: ``auto`` (on with CUDA graphs),
-    ``on`` or ``off``. ``seed`` seeds the per-request seeds of requests that do not set one.
+    ``on`` or ``off``. ``priority_stream`` (``THUNDERSYNC_DECODE_PRIORITY``, ``auto``: on CUDA) runs
+    every step on a high-priority CUDA stream of the generator's own, so a learner's kernels on
+    other streams yield the GPU to the decode step; a request waits only for its submitter's stream
+    as of its ``generate`` call. ``seed`` seeds the per-request seeds of requests that do not set one.
 
     No background task: one of the concurrent ``await generate(...)`` calls drives the batcher
     (one step at a time in a worker thread, so the event loop stays responsive) until its own
@@ -83,6 +86,7 @@ class TorchGenerator:
         cuda_graphs: bool | None = None,
         compile_decode: bool | None = None,
         fuse_projections: bool | None = None,
+        priority_stream: bool | None = None,
         seed: int = 0,
     ) -> None:
         if max_batch < 1 or max_seq_len < 2 or prefill_tokens < 1:
@@ -104,6 +108,10 @@ class TorchGenerator:
             fused = FusedWeights(self._batcher.anatomy) if fuse_projections else None
             math = DecodeMath(compile=compile_decode, fused=fused)
             self._batcher.use_fixed_step(capture=cuda_graphs, math=math)
+        if switch("THUNDERSYNC_DECODE_PRIORITY", priority_stream, auto=device.type == "cuda"):
+            if device.type != "cuda":
+                raise ConfigError(f"priority_stream=True needs the model on a CUDA device, it is on {device}")
+            self._batcher.use_stream()
         self._seeds = random.Random(seed)
         self._driver: Ticket | None = None  # the request whose task steps the batcher now
         self._wakes: dict[Ticket, anyio.Event] = {}  # waiting requests
@@ -123,7 +131,7 @@ class TorchGenerator:
         seed = request.params.seed
         if seed is None:
             seed = self._seeds.getrandbits(63)
-        ticket = Ticket(request, seed % (1 << 63))
+        ticket = Ticket(request, seed % (1 << 63), self._batcher.mark())
         if session is not None:
             self._sessions.add(session)
         try:

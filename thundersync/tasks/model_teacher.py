@@ -3,10 +3,14 @@
 ``logprobs(context_ids, token_ids)`` returns ``log q(token_ids[i] | context_ids + token_ids[:i])``.
 Calls that arrive together (the teacher stage scores ``concurrency`` actions at once) are
 answered by one forward pass: the first caller waits ``max_wait_s`` for others, then runs up to
-``max_batch`` requests, left-padded so that every sequence ends at the same position (positions
-are counted from each sequence's first real token, so padding changes nothing), and keeps only
-the logits of the scored tokens (``logits_to_keep``). The forward runs in a worker thread under
-``torch.inference_mode`` (no gradients), the log-softmax in fp32. The model stays on its own
+``max_batch`` requests in a worker thread, without gradients. A Qwen3/Qwen2/Llama model is scored
+by :class:`~thundersync.engine.scoring.PackedScorer`: the sequences packed into one run of rows,
+replayed from CUDA graphs on a GPU (an eager forward's ~1,400 kernel launches would cost several
+times its device time, beside a generator and a learner in one process even more), log-probs from
+the fused head kernel. Any other causal LM runs transformers' forward over the batch, left-padded
+so that every sequence ends at the same position (positions are counted from each sequence's
+first real token, so padding changes nothing), keeping only the logits of the scored tokens
+(``logits_to_keep``), the log-softmax in fp32. The model stays on its own
 device (give ``device`` to move it there; the teacher may share the learner's GPU or have its own).
 
 The model may be given as a loader (a callable returning it), loaded on first use, so that
@@ -30,6 +34,8 @@ from thundersync.errors import ConfigError
 if TYPE_CHECKING:  # torch loads when the teacher first scores, so building the teacher stays cheap
     import torch
     from torch import nn
+
+    from thundersync.engine.scoring import PackedScorer
 
 __all__ = ["TransformersTeacher", "transformers_teacher"]
 
@@ -59,6 +65,7 @@ class TransformersTeacher:
         if max_batch < 1 or max_wait_s < 0:
             raise ConfigError(f"max_batch must be >= 1 and max_wait_s >= 0, got {max_batch} and {max_wait_s}")
         self._model: nn.Module | None = None
+        self._scorer: PackedScorer | Literal[False] | None = None  # False: the model's layout is not supported
         self._load: Callable[[], nn.Module] | None = None
         if hasattr(model, "parameters"):  # an nn.Module (also callable), not a loader
             self._model = cast("nn.Module", model)
@@ -129,10 +136,26 @@ class TransformersTeacher:
 
     def _forward(self, batch: list[_Request]) -> list[list[float]]:
         """One forward over ``batch`` (in a worker thread): each request's token log-probs."""
+        self.batches.append(len(batch))
+        scorer = self._packed_scorer()
+        if scorer is not None:
+            return scorer.logprobs([r.context + r.tokens for r in batch], [len(r.tokens) for r in batch])
+        return self._padded_forward(batch)
+
+    def _packed_scorer(self) -> PackedScorer | None:
+        if self._scorer is None:
+            from thundersync.engine.scoring import PackedScorer
+
+            try:
+                self._scorer = PackedScorer(self.model)
+            except ConfigError:  # not a layout the engine knows: transformers' own forward
+                self._scorer = False
+        return self._scorer or None
+
+    def _padded_forward(self, batch: list[_Request]) -> list[list[float]]:
         import torch
 
         model = self.model
-        self.batches.append(len(batch))
         device = next(model.parameters()).device
         sequences = [r.context + r.tokens for r in batch]
         width = max(map(len, sequences))
