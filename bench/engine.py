@@ -12,6 +12,8 @@ batch (prompts ~512 tokens, responses 64-2048 long-tailed, binary rewards) into 
 - ``streaming``: ``RewardLinearBackward`` on a ``StreamingRun`` (fp32 accumulators), all groups
   open, trajectories closed one by one in a shuffled order across groups, groups closed as
   their last trajectory closes; ``assert_safe_to_step()`` ends the timed region.
+- ``streaming, pack_tokens=2048``: the same with packs of at most 2048 tokens, the largest the
+  whole-pack CUDA graphs hold by default (8192-token packs take the per-layer graphs);
 - ``streaming, pack_tokens=0``: the same with every trajectory backpropagated alone at close.
 
 The relative error column compares each mode's bf16 gradient with the dense gradient of an fp32
@@ -143,6 +145,7 @@ MODES: dict[str, Callable[[torch.nn.Module, Batch], None]] = {
     "dense (padded micro-batches of 8, fused log-probs)": dense,
     "streaming (RewardLinearBackward)": streaming,
     "streaming, eager (both graph switches off)": lambda m, b: _eager(streaming, m, b),
+    "streaming, pack_tokens=2048 (packs the whole-pack graphs hold)": lambda m, b: streaming(m, b, pack_tokens=2048),
     "streaming, pack_tokens=0 (one trajectory per backward)": lambda m, b: streaming(m, b, pack_tokens=0),
 }
 

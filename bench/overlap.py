@@ -28,8 +28,9 @@ Columns, each measured in the same run:
   tokens over the step's time.
 
 Rows: GRPO with the default packing (branches wait for 8192 tokens or their group's close), with
-``stream_early=True`` (``grpo-early``: a close that finds the worker idle submits what waits) and
-with ``pack_tokens=0``, OPD, and a balanced GRPO
+``stream_early=True`` (``grpo-early``: a close that finds the worker idle submits what waits),
+with ``pack_tokens=2048`` (``grpo-pack2048``: packs the whole-pack graphs hold) and with
+``pack_tokens=0``, OPD, and a balanced GRPO
 workload whose learner costs about as much as its rollout (prompts ~2048, responses
 64 x lognormal(0.7, 0.5) clipped to 64..512), where the ceiling is close to 2x.
 
@@ -560,9 +561,8 @@ def make_objective(row: str, run: thundersync.StreamingRun) -> Any:
     kind = _objective_kind(row)
     if kind == "opd":
         return thundersync.OPDStream(run)
-    return thundersync.RewardLinearBackward(
-        run, pack_tokens=0 if kind == "grpo-pack0" else 8192, stream_early=kind == "grpo-early"
-    )
+    pack_tokens = {"grpo-pack0": 0, "grpo-pack2048": 2048}.get(kind, 8192)
+    return thundersync.RewardLinearBackward(run, pack_tokens=pack_tokens, stream_early=kind == "grpo-early")
 
 
 def make_teacher(tiny: bool, device: torch.device, dtype: torch.dtype) -> PackedScorer:
@@ -580,6 +580,7 @@ _ROW_NAMES = {
     "grpo": "GRPO, pack_tokens=8192 (default)",
     "grpo-early": "GRPO, pack_tokens=8192, stream_early=True",
     "grpo-pack0": "GRPO, pack_tokens=0",
+    "grpo-pack2048": "GRPO, pack_tokens=2048 (packs the whole-pack graphs hold)",
     "opd": "OPD (teacher on the same device)",
     "balanced": "balanced GRPO (prompts ~2048, short responses)",
     "grpo-eager": "GRPO, pack_tokens=8192, eager (no graphs)",
