@@ -164,6 +164,54 @@ class Timeline:
 TIMELINE = Timeline()
 
 
+def stream_activity(events: list[Any], seconds: float) -> str:
+    """Per CUDA stream: kernels, busy seconds (the union of its kernels' spans), and for the two
+    busiest streams the seconds both ran kernels at once (kineto events of one profiler window)."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for e in events:
+        if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0 and "emcpy" not in e.name():
+            spans.setdefault(e.device_resource_id(), []).append((e.start_ns(), e.start_ns() + e.duration_ns()))
+
+    def union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        merged: list[tuple[int, int]] = []
+        for a, b in sorted(intervals):
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        return merged
+
+    busy = {stream: union(s) for stream, s in spans.items()}
+    ranked = sorted(busy, key=lambda stream: -sum(b - a for a, b in busy[stream]))
+    parts = [
+        f"stream {stream}: {len(spans[stream])} kernels, busy {sum(b - a for a, b in busy[stream]) / 1e9:.3f} s"
+        for stream in ranked
+    ]
+    if len(ranked) >= 2:
+        first, second = busy[ranked[0]], busy[ranked[1]]
+        both, i, j = 0, 0, 0
+        while i < len(first) and j < len(second):
+            both += max(0, min(first[i][1], second[j][1]) - max(first[i][0], second[j][0]))
+            if first[i][1] < second[j][1]:
+                i += 1
+            else:
+                j += 1
+        parts.append(f"the two busiest both busy {both / 1e9:.3f} s")
+    return f"GPU window of {seconds} s: " + ("; ".join(parts) or "no kernels")
+
+
+async def gpu_window(offset: float, seconds: float, out: list[str]) -> None:
+    """Profile the device's kernels from ``offset`` to ``offset + seconds`` into the rollout."""
+    await anyio.sleep(offset)
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU  # CPU: no streams
+    profiler = torch.profiler.profile(activities=[activity])
+    profiler.start()
+    await anyio.sleep(seconds)
+    profiler.stop()
+    out.append(stream_activity(profiler.profiler.kineto_results.events(), seconds))
+
+
 def make_plan(workload: Workload, vocab: int, seed: int) -> Batch:
     """Prompts, rewards and response lengths (the responses' tokens come from the generator)."""
     rng = random.Random(seed)
@@ -267,15 +315,21 @@ async def learner_alone(learner: Learner, finished: list[Finished]) -> float:
     return time.perf_counter() - start
 
 
-async def streamed(generator: TorchGenerator, learner: Learner, alone_step_ms: float) -> tuple[float, float, str]:
+async def streamed(
+    generator: TorchGenerator, learner: Learner, alone_step_ms: float, window: tuple[float, float] | None = None
+) -> tuple[float, float, str]:
     """(seconds of the whole step, seconds to the last trajectory, the timeline's summary) with the
-    learner fed as they finish."""
+    learner fed as they finish; ``window`` (offset, seconds): profile the device's streams then."""
     start = time.perf_counter()
     learner.begin()
-    last, _ = await rollout(generator, learner.plan, learner.feed)
+    activity: list[str] = []
+    async with anyio.create_task_group() as tasks:
+        if window is not None:
+            tasks.start_soon(gpu_window, *window, activity)
+        last, _ = await rollout(generator, learner.plan, learner.feed)
     learner.end()
     end = time.perf_counter()
-    return end - start, last, TIMELINE.summary(start, start + last, end, alone_step_ms)
+    return end - start, last, "; ".join([TIMELINE.summary(start, start + last, end, alone_step_ms), *activity])
 
 
 def dense_seconds(model: torch.nn.Module, plan: Batch, finished: list[Finished], teacher: PackedScorer | None) -> float:
@@ -360,13 +414,14 @@ async def measure_in_process(
     finished: list[Finished],
     teacher: PackedScorer | None,
     alone_step_ms: float,
+    window: tuple[float, float] | None,
 ) -> tuple[list[Any], str]:
     """The row's cells and its streamed run's timeline summary."""
     learner = await warmed_learner(row, model, plan, finished, teacher)
     dense_seconds(model, plan[:1], finished, teacher)  # the dense path's kernels and autotuning
     learner_s = await learner_alone(learner, finished)
     dense_s = dense_seconds(model, plan, finished, teacher)
-    step_s, last_s, timeline = await streamed(generator, learner, alone_step_ms)
+    step_s, last_s, timeline = await streamed(generator, learner, alone_step_ms, window)
     tokens = sum(len(t) for _, _, t in finished)
     timeline = f"{_ROW_NAMES[row]}: {timeline} (learner alone: {learner.alone})"
     return cells(row, rollout_s, learner_s, dense_s, step_s, last_s, tokens), timeline
@@ -533,7 +588,15 @@ async def run_rows(
                 else:
                     with engine_layers("eager" if row.endswith(_EAGER) else "graphs"):
                         cells_, timeline = await measure_in_process(
-                            row, model, generator, plan, rollout_s, finished, row_teacher, alone_step_ms
+                            row,
+                            model,
+                            generator,
+                            plan,
+                            rollout_s,
+                            finished,
+                            row_teacher,
+                            alone_step_ms,
+                            args.gpu_window,
                         )
                     timelines.append(timeline)
                     print(f"[timeline] {timeline}", file=sys.stderr, flush=True)
@@ -603,6 +666,14 @@ def main() -> None:
         type=float,
         default=None,
         help="sys.setswitchinterval(S) first: how long a thread may hold the GIL while another waits (Python's default 0.005)",
+    )
+    parser.add_argument(
+        "--gpu-window",
+        type=float,
+        nargs=2,
+        metavar=("OFFSET", "SECONDS"),
+        default=None,
+        help="profile each in-process streamed run's CUDA streams from OFFSET for SECONDS (kernels, busy time, overlap)",
     )
     args = parser.parse_args()
     if args.switch_interval is not None:
