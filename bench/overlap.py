@@ -3,6 +3,7 @@
     python bench/overlap.py                  # H200: bf16 Qwen3-0.6B-shaped random model, 8 x 8, long tail
     python bench/overlap.py --tiny           # CPU, tiny model, seconds (checks the script)
     python bench/overlap.py --rows grpo,opd  # a subset of the rows
+    python bench/overlap.py --rows opd --gpu-window 3 0.5   # and the CUDA streams' activity 3..3.5 s into the streamed run
 
 The objects are called directly, in one process, as issue 14 measured (no pipeline; the
 ``-2proc`` rows use two, see below): a
