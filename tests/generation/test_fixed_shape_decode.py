@@ -92,6 +92,73 @@ def test_fixed_shape_decode_equals_row_decode_and_keeps_parked_caches(make_qwen3
     assert_same_results(rows, fixed)
 
 
+def test_the_fixed_step_launches_the_next_step_before_it_reads_tokens_and_drains_at_the_end(make_qwen3) -> None:
+    model = make_qwen3()
+    generator = fixed_shape(TorchGenerator(model, max_batch=8, max_seq_len=48))
+    batcher, order = generator._batcher, []
+    plain_launch, plain_collect = batcher._launch, batcher._collect
+    batcher._launch = lambda running, *a: order.append("launch") or plain_launch(running, *a)
+    batcher._collect = lambda launched: order.append("collect") or plain_collect(launched)
+    assert_same_results(ragged(TorchGenerator(model, max_batch=8, max_seq_len=48)), ragged(generator))
+    assert order[:3] == ["launch", "launch", "collect"]  # step 2 runs while step 1's tokens are read
+    assert order.count("launch") == order.count("collect") and order[-1] == "collect"  # the last one drained
+    assert batcher._inflight is None
+
+
+def test_sequences_that_reach_the_cache_capacity_and_a_parked_session_decode_like_row_decode(make_qwen3) -> None:
+    # a step ahead writes one key past a finished sequence: at the capacity, and into a parked
+    # session's slot, whose next turn must still see exactly its own tokens
+    model = make_qwen3()
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3)
+
+    def run(generator: TorchGenerator) -> list:
+        async def go() -> list:
+            results = await generate_many(
+                generator,
+                [
+                    GenerationRequest(prompt_ids=[5, 6, 7, 8, 9], params=params),
+                    GenerationRequest(prompt_ids=[3, 4], params=params, session_id="s"),
+                ],
+            )
+            turn = [3, 4, *results[1].token_ids[:3]]  # the session continues from a prefix of its cache
+            results.append(await generator.generate(GenerationRequest(prompt_ids=turn, params=params, session_id="s")))
+            return results
+
+        return anyio.run(go)
+
+    rows = run(TorchGenerator(model, max_batch=2, max_seq_len=16))
+    assert {r.finish_reason for r in rows} == {"length"} and len(rows[0].token_ids) == 16 - 5
+    assert_same_results(rows, run(fixed_shape(TorchGenerator(model, max_batch=2, max_seq_len=16))))
+
+
+def test_a_request_cancelled_while_others_decode_leaves_them_as_they_were(make_qwen3) -> None:
+    model = make_qwen3()
+
+    async def go(generator: TorchGenerator, cancel: bool) -> list:
+        params = [SamplingParams(temperature=1.0, max_new_tokens=12 + 4 * i, seed=i) for i in range(3)]
+        results: list = [None] * 3
+        async with anyio.create_task_group() as tasks:
+
+            async def one(i: int) -> None:
+                results[i] = await generator.generate(GenerationRequest(prompt_ids=[4 + i] * 3, params=params[i]))
+
+            async def doomed() -> None:
+                with anyio.move_on_after(0.05 if cancel else 1e9):
+                    await generator.generate(
+                        GenerationRequest(prompt_ids=[9, 9], params=SamplingParams(max_new_tokens=40))
+                    )
+
+            for i in range(3):
+                tasks.start_soon(one, i)
+            tasks.start_soon(doomed)
+        return results
+
+    expected = anyio.run(go, TorchGenerator(model, max_batch=4, max_seq_len=64), False)
+    generator = fixed_shape(TorchGenerator(model, max_batch=4, max_seq_len=64))
+    assert_same_results(expected, anyio.run(go, generator, True))
+    assert generator._batcher._inflight is None
+
+
 def test_batch_buckets_are_powers_of_two_up_to_the_slot_count() -> None:
     assert batch_buckets(1) == (1,)
     assert batch_buckets(6) == (1, 2, 4, 6)

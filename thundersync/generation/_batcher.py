@@ -11,6 +11,15 @@ With the fixed-shape step (:mod:`._fixed_step`) the running sequences are kept i
 slots: before a decode step, a running sequence above them is swapped (cache rows, device state
 and bookkeeping) with an idle or parked slot below, so the step decodes slots 0 .. n-1 in place.
 
+The fixed-shape step also runs one step ahead: :meth:`ContinuousBatcher.step` launches decode step
+k + 1 (its inputs are the device state step k left) before it reads step k's tokens, so the
+device is never idle while the host reads tokens, finishes sequences and admits new ones. Step
+k + 1 therefore also decodes the sequences that step k finished: those rows are dropped when read
+(their extra key lands past the tokens the slot keeps). A row's tokens are those of a step that
+waits for its tokens first, except through the rounding of a larger batch bucket. When no
+sequence is left running, the step in flight is waited for, so nothing of the batcher's runs
+while the caller may change the weights.
+
 On CUDA the batcher may run every step on a stream of its own (:meth:`ContinuousBatcher.use_stream`,
 high priority: the learner's kernels on other streams then wait for SMs behind the decode step's,
 not the other way round). Ordering: a request waits, before the step that admits it, for the
@@ -69,6 +78,16 @@ class _Slot:
     session: int | str | None = None
     ticket: Ticket | None = None
     last_used: int = 0
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A decode step launched and not read yet: row i belongs to ``tickets[i]``; its (token,
+    log-prob) rows land in ``host`` (pinned on CUDA) once ``ready`` has passed."""
+
+    tickets: list[Ticket]
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
 
 
 def _ticket(slot: _Slot) -> Ticket:
@@ -134,6 +153,10 @@ class ContinuousBatcher:
         sample_fn = math.sample if math is not None else sample
         self.fixed = FixedStep(self.decode_fixed, self.cache.slots, self.anatomy.device, sample_fn)
         self.run_fixed = CapturedStep(self.fixed) if capture else self.fixed
+        cuda = self.anatomy.device.type == "cuda"
+        # two host buffers: a step's rows are copied into one while the other's are still unread
+        self._host_out = [torch.zeros(self.cache.slots, 2, dtype=torch.float64, pin_memory=cuda) for _ in range(2)]
+        self._inflight: _Launched | None = None
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -164,6 +187,7 @@ class ContinuousBatcher:
 
     def cancel(self, ticket: Ticket) -> None:
         """Forget ``ticket`` (waiting or running); its slot's cache is dropped."""
+        self._drain()
         if ticket in self.waiting:
             self.waiting.remove(ticket)
         for slot in self.slots:
@@ -192,6 +216,7 @@ class ContinuousBatcher:
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every request in flight with ``error`` and drop every cache."""
+        self._inflight = None  # its rows go nowhere: every request fails
         for ticket in self._in_flight():
             ticket.error = error
         self.waiting.clear()
@@ -283,39 +308,78 @@ class ContinuousBatcher:
         self._sample([slot for slot, _, _ in segments], logits)
 
     def _decode(self, running: list[_Slot]) -> None:
-        lengths = [len(s.cached) for s in running]
-        key_len = min(self.cache.capacity + 1, -(-(max(lengths) + 1) // self.key_bucket) * self.key_bucket)
         if self.fixed is None or self.run_fixed is None:
-            self._sample(running, self._decode_rows(running, key_len))
+            lengths = [len(s.cached) for s in running]
+            self._sample(running, self._decode_rows(running, self._key_len(max(lengths) + 1)))
             return
+        launched = self._launch(running)  # step k + 1, before step k's tokens are read
+        if self._inflight is not None:
+            self._collect(self._inflight)
+        self._inflight = launched
+        if not any(s.ticket is not None and s.ticket.result is None for s in self.slots):
+            self._drain()  # nothing left running: wait for the step in flight (its rows are dropped)
+
+    def _key_len(self, keys: int) -> int:
+        """The key-length bucket holding ``keys`` keys."""
+        return min(self.cache.capacity + 1, -(-keys // self.key_bucket) * self.key_bucket)
+
+    def _launch(self, running: list[_Slot]) -> _Launched:
+        """Launch a fixed-shape decode step of ``running``; its rows are read by :meth:`_collect`."""
+        assert self.fixed is not None and self.run_fixed is not None
+        ahead = 1 if self._inflight is not None else 0  # the step in flight writes one more key per slot
+        key_len = self._key_len(max(len(s.cached) for s in running) + 1 + ahead)
         self.fixed.flush()
-        running = self._compact(running)
+        running = self._compact(running, ahead)
         filtered = any(_filtered(_ticket(s).request.params) for s in running)
-        sampled = self.run_fixed(self.fixed.bucket(len(running)), key_len, filtered).tolist()  # the one host sync
-        for slot in running:
-            token, logprob = sampled[slot.index]
-            ticket = slot.ticket
-            assert ticket is not None
+        out = self.run_fixed(self.fixed.bucket(len(running)), key_len, filtered)
+        host = self._host_out[0]
+        self._host_out.reverse()
+        host[: len(running)].copy_(out[: len(running)], non_blocking=True)
+        ready = None
+        if out.is_cuda:
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event.__new__ unannotated
+            ready.record()
+        return _Launched([_ticket(s) for s in running], host, ready)
+
+    def _collect(self, launched: _Launched) -> None:
+        """Read a launched step's tokens (the one host sync) into the tickets still running."""
+        assert self.fixed is not None
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        rows = launched.host[: len(launched.tickets)].tolist()
+        where = {id(s.ticket): s for s in self.slots if s.ticket is not None}
+        for ticket, (token, logprob) in zip(launched.tickets, rows, strict=True):
+            slot = where.get(id(ticket))
+            if slot is None or ticket.done:
+                continue  # finished by the step before, or cancelled: a row decoded ahead, dropped
             slot.cached.append(ticket.tokens[-1])
             ticket.tokens.append(int(token))
             ticket.logprobs.append(logprob)
             if self._maybe_finish(slot, ticket):
                 self.fixed.deactivate(slot.index)
 
-    def _compact(self, running: list[_Slot]) -> list[_Slot]:
+    def _drain(self) -> None:
+        """Read the decode step in flight, if any: its rows of sequences still running are tokens
+        the device state has already moved past."""
+        launched, self._inflight = getattr(self, "_inflight", None), None
+        if launched is not None:
+            self._collect(launched)
+
+    def _compact(self, running: list[_Slot], ahead: int) -> list[_Slot]:
         """Swap running sequences into the lowest slots (the fixed step decodes slots 0 .. n-1);
-        returns the running slots after the swaps, in slot order."""
+        returns the running slots after the swaps, in slot order. ``ahead``: keys a step in flight
+        writes past what the slots' bookkeeping holds."""
         n = len(running)
         high = [s for s in running if s.index >= n]
         low = [s for s in self.slots[:n] if s.ticket is None or s.ticket.result is not None]
         for source, target in zip(high, low, strict=True):
-            self._swap(source, target)
+            self._swap(source, target, ahead)
         return self.slots[:n]
 
-    def _swap(self, a: _Slot, b: _Slot) -> None:
+    def _swap(self, a: _Slot, b: _Slot, ahead: int) -> None:
         """Exchange two slots' sequences: their caches, device state and bookkeeping."""
         assert self.fixed is not None
-        self.cache.swap(a.index, b.index, max(len(a.cached), len(b.cached)))
+        self.cache.swap(a.index, b.index, max(len(a.cached), len(b.cached)) + ahead)
         self.fixed.swap(a.index, b.index)
         a.cached, b.cached = b.cached, a.cached
         a.session, b.session = b.session, a.session
