@@ -10,9 +10,9 @@ the next request of that session prefills only the tokens the cache does not hol
 On CUDA the decode step (forward pass and sampling of the live sequences, padded to a power of
 two, from device-resident state) is captured as CUDA graphs, one per (batch bucket, 128-token
 key-length bucket), so a step costs one graph launch and one read-back of the sampled tokens
-instead of hundreds of kernel launches, and runs one step ahead (the next step is launched before
-the last one's tokens are read, so the device is not idle while the host handles them); its per-layer math is compiled and its projections
-stacked (:mod:`._decode_math`, :mod:`._fused`).
+instead of hundreds of kernel launches; the next step is launched before the last one's tokens
+are read, so the device is not idle while the host handles them; its per-layer math is compiled
+and its projections stacked (:mod:`._decode_math`, :mod:`._fused`).
 
 Sampling is done on the device with counter-based random numbers (``_sampling``), so a request's
 tokens depend only on its seed, its context and the weights, never on its batch neighbours. The
