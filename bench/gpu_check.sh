@@ -26,7 +26,8 @@ step opd_bench "${OPD_LIMIT:-100}" python3 bench/engine_opd.py --repeat 1
 step phases "${PHASES_LIMIT:-90}" python3 bench/engine_phases.py
 step pack_cost "${PACK_LIMIT:-90}" python3 bench/engine_pack.py
 step generate "${GENERATE_LIMIT:-120}" python3 bench/generate.py
-step overlap "${OVERLAP_LIMIT:-240}" python3 bench/overlap.py ${OVERLAP_ROWS:+--rows $OVERLAP_ROWS}
+step teacher "${TEACHER_LIMIT:-60}" python3 bench/teacher_cost.py
+step overlap "${OVERLAP_LIMIT:-240}" python3 bench/overlap.py ${OVERLAP_ROWS:+--rows $OVERLAP_ROWS} ${OVERLAP_ARGS:-}
 step examples 60 bash -c "python3 examples/streaming_grpo.py && python3 examples/streaming_opd.py"
 # The agent example on a Qwen3-0.6B-shaped model (byte vocabulary), in a scratch directory; metrics to $out.
 step agent "${AGENT_LIMIT:-240}" bash -c "d=\$(mktemp -d) && ln -s '$PWD/examples' \$d/examples && cd \$d && \
@@ -38,5 +39,5 @@ step agent "${AGENT_LIMIT:-240}" bash -c "d=\$(mktemp -d) && ln -s '$PWD/example
     --set objects.base_model.dtype=bfloat16 --set objects.model.lr=3e-4 --set objects.optimizer.lr=2e-5"
 # GPU_TESTS narrows the tests (default: every file that has `gpu` tests).
 step gpu_tests "${TESTS_LIMIT:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 \
-    ${GPU_TESTS:-tests/kernels/test_gpu.py tests/grpo tests/opd tests/generation tests/engine/test_streams.py tests/app/test_checkpoint.py tests/app/test_train_file.py}
+    ${GPU_TESTS:-tests/kernels/test_gpu.py tests/grpo tests/opd tests/generation tests/engine/test_streams.py tests/engine/test_pack_graph.py tests/engine/test_scoring.py tests/tasks/test_model_teacher.py tests/app/test_checkpoint.py tests/app/test_train_file.py}
 for f in "$out"/*.log; do echo "---- $f"; tail -n 25 "$f"; done

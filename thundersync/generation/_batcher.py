@@ -131,6 +131,8 @@ class ContinuousBatcher:
         self._finished: list[Ticket] = []
         self.weights = WeightsWatch(model)
         self.stream: torch.cuda.Stream | None = None  # see use_stream
+        self._inflight: _Launched | None = None  # the fixed-shape step launched and not read yet
+        self._host_out: list[torch.Tensor] = []  # see use_fixed_step
 
     def use_stream(self) -> None:
         """Run every step on a new high-priority CUDA stream, after all work on the current stream
@@ -156,7 +158,6 @@ class ContinuousBatcher:
         cuda = self.anatomy.device.type == "cuda"
         # two host buffers: a step's rows are copied into one while the other's are still unread
         self._host_out = [torch.zeros(self.cache.slots, 2, dtype=torch.float64, pin_memory=cuda) for _ in range(2)]
-        self._inflight: _Launched | None = None
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -333,7 +334,7 @@ class ContinuousBatcher:
         filtered = any(_filtered(_ticket(s).request.params) for s in running)
         out = self.run_fixed(self.fixed.bucket(len(running)), key_len, filtered)
         host = self._host_out[0]
-        self._host_out.reverse()
+        self._host_out.reverse()  # the next step's rows go to the other buffer
         host[: len(running)].copy_(out[: len(running)], non_blocking=True)
         ready = None
         if out.is_cuda:
@@ -361,7 +362,7 @@ class ContinuousBatcher:
     def _drain(self) -> None:
         """Read the decode step in flight, if any: its rows of sequences still running are tokens
         the device state has already moved past."""
-        launched, self._inflight = getattr(self, "_inflight", None), None
+        launched, self._inflight = self._inflight, None
         if launched is not None:
             self._collect(launched)
 
