@@ -37,7 +37,7 @@ workload whose learner costs about as much as its rollout (prompts ~2048, respon
 
 The ``-2proc`` rows (``grpo-2proc``, ``opd-2proc``, ``balanced-2proc``) run the same workloads and
 objectives with the learner in a second process (issue 14's alternative to threads that share one
-GIL; ``bench/_learner_process.py`` starts it). The parent keeps the model and the ``TorchGenerator`` and sends each finished trajectory
+GIL; ``thundersync.engine.process.ModelProcess`` starts it). The parent keeps the model and the ``TorchGenerator`` and sends each finished trajectory
 (group, index, token ids) down a queue as it finishes. The child, started with
 ``torch.multiprocessing`` (spawn), owns everything else: the ``StreamingRun`` and its objective,
 the engine's worker thread, for OPD the teacher (it scores in the child), and the gradient in its
@@ -79,10 +79,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import thundersync
 from bench._common import engine_layers, header, markdown_table
-from bench._learner_process import LearnerProcess
 from bench.engine import Batch, Group, Trajectory, dense, make_model
 from bench.engine_opd import OPDGroup, OPDTrajectory, opd_dense
 from thundersync.engine._worker import Worker
+from thundersync.engine.process import ModelProcess
 from thundersync.engine.scoring import PackedScorer
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator
 from thundersync.generation._batcher import ContinuousBatcher
@@ -432,7 +432,7 @@ async def measure_in_child(
     row: str,
     model: torch.nn.Module,
     generator: TorchGenerator,
-    child: LearnerProcess,
+    child: ModelProcess,
     plan: Batch,
     rollout_s: float,
     finished: list[Finished],
@@ -449,7 +449,7 @@ async def measure_in_child(
 
 
 async def streamed_in_child(
-    generator: TorchGenerator, child: LearnerProcess, plan: Batch
+    generator: TorchGenerator, child: ModelProcess, plan: Batch
 ) -> tuple[float, float, list[Finished]]:
     """(seconds of the step, seconds to the last trajectory, the trajectories in finish order)."""
 
@@ -489,7 +489,7 @@ class GradientDigest:
 
 
 async def gradient_check(
-    row: str, model: torch.nn.Module, child: LearnerProcess, plan: Batch, done: list[Finished], teacher: Any
+    row: str, model: torch.nn.Module, child: ModelProcess, plan: Batch, done: list[Finished], teacher: Any
 ) -> str:
     """The child's streamed gradient against this process's over the same trajectories, same order."""
     child.send("gradient")
@@ -560,7 +560,7 @@ async def run_rows(
     checks: list[str] = []
     timelines: list[str] = []
     teacher: PackedScorer | None = None
-    child: LearnerProcess | None = None
+    child: ModelProcess | None = None
     try:
         for workload_name in ("main", "balanced"):
             wanted = [r for r in args.rows if _workload(r) == workload_name]
@@ -580,7 +580,7 @@ async def run_rows(
                     teacher = make_teacher(args.tiny, device, next(model.parameters()).dtype)
                 row_teacher = teacher if _objective_kind(row) == "opd" else None
                 if row.endswith(_IN_CHILD):
-                    child = child or LearnerProcess(model, serve_learner, args.tiny)
+                    child = child or ModelProcess(model, serve_learner, args.tiny)
                     cells_, check = await measure_in_child(
                         row, model, generator, child, plan, rollout_s, finished, row_teacher
                     )

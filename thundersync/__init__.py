@@ -33,6 +33,7 @@ _LAZY: dict[str, str] = {
     "open_sandbox": "thundersync.sandboxes",
     "SandboxPool": "thundersync.sandboxes",
     "StreamingRun": "thundersync.engine",
+    "LearnerProcess": "thundersync.engine.process",
     "RewardLinearBackward": "thundersync.grpo",
     "OPDStream": "thundersync.opd",
     "StreamingTrainer": "thundersync.stages.step",
