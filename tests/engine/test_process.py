@@ -74,6 +74,33 @@ def test_a_learner_process_steps_the_shared_parameters_as_one_process_would() ->
     assert not learner._child.process.is_alive()
 
 
+def test_opd_through_a_learner_process_steps_as_one_process_would() -> None:
+    model = tiny_qwen3(torch.float32, seed=4).double()
+    reference = copy.deepcopy(model)
+    rng = random.Random(1)
+    calls: list[tuple[str, tuple, dict]] = [("open_group", ("g", [5, 6, 7]), {})]
+    for t in range(3):
+        action = [rng.randrange(97) for _ in range(4)]
+        scores = torch.tensor(
+            [-rng.uniform(0.5, 5.0) for _ in action], dtype=torch.float64
+        )  # a tensor travels as a list
+        calls.append(("append_turn", ("g", t, action, [True] * 4), {"teacher_logprobs": scores}))
+        calls.append(("close_trajectory", ("g", t), {}))
+    calls.append(("close_group", ("g",), {}))
+    objective, optimizer = thundersync.OPDStream(thundersync.StreamingRun(reference)), SGD(list(reference.parameters()))
+    for name, args, kwargs in calls:
+        getattr(objective, name)(*args, **kwargs)
+    objective.assert_safe_to_step()
+    optimizer.step()
+    with thundersync.LearnerProcess(model, thundersync.OPDStream, SGD) as learner:
+        assert learner.signal == "teacher"
+        for name, args, kwargs in calls:
+            getattr(learner, name)(*args, **kwargs)
+        learner.step()
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 def test_a_model_the_child_cannot_rebuild_is_refused_before_any_process_starts() -> None:
     with pytest.raises(ConfigError, match=r"type\(model\)\(model.config\); Linear has no config"):
         thundersync.LearnerProcess(torch.nn.Linear(2, 2), GRPO)
