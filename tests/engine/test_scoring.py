@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.engine.tiny_models import tiny_qwen3
-from thundersync.engine.scoring import PackedScorer, _hidden, split
+from thundersync.engine.scoring import PackedScorer, _hidden, bucket_rows_of, split
 from thundersync.errors import ConfigError
 
 
@@ -68,10 +68,24 @@ def test_the_bucket_layout_run_uncaptured_scores_like_each_sequence_alone_fp64(s
             assert_close(values, direct(model, sequence, k), 1e-10)
         rows, size, _ = shapes[-1]
         n, slots = sum(map(len, sequences)), size - 4 * rows - 1
-        assert rows == max(128, 1 << (n - 1).bit_length()) > n  # padded to a power of two
+        assert rows == bucket_rows_of(n) > n  # padded
         assert slots >= len(sequences) + 1  # a slot for each sequence and for the padding
         assert (slots + 1) & slots == 0  # S + 1 offsets: a power of two
     assert scorer.counts == {"replayed": 3}
+
+
+def test_row_buckets_are_powers_of_two_and_three_quarters_of_them() -> None:
+    assert [bucket_rows_of(n) for n in (1, 128, 129, 192, 193, 256, 385, 2560, 3073)] == [
+        128,
+        128,
+        192,
+        192,
+        256,
+        256,
+        512,
+        3072,
+        4096,
+    ]
 
 
 def test_a_call_beyond_the_largest_bucket_is_split_and_a_longer_sequence_runs_alone() -> None:

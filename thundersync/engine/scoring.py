@@ -7,8 +7,8 @@ An eager forward of a 28-layer model launches ~1,400 kernels: ~27 ms of host tim
 machine for ~8 ms of device work (``bench/teacher_cost.py``), and beside a generator and a learner
 in one process each of those launches also waits for the GIL. Here the sequences of a call are
 packed into one run of rows (no padding between them; each attends causally to its own tokens)
-and the forward, embedding to final norm, replays as one CUDA graph per bucket of (rows R,
-sequence slots S), each a power of two:
+and the forward, embedding to final norm, replays as one CUDA graph per bucket of (rows R, a
+power of two or three quarters of one; sequence slots S, S + 1 a power of two):
 
     static inputs   ids [R], io = [positions R | cu S + 1]   (one host-to-device copy, pinned)
     graph           hidden = norm(decoder_forward(ids, positions)), attention packed over cu
@@ -48,6 +48,14 @@ _log = get_logger(__name__)
 
 _MIN_ROWS = 128
 _WARMUP = 2
+
+
+def bucket_rows_of(n: int) -> int:
+    """The rows of the bucket that holds ``n`` rows: the smallest of 128, 192, 256, 384, 512, 768, ...
+    (powers of two and three quarters of the next) that is at least ``n``. A device-bound forward
+    costs about its rows, so a call just past a power of two pays 1.5x, not 2x."""
+    rows = power_of_two(n, _MIN_ROWS)
+    return rows * 3 // 4 if rows > _MIN_ROWS and n <= rows * 3 // 4 else rows
 
 
 def _hidden(anatomy: DecoderAnatomy, ids: torch.Tensor, io: torch.Tensor) -> torch.Tensor:
@@ -180,7 +188,7 @@ class PackedScorer:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The hidden states of the packed call (a bucket's, or eager), the scored rows and their
         targets on the device."""
-        m, bucket_rows = len(rows), power_of_two(len(ids), _MIN_ROWS)
+        m, bucket_rows = len(rows), bucket_rows_of(len(ids))
         if self.graphs and bucket_rows <= self.max_rows:
             bucket = self._bucket(bucket_rows, layout(ids, positions, lengths, rows, targets, bucket_rows))
             if bucket is not None:
