@@ -379,3 +379,22 @@ def test_the_priority_stream_decodes_like_the_current_one_and_sees_writes_queued
     after = ragged(own, count=4)
     assert [r.token_ids for r in after] != [r.token_ids for r in before]
     assert_same_results(ragged(current, count=4), after)
+
+
+def test_with_no_driver_the_done_waiters_are_woken_and_one_other_drives(make_qwen3) -> None:
+    # a cancel applied with no driver reads the step in flight, which can finish waiting requests:
+    # the hand-off must wake those too, not only the next driver
+    from thundersync.generation._batcher import Ticket
+
+    generator = fixed_shape(TorchGenerator(make_qwen3(), max_batch=2, max_seq_len=48))
+
+    async def go() -> list[bool]:
+        request = GenerationRequest(prompt_ids=[1, 2])
+        done, waiting, other = Ticket(request, 0), Ticket(request, 1), Ticket(request, 2)
+        done.error = RuntimeError("finished by the step read at the cancel")
+        wakes = {ticket: anyio.Event() for ticket in (done, waiting, other)}
+        generator._wakes.update(wakes)
+        generator._hand_off()
+        return [wake.is_set() for wake in wakes.values()]
+
+    assert anyio.run(go) == [True, True, False]

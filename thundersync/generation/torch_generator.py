@@ -230,9 +230,14 @@ class TorchGenerator:
             raise
 
     def _hand_off(self) -> None:
-        """With no driver, wake one waiting request so that it drives the batcher."""
+        """With no driver, wake the waiting requests that are done (a cancel applied without a
+        driver reads the decode step in flight, which can finish some) and one that is not, so
+        that it drives the batcher."""
         if self._driver is not None:
             return
+        for waiting, wake in self._wakes.items():
+            if waiting.done:
+                wake.set()
         for waiting, wake in self._wakes.items():
             if not waiting.done and not wake.is_set():
                 wake.set()
