@@ -31,10 +31,10 @@ weights.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections import deque
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -217,7 +217,10 @@ class ContinuousBatcher:
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every request in flight with ``error`` and drop every cache."""
-        self._inflight = None  # its rows go nowhere: every request fails
+        launched, self._inflight = self._inflight, None  # its rows go nowhere: every request fails
+        if launched is not None and launched.ready is not None:
+            with contextlib.suppress(Exception):  # the device may be the failure; the caller gets that one
+                launched.ready.synchronize()
         for ticket in self._in_flight():
             ticket.error = error
         self.waiting.clear()
@@ -230,7 +233,7 @@ class ContinuousBatcher:
         """Admit and prefill what fits, decode one token for each running sequence; returns the
         tickets that finished."""
         self._finished = []
-        with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+        with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             for ticket in self.waiting:  # before the weights check: its refresh reads the weights
                 if ticket.after is not None and self.stream is not None:
                     self.stream.wait_event(ticket.after)
