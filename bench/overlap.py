@@ -140,7 +140,7 @@ class Timeline:
             during = sum(min(b, last) - max(a, start) for a, b in spans if a < last)
             after = sum(b - max(a, last) for a, b in spans if b > last)
             parts.append(f"{kind} {len(spans)} calls, busy {during:.2f} s during the rollout, {after:.2f} s after")
-        steps = [b - a for a, b in self.spans["decode"] if start <= a and b <= last]
+        steps = self.steps(start, last)
         if steps:
             parts.append(
                 f"decode {len(steps)} steps, median {1e3 * statistics.median(steps):.2f} ms "
@@ -157,8 +157,12 @@ class Timeline:
                 parts.append(f"{kind} {len(spans)} calls, busy {sum(b - a for a, b in spans):.2f} s")
         return "; ".join(parts)
 
+    def steps(self, start: float, end: float) -> list[float]:
+        """The seconds of each generator step within start..end."""
+        return [b - a for a, b in self.spans["decode"] if start <= a and b <= end]
+
     def median_step_ms(self, start: float, end: float) -> float:
-        steps = [b - a for a, b in self.spans["decode"] if start <= a and b <= end]
+        steps = self.steps(start, end)
         return 1e3 * statistics.median(steps) if steps else float("nan")
 
 
@@ -183,11 +187,9 @@ def stream_activity(events: list[Any], seconds: float) -> str:
         return merged
 
     busy = {stream: union(s) for stream, s in spans.items()}
-    ranked = sorted(busy, key=lambda stream: -sum(b - a for a, b in busy[stream]))
-    parts = [
-        f"stream {stream}: {len(spans[stream])} kernels, busy {sum(b - a for a, b in busy[stream]) / 1e9:.3f} s"
-        for stream in ranked
-    ]
+    total = {stream: sum(b - a for a, b in merged) for stream, merged in busy.items()}
+    ranked = sorted(busy, key=lambda stream: -total[stream])
+    parts = [f"stream {stream}: {len(spans[stream])} kernels, busy {total[stream] / 1e9:.3f} s" for stream in ranked]
     if len(ranked) >= 2:
         first, second = busy[ranked[0]], busy[ranked[1]]
         both, i, j = 0, 0, 0

@@ -10,7 +10,7 @@ packed into one run of rows (no padding between them; each attends causally to i
 and the forward, embedding to final norm, replays as one CUDA graph per bucket of (rows R, a
 power of two or three quarters of one; sequence slots S, S + 1 a power of two):
 
-    static inputs   ids [R], io = [positions R | cu S + 1]   (one host-to-device copy, pinned)
+    static inputs   [ids R | positions R | cu S + 1 | scored rows R | targets R]   (one pinned copy)
     graph           hidden = norm(decoder_forward(ids, positions)), attention packed over cu
     then, eagerly   log p of the scored rows: linear_logprobs(hidden[rows], head.weight, targets)
 
@@ -72,19 +72,19 @@ def _hidden(anatomy: DecoderAnatomy, ids: torch.Tensor, io: torch.Tensor) -> tor
 def layout(
     ids: torch.Tensor,
     positions: torch.Tensor,
-    lengths: list[int],
+    starts: torch.Tensor,
     scored: torch.Tensor,
     targets: torch.Tensor,
     rows: int,
 ) -> torch.Tensor:
-    """A call's host inputs laid out in a bucket of ``rows`` rows (see :func:`split`); the
-    padding rows form one more sequence that attends to itself, the unused slots are empty."""
+    """A call's host inputs (``starts``: its sequences' offsets, N last) laid out in a bucket of
+    ``rows`` rows (see :func:`split`); the padding rows form one more sequence that attends to
+    itself, the unused slots are empty."""
     n, m = len(ids), len(scored)
-    padded = [*lengths, rows - n] if rows > n else lengths
-    slots = power_of_two(len(padded) + 1, 4) - 1
-    cu = torch.tensor([0, *padded]).cumsum(0)
+    cu = torch.cat([starts, torch.tensor([rows])]) if rows > n else starts
+    slots = power_of_two(len(cu), 4) - 1
     pad, unscored = torch.zeros(rows - n, dtype=torch.long), torch.zeros(rows - m, dtype=torch.long)
-    parts = [ids, pad, positions, torch.arange(rows - n), cu, cu[-1:].expand(slots - len(padded))]
+    parts = [ids, pad, positions, torch.arange(rows - n), cu, cu[-1:].expand(slots + 1 - len(cu))]
     return torch.cat([*parts, scored, unscored, targets, unscored])
 
 
@@ -175,7 +175,7 @@ class PackedScorer:
             [torch.arange(o + length - k - 1, o + length - 1) for o, length, k in zip(starts, lengths, scored)]
         )
         targets = ids[rows + 1]
-        hidden, rows_on_device, targets_on_device = self._hidden(ids, positions, lengths, rows, targets)
+        hidden, rows_on_device, targets_on_device = self._forward(ids, positions, starts, rows, targets)
         picked = self._head_logprobs(hidden[rows_on_device], targets_on_device).tolist()
         out, used = [], 0
         for k in scored:
@@ -183,20 +183,25 @@ class PackedScorer:
             used += k
         return out
 
-    def _hidden(
-        self, ids: torch.Tensor, positions: torch.Tensor, lengths: list[int], rows: torch.Tensor, targets: torch.Tensor
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        starts: torch.Tensor,
+        rows: torch.Tensor,
+        targets: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The hidden states of the packed call (a bucket's, or eager), the scored rows and their
         targets on the device."""
         m, bucket_rows = len(rows), bucket_rows_of(len(ids))
         if self.graphs and bucket_rows <= self.max_rows:
-            bucket = self._bucket(bucket_rows, layout(ids, positions, lengths, rows, targets, bucket_rows))
+            bucket = self._bucket(bucket_rows, layout(ids, positions, starts, rows, targets, bucket_rows))
             if bucket is not None:
                 self.counts["replayed"] += 1
                 return bucket.hidden, bucket.scored[:m], bucket.targets[:m]
         self.counts["eager" if not self.graphs else "too_long"] += 1
         device = self.anatomy.device
-        io = torch.cat([positions, torch.tensor([0, *lengths]).cumsum(0)])
+        io = torch.cat([positions, starts])
         return _hidden(self.anatomy, ids.to(device), io.to(device)), rows.to(device), targets.to(device)
 
     def _bucket(self, rows: int, inputs: torch.Tensor) -> _Bucket | None:

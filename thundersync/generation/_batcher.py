@@ -24,9 +24,8 @@ On CUDA the batcher may run every step on a stream of its own (:meth:`Continuous
 high priority: the learner's kernels on other streams then wait for SMs behind the decode step's,
 not the other way round). Ordering: a request waits, before the step that admits it, for the
 submitter's stream as of its submission (an event recorded by :meth:`ContinuousBatcher.mark`), so an
-optimizer step or a weight load enqueued before ``generate`` is seen; every step ends with a host
-sync (the sampled tokens), so nothing of the batcher's is in flight when the caller next writes the
-weights.
+optimizer step or a weight load enqueued before ``generate`` is seen; the other way round, the
+step in flight is waited for once nothing runs (above).
 """
 
 from __future__ import annotations
