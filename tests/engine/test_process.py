@@ -13,7 +13,8 @@ import torch
 
 import thundersync
 from tests.engine.tiny_models import tiny_qwen3
-from thundersync.errors import ConfigError, UnknownIdError, UnsafeStepError
+from thundersync.engine.process import rebuilt
+from thundersync.errors import ConfigError, StreamingError, UnknownIdError, UnsafeStepError
 
 SGD = functools.partial(torch.optim.SGD, lr=0.5)
 GRPO = functools.partial(thundersync.RewardLinearBackward, pack_tokens=64)
@@ -99,6 +100,13 @@ def test_opd_through_a_learner_process_steps_as_one_process_would() -> None:
         learner.step()
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_a_child_failure_whose_type_needs_more_than_a_message_comes_back_as_a_streaming_error() -> None:
+    error = rebuilt(("MissingExtraError", "no vllm", "Traceback ..."))
+    assert type(error) is StreamingError and str(error) == "MissingExtraError: no vllm"
+    assert error.__notes__ == ["in the learner process:\nTraceback ..."]
+    assert type(rebuilt(("UnsafeStepError", "pending: g", ""))) is UnsafeStepError
 
 
 def test_a_model_the_child_cannot_rebuild_is_refused_before_any_process_starts() -> None:

@@ -40,6 +40,7 @@ child's traceback when it failed.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import queue
@@ -197,11 +198,19 @@ class LearnerProcess:
         self._child.send(kind)
         (failure,) = self._child.receive("done")
         if failure is not None:
-            kind_name, message, trace = failure
-            error_type = _ERRORS.get(kind_name, StreamingError)
-            error = error_type(message if error_type is not StreamingError else f"{kind_name}: {message}")
-            error.add_note(f"in the learner process:\n{trace}")
-            raise error
+            raise rebuilt(failure)
+
+
+def rebuilt(failure: Failure) -> Exception:
+    """The child's failure as an exception of its type (ours and a few builtins, where the type
+    takes a message alone; else :class:`StreamingError` naming it), the child's traceback a note."""
+    kind_name, message, trace = failure
+    error: Exception = StreamingError(f"{kind_name}: {message}")
+    if kind_name in _ERRORS:
+        with contextlib.suppress(TypeError):  # a type whose constructor takes more than a message
+            error = _ERRORS[kind_name](message)
+    error.add_note(f"in the learner process:\n{trace}")
+    return error
 
 
 def _plain(value: Any) -> Any:
