@@ -131,6 +131,21 @@ def test_sequences_that_reach_the_cache_capacity_and_a_parked_session_decode_lik
     assert_same_results(rows, run(fixed_shape(TorchGenerator(model, max_batch=2, max_seq_len=16))))
 
 
+def test_a_step_ahead_that_crosses_a_key_bucket_decodes_like_row_decode(make_qwen3) -> None:
+    # the step in flight writes one key more than the bookkeeping holds: the next step's key
+    # bucket must count it where the sequences cross 128 keys
+    model = make_qwen3()
+    requests = [
+        GenerationRequest(
+            prompt_ids=[3 + i] * (118 + i), params=SamplingParams(temperature=1.0, max_new_tokens=16, seed=i)
+        )
+        for i in range(3)
+    ]
+    rows = anyio.run(generate_many, TorchGenerator(model, max_batch=4, max_seq_len=300), requests)
+    fixed = anyio.run(generate_many, fixed_shape(TorchGenerator(model, max_batch=4, max_seq_len=300)), requests)
+    assert_same_results(rows, fixed)
+
+
 def test_a_request_cancelled_while_others_decode_leaves_them_as_they_were(make_qwen3) -> None:
     model = make_qwen3()
 
