@@ -95,8 +95,14 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * 10 * src.numel() / (start.elapsed_time(end) / 1e3)
 
 
-def kernels_in(step: Callable[[], list], device: torch.device) -> float:
-    """How many device kernels one call of ``step`` launches (CUDA only; a graph replay counts its kernels)."""
+KERNEL_TABLES: list[tuple[int, list[list[object]]]] = []  # (batch, rows) of --kernel-table
+
+
+def kernels_in(step: Callable[[], list], device: torch.device, table_batch: int | None = None) -> float:
+    """How many device kernels one call of ``step`` launches (CUDA only; a graph replay counts its kernels).
+
+    With ``table_batch``, the kernels grouped by name (count, total and mean device time) go to
+    ``KERNEL_TABLES``."""
     if device.type != "cuda":
         return float("nan")
     from torch.profiler import ProfilerActivity, profile
@@ -104,11 +110,21 @@ def kernels_in(step: Callable[[], list], device: torch.device) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         sync(device)
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if table_batch is not None:
+        groups: dict[str, list[float]] = {}
+        for e in kernels:
+            groups.setdefault(e.name[:90], []).append(e.time_range.elapsed_us())
+        total = sum(sum(t) for t in groups.values())
+        rows = sorted(
+            ([name, len(t), sum(t), sum(t) / len(t), sum(t) / total] for name, t in groups.items()), key=lambda r: -r[2]
+        )
+        KERNEL_TABLES.append((table_batch, rows))
+    return len(kernels)
 
 
 def run_ours(
-    model: torch.nn.Module, prompts: torch.Tensor, new: int, device: torch.device
+    model: torch.nn.Module, prompts: torch.Tensor, new: int, device: torch.device, table: bool = False
 ) -> tuple[float, float, float, float]:
     """(seconds, median decode-step seconds, first-step seconds, kernels of a decode step) of a full
     batch through TorchGenerator."""
@@ -124,7 +140,7 @@ def run_ours(
     def timed_step() -> list:
         if len(steps) == 8 and not kernels:  # a decode step, profiled apart from the timed ones
             finished: list = []
-            kernels.append(kernels_in(lambda: finished.extend(plain_step()), device))
+            kernels.append(kernels_in(lambda: finished.extend(plain_step()), device, batch if table else None))
             return finished
         start = time.perf_counter()
         finished = plain_step()
@@ -201,6 +217,9 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=None)
     parser.add_argument("--baseline-new", type=int, default=None, help="new tokens for transformers (it is slow)")
     parser.add_argument("--no-long-tail", action="store_true", help="skip the long-tail rollout")
+    parser.add_argument(
+        "--kernel-table", action="store_true", help="print each batch's profiled decode step, kernels grouped by name"
+    )
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -220,7 +239,7 @@ def main() -> None:
         prompts = torch.randint(
             1, config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(batch)
         ).to(device)
-        ours, step, first, kernels = run_ours(model, prompts, new, device)
+        ours, step, first, kernels = run_ours(model, prompts, new, device, args.kernel_table)
         theirs = run_transformers(model, prompts, baseline_new, device)
         floor_bytes = weight_bytes + batch * (prompt_len + new / 2) * kv_per_token
         floor_step = floor_bytes / bandwidth
@@ -260,6 +279,9 @@ def main() -> None:
             rows,
         )
     )
+    for batch, table in KERNEL_TABLES:
+        print(f"\nbatch {batch}: one decode step's kernels (device time, us)\n")
+        print(markdown_table(["kernel", "count", "total us", "mean us", "share"], table))
     if not args.no_long_tail:
         requests = long_tail_workload(args.tiny, config.vocab_size)
         seconds, tokens, warm_up = run_long_tail(model, requests, device)

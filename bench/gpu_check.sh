@@ -25,7 +25,7 @@ step grpo_bench "${GRPO_LIMIT:-150}" python3 bench/engine.py --repeat 2 --skip p
 step opd_bench "${OPD_LIMIT:-100}" python3 bench/engine_opd.py --repeat 1
 step phases "${PHASES_LIMIT:-90}" python3 bench/engine_phases.py
 step pack_cost "${PACK_LIMIT:-90}" python3 bench/engine_pack.py
-step generate "${GENERATE_LIMIT:-120}" python3 bench/generate.py
+step generate "${GENERATE_LIMIT:-120}" python3 bench/generate.py ${GENERATE_ARGS:-}
 step teacher "${TEACHER_LIMIT:-60}" python3 bench/teacher_cost.py
 step overlap "${OVERLAP_LIMIT:-240}" python3 bench/overlap.py ${OVERLAP_ROWS:+--rows $OVERLAP_ROWS} ${OVERLAP_ARGS:-}
 step examples 60 bash -c "python3 examples/streaming_grpo.py && python3 examples/streaming_opd.py"

@@ -112,3 +112,25 @@ def test_a_child_failure_whose_type_needs_more_than_a_message_comes_back_as_a_st
 def test_a_model_the_child_cannot_rebuild_is_refused_before_any_process_starts() -> None:
     with pytest.raises(ConfigError, match=r"type\(model\)\(model.config\); Linear has no config"):
         thundersync.LearnerProcess(torch.nn.Linear(2, 2), GRPO)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_child_steps_the_parents_memory_as_one_process_would() -> None:
+    """CUDA IPC: the child's parameters are the parent's device allocations (fp32, TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_qwen3(torch.float32, seed=5).cuda()
+    reference = copy.deepcopy(model)
+    objective, optimizer = GRPO(thundersync.StreamingRun(reference)), SGD(list(reference.parameters()))
+    for name, args, kwargs in batch_calls(2):
+        getattr(objective, name)(*args, **kwargs)
+    objective.assert_safe_to_step()
+    optimizer.step()
+    pointers = [p.data_ptr() for p in model.parameters()]
+    with thundersync.LearnerProcess(model, GRPO, SGD) as learner:
+        for name, args, kwargs in batch_calls(2):
+            getattr(learner, name)(*args, **kwargs)
+        learner.step()
+    assert [p.data_ptr() for p in model.parameters()] == pointers
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
