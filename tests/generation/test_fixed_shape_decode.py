@@ -413,3 +413,46 @@ def test_with_no_driver_the_done_waiters_are_woken_and_one_other_drives(make_qwe
         return [wake.is_set() for wake in wakes.values()]
 
     assert anyio.run(go) == [True, True, False]
+
+
+@pytest.mark.gpu
+def test_slot_changes_swaps_and_prefill_inputs_do_not_wait_for_the_step_in_flight(make_qwen3, monkeypatch) -> None:
+    # torch's blocking host-to-device copy synchronizes the stream: the decode step in flight would
+    # be waited for each time a sequence is admitted, finishes or moves to a lower slot
+    from thundersync.generation import _batcher
+
+    model = make_qwen3().cuda()
+    generator = TorchGenerator(model, max_batch=4, max_seq_len=64, compile_decode=False)
+    batcher = generator._batcher
+    calls = {"flush": 0, "compact": 0, "pack_prefill": 0}
+
+    def strict(name: str, fn):
+        def run(*args: object, **kwargs: object) -> object:
+            calls[name] += 1
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        return run
+
+    swaps = record_swaps(batcher)
+    monkeypatch.setattr(batcher.fixed, "flush", strict("flush", batcher.fixed.flush))
+    monkeypatch.setattr(batcher, "_compact", strict("compact", batcher._compact))
+    monkeypatch.setattr(_batcher, "pack_prefill", strict("pack_prefill", _batcher.pack_prefill))
+    results = ragged(generator, count=7)  # more requests than slots: admissions while others decode
+    assert_same_results(ragged(TorchGenerator(model, max_batch=4, max_seq_len=64, cuda_graphs=False), count=7), results)
+    assert calls["flush"] > 0 and calls["pack_prefill"] > 1 and swaps, (calls, swaps)
+
+
+def record_swaps(batcher) -> list[tuple[int, int]]:
+    swaps: list[tuple[int, int]] = []
+    plain = batcher._swap
+
+    def swap(a, b, ahead: int) -> None:
+        swaps.append((a.index, b.index))
+        plain(a, b, ahead)
+
+    batcher._swap = swap
+    return swaps

@@ -44,6 +44,7 @@ from thundersync.errors import ConfigError, GenerationError
 from thundersync.generation._decode_math import DecodeMath
 from thundersync.generation._fixed_step import CapturedStep, FixedStep
 from thundersync.generation._forward import Rows, forward_hidden, logits_of, pack_prefill
+from thundersync.generation._host import device_tensor
 from thundersync.generation._kv_cache import KVCache
 from thundersync.generation._sampling import RowParams, sample
 from thundersync.generation._weights_watch import WeightsWatch
@@ -394,9 +395,9 @@ class ContinuousBatcher:
 
     def _decode_rows(self, running: list[_Slot], key_len: int) -> torch.Tensor:
         device = self.anatomy.device
-        slots = torch.tensor([s.index for s in running], dtype=torch.long, device=device)
-        tokens = torch.tensor([_ticket(s).tokens[-1] for s in running], dtype=torch.long, device=device)
-        positions = torch.tensor([len(s.cached) for s in running], dtype=torch.long, device=device)
+        slots = device_tensor([s.index for s in running], torch.long, device)
+        tokens = device_tensor([_ticket(s).tokens[-1] for s in running], torch.long, device)
+        positions = device_tensor([len(s.cached) for s in running], torch.long, device)
         rows = Rows(slots=slots, positions=positions[:, None], pad_index=None, unpad_index=None, key_len=key_len)
         logits = logits_of(self.anatomy, forward_hidden(self.anatomy, self.cache, tokens, positions, slots, rows))
         for slot in running:
@@ -421,14 +422,14 @@ class ContinuousBatcher:
         tickets = [_ticket(s) for s in slots]
         params = [t.request.params for t in tickets]
         row = RowParams(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            seed=torch.tensor([t.seed for t in tickets], dtype=torch.long, device=device),
-            sampling_logprobs=torch.tensor([p.logprobs == "sampling" for p in params], device=device),
+            temperature=device_tensor([p.temperature for p in params], torch.float32, device),
+            top_k=device_tensor([p.top_k for p in params], torch.long, device),
+            top_p=device_tensor([p.top_p for p in params], torch.float32, device),
+            seed=device_tensor([t.seed for t in tickets], torch.long, device),
+            sampling_logprobs=device_tensor([p.logprobs == "sampling" for p in params], torch.bool, device),
             filtered=any(_filtered(p) for p in params),
         )
-        positions = torch.tensor([len(s.cached) for s in slots], dtype=torch.long, device=device)
+        positions = device_tensor([len(s.cached) for s in slots], torch.long, device)
         out = sample(logits, row, positions)
         for slot, token, logprob in zip(slots, out.tokens.tolist(), out.logprobs.tolist(), strict=True):
             ticket = slot.ticket

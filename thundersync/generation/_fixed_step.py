@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from thundersync.generation._host import device_tensor
 from thundersync.generation._sampling import RowParams, SampleOutput, sample
 from thundersync.generation.base import SamplingParams
 
@@ -73,7 +74,7 @@ class FixedStep:
     def swap(self, a: int, b: int) -> None:
         """Exchange the state of slots ``a`` and ``b`` (pending changes must be flushed)."""
         assert not self._changes, "flush() before swap()"
-        index = torch.tensor([a, b], device=self.tokens.device)
+        index = device_tensor([a, b], torch.long, self.tokens.device)
         for state in self._state:
             state[index] = state[index.flip(0)]
 
@@ -95,23 +96,25 @@ class FixedStep:
         if not self._changes:
             return
         device = self.tokens.device
-        index = torch.tensor(list(self._changes), dtype=torch.long, device=device)
-        self.active[index] = torch.tensor(
-            [c is not None for c in self._changes.values()], dtype=torch.long, device=device
-        )
+
+        def put(target: torch.Tensor, index: torch.Tensor, values: list[object]) -> None:
+            target[index] = device_tensor(values, target.dtype, device)
+
+        index = device_tensor(list(self._changes), torch.long, device)
+        put(self.active, index, [c is not None for c in self._changes.values()])
         started = {s: c for s, c in self._changes.items() if c is not None}
         self._changes.clear()
         if not started:
             return
-        index = torch.tensor(list(started), dtype=torch.long, device=device)
+        index = device_tensor(list(started), torch.long, device)
         values = list(started.values())
-        self.tokens[index] = torch.tensor([c[0] for c in values], dtype=torch.long, device=device)
-        self.positions[index] = torch.tensor([c[1] for c in values], dtype=torch.long, device=device)
-        self.temperature[index] = torch.tensor([c[2].temperature for c in values], dtype=torch.float32, device=device)
-        self.top_k[index] = torch.tensor([c[2].top_k for c in values], dtype=torch.long, device=device)
-        self.top_p[index] = torch.tensor([c[2].top_p for c in values], dtype=torch.float32, device=device)
-        self.seed[index] = torch.tensor([c[3] for c in values], dtype=torch.long, device=device)
-        self.sampling_logprobs[index] = torch.tensor([c[2].logprobs == "sampling" for c in values], device=device)
+        put(self.tokens, index, [c[0] for c in values])
+        put(self.positions, index, [c[1] for c in values])
+        put(self.temperature, index, [c[2].temperature for c in values])
+        put(self.top_k, index, [c[2].top_k for c in values])
+        put(self.top_p, index, [c[2].top_p for c in values])
+        put(self.seed, index, [c[3] for c in values])
+        put(self.sampling_logprobs, index, [c[2].logprobs == "sampling" for c in values])
 
     def __call__(self, bucket: int, key_len: int, filtered: bool) -> torch.Tensor:
         """Decode and sample one token in slots ``0 .. bucket - 1``; returns the [bucket, 2] float64

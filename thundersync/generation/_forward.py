@@ -31,6 +31,7 @@ import torch
 
 from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.engine.decoder import LayerMath, apply_norm, decoder_forward
+from thundersync.generation._host import device_tensor
 from thundersync.generation._kv_cache import KVCache
 
 __all__ = ["CacheAttention", "PrefillBatch", "Rows", "forward_hidden", "logits_of", "pack_prefill"]
@@ -76,7 +77,7 @@ def pack_prefill(segments: Sequence[tuple[int, int, Sequence[int]]], device: tor
         slots += [slot] * len(seg)
 
     def as_long(values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
+        return device_tensor(values, torch.long, device)
 
     rows = Rows(
         slots=as_long([slot for slot, _, _ in segments]),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from thundersync.engine.anatomy import DecoderAnatomy
+from thundersync.generation._host import device_tensor
 
 __all__ = ["KVCache"]
 
@@ -41,7 +42,7 @@ class KVCache:
 
     def swap(self, a: int, b: int, length: int) -> None:
         """Exchange the first ``length`` keys and values of slots ``a`` and ``b`` in every layer."""
-        index = torch.tensor([a, b], device=self.k.device)
+        index = device_tensor([a, b], torch.long, self.k.device)
         for store in (self.k, self.v):
             store[:, index, :, :length] = store[:, index.flip(0), :, :length]
 
