@@ -35,6 +35,10 @@ with ``pack_tokens=2048`` (``grpo-pack2048``: packs the whole-pack graphs hold) 
 workload whose learner costs about as much as its rollout (prompts ~2048, responses
 64 x lognormal(0.7, 0.5) clipped to 64..512), where the ceiling is close to 2x.
 
+The ``-proc`` rows (``grpo-proc``, ``opd-proc``) are the in-process rows with the objective a
+``thundersync.LearnerProcess`` (the library's learner process: the engine's work in a child over
+the same parameters, the gradient back in this process's ``.grad``, the teacher here).
+
 The ``-2proc`` rows (``grpo-2proc``, ``opd-2proc``, ``balanced-2proc``) run the same workloads and
 objectives with the learner in a second process (issue 14's alternative to threads that share one
 GIL; ``thundersync.engine.process.ModelProcess`` starts it). The parent keeps the model and the ``TorchGenerator`` and sends each finished trajectory
@@ -62,6 +66,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import gc
 import math
 import random
 import statistics
@@ -425,6 +431,8 @@ async def measure_in_process(
     learner_s = await learner_alone(learner, finished)
     dense_s = dense_seconds(model, plan, finished, teacher)
     step_s, last_s, timeline = await streamed(generator, learner, alone_step_ms, window)
+    if isinstance(learner.objective, thundersync.LearnerProcess):
+        learner.objective.close()
     tokens = sum(len(t) for _, _, t in finished)
     timeline = f"{_ROW_NAMES[row]}: {timeline} (learner alone: {learner.alone})"
     return cells(row, rollout_s, learner_s, dense_s, step_s, last_s, tokens), timeline
@@ -613,10 +621,11 @@ async def run_rows(
 
 _IN_CHILD = "-2proc"
 _EAGER = "-eager"  # the engine's layers eager (no CUDA graphs), in this process
+_LEARNER_PROCESS = "-proc"  # the objective a thundersync.LearnerProcess, the teacher in this process
 
 
 def _objective_kind(row: str) -> str:
-    return row.removesuffix(_IN_CHILD).removesuffix(_EAGER)
+    return row.removesuffix(_IN_CHILD).removesuffix(_EAGER).removesuffix(_LEARNER_PROCESS)
 
 
 def _workload(row: str) -> str:
@@ -626,9 +635,18 @@ def _workload(row: str) -> str:
 def make_objective(row: str, run: thundersync.StreamingRun) -> Any:
     kind = _objective_kind(row)
     if kind == "opd":
-        return thundersync.OPDStream(run)
-    pack_tokens = {"grpo-pack0": 0, "grpo-pack2048": 2048}.get(kind, 8192)
-    return thundersync.RewardLinearBackward(run, pack_tokens=pack_tokens, stream_early=kind == "grpo-early")
+        build: Any = thundersync.OPDStream
+    else:
+        pack_tokens = {"grpo-pack0": 0, "grpo-pack2048": 2048}.get(kind, 8192)
+        build = functools.partial(
+            thundersync.RewardLinearBackward, pack_tokens=pack_tokens, stream_early=kind == "grpo-early"
+        )
+    if not row.endswith(_LEARNER_PROCESS):
+        return build(run)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the child allocates from the driver, not from this process's cache
+    return thundersync.LearnerProcess(run, build)
 
 
 def make_teacher(tiny: bool, device: torch.device, dtype: torch.dtype) -> PackedScorer:
@@ -653,6 +671,8 @@ _ROW_NAMES = {
     "opd-eager": "OPD, eager (no graphs)",
     "balanced-eager": "balanced GRPO, eager (no graphs)",
     "grpo-2proc": "GRPO, learner in a 2nd process",
+    "grpo-proc": "GRPO, LearnerProcess",
+    "opd-proc": "OPD, LearnerProcess (teacher in this process)",
     "opd-2proc": "OPD, learner and teacher in a 2nd process",
     "balanced-2proc": "balanced GRPO, learner in a 2nd process",
 }

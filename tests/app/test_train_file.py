@@ -47,6 +47,28 @@ def test_run_resume_continues_a_file_from_its_checkpoint(tmp_path: Path) -> None
     assert [r["step"] for r in records if r["event"] == "step"] == [3, 4]
 
 
+def test_a_learner_process_trains_the_file_as_one_process_does(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    def train(where: Path, *sets: str) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+        where.mkdir()
+        records = _run(where, "objects.trainer.audit_every=2", *sets)
+        return [r for r in records if r["event"] == "step"], load_file(
+            where / "ckpt" / "step-00000002" / "model.safetensors"
+        )
+
+    steps, weights = train(tmp_path / "one")
+    child_steps, child_weights = train(tmp_path / "two", "objects.objective.process=true")
+    for key in ("grad_norm", "logprob_mismatch", "reward_mean"):
+        assert [r[key] for r in child_steps] == pytest.approx([r[key] for r in steps], rel=1e-5), key
+    assert steps[0]["audit_rel_error"] is None is child_steps[0]["audit_rel_error"]
+    assert child_steps[1]["audit_rel_error"] == pytest.approx(steps[1]["audit_rel_error"], rel=1e-3, abs=1e-9)
+    assert child_steps[1]["audit_rel_error"] < 1e-5  # the audit ran (every second step) in the child
+    assert weights.keys() == child_weights.keys()
+    for name, tensor in weights.items():
+        torch.testing.assert_close(child_weights[name], tensor, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.gpu
 def test_the_tiny_grpo_file_trains_on_cuda(tmp_path: Path) -> None:
     records = _run(tmp_path, "objects.model.device=cuda")

@@ -8,6 +8,7 @@ here; the GPU tests check the captured graphs themselves.
 
 from __future__ import annotations
 
+import copy
 import types
 
 import pytest
@@ -173,6 +174,38 @@ def test_a_longer_prefix_gets_new_buffers_and_earlier_buckets_keep_theirs(monkey
     assert graphs.buckets() == [(64, 256, 256, 3), (64, 512, 512, 3)]
     assert graphs.prefix.shape[2] == 512  # grown from 256 for the second bucket
     assert _graphed.graph_counts() == {"pack_captured": 2, "pack_replayed": 3}  # the third replays the first
+
+
+def test_a_first_pack_without_prefix_rows_is_captured(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GRPO's close of a group packs its prompt with the branches: no prefix rows. As the first
+    # capture it found no prefix buffer and fell back to eager (IndexError, seen on the H200).
+    import thundersync
+
+    model = tiny_qwen3(torch.float64, seed=5)
+    reference = copy.deepcopy(model)
+    run = thundersync.StreamingRun(reference)
+    objective = thundersync.RewardLinearBackward(run, pack_tokens=64)
+    calls = [("open_group", (0, [3, 4, 5]), {})]
+    for t, action in enumerate([[6, 7], [8, 9, 10], [11]]):
+        calls += [
+            ("append_turn", (0, t, action, [True] * len(action)), {}),
+            ("close_trajectory", (0, t), {"reward": t / 2}),
+        ]
+    calls.append(("close_group", (0,), {}))
+    for name, args, kwargs in calls:
+        getattr(objective, name)(*args, **kwargs)
+    objective.assert_safe_to_step()
+    run = thundersync.StreamingRun(model)
+    graphs = _uncaptured(monkeypatch, run.anatomy)
+    _graphed.reset_graph_counts()
+    objective = thundersync.RewardLinearBackward(run, pack_tokens=64)
+    for name, args, kwargs in calls:
+        getattr(objective, name)(*args, **kwargs)
+    objective.assert_safe_to_step()
+    assert _graphed.graph_counts() == {"pack_captured": 1, "pack_replayed": 1}
+    assert [shape[1] for shape in graphs.buckets()] == [0]
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-12)
 
 
 def test_captures_never_swap_the_models_own_modules(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,7 @@
-"""LearnerProcess: the objective's calls and the optimizer step served by a child process over the
-parent's parameters (shared memory on the CPU, CUDA IPC on a GPU): the step it takes equals one
-process's (fp64, 1e-10), and failures come back with their type."""
+"""LearnerProcess: a streaming objective served by a child process over the
+parent's parameters (shared memory on the CPU, CUDA IPC on a GPU): the gradient it leaves in the
+parent's p.grad, and the step and metrics of a trainer over it, equal one process's (fp64,
+1e-10); failures come back with their type."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import copy
 import functools
 import random
 
+import anyio
 import pytest
 import torch
 
@@ -15,6 +17,8 @@ import thundersync
 from tests.engine.tiny_models import tiny_qwen3
 from thundersync.engine.process import rebuilt
 from thundersync.errors import ConfigError, StreamingError, UnknownIdError, UnsafeStepError
+from thundersync.events import BatchReady
+from thundersync.stages.step import StepResult
 
 SGD = functools.partial(torch.optim.SGD, lr=0.5)
 GRPO = functools.partial(thundersync.RewardLinearBackward, pack_tokens=64)
@@ -36,70 +40,108 @@ def batch_calls(seed: int) -> list[tuple[str, tuple, dict]]:
     return [*calls, ("close_group", (0,), {}), ("close_group", (1,), {})]
 
 
-def test_a_learner_process_steps_the_shared_parameters_as_one_process_would() -> None:
-    model = tiny_qwen3(torch.float32, seed=3).double()  # transformers' own modules: the child rebuilds them
-    reference = copy.deepcopy(model)
-    objective, optimizer = GRPO(thundersync.StreamingRun(reference)), SGD(list(reference.parameters()))
-    for name, args, kwargs in batch_calls(0):
+def one_process_step(model: torch.nn.Module, objective_class, calls, grads=None) -> list[torch.Tensor]:
+    """p.grad after ``calls`` and assert_safe_to_step in one process, starting from ``grads``."""
+    run = thundersync.StreamingRun(model)
+    for p, g in zip(run.params, grads or [None] * len(run.params), strict=True):
+        p.grad = None if g is None else g.clone()
+    objective = objective_class(run)
+    for name, args, kwargs in calls:
         getattr(objective, name)(*args, **kwargs)
     objective.assert_safe_to_step()
-    optimizer.step()
-    before = [p.detach().clone() for p in model.parameters()]
-    with thundersync.LearnerProcess(model, GRPO, SGD) as learner:
-        assert learner.signal == "reward"
+    return [p.grad.clone() for p in run.params]
+
+
+def test_a_learner_process_leaves_the_one_process_gradient_in_the_parents_grads() -> None:
+    model = tiny_qwen3(torch.float32, seed=3).double()  # transformers' own modules: the child rebuilds them
+    reference = copy.deepcopy(model)
+    first = one_process_step(reference, GRPO, batch_calls(0))
+    SGD(list(reference.parameters())).step()
+    held = [torch.randn_like(g) for g in first]  # a second batch adds into gradients already there
+    second = one_process_step(reference, GRPO, batch_calls(1), held)
+
+    run = thundersync.StreamingRun(model)
+    optimizer = SGD(run.params)
+    with thundersync.LearnerProcess(run, GRPO) as learner:
+        assert learner.signal == "reward" and isinstance(learner, thundersync.engine.StreamingObjective)
         for name, args, kwargs in batch_calls(0):
             getattr(learner, name)(*args, **kwargs)
-        learner.step()
-        moved = max(float((p.detach() - b).abs().max()) for p, b in zip(model.parameters(), before, strict=True))
-        assert moved > 1e-3  # the parent's own tensors hold the child's update
-        for got, want in zip(model.parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        learner.assert_safe_to_step()
+        for p, want in zip(run.params, first, strict=True):
+            torch.testing.assert_close(p.grad, want, rtol=1e-10, atol=1e-10)
+        optimizer.step()  # here, over the memory the child reads
+        for p, g in zip(run.params, held, strict=True):
+            p.grad = g.clone()
+        for name, args, kwargs in batch_calls(1):
+            getattr(learner, name)(*args, **kwargs)
+        learner.assert_safe_to_step()
+        for p, want in zip(run.params, second, strict=True):
+            torch.testing.assert_close(p.grad, want, rtol=1e-10, atol=1e-10)
 
-        # a failed call poisons the batch until discard(); pending work does not
+        # a failed call poisons the batch until discard(), which leaves p.grad as it was
+        before = [p.grad.clone() for p in run.params]
         learner.open_group(7, [1, 2, 3])
         learner.append_turn(8, 0, [4], [True])  # no group 8
         for _ in range(2):
             with pytest.raises(UnknownIdError, match="8") as raised:
-                learner.step()
+                learner.assert_safe_to_step()
             assert any("in the learner process" in note for note in raised.value.__notes__)
         learner.discard()
+        assert all(torch.equal(p.grad, b) for p, b in zip(run.params, before, strict=True))
+
+        # pending work is refused and the batch stays open; a parameter written here mid-batch is
+        # caught by this process's guard: the batch is dropped, p.grad untouched
         learner.open_group(7, [1, 2, 3])
         learner.append_turn(7, 0, [4, 5], [True, True])
-        with pytest.raises(UnsafeStepError):
+        with pytest.raises(UnsafeStepError, match="pending|not closed|open"):
             learner.assert_safe_to_step()
         learner.close_trajectory(7, 0, reward=1.0)
         learner.append_turn(7, 1, [6], [True])
         learner.close_trajectory(7, 1, reward=0.0)
         learner.close_group(7)
-        learner.step()
+        with torch.no_grad():
+            run.params[0].add_(1.0)
+        with pytest.raises(UnsafeStepError, match="modified"):
+            learner.assert_safe_to_step()
+        assert all(torch.equal(p.grad, b) for p, b in zip(run.params, before, strict=True))
+        for name, args, kwargs in batch_calls(2):  # a fresh batch runs
+            getattr(learner, name)(*args, **kwargs)
+        learner.assert_safe_to_step()
     assert not learner._child.process.is_alive()
 
 
-def test_opd_through_a_learner_process_steps_as_one_process_would() -> None:
+def test_a_streaming_trainer_over_a_learner_process_audits_and_reports_as_in_one_process() -> None:
     model = tiny_qwen3(torch.float32, seed=4).double()
     reference = copy.deepcopy(model)
     rng = random.Random(1)
     calls: list[tuple[str, tuple, dict]] = [("open_group", ("g", [5, 6, 7]), {})]
     for t in range(3):
         action = [rng.randrange(97) for _ in range(4)]
-        scores = torch.tensor(
-            [-rng.uniform(0.5, 5.0) for _ in action], dtype=torch.float64
-        )  # a tensor travels as a list
-        calls.append(("append_turn", ("g", t, action, [True] * 4), {"teacher_logprobs": scores}))
+        scores = torch.tensor([-rng.uniform(0.5, 5.0) for _ in action], dtype=torch.float64)  # travels as a list
+        behaviour = [-rng.uniform(0.5, 5.0) for _ in action]
+        kwargs = {"teacher_logprobs": scores, "behaviour_logprobs": behaviour}
+        calls.append(("append_turn", ("g", t, action, [True] * 4), kwargs))
         calls.append(("close_trajectory", ("g", t), {}))
     calls.append(("close_group", ("g",), {}))
-    objective, optimizer = thundersync.OPDStream(thundersync.StreamingRun(reference)), SGD(list(reference.parameters()))
-    for name, args, kwargs in calls:
-        getattr(objective, name)(*args, **kwargs)
-    objective.assert_safe_to_step()
-    optimizer.step()
-    with thundersync.LearnerProcess(model, thundersync.OPDStream, SGD) as learner:
-        assert learner.signal == "teacher"
+
+    def train(objective, run) -> StepResult:
+        trainer = thundersync.StreamingTrainer(objective, SGD(run.params), max_grad_norm=0.5, audit_every=1)
         for name, args, kwargs in calls:
-            getattr(learner, name)(*args, **kwargs)
-        learner.step()
-    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+            getattr(objective, name)(*args, **kwargs)
+        return anyio.run(trainer.step, BatchReady(batch_id=0, num_groups=1))
+
+    run = thundersync.StreamingRun(reference)
+    want = train(thundersync.OPDStream(run), run)
+    run = thundersync.StreamingRun(model)
+    with thundersync.LearnerProcess(run, thundersync.OPDStream) as learner:
+        assert learner.signal == "teacher"
+        got = train(learner, run)
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert want.audit_rel_error is not None and want.audit_rel_error < 1e-6  # the dense reference differs in rounding
+    assert got.audit_rel_error == pytest.approx(want.audit_rel_error, rel=1e-6)
+    assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-10)
+    assert got.logprob_mismatch == pytest.approx(want.logprob_mismatch, rel=1e-12)
 
 
 def test_a_child_failure_whose_type_needs_more_than_a_message_comes_back_as_a_streaming_error() -> None:
@@ -109,28 +151,24 @@ def test_a_child_failure_whose_type_needs_more_than_a_message_comes_back_as_a_st
     assert type(rebuilt(("UnsafeStepError", "pending: g", ""))) is UnsafeStepError
 
 
-def test_a_model_the_child_cannot_rebuild_is_refused_before_any_process_starts() -> None:
-    with pytest.raises(ConfigError, match=r"type\(model\)\(model.config\); Linear has no config"):
-        thundersync.LearnerProcess(torch.nn.Linear(2, 2), GRPO)
+def test_a_peft_model_is_refused_before_any_process_starts() -> None:
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_qwen3(torch.float32, seed=1), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ConfigError, match="cannot rebuild a peft model yet"):
+        thundersync.LearnerProcess(thundersync.StreamingRun(model), GRPO)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_child_steps_the_parents_memory_as_one_process_would() -> None:
-    """CUDA IPC: the child's parameters are the parent's device allocations (fp32, TF32 off)."""
+def test_on_cuda_the_child_computes_over_the_parents_memory_as_one_process_would() -> None:
+    """CUDA IPC: the child's parameters and the gradient's buffers are the parent's allocations (fp32, TF32 off)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = tiny_qwen3(torch.float32, seed=5).cuda()
-    reference = copy.deepcopy(model)
-    objective, optimizer = GRPO(thundersync.StreamingRun(reference)), SGD(list(reference.parameters()))
-    for name, args, kwargs in batch_calls(2):
-        getattr(objective, name)(*args, **kwargs)
-    objective.assert_safe_to_step()
-    optimizer.step()
-    pointers = [p.data_ptr() for p in model.parameters()]
-    with thundersync.LearnerProcess(model, GRPO, SGD) as learner:
+    want = one_process_step(copy.deepcopy(model), GRPO, batch_calls(2))
+    run = thundersync.StreamingRun(model)
+    with thundersync.LearnerProcess(run, GRPO) as learner:
         for name, args, kwargs in batch_calls(2):
             getattr(learner, name)(*args, **kwargs)
-        learner.step()
-    assert [p.data_ptr() for p in model.parameters()] == pointers
-    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        learner.assert_safe_to_step()
+    for p, g in zip(run.params, want, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)

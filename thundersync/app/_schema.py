@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import types
 import typing
 from collections.abc import Callable
 from typing import Annotated, Any, Union
@@ -137,14 +138,18 @@ def takes_extra_options(factory: str) -> bool:
 
 
 def factory_returns(factory: str) -> Any:
-    """What a factory builds: the class itself, or a function's return annotation (``Any``: unknown)."""
+    """What a factory builds: the class itself, or a function's return annotation (``Any``:
+    unknown); of a union, its first member (``RewardLinearBackward | LearnerProcess``: the
+    objective, whose class attributes, such as ``signal``, the checks read)."""
     target = ALL_FACTORIES[factory]
     if isinstance(target, type):
         return target
     try:
-        return typing.get_type_hints(target).get("return", Any)
+        product = typing.get_type_hints(target).get("return", Any)
     except NameError:  # an annotation imported only for type checkers: not checkable
         return Any
+    members = typing.get_args(product) if isinstance(product, types.UnionType) else ()
+    return members[0] if members else product
 
 
 @functools.cache

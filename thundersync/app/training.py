@@ -10,6 +10,7 @@ Each is a thin wrapper over the library's own classes; the references make the c
     factory = "grpo"
     run = { object = "run" }
     estimator = "grpo"
+    process = false        # true: computed in a learner process of its own (LearnerProcess)
 
     [objects.optimizer]    # any torch.optim class over run.params; GRPO maximizes the reward
     factory = "optimizer"
@@ -35,11 +36,12 @@ Each is a thin wrapper over the library's own classes; the references make the c
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 import torch
@@ -50,6 +52,7 @@ from thundersync._logging import get_logger
 from thundersync.app.checkpoint import Checkpointer, RandomSource
 from thundersync.engine import StreamingObjective, StreamingRun
 from thundersync.engine.objective import Signal
+from thundersync.engine.process import LearnerProcess
 from thundersync.errors import ConfigError
 from thundersync.events import BatchReady
 from thundersync.generation.base import Generator
@@ -93,16 +96,40 @@ def grpo(
     eps: Annotated[float, msgspec.Meta(ge=0)] = 1e-6,
     pack_tokens: _NonNegative = 8192,
     stream_early: bool = False,
-) -> RewardLinearBackward:
-    """``grpo``: a :class:`~thundersync.grpo.RewardLinearBackward` (GRPO-family objective) on ``run``."""
-    return RewardLinearBackward(run, estimator=estimator, eps=eps, pack_tokens=pack_tokens, stream_early=stream_early)
+    process: bool = False,
+) -> RewardLinearBackward | LearnerProcess:
+    """``grpo``: a :class:`~thundersync.grpo.RewardLinearBackward` (GRPO-family objective) on ``run``;
+    ``process = true`` computes it in a learner process of its own (:class:`~thundersync.LearnerProcess`)."""
+    build = functools.partial(
+        RewardLinearBackward, estimator=estimator, eps=eps, pack_tokens=pack_tokens, stream_early=stream_early
+    )
+    return _in_process(run, build, process)
 
 
 def opd(
-    *, run: StreamingRun, normalization: Normalization = "token_mean", pack_tokens: _NonNegative = 8192
-) -> OPDStream:
-    """``opd``: an :class:`~thundersync.opd.OPDStream` (on-policy distillation) on ``run``."""
-    return OPDStream(run, normalization=normalization, pack_tokens=pack_tokens)
+    *,
+    run: StreamingRun,
+    normalization: Normalization = "token_mean",
+    pack_tokens: _NonNegative = 8192,
+    process: bool = False,
+) -> OPDStream | LearnerProcess:
+    """``opd``: an :class:`~thundersync.opd.OPDStream` (on-policy distillation) on ``run``;
+    ``process = true`` computes it in a learner process of its own (:class:`~thundersync.LearnerProcess`)."""
+    return _in_process(run, functools.partial(OPDStream, normalization=normalization, pack_tokens=pack_tokens), process)
+
+
+_Objective = TypeVar("_Objective", RewardLinearBackward, OPDStream)
+
+
+def _in_process(
+    run: StreamingRun, build: Callable[[StreamingRun], _Objective], process: bool
+) -> _Objective | LearnerProcess:
+    """``build(run)``, or the same objective in a child process over the run's model (``process``)."""
+    if not process:
+        return build(run)
+    learner = LearnerProcess(run, build)
+    _log.info("learner_process", pid=learner.pid, signal=learner.signal)
+    return learner
 
 
 def optimizer(

@@ -429,8 +429,8 @@ class PackGraphs:
             return None
         if self._params_key() != self._key:
             self._reset()
-        capacity = self.prefix.shape[2] if self.prefix.dim() == 5 else 0
-        if layout.shape[1] > capacity:
+        capacity = self.prefix.shape[2] if self.prefix.dim() == 5 else -1  # -1: no buffer yet
+        if layout.shape[1] > capacity:  # (a first pack without prefix rows needs the buffer's layers too)
             self._grow(max(layout.shape[1], 2 * capacity, _PREFIX_ROWS))
         tokens = torch.cat([c.tokens for c in chunks])
         graph = self._graphs.get(layout.shape) or self._capture(layout, tokens)

@@ -18,9 +18,12 @@ On the CPU every call is a no-op: the ``JobStream`` of a CPU run has no stream.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
+
+from thundersync.errors import ConfigError
 
 __all__ = ["JobStream"]
 
@@ -32,7 +35,23 @@ class JobStream:
     def __init__(self, device: torch.device, *, side: bool = True) -> None:
         self.device = device
         on_cuda = side and device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if on_cuda else None  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+        self._green: object | None = None  # a green context the stream belongs to (kept alive here)
+        self.stream = self._side_stream() if on_cuda else None
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        """A new stream; with ``THUNDERSYNC_ENGINE_SMS=N``, of a CUDA green context of N SMs (the
+        jobs' kernels then never occupy the other SMs)."""
+        sms = os.environ.get("THUNDERSYNC_ENGINE_SMS", "")
+        if not sms:
+            return torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+        if not sms.isdigit() or int(sms) < 1:
+            raise ConfigError(f"THUNDERSYNC_ENGINE_SMS must be a count of SMs >= 1, got {sms!r}")
+        from torch.cuda.green_contexts import GreenContext
+
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self._green = GreenContext.create(num_sms=int(sms), device_id=index)
+        stream: torch.cuda.Stream = self._green.Stream()  # type: ignore[attr-defined]
+        return stream
 
     def mark(self) -> torch.cuda.Event | None:
         """On the caller's thread, at a submit: an event after all the caller's work so far."""

@@ -4,23 +4,36 @@
 
 In one process the engine's worker thread, the generator's loop and the event loop share one GIL,
 so the learner's host work waits for the rollout's and the other way round (bench/RESULTS.md,
-"Overlap"). :class:`LearnerProcess` runs the learner (a :class:`~thundersync.StreamingRun`, its
-objective and an optimizer) in a child process whose parameters are the parent's memory; the
-parent keeps the model and its generator, and forwards the objective's calls::
+"Overlap"). :class:`LearnerProcess` is a streaming objective whose work runs in a child process
+whose parameters are the parent's memory: the child holds its own
+:class:`~thundersync.StreamingRun` and the objective (GRPO's, OPD's), the parent everything else
+(the model, its generator, the optimizer, the trainer, checkpoints), so it drops in wherever an
+objective goes::
 
-    learner = LearnerProcess(model, functools.partial(RewardLinearBackward, pack_tokens=8192),
-                             functools.partial(torch.optim.AdamW, lr=1e-5))
-    learner.open_group(g, prompt); learner.append_turn(g, t, tokens, scored)
-    learner.close_trajectory(g, t, reward=r); learner.close_group(g)
-    learner.step()          # assert_safe_to_step, optimizer step and zero_grad, in the child
-    generator.invalidate()  # a write from another process bumps no version counter here
+    run = StreamingRun(model)
+    objective = LearnerProcess(run, functools.partial(RewardLinearBackward, pack_tokens=8192))
+    optimizer = torch.optim.AdamW(run.params, lr=1e-5, maximize=True)
+    objective.open_group(g, prompt); objective.append_turn(g, t, tokens, scored)
+    objective.close_trajectory(g, t, reward=r); objective.close_group(g)
+    objective.assert_safe_to_step()   # the batch's gradient is in p.grad, here
+    optimizer.step()                  # here: a generator over the model sees it, as in one process
 
-The calls of a batch are queued, not answered: the child validates and runs them in order, and the
-first failure is raised (its type and the child's traceback) by the next :meth:`LearnerProcess.step`,
-:meth:`~LearnerProcess.assert_safe_to_step` or :meth:`~LearnerProcess.discard`, as the engine's
-worker raises its jobs' failures. The gradient lives in the child (``.grad`` is not shared); after
-:meth:`~LearnerProcess.step` the parent's parameters hold the updated weights, the child having
-synchronized its device before it answered. Generate only while no step runs, as in one process.
+What travels: the calls' plain arguments (token ids, flags, log-probs as lists) down a queue, in
+order and unanswered: the child validates and runs them, and a call's failure is raised (its type
+and the child's traceback) by the next :meth:`~LearnerProcess.assert_safe_to_step` or
+:meth:`~LearnerProcess.discard`, as the engine's worker raises its jobs' failures. The gradient
+comes back through one buffer per parameter dtype that both processes map: at a batch's first
+call the parent copies the ``p.grad`` it holds there and the child makes those views its own
+``p.grad`` (``None`` where the parent's is), so the objective adds the batch's gradient exactly as
+it would in one process; at ``assert_safe_to_step`` the parent copies the result back. The update
+is the one-process update, bit for bit. The buffer costs one copy of the
+trainable parameters (in their dtype) on their device; the child's CUDA context and its engine's
+scratch live in the child. Ordering across the processes: the parent waits for its current
+stream before a batch's first call (so the child reads the weights of the last optimizer step
+and the ``p.grad`` handed over); the child synchronizes its device before every answer.
+
+Not yet: peft models (the child rebuilds ``type(model)(model.config)``) and data parallelism
+(both refused with a ConfigError).
 
 :class:`ModelProcess` is the mechanism: ``ModelProcess(model, serve, *args)`` starts a ``torch.multiprocessing`` child (spawn) that gets
 every parameter and buffer of ``model`` by name: a CUDA tensor travels as an IPC handle of the
@@ -33,8 +46,8 @@ element, the parent must read the new value in its own copy, then the child rest
 
 Then the child runs ``anyio.run(serve, model, commands, answers, *args)``: ``serve`` (a
 module-level function, so that it pickles by name) reads command tuples from ``commands`` and
-puts answer tuples on ``answers``. The parent sends with :meth:`~LearnerProcess.send` and waits
-with :meth:`~LearnerProcess.receive`, which checks that the child is alive and raises the
+puts answer tuples on ``answers``. The parent sends with :meth:`~ModelProcess.send` and waits
+with :meth:`~ModelProcess.receive`, which checks that the child is alive and raises the
 child's traceback when it failed.
 """
 
@@ -45,14 +58,18 @@ import gc
 import multiprocessing
 import queue
 import traceback
+import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
 import torch
 
 from thundersync.errors import ConfigError, StreamingError
+
+if TYPE_CHECKING:
+    from thundersync.engine.run import StreamingRun
 
 __all__ = ["LearnerProcess", "ModelProcess"]
 
@@ -114,7 +131,9 @@ class ModelProcess:
             return payload
 
     def close(self) -> None:
-        """Send ``("stop",)`` (``serve`` returns on it) and wait for the child to exit."""
+        """Send ``("stop",)`` (``serve`` returns on it) and wait for the child to exit (again: nothing)."""
+        if self.process.exitcode is not None:
+            return
         self.send("stop")
         self.process.join(timeout=60)
         if self.process.is_alive():
@@ -125,22 +144,68 @@ class ModelProcess:
 
 
 Objective = Callable[[Any], Any]  # StreamingRun -> a streaming objective (module-level, picklable)
-Optimizer = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
 class LearnerProcess:
-    """The objective contract (:mod:`thundersync.engine.objective`) and the optimizer step, served
-    by a child process over ``model``'s parameters (see the module docstring). ``objective`` builds
-    the objective from the child's :class:`~thundersync.StreamingRun` and ``optimizer`` the optimizer
-    from its trainable parameters; both must pickle (a class, a module-level function, a
-    ``functools.partial`` of either). Use it as a context manager, or call :meth:`close`."""
+    """A streaming objective (:mod:`thundersync.engine.objective`) computed by a child process
+    over the parameters of ``run``'s model; the gradient comes back into this process's ``p.grad``.
 
-    def __init__(self, model: torch.nn.Module, objective: Objective, optimizer: Optimizer | None = None) -> None:
-        self._child = ModelProcess(model, _serve_objective, objective, optimizer)
+    ``objective`` builds the objective from the child's own :class:`~thundersync.StreamingRun`
+    (same model, same ``run.config``); it must pickle (a class, a module-level function, a
+    ``functools.partial`` of either). Everything else stays here: ``run`` (its parameters, its
+    guard), the optimizer, the trainer, checkpoints, and a generator over the same model (which
+    sees every optimizer step, as in one process). Use it as a context manager, or call
+    :meth:`close`; see the module docstring for what travels and how.
+    """
+
+    def __init__(self, run: StreamingRun, objective: Objective) -> None:
+        from thundersync.engine.anatomy import unwrap_peft
+
+        model = run.anatomy.model
+        if unwrap_peft(model) is not model:
+            raise ConfigError(
+                "a learner process rebuilds the model from type(model)(model.config) and cannot rebuild a peft "
+                "model yet; train the adapter in this process (process = false)"
+            )
+        if run.data_parallel is not None:
+            raise ConfigError(
+                "a learner process does not combine with data parallelism yet; give each rank its objective "
+                "in its own process (process = false)"
+            )
+        self.run = run
+        # the gradient's way back: one buffer per dtype group of run.layout, shared with the child
+        self._grads = [
+            torch.zeros(stop - start, dtype=dtype, device=run.layout.device)
+            for (dtype, _), (start, stop) in zip(run.layout.groups, run.layout.spans, strict=True)
+        ]
+        self._child = ModelProcess(model, _serve_objective, objective, run.config, self._grads)
+        weakref.finalize(self, self._child.close)  # the child ends with this object, or at exit
         (self.signal,) = self._child.receive("ready")  # "reward" (GRPO) or "teacher" (OPD)
+        self._in_batch = False
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id."""
+        return self._child.process.pid
 
     def open_group(self, group_id: Any, prompt_tokens: Any) -> None:
+        if not self._in_batch:  # the batch's first call
+            self._begin()
         self._call("open_group", group_id, _plain(prompt_tokens))
+
+    def _begin(self) -> None:
+        """Claim the parameters here too, and hand ``p.grad`` to the child: the batch's gradient
+        is added to it there, as the objective would add it here."""
+        self.run.begin(self)
+        self._in_batch = True
+        held = []
+        with torch.no_grad():
+            for p, view in self._views():
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                held.append(p.grad is not None)
+        _sync_current_stream(self.run.layout.device)  # the child reads the weights and grads written here
+        self._child.send("begin", held)
 
     def append_turn(
         self,
@@ -169,18 +234,43 @@ class LearnerProcess:
         self._call("close_group", group_id)
 
     def assert_safe_to_step(self) -> None:
-        """The child's ``assert_safe_to_step()``: its first failure since the batch began, if any,
-        raised here; else the batch's gradient is final in the child."""
-        self._ask("safe")
-
-    def step(self) -> None:
-        """``assert_safe_to_step()``, then the optimizer's step and ``zero_grad``, in the child; on
-        return the parent's parameters hold the new weights (tell a generator: ``invalidate()``)."""
-        self._ask("step")
+        """The child's ``assert_safe_to_step()`` (its batch's first failure, if any, raised here),
+        then this process's parameter guard; then ``p.grad`` here holds what it would hold in one
+        process (the child added the batch's gradient into a copy of it)."""
+        failure, (child_in_batch, held) = self._request("safe")
+        if failure is not None:
+            if not child_in_batch:  # the child dropped its batch (else: pending work, or a failure to discard)
+                self._end_batch()
+            raise rebuilt(failure)
+        self._in_batch = False
+        self.run.assert_safe_to_step()  # this process's guard; ends its batch either way
+        with torch.no_grad():
+            for (p, view), has in zip(self._views(), held, strict=True):
+                if not has:
+                    continue
+                if p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
 
     def discard(self) -> None:
-        """Abandon the batch in the child (its ``discard()``) and forget its failure."""
+        """Abandon the batch here and in the child (its ``discard()``), and forget its failure."""
         self._ask("discard")
+        self._end_batch()
+
+    def take_logprob_mismatch(self) -> float | None:
+        """The child's objective's ``take_logprob_mismatch()``."""
+        value: float | None = self._ask("mismatch")
+        return value
+
+    def keep_batch(self, keep: bool) -> None:
+        """The child's objective's ``keep_batch(keep)`` (queued with the batch's calls)."""
+        self._call("keep_batch", keep)
+
+    def dense_gradient(self) -> list[torch.Tensor]:
+        """The child's objective's ``dense_gradient()``, as tensors of this process."""
+        self._ask("dense")
+        return [view.clone() for _, view in self._views()]
 
     def close(self) -> None:
         self._child.close()
@@ -191,14 +281,40 @@ class LearnerProcess:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _views(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        layout = self.run.layout
+        return [
+            (p, view)
+            for g, flat in enumerate(self._grads)
+            for p, view in zip(layout.groups[g][1], layout.views(flat, g), strict=True)
+        ]
+
+    def _end_batch(self) -> None:
+        if self._in_batch:
+            self.run.discard()
+            self._in_batch = False
+
     def _call(self, name: str, *args: Any, **kwargs: Any) -> None:
         self._child.send("call", name, args, kwargs)
 
-    def _ask(self, kind: str) -> None:
+    def _request(self, kind: str) -> tuple[Failure | None, Any]:
+        """Send ``kind``; the child's (failure or None, value)."""
         self._child.send(kind)
-        (failure,) = self._child.receive("done")
+        failure, value = self._child.receive("done")
+        return failure, value
+
+    def _ask(self, kind: str) -> Any:
+        """Send ``kind``; the child's value, or its failure raised."""
+        failure, value = self._request(kind)
         if failure is not None:
             raise rebuilt(failure)
+        return value
+
+
+def _sync_current_stream(device: torch.device) -> None:
+    """Wait for this thread's current stream: another process reads what it wrote (CPU: nothing to wait for)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def rebuilt(failure: Failure) -> Exception:
@@ -233,17 +349,45 @@ _ERRORS = _errors()
 
 
 async def _serve_objective(
-    model: torch.nn.Module, commands: Any, answers: Any, objective: Objective, optimizer: Optimizer | None
+    model: torch.nn.Module, commands: Any, answers: Any, objective: Objective, config: Any, grads: list[torch.Tensor]
 ) -> None:
-    """The child's loop: run the forwarded calls in order; remember the first failure; answer
-    ``("done", failure or None)`` to ``safe``, ``step`` and ``discard``; return on ``stop``."""
+    """The child's loop: run the forwarded calls in order, remembering the batch's first failure
+    (later calls are skipped until ``discard``); answer ``("done", failure or None, value)`` to
+    ``safe``, ``dense``, ``mismatch`` and ``discard``; return on ``stop``.
+
+    ``grads`` are the parent's shared buffers, laid out as the run's parameters: ``begin`` makes
+    each ``p.grad`` that the parent holds a view of them (holding its values), ``safe`` leaves the
+    batch's ``p.grad`` there, ``dense`` writes the dense gradient there."""
     from thundersync.engine.run import StreamingRun
 
-    target = objective(StreamingRun(model))
-    stepper = optimizer([p for p in model.parameters() if p.requires_grad]) if optimizer is not None else None
+    run = StreamingRun(model, config)
+    target = objective(run)
+    views = [view for g, flat in enumerate(grads) for view in run.layout.views(flat, g)]
+    assert [v.shape for v in views] == [p.shape for p in run.layout.params], "the parent's layout differs"
     answers.put(("ready", target.signal))
-    failure: Failure | None = None  # the batch's first failed call: later calls are skipped until discard
+    failure: Failure | None = None
 
+    def begin(held: list[bool]) -> None:
+        for p, view, has in zip(run.layout.params, views, held, strict=True):
+            p.grad = view if has else None  # the parent's p.grad, copied into the view
+
+    def safe() -> list[bool]:
+        """The objective's ``assert_safe_to_step()``; the gradient (if any) into the views."""
+        target.assert_safe_to_step()
+        for p, view in zip(run.layout.params, views, strict=True):
+            if p.grad is not None and p.grad is not view:
+                view.copy_(p.grad)
+        return [p.grad is not None for p in run.layout.params]
+
+    def dense() -> None:
+        for view, value in zip(views, target.dense_gradient(), strict=True):
+            view.copy_(value)
+
+    requests: dict[str, Callable[[], object]] = {
+        "safe": safe,
+        "dense": dense,
+        "mismatch": target.take_logprob_mismatch,
+    }
     while True:
         kind, *payload = await anyio.to_thread.run_sync(commands.get)
         if kind == "stop":
@@ -253,31 +397,38 @@ async def _serve_objective(
             if failure is None:
                 failure = _failure(lambda: getattr(target, name)(*args, **kwargs))  # noqa: B023
             continue
-        answer: Failure | None = failure
+        if kind == "begin":
+            begin(*payload)
+            continue
         if kind == "discard":
             target.discard()
-            failure = answer = None
-        elif kind == "safe":
-            answer = answer or _failure(target.assert_safe_to_step)  # pending work is not a failure
-        elif kind == "step":
-            answer = answer or _failure(target.assert_safe_to_step)
-            if answer is None and stepper is not None:
-                answer = _failure(stepper.step) or _failure(lambda: stepper.zero_grad(set_to_none=True))
-            _sync()
+            failure = answer = value = None
+        elif failure is not None:  # a failed call's failure stands until discard
+            answer, value = failure, None
         else:
-            raise AssertionError(f"unknown command {kind!r}")
-        answers.put(("done", answer))
+            answer, value = _outcome(requests[kind])
+        if kind == "safe":
+            value = run.in_batch, value  # in_batch False: the batch ended (stepped, or dropped)
+        if not run.in_batch:  # the batch's gradient lives in the parent's p.grad, not here
+            for p in run.layout.params:
+                p.grad = None
+        _sync()
+        answers.put(("done", answer, value))
 
 
 Failure = tuple[str, str, str]  # an exception's type name, message and traceback
 
 
-def _failure(fn: Callable[[], object]) -> Failure | None:
+def _outcome(fn: Callable[[], object]) -> tuple[Failure | None, Any]:
+    """(None, what ``fn()`` returned), or (its failure, None)."""
     try:
-        fn()
+        return None, fn()
     except Exception as error:
-        return type(error).__name__, str(error), traceback.format_exc()
-    return None
+        return (type(error).__name__, str(error), traceback.format_exc()), None
+
+
+def _failure(fn: Callable[[], object]) -> Failure | None:
+    return _outcome(fn)[0]
 
 
 def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -181,6 +181,11 @@ class StreamingRun:
             self.guard.begin(owner)
             self._owner = owner
 
+    @property
+    def in_batch(self) -> bool:
+        """Whether a logical batch is running: begun, not yet stepped or dropped."""
+        return self._owner is not None
+
     def assert_safe_to_step(self, pending: Sequence[str] = ()) -> None:
         """Raise :class:`UnsafeStepError` naming ``pending`` work, moved or replaced parameters or
         a non-finite gradient; else add the run's total into ``p.grad`` and end the batch.
