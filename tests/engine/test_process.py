@@ -160,6 +160,9 @@ def test_a_peft_model_is_refused_before_any_process_starts() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# torch warns once per process when a thread's first cuBLAS call finds no current CUDA context (the
+# engine's worker thread, when nothing else used the GPU before); it then sets the primary context
+@pytest.mark.filterwarnings("ignore:Attempting to run cuBLAS, but there was no current CUDA context:UserWarning")
 def test_on_cuda_the_child_computes_over_the_parents_memory_as_one_process_would() -> None:
     """CUDA IPC: the child's parameters and the gradient's buffers are the parent's allocations (fp32, TF32 off)."""
     torch.backends.cuda.matmul.allow_tf32 = False
