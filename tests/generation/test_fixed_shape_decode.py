@@ -416,6 +416,7 @@ def test_with_no_driver_the_done_waiters_are_woken_and_one_other_drives(make_qwe
 
 
 @pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature:UserWarning")
 def test_slot_changes_swaps_and_prefill_inputs_do_not_wait_for_the_step_in_flight(make_qwen3, monkeypatch) -> None:
     # torch's blocking host-to-device copy synchronizes the stream: the decode step in flight would
     # be waited for each time a sequence is admitted, finishes or moves to a lower slot

@@ -35,22 +35,20 @@ class JobStream:
     def __init__(self, device: torch.device, *, side: bool = True) -> None:
         self.device = device
         on_cuda = side and device.type == "cuda"
-        self._green: object | None = None  # a green context the stream belongs to (kept alive here)
-        self.stream = self._side_stream() if on_cuda else None
+        sms = _engine_sms()
+        self._green: object | None = None  # the green context the stream belongs to (kept alive here)
+        self.stream = self._side_stream(sms) if on_cuda else None
 
-    def _side_stream(self) -> torch.cuda.Stream:
-        """A new stream; with ``THUNDERSYNC_ENGINE_SMS=N``, of a CUDA green context of N SMs (the
-        jobs' kernels then never occupy the other SMs)."""
-        sms = os.environ.get("THUNDERSYNC_ENGINE_SMS", "")
-        if not sms:
+    def _side_stream(self, sms: int | None) -> torch.cuda.Stream:
+        """A new stream; with ``sms``, one of a new CUDA green context of that many SMs (the jobs'
+        kernels then never occupy the others, which a generator's kernels find free)."""
+        if sms is None:
             return torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
-        if not sms.isdigit() or int(sms) < 1:
-            raise ConfigError(f"THUNDERSYNC_ENGINE_SMS must be a count of SMs >= 1, got {sms!r}")
         from torch.cuda.green_contexts import GreenContext
 
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        self._green = GreenContext.create(num_sms=int(sms), device_id=index)
-        stream: torch.cuda.Stream = self._green.Stream()  # type: ignore[attr-defined]
+        self._green = GreenContext.create(num_sms=sms, device_id=index)
+        stream: torch.cuda.Stream = self._green.Stream()  # type: ignore[attr-defined]  # torch's stub lacks it
         return stream
 
     def mark(self) -> torch.cuda.Event | None:
@@ -76,3 +74,13 @@ class JobStream:
         """On the caller's thread: its stream waits for every job launched so far."""
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+def _engine_sms() -> int | None:
+    """``THUNDERSYNC_ENGINE_SMS``: the SMs the engine's jobs may use (unset or empty: all of them)."""
+    value = os.environ.get("THUNDERSYNC_ENGINE_SMS", "")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"THUNDERSYNC_ENGINE_SMS must be a number of SMs >= 1 (or unset: all), got {value!r}")
+    return int(value)
