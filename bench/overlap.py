@@ -672,6 +672,8 @@ _ROW_NAMES = {
     "balanced-eager": "balanced GRPO, eager (no graphs)",
     "grpo-2proc": "GRPO, learner in a 2nd process",
     "grpo-proc": "GRPO, LearnerProcess",
+    "grpo-early-proc": "GRPO, stream_early=True, LearnerProcess",
+    "balanced-proc": "balanced GRPO, LearnerProcess",
     "opd-proc": "OPD, LearnerProcess (teacher in this process)",
     "opd-2proc": "OPD, learner and teacher in a 2nd process",
     "balanced-2proc": "balanced GRPO, learner in a 2nd process",
