@@ -716,7 +716,7 @@ def main() -> None:
         help="sys.setswitchinterval(S) first: how long a thread may hold the GIL while another waits (Python's default 0.005)",
     )
     parser.add_argument(
-        "--engine-sms", type=int, default=ENGINE_SMS, help="the SMs of the -sms rows' green context (default 100)"
+        "--engine-sms", type=int, default=100, help="the SMs of the -sms rows' green context (default 100)"
     )
     parser.add_argument(
         "--gpu-window",
@@ -729,7 +729,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    global ENGINE_SMS
+    global ENGINE_SMS  # read by the -sms rows
     ENGINE_SMS = args.engine_sms
     args.rows = args.rows.split(",")
     unknown = [row for row in args.rows if row not in _ROW_NAMES]
