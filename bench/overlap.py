@@ -69,7 +69,6 @@ import contextlib
 import functools
 import gc
 import math
-import os
 import random
 import statistics
 import sys
@@ -404,31 +403,13 @@ COLUMNS = [
 ]
 
 
-@contextlib.contextmanager
-def engine_sms(sms: int | None) -> Iterator[None]:
-    """``THUNDERSYNC_ENGINE_SMS`` set to ``sms`` (None: as it is) while the block makes a run."""
-    if sms is None:
-        yield
-        return
-    before = os.environ.get("THUNDERSYNC_ENGINE_SMS")
-    os.environ["THUNDERSYNC_ENGINE_SMS"] = str(sms)
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["THUNDERSYNC_ENGINE_SMS"]
-        else:
-            os.environ["THUNDERSYNC_ENGINE_SMS"] = before
-
-
 async def warmed_learner(
     row: str, model: torch.nn.Module, plan: Batch, finished: list[Finished], teacher: PackedScorer | None
 ) -> Learner:
     """The row's objective on a new ``StreamingRun``, warmed on the whole batch once (probes, the
     allocator, and the CUDA graphs of every row bucket the batch's packs need), so that the measured
     passes include no capture."""
-    with engine_sms(ENGINE_SMS if row.endswith(_GREEN) else None):
-        objective = make_objective(row, thundersync.StreamingRun(model))
+    objective = make_objective(row, thundersync.StreamingRun(model))
     await learner_alone(Learner(objective, plan, teacher), finished)
     return Learner(objective, plan, teacher)
 
@@ -641,12 +622,10 @@ async def run_rows(
 _IN_CHILD = "-2proc"
 _EAGER = "-eager"  # the engine's layers eager (no CUDA graphs), in this process
 _LEARNER_PROCESS = "-proc"  # the objective a thundersync.LearnerProcess, the teacher in this process
-_GREEN = "-sms"  # the engine's stream on a green context of ENGINE_SMS SMs (THUNDERSYNC_ENGINE_SMS)
-ENGINE_SMS = 100  # --engine-sms
 
 
 def _objective_kind(row: str) -> str:
-    return row.removesuffix(_IN_CHILD).removesuffix(_EAGER).removesuffix(_LEARNER_PROCESS).removesuffix(_GREEN)
+    return row.removesuffix(_IN_CHILD).removesuffix(_EAGER).removesuffix(_LEARNER_PROCESS)
 
 
 def _workload(row: str) -> str:
@@ -693,8 +672,6 @@ _ROW_NAMES = {
     "balanced-eager": "balanced GRPO, eager (no graphs)",
     "grpo-2proc": "GRPO, learner in a 2nd process",
     "grpo-proc": "GRPO, LearnerProcess",
-    "grpo-sms": "GRPO, engine on a green context (--engine-sms)",
-    "opd-sms": "OPD, engine on a green context (--engine-sms)",
     "grpo-early-proc": "GRPO, stream_early=True, LearnerProcess",
     "balanced-proc": "balanced GRPO, LearnerProcess",
     "opd-proc": "OPD, LearnerProcess (teacher in this process)",
@@ -716,9 +693,6 @@ def main() -> None:
         help="sys.setswitchinterval(S) first: how long a thread may hold the GIL while another waits (Python's default 0.005)",
     )
     parser.add_argument(
-        "--engine-sms", type=int, default=100, help="the SMs of the -sms rows' green context (default 100)"
-    )
-    parser.add_argument(
         "--gpu-window",
         type=float,
         nargs=2,
@@ -729,8 +703,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    global ENGINE_SMS  # read by the -sms rows
-    ENGINE_SMS = args.engine_sms
     args.rows = args.rows.split(",")
     unknown = [row for row in args.rows if row not in _ROW_NAMES]
     if unknown:

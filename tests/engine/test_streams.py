@@ -66,21 +66,3 @@ def test_side_stream_gradients_equal_the_single_stream_ones_beside_a_generator()
     side = _stream_batch(model, side=True)
     assert len(single) == len(side) > 0
     assert relative_error(side, single) < 1e-5
-
-
-@pytest.mark.gpu
-def test_a_green_context_stream_of_a_few_sms_gives_the_same_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = tiny_qwen3(seed=5).to("cuda", torch.float32)
-    single = _stream_batch(model, side=False)
-    model.zero_grad(set_to_none=True)
-    monkeypatch.setenv("THUNDERSYNC_ENGINE_SMS", "8")
-    green = _stream_batch(model, side=True)
-    assert len(single) == len(green) > 0
-    assert relative_error(green, single) < 1e-5
-
-
-@pytest.mark.parametrize("value", ["0", "-4", "all"])
-def test_the_engines_sm_count_is_checked_on_any_device(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
-    monkeypatch.setenv("THUNDERSYNC_ENGINE_SMS", value)
-    with pytest.raises(thundersync.errors.ConfigError, match=f"THUNDERSYNC_ENGINE_SMS must be .* got '{value}'"):
-        JobStream(torch.device("cpu"))

@@ -18,12 +18,9 @@ On the CPU every call is a no-op: the ``JobStream`` of a CPU run has no stream.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
-
-from thundersync.errors import ConfigError
 
 __all__ = ["JobStream"]
 
@@ -35,21 +32,7 @@ class JobStream:
     def __init__(self, device: torch.device, *, side: bool = True) -> None:
         self.device = device
         on_cuda = side and device.type == "cuda"
-        sms = _engine_sms()
-        self._green: object | None = None  # the green context the stream belongs to (kept alive here)
-        self.stream = self._side_stream(sms) if on_cuda else None
-
-    def _side_stream(self, sms: int | None) -> torch.cuda.Stream:
-        """A new stream; with ``sms``, one of a new CUDA green context of that many SMs (the jobs'
-        kernels then never occupy the others, which a generator's kernels find free)."""
-        if sms is None:
-            return torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
-        from torch.cuda.green_contexts import GreenContext
-
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        self._green = GreenContext.create(num_sms=sms, device_id=index)
-        stream: torch.cuda.Stream = self._green.Stream()  # type: ignore[attr-defined]  # torch's stub lacks it
-        return stream
+        self.stream = torch.cuda.Stream(device) if on_cuda else None  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
 
     def mark(self) -> torch.cuda.Event | None:
         """On the caller's thread, at a submit: an event after all the caller's work so far."""
@@ -74,13 +57,3 @@ class JobStream:
         """On the caller's thread: its stream waits for every job launched so far."""
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-
-
-def _engine_sms() -> int | None:
-    """``THUNDERSYNC_ENGINE_SMS``: the SMs the engine's jobs may use (unset or empty: all of them)."""
-    value = os.environ.get("THUNDERSYNC_ENGINE_SMS", "")
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"THUNDERSYNC_ENGINE_SMS must be a number of SMs >= 1 (or unset: all), got {value!r}")
-    return int(value)
