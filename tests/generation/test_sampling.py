@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thundersync.generation._sampling import RowParams, counter_uniform, sample
+from thundersync.generation._sampling import RowParams, counter_uniform, inverse_cdf, sample
 
 
 def reference_filtered_logprobs(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
@@ -95,3 +95,48 @@ def test_top_p_applies_to_the_distribution_left_by_top_k() -> None:
     out = sample(logits, params, torch.zeros(64, dtype=torch.long))
     assert out.tokens.tolist() == [0] * 64
     assert out.logprobs.abs().max().item() < 1e-6
+
+
+def plain_inverse_cdf(probs: list[float], u: float) -> int:
+    """The first index whose running sum passes u * total, summed one entry at a time."""
+    target, running = u * math.fsum(probs), 0.0
+    for i, p in enumerate(probs):
+        running += p
+        if running > target and p > 0:
+            return i
+    return max(i for i, p in enumerate(probs) if p > 0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    vocab=st.integers(1, 3000),
+    rows=st.integers(1, 4),
+    zeros=st.floats(0.0, 0.9),
+    seed=st.integers(0, 2**31),
+)
+def test_the_blockwise_inverse_cdf_draws_what_one_running_sum_draws(vocab, rows, zeros, seed) -> None:
+    # vocabularies shorter and longer than a block, not multiples of it; zero-probability entries
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.rand(rows, vocab, generator=gen, dtype=torch.float64)
+    probs[torch.rand(rows, vocab, generator=gen) < zeros] = 0.0
+    probs[:, torch.randint(vocab, (1,), generator=gen)] = 0.5  # every row keeps some mass
+    u = torch.rand(rows, generator=gen, dtype=torch.float64)
+    got = inverse_cdf(probs, u).tolist()
+    for r in range(rows):
+        want = plain_inverse_cdf(probs[r].tolist(), float(u[r]))
+        if got[r] != want:  # only where the draw is within rounding of an entry's boundary
+            running = probs[r].cumsum(0)
+            assert abs(float(running[min(got[r], want)] - u[r] * running[-1])) < 1e-12
+        assert probs[r, got[r]] > 0
+
+
+def test_a_draw_past_the_blocks_rounded_running_sum_takes_its_last_nonzero_entry() -> None:
+    probs = torch.zeros(1, 2500, dtype=torch.float64)
+    probs[0, [5, 1030, 1031]] = torch.tensor([0.25, 0.5, 0.25], dtype=torch.float64)
+
+    def draw(u: float) -> int:
+        (token,) = inverse_cdf(probs, torch.tensor([u], dtype=torch.float64)).tolist()
+        return token
+
+    assert [draw(0.0), draw(0.2), draw(0.25), draw(0.74), draw(1.0 - 2**-53)] == [5, 5, 1030, 1030, 1031]
+    assert draw(1.0) == 1031  # a draw at the very total (u is < 1): the last entry with mass, not a padded one
