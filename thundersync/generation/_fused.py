@@ -150,11 +150,21 @@ def fused_attention_inputs(
 def fused_attention_output(
     parts: LayerParts, gate_up_weight: torch.Tensor, x: torch.Tensor, a: torch.Tensor
 ) -> torch.Tensor:
-    """:func:`~thundersync.engine.decoder.attention_output` with one product for gate and up."""
+    """:func:`~thundersync.engine.decoder.attention_output` with one product for gate and up.
+
+    The residual adds are written ``(x.float() + y.float()).to(x.dtype)``: the same values (torch
+    adds 16-bit tensors in fp32 and rounds once), but inductor then fuses the add into the next
+    norm instead of folding it into the product as cuBLAS's ``addmm``, which copies the residual
+    first and, for one row, picked a beta-add kernel at 4x the plain product's time (H200)."""
     o_proj: torch.Tensor = parts.o_proj(a)
-    x = x + o_proj
+    x = _residual(x, o_proj)
     gate_up = F.linear(apply_norm(parts.post_norm, x), gate_up_weight)
     size = gate_up.shape[-1] // 2
     mlp = cast(_PlainMLP, parts.mlp)  # fuse_layer fuses plain MLPs only
     out: torch.Tensor = mlp.down_proj(mlp.act_fn(gate_up[:, :size]) * gate_up[:, size:])
-    return x + out
+    return _residual(x, out)
+
+
+def _residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + y``, computed in fp32 and rounded once to ``x``'s dtype."""
+    return (x.float() + y.float()).to(x.dtype)
