@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Session 7's device call: the learner process, the pinned-staging generator and a green-context
-# engine stream, measured side by side (logs under $OUT).
+# Session 7's device calls (logs under $OUT): the decode step of this tree against BASE (a copy of
+# another commit, carried: `git archive COMMIT | tar -x -C build/ab-base`), the gpu tests of the
+# files this session touched, then the overlap rows of ROWS.
 set -u
 out=${OUT:-/tmp/gpu_run}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-python3 -c "import torch; from torch.cuda.green_contexts import GreenContext as G; print(torch.__version__, 'green Stream:', hasattr(G, 'Stream'))" > "$out/probe.log" 2>&1
-timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_process.py tests/generation/test_fixed_shape_decode.py > "$out/tests.log" 2>&1; echo "tests $? ${SECONDS}s"
-timeout 70 python3 bench/generate.py --batches 1 --baseline-new 4 > "$out/generate.log" 2>&1; echo "generate $? ${SECONDS}s"
-timeout 230 python3 bench/overlap.py --rows grpo,opd,grpo-proc,opd-proc > "$out/overlap.log" 2>&1; echo "overlap $? ${SECONDS}s"
-THUNDERSYNC_ENGINE_SMS=${SMS:-100} timeout 140 python3 bench/overlap.py --rows grpo,opd > "$out/overlap_sms.log" 2>&1; echo "overlap_sms $? ${SECONDS}s"
-for f in "$out"/*.log; do echo "---- $f"; grep -v "^ \|Traceback\|warn" "$f" | tail -n 14; done
+base=${BASE:-build/ab-base}
+gen="bench/generate.py --batches 1,8 --baseline-new 4 --kernel-table"
+if [ -d "$base" ]; then
+    (cd "$base" && PYTHONPATH=/tmp/site:$PWD timeout 90 python3 $gen) > "$out/generate_base.log" 2>&1; echo "generate_base $? ${SECONDS}s"
+fi
+timeout 90 python3 $gen > "$out/generate.log" 2>&1; echo "generate $? ${SECONDS}s"
+timeout 110 python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_process.py tests/generation/test_fixed_shape_decode.py \
+    tests/engine/test_streams.py tests/engine/test_pack_graph.py tests/app/test_train_file.py > "$out/tests.log" 2>&1; echo "tests $? ${SECONDS}s"
+timeout ${OVERLAP_LIMIT:-270} python3 bench/overlap.py --rows ${ROWS:-grpo,opd,grpo-proc,opd-proc} > "$out/overlap.log" 2>&1; echo "overlap $? ${SECONDS}s"
+for f in "$out"/*.log; do echo "---- $f"; grep -v "^ \|Traceback\|warn\|^|.*| [0-9.]* | [0-9.e-]* | [0-9.e-]* | 0\.0" "$f" | tail -n 16; done
