@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import thundersync
-from tests.engine.tiny_models import tiny_qwen3
-from thundersync.engine.process import rebuilt
+from tests.engine.tiny_models import tiny_qwen3, with_lora
+from thundersync.engine.process import ModelProcess, rebuilt
 from thundersync.errors import ConfigError, StreamingError, UnknownIdError, UnsafeStepError
 from thundersync.events import BatchReady
 from thundersync.stages.step import StepResult
@@ -151,11 +151,28 @@ def test_a_child_failure_whose_type_needs_more_than_a_message_comes_back_as_a_st
     assert type(rebuilt(("UnsafeStepError", "pending: g", ""))) is UnsafeStepError
 
 
-def test_a_peft_model_is_refused_before_any_process_starts() -> None:
-    peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(tiny_qwen3(torch.float32, seed=1), peft.LoraConfig(r=2, target_modules=["q_proj"]))
-    with pytest.raises(ConfigError, match="cannot rebuild a peft model yet"):
-        thundersync.LearnerProcess(thundersync.StreamingRun(model), GRPO)
+def test_a_peft_model_is_rebuilt_in_the_child_and_its_adapter_gets_the_one_process_gradient() -> None:
+    pytest.importorskip("peft")
+    model = with_lora(tiny_qwen3(torch.float32, seed=6).double())
+    want = one_process_step(copy.deepcopy(model), GRPO, batch_calls(3))
+    run = thundersync.StreamingRun(model)
+    assert all("lora" in name for name, p in model.named_parameters() if p.requires_grad)
+    with thundersync.LearnerProcess(run, GRPO) as learner:
+        for name, args, kwargs in batch_calls(3):
+            getattr(learner, name)(*args, **kwargs)
+        learner.assert_safe_to_step()
+    assert len(want) == len(run.params)
+    for p, g in zip(run.params, want, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-10)
+
+
+def test_a_model_without_a_config_is_refused_before_any_process_starts() -> None:
+    with pytest.raises(ConfigError, match=r"type\(model\)\(model.config\); Linear has no config"):
+        ModelProcess(torch.nn.Linear(2, 2), _never_served)
+
+
+async def _never_served(*args: object) -> None:
+    raise AssertionError("no child should start")
 
 
 @pytest.mark.gpu

@@ -32,14 +32,15 @@ scratch live in the child. Ordering across the processes: the parent waits for i
 stream before a batch's first call (so the child reads the weights of the last optimizer step
 and the ``p.grad`` handed over); the child synchronizes its device before every answer.
 
-Not yet: peft models (the child rebuilds ``type(model)(model.config)``) and data parallelism
-(both refused with a ConfigError).
+The child rebuilds the model's structure from its class and config (a peft model: its base, then
+its adapters' configs) on the meta device, around the parent's tensors. Not yet: data
+parallelism (refused with a ConfigError).
 
 :class:`ModelProcess` is the mechanism: ``ModelProcess(model, serve, *args)`` starts a ``torch.multiprocessing`` child (spawn) that gets
 every parameter and buffer of ``model`` by name: a CUDA tensor travels as an IPC handle of the
 parent's memory (the child maps the same allocation: zero copy), a CPU tensor through shared
 memory (its storage moves into a shared segment in place, the parent's too). The child builds
-``type(model)(model.config)`` on the meta device and puts those tensors in place of its own
+the model's structure (:func:`rebuild_recipe`) on the meta device and puts those tensors in place of its own
 (tied parameters stay tied), so its parameters are the parent's storage. Device pointers mean
 nothing across processes, so the proof is a write: the child sets the first parameter's first
 element, the parent must read the new value in its own copy, then the child restores it.
@@ -54,6 +55,7 @@ child's traceback when it failed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import multiprocessing
 import queue
@@ -80,12 +82,7 @@ class ModelProcess:
     """A child process over ``model``'s parameters (shared), serving the parent's commands."""
 
     def __init__(self, model: torch.nn.Module, serve: Serve, *args: Any) -> None:
-        config = getattr(model, "config", None)
-        if config is None:
-            raise ConfigError(
-                f"a learner process rebuilds the model from type(model)(model.config); {type(model).__name__} has "
-                "no config: pass a transformers causal LM (peft-wrapped models are not supported yet)"
-            )
+        build = rebuild_recipe(model)
         context = torch.multiprocessing.get_context("spawn")
         self.commands = context.Queue()
         self.answers = context.Queue()
@@ -93,7 +90,7 @@ class ModelProcess:
         frozen = frozenset(name for name, p in model.named_parameters() if not p.requires_grad)
         self.process = context.Process(
             target=_child_main,
-            args=(self.commands, self.answers, type(model), config, tensors, frozen, serve, args),
+            args=(self.commands, self.answers, build, tensors, frozen, serve, args),
             name="learner",
             daemon=True,
         )
@@ -159,14 +156,7 @@ class LearnerProcess:
     """
 
     def __init__(self, run: StreamingRun, objective: Objective) -> None:
-        from thundersync.engine.anatomy import unwrap_peft
-
         model = run.anatomy.model
-        if unwrap_peft(model) is not model:
-            raise ConfigError(
-                "a learner process rebuilds the model from type(model)(model.config) and cannot rebuild a peft "
-                "model yet; train the adapter in this process (process = false)"
-            )
         if run.data_parallel is not None:
             raise ConfigError(
                 "a learner process does not combine with data parallelism yet; give each rank its objective "
@@ -438,8 +428,7 @@ def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 def _child_main(
     commands: Any,
     answers: Any,
-    model_class: type,
-    config: Any,
+    build: Callable[[], torch.nn.Module],
     tensors: dict[str, torch.Tensor],
     frozen: frozenset[str],
     serve: Serve,
@@ -447,7 +436,7 @@ def _child_main(
 ) -> None:
     commands = _FromParent(commands)
     try:
-        model = share_into(model_class, config, tensors, frozen)
+        model = share_into(build, tensors, frozen)
         _write_and_restore(model, commands, answers)
         anyio.run(serve, model, commands, answers, *args)
         del model  # release the parent's memory before exiting (the parent frees it in close())
@@ -474,14 +463,54 @@ class _FromParent:
                     raise SystemExit("the parent process is gone") from None
 
 
+def rebuild_recipe(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
+    """How another process builds ``model``'s structure (not its values): a picklable callable.
+
+    A transformers model: ``type(model)(model.config)``. A peft model: its base the same way,
+    wrapped by ``get_peft_model`` with each of its adapters' configs, the active one set."""
+    from thundersync.engine.anatomy import unwrap_peft
+
+    base = unwrap_peft(model)
+    config = getattr(base, "config", None)
+    if config is None:
+        raise ConfigError(
+            f"a learner process rebuilds the model from type(model)(model.config); {type(base).__name__} has "
+            "no config: pass a transformers causal LM, or one wrapped by peft"
+        )
+    if base is model:
+        return functools.partial(_transformers_model, type(model), config)
+    adapters = getattr(model, "peft_config", None)
+    if not isinstance(adapters, dict) or not adapters:
+        raise ConfigError(f"{type(model).__name__} wraps a model but has no peft_config to rebuild it from")
+    active = getattr(model, "active_adapter", next(iter(adapters)))
+    return functools.partial(_peft_model, type(base), config, dict(adapters), active)
+
+
+def _transformers_model(model_class: type, config: Any) -> torch.nn.Module:
+    built: torch.nn.Module = model_class(config)
+    return built
+
+
+def _peft_model(base_class: type, config: Any, adapters: dict[str, Any], active: str) -> torch.nn.Module:
+    from peft import get_peft_model
+
+    (first, first_config), *others = adapters.items()
+    model = get_peft_model(base_class(config), first_config, adapter_name=first)
+    for name, adapter_config in others:
+        model.add_adapter(name, adapter_config)
+    model.set_adapter(active)
+    built: torch.nn.Module = model
+    return built
+
+
 def share_into(
-    model_class: type, config: Any, tensors: dict[str, torch.Tensor], frozen: frozenset[str] = frozenset()
+    build: Callable[[], torch.nn.Module], tensors: dict[str, torch.Tensor], frozen: frozenset[str] = frozenset()
 ) -> torch.nn.Module:
-    """``model_class(config)`` built on the meta device, each parameter and buffer replaced by the
-    tensor of its name (``named_parameters()``/``named_buffers()`` names), tied ones kept tied;
-    parameters named in ``frozen`` do not require gradients."""
+    """``build()`` on the meta device, each parameter and buffer replaced by the tensor of its name
+    (``named_parameters()``/``named_buffers()`` names), tied ones kept tied; parameters named in
+    ``frozen`` do not require gradients."""
     with torch.device("meta"):
-        model: torch.nn.Module = model_class(config)
+        model = build()
     adopted: dict[int, torch.Tensor] = {}  # id of a meta tensor -> the tensor in its place
     for prefix, module in model.named_modules():
         for slots in (module._parameters, module._buffers):
