@@ -54,12 +54,9 @@ measured in the parent from the batch's start to that answer, ``learner`` in the
 ``dense`` in the parent. Each ``-2proc`` row also compares the child's gradient with this
 process's streamed gradient over the same trajectories (printed under the table).
 
-In a product the optimizer would live in the child beside the gradient and step the shared
-parameters in place; the generator reads them in place, so publishing a policy needs no copy,
-only an ordering: the child's step recorded as an interprocess CUDA event (or a barrier after a
-synchronize) that the generator's stream waits on before its next batch, and a message that
-tells the generator the weights changed (a write from another process bumps no version counter
-here, so the generator's caches, e.g. its fused q/k/v copy, must be invalidated by that message).
+The product form of the second process is ``thundersync.LearnerProcess`` (the ``-proc`` rows):
+there the optimizer, the teacher and the gradient stay in the parent, and only the engine's work
+runs in the child.
 """
 
 from __future__ import annotations
