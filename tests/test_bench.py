@@ -72,8 +72,9 @@ def test_teacher_cost_bench_runs_and_the_packed_scorer_matches_transformers() ->
 
 @pytest.mark.timeout(300)
 def test_overlap_bench_runs_the_learner_in_a_second_process_with_the_same_gradient() -> None:
-    out = _run("overlap.py", "--rows", "grpo-2proc,opd-2proc,balanced-2proc")
-    for row in ("GRPO, learner in a 2nd process", "OPD, learner and teacher in a 2nd process"):
+    out = _run("overlap.py", "--rows", "grpo-2proc,opd-2proc,balanced-2proc,opd-proc")
+    rows = ("GRPO, learner in a 2nd process", "OPD, learner and teacher in a 2nd process")
+    for row in (*rows, "OPD, LearnerProcess (teacher in this process)"):
         assert f"| {row} |" in out
     assert "| balanced GRPO, learner in a 2nd process |" in out
     errors = [float(e) for e in re.findall(r"model\.norm\.weight rel\. error ([0-9.e+-]+)", out)]

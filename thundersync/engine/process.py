@@ -45,7 +45,9 @@ the model's structure (:func:`rebuild_recipe`) on the meta device and puts those
 nothing across processes, so the proof is a write: the child sets the first parameter's first
 element, the parent must read the new value in its own copy, then the child restores it.
 
-Then the child runs ``anyio.run(serve, model, commands, answers, *args)``: ``serve`` (a
+The model's recipe, the tensors and ``serve`` reach the child as its first message (not as
+the process's arguments, which a child holds until it exits). Then the child runs
+``anyio.run(serve, model, commands, answers, *args)``: ``serve`` (a
 module-level function, so that it pickles by name) reads command tuples from ``commands`` and
 puts answer tuples on ``answers``. The parent sends with :meth:`~ModelProcess.send` and waits
 with :meth:`~ModelProcess.receive`, which checks that the child is alive and raises the
@@ -88,15 +90,15 @@ class ModelProcess:
         self.answers = context.Queue()
         tensors = {name: t.detach() for name, t in _named_tensors(model)}
         frozen = frozenset(name for name, p in model.named_parameters() if not p.requires_grad)
+        # the shared tensors travel as a message, not as the process's arguments, which the child
+        # would hold until it exits (its references to the parent's memory never released)
         self.process = context.Process(
-            target=_child_main,
-            args=(self.commands, self.answers, build, tensors, frozen, serve, args),
-            name="learner",
-            daemon=True,
+            target=_child_main, args=(self.commands, self.answers), name="learner", daemon=True
         )
         first = next(model.parameters()).detach().view(-1)[:1]
         before = float(first)
         self.process.start()
+        self.send("start", build, tensors, frozen, serve, args)
         name, written = self.receive("written")
         if float(first) != written:
             raise StreamingError(
@@ -425,21 +427,16 @@ def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*model.named_parameters(), *model.named_buffers()]
 
 
-def _child_main(
-    commands: Any,
-    answers: Any,
-    build: Callable[[], torch.nn.Module],
-    tensors: dict[str, torch.Tensor],
-    frozen: frozenset[str],
-    serve: Serve,
-    args: tuple[Any, ...],
-) -> None:
+def _child_main(commands: Any, answers: Any) -> None:
     commands = _FromParent(commands)
     try:
+        kind, build, tensors, frozen, serve, args = commands.get()
+        assert kind == "start", f"the learner process got {kind!r} first"
         model = share_into(build, tensors, frozen)
+        del tensors
         _write_and_restore(model, commands, answers)
         anyio.run(serve, model, commands, answers, *args)
-        del model  # release the parent's memory before exiting (the parent frees it in close())
+        del model, args  # release the parent's memory before exiting (the parent frees it in close())
         gc.collect()
         _sync()
     except BaseException:
