@@ -16,10 +16,10 @@ from thundersync.app.cli import main
 TINY = Path(__file__).resolve().parents[2] / "examples" / "train_tiny_grpo.toml"
 
 
-def _run(tmp_path: Path, *sets: str, resume: bool = False) -> list[dict[str, Any]]:
+def _run(tmp_path: Path, *sets: str, resume: bool = False, file: Path = TINY) -> list[dict[str, Any]]:
     metrics = tmp_path / "m.jsonl"
     metrics.unlink(missing_ok=True)
-    argv = ["run", str(TINY), "--metrics", str(metrics), "--no-progress"]
+    argv = ["run", str(file), "--metrics", str(metrics), "--no-progress"]
     argv += ["--set", f'objects.checkpointer.directory="{tmp_path / "ckpt"}"', "--set", "stages.source.repeat=1"]
     for item in sets:
         argv += ["--set", item]
@@ -65,6 +65,44 @@ def test_a_learner_process_trains_the_file_as_one_process_does(tmp_path: Path) -
     assert child_steps[1]["audit_rel_error"] == pytest.approx(steps[1]["audit_rel_error"], rel=1e-3, abs=1e-9)
     assert child_steps[1]["audit_rel_error"] < 1e-5  # the audit ran (every second step) in the child
     assert weights.keys() == child_weights.keys()
+    for name, tensor in weights.items():
+        torch.testing.assert_close(child_weights[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_an_opd_file_trains_in_a_learner_process_as_in_one(tmp_path: Path) -> None:
+    """The tiny file turned into OPD (a fake teacher scores every token; the teacher stage feeds
+    the backward stage): ``process = true`` steps as one process does."""
+    from safetensors.torch import load_file
+
+    text = TINY.read_text()
+    text = text.replace(
+        'factory = "grpo"\nrun = { object = "run" }\nestimator = "grpo"', 'factory = "opd"\nrun = { object = "run" }'
+    )
+    text = text.replace("[objects.scorer]", '[objects.teacher]\nfactory = "test-fake-teacher"\n\n[objects.scorer]')
+    text = text.replace(
+        '[stages.backward]\ntype = "backward"\nreads = ["generate", "reward"]',
+        '[stages.teacher]\ntype = "teacher-score"\nreads = ["generate"]\n\n'
+        '[stages.backward]\ntype = "backward"\nreads = ["generate", "teacher"]',
+    )
+    text = text.replace('wait_for = ["reward", "backward"]', 'wait_for = ["teacher", "reward", "backward"]')
+    text = text.replace(
+        'reads = ["generate", "reward", "backward"]', 'reads = ["generate", "teacher", "reward", "backward"]'
+    )
+    opd = tmp_path / "tiny_opd.toml"
+    opd.write_text(text)
+
+    def train(name: str, *sets: str) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+        where = tmp_path / name
+        where.mkdir()
+        records = _run(where, *sets, file=opd)
+        weights = load_file(where / "ckpt" / "step-00000002" / "model.safetensors")
+        return [r for r in records if r["event"] == "step"], weights
+
+    steps, weights = train("one")
+    child_steps, child_weights = train("two", "objects.objective.process=true")
+    assert [r["step"] for r in steps] == [1, 2] and all(r["reverse_kl"] is not None for r in steps)
+    for key in ("grad_norm", "reverse_kl", "logprob_mismatch"):
+        assert [r[key] for r in child_steps] == pytest.approx([r[key] for r in steps], rel=1e-5), key
     for name, tensor in weights.items():
         torch.testing.assert_close(child_weights[name], tensor, rtol=1e-5, atol=1e-6)
 
