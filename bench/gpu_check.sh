@@ -39,5 +39,5 @@ step agent "${AGENT_LIMIT:-240}" bash -c "d=\$(mktemp -d) && ln -s '$PWD/example
     --set objects.base_model.dtype=bfloat16 --set objects.model.lr=3e-4 --set objects.optimizer.lr=2e-5"
 # GPU_TESTS narrows the tests (default: every file that has `gpu` tests).
 step gpu_tests "${TESTS_LIMIT:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 \
-    ${GPU_TESTS:-tests/kernels/test_gpu.py tests/grpo tests/opd tests/generation tests/engine/test_streams.py tests/engine/test_pack_graph.py tests/engine/test_scoring.py tests/tasks/test_model_teacher.py tests/app/test_checkpoint.py tests/app/test_train_file.py}
+    ${GPU_TESTS:-tests/kernels/test_gpu.py tests/grpo tests/opd tests/generation tests/engine/test_streams.py tests/engine/test_pack_graph.py tests/engine/test_scoring.py tests/engine/test_process.py tests/tasks/test_model_teacher.py tests/app/test_checkpoint.py tests/app/test_train_file.py}
 for f in "$out"/*.log; do echo "---- $f"; tail -n 25 "$f"; done
