@@ -170,6 +170,12 @@ class LearnerProcess:
             torch.zeros(stop - start, dtype=dtype, device=run.layout.device)
             for (dtype, _), (start, stop) in zip(run.layout.groups, run.layout.spans, strict=True)
         ]
+        layout = run.layout  # (parameter, its view of the buffers), in the layout's order, as the child has them
+        self._views = [
+            (p, view)
+            for g, flat in enumerate(self._grads)
+            for p, view in zip(layout.groups[g][1], layout.views(flat, g), strict=True)
+        ]
         self._child = ModelProcess(model, _serve_objective, objective, run.config, self._grads)
         weakref.finalize(self, self._child.close)  # the child ends with this object, or at exit
         (self.signal,) = self._child.receive("ready")  # "reward" (GRPO) or "teacher" (OPD)
@@ -192,7 +198,7 @@ class LearnerProcess:
         self._in_batch = True
         held = []
         with torch.no_grad():
-            for p, view in self._views():
+            for p, view in self._views:
                 if p.grad is not None:
                     view.copy_(p.grad)
                 held.append(p.grad is not None)
@@ -237,7 +243,7 @@ class LearnerProcess:
         self._in_batch = False
         self.run.assert_safe_to_step()  # this process's guard; ends its batch either way
         with torch.no_grad():
-            for (p, view), has in zip(self._views(), held, strict=True):
+            for (p, view), has in zip(self._views, held, strict=True):
                 if not has:
                     continue
                 if p.grad is None:
@@ -262,7 +268,7 @@ class LearnerProcess:
     def dense_gradient(self) -> list[torch.Tensor]:
         """The child's objective's ``dense_gradient()``, as tensors of this process."""
         self._ask("dense")
-        return [view.clone() for _, view in self._views()]
+        return [view.clone() for _, view in self._views]
 
     def close(self) -> None:
         self._child.close()
@@ -272,14 +278,6 @@ class LearnerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _views(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-        layout = self.run.layout
-        return [
-            (p, view)
-            for g, flat in enumerate(self._grads)
-            for p, view in zip(layout.groups[g][1], layout.views(flat, g), strict=True)
-        ]
 
     def _end_batch(self) -> None:
         if self._in_batch:
