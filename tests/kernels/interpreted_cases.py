@@ -1,4 +1,4 @@
-"""Cases for the Triton kernel under ``TRITON_INTERPRET=1`` (CPU) against its pure-torch counterpart.
+"""Cases for the Triton kernels under ``TRITON_INTERPRET=1`` (CPU) against their pure-torch counterparts.
 
 Not collected on its own: ``test_triton_interpreted.py`` runs this file in a fresh interpreter with
 the variable set, because Triton picks the interpreter when functions are decorated (its own
@@ -55,3 +55,150 @@ def test_triton_logprob_rows_match_the_torch_rows(
         ((lp * g[0]).sum() + (ent * g[1]).sum()).backward()
         results.append([lp, ent, hh.grad] + ([ww.grad] if train_head else []))
     _assert_all_close(results[0], results[1], 2e-4)  # fp32 sums over the vocabulary, in another order
+
+
+# --- the decode step's layer kernels (thundersync.kernels.decode) ---
+
+DTYPES = {"fp32": (torch.float32, 2e-6), "fp16": (torch.float16, 3e-3)}  # fp16: the products' sums in another order
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    m=st.integers(1, 20),
+    n=st.integers(1, 70),
+    k=st.integers(1, 150),
+    norm=st.booleans(),
+    epilogue=st.sampled_from(["none", "bias", "residual", "bias+residual", "silu_mul"]),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    config=st.sampled_from([(16, 64, 4, 2), (32, 32, 2, 3), (64, 128, 4, 1)]),
+    seed=st.integers(0, 2**31),
+)
+def test_decode_linear_matches_its_reference(
+    m: int, n: int, k: int, norm: bool, epilogue: str, dtype: str, config: tuple, seed: int
+) -> None:
+    from thundersync.kernels.decode import GATE_UP_INTERLEAVE, LinearConfig, decode_linear, decode_linear_reference
+
+    torch_dtype, tol = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(torch_dtype)
+
+    if epilogue == "silu_mul":
+        n = 2 * GATE_UP_INTERLEAVE * (1 + n % 3)
+    kwargs: dict[str, object] = {
+        "bias": rand(n) if "bias" in epilogue else None,
+        "residual": rand(m, n) if "residual" in epilogue else None,
+        "silu_mul": epilogue == "silu_mul",
+    }
+    if norm:
+        kwargs.update(norm_weight=rand(k), eps=1e-5)
+    x, w = rand(m, k), rand(n, k)
+    got = decode_linear(x, w, config=LinearConfig(*config), **kwargs)  # type: ignore[arg-type]
+    assert got.dtype == torch_dtype and got.shape == (m, n // 2 if epilogue == "silu_mul" else n)
+    assert _rel(got, decode_linear_reference(x, w, **kwargs)) <= tol  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("norms", [True, False])
+def test_decode_heads_match_their_reference_and_write_only_each_rows_position(dtype: str, norms: bool) -> None:
+    from thundersync.kernels.decode import decode_heads, decode_heads_reference
+
+    torch_dtype, tol = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, rows = 4, 2, 16, 3
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=gen).to(torch_dtype)
+    stores = [
+        torch.randn(2, 5, kv_heads, 9, d, generator=gen).to(torch_dtype) for _ in range(2)
+    ]  # [layers, slots, ...]
+    expected = [s.clone() for s in stores]
+    positions = torch.tensor([4, 0, 8])
+    angle = torch.rand(rows, 1, d, generator=gen) * 7
+    tables = (angle.cos().to(torch_dtype), angle.sin().to(torch_dtype))
+    kwargs = (
+        {
+            "q_norm": torch.rand(d, generator=gen).to(torch_dtype) + 0.5,
+            "k_norm": torch.rand(d, generator=gen).to(torch_dtype),
+            "eps": 1e-6,
+        }
+        if norms
+        else {}
+    )
+    shape = {"num_heads": heads, "num_kv_heads": kv_heads}
+    got = decode_heads(qkv, stores[0][1], stores[1][1], positions, *tables, **shape, **kwargs)  # type: ignore[arg-type]
+    want = decode_heads_reference(qkv, expected[0][1], expected[1][1], positions, *tables, **shape, **kwargs)  # type: ignore[arg-type]
+    assert _rel(got, want) <= tol
+    assert _rel(stores[0], expected[0]) <= tol
+    assert torch.equal(stores[1], expected[1])  # values are copied
+    untouched = torch.ones(2, 5, kv_heads, 9, dtype=torch.bool)
+    untouched[1, torch.arange(rows), :, positions] = False
+    assert torch.equal(stores[0][untouched], expected[0][untouched])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_kernel_layers_decode_like_the_eager_layers(family: str) -> None:
+    """The whole decode step's layers, fp32 under the interpreter, against the eager layers."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from thundersync.engine.anatomy import decoder_anatomy
+    from thundersync.engine.decoder import EAGER
+    from thundersync.generation._forward import Rows, forward_hidden
+    from thundersync.generation._fused import FusedWeights
+    from thundersync.generation._kernel_layers import KernelLayers
+    from thundersync.generation._kv_cache import KVCache
+    from thundersync.kernels.decode import GATE_UP_INTERLEAVE
+
+    shape = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+    )
+    torch.manual_seed(0)
+    if family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **shape)).eval()
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.q_proj.bias)
+    anatomy = decoder_anatomy(model)
+    caches = [KVCache(anatomy, slots=3, capacity=12) for _ in range(2)]
+    for cache in caches:
+        for store in (cache.k, cache.v):
+            store.copy_(torch.randn(store.shape, generator=torch.Generator().manual_seed(5)))
+    tokens, positions = torch.tensor([3, 9, 60]), torch.tensor([2, 7, 0])
+    rows = Rows(slots=None, positions=positions[:, None], pad_index=None, unpad_index=None, key_len=8)
+    with torch.no_grad():
+        want = forward_hidden(anatomy, caches[0], tokens, positions, torch.arange(3), rows)
+        fused = FusedWeights(anatomy, interleave=GATE_UP_INTERLEAVE)
+        got = KernelLayers(anatomy, fused).forward(anatomy, caches[1], tokens, positions, 8, EAGER)
+    assert _rel(got, want) <= 1e-5
+    assert _rel(caches[1].k, caches[0].k) <= 1e-6
+    assert _rel(caches[1].v, caches[0].v) <= 1e-6
+    new = torch.zeros(caches[0].k.shape, dtype=torch.bool)
+    new[:, torch.arange(3), :, positions] = True
+    assert torch.equal(caches[1].k[~new], caches[0].k[~new])  # only the decoded tokens' keys are written
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("length", [5, 40, 1500])  # 1500: the softmax walks its keys in two blocks
+def test_decode_attention_matches_its_reference_over_cache_views(dtype: str, length: int) -> None:
+    from thundersync.kernels.decode import decode_attention, decode_attention_reference
+
+    torch_dtype, tol = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(length)
+    rows, heads, kv_heads, d = 3, 4, 2, 16
+    cache = torch.randn(2, 4, kv_heads, length + 7, d, generator=gen).to(torch_dtype)  # [k/v, slots, Hkv, capacity, D]
+    q = torch.randn(rows, heads, d, generator=gen).to(torch_dtype)
+    positions = torch.tensor([length - 1, 0, length // 2])
+    keys, values = cache[0, :rows, :, :length], cache[1, :rows, :, :length]
+    want = decode_attention_reference(q, keys, values, positions, 0.3)
+    assert _rel(decode_attention(q, keys, values, positions, 0.3), want) <= tol

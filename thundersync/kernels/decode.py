@@ -1,0 +1,360 @@
+"""The decode step's fused layer kernels, with their pure-torch references.
+
+A decode step multiplies a few rows by each weight matrix, so every product is bound by reading
+its weights, and the small kernels between the products (norms, activation, residual adds,
+per-head norms, rotary, cache writes) cost as much launch and tail latency as the products.
+Three kernels of ours and cuBLAS's two attention products take a layer into seven launches::
+
+    qkv = decode_linear(x, W_qkv, norm=input_norm)             # RMS norm + product (+ bias)
+    q = decode_heads(qkv, k_cache, v_cache, positions, ...)    # per-head norms, rotary, cache write
+    attn = decode_attention(q, keys, values, positions, ...)    # q.k, masked softmax, p.v
+    x = decode_linear(attn, W_o, residual=x)                    # product + residual
+    act = decode_linear(x, W_gate_up, norm=post_norm, silu_mul=True)  # RMS norm + product + silu(gate) * up
+    x = decode_linear(act, W_down, residual=x)                  # product + residual
+
+Each rounds where the eager layer rounds (see ``_decode_triton``), so they compute the eager
+values up to the order of the products' fp32 sums; the ``*_reference`` functions are those eager
+forms. :func:`decode_kernels_capability` probes the three once per (device, dtype) against them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from thundersync.errors import ConfigError
+from thundersync.kernels.probe import Capability, check_close, probe, record
+
+__all__ = [
+    "GATE_UP_INTERLEAVE",
+    "LinearConfig",
+    "decode_attention",
+    "decode_attention_reference",
+    "decode_heads",
+    "decode_heads_reference",
+    "decode_kernels_capability",
+    "decode_linear",
+    "decode_linear_reference",
+]
+
+_KERNEL = "decode_layer"
+GATE_UP_INTERLEAVE = 16  # rows of a gate/up stack's blocks for decode_linear(..., silu_mul=True)
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Launch parameters of :func:`decode_linear` (see :func:`linear_config`)."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+def linear_config(n: int, k: int, rows: int, norm: bool) -> LinearConfig:
+    """The launch parameters of an [rows, k] x [k, n] product: from the JSON file named by
+    ``THUNDERSYNC_DECODE_LINEAR_CONFIGS`` when it lists ("block_m,n,k": [block_n, block_k, warps,
+    stages], as ``bench/decode_layer.py --sweep --configs-out`` writes it), else the fastest of a
+    sweep on the H200 at Qwen3-0.6B's shapes (bench/RESULTS.md): with the norm, whose operand is
+    computed in registers and stalls every loop step on its loads, few long steps; without, short
+    steps pipelined four (three) deep."""
+    tuned = _tuned_configs().get(f"{block_m(rows)},{n},{k}")
+    if tuned is not None:
+        return LinearConfig(*tuned)
+    if rows > 16:
+        return LinearConfig(32, 256, 4, 2) if norm else LinearConfig(32, 128, 4, 3)
+    return LinearConfig(32, 512, 4, 1) if norm else LinearConfig(16, 128, 4, 4)
+
+
+@functools.cache
+def _tuned_configs() -> dict[str, list[int]]:
+    path = os.environ.get("THUNDERSYNC_DECODE_LINEAR_CONFIGS")
+    if not path:
+        return {}
+    try:
+        configs = json.loads(Path(path).read_text())
+        return {str(key): [int(v) for v in value] for key, value in configs.items()}
+    except (OSError, ValueError, TypeError, AttributeError) as error:
+        raise ConfigError(
+            f"THUNDERSYNC_DECODE_LINEAR_CONFIGS={path!r} is not a readable JSON object of "
+            f'"block_m,n,k": [block_n, block_k, warps, stages] ({error}); unset it or fix the file'
+        ) from error
+
+
+def block_m(rows: int) -> int:
+    """The rows one program of :func:`decode_linear` covers: 16, 32 or 64."""
+    return min(64, max(16, 1 << (rows - 1).bit_length()))
+
+
+def decode_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,
+    config: LinearConfig | None = None,
+) -> torch.Tensor:
+    """``norm?(x) @ weight.T (+ bias) (+ residual)`` of ``x`` [M, K] with ``weight`` [N, K]
+    (contiguous in K), the RMS norm with ``norm_weight`` (and ``eps``) when given.
+
+    ``silu_mul``: ``weight`` is a gate/up stack interleaved by :data:`GATE_UP_INTERLEAVE` rows
+    (:func:`~thundersync.generation._fused.split_gate_up`), and the result is ``silu(gate) * up``
+    [M, N / 2]; no bias or residual then.
+    """
+    from thundersync.kernels._decode_triton import linear_kernel
+
+    m = x.shape[0]
+    n, k = weight.shape
+    if x.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"decode_linear: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
+    cfg = config or linear_config(n, k, m, norm_weight is not None)
+    if silu_mul:
+        if bias is not None or residual is not None or n % (2 * GATE_UP_INTERLEAVE):
+            raise ValueError(f"decode_linear: silu_mul takes an interleaved gate/up weight, got {tuple(weight.shape)}")
+        cfg = dataclasses.replace(cfg, block_n=2 * GATE_UP_INTERLEAVE)
+    out = torch.empty(m, n // 2 if silu_mul else n, dtype=weight.dtype, device=x.device)
+    rows_per_program = block_m(m)
+    grid = (-(-n // cfg.block_n), -(-m // rows_per_program))
+    linear_kernel[grid](
+        x,
+        weight,
+        out,
+        bias if bias is not None else out,
+        residual if residual is not None else out,
+        norm_weight if norm_weight is not None else out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        eps,
+        NORM=norm_weight is not None,
+        HAS_BIAS=bias is not None,
+        RESIDUAL=residual is not None,
+        SILU_MUL=silu_mul,
+        BLOCK_M=rows_per_program,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.warps,
+        num_stages=cfg.stages,
+    )
+    return out
+
+
+def decode_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`decode_linear` as the eager layer computes it."""
+    if norm_weight is not None:
+        x = norm_weight * F.rms_norm(x, (x.shape[-1],), None, eps)
+    out = F.linear(x, weight, bias)
+    if silu_mul:
+        blocks = out.view(out.shape[0], -1, 2, GATE_UP_INTERLEAVE)
+        out = F.silu(blocks[:, :, 0]) * blocks[:, :, 1]
+        return out.reshape(x.shape[0], -1)
+    if residual is not None:
+        out = (residual.float() + out.float()).to(out.dtype)
+    return out
+
+
+def decode_heads(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """The queries [M, Hq, D] of a stacked q/k/v product ``qkv`` [M, (Hq + 2 Hkv) D], after the
+    per-head norms (when given) and the rotary embedding; row r's key (normed, rotated) and value
+    are written into ``k_cache``/``v_cache`` [slots, Hkv, L, D] at slot r, position ``positions[r]``.
+
+    ``cos``, ``signed_sin``: [M, 1, D] or [M, D], as :func:`~thundersync.engine.decoder.rotary_tables` gives them.
+    """
+    from thundersync.kernels._decode_triton import heads_kernel
+
+    m = qkv.shape[0]
+    d = k_cache.shape[-1]
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or qkv.stride(1) != 1:
+        raise ValueError(f"decode_heads: qkv {tuple(qkv.shape)} is not [rows, (Hq + 2 Hkv) * D] with D = {d}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("decode_heads: give both per-head norms or neither")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("decode_heads: the key and value caches must share a layout, contiguous in D")
+    q = torch.empty(m, num_heads, d, dtype=qkv.dtype, device=qkv.device)
+    cos2, sin2 = cos.reshape(m, d), signed_sin.reshape(m, d)
+    heads_kernel[(m, num_heads + num_kv_heads)](
+        qkv,
+        q,
+        k_cache,
+        v_cache,
+        positions,
+        cos2,
+        sin2,
+        q_norm if q_norm is not None else q,
+        k_norm if k_norm is not None else q,
+        qkv.stride(0),
+        q.stride(0),
+        cos2.stride(0),
+        sin2.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        eps,
+        HQ=num_heads,
+        HKV=num_kv_heads,
+        D=d,
+        NORM=q_norm is not None,
+        num_warps=1,
+    )
+    return q
+
+
+def decode_heads_reference(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """:func:`decode_heads` as the eager layer computes it."""
+    m, d = qkv.shape[0], k_cache.shape[-1]
+    q, k, v = torch.split(qkv.view(m, -1, d), [num_heads, num_kv_heads, num_kv_heads], dim=1)
+    if q_norm is not None and k_norm is not None:
+        q = q_norm * F.rms_norm(q, (d,), None, eps)
+        k = k_norm * F.rms_norm(k, (d,), None, eps)
+    cos, signed_sin = cos.reshape(m, 1, d), signed_sin.reshape(m, 1, d)
+
+    def rotary(t: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(t * cos, t.roll(d // 2, dims=-1), signed_sin)
+
+    q, k = rotary(q), rotary(k)
+    rows = torch.arange(m, device=qkv.device)
+    k_cache[rows, :, positions] = k
+    v_cache[rows, :, positions] = v
+    return q
+
+
+def decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """One query per row: ``q`` [R, Hq, D] over ``keys``/``values`` [R, Hkv, L, D] (views of a
+    cache), row r seeing keys 0 .. ``positions[r]``; returns [R, Hq * D].
+
+    Three kernels: the scores' product, one pass for the scaling, the mask and the softmax (fp32,
+    rounded once), the values' product."""
+    from thundersync.kernels._decode_triton import softmax_kernel
+
+    rows, heads, d = q.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    batch = rows * kv_heads
+    scores = torch.bmm(q.reshape(batch, heads // kv_heads, d), keys.reshape(batch, length, d).transpose(1, 2))
+    probs = torch.empty_like(scores)
+    block = min(1024, 1 << (length - 1).bit_length())
+    softmax_kernel[(rows * heads,)](scores, probs, positions, length, scaling, ROWS_PER_SLOT=heads, BLOCK=block)
+    return torch.bmm(probs, values.reshape(batch, length, d)).view(rows, heads * d)
+
+
+def decode_attention_reference(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """:func:`decode_attention` as grouped-query attention with a mask, the softmax in fp32."""
+    rows, heads, d = q.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    k = keys.repeat_interleave(heads // kv_heads, dim=1)  # [R, Hq, L, D]
+    v = values.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("rhd,rhld->rhl", q.float(), k.float()) * scaling
+    visible = torch.arange(length, device=q.device)[None, None, :] <= positions[:, None, None]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(q.dtype)
+    return torch.einsum("rhl,rhld->rhd", probs.float(), v.float()).to(q.dtype).reshape(rows, heads * d)
+
+
+def _trial(device: torch.device, dtype: torch.dtype) -> None:
+    """Both kernels against their references at a small shape with every option."""
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+    x, w, res = rand(3, 256), rand(96, 256), rand(3, 96)
+    for kwargs in (
+        {"norm_weight": rand(256), "eps": 1e-6, "bias": rand(96)},
+        {"residual": res},
+        {"norm_weight": rand(256), "eps": 1e-6, "silu_mul": True},
+    ):
+        check_close(decode_linear(x, w, **kwargs), decode_linear_reference(x, w, **kwargs), 2e-2)
+    heads, kv_heads, d = 4, 2, 64
+    qkv = rand(3, (heads + 2 * kv_heads) * d)
+    caches = [torch.zeros(4, kv_heads, 8, d, dtype=dtype, device=device) for _ in range(4)]
+    positions = torch.tensor([5, 0, 7], device=device)
+    angle = torch.rand(3, 1, d, generator=gen, device=device)
+    tables = (angle.cos().to(dtype), angle.sin().to(dtype))
+    norms = {"q_norm": rand(d), "k_norm": rand(d), "eps": 1e-6}
+    got = decode_heads(qkv, caches[0], caches[1], positions, *tables, num_heads=heads, num_kv_heads=kv_heads, **norms)  # type: ignore[arg-type]
+    want = decode_heads_reference(
+        qkv,
+        caches[2],
+        caches[3],
+        positions,
+        *tables,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        **norms,  # type: ignore[arg-type]
+    )
+    check_close(got, want, 2e-2, "queries")
+    check_close(caches[0], caches[2], 2e-2, "keys")
+    check_close(caches[1], caches[3], 0.0, "values")
+    keys, values = caches[0][:3, :, :8], caches[1][:3, :, :8]
+    check_close(
+        decode_attention(got, keys, values, positions, 0.125),
+        decode_attention_reference(got, keys, values, positions, 0.125),
+        2e-2,
+        "attention",
+    )
+
+
+def decode_kernels_capability(device: torch.device, dtype: torch.dtype) -> Capability:
+    """Whether :func:`decode_linear` and :func:`decode_heads` run on ``device`` for ``dtype`` (a
+    16-bit dtype on CUDA with triton installed, after a trial against the references), and why not."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return record(_KERNEL, device, dtype, "decode", False, f"{dtype} is not a 16-bit dtype")
+    if device.type != "cuda":
+        return record(_KERNEL, device, dtype, "decode", False, "Triton kernels run on CUDA devices only")
+    if importlib.util.find_spec("triton") is None:
+        return record(
+            _KERNEL, device, dtype, "decode", False, "triton is not installed: pip install 'thundersync[kernels]'"
+        )
+    return probe(_KERNEL, device, dtype, "decode", lambda: _trial(device, dtype))
