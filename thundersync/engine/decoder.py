@@ -51,6 +51,7 @@ __all__ = [
     "attention_output",
     "decoder_forward",
     "embed",
+    "is_plain_rms_norm",
     "rotary_tables",
 ]
 
@@ -155,7 +156,7 @@ class _RMSNorm(Protocol):
     variance_epsilon: float
 
 
-def _is_plain_rms_norm(module: nn.Module) -> TypeGuard[_RMSNorm]:
+def is_plain_rms_norm(module: nn.Module) -> TypeGuard[_RMSNorm]:
     """Whether ``module`` is one of the transformers RMSNorm classes of ``_PLAIN_RMS_NORMS``."""
     return type(module).__name__ in _PLAIN_RMS_NORMS
 
@@ -165,7 +166,7 @@ def apply_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
     fp64 inputs call the module: it normalizes in fp32, where ``F.rms_norm`` would use fp64.
     """
-    if x.dtype == torch.float64 or not _is_plain_rms_norm(module):
+    if x.dtype == torch.float64 or not is_plain_rms_norm(module):
         return _call(module, x)
     return module.weight * F.rms_norm(x, (x.shape[-1],), None, module.variance_epsilon)
 

@@ -408,11 +408,14 @@ class ContinuousBatcher:
         """Decode one token in each of slots ``0 .. R-1`` (fixed shapes, capturable): logits [R, V].
 
         Attention reads those slots' keys in place (views of the cache)."""
-        count = tokens.shape[0]
-        slots = self._slot_ids[:count]
-        rows = Rows(slots=None, positions=positions[:, None], pad_index=None, unpad_index=None, key_len=key_len)
-        math = self.decode_math.math if self.decode_math is not None else None
-        hidden = forward_hidden(self.anatomy, self.cache, tokens, positions, slots, rows, math)
+        decode_math = self.decode_math
+        if decode_math is not None and decode_math.kernels is not None:
+            hidden = decode_math.kernels.forward(self.anatomy, self.cache, tokens, positions, key_len, decode_math.math)
+        else:
+            slots = self._slot_ids[: tokens.shape[0]]
+            rows = Rows(slots=None, positions=positions[:, None], pad_index=None, unpad_index=None, key_len=key_len)
+            math = decode_math.math if decode_math is not None else None
+            hidden = forward_hidden(self.anatomy, self.cache, tokens, positions, slots, rows, math)
         return logits_of(self.anatomy, hidden)
 
     # --- sampling and finishing ---------------------------------------------------------------------

@@ -17,6 +17,9 @@ graph. Two remedies, each optional:
   share one too. Prefill never goes through these (its shapes vary with every batch).
 - ``fused``: the q/k/v and gate/up products of the layers that :mod:`._fused` can stack are one
   product each.
+- ``kernels``: every layer runs through the fused decode kernels of :mod:`._kernel_layers`
+  (seven kernels per layer, over ``fused``, which must be the kernels' own stacks); only the
+  embedding and the sampler go through the compiled functions then.
 
 A function that fails to compile (no Triton, no C++ compiler, an unsupported op) falls back to
 its eager form for the generator's lifetime: the failure is logged once as a warning and counted
@@ -35,6 +38,7 @@ from thundersync._compile import Backend, OrEager
 from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.engine.decoder import LayerMath, Tensors3, attention_inputs, attention_output, embed
 from thundersync.generation._fused import FusedWeights, fused_attention_inputs, fused_attention_output
+from thundersync.generation._kernel_layers import KernelLayers
 from thundersync.generation._sampling import counter_uniform, sample
 
 __all__ = ["DecodeMath"]
@@ -45,10 +49,18 @@ R = TypeVar("R")
 
 class DecodeMath:
     """The decode step's layer math (:attr:`math`) and sampler (:attr:`sample`): compiled with
-    ``backend`` if ``compile``, over the stacked projections of ``fused`` where it has them."""
+    ``backend`` if ``compile``, over the stacked projections of ``fused`` where it has them; the
+    layers through ``kernels`` when given."""
 
-    def __init__(self, *, compile: bool, fused: FusedWeights | None = None, backend: Backend = "inductor") -> None:
-        self.compile, self.fused, self.backend = compile, fused, backend
+    def __init__(
+        self,
+        *,
+        compile: bool,
+        fused: FusedWeights | None = None,
+        kernels: KernelLayers | None = None,
+        backend: Backend = "inductor",
+    ) -> None:
+        self.compile, self.fused, self.kernels, self.backend = compile, fused, kernels, backend
         self.failures: list[str] = []  # "function: error" of each compiled function that runs eagerly
         self._inputs = self._wrap(attention_inputs)
         self._output = self._wrap(attention_output)
@@ -73,4 +85,4 @@ class DecodeMath:
         fused = self.fused.layers[index] if self.fused is not None else None
         if fused is None:
             return self._output(an.layers[index], x, a)
-        return self._fused_output(an.layers[index], fused.gate_up_weight, x, a)
+        return self._fused_output(an.layers[index], fused.gate_up_weight, x, a, fused.interleave)

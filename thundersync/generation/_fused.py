@@ -7,6 +7,11 @@ values up to the rounding of the product::
 
     [q | k | v] = h [Wq; Wk; Wv]^T + [bq; bk; bv]          gate, up = chunk(h [Wg; Wu]^T, 2)
 
+With ``interleave = b`` the gate/up stack alternates blocks of b rows, [Wg[0:b]; Wu[0:b]; Wg[b:2b];
+...], so that a product kernel holding 2b output columns holds the gate and up values of the same
+b features (the fused decode kernels compute the activation in the product's epilogue:
+:mod:`~thundersync.generation._kernel_layers`); :func:`split_gate_up` undoes it.
+
 A layer is fused only when its projections are plain ``nn.Linear`` modules (a peft adapter
 wraps them, and then the layer runs through its modules) and its MLP is one of the
 ``down(act(gate(x)) * up(x))`` classes of ``_PLAIN_MLPS``. The stacked weights are a copy:
@@ -28,7 +33,7 @@ from torch import nn
 from thundersync.engine.anatomy import DecoderAnatomy, LayerParts
 from thundersync.engine.decoder import apply_norm, apply_rotary
 
-__all__ = ["FusedLayer", "FusedWeights", "fused_attention_inputs", "fused_attention_output"]
+__all__ = ["FusedLayer", "FusedWeights", "fused_attention_inputs", "fused_attention_output", "split_gate_up"]
 
 # MLP classes known to compute ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``.
 _PLAIN_MLPS = frozenset({"Qwen3MLP", "Qwen2MLP", "LlamaMLP", "MistralMLP"})
@@ -68,16 +73,37 @@ class FusedLayer:
     gate_up_weight: torch.Tensor  # [2 * I, H]
     q_size: int  # Hq * D; k and v have Hkv * D each
     sources: tuple[tuple[torch.Tensor, ...], ...]  # what each of the three stacks, in order
+    interleave: int = 0  # of the gate/up stack (see the module docstring); 0: [Wg; Wu]
 
     def refresh(self) -> None:
         """Copy the current parameter values into the stacked weights (in place)."""
         targets = (self.qkv_weight, self.qkv_bias, self.gate_up_weight)
         for target, sources in zip(targets, self.sources, strict=True):
-            if target is not None:
+            if target is None:
+                continue
+            if target is self.gate_up_weight and self.interleave:
+                _write_interleaved(target, sources, self.interleave)
+            else:
                 torch.cat([t.detach() for t in sources], out=target)
 
 
-def fuse_layer(parts: LayerParts) -> FusedLayer | None:
+def _write_interleaved(target: torch.Tensor, sources: tuple[torch.Tensor, ...], block: int) -> None:
+    gate, up = sources
+    blocks = target.view(gate.shape[0] // block, 2, block, gate.shape[1])
+    blocks[:, 0].copy_(gate.detach().view(blocks[:, 0].shape))
+    blocks[:, 1].copy_(up.detach().view(blocks[:, 1].shape))
+
+
+def split_gate_up(gate_up: torch.Tensor, interleave: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) [N, I] of the product [N, 2 I] with a gate/up stack interleaved by ``interleave`` rows."""
+    if not interleave:
+        size = gate_up.shape[-1] // 2
+        return gate_up[:, :size], gate_up[:, size:]
+    blocks = gate_up.view(gate_up.shape[0], -1, 2, interleave)
+    return blocks[:, :, 0].reshape(gate_up.shape[0], -1), blocks[:, :, 1].reshape(gate_up.shape[0], -1)
+
+
+def fuse_layer(parts: LayerParts, interleave: int = 0) -> FusedLayer | None:
     """The stacked weights of ``parts``, or None when its modules are not plain (see the module docstring)."""
     projections = _plain_linears((parts.q_proj, parts.k_proj, parts.v_proj))
     mlp = parts.mlp
@@ -88,21 +114,29 @@ def fuse_layer(parts: LayerParts) -> FusedLayer | None:
         return None
     weights = tuple(m.weight for m in projections)
     gate_up = (mlp.gate_proj.weight, mlp.up_proj.weight)
-    return FusedLayer(
+    if interleave and mlp.gate_proj.out_features % interleave:
+        return None
+    layer = FusedLayer(
         qkv_weight=_stacked(weights),
         qkv_bias=_stacked(biases) if biases else None,
         gate_up_weight=_stacked(gate_up),
         q_size=projections[0].out_features,
         sources=(weights, biases, gate_up),
+        interleave=interleave,
     )
+    if interleave:
+        _write_interleaved(layer.gate_up_weight, gate_up, interleave)
+    return layer
 
 
 class FusedWeights:
-    """The stacked weights of every layer of ``anatomy`` that can be fused (``None`` for the others)."""
+    """The stacked weights of every layer of ``anatomy`` that can be fused (``None`` for the others),
+    the gate/up stacks interleaved by ``interleave`` rows (0: not; see the module docstring)."""
 
-    def __init__(self, anatomy: DecoderAnatomy) -> None:
+    def __init__(self, anatomy: DecoderAnatomy, interleave: int = 0) -> None:
+        self.interleave = interleave
         with torch.no_grad():
-            self.layers = [fuse_layer(parts) for parts in anatomy.layers]
+            self.layers = [fuse_layer(parts, interleave) for parts in anatomy.layers]
 
     def refresh(self) -> None:
         """Copy the current parameters into every stacked weight (call after the weights change)."""
@@ -148,7 +182,7 @@ def fused_attention_inputs(
 
 
 def fused_attention_output(
-    parts: LayerParts, gate_up_weight: torch.Tensor, x: torch.Tensor, a: torch.Tensor
+    parts: LayerParts, gate_up_weight: torch.Tensor, x: torch.Tensor, a: torch.Tensor, interleave: int = 0
 ) -> torch.Tensor:
     """:func:`~thundersync.engine.decoder.attention_output` with one product for gate and up.
 
@@ -159,10 +193,9 @@ def fused_attention_output(
     the plain product; bench/RESULTS.md)."""
     o_proj: torch.Tensor = parts.o_proj(a)
     x = _residual(x, o_proj)
-    gate_up = F.linear(apply_norm(parts.post_norm, x), gate_up_weight)
-    size = gate_up.shape[-1] // 2
+    gate, up = split_gate_up(F.linear(apply_norm(parts.post_norm, x), gate_up_weight), interleave)
     mlp = cast(_PlainMLP, parts.mlp)  # fuse_layer fuses plain MLPs only
-    out: torch.Tensor = mlp.down_proj(mlp.act_fn(gate_up[:, :size]) * gate_up[:, size:])
+    out: torch.Tensor = mlp.down_proj(mlp.act_fn(gate) * up)
     return _residual(x, out)
 
 

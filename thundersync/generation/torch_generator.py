@@ -33,6 +33,7 @@ for exact on-policy sampling.
 
 from __future__ import annotations
 
+import os
 import random
 from collections import deque
 from collections.abc import Callable
@@ -43,13 +44,17 @@ import anyio.to_thread
 from torch import nn
 
 from thundersync._compile import switch
+from thundersync._logging import get_logger
 from thundersync.errors import ConfigError, GenerationError
 from thundersync.generation._batcher import ContinuousBatcher, Ticket
 from thundersync.generation._decode_math import DecodeMath
 from thundersync.generation._fused import FusedWeights
+from thundersync.generation._kernel_layers import KernelLayers
 from thundersync.generation.base import GenerationRequest, GenerationResult
 
 __all__ = ["TorchGenerator"]
+
+_log = get_logger(__name__)
 
 
 class TorchGenerator:
@@ -62,8 +67,12 @@ class TorchGenerator:
     two. ``compile_decode`` runs its per-layer math and sampling through ``torch.compile``
     (:mod:`._decode_math`; eager where compiling fails); ``fuse_projections`` multiplies by stacked
     q/k/v and gate/up weights (:mod:`._fused`: a copy of about two thirds of the layers' weights,
-    refreshed when they change). Each defaults to its environment variable,
-    ``THUNDERSYNC_DECODE_COMPILE`` or ``THUNDERSYNC_DECODE_FUSE``: ``auto`` (on with CUDA graphs),
+    refreshed when they change); ``decode_kernels`` runs each layer of the step through seven
+    kernels, five of them fused Triton kernels (:mod:`._kernel_layers`; ``auto`` uses them where
+    the model qualifies and they pass their probe, ``on`` raises ConfigError saying why when they
+    cannot).
+    Each defaults to its environment variable, ``THUNDERSYNC_DECODE_COMPILE``,
+    ``THUNDERSYNC_DECODE_FUSE`` or ``THUNDERSYNC_DECODE_KERNELS``: ``auto`` (on with CUDA graphs),
     ``on`` or ``off``. ``priority_stream`` (``THUNDERSYNC_DECODE_PRIORITY``, ``auto``: on CUDA) runs
     every step on a high-priority CUDA stream of the generator's own, so a learner's kernels on
     other streams yield the GPU to the decode step; a request waits only for its submitter's stream
@@ -87,6 +96,7 @@ class TorchGenerator:
         cuda_graphs: bool | None = None,
         compile_decode: bool | None = None,
         fuse_projections: bool | None = None,
+        decode_kernels: bool | None = None,
         priority_stream: bool | None = None,
         seed: int = 0,
     ) -> None:
@@ -105,9 +115,19 @@ class TorchGenerator:
             raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, it is on {device}")
         compile_decode = switch("THUNDERSYNC_DECODE_COMPILE", compile_decode, auto=cuda_graphs)
         fuse_projections = switch("THUNDERSYNC_DECODE_FUSE", fuse_projections, auto=cuda_graphs)
-        if cuda_graphs or compile_decode or fuse_projections:
-            fused = FusedWeights(self._batcher.anatomy) if fuse_projections else None
-            math = DecodeMath(compile=compile_decode, fused=fused)
+        kernels_mode = switch("THUNDERSYNC_DECODE_KERNELS", decode_kernels, auto=cuda_graphs)
+        if cuda_graphs or compile_decode or fuse_projections or kernels_mode:
+            anatomy = self._batcher.anatomy
+            kernels = None
+            if kernels_mode:
+                kernels, why = KernelLayers.build(anatomy)
+                required = decode_kernels or os.environ.get("THUNDERSYNC_DECODE_KERNELS", "").strip().lower() == "on"
+                if kernels is None and required:
+                    raise ConfigError(f"decode_kernels is on but the model cannot decode through them: {why}")
+                if kernels is None:
+                    _log.info("decode kernels not used", why=why)
+            fused = kernels.fused if kernels is not None else FusedWeights(anatomy) if fuse_projections else None
+            math = DecodeMath(compile=compile_decode, fused=fused, kernels=kernels)
             self._batcher.use_fixed_step(capture=cuda_graphs, math=math)
         if switch("THUNDERSYNC_DECODE_PRIORITY", priority_stream, auto=device.type == "cuda"):
             if device.type != "cuda":

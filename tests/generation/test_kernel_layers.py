@@ -1,0 +1,170 @@
+"""The decode step's layers through the fused kernels (``_kernel_layers``): who qualifies, and on a GPU
+the same values as the eager layers (no worse than torch's own bf16 layers against fp64).
+
+The kernels' values on CPU are checked under the Triton interpreter (tests/kernels/interpreted_cases.py)."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from tests.generation.test_fixed_shape_decode import assert_same_results, fixed_shape, ragged
+from thundersync.engine.anatomy import decoder_anatomy
+from thundersync.errors import ConfigError
+from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many
+from thundersync.generation._decode_math import DecodeMath
+from thundersync.generation._forward import Rows, forward_hidden
+from thundersync.generation._fused import FusedWeights
+from thundersync.generation._kernel_layers import KernelLayers, _why_not
+from thundersync.generation._kv_cache import KVCache
+
+BF16 = torch.bfloat16
+
+
+def test_an_fp32_model_and_a_peft_model_do_not_qualify_and_say_why(make_qwen3) -> None:
+    model = make_qwen3()
+    anatomy = decoder_anatomy(model)
+    assert "dtype torch.float32" in str(_why_not(anatomy, FusedWeights(anatomy, 16)))
+    assert _why_not(decoder_anatomy(model.to(BF16)), FusedWeights(decoder_anatomy(model), 16)) is None
+    from peft import LoraConfig, get_peft_model
+
+    wrapped = get_peft_model(make_qwen3().to(BF16), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert "layer 0 is not fused" in KernelLayers.build(decoder_anatomy(wrapped))[1]
+    odd = decoder_anatomy(make_qwen3(intermediate_size=120).to(BF16))  # not whole 16-row gate/up blocks
+    assert "layer 0 is not fused" in KernelLayers.build(odd)[1]
+    assert "CUDA" in KernelLayers.build(decoder_anatomy(model.to(BF16)))[1]
+
+
+def test_interleaved_gate_up_stacks_decode_like_the_modules_and_follow_their_updates(make_qwen3) -> None:
+    model = make_qwen3()
+    plain = ragged(fixed_shape(TorchGenerator(model, max_batch=8, max_seq_len=64, cuda_graphs=False)))
+    fused = FusedWeights(decoder_anatomy(model), interleave=16)
+    generator = TorchGenerator(model, max_batch=8, max_seq_len=64, cuda_graphs=False)
+    generator._batcher.use_fixed_step(capture=False, math=DecodeMath(compile=False, fused=fused))
+    assert_same_results(plain, ragged(generator))
+    gate, up = model.model.layers[1].mlp.gate_proj.weight, model.model.layers[1].mlp.up_proj.weight
+    with torch.no_grad():
+        gate.mul_(1.5)
+        up.add_(0.25)
+    fused.refresh()
+    blocks = fused.layers[1].gate_up_weight.view(-1, 2, 16, gate.shape[1])
+    assert torch.equal(blocks[:, 0].reshape(gate.shape), gate) and torch.equal(blocks[:, 1].reshape(up.shape), up)
+
+
+def test_decode_kernels_on_without_cuda_is_a_config_error_and_auto_leaves_them_off(make_qwen3, monkeypatch) -> None:
+    with pytest.raises(ConfigError, match="cannot decode through them: .*CUDA"):
+        TorchGenerator(make_qwen3().to(BF16), max_batch=2, max_seq_len=32, decode_kernels=True)
+    monkeypatch.setenv("THUNDERSYNC_DECODE_KERNELS", "on")
+    with pytest.raises(ConfigError, match="cannot decode through them"):
+        TorchGenerator(make_qwen3().to(BF16), max_batch=2, max_seq_len=32)
+    monkeypatch.setenv("THUNDERSYNC_DECODE_KERNELS", "auto")
+    generator = TorchGenerator(make_qwen3().to(BF16), max_batch=2, max_seq_len=32, cuda_graphs=False)
+    assert generator._batcher.decode_math is None
+
+
+def _rel(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((got.double() - exact).norm() / exact.norm())
+
+
+def _prefilled(model: torch.nn.Module, prompts: list[list[int]]) -> KVCache:
+    anatomy = decoder_anatomy(model)
+    cache = KVCache(anatomy, slots=len(prompts), capacity=300)
+    device = anatomy.device
+    for slot, prompt in enumerate(prompts):
+        n = len(prompt)
+        tokens = torch.tensor(prompt, device=device)
+        rows = Rows(
+            slots=torch.tensor([slot], device=device),
+            positions=torch.arange(n, device=device)[None],
+            pad_index=torch.arange(n, device=device)[None],
+            unpad_index=torch.arange(n, device=device),
+            key_len=n,
+        )
+        with torch.no_grad():
+            forward_hidden(
+                anatomy, cache, tokens, torch.arange(n, device=device), torch.full((n,), slot, device=device), rows
+            )
+    return cache
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [{}, {"model_type": "qwen2"}])
+def test_kernel_layers_decode_like_the_eager_layers_in_bf16(make_qwen3, config) -> None:
+    overrides = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    if config:  # a Qwen2: q/k/v biases, no per-head norms
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(0)
+        model64 = Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=320, num_hidden_layers=3, tie_word_embeddings=True, initializer_range=0.2, **overrides
+            )
+        ).double()
+        for layer in model64.model.layers:  # random biases (transformers initialises them to zero)
+            torch.nn.init.normal_(layer.self_attn.q_proj.bias, std=0.5)
+            torch.nn.init.normal_(layer.self_attn.k_proj.bias, std=0.5)
+    else:
+        model64 = make_qwen3(num_hidden_layers=3, **overrides).double()
+    model64 = model64.cuda().eval()
+    bf16_model = type(model64)(model64.config).cuda().to(BF16).eval()
+    bf16_model.load_state_dict({k: v.to(BF16) for k, v in model64.state_dict().items()})
+    prompts = [[5 + i] * (3 + 40 * i) for i in range(4)]
+    caches = {
+        "exact": _prefilled(model64, prompts),
+        "eager": _prefilled(bf16_model, prompts),
+        "kernels": _prefilled(bf16_model, prompts),
+    }
+    tokens = torch.tensor([7, 8, 9, 10], device="cuda")
+    positions = torch.tensor([len(p) for p in prompts], device="cuda")
+    key_len = 256
+    rows = Rows(slots=None, positions=positions[:, None], pad_index=None, unpad_index=None, key_len=key_len)
+    slots = torch.arange(4, device="cuda")
+    anatomy = decoder_anatomy(bf16_model)
+    math = DecodeMath(compile=False, fused=FusedWeights(anatomy))
+    kernels, why = KernelLayers.build(anatomy)
+    assert kernels is not None, why
+    with torch.no_grad():
+        exact = forward_hidden(decoder_anatomy(model64), caches["exact"], tokens, positions, slots, rows)
+        eager = forward_hidden(anatomy, caches["eager"], tokens, positions, slots, rows, math.math)
+        got = kernels.forward(anatomy, caches["kernels"], tokens, positions, key_len, math.math)
+    assert _rel(got, exact) <= 1.5 * _rel(eager, exact) + 1e-3
+    for name in ("k", "v"):
+        written = [getattr(caches[c], name)[:, slots, :, positions] for c in ("exact", "eager", "kernels")]
+        assert _rel(written[2], written[0]) <= 1.5 * _rel(written[1], written[0]) + 1e-3
+        rest = [getattr(caches[c], name)[:, :, :, :8] for c in ("eager", "kernels")]
+        assert torch.equal(*rest)  # the prompts' keys are untouched
+
+
+def _worst_logprob_error(generator: TorchGenerator, exact: torch.nn.Module, requests: list[GenerationRequest]) -> float:
+    results = anyio.run(generate_many, generator, requests)
+    worst = 0.0
+    for request, result in zip(requests, results, strict=True):
+        ids = torch.tensor([request.prompt_ids + result.token_ids], device="cuda")
+        with torch.no_grad():
+            logits = exact(ids).logits[0, len(request.prompt_ids) - 1 : -1]
+        want = logits.log_softmax(-1).gather(-1, ids[0, len(request.prompt_ids) :, None])[:, 0].cpu()
+        worst = max(worst, float((torch.tensor(result.logprobs, dtype=torch.float64) - want).abs().max()))
+    return worst
+
+
+@pytest.mark.gpu
+def test_a_bf16_generator_samples_through_the_kernels_in_cuda_graphs_as_the_model_scores(make_qwen3) -> None:
+    shape = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+    model = make_qwen3(**shape).cuda().to(BF16)
+    exact = make_qwen3(**shape).cuda().double()
+    exact.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    requests = [
+        GenerationRequest(
+            prompt_ids=[3 + i] * (2 + 20 * i), params=SamplingParams(temperature=1.0, max_new_tokens=5 + 30 * i, seed=i)
+        )
+        for i in range(6)
+    ]
+    generator = TorchGenerator(model, max_batch=8, max_seq_len=300)
+    assert generator._batcher.decode_math.kernels is not None
+    ours = _worst_logprob_error(generator, exact, requests)
+    assert generator._batcher.run_fixed.captured >= 3
+    torch_layers = _worst_logprob_error(
+        TorchGenerator(model, max_batch=8, max_seq_len=300, decode_kernels=False), exact, requests
+    )
+    assert ours <= 2 * torch_layers + 0.02  # a wrong kernel is off by whole nats
