@@ -4,6 +4,10 @@ Two signals: the version counters torch bumps on every in-place write of a tenso
 optimizer post-step hook over the model's parameters (fused optimizers write the parameters
 without bumping their versions). Writes through ``.data`` are invisible to both: their owner calls
 :meth:`WeightsWatch.invalidate`.
+
+The parameters are listed once, at construction (the generator's view of the model is fixed then
+too): walking the module tree at every decode step cost ~0.6 ms of host time for a 28-layer model,
+about a fifth of a batch-1 step.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ class WeightsWatch:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.parameters = tuple(model.parameters())
         self._unversioned_changes = 0  # see invalidate
         self._seen = self._version()
         _invalidate_on_optimizer_steps(self)
@@ -39,7 +44,7 @@ class WeightsWatch:
         return True
 
     def _version(self) -> tuple[int, int]:
-        return sum(p._version for p in self.model.parameters()), self._unversioned_changes
+        return sum(p._version for p in self.parameters), self._unversioned_changes
 
 
 def _invalidate_on_optimizer_steps(watch: WeightsWatch) -> None:
@@ -53,7 +58,7 @@ def _invalidate_on_optimizer_steps(watch: WeightsWatch) -> None:
         live = watch_ref()
         if live is None:
             return
-        mine = {id(p) for p in live.model.parameters()}
+        mine = {id(p) for p in live.parameters}
         if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
             live.invalidate()
 
