@@ -3,6 +3,7 @@
     python bench/generate.py                 # H200: bf16, batch 1/8/32/64/128, 128-token prompts, 256 new
     python bench/generate.py --tiny          # CPU smoke run of the same code on a tiny model
     python bench/generate.py --batches 1 --no-long-tail     # one row, without the long-tail rollout
+    python bench/generate.py --host-only     # CPU: the host's time per decode step, the device's work replaced by nothing
 
 Both sample at temperature 1 with no top-k/top-p and no stop token, from the same random prompts.
 Ours runs through the public async API (`generate_many`); each batcher step is timed (the first
@@ -195,6 +196,46 @@ def run_long_tail(
     return seconds, sum(len(r.token_ids) for r in results), warm_up
 
 
+def run_host_only(live: int) -> tuple[float, float, int]:
+    """(ms per step through ``generate_many``, the batcher's median ms per step, steps) of ``live``
+    sequences with the decode step's device work replaced by nothing: the host's own cost per step
+    (bookkeeping, the weights check, the worker-thread visits), which bounds the step from below
+    once the device's work is hidden behind it. A model with Qwen3-0.6B's 28 layers and tiny
+    widths on CPU: the host's cost depends on the module count, not the widths."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    config = Qwen3Config(num_hidden_layers=28, vocab_size=512, tie_word_embeddings=True, **shape)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    generator = TorchGenerator(model, max_batch=max(live, 2), max_seq_len=600, cuda_graphs=False, fuse_projections=True)
+    batcher = generator._batcher  # bench-only: no device work, time each batcher step
+    assert batcher.fixed is not None
+
+    def no_device_work(bucket: int, key_len: int, filtered: bool) -> torch.Tensor:
+        batcher.fixed.out[:bucket, 0] = 7
+        return batcher.fixed.out[:bucket]
+
+    batcher.run_fixed = no_device_work
+    params = SamplingParams(temperature=1.0, max_new_tokens=500)
+    requests = [GenerationRequest(prompt_ids=[3 + i] * 20, params=params) for i in range(live)]
+    anyio.run(generate_many, generator, requests)  # warm-up
+    steps: list[float] = []
+    plain_step = batcher.step
+
+    def timed_step() -> list:
+        start = time.perf_counter()
+        finished = plain_step()
+        steps.append(time.perf_counter() - start)
+        return finished
+
+    batcher.step = timed_step  # type: ignore[method-assign]
+    start = time.perf_counter()
+    anyio.run(generate_many, generator, requests)
+    seconds = time.perf_counter() - start
+    return seconds / len(steps) * 1e3, statistics.median(steps) * 1e3, len(steps)
+
+
 def run_transformers(model: torch.nn.Module, prompts: torch.Tensor, new: int, device: torch.device) -> float:
     kwargs = dict(
         max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None
@@ -220,7 +261,16 @@ def main() -> None:
     parser.add_argument(
         "--kernel-table", action="store_true", help="print each batch's profiled decode step, kernels grouped by name"
     )
+    parser.add_argument(
+        "--host-only", action="store_true", help="the host's time per decode step without device work (CPU)"
+    )
     args = parser.parse_args()
+    if args.host_only:
+        print(header(" ".join(["python", *sys.argv])))
+        rows = [[live, *run_host_only(live)] for live in (1, 16, 64)]
+        columns = ["live sequences", "ms per step (generate_many)", "batcher step median ms", "steps"]
+        print(markdown_table(columns, rows))
+        return
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     batches = [int(b) for b in (args.batches or ("1,2,4" if args.tiny else "1,8,32,64,128")).split(",")]

@@ -79,3 +79,12 @@ def test_overlap_bench_runs_the_learner_in_a_second_process_with_the_same_gradie
     assert "| balanced GRPO, learner in a 2nd process |" in out
     errors = [float(e) for e in re.findall(r"model\.norm\.weight rel\. error ([0-9.e+-]+)", out)]
     assert len(errors) == 3 and max(errors) < 1e-5, out[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_the_generator_bench_measures_the_hosts_time_per_decode_step() -> None:
+    table = _run("generate.py", "--host-only")
+    rows = [line for line in table.splitlines() if re.match(r"\| (1|16|64) \| ", line)]
+    assert len(rows) == 3
+    for row in rows:
+        assert float(row.split("|")[2]) > 0  # ms per step

@@ -492,3 +492,52 @@ def test_a_restored_rng_state_samples_the_same_tokens_again(make_qwen3) -> None:
     assert [r.token_ids for r in run(restored, unseeded)] != [r.token_ids for r in expected]
     restored.set_rng_state(state)
     assert [r.token_ids for r in run(restored, unseeded)] == [r.token_ids for r in expected]
+
+
+def test_a_worker_thread_visit_runs_steps_until_a_request_finishes_or_a_change_is_queued(
+    make_qwen3, monkeypatch
+) -> None:
+    model = make_qwen3()
+    generator = TorchGenerator(model, max_batch=4, max_seq_len=128)
+    visits, steps = [], []
+    plain_visit, plain_step = generator._steps, generator._batcher.step
+    monkeypatch.setattr(generator, "_steps", lambda driver: (visits.append(len(steps)), plain_visit(driver)))
+    monkeypatch.setattr(generator._batcher, "step", lambda: (steps.append(1), plain_step())[1])
+    long = GenerationRequest(prompt_ids=[1, 2, 3], params=SamplingParams(temperature=0.0, max_new_tokens=40))
+    late = GenerationRequest(prompt_ids=[7, 8], params=GREEDY)
+    results: dict[str, object] = {}
+
+    async def scenario() -> None:
+        async def one(name: str, request: GenerationRequest, delay: float) -> None:
+            await anyio.sleep(delay)
+            results[name] = await generator.generate(request)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(one, "long", long, 0.0)
+            group.start_soon(one, "late", late, 0.02)  # joins while the first one's visit runs
+
+    anyio.run(scenario)
+    assert results["long"].token_ids == hf_greedy(model, [1, 2, 3], 40)
+    assert results["late"].token_ids == hf_greedy(model, [7, 8], 12)
+    assert len(visits) < len(steps) / 3  # several steps per visit, not one
+    assert len(visits) >= 2  # ... but a finished request ends a visit (and so does the late one's arrival)
+
+
+def test_the_weights_check_lists_the_parameters_once(make_qwen3, monkeypatch) -> None:
+    model = make_qwen3()
+    generator = TorchGenerator(model, max_batch=2, max_seq_len=64)
+    run(generator, [GenerationRequest(prompt_ids=[1, 2], params=GREEDY)])
+    pulled = []
+    plain = model.parameters
+
+    def counted(*args: object, **kwargs: object) -> object:
+        for parameter in plain(*args, **kwargs):  # type: ignore[arg-type]
+            pulled.append(parameter)
+            yield parameter
+
+    monkeypatch.setattr(model, "parameters", counted)
+    run(generator, [GenerationRequest(prompt_ids=[1, 2], params=GREEDY)])
+    assert len(pulled) < len(list(plain()))  # 13 steps: a walk per step would pull every parameter 13 times
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.add_(1.0)  # still noticed
+    assert generator._batcher.weights.changed()
