@@ -26,6 +26,8 @@ step opd_bench "${OPD_LIMIT:-100}" python3 bench/engine_opd.py --repeat 1
 step phases "${PHASES_LIMIT:-90}" python3 bench/engine_phases.py
 step pack_cost "${PACK_LIMIT:-90}" python3 bench/engine_pack.py
 step generate "${GENERATE_LIMIT:-120}" python3 bench/generate.py ${GENERATE_ARGS:-}
+step host "${HOST_LIMIT:-60}" python3 bench/generate.py --host-only
+step decode_layer "${LAYER_LIMIT:-90}" python3 bench/decode_layer.py
 step teacher "${TEACHER_LIMIT:-60}" python3 bench/teacher_cost.py
 step overlap "${OVERLAP_LIMIT:-240}" python3 bench/overlap.py ${OVERLAP_ROWS:+--rows $OVERLAP_ROWS} ${OVERLAP_ARGS:-}
 step examples 60 bash -c "python3 examples/streaming_grpo.py && python3 examples/streaming_opd.py"
