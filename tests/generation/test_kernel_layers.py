@@ -168,3 +168,35 @@ def test_a_bf16_generator_samples_through_the_kernels_in_cuda_graphs_as_the_mode
         TorchGenerator(model, max_batch=8, max_seq_len=300, decode_kernels=False), exact, requests
     )
     assert ours <= 2 * torch_layers + 0.02  # a wrong kernel is off by whole nats
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("[1, 2]", "a JSON list, not an object"),
+        ('{"16,4096": [32, 512, 4, 1]}', "key '16,4096' is not three integers"),
+        ('{"16,4096,1024": [32, 512, 4]}', "is not four positive integers"),
+        ('{"16,4096,1024": [24, 512, 4, 1]}', "powers of two >= 16"),
+        ("{not json", "Expecting property name"),
+    ],
+)
+def test_a_bad_launch_configurations_file_is_a_config_error_at_construction(
+    make_qwen3, monkeypatch, tmp_path, content, message
+) -> None:
+    path = tmp_path / "configs.json"
+    path.write_text(content)
+    monkeypatch.setenv("THUNDERSYNC_DECODE_LINEAR_CONFIGS", str(path))
+    with pytest.raises(ConfigError, match=f"THUNDERSYNC_DECODE_LINEAR_CONFIGS=.*{message}"):
+        TorchGenerator(make_qwen3().to(BF16), max_batch=2, max_seq_len=32, decode_kernels=True)
+
+
+def test_a_launch_configurations_file_overrides_the_defaults_for_its_shapes(monkeypatch, tmp_path) -> None:
+    from thundersync.kernels.decode import LinearConfig, linear_config
+
+    path = tmp_path / "configs.json"
+    path.write_text('{"16,4096,1024": [64, 256, 8, 3]}')
+    monkeypatch.setenv("THUNDERSYNC_DECODE_LINEAR_CONFIGS", str(path))
+    assert linear_config(4096, 1024, 3, norm=True) == LinearConfig(64, 256, 8, 3)
+    assert linear_config(4096, 1024, 40, norm=True) == LinearConfig(32, 256, 4, 2)  # 64-row programs: not listed
+    monkeypatch.delenv("THUNDERSYNC_DECODE_LINEAR_CONFIGS")
+    assert linear_config(4096, 1024, 3, norm=True) == LinearConfig(32, 512, 4, 1)

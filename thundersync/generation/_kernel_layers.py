@@ -35,6 +35,7 @@ from thundersync.kernels.decode import (
     decode_heads,
     decode_kernels_capability,
     decode_linear,
+    tuned_linear_configs,
 )
 
 __all__ = ["KernelLayers"]
@@ -124,7 +125,9 @@ class KernelLayers:
 
     @classmethod
     def build(cls, anatomy: DecoderAnatomy) -> tuple[KernelLayers | None, str]:
-        """The kernel layers of ``anatomy`` (their stacked weights in :attr:`fused`), or None and why not."""
+        """The kernel layers of ``anatomy`` (their stacked weights in :attr:`fused`), or None and why
+        not. ConfigError for a ``THUNDERSYNC_DECODE_LINEAR_CONFIGS`` file that is not one."""
+        tuned_linear_configs()
         fused = FusedWeights(anatomy, interleave=GATE_UP_INTERLEAVE)
         why = _why_not(anatomy, fused)
         if why is None:

@@ -43,6 +43,8 @@ __all__ = [
     "decode_kernels_capability",
     "decode_linear",
     "decode_linear_reference",
+    "linear_config",
+    "tuned_linear_configs",
 ]
 
 _KERNEL = "decode_layer"
@@ -66,27 +68,47 @@ def linear_config(n: int, k: int, rows: int, norm: bool) -> LinearConfig:
     sweep on the H200 at Qwen3-0.6B's shapes (bench/RESULTS.md): with the norm, whose operand is
     computed in registers and stalls every loop step on its loads, few long steps; without, short
     steps pipelined four (three) deep."""
-    tuned = _tuned_configs().get(f"{block_m(rows)},{n},{k}")
+    tuned = tuned_linear_configs().get(f"{block_m(rows)},{n},{k}")
     if tuned is not None:
-        return LinearConfig(*tuned)
+        return tuned
     if rows > 16:
         return LinearConfig(32, 256, 4, 2) if norm else LinearConfig(32, 128, 4, 3)
     return LinearConfig(32, 512, 4, 1) if norm else LinearConfig(16, 128, 4, 4)
 
 
+def tuned_linear_configs() -> dict[str, LinearConfig]:
+    """The configurations of the file ``THUNDERSYNC_DECODE_LINEAR_CONFIGS`` names (none when unset);
+    ConfigError, saying what is wrong, for a file that is not one."""
+    path = os.environ.get("THUNDERSYNC_DECODE_LINEAR_CONFIGS", "")
+    return _read_configs(path) if path else {}
+
+
 @functools.cache
-def _tuned_configs() -> dict[str, list[int]]:
-    path = os.environ.get("THUNDERSYNC_DECODE_LINEAR_CONFIGS")
-    if not path:
-        return {}
+def _read_configs(path: str) -> dict[str, LinearConfig]:
+    def fail(why: str) -> ConfigError:
+        return ConfigError(
+            f"THUNDERSYNC_DECODE_LINEAR_CONFIGS={path!r}: {why}; it must hold a JSON object of "
+            '"block_m,n,k": [block_n, block_k, warps, stages] (bench/decode_layer.py --sweep --configs-out '
+            "writes one); unset it or fix the file"
+        )
+
     try:
         configs = json.loads(Path(path).read_text())
-        return {str(key): [int(v) for v in value] for key, value in configs.items()}
-    except (OSError, ValueError, TypeError, AttributeError) as error:
-        raise ConfigError(
-            f"THUNDERSYNC_DECODE_LINEAR_CONFIGS={path!r} is not a readable JSON object of "
-            f'"block_m,n,k": [block_n, block_k, warps, stages] ({error}); unset it or fix the file'
-        ) from error
+    except (OSError, ValueError) as error:
+        raise fail(str(error)) from error
+    if not isinstance(configs, dict):
+        raise fail(f"a JSON {type(configs).__name__}, not an object")
+    tuned = {}
+    for key, value in configs.items():
+        if len(key.split(",")) != 3 or not all(part.strip().isdigit() for part in key.split(",")):
+            raise fail(f"key {key!r} is not three integers")
+        if not (isinstance(value, list) and len(value) == 4 and all(type(v) is int and v > 0 for v in value)):
+            raise fail(f"{key}: {value!r} is not four positive integers")
+        block_n, block_k, warps, _ = value
+        if any(v < 16 or v & (v - 1) for v in (block_n, block_k)) or warps & (warps - 1):
+            raise fail(f"{key}: {value!r} needs block_n and block_k powers of two >= 16 and warps a power of two")
+        tuned[",".join(part.strip() for part in key.split(","))] = LinearConfig(*value)
+    return tuned
 
 
 def block_m(rows: int) -> int:
