@@ -48,7 +48,7 @@ SHAPES = {
 
 
 def graph_us(fn: Callable[[], None], calls: int) -> float:
-    """Microseconds per call of ``fn`` replayed from a CUDA graph of ``calls`` back-to-back calls... per call."""
+    """Microseconds per call of ``fn``, replayed from a CUDA graph that holds ``calls`` calls back to back."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

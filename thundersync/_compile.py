@@ -30,13 +30,20 @@ Backend = str | Callable[..., object]
 COMPILE_LOCK = threading.RLock()
 
 
-def switch(name: str, value: bool | None, auto: bool) -> bool:
-    """``value``, or when it is None the environment variable ``name``: auto (-> ``auto``), on or off."""
+def switch_mode(name: str, value: bool | None) -> str:
+    """``on``/``off`` for ``value`` True/False, or when it is None the environment variable ``name``:
+    ``auto`` (the default), ``on`` or ``off``."""
     if value is not None:
-        return value
+        return "on" if value else "off"
     mode = os.environ.get(name, "auto").strip().lower() or "auto"
     if mode not in ("auto", "on", "off"):
         raise ConfigError(f"{name} must be auto, on or off, got {os.environ.get(name)!r}; unset it or pick one")
+    return mode
+
+
+def switch(name: str, value: bool | None, auto: bool) -> bool:
+    """``value``, or when it is None the environment variable ``name``: auto (-> ``auto``), on or off."""
+    mode = switch_mode(name, value)
     return mode == "on" or (mode == "auto" and auto)
 
 

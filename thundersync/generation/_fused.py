@@ -116,17 +116,19 @@ def fuse_layer(parts: LayerParts, interleave: int = 0) -> FusedLayer | None:
     gate_up = (mlp.gate_proj.weight, mlp.up_proj.weight)
     if interleave and mlp.gate_proj.out_features % interleave:
         return None
-    layer = FusedLayer(
+    if interleave:
+        gate_up_weight = gate_up[0].new_empty(2 * gate_up[0].shape[0], gate_up[0].shape[1])
+        _write_interleaved(gate_up_weight, gate_up, interleave)
+    else:
+        gate_up_weight = _stacked(gate_up)
+    return FusedLayer(
         qkv_weight=_stacked(weights),
         qkv_bias=_stacked(biases) if biases else None,
-        gate_up_weight=_stacked(gate_up),
+        gate_up_weight=gate_up_weight,
         q_size=projections[0].out_features,
         sources=(weights, biases, gate_up),
         interleave=interleave,
     )
-    if interleave:
-        _write_interleaved(layer.gate_up_weight, gate_up, interleave)
-    return layer
 
 
 class FusedWeights:
@@ -134,7 +136,6 @@ class FusedWeights:
     the gate/up stacks interleaved by ``interleave`` rows (0: not; see the module docstring)."""
 
     def __init__(self, anatomy: DecoderAnatomy, interleave: int = 0) -> None:
-        self.interleave = interleave
         with torch.no_grad():
             self.layers = [fuse_layer(parts, interleave) for parts in anatomy.layers]
 

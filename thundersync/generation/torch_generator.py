@@ -33,7 +33,6 @@ for exact on-policy sampling.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections import deque
@@ -44,7 +43,7 @@ import anyio
 import anyio.to_thread
 from torch import nn
 
-from thundersync._compile import switch
+from thundersync._compile import switch, switch_mode
 from thundersync._logging import get_logger
 from thundersync.errors import ConfigError, GenerationError
 from thundersync.generation._batcher import ContinuousBatcher, Ticket
@@ -119,14 +118,14 @@ class TorchGenerator:
             raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, it is on {device}")
         compile_decode = switch("THUNDERSYNC_DECODE_COMPILE", compile_decode, auto=cuda_graphs)
         fuse_projections = switch("THUNDERSYNC_DECODE_FUSE", fuse_projections, auto=cuda_graphs)
-        kernels_mode = switch("THUNDERSYNC_DECODE_KERNELS", decode_kernels, auto=cuda_graphs)
-        if cuda_graphs or compile_decode or fuse_projections or kernels_mode:
+        kernels_mode = switch_mode("THUNDERSYNC_DECODE_KERNELS", decode_kernels)
+        use_kernels = kernels_mode == "on" or (kernels_mode == "auto" and cuda_graphs)
+        if cuda_graphs or compile_decode or fuse_projections or use_kernels:
             anatomy = self._batcher.anatomy
             kernels = None
-            if kernels_mode:
+            if use_kernels:
                 kernels, why = KernelLayers.build(anatomy)
-                required = decode_kernels or os.environ.get("THUNDERSYNC_DECODE_KERNELS", "").strip().lower() == "on"
-                if kernels is None and required:
+                if kernels is None and kernels_mode == "on":
                     raise ConfigError(f"decode_kernels is on but the model cannot decode through them: {why}")
                 if kernels is None:
                     _log.info("decode kernels not used", why=why)
