@@ -78,12 +78,12 @@ def test_behaviour_logprobs_leave_the_grpo_gradient_bitwise_unchanged() -> None:
 
 def test_grpo_reports_none_without_behaviour_logprobs_and_forgets_a_discarded_batch() -> None:
     model = tiny_qwen3(torch.float64)
-    grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model))
+    grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model), pack_tokens=0)
     _stream(grpo, model, with_behaviour=False)
     assert grpo.take_logprob_mismatch() is None
     grpo.open_group("h", PROMPT)
     grpo.append_turn("h", 0, [4, 5], [True, True], behaviour_logprobs=[-1.0, -2.0])
-    grpo.close_trajectory("h", 0, 1.0)
+    grpo.close_trajectory("h", 0, 1.0)  # pack_tokens=0: forwarded now, its gap measured
     grpo.discard()
     assert grpo.take_logprob_mismatch() is None
 

@@ -215,6 +215,7 @@ class RewardLinearBackward:
         self.run.discard()
         if self._kept is not None:
             self._kept = []
+        self._mismatch.reset()
 
     def keep_batch(self, keep: bool) -> None:
         """Keep the plain inputs (token ids, flags, rewards) of the groups that close from now on,
@@ -230,7 +231,6 @@ class RewardLinearBackward:
         groups, self._kept = self._kept, []
         model, config = self.run.anatomy.model, self.config
         return dense.dense_gradient(model, self.run.params, groups, config.estimator, config.eps)
-        self._mismatch.reset()
 
     def take_logprob_mismatch(self) -> float | None:
         """Mean |behaviour - learner| log-prob over the scored tokens forwarded since the last call
