@@ -18,6 +18,7 @@ from thundersync.generation._forward import Rows, forward_hidden
 from thundersync.generation._fused import FusedWeights
 from thundersync.generation._kernel_layers import KernelLayers, _why_not
 from thundersync.generation._kv_cache import KVCache
+from thundersync.generation._sampling import RowParams, sample, sample_kernels
 
 BF16 = torch.bfloat16
 
@@ -134,6 +135,21 @@ def test_kernel_layers_decode_like_the_eager_layers_in_bf16(make_qwen3, config) 
         assert _rel(written[2], written[0]) <= 1.5 * _rel(written[1], written[0]) + 1e-3
         rest = [getattr(caches[c], name)[:, :, :, :8] for c in ("eager", "kernels")]
         assert torch.equal(*rest)  # the prompts' keys are untouched
+
+
+@pytest.mark.gpu
+def test_the_sampler_kernels_draw_the_eager_samplers_tokens_on_cuda() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, vocab = 64, 151_936
+    logits = (4 * torch.randn(rows, vocab, generator=gen, device="cuda")).to(BF16)
+    logits[0, [7, 70_000, 150_000]] = logits[0].max() + 1  # a greedy row's equal maxima in three blocks: the first
+    temperature = torch.tensor([0.0, 1.0, 0.6, 1.7] * (rows // 4), device="cuda")
+    index = torch.arange(rows, device="cuda")
+    params = RowParams(temperature, 0 * index, torch.ones(rows, device="cuda"), index * 7919, index % 3 == 0, False)
+    want = sample(logits, params, index * 13)
+    got = sample_kernels(logits, params, index * 13)
+    assert torch.equal(got.tokens, want.tokens) and int(got.tokens[0]) == 7
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-4)
 
 
 def _worst_logprob_error(generator: TorchGenerator, exact: torch.nn.Module, requests: list[GenerationRequest]) -> float:

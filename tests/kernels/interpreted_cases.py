@@ -204,3 +204,56 @@ def test_decode_attention_matches_its_reference_over_cache_views(dtype: str, len
     keys, values = cache[0, :rows, :, :length], cache[1, :rows, :, :length]
     want = decode_attention_reference(q, keys, values, positions, 0.3)
     assert _rel(decode_attention(q, keys, values, positions, 0.3), want) <= tol
+
+
+def _unfiltered(temperature: torch.Tensor, flags: torch.Tensor) -> object:
+    from thundersync.generation._sampling import RowParams
+
+    rows = temperature.shape[0]
+    zeros = torch.zeros(rows, dtype=torch.long)
+    return RowParams(temperature, zeros, torch.ones(rows), torch.arange(rows) * 7919 + 1, flags, False)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "block", "dtype", "seed"), [(1000, 256, "fp16", 0), (5000, 1024, "fp32", 1), (4096, 512, "fp16", 2)]
+)
+def test_decode_sample_draws_the_eager_samplers_tokens(vocab: int, block: int, dtype: str, seed: int) -> None:
+    from thundersync.generation._sampling import counter_uniform, sample
+    from thundersync.kernels.decode import decode_sample
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = 24
+    scale = torch.rand(rows, 1, generator=gen) * 8 + 0.5  # flat to peaked distributions
+    logits = (scale * torch.randn(rows, vocab, generator=gen)).to(DTYPES[dtype][0])
+    temperature = torch.tensor([0.0, 1.0, 0.05, 2.5, 0.7, 1.0] * 4)
+    flags = torch.rand(rows, generator=gen) < 0.5
+    positions = torch.randint(0, 10_000, (rows,), generator=gen)
+    params = _unfiltered(temperature, flags)
+    want = sample(logits, params, positions)  # type: ignore[arg-type]
+    u = counter_uniform(params.seed, positions)  # type: ignore[attr-defined]
+    tokens, logprobs = decode_sample(logits, temperature, u, flags, block=block)
+    assert torch.equal(tokens, want.tokens)
+    torch.testing.assert_close(logprobs, want.logprobs, rtol=0, atol=2e-5)
+
+
+def test_decode_sample_breaks_ties_and_keeps_draws_at_the_ends_on_tokens_with_mass() -> None:
+    from thundersync.generation._sampling import sample
+    from thundersync.kernels.decode import decode_sample
+
+    vocab, block = 700, 128
+    logits = torch.full((5, vocab), -30.0)
+    logits[0, [5, 300, 650]] = 4.0  # greedy: the first of three equal maxima, in different blocks
+    logits[1, [130, 131]] = 0.0  # u = 0: the first token with mass
+    logits[2, [10, 690]] = 0.0  # u just below 1: the last token with mass, in the last (partial) block
+    logits[3, :] = torch.linspace(-5, 5, vocab)
+    logits[[1, 2]] = logits[[1, 2]].masked_fill(logits[[1, 2]] < -1, float("-inf"))  # entries without mass
+    logits[4] = float("-inf")
+    logits[4, [600, 601]] = torch.tensor([-50.0, -40.0])  # greedy past blocks without mass, far below 0
+    temperature = torch.tensor([0.0, 1.0, 1.0, 0.3, 0.0])
+    flags = torch.tensor([False, True, True, False, False])
+    u = torch.tensor([0.5, 0.0, 1.0 - 2.0**-53, 0.25, 0.5], dtype=torch.float64)
+    want = sample(logits, _unfiltered(temperature, flags), torch.zeros(5, dtype=torch.long), lambda s, p: u)  # type: ignore[arg-type]
+    tokens, logprobs = decode_sample(logits, temperature, u, flags, block=block)
+    assert tokens.tolist() == want.tokens.tolist()
+    assert tokens[[0, 1, 2, 4]].tolist() == [5, 130, 690, 601]
+    torch.testing.assert_close(logprobs, want.logprobs, rtol=0, atol=2e-5)

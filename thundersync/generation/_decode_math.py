@@ -18,8 +18,10 @@ graph. Two remedies, each optional:
 - ``fused``: the q/k/v and gate/up products of the layers that :mod:`._fused` can stack are one
   product each.
 - ``kernels``: every layer runs through the fused decode kernels of :mod:`._kernel_layers`
-  (seven kernels per layer, over ``fused``, which must be the kernels' own stacks); only the
-  embedding and the sampler go through the compiled functions then.
+  (seven kernels per layer, over ``fused``, which must be the kernels' own stacks), and the
+  sampler through two (:func:`~thundersync.generation._sampling.sample_kernels`, when no row uses
+  top-k/top-p); only the embedding and the sampler's counter hash go through the compiled
+  functions then.
 
 A function that fails to compile (no Triton, no C++ compiler, an unsupported op) falls back to
 its eager form for the generator's lifetime: the failure is logged once as a warning and counted
@@ -39,7 +41,7 @@ from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.engine.decoder import LayerMath, Tensors3, attention_inputs, attention_output, embed
 from thundersync.generation._fused import FusedWeights, fused_attention_inputs, fused_attention_output
 from thundersync.generation._kernel_layers import KernelLayers
-from thundersync.generation._sampling import counter_uniform, sample
+from thundersync.generation._sampling import counter_uniform, sample, sample_kernels
 
 __all__ = ["DecodeMath"]
 
@@ -67,7 +69,8 @@ class DecodeMath:
         self._fused_inputs = self._wrap(fused_attention_inputs)
         self._fused_output = self._wrap(fused_attention_output)
         self.math = LayerMath(self._wrap(embed), self._before, self._after)
-        self.sample = functools.partial(sample, uniform=self._wrap(counter_uniform))
+        sampler = sample_kernels if kernels is not None else sample
+        self.sample = functools.partial(sampler, uniform=self._wrap(counter_uniform))
 
     def _wrap(self, fn: Callable[P, R]) -> Callable[P, R]:
         return OrEager(fn, self.backend, self.failures, event="decode_compile_failed") if self.compile else fn

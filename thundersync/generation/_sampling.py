@@ -12,7 +12,9 @@ A token is drawn by inverting the CDF of the sampling distribution
 where top-k keeps the k largest entries of ``z / T`` and top-p keeps the smallest prefix of the
 tokens sorted by probability whose mass reaches ``top_p`` (the token that crosses it included).
 The sums are fp64, taken block by block (:func:`inverse_cdf`). Greedy rows (``T = 0``) take
-``argmax z``.
+``argmax z``. :func:`sample_kernels` draws the same tokens in two Triton kernels when no row
+filters (:func:`~thundersync.kernels.decode.decode_sample`), where :func:`sample` launches some
+sixty small kernels.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RowParams", "SampleOutput", "counter_uniform", "inverse_cdf", "sample"]
+__all__ = ["RowParams", "SampleOutput", "counter_uniform", "inverse_cdf", "sample", "sample_kernels"]
 
 _M32 = 0xFFFFFFFF
 
@@ -137,3 +139,21 @@ def sample(
     sampled_lp = torch.where(greedy, 0.0, sampling_logprobs.gather(-1, chosen)[:, 0])
     model_lp = model_logprobs.gather(-1, chosen)[:, 0]
     return SampleOutput(tokens, torch.where(params.sampling_logprobs, sampled_lp, model_lp))
+
+
+def sample_kernels(
+    logits: torch.Tensor,
+    params: RowParams,
+    positions: torch.Tensor,
+    uniform: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = counter_uniform,
+) -> SampleOutput:
+    """:func:`sample` through :func:`~thundersync.kernels.decode.decode_sample` when no row uses
+    top-k/top-p (the same tokens unless a draw falls within rounding of a boundary of the
+    cumulative distribution; log-probs to fp32 rounding), else :func:`sample` itself."""
+    if params.filtered:
+        return sample(logits, params, positions, uniform)
+    from thundersync.kernels.decode import decode_sample
+
+    u = uniform(params.seed, positions)
+    tokens, logprobs = decode_sample(logits, params.temperature, u, params.sampling_logprobs)
+    return SampleOutput(tokens, logprobs)

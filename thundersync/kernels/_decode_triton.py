@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["heads_kernel", "linear_kernel", "softmax_kernel"]
+__all__ = ["heads_kernel", "linear_kernel", "sample_blocks_kernel", "sample_draw_kernel", "softmax_kernel"]
 
 
 @triton.jit
@@ -186,3 +186,84 @@ def softmax_kernel(
         z = tl.load(src + keys, mask=keys < L, other=0.0).to(tl.float32) * scaling
         p = tl.where(keys <= last, tl.exp(z - m_all) / total, 0.0)
         tl.store(dst + keys, p.to(probs_ptr.dtype.element_ty), mask=keys < L)
+
+
+@triton.jit
+def sample_blocks_kernel(
+    logits_ptr, temperature_ptr, stats_ptr, V, stride_logits, NBP: tl.constexpr, BLOCK: tl.constexpr
+):
+    """One program per (row, block of the vocabulary): the block's max logit z_b and its first
+    index, sum exp(z - z_b) and sum exp(z / t - z_b / t) (t: the row's temperature, 1 for greedy
+    rows), into ``stats`` [R, 4, NBP] fp32."""
+    row = tl.program_id(0)
+    block = tl.program_id(1)
+    t = tl.load(temperature_ptr + row)
+    t = tl.where(t == 0.0, 1.0, t)
+    offs = block * BLOCK + tl.arange(0, BLOCK)
+    z = tl.load(logits_ptr + row.to(tl.int64) * stride_logits + offs, mask=offs < V, other=float("-inf"))
+    z = z.to(tl.float32)
+    top = tl.max(z, 0)
+    first = tl.argmax(z, 0, tie_break_left=True)
+    shift = tl.where(top == float("-inf"), 0.0, top)  # a block without mass sums to 0, not NaN
+    plain = tl.sum(tl.exp(z - shift), 0)
+    scaled = tl.sum(tl.exp(z / t - shift / t), 0)
+    out = stats_ptr + row.to(tl.int64) * 4 * NBP + block
+    tl.store(out, top)
+    tl.store(out + NBP, (block * BLOCK + first).to(tl.float32))
+    tl.store(out + 2 * NBP, plain)
+    tl.store(out + 3 * NBP, scaled)
+
+
+@triton.jit
+def sample_draw_kernel(
+    logits_ptr,
+    temperature_ptr,
+    u_ptr,
+    sampling_ptr,
+    stats_ptr,
+    tokens_ptr,
+    logprobs_ptr,
+    V,
+    NB,
+    stride_logits,
+    NBP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program per row: the normalizers from the blocks' statistics, then the draw by the
+    inverse CDF (fp64 sums: the blocks' masses, their running sum, the running sum inside the block
+    that holds u * total), the greedy row's argmax, and the token's log-prob."""
+    row = tl.program_id(0)
+    t_raw = tl.load(temperature_ptr + row)
+    greedy = t_raw == 0.0
+    t = tl.where(greedy, 1.0, t_raw)
+    b = tl.arange(0, NBP)
+    stats = stats_ptr + row.to(tl.int64) * 4 * NBP + b
+    valid = b < NB
+    top = tl.load(stats, mask=valid, other=float("-inf"))
+    first = tl.load(stats + NBP, mask=valid, other=0.0)
+    plain = tl.load(stats + 2 * NBP, mask=valid, other=0.0)
+    scaled = tl.load(stats + 3 * NBP, mask=valid, other=0.0)
+    top_all = tl.max(top, 0)
+    lse = top_all + tl.log(tl.sum(plain * tl.exp(top - top_all), 0))
+    lse_t = top_all / t + tl.log(tl.sum(scaled * tl.exp(top / t - top_all / t), 0))
+    mass = (scaled * tl.exp(top / t - lse_t)).to(tl.float64)
+    ends = tl.cumsum(mass, 0)
+    target = tl.load(u_ptr + row) * tl.sum(tl.where(b == NB - 1, ends, 0.0), 0)
+    last_block = tl.max(tl.where(mass > 0.0, b, 0), 0)  # rounding can put the draw past the end
+    at = tl.minimum(tl.sum((ends <= target).to(tl.int32), 0), last_block)
+    before = tl.sum(tl.where(b == at - 1, ends, 0.0), 0)
+    offs = tl.arange(0, BLOCK)
+    src = logits_ptr + row.to(tl.int64) * stride_logits
+    z = tl.load(src + at * BLOCK + offs, mask=at * BLOCK + offs < V, other=float("-inf")).to(tl.float32)
+    p = tl.exp(z / t - lse_t).to(tl.float64)
+    inner = before + tl.cumsum(p, 0)
+    last_inner = tl.max(tl.where(p > 0.0, offs, 0), 0)
+    drawn = at * BLOCK + tl.minimum(tl.sum((inner <= target).to(tl.int32), 0), last_inner)
+    best = tl.argmax(top, 0, tie_break_left=True)
+    argmax = tl.sum(tl.where(b == best, first, 0.0), 0).to(tl.int32)
+    token = tl.where(greedy, argmax, drawn)
+    z_token = tl.load(src + token).to(tl.float32)
+    sampling_lp = tl.where(greedy, 0.0, z_token / t - lse_t)
+    lp = tl.where(tl.load(sampling_ptr + row) != 0, sampling_lp, z_token - lse)
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+    tl.store(logprobs_ptr + row, lp)

@@ -14,7 +14,9 @@ Three kernels of ours and cuBLAS's two attention products take a layer into seve
 
 Each rounds where the eager layer rounds (see ``_decode_triton``), so they compute the eager
 values up to the order of the products' fp32 sums; the ``*_reference`` functions are those eager
-forms. :func:`decode_kernels_capability` probes the three once per (device, dtype) against them.
+forms. :func:`decode_sample` draws the step's tokens in two kernels, as the eager sampler
+(:func:`~thundersync.generation._sampling.sample`) draws them in some sixty.
+:func:`decode_kernels_capability` probes the four once per (device, dtype) against them.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ __all__ = [
     "decode_kernels_capability",
     "decode_linear",
     "decode_linear_reference",
+    "decode_sample",
     "linear_config",
     "tuned_linear_configs",
 ]
@@ -324,6 +327,56 @@ def decode_attention_reference(
     return torch.einsum("rhl,rhld->rhd", probs.float(), v.float()).to(q.dtype).reshape(rows, heads * d)
 
 
+SAMPLE_BLOCK = 4096  # vocabulary entries per program of decode_sample's first kernel
+
+
+def decode_sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    u: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    *,
+    block: int = SAMPLE_BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [R] int64, log-probs [R] fp32) of :func:`~thundersync.generation._sampling.sample`
+    for rows without top-k/top-p: ``logits`` [R, V], ``temperature`` [R] fp32 (0: greedy), ``u``
+    [R] fp64 in [0, 1), ``sampling_logprobs`` [R] bool (the log-prob under the sampling
+    distribution, else the model's).
+
+    Two kernels where the eager sampler launches some sixty: per block of ``block`` entries its
+    max, first argmax and two sums of exponentials; then per row the normalizers, the block that
+    holds ``u * total`` and the entry inside it (fp64 running sums, as the eager sampler takes
+    them), the greedy argmax and the token's log-prob. The token is the eager sampler's unless u
+    falls within rounding of a boundary of the cumulative distribution."""
+    from thundersync.kernels._decode_triton import sample_blocks_kernel, sample_draw_kernel
+
+    rows, vocab = logits.shape
+    if logits.stride(1) != 1 or vocab >= 1 << 24 or block & (block - 1):
+        raise ValueError(f"decode_sample: logits {tuple(logits.shape)} (stride {logits.stride()}), block {block}")
+    blocks = -(-vocab // block)
+    padded = 1 << (blocks - 1).bit_length()
+    stats = torch.empty(rows, 4, padded, dtype=torch.float32, device=logits.device)
+    sample_blocks_kernel[(rows, blocks)](logits, temperature, stats, vocab, logits.stride(0), NBP=padded, BLOCK=block)
+    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    sample_draw_kernel[(rows,)](
+        logits,
+        temperature,
+        u,
+        sampling_logprobs,
+        stats,
+        tokens,
+        logprobs,
+        vocab,
+        blocks,
+        logits.stride(0),
+        NBP=padded,
+        BLOCK=block,
+        num_warps=8,
+    )
+    return tokens, logprobs
+
+
 def _trial(device: torch.device, dtype: torch.dtype) -> None:
     """Both kernels against their references at a small shape with every option."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -366,6 +419,24 @@ def _trial(device: torch.device, dtype: torch.dtype) -> None:
         2e-2,
         "attention",
     )
+    _trial_sample(device, dtype, gen)
+
+
+def _trial_sample(device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """decode_sample against the eager sampler: the same tokens, log-probs to fp32 rounding."""
+    from thundersync.generation._sampling import RowParams, sample
+
+    rows, vocab = 4, 1000
+    logits = (3 * torch.randn(rows, vocab, generator=gen, device=device)).to(dtype)
+    temperature = torch.tensor([1.0, 0.0, 0.7, 1.3], device=device)
+    flags = torch.tensor([True, False, False, True], device=device)
+    u = torch.tensor([0.1, 0.5, 0.999, 0.3], dtype=torch.float64, device=device)
+    zeros = torch.zeros(rows, dtype=torch.long, device=device)
+    params = RowParams(temperature, zeros, torch.ones(rows, device=device), zeros, flags, False)
+    want = sample(logits, params, zeros, uniform=lambda seeds, positions: u)
+    tokens, logprobs = decode_sample(logits, temperature, u, flags, block=256)
+    check_close(tokens.float(), want.tokens.float(), 0.0, "sampled tokens")
+    check_close(logprobs, want.logprobs, 1e-4, "sampled log-probs")
 
 
 def decode_kernels_capability(device: torch.device, dtype: torch.dtype) -> Capability:
