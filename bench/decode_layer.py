@@ -3,13 +3,16 @@
     python bench/decode_layer.py            # H200: the graph floor, then each product torch vs ours at 1/8/64 rows
     python bench/decode_layer.py --sweep    # also a sweep of decode_linear's launch configurations (slow: ~500 compiles)
 
-Three tables, each measured in one run:
+Four tables, each measured in one run:
 - the floor: a CUDA graph of 500 one-element adds, microseconds per kernel (launch + tail);
 - per product of a layer (q/k/v with the input norm, o with the residual, gate/up with the
   post-attention norm and the activation, down with the residual): torch's eager kernels for the
   same math (norm, product, activation, add) against one `decode_linear`, 28 layers' distinct
   weights per graph (so the weights come from HBM, not L2), microseconds per layer;
-- the heads pass (per-head norms, rotary, cache write) against torch's eager form.
+- the heads pass (per-head norms, rotary, cache write) against torch's eager form;
+- the sampler over Qwen3's 151,936-entry vocabulary (temperature 1, no top-k/top-p): the eager
+  sampler against `decode_sample`'s two kernels, both given the same uniform numbers, with
+  whether they drew the same tokens and their largest log-prob difference.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import header, markdown_table
+from thundersync.generation._sampling import RowParams, sample, sample_kernels
 from thundersync.kernels.decode import (
     LinearConfig,
     block_m,
@@ -213,6 +217,25 @@ def heads_row(rows: int) -> list[object]:
     return ["heads pass", rows, t_torch, t_ours, t_torch / t_ours]
 
 
+def sampler_row(rows: int, vocab: int = 151_936) -> list[object]:
+    logits = (4 * torch.randn(rows, vocab, device="cuda")).to(torch.bfloat16)
+    index = torch.arange(rows, device="cuda")
+    params = RowParams(
+        torch.ones(rows, device="cuda"), 0 * index, torch.ones(rows, device="cuda"), index, index % 2 == 0, False
+    )
+    u = torch.rand(rows, device="cuda", dtype=torch.float64)
+
+    def uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return u
+
+    want, got = sample(logits, params, index, uniform), sample_kernels(logits, params, index, uniform)
+    same = bool(torch.equal(want.tokens, got.tokens))
+    diff = float((want.logprobs - got.logprobs).abs().max())
+    t_torch = graph_us(lambda: sample(logits, params, index, uniform), 1)
+    t_ours = graph_us(lambda: sample_kernels(logits, params, index, uniform), 1)
+    return ["sampler", rows, t_torch, t_ours, t_torch / t_ours, same, diff]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time a few launch configurations of decode_linear")
@@ -225,6 +248,9 @@ def main() -> None:
     print(header("decode layer kernels"), flush=True)
     print(markdown_table(["graph of", "us per kernel"], floor_table()), flush=True)
     rows = [int(r) for r in args.rows.split(",")]
+    sampler = [sampler_row(r) for r in rows]
+    columns = ["pass", "rows", "eager us/step", "ours us/step", "speed-up", "same tokens", "max |d log-prob|"]
+    print(markdown_table(columns, sampler), flush=True)
     heads = [heads_row(r) for r in rows]
     print(markdown_table(["pass", "rows", "torch us/layer", "ours us/layer", "speed-up"], heads), flush=True)
     attention = [attention_row(r, n) for r in rows for n in (256, 1024, 2048)]
