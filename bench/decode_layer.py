@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import header, markdown_table
 from thundersync.generation._sampling import RowParams, sample, sample_kernels
 from thundersync.kernels.decode import (
+    DOT_ROWS,
     LinearConfig,
     block_m,
     decode_attention,
@@ -105,7 +106,11 @@ def kwargs_of(inputs: dict[str, torch.Tensor], prologue: str) -> dict[str, objec
 
 def sweep_configs(rows: int) -> list[LinearConfig]:
     """A few launch configurations around the defaults (each costs a compile of a few seconds)."""
-    if rows > 16:
+    if rows <= DOT_ROWS:  # products in registers: block_n x block_k values per row per step
+        grid = [(16, 128, 4, 3), (16, 256, 4, 2), (16, 512, 4, 1), (16, 512, 8, 1), (16, 1024, 8, 1)]
+        grid += [(32, 128, 4, 3), (32, 256, 4, 2), (32, 256, 8, 2), (16, 256, 2, 3), (64, 128, 8, 2)]
+        grid = [(n, max(16, k // block_m(rows)), w, s) for n, k, w, s in grid]
+    elif rows > 16:
         grid = [(64, 128, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (32, 256, 4, 2)]
     else:
         grid = [(16, 256, 4, 2), (16, 512, 4, 2), (16, 512, 8, 2), (32, 256, 4, 2), (32, 512, 4, 1)]
@@ -243,7 +248,7 @@ def main() -> None:
         "--configs-out",
         help="with --sweep: write the fastest configurations here (JSON), for THUNDERSYNC_DECODE_LINEAR_CONFIGS",
     )
-    parser.add_argument("--rows", default="1,8,64", help="comma-separated row counts")
+    parser.add_argument("--rows", default="1,4,8,64", help="comma-separated row counts")
     args = parser.parse_args()
     print(header("decode layer kernels"), flush=True)
     print(markdown_table(["graph of", "us per kernel"], floor_table()), flush=True)

@@ -212,7 +212,7 @@ def test_a_launch_configurations_file_overrides_the_defaults_for_its_shapes(monk
     path = tmp_path / "configs.json"
     path.write_text('{"16,4096,1024": [64, 256, 8, 3]}')
     monkeypatch.setenv("THUNDERSYNC_DECODE_LINEAR_CONFIGS", str(path))
-    assert linear_config(4096, 1024, 3, norm=True) == LinearConfig(64, 256, 8, 3)
+    assert linear_config(4096, 1024, 9, norm=True) == LinearConfig(64, 256, 8, 3)
     assert linear_config(4096, 1024, 40, norm=True) == LinearConfig(32, 256, 4, 2)  # 64-row programs: not listed
     monkeypatch.delenv("THUNDERSYNC_DECODE_LINEAR_CONFIGS")
-    assert linear_config(4096, 1024, 3, norm=True) == LinearConfig(32, 512, 4, 1)
+    assert linear_config(4096, 1024, 9, norm=True) == LinearConfig(32, 512, 4, 1)

@@ -2,7 +2,8 @@
 """Triton kernels of the decode step: a few rows through a layer in five launches instead of fifteen.
 
 ``linear_kernel``: ``out = norm?(x) W^T (+ bias) (+ residual)`` for a few rows, one program per
-block of output columns (and of rows). The optional RMS norm of each row has its statistic
+block of output columns (and of rows); the products on tensor cores (``DOT``, blocks of 16 rows or
+more) or, for up to four rows, as products and sums in registers. The optional RMS norm of each row has its statistic
 computed by every program over the whole row (a few KB). With ``SILU_MUL`` the weight is a gate/up
 stack interleaved by ``BLOCK_N / 2`` rows, so each program holds the gate and up values of the same
 ``BLOCK_N / 2`` features and writes ``silu(gate) * up`` (the activation in the epilogue: a
@@ -44,6 +45,7 @@ def linear_kernel(
     HAS_BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -75,7 +77,10 @@ def linear_kernel(
         else:
             a = tl.load(x_rows + k0 + ks[None, :], mask=ok, other=0.0).to(dtype)
         w = tl.load(w_rows + k0 + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc)
+        if DOT:
+            acc = tl.dot(a, tl.trans(w), acc)
+        else:  # a few rows: products and sums in registers (no shared-memory staging for the MMA)
+            acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = acc.to(dtype)

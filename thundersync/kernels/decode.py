@@ -36,6 +36,7 @@ from thundersync.errors import ConfigError
 from thundersync.kernels.probe import Capability, check_close, probe, record
 
 __all__ = [
+    "DOT_ROWS",
     "GATE_UP_INTERLEAVE",
     "LinearConfig",
     "decode_attention",
@@ -74,6 +75,8 @@ def linear_config(n: int, k: int, rows: int, norm: bool) -> LinearConfig:
     tuned = tuned_linear_configs().get(f"{block_m(rows)},{n},{k}")
     if tuned is not None:
         return tuned
+    if rows <= DOT_ROWS:  # products in registers: [rows, block_n, block_k] fp32 values per step
+        return LinearConfig(16, 512 // block_m(rows), 4, 1) if norm else LinearConfig(16, 256 // block_m(rows), 4, 2)
     if rows > 16:
         return LinearConfig(32, 256, 4, 2) if norm else LinearConfig(32, 128, 4, 3)
     return LinearConfig(32, 512, 4, 1) if norm else LinearConfig(16, 128, 4, 4)
@@ -114,8 +117,14 @@ def _read_configs(path: str) -> dict[str, LinearConfig]:
     return tuned
 
 
+DOT_ROWS = 4  # decode_linear multiplies on tensor cores above this many rows, in registers up to it
+
+
 def block_m(rows: int) -> int:
-    """The rows one program of :func:`decode_linear` covers: 16, 32 or 64."""
+    """The rows one program of :func:`decode_linear` covers: 1, 2 or 4 (products in registers),
+    else 16, 32 or 64 (on tensor cores, whose tiles have at least 16 rows)."""
+    if rows <= DOT_ROWS:
+        return 1 << (rows - 1).bit_length()
     return min(64, max(16, 1 << (rows - 1).bit_length()))
 
 
@@ -147,7 +156,9 @@ def decode_linear(
     if silu_mul:
         if bias is not None or residual is not None or n % (2 * GATE_UP_INTERLEAVE):
             raise ValueError(f"decode_linear: silu_mul takes an interleaved gate/up weight, got {tuple(weight.shape)}")
-        cfg = dataclasses.replace(cfg, block_n=2 * GATE_UP_INTERLEAVE)
+        wide = 2 * GATE_UP_INTERLEAVE
+        block_k = cfg.block_k if m > DOT_ROWS else max(16, cfg.block_k * cfg.block_n // wide)  # same registers
+        cfg = dataclasses.replace(cfg, block_n=wide, block_k=block_k)
     out = torch.empty(m, n // 2 if silu_mul else n, dtype=weight.dtype, device=x.device)
     rows_per_program = block_m(m)
     grid = (-(-n // cfg.block_n), -(-m // rows_per_program))
@@ -170,6 +181,7 @@ def decode_linear(
         HAS_BIAS=bias is not None,
         RESIDUAL=residual is not None,
         SILU_MUL=silu_mul,
+        DOT=rows_per_program > DOT_ROWS,
         BLOCK_M=rows_per_program,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
