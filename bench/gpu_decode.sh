@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 8's device calls (logs under $OUT): the decode layer kernels alone (SWEEP=1: a few launch
+# Decode-step device calls (logs under $OUT): the decode layer kernels alone (LAYER_ROWS: its row counts; SWEEP=1: a few launch
 # configurations, the fastest written to linear_configs.json), the decode step and long-tail rollout
 # with THUNDERSYNC_DECODE_KERNELS off then on (one process each, same tree; "on" uses the swept
 # configurations when there are any), then the gpu tests of TESTS (TESTS=none: none).
@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 if [ "${LAYER:-1}" = 1 ]; then
     sweep=""; [ "${SWEEP:-0}" = 1 ] && sweep="--sweep --configs-out $out/linear_configs.json"
-    timeout ${LAYER_LIMIT:-150} python3 bench/decode_layer.py $sweep > "$out/decode_layer.log" 2>&1; echo "decode_layer $? ${SECONDS}s"
+    timeout ${LAYER_LIMIT:-150} python3 bench/decode_layer.py ${LAYER_ROWS:+--rows $LAYER_ROWS} $sweep > "$out/decode_layer.log" 2>&1; echo "decode_layer $? ${SECONDS}s"
 fi
 gen="bench/generate.py --batches ${BATCHES:-1,8} --baseline-new 4 --kernel-table"
 for mode in ${MODES-off on}; do

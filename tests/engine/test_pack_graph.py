@@ -143,6 +143,36 @@ def test_pack_graphs_equal_eager_packs(monkeypatch: pytest.MonkeyPatch, lora: bo
             assert error < 2e-2, f"relative error {error:.3g} for a tensor of shape {tuple(want.shape)}"
 
 
+@pytest.mark.gpu
+def test_a_capture_that_fails_after_its_warm_up_leaves_the_eager_packs_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seen on the H200: a capture ran out of memory, the fallback's first pack reused the freed
+    # static buffers while the warm-up's kernels still read them (a gather out of range).
+    import contextlib
+
+    anatomy = cuda_anatomy(False, torch.float32)
+    monkeypatch.setenv("THUNDERSYNC_ENGINE_GRAPHS", "off")
+    monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPHS", "off")
+    want = pack_results(anatomy, torch.Generator().manual_seed(7), False)
+    anatomy.model.zero_grad(set_to_none=True)
+    real = _pack_graph.warm_up_stream
+
+    @contextlib.contextmanager
+    def failing() -> object:
+        with real():
+            yield
+            raise torch.OutOfMemoryError("injected after the warm-up's kernels were queued")
+
+    monkeypatch.setattr(_pack_graph, "warm_up_stream", failing)
+    monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPHS", "on")
+    _graphed.reset_graph_counts()
+    got = pack_results(anatomy, torch.Generator().manual_seed(7), False)
+    torch.cuda.synchronize()
+    assert _graphed.graph_counts().get("pack_capture_failed") == 1
+    assert pack_graphs(anatomy) is None  # off for the model from then on
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 def _prompt_packs(anatomy: object, lengths: list[int]) -> list[torch.Tensor]:
     """Per prompt length: a 5-token branch after the prompt, its log-probs' sum backpropagated;
     returns the log-probs, the prompt's adjoint and the gradients."""

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from thundersync._compile import switch
+from thundersync.engine._streams import warm_up_stream
 from thundersync.engine.anatomy import DecoderAnatomy, LayerParts
 from thundersync.engine.decoder import LayerMath, Tensors3, attention_inputs, attention_output, embed
 
@@ -155,9 +156,7 @@ class _Wrapper(torch.nn.Module):
 
 def _capture(parts: Sequence[_Part], pool: Any) -> None:
     """Warm up, then capture every part's forward in order and every backward in reverse order."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.enable_grad():
+    with warm_up_stream(), torch.enable_grad():
         for _ in range(_WARMUP):
             for part in parts:
                 outs = part.run()
@@ -165,7 +164,6 @@ def _capture(parts: Sequence[_Part], pool: Any) -> None:
                 # Let the warm-up's graph die now: a leaf's gradient accumulator outlives it only through
                 # the graph, and one made here, on the side stream, would be reused by the capture.
                 del outs
-    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     with torch.enable_grad():
         for part in parts:

@@ -68,6 +68,7 @@ from thundersync.engine._graphed import (
     for_model,
     power_of_two,
 )
+from thundersync.engine._streams import warm_up_stream
 from thundersync.engine.adapter import KV, ChunkSpec, PackOutput, _gather_index, _key_spans
 from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.engine.decoder import apply_norm, decoder_forward
@@ -282,14 +283,11 @@ class _Graph:
 
     def capture(self, pool: Any) -> None:
         """Warm up on a side stream, then capture the forward and the backward step."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with warm_up_stream():
             for _ in range(_WARMUP):
                 self.forward_step()
                 self.grad_outputs = [torch.zeros_like(o) for o in self.outputs]
                 self.backward_step()  # the warm-up's autograd graph dies here, before the capture
-        torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         self.forward, self.backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.forward, pool=pool, capture_error_mode="thread_local"):

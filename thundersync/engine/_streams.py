@@ -13,6 +13,9 @@ Memory: a tensor the jobs allocate lives in the side stream's pool; one the call
 its stream and frees (the run's total, a ``.grad`` a job created) is only reused by a later job,
 and every job first waits for the caller's stream as of its submit, so the reuse follows the use.
 On the CPU every call is a no-op: the ``JobStream`` of a CPU run has no stream.
+
+:func:`warm_up_stream` is where every CUDA-graph capture warms up (lazy initialisations must not be
+captured).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["JobStream"]
+__all__ = ["JobStream", "warm_up_stream"]
 
 
 class JobStream:
@@ -57,3 +60,20 @@ class JobStream:
         """On the caller's thread: its stream waits for every job launched so far."""
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+@contextlib.contextmanager
+def warm_up_stream() -> Iterator[None]:
+    """Run the block on a new CUDA stream after the current one's work; the current stream then
+    waits for it, also when the block raises. That matters after a failed warm-up or capture: the
+    buffers its kernels read are freed as the error unwinds, and the caching allocator hands their
+    memory to the current stream at once, so without the wait a fallback's kernels could overwrite
+    indices the side stream's kernels are still reading (measured: a device-side assert in a gather
+    after a capture ran out of memory)."""
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            yield
+    finally:
+        torch.cuda.current_stream().wait_stream(side)

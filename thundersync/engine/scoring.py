@@ -37,6 +37,7 @@ from thundersync._compile import switch
 from thundersync._logging import get_logger
 from thundersync.engine._graphed import power_of_two
 from thundersync.engine._pack_graph import MAX_CHUNKS, packed_attention
+from thundersync.engine._streams import warm_up_stream
 from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy
 from thundersync.engine.decoder import apply_norm, decoder_forward
 from thundersync.errors import ConfigError
@@ -115,12 +116,9 @@ class _Bucket:
         self.copied.record()
 
     def capture(self, pool: Any) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with warm_up_stream():
             for _ in range(_WARMUP):  # lazy initialisations and kernel probes must not be captured
                 _hidden(self.anatomy, self.ids, self.io)
-        torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.hidden = _hidden(self.anatomy, self.ids, self.io)
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from thundersync.engine._streams import warm_up_stream
 from thundersync.generation._host import device_tensor
 from thundersync.generation._sampling import RowParams, SampleOutput, sample
 from thundersync.generation.base import SamplingParams
@@ -159,12 +160,9 @@ class CapturedStep:
         # slot's first free position, which the replay rewrites.
         state = (self.step.tokens, self.step.positions, self.step.out)
         saved = [t.clone() for t in state]
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch.cuda.Stream.__new__ is unannotated
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with warm_up_stream():
             for _ in range(2):
                 self.step(bucket, key_len, filtered)
-        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: in a pipeline the engine's worker thread keeps launching backward work
         # while generation captures; "global" would forbid its CUDA calls during the capture.
