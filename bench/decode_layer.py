@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import header, markdown_table
 from thundersync.generation._sampling import RowParams, sample, sample_kernels
 from thundersync.kernels.decode import (
-    DOT_ROWS,
     LinearConfig,
     block_m,
     decode_attention,
@@ -106,10 +105,9 @@ def kwargs_of(inputs: dict[str, torch.Tensor], prologue: str) -> dict[str, objec
 
 def sweep_configs(rows: int) -> list[LinearConfig]:
     """A few launch configurations around the defaults (each costs a compile of a few seconds)."""
-    if rows <= DOT_ROWS:  # products in registers: block_n x block_k values per row per step
-        grid = [(16, 128, 4, 3), (16, 256, 4, 2), (16, 512, 4, 1), (16, 512, 8, 1), (16, 1024, 8, 1)]
-        grid += [(32, 128, 4, 3), (32, 256, 4, 2), (32, 256, 8, 2), (16, 256, 2, 3), (64, 128, 8, 2)]
-        grid = [(n, max(16, k // block_m(rows)), w, s) for n, k, w, s in grid]
+    if rows == 1:  # products in registers (the gate/up product's configurations must suit tensor cores too)
+        grid = [(16, 1024, 8, 1), (16, 512, 4, 1), (16, 512, 8, 1), (32, 512, 4, 1), (16, 2048, 8, 1)]
+        grid += [(16, 1024, 4, 1), (16, 128, 4, 4), (32, 256, 4, 2)]
     elif rows > 16:
         grid = [(64, 128, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (32, 256, 4, 2)]
     else:
@@ -153,7 +151,7 @@ def product_row(name: str, rows: int, sweep: bool) -> list[object]:
         return float((t.double() - exact).norm() / exact.norm())
 
     t_torch = graph_us(torch_layers, 1) / LAYERS
-    default = linear_config(n, k, rows, prologue.startswith("norm"))
+    default = linear_config(n, k, rows, prologue.startswith("norm"), prologue.endswith("silu"))
     t_ours = graph_us(ours(None), 1) / LAYERS
     if sweep:
         timed = []
@@ -168,7 +166,12 @@ def product_row(name: str, rows: int, sweep: bool) -> list[object]:
             print(f"sweep: {name} rows {rows} {c}: {t:.2f} us", flush=True)
         if timed:
             best = timed[0][1]
-            BEST[f"{block_m(rows)},{n},{k}"] = [best.block_n, best.block_k, best.warps, best.stages]
+            BEST[f"{block_m(rows, prologue.endswith('silu'))},{n},{k}"] = [
+                best.block_n,
+                best.block_k,
+                best.warps,
+                best.stages,
+            ]
     weight_us = n * k * 2 / 4.0e12 * 1e6  # at 4 TB/s
     config = f"{default.block_n}/{default.block_k}/{default.warps}/{default.stages}"
     return [name, rows, t_torch, t_ours, t_torch / t_ours, weight_us, rel(torch_bf16), rel(got), config]
@@ -248,7 +251,7 @@ def main() -> None:
         "--configs-out",
         help="with --sweep: write the fastest configurations here (JSON), for THUNDERSYNC_DECODE_LINEAR_CONFIGS",
     )
-    parser.add_argument("--rows", default="1,4,8,64", help="comma-separated row counts")
+    parser.add_argument("--rows", default="1,8,64", help="comma-separated row counts")
     args = parser.parse_args()
     print(header("decode layer kernels"), flush=True)
     print(markdown_table(["graph of", "us per kernel"], floor_table()), flush=True)

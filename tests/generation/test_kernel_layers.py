@@ -216,3 +216,11 @@ def test_a_launch_configurations_file_overrides_the_defaults_for_its_shapes(monk
     assert linear_config(4096, 1024, 40, norm=True) == LinearConfig(32, 256, 4, 2)  # 64-row programs: not listed
     monkeypatch.delenv("THUNDERSYNC_DECODE_LINEAR_CONFIGS")
     assert linear_config(4096, 1024, 9, norm=True) == LinearConfig(32, 512, 4, 1)
+
+
+def test_one_row_multiplies_in_registers_except_the_gate_up_product() -> None:
+    from thundersync.kernels.decode import LinearConfig, block_m, linear_config
+
+    assert [block_m(1), block_m(1, silu_mul=True), block_m(2), block_m(17), block_m(300)] == [1, 16, 16, 32, 64]
+    assert linear_config(4096, 1024, 1, norm=True) == LinearConfig(16, 1024, 8, 1)
+    assert linear_config(6144, 1024, 1, norm=True, silu_mul=True) == LinearConfig(32, 512, 4, 1)

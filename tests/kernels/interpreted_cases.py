@@ -68,7 +68,9 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @settings(max_examples=12, deadline=None)
 @given(
-    m=st.sampled_from([1, 2, 3, 4, 5, 16, 17, 40, 70]),  # up to 4: products in registers; 70: two programs of 64 rows
+    m=st.sampled_from(
+        [1, 2, 3, 5, 16, 17, 40, 70]
+    ),  # 1: products in registers (but silu_mul); 70: two programs of 64 rows
     n=st.integers(1, 70),
     k=st.integers(1, 150),
     norm=st.booleans(),
@@ -79,7 +81,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 )
 @example(m=70, n=33, k=100, norm=True, epilogue="bias+residual", dtype="fp32", config=(16, 64, 4, 2), seed=1)
 @example(m=70, n=40, k=100, norm=True, epilogue="silu_mul", dtype="fp16", config=(16, 64, 4, 2), seed=2)
-@example(m=3, n=40, k=100, norm=True, epilogue="silu_mul", dtype="fp16", config=(16, 64, 4, 2), seed=3)
+@example(m=1, n=40, k=100, norm=True, epilogue="silu_mul", dtype="fp16", config=(16, 64, 4, 2), seed=3)
 @example(m=1, n=33, k=150, norm=True, epilogue="bias+residual", dtype="fp32", config=(32, 32, 2, 3), seed=4)
 def test_decode_linear_matches_its_reference(
     m: int, n: int, k: int, norm: bool, epilogue: str, dtype: str, config: tuple, seed: int

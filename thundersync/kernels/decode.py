@@ -36,7 +36,6 @@ from thundersync.errors import ConfigError
 from thundersync.kernels.probe import Capability, check_close, probe, record
 
 __all__ = [
-    "DOT_ROWS",
     "GATE_UP_INTERLEAVE",
     "LinearConfig",
     "decode_attention",
@@ -65,18 +64,20 @@ class LinearConfig:
     stages: int
 
 
-def linear_config(n: int, k: int, rows: int, norm: bool) -> LinearConfig:
+def linear_config(n: int, k: int, rows: int, norm: bool, silu_mul: bool = False) -> LinearConfig:
     """The launch parameters of an [rows, k] x [k, n] product: from the JSON file named by
     ``THUNDERSYNC_DECODE_LINEAR_CONFIGS`` when it lists ("block_m,n,k": [block_n, block_k, warps,
     stages], as ``bench/decode_layer.py --sweep --configs-out`` writes it), else the fastest of a
-    sweep on the H200 at Qwen3-0.6B's shapes (bench/RESULTS.md): with the norm, whose operand is
-    computed in registers and stalls every loop step on its loads, few long steps; without, short
-    steps pipelined four (three) deep."""
-    tuned = tuned_linear_configs().get(f"{block_m(rows)},{n},{k}")
+    sweep on the H200 at Qwen3-0.6B's shapes (bench/RESULTS.md): one row in registers, whole 1,024
+    inputs per step over eight warps; on tensor cores with the norm, whose operand is computed in
+    registers and stalls every loop step on its loads, few long steps; without, short steps
+    pipelined four (three) deep."""
+    size = block_m(rows, silu_mul)
+    tuned = tuned_linear_configs().get(f"{size},{n},{k}")
     if tuned is not None:
         return tuned
-    if rows <= DOT_ROWS:  # products in registers: [rows, block_n, block_k] fp32 values per step
-        return LinearConfig(16, 512 // block_m(rows), 4, 1) if norm else LinearConfig(16, 256 // block_m(rows), 4, 2)
+    if size == 1:
+        return LinearConfig(16, 1024, 8, 1)
     if rows > 16:
         return LinearConfig(32, 256, 4, 2) if norm else LinearConfig(32, 128, 4, 3)
     return LinearConfig(32, 512, 4, 1) if norm else LinearConfig(16, 128, 4, 4)
@@ -117,14 +118,15 @@ def _read_configs(path: str) -> dict[str, LinearConfig]:
     return tuned
 
 
-DOT_ROWS = 4  # decode_linear multiplies on tensor cores above this many rows, in registers up to it
-
-
-def block_m(rows: int) -> int:
-    """The rows one program of :func:`decode_linear` covers: 1, 2 or 4 (products in registers),
-    else 16, 32 or 64 (on tensor cores, whose tiles have at least 16 rows)."""
-    if rows <= DOT_ROWS:
-        return 1 << (rows - 1).bit_length()
+def block_m(rows: int, silu_mul: bool = False) -> int:
+    """The rows one program of :func:`decode_linear` covers: 1 for a single row (its products and
+    sums in registers: no tensor-core tile of 16 rows staged through shared memory), else 16, 32 or
+    64. The gate/up product with its activation stays on tensor cores at one row too. Measured
+    per product on the H200 (bench/RESULTS.md): registers won at one row for the q/k/v, o and down
+    products (6.3 / 5.8 / 7.7 against 8.0 / 6.7 / 8.9 us), lost for gate/up (11.1 against 9.4 us)
+    and lost 2-5x at four rows."""
+    if rows == 1 and not silu_mul:
+        return 1
     return min(64, max(16, 1 << (rows - 1).bit_length()))
 
 
@@ -152,15 +154,13 @@ def decode_linear(
     n, k = weight.shape
     if x.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"decode_linear: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
-    cfg = config or linear_config(n, k, m, norm_weight is not None)
+    cfg = config or linear_config(n, k, m, norm_weight is not None, silu_mul)
     if silu_mul:
         if bias is not None or residual is not None or n % (2 * GATE_UP_INTERLEAVE):
             raise ValueError(f"decode_linear: silu_mul takes an interleaved gate/up weight, got {tuple(weight.shape)}")
-        wide = 2 * GATE_UP_INTERLEAVE
-        block_k = cfg.block_k if m > DOT_ROWS else max(16, cfg.block_k * cfg.block_n // wide)  # same registers
-        cfg = dataclasses.replace(cfg, block_n=wide, block_k=block_k)
+        cfg = dataclasses.replace(cfg, block_n=2 * GATE_UP_INTERLEAVE)
     out = torch.empty(m, n // 2 if silu_mul else n, dtype=weight.dtype, device=x.device)
-    rows_per_program = block_m(m)
+    rows_per_program = block_m(m, silu_mul)
     grid = (-(-n // cfg.block_n), -(-m // rows_per_program))
     linear_kernel[grid](
         x,
@@ -181,7 +181,7 @@ def decode_linear(
         HAS_BIAS=bias is not None,
         RESIDUAL=residual is not None,
         SILU_MUL=silu_mul,
-        DOT=rows_per_program > DOT_ROWS,
+        DOT=rows_per_program > 1,
         BLOCK_M=rows_per_program,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
