@@ -261,3 +261,10 @@ def test_decode_sample_breaks_ties_and_keeps_draws_at_the_ends_on_tokens_with_ma
     assert tokens.tolist() == want.tokens.tolist()
     assert tokens[[0, 1, 2, 4]].tolist() == [5, 130, 690, 601]
     torch.testing.assert_close(logprobs, want.logprobs, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_the_decode_kernels_probe_trial_passes(dtype: str) -> None:
+    from thundersync.kernels.decode import _trial
+
+    _trial(torch.device("cpu"), DTYPES[dtype][0])  # raises AssertionError naming what differs

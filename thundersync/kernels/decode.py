@@ -28,6 +28,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -403,6 +404,9 @@ def _trial(device: torch.device, dtype: torch.dtype) -> None:
         {"norm_weight": rand(256), "eps": 1e-6, "silu_mul": True},
     ):
         check_close(decode_linear(x, w, **kwargs), decode_linear_reference(x, w, **kwargs), 2e-2)
+        one: dict[str, Any] = {**kwargs, **({"residual": res[:1]} if "residual" in kwargs else {})}
+        # one row: the products in registers (the gate/up product's on tensor cores)
+        check_close(decode_linear(x[:1], w, **one), decode_linear_reference(x[:1], w, **one), 2e-2, "one row")
     heads, kv_heads, d = 4, 2, 64
     qkv = rand(3, (heads + 2 * kv_heads) * d)
     caches = [torch.zeros(4, kv_heads, 8, d, dtype=dtype, device=device) for _ in range(4)]
