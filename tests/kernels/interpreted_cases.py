@@ -219,7 +219,8 @@ def _unfiltered(temperature: torch.Tensor, flags: torch.Tensor) -> object:
 
 
 @pytest.mark.parametrize(
-    ("vocab", "block", "dtype", "seed"), [(1000, 256, "fp16", 0), (5000, 1024, "fp32", 1), (4096, 512, "fp16", 2)]
+    ("vocab", "block", "dtype", "seed"),
+    [(1000, 256, "fp16", 0), (5000, 1024, "fp32", 1), (4096, 512, "fp16", 2), (900, 1024, "fp32", 3)],
 )
 def test_decode_sample_draws_the_eager_samplers_tokens(vocab: int, block: int, dtype: str, seed: int) -> None:
     from thundersync.generation._sampling import counter_uniform, sample

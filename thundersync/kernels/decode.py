@@ -367,7 +367,7 @@ def decode_sample(
     if logits.stride(1) != 1 or vocab >= 1 << 24 or block & (block - 1):
         raise ValueError(f"decode_sample: logits {tuple(logits.shape)} (stride {logits.stride()}), block {block}")
     blocks = -(-vocab // block)
-    padded = 1 << (blocks - 1).bit_length()
+    padded = max(2, 1 << (blocks - 1).bit_length())  # the second kernel's vector of blocks
     stats = torch.empty(rows, 4, padded, dtype=torch.float32, device=logits.device)
     sample_blocks_kernel[(rows, blocks)](logits, temperature, stats, vocab, logits.stride(0), NBP=padded, BLOCK=block)
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
