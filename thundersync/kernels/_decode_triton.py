@@ -3,8 +3,8 @@
 
 ``linear_kernel``: ``out = norm?(x) W^T (+ bias) (+ residual)`` for a few rows, one program per
 block of output columns (and of rows); the products on tensor cores (``DOT``, blocks of 16 rows or
-more) or, for up to four rows, as products and sums in registers. The optional RMS norm of each row has its statistic
-computed by every program over the whole row (a few KB). With ``SILU_MUL`` the weight is a gate/up
+more) or, for one row, as products and sums in registers. The optional RMS norm of each row has
+its statistic computed by every program over the whole row (a few KB). With ``SILU_MUL`` the weight is a gate/up
 stack interleaved by ``BLOCK_N / 2`` rows, so each program holds the gate and up values of the same
 ``BLOCK_N / 2`` features and writes ``silu(gate) * up`` (the activation in the epilogue: a
 prologue that computes the product's operand in registers stalls every loop step on its loads).
@@ -12,9 +12,13 @@ Each step rounds where torch's eager forms round (the norm's output, the norm we
 the product, the activation, the residual sum), so the kernel computes the same values as the
 eager layer up to the order of the product's fp32 sums.
 
-``_heads_kernel``: one program per (row, head) of a stacked q/k/v product: the per-head RMS norm,
+``heads_kernel``: one program per (row, head) of a stacked q/k/v product: the per-head RMS norm,
 the rotary embedding, then q to ``q_out`` and this token's key and value into the KV cache at the
 row's position (read on the device, so the kernel sits in a CUDA graph).
+
+``softmax_kernel``: decode attention's scaling, mask and softmax, one program per score row.
+
+``sample_blocks_kernel`` and ``sample_draw_kernel``: the sampler (see ``decode.decode_sample``).
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ def linear_kernel(
         w = tl.load(w_rows + k0 + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if DOT:
             acc = tl.dot(a, tl.trans(w), acc)
-        else:  # a few rows: products and sums in registers (no shared-memory staging for the MMA)
+        else:  # one row: products and sums in registers (no 16-row tile staged through shared memory)
             acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
