@@ -224,7 +224,7 @@ def _unfiltered(temperature: torch.Tensor, flags: torch.Tensor) -> object:
 )
 def test_decode_sample_draws_the_eager_samplers_tokens(vocab: int, block: int, dtype: str, seed: int) -> None:
     from thundersync.generation._sampling import counter_uniform, sample
-    from thundersync.kernels.decode import decode_sample
+    from thundersync.kernels.decode import decode_sample, decode_sample_reference
 
     gen = torch.Generator().manual_seed(seed)
     rows = 24
@@ -239,6 +239,9 @@ def test_decode_sample_draws_the_eager_samplers_tokens(vocab: int, block: int, d
     tokens, logprobs = decode_sample(logits, temperature, u, flags, block=block)
     assert torch.equal(tokens, want.tokens)
     torch.testing.assert_close(logprobs, want.logprobs, rtol=0, atol=2e-5)
+    plain_tokens, plain_logprobs = decode_sample_reference(logits, temperature, u, flags)  # whole-row sums
+    assert torch.equal(tokens, plain_tokens)
+    torch.testing.assert_close(logprobs, plain_logprobs, rtol=0, atol=2e-5)
 
 
 def test_decode_sample_breaks_ties_and_keeps_draws_at_the_ends_on_tokens_with_mass() -> None:
