@@ -151,7 +151,8 @@ def product_row(name: str, rows: int, sweep: bool) -> list[object]:
         return float((t.double() - exact).norm() / exact.norm())
 
     t_torch = graph_us(torch_layers, 1) / LAYERS
-    default = linear_config(n, k, rows, prologue.startswith("norm"), prologue.endswith("silu"))
+    silu = prologue.endswith("silu")
+    default = linear_config(n, k, rows, prologue.startswith("norm"), silu)
     t_ours = graph_us(ours(None), 1) / LAYERS
     if sweep:
         timed = []
@@ -166,12 +167,8 @@ def product_row(name: str, rows: int, sweep: bool) -> list[object]:
             print(f"sweep: {name} rows {rows} {c}: {t:.2f} us", flush=True)
         if timed:
             best = timed[0][1]
-            BEST[f"{block_m(rows, prologue.endswith('silu'))},{n},{k}"] = [
-                best.block_n,
-                best.block_k,
-                best.warps,
-                best.stages,
-            ]
+            key = f"{block_m(rows, silu)},{n},{k}"
+            BEST[key] = [best.block_n, best.block_k, best.warps, best.stages]
     weight_us = n * k * 2 / 4.0e12 * 1e6  # at 4 TB/s
     config = f"{default.block_n}/{default.block_k}/{default.warps}/{default.stages}"
     return [name, rows, t_torch, t_ours, t_torch / t_ours, weight_us, rel(torch_bf16), rel(got), config]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -68,9 +69,8 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @settings(max_examples=12, deadline=None)
 @given(
-    m=st.sampled_from(
-        [1, 2, 3, 5, 16, 17, 40, 70]
-    ),  # 1: products in registers (but silu_mul); 70: two programs of 64 rows
+    # 1: products in registers (but silu_mul); 70: two programs of 64 rows
+    m=st.sampled_from([1, 2, 3, 5, 16, 17, 40, 70]),
     n=st.integers(1, 70),
     k=st.integers(1, 150),
     norm=st.booleans(),
@@ -210,7 +210,8 @@ def test_decode_attention_matches_its_reference_over_cache_views(dtype: str, len
     assert _rel(decode_attention(q, keys, values, positions, 0.3), want) <= tol
 
 
-def _unfiltered(temperature: torch.Tensor, flags: torch.Tensor) -> object:
+def _unfiltered(temperature: torch.Tensor, flags: torch.Tensor) -> Any:
+    """RowParams of rows without top-k/top-p (imported here: the interpreter must be on first)."""
     from thundersync.generation._sampling import RowParams
 
     rows = temperature.shape[0]
@@ -234,8 +235,8 @@ def test_decode_sample_draws_the_eager_samplers_tokens(vocab: int, block: int, d
     flags = torch.rand(rows, generator=gen) < 0.5
     positions = torch.randint(0, 10_000, (rows,), generator=gen)
     params = _unfiltered(temperature, flags)
-    want = sample(logits, params, positions)  # type: ignore[arg-type]
-    u = counter_uniform(params.seed, positions)  # type: ignore[attr-defined]
+    want = sample(logits, params, positions)
+    u = counter_uniform(params.seed, positions)
     tokens, logprobs = decode_sample(logits, temperature, u, flags, block=block)
     assert torch.equal(tokens, want.tokens)
     torch.testing.assert_close(logprobs, want.logprobs, rtol=0, atol=2e-5)
@@ -260,7 +261,7 @@ def test_decode_sample_breaks_ties_and_keeps_draws_at_the_ends_on_tokens_with_ma
     temperature = torch.tensor([0.0, 1.0, 1.0, 0.3, 0.0])
     flags = torch.tensor([False, True, True, False, False])
     u = torch.tensor([0.5, 0.0, 1.0 - 2.0**-53, 0.25, 0.5], dtype=torch.float64)
-    want = sample(logits, _unfiltered(temperature, flags), torch.zeros(5, dtype=torch.long), lambda s, p: u)  # type: ignore[arg-type]
+    want = sample(logits, _unfiltered(temperature, flags), torch.zeros(5, dtype=torch.long), lambda s, p: u)
     tokens, logprobs = decode_sample(logits, temperature, u, flags, block=block)
     assert tokens.tolist() == want.tokens.tolist()
     assert tokens[[0, 1, 2, 4]].tolist() == [5, 130, 690, 601]
