@@ -71,11 +71,12 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 def engine_layers(mode: str) -> Iterator[None]:
     """Within the block the engine's packs run as ``mode``: ``graphs`` (whole-pack CUDA graphs, else
     per-layer ones: the default on CUDA), ``layers`` (per-layer graphs only), ``compiled``
-    (torch.compile of the layers) or ``eager``."""
+    (torch.compile of the layers, no graphs), ``compiled-graphs`` (whole-pack graphs of the
+    compiled layers, else the compiled layers) or ``eager``."""
     values = {
-        "THUNDERSYNC_ENGINE_PACK_GRAPHS": "on" if mode == "graphs" else "off",
+        "THUNDERSYNC_ENGINE_PACK_GRAPHS": "on" if mode in ("graphs", "compiled-graphs") else "off",
         "THUNDERSYNC_ENGINE_GRAPHS": "on" if mode in ("graphs", "layers") else "off",
-        "THUNDERSYNC_ENGINE_COMPILE": "on" if mode == "compiled" else "off",
+        "THUNDERSYNC_ENGINE_COMPILE": "on" if mode in ("compiled", "compiled-graphs") else "off",
     }
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)

@@ -150,6 +150,7 @@ def opd_table(model: torch.nn.Module, tiny: bool, cuda: bool, repeat: int) -> tu
     )
     forms = (
         ("", "graphs"),
+        (", pack graphs of the compiled layers (THUNDERSYNC_ENGINE_COMPILE=on)", "compiled-graphs"),
         (", layer graphs only (THUNDERSYNC_ENGINE_PACK_GRAPHS=off)", "layers"),
         (", eager (both graph switches off)", "eager"),
     )

@@ -49,18 +49,20 @@ def make_prefix(an: anatomy.DecoderAnatomy, vocab: int, length: int) -> list[tup
 
 
 def pack_step(an: anatomy.DecoderAnatomy, chunks: list[ChunkSpec], form: LayerMath | str) -> Callable[[], None] | None:
-    """One pack's forward and backward with the layer math ``form``, or "layers" (the layer graphs)
-    or "pack" (the pack graph); None where the pack graph refuses the pack."""
+    """One pack's forward and backward with the layer math ``form``, or "layers" (the layer graphs),
+    "pack" (the pack graph) or "compiled pack" (the pack graph of the compiled math); None where
+    the pack graph refuses the pack."""
     rows = sum(int(c.tokens.numel()) for c in chunks)
-    if form == "pack" and isinstance(_pack_graph.plan(chunks), str):
+    whole = form in ("pack", "compiled pack")
+    if whole and isinstance(_pack_graph.plan(chunks), str):
         return None
 
     def run() -> None:
         owner: PackGraphs | GraphedLayers | None = None
-        if form == "pack":
+        if whole:
             owner = pack_graphs(an, True)
             assert owner is not None, "the pack graphs need CUDA"
-            out = owner.forward(chunks)
+            out = owner.forward(chunks, pack_math(an, True) if form == "compiled pack" else EAGER)
             assert out is not None, f"the pack graph refused the pack: {_graphed.graph_counts()}"
         else:
             owner = graphed_layers(an, True) if form == "layers" else None
@@ -100,7 +102,7 @@ def main() -> None:
     cases.append((f"32 chunks of {sizes[0]} after P={prefix_len}", [chunk(sizes[0]) for _ in range(32)]))
     forms: dict[str, LayerMath | str] = {"eager": EAGER, "compiled": pack_math(an, True)}
     if cuda:
-        forms |= {"layer graphs": "layers", "pack graph": "pack"}
+        forms |= {"layer graphs": "layers", "pack graph": "pack", "pack graph, compiled": "compiled pack"}
     rows = []
     for label, chunks in cases:
         ms: dict[str, float | str] = {}

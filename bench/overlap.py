@@ -65,8 +65,10 @@ import argparse
 import contextlib
 import functools
 import gc
+import gzip
 import math
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -84,6 +86,7 @@ import thundersync
 from bench._common import engine_layers, header, markdown_table
 from bench.engine import Batch, Group, Trajectory, dense, make_model
 from bench.engine_opd import OPDGroup, OPDTrajectory, opd_dense
+from thundersync.engine import graph_counts
 from thundersync.engine._worker import Worker
 from thundersync.engine.process import ModelProcess
 from thundersync.engine.scoring import PackedScorer
@@ -206,16 +209,30 @@ def stream_activity(events: list[Any], seconds: float) -> str:
     return f"GPU window of {seconds} s: " + ("; ".join(parts) or "no kernels")
 
 
-async def gpu_window(offset: float, seconds: float, out: list[str]) -> None:
-    """Profile the device's kernels from ``offset`` to ``offset + seconds`` into the rollout."""
+async def gpu_window(offset: float, seconds: float, out: list[str], trace: Path | None = None) -> None:
+    """Profile the device's kernels from ``offset`` to ``offset + seconds`` into the rollout;
+    ``trace``: also every thread's host ops, written there as a gzipped Chrome trace."""
     await anyio.sleep(offset)
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU  # CPU: no streams
-    profiler = torch.profiler.profile(activities=[activity])
+    plain = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU  # CPU: no streams
+    activities = {plain}
+    if trace is not None:
+        activities.add(torch.profiler.ProfilerActivity.CPU)
+    options: dict[str, Any] = {}
+    if trace is not None:  # every thread's ops, not only this one's (the engine's worker, autograd's, the generator's)
+        options["experimental_config"] = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    profiler = torch.profiler.profile(activities=list(activities), **options)
     profiler.start()
     await anyio.sleep(seconds)
     profiler.stop()
     out.append(stream_activity(profiler.profiler.kineto_results.events(), seconds))
+    if trace is not None:
+        raw = trace.with_suffix("")  # x.json.gz -> x.json
+        profiler.export_chrome_trace(str(raw))
+        with raw.open("rb") as source, gzip.open(trace, "wb") as target:
+            shutil.copyfileobj(source, target)
+        raw.unlink()
+        out.append(f"trace in {trace}")
 
 
 def make_plan(workload: Workload, vocab: int, seed: int) -> Batch:
@@ -322,16 +339,21 @@ async def learner_alone(learner: Learner, finished: list[Finished]) -> float:
 
 
 async def streamed(
-    generator: TorchGenerator, learner: Learner, alone_step_ms: float, window: tuple[float, float] | None = None
+    generator: TorchGenerator,
+    learner: Learner,
+    alone_step_ms: float,
+    window: tuple[float, float] | None = None,
+    trace: Path | None = None,
 ) -> tuple[float, float, str]:
     """(seconds of the whole step, seconds to the last trajectory, the timeline's summary) with the
-    learner fed as they finish; ``window`` (offset, seconds): profile the device's streams then."""
+    learner fed as they finish; ``window`` (offset, seconds): profile the device's streams then
+    (and the host's ops into ``trace``)."""
     start = time.perf_counter()
     learner.begin()
     activity: list[str] = []
     async with anyio.create_task_group() as tasks:
         if window is not None:
-            tasks.start_soon(gpu_window, *window, activity)
+            tasks.start_soon(gpu_window, *window, activity, trace)
         last, _ = await rollout(generator, learner.plan, learner.feed)
     learner.end()
     end = time.perf_counter()
@@ -421,13 +443,21 @@ async def measure_in_process(
     teacher: PackedScorer | None,
     alone_step_ms: float,
     window: tuple[float, float] | None,
+    warm_streamed: bool,
+    trace: Path | None,
 ) -> tuple[list[Any], str]:
-    """The row's cells and its streamed run's timeline summary."""
+    """The row's cells and its streamed run's timeline summary (``warm_streamed``: after one
+    unmeasured streamed run, as in a training run's later steps)."""
     learner = await warmed_learner(row, model, plan, finished, teacher)
     dense_seconds(model, plan[:1], finished, teacher)  # the dense path's kernels and autotuning
     learner_s = await learner_alone(learner, finished)
     dense_s = dense_seconds(model, plan, finished, teacher)
-    step_s, last_s, timeline = await streamed(generator, learner, alone_step_ms, window)
+    if warm_streamed:  # packs formed beside a rollout (stream_early) may need buckets the warm-up did not capture
+        await streamed(generator, learner, alone_step_ms)
+    before = graph_counts()
+    step_s, last_s, timeline = await streamed(generator, learner, alone_step_ms, window, trace)
+    captured = {k: v - before.get(k, 0) for k, v in graph_counts().items() if "captured" in k and v > before.get(k, 0)}
+    timeline += f"; captures during the measured streamed run: {captured or 'none'}"
     if isinstance(learner.objective, thundersync.LearnerProcess):
         learner.objective.close()
     tokens = sum(len(t) for _, _, t in finished)
@@ -594,7 +624,8 @@ async def run_rows(
                     checks.append(check)
                     print(f"[check] {check}", file=sys.stderr, flush=True)
                 else:
-                    with engine_layers("eager" if row.endswith(_EAGER) else "graphs"):
+                    layers = {_EAGER: "eager", _COMPILED: "compiled-graphs"}.get(row[row.rfind("-") :], "graphs")
+                    with engine_layers(layers):
                         cells_, timeline = await measure_in_process(
                             row,
                             model,
@@ -605,6 +636,8 @@ async def run_rows(
                             row_teacher,
                             alone_step_ms,
                             args.gpu_window,
+                            args.warm_streamed,
+                            args.trace / f"{row}.json.gz" if args.trace else None,
                         )
                     timelines.append(timeline)
                     print(f"[timeline] {timeline}", file=sys.stderr, flush=True)
@@ -618,11 +651,12 @@ async def run_rows(
 
 _IN_CHILD = "-2proc"
 _EAGER = "-eager"  # the engine's layers eager (no CUDA graphs), in this process
+_COMPILED = "-compiled"  # whole-pack graphs of the compiled layers (THUNDERSYNC_ENGINE_COMPILE=on), in this process
 _LEARNER_PROCESS = "-proc"  # the objective a thundersync.LearnerProcess, the teacher in this process
 
 
 def _objective_kind(row: str) -> str:
-    return row.removesuffix(_IN_CHILD).removesuffix(_EAGER).removesuffix(_LEARNER_PROCESS)
+    return row.removesuffix(_IN_CHILD).removesuffix(_EAGER).removesuffix(_COMPILED).removesuffix(_LEARNER_PROCESS)
 
 
 def _workload(row: str) -> str:
@@ -666,6 +700,9 @@ _ROW_NAMES = {
     "balanced": "balanced GRPO (prompts ~2048, short responses)",
     "grpo-eager": "GRPO, pack_tokens=8192, eager (no graphs)",
     "opd-eager": "OPD, eager (no graphs)",
+    "opd-compiled": "OPD, pack graphs of the compiled layers",
+    "grpo-compiled": "GRPO, pack graphs of the compiled layers",
+    "grpo-early-compiled": "GRPO, stream_early=True, pack graphs of the compiled layers",
     "balanced-eager": "balanced GRPO, eager (no graphs)",
     "grpo-2proc": "GRPO, learner in a 2nd process",
     "grpo-proc": "GRPO, LearnerProcess",
@@ -697,10 +734,26 @@ def main() -> None:
         default=None,
         help="profile each in-process streamed run's CUDA streams from OFFSET for SECONDS (kernels, busy time, overlap)",
     )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="with --gpu-window: also record every thread's host ops, one gzipped Chrome trace per row in this folder",
+    )
+    parser.add_argument(
+        "--cold-streamed",
+        dest="warm_streamed",
+        action="store_false",
+        help="measure the first streamed run (default: the second; the first may capture CUDA graphs for its packs)",
+    )
     args = parser.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     args.rows = args.rows.split(",")
+    if args.trace is not None:
+        if args.gpu_window is None:
+            parser.error("--trace records the --gpu-window: give both")
+        args.trace.mkdir(parents=True, exist_ok=True)
     unknown = [row for row in args.rows if row not in _ROW_NAMES]
     if unknown:
         parser.error(f"unknown row(s) {', '.join(unknown)}; the rows are {', '.join(_ROW_NAMES)}")
@@ -715,8 +768,6 @@ def main() -> None:
     print(f"GIL switch interval {sys.getswitchinterval()} s\n")
     print(markdown_table(COLUMNS, rows))
     if cuda:
-        from thundersync.engine import graph_counts
-
         print(f"\nengine graphs in this process (all rows): {graph_counts()}")
     if timelines:
         print("\nhost time of the streamed runs (in-process rows), during the rollout and after its last trajectory:")

@@ -15,7 +15,7 @@ import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
-from tests.engine import test_forest
+from tests.engine import test_forest, test_pack_graph
 from tests.engine.test_graphed import cuda_anatomy, pack_results
 from tests.engine.tiny_models import tiny_qwen3
 from thundersync._compile import OrEager
@@ -92,22 +92,50 @@ def test_packs_of_new_sizes_compile_nothing_new(compiled: Counting) -> None:
     assert (compiled.forward, compiled.backward) == counts
 
 
+def test_pack_graphs_record_the_compiled_math(compiled: Counting, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With compiling on, a whole-pack graph records the compiled layer math (here its recorded
+    steps run uncaptured, on CPU): the same fp64 results as the eager packs, through the graphs,
+    without a compile per layer."""
+    model = tiny_qwen3(torch.float64, seed=6, layers=5)
+    anatomy = decoder_anatomy(model)
+    want = pack_results(anatomy, torch.Generator().manual_seed(7), False, device="cpu")
+    assert _compiled.pack_math(anatomy) is _compiled.COMPILED
+    counts = (compiled.forward, compiled.backward)
+    graphs = test_pack_graph.uncaptured(monkeypatch, anatomy)
+    reset_graph_counts()
+    model.zero_grad(set_to_none=True)
+    got = pack_results(anatomy, torch.Generator().manual_seed(7), False, device="cpu")
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    assert graph_counts()["pack_replayed"] == 2 and len(graphs.buckets()) == 2
+    assert all(math is _compiled.COMPILED for _, math in graphs._graphs)
+    # The graphs' steps went through dynamo: at most one new specialization per function (for the
+    # aliased parameters), not one per layer (5 here; 28 would pass dynamo's recompile limit)
+    assert counts[0] < compiled.forward <= counts[0] + 2 and compiled.backward <= counts[1] + 2
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("whole", ["pack-graphs", "no-graphs"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_inductor_packs_on_cuda_equal_the_eager_math(monkeypatch: pytest.MonkeyPatch, lora: bool) -> None:
+def test_inductor_packs_on_cuda_equal_the_eager_math(monkeypatch: pytest.MonkeyPatch, lora: bool, whole: str) -> None:
     """Opt-in on CUDA (inductor): a pack of chunks after a shared prefix and an in-pack parent
     gives the eager math's log-probs, prefix adjoints and parameter gradients (fp32, 1e-5), and
-    compiles without falling back. Asking for it turns the CUDA graphs off."""
+    compiles without falling back; inside whole-pack graphs (captured, then replayed) or without
+    graphs. The per-layer graphs record the eager math only, so compiling turns them off."""
     anatomy = cuda_anatomy(lora)
     model = anatomy.model
-    reset_graph_counts()
     results = {}
-    for mode in ("off", "on"):
+    for mode in ("off", "on", "on"):  # the second compiled run replays what the first captured
         monkeypatch.setenv("THUNDERSYNC_ENGINE_GRAPHS", "off" if mode == "off" else "auto")
+        monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPHS", "on" if whole == "pack-graphs" and mode == "on" else "off")
         monkeypatch.setenv("THUNDERSYNC_ENGINE_COMPILE", mode)
+        reset_graph_counts()
         model.zero_grad(set_to_none=True)
         results[mode] = pack_results(anatomy, torch.Generator().manual_seed(7), second=False)
     assert _compiled.failures == []
-    assert graph_counts().get("replayed", 0) == 0
+    counts = graph_counts()  # of the last run
+    assert counts.get("replayed", 0) == 0
+    assert counts.get("pack_replayed", 0) == (2 if whole == "pack-graphs" else 0)
+    assert counts.get("pack_captured", 0) == 0
     for got, want in zip(results["on"], results["off"], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5)  # inductor reorders fp32 sums

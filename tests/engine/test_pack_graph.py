@@ -77,7 +77,7 @@ def test_no_pack_graphs_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pack_graphs(anatomy) is None
 
 
-def _uncaptured(monkeypatch: pytest.MonkeyPatch, anatomy: object) -> PackGraphs:
+def uncaptured(monkeypatch: pytest.MonkeyPatch, anatomy: object) -> PackGraphs:
     """PackGraphs whose 'graphs' run the recorded steps each time (what a capture records)."""
 
     def capture(self: _pack_graph._Graph, pool: object) -> None:
@@ -105,7 +105,7 @@ def test_the_bucketed_pack_math_equals_the_eager_pack_in_fp64(
     anatomy = decoder_anatomy(model)
     model.zero_grad(set_to_none=True)
     want = pack_results(anatomy, torch.Generator().manual_seed(7), second, device="cpu")
-    graphs = _uncaptured(monkeypatch, anatomy)
+    graphs = uncaptured(monkeypatch, anatomy)
     _graphed.reset_graph_counts()
     for _ in range(2):  # the second pass replays the buckets of the first
         model.zero_grad(set_to_none=True)
@@ -196,7 +196,7 @@ def test_a_longer_prefix_gets_new_buffers_and_earlier_buckets_keep_theirs(monkey
     want = _prompt_packs(anatomy, [9, 300, 9])
     model.zero_grad(set_to_none=True)
     monkeypatch.setattr(_pack_graph, "_PREFIX_ROWS", 256)
-    graphs = _uncaptured(monkeypatch, anatomy)
+    graphs = uncaptured(monkeypatch, anatomy)
     _graphed.reset_graph_counts()
     got = _prompt_packs(anatomy, [9, 300, 9])
     for g, w in zip(got, want, strict=True):
@@ -226,7 +226,7 @@ def test_a_first_pack_without_prefix_rows_is_captured(monkeypatch: pytest.Monkey
         getattr(objective, name)(*args, **kwargs)
     objective.assert_safe_to_step()
     run = thundersync.StreamingRun(model)
-    graphs = _uncaptured(monkeypatch, run.anatomy)
+    graphs = uncaptured(monkeypatch, run.anatomy)
     _graphed.reset_graph_counts()
     objective = thundersync.RewardLinearBackward(run, pack_tokens=64)
     for name, args, kwargs in calls:
@@ -243,7 +243,7 @@ def test_captures_never_swap_the_models_own_modules(monkeypatch: pytest.MonkeyPa
     model while a bucket is captured (the generator's weights watch) sees it untouched."""
     model = tiny_qwen3(torch.float64, tie=True)
     anatomy = decoder_anatomy(model)
-    graphs = _uncaptured(monkeypatch, anatomy)
+    graphs = uncaptured(monkeypatch, anatomy)
     inside = []
     real_step = _pack_graph._Graph.forward_step
 

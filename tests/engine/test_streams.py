@@ -10,7 +10,7 @@ import torch
 
 import thundersync
 from tests.engine.tiny_models import tiny_qwen3
-from thundersync.engine._streams import JobStream
+from thundersync.engine._streams import JobStream, capture_graph
 from thundersync.engine.dense import relative_error
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many
 
@@ -66,3 +66,30 @@ def test_side_stream_gradients_equal_the_single_stream_ones_beside_a_generator()
     side = _stream_batch(model, side=True)
     assert len(single) == len(side) > 0
     assert relative_error(side, single) < 1e-5
+
+
+@pytest.mark.gpu
+def test_a_capture_keeps_the_allocator_cache_and_lets_other_streams_run() -> None:
+    """``capture_graph`` records what ``torch.cuda.graph`` records, without its device-wide
+    synchronize and ``empty_cache()``: blocks cached before the capture stay cached (a rollout's
+    and the engine's next allocations must not go back to cudaMalloc), and work queued on another
+    stream is not waited for."""
+    device = torch.device("cuda")
+    block = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    del block  # 256 MiB cached, unused
+    reserved = torch.cuda.memory_reserved(device)
+    busy = torch.cuda.Stream()
+    x = torch.arange(1024, dtype=torch.float32, device=device)
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s or more of spinning on another stream
+    done = torch.cuda.Event()
+    done.record(busy)
+    graph = torch.cuda.CUDAGraph()
+    with capture_graph(graph):
+        y = x * 2 + 1
+    assert not done.query(), "the capture waited for another stream's work"
+    assert torch.cuda.memory_reserved(device) >= reserved, "the capture emptied the allocator's cache"
+    x.copy_(torch.full_like(x, 3.0))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(x, 7.0))

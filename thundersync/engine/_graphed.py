@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from thundersync._compile import switch
-from thundersync.engine._streams import warm_up_stream
+from thundersync.engine._streams import capture_graph, warm_up_stream
 from thundersync.engine.anatomy import DecoderAnatomy, LayerParts
 from thundersync.engine.decoder import LayerMath, Tensors3, attention_inputs, attention_output, embed
 
@@ -164,14 +164,13 @@ def _capture(parts: Sequence[_Part], pool: Any) -> None:
                 # Let the warm-up's graph die now: a leaf's gradient accumulator outlives it only through
                 # the graph, and one made here, on the side stream, would be reused by the capture.
                 del outs
-    torch.cuda.synchronize()
     with torch.enable_grad():
         for part in parts:
-            with torch.cuda.graph(part.forward, pool=pool, capture_error_mode="thread_local"):
+            with capture_graph(part.forward, pool):
                 part.outputs = part.run()
             part.grad_outputs = [torch.zeros_like(o) for o in part.outputs]
         for part in reversed(parts):
-            with torch.cuda.graph(part.backward, pool=pool, capture_error_mode="thread_local"):
+            with capture_graph(part.backward, pool):
                 part.grads = torch.autograd.grad(
                     part.outputs, part.differentiable(), part.grad_outputs, allow_unused=True
                 )

@@ -45,6 +45,7 @@ per-layer graphs or runs eagerly.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -56,6 +57,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from thundersync._compile import COMPILE_LOCK
 from thundersync._logging import get_logger
 from thundersync.engine._graphed import (
     _AFTER,
@@ -68,10 +70,10 @@ from thundersync.engine._graphed import (
     for_model,
     power_of_two,
 )
-from thundersync.engine._streams import warm_up_stream
+from thundersync.engine._streams import capture_graph, warm_up_stream
 from thundersync.engine.adapter import KV, ChunkSpec, PackOutput, _gather_index, _key_spans
 from thundersync.engine.anatomy import DecoderAnatomy
-from thundersync.engine.decoder import apply_norm, decoder_forward
+from thundersync.engine.decoder import EAGER, LayerMath, apply_norm, decoder_forward
 from thundersync.errors import ConfigError
 from thundersync.kernels._attention_varlen import varlen_packed_attention
 from thundersync.kernels.attention import capability
@@ -166,8 +168,8 @@ def plan(chunks: Sequence[ChunkSpec]) -> Plan | str:
 class _Body:
     """The pack's forward from its static inputs: the eager pack's math with every shape fixed."""
 
-    def __init__(self, anatomy: DecoderAnatomy, shape: tuple[int, int, int, int]) -> None:
-        self.anatomy = anatomy
+    def __init__(self, anatomy: DecoderAnatomy, shape: tuple[int, int, int, int], math: LayerMath) -> None:
+        self.anatomy, self.math = anatomy, math
         self.rows, _, self.keys, _ = shape
 
     def __call__(self, ids: torch.Tensor, io: torch.Tensor, *prefix: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -188,7 +190,7 @@ class _Body:
             )
             return packed_attention(q, keys, values, cu, self.anatomy.scaling).reshape(q.shape[0], -1)
 
-        x = decoder_forward(self.anatomy, ids, positions, attention)
+        x = decoder_forward(self.anatomy, ids, positions, attention, self.math)
         return (apply_norm(self.anatomy.norm, x), *kv)
 
 
@@ -212,11 +214,11 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torc
 class _Graph:
     """One bucket's static inputs and outputs, its forward and backward graphs."""
 
-    def __init__(self, owner: PackGraphs, shape: tuple[int, int, int, int]) -> None:
+    def __init__(self, owner: PackGraphs, shape: tuple[int, int, int, int], math: LayerMath) -> None:
         rows, prefix_rows, keys, slots = shape
         self.shape = shape
         an = owner.private
-        self.module = _Wrapper(_Body(an, shape), _modules(an))
+        self.module = _Wrapper(_Body(an, shape, math), _modules(an))
         named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.aliases = {name: p.detach().requires_grad_() for name, p in named}
@@ -288,12 +290,11 @@ class _Graph:
                 self.forward_step()
                 self.grad_outputs = [torch.zeros_like(o) for o in self.outputs]
                 self.backward_step()  # the warm-up's autograd graph dies here, before the capture
-        torch.cuda.synchronize()
         self.forward, self.backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.forward, pool=pool, capture_error_mode="thread_local"):
+        with capture_graph(self.forward, pool):
             self.forward_step()
         self.grad_outputs = [torch.zeros_like(o) for o in self.outputs]
-        with torch.cuda.graph(self.backward, pool=pool, capture_error_mode="thread_local"):
+        with capture_graph(self.backward, pool):
             self.backward_step()  # the gradients' own memory returns to the pool for later captures
 
 
@@ -375,7 +376,7 @@ class PackGraphs:
         # kept names the embedding in its place (its only use there: the device and dtype).
         self._model = weakref.ref(anatomy.model)
         self.anatomy = dataclasses.replace(anatomy, model=anatomy.embed)
-        self._graphs: dict[tuple[int, int, int, int], _Graph] = {}
+        self._graphs: dict[tuple[tuple[int, int, int, int], LayerMath], _Graph] = {}  # (bucket, math) -> graphs
         self._pool: Any = None
         self._key: tuple[tuple[int, bool], ...] | None = None
         self._busy = False
@@ -417,10 +418,11 @@ class PackGraphs:
         tensors = [] if model is None else [*model.parameters(), *model.buffers()]
         self.private = copy.deepcopy(self.anatomy, memo={id(t): t for t in tensors})
 
-    def forward(self, chunks: Sequence[ChunkSpec]) -> PackOutput | None:
+    def forward(self, chunks: Sequence[ChunkSpec], math: LayerMath = EAGER) -> PackOutput | None:
         """The pack's output through its bucket's graphs, or None: run it another way (no bucket,
         another pack's backward is pending, or the capture failed). The caller calls
-        :meth:`release` once the pack's backward has run or the pack is dropped."""
+        :meth:`release` once the pack's backward has run or the pack is dropped. ``math``: the
+        layer math the graphs record (the eager ops, or the compiled ones: fewer kernels)."""
         layout = plan(chunks)
         if isinstance(layout, str) or self._busy:
             _COUNTS[layout if isinstance(layout, str) else "pack_busy"] += 1
@@ -431,7 +433,7 @@ class PackGraphs:
         if layout.shape[1] > capacity:  # (a first pack without prefix rows needs the buffer's layers too)
             self._grow(max(layout.shape[1], 2 * capacity, _PREFIX_ROWS))
         tokens = torch.cat([c.tokens for c in chunks])
-        graph = self._graphs.get(layout.shape) or self._capture(layout, tokens)
+        graph = self._graphs.get((layout.shape, math)) or self._capture(layout, tokens, math)
         if graph is None:
             return None
         self._busy = True
@@ -446,24 +448,27 @@ class PackGraphs:
         kv = [(outputs[1 + 2 * i][:n], outputs[2 + 2 * i][:n]) for i in range(len(self.anatomy.layers))]
         return PackOutput(hidden=outputs[0][:n], tokens=tokens, offsets=layout.offsets, layer_kv=kv)
 
-    def _capture(self, layout: Plan, tokens: torch.Tensor) -> _Graph | None:
+    def _capture(self, layout: Plan, tokens: torch.Tensor, math: LayerMath) -> _Graph | None:
         shape = layout.shape
         try:
-            graph = _Graph(self, shape)
+            graph = _Graph(self, shape, math)
             graph.load(layout, tokens)  # a valid layout to warm up on (an all-zero one indexes out of range)
-            graph.capture(self._pool)
+            # Compiled math compiles in the warm-up (dynamo may add a specialization for the
+            # aliased parameters), on this thread and autograd's: under the lock, as pack_math does.
+            with COMPILE_LOCK if math is not EAGER else contextlib.nullcontext():
+                graph.capture(self._pool)
         except Exception as error:  # a model whose math cannot be captured: the other forms compute the same
             self.failed = True
             _COUNTS["pack_capture_failed"] += 1
             _log.warning("pack_graph_capture_failed", shape=shape, error=repr(error), fallback="layer graphs or eager")
             return None
-        self._graphs[shape] = graph
+        self._graphs[shape, math] = graph
         _COUNTS["pack_captured"] += 1
         return graph
 
     def buckets(self) -> list[tuple[int, int, int, int]]:
         """The (rows, prefix rows, keys, chunk slots) buckets captured so far."""
-        return sorted(self._graphs)
+        return sorted({shape for shape, _ in self._graphs})
 
     def release(self) -> None:
         """The pack that :meth:`forward` served is done: its static buffers may be overwritten."""

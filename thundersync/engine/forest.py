@@ -135,18 +135,17 @@ class SegmentPack:
         chunks: list[ChunkSpec] = []
         index = {id(seg): i for i, seg in enumerate(segments)}
         math = pack_math(anatomy)  # the compiled math when asked for (opt-in), else eager
-        graphed = grad and math is EAGER
         owner: PackGraphs | GraphedLayers | None = None  # whose static buffers hold the activations
         try:
             with torch.enable_grad() if grad else torch.no_grad():
                 for seg in segments:
                     chunks.append(_chunk(anatomy, seg, index, leaves, grad))
-                whole = pack_graphs(anatomy) if graphed else None
-                output = whole.forward(chunks) if whole is not None else None
+                whole = pack_graphs(anatomy) if grad else None
+                output = whole.forward(chunks, math) if whole is not None else None
                 if output is not None:
                     owner = whole
-                else:
-                    layers = graphed_layers(anatomy) if graphed else None
+                else:  # the per-layer graphs record the eager math only
+                    layers = graphed_layers(anatomy) if grad and math is EAGER else None
                     layer_math = layers.math(sum(int(c.tokens.numel()) for c in chunks)) if layers else None
                     owner = layers if layer_math is not None else None
                     output = forward_pack(anatomy, chunks, layer_math or math)

@@ -37,7 +37,7 @@ from thundersync._compile import switch
 from thundersync._logging import get_logger
 from thundersync.engine._graphed import power_of_two
 from thundersync.engine._pack_graph import MAX_CHUNKS, packed_attention
-from thundersync.engine._streams import warm_up_stream
+from thundersync.engine._streams import capture_graph, warm_up_stream
 from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy
 from thundersync.engine.decoder import apply_norm, decoder_forward
 from thundersync.errors import ConfigError
@@ -119,7 +119,7 @@ class _Bucket:
         with warm_up_stream():
             for _ in range(_WARMUP):  # lazy initialisations and kernel probes must not be captured
                 _hidden(self.anatomy, self.ids, self.io)
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+        with capture_graph(self.graph, pool):
             self.hidden = _hidden(self.anatomy, self.ids, self.io)
 
 

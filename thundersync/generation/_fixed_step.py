@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from thundersync.engine._streams import warm_up_stream
+from thundersync.engine._streams import capture_graph, warm_up_stream
 from thundersync.generation._host import device_tensor
 from thundersync.generation._sampling import RowParams, SampleOutput, sample
 from thundersync.generation.base import SamplingParams
@@ -164,9 +164,8 @@ class CapturedStep:
             for _ in range(2):
                 self.step(bucket, key_len, filtered)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: in a pipeline the engine's worker thread keeps launching backward work
-        # while generation captures; "global" would forbid its CUDA calls during the capture.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        # (thread-local: the engine's worker keeps launching backward work meanwhile)
+        with capture_graph(graph, self._pool):
             self.step(bucket, key_len, filtered)
         for tensor, value in zip(state, saved, strict=True):
             tensor.copy_(value)
