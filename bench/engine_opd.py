@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import random
 import sys
 import time
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import thundersync
 from bench._common import engine_layers, header, markdown_table
 from bench.engine import make_model, measure, padded_logprobs, profile, relative_error
+from thundersync.engine import release_graphs
 
 
 @dataclass
@@ -155,6 +157,10 @@ def opd_table(model: torch.nn.Module, tiny: bool, cuda: bool, repeat: int) -> tu
         (", eager (both graph switches off)", "eager"),
     )
     for name, layers in forms:
+        release_graphs(model)  # one form's graphs at a time: two sets need more than the device has
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
         with engine_layers(layers):
             stream_s, stream_peak, stream_grads = measure(opd_streaming, model, batch, cuda, repeat)
             latencies: list[float] = []

@@ -16,7 +16,7 @@ import torch
 
 from tests.engine.test_graphed import cuda_anatomy, pack_results
 from tests.engine.tiny_models import tiny_qwen3, with_lora
-from thundersync.engine import _graphed, _pack_graph, forest
+from thundersync.engine import _graphed, _pack_graph, forest, release_graphs
 from thundersync.engine._pack_graph import MAX_CHUNKS, MAX_KEYS, PackGraphs, pack_graphs, plan
 from thundersync.engine.adapter import ChunkSpec, empty_prefix
 from thundersync.engine.anatomy import decoder_anatomy
@@ -263,3 +263,15 @@ def test_captures_never_swap_the_models_own_modules(monkeypatch: pytest.MonkeyPa
     assert graphs.buckets() and (False, True) in seen  # the copies ran inside the steps
     assert (True, True) not in seen  # the model's own modules never did
     assert graphs.private.embed is not anatomy.embed and graphs.private.embed.weight is anatomy.embed.weight
+
+
+def test_release_graphs_forgets_both_kinds_of_a_model_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, other = tiny_qwen3(), tiny_qwen3()
+    anatomy = decoder_anatomy(model)
+    graphs = PackGraphs(anatomy)
+    for cache in (_pack_graph._models, _graphed._models):
+        monkeypatch.setitem(cache, model, graphs)
+        monkeypatch.setitem(cache, other, graphs)
+    release_graphs(model)
+    for cache in (_pack_graph._models, _graphed._models):
+        assert model not in cache and cache[other] is graphs

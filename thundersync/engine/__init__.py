@@ -6,12 +6,14 @@ shows the API); :class:`StreamingRun` owns the parameters, accumulators and work
 What the objectives share: ``objective`` (the contract both implement), ``groups`` (which groups
 and trajectories are open), ``packing`` (which queued work shares a pass), ``inputs`` (validation
 at the API boundary). On CUDA a pack replays its layers as CUDA graphs (``_graphed``);
-:func:`graph_counts` says how many packs did and why the others ran eagerly.
+:func:`graph_counts` says how many packs did and why the others ran eagerly;
+:func:`release_graphs` frees a model's graphs.
 """
 
 from __future__ import annotations
 
 from thundersync.engine._graphed import graph_counts, reset_graph_counts
+from thundersync.engine._pack_graph import release_graphs
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.objective import StreamingObjective
 from thundersync.engine.run import StreamingRun
@@ -23,5 +25,6 @@ __all__ = [
     "StreamingObjective",
     "StreamingRun",
     "graph_counts",
+    "release_graphs",
     "reset_graph_counts",
 ]

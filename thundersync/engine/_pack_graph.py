@@ -59,6 +59,7 @@ import torch.nn.functional as F
 
 from thundersync._compile import COMPILE_LOCK
 from thundersync._logging import get_logger
+from thundersync.engine import _graphed
 from thundersync.engine._graphed import (
     _AFTER,
     _BEFORE,
@@ -79,7 +80,7 @@ from thundersync.kernels._attention_varlen import varlen_packed_attention
 from thundersync.kernels.attention import capability
 from thundersync.kernels.dtypes import accumulate_dtype
 
-__all__ = ["MAX_CHUNKS", "MAX_KEYS", "PackGraphs", "max_rows", "pack_graphs", "packed_attention"]
+__all__ = ["MAX_CHUNKS", "MAX_KEYS", "PackGraphs", "max_rows", "pack_graphs", "packed_attention", "release_graphs"]
 
 _log = get_logger(__name__)
 
@@ -96,6 +97,14 @@ def pack_graphs(anatomy: DecoderAnatomy, enabled: bool | None = None) -> PackGra
     ``THUNDERSYNC_ENGINE_PACK_GRAPHS``), the model is not on CUDA, or a capture failed."""
     graphs = for_model("THUNDERSYNC_ENGINE_PACK_GRAPHS", enabled, anatomy, _models, PackGraphs)
     return None if graphs is None or graphs.failed else graphs
+
+
+def release_graphs(model: torch.nn.Module) -> None:
+    """Forget the engine's CUDA graphs of ``model``, whole-pack and per-layer: their memory goes
+    back to the caching allocator once nothing else holds it, and later packs capture again (a
+    process that switches the layer math, or trains another model next, need not keep both)."""
+    _models.pop(model, None)
+    _graphed._models.pop(model, None)
 
 
 def max_rows() -> int:
