@@ -71,9 +71,9 @@ def test_side_stream_gradients_equal_the_single_stream_ones_beside_a_generator()
 @pytest.mark.gpu
 def test_a_capture_keeps_the_allocator_cache_and_lets_other_streams_run() -> None:
     """``capture_graph`` records what ``torch.cuda.graph`` records, without its device-wide
-    synchronize and ``empty_cache()``: blocks cached before the capture stay cached (a rollout's
-    and the engine's next allocations must not go back to cudaMalloc), and work queued on another
-    stream is not waited for."""
+    synchronize, and with most of the device free without its ``empty_cache()``: blocks cached
+    before the capture stay cached (a rollout's and the engine's next allocations must not go back
+    to cudaMalloc), and work queued on another stream is not waited for."""
     device = torch.device("cuda")
     block = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     del block  # 256 MiB cached, unused
@@ -93,3 +93,22 @@ def test_a_capture_keeps_the_allocator_cache_and_lets_other_streams_run() -> Non
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, torch.full_like(x, 7.0))
+
+
+@pytest.mark.gpu
+def test_a_capture_on_a_nearly_full_device_empties_the_cache_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capture's pool cannot take blocks other pools keep cached: with under a quarter of the
+    device free, the cache goes back to the driver first, as ``torch.cuda.graph`` always does."""
+    device = torch.device("cuda")
+    block = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    del block
+    reserved = torch.cuda.memory_reserved(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (total // 8, total))
+    x = torch.ones(16, device=device)
+    graph = torch.cuda.CUDAGraph()
+    with capture_graph(graph):
+        y = x + 1
+    assert torch.cuda.memory_reserved(device) < reserved
+    graph.replay()
+    assert torch.equal(y, torch.full_like(x, 2.0))

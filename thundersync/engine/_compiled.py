@@ -16,13 +16,15 @@ compiles everything for a model before its first pack, while it holds
 :data:`~thundersync._compile.COMPILE_LOCK` (AOTAutograd compiles a dynamic backward lazily, on
 autograd's thread, where the lock of each compiled call would not cover it).
 
-``THUNDERSYNC_ENGINE_COMPILE``: ``auto`` (default, off), ``on``, ``off``; on, it replaces the
-CUDA graphs of :mod:`~thundersync.engine._graphed` (a pack runs one form of its layers). It is off by default
-because it measured slower on the H200 where it matters (bench/RESULTS.md, 2026-12-01): the
+``THUNDERSYNC_ENGINE_COMPILE``: ``auto`` (default, off), ``on``, ``off``. On, the whole-pack CUDA
+graphs (:mod:`~thundersync.engine._pack_graph`) record the compiled math, so a replay launches
+the fused kernels without their Python wrappers; packs no bucket holds run the compiled math
+without graphs (the per-layer graphs of :mod:`~thundersync.engine._graphed` record the eager math
+only). Launched without graphs it measured slower on the H200 (bench/RESULTS.md, 2026-12-01): the
 compiled regions' Python wrappers cost about what the fused kernels save (a 64-token pack: 127 ms
 against 118 ms eager), streamed GRPO took 1.14 s against 0.91 s and streamed OPD beside the
-rollout 21.1 s against 15.4 s; alone, streamed OPD was faster (2.18 s against 2.64 s) and used 23%
-less memory.
+rollout 21.1 s against 15.4 s. Inside the pack graphs a pack of 256-2048 tokens took 14-19% less
+time than the eager math's graph (2026-12-02, tenth session).
 The compiled math computes the same functions up to rounding (fused elementwise kernels round
 intermediate values differently); :data:`failures` lists the functions that fell back to eager.
 """
