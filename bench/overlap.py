@@ -4,6 +4,7 @@
     python bench/overlap.py --tiny           # CPU, tiny model, seconds (checks the script)
     python bench/overlap.py --rows grpo,opd  # a subset of the rows
     python bench/overlap.py --rows opd --gpu-window 3 0.5   # and the CUDA streams' activity 3..3.5 s into the streamed run
+    python bench/overlap.py --rows opd --gpu-window 3 0.5 --trace traces   # and every thread's ops as a Chrome trace
 
 The objects are called directly, in one process, as issue 14 measured (no pipeline; the
 ``-2proc`` rows use two, see below): a
@@ -22,7 +23,10 @@ Columns, each measured in the same run:
   synchronous baseline's learner (padded micro-batches through transformers' forward,
   ``bench/engine.py``'s ``dense`` / ``bench/engine_opd.py``'s ``opd_dense``);
 - ``sync``: rollout then learner (the two measured back to back); ``streamed``: the learner fed
-  while the rollout runs, until ``assert_safe_to_step()`` returns;
+  while the rollout runs, until ``assert_safe_to_step()`` returns (the row's second such run, as a
+  training run's later steps: the first captures the CUDA graphs of packs formed beside a
+  rollout, which ``stream_early`` forms differently from the warm-up's; ``--cold-streamed``
+  measures the first; the timeline says how many captures the measured run still made);
 - ``hidden``: the fraction of the learner's work hidden, (sync - streamed) / learner; ``speed-up``:
   sync / streamed; ``rollout slowdown``: the streamed run's time to its last trajectory over the
   rollout alone; ``tail``: from the last trajectory to the end of the step; tokens/s: generated

@@ -24,7 +24,8 @@ only). Launched without graphs it measured slower on the H200 (bench/RESULTS.md,
 compiled regions' Python wrappers cost about what the fused kernels save (a 64-token pack: 127 ms
 against 118 ms eager), streamed GRPO took 1.14 s against 0.91 s and streamed OPD beside the
 rollout 21.1 s against 15.4 s. Inside the pack graphs a pack of 256-2048 tokens took 14-19% less
-time than the eager math's graph (2026-12-02, tenth session).
+time than the eager math's graph, but a streamed OPD batch took 2.56x the dense time against 1.95x
+(2026-12-02, tenth session), so it stays off.
 The compiled math computes the same functions up to rounding (fused elementwise kernels round
 intermediate values differently); :data:`failures` lists the functions that fell back to eager.
 """
