@@ -21,6 +21,7 @@ import gc
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,7 +124,9 @@ def opd_streaming(model: torch.nn.Module, batch: list[OPDGroup], latencies: list
     opd.assert_safe_to_step()
 
 
-def opd_table(model: torch.nn.Module, tiny: bool, cuda: bool, repeat: int) -> tuple[str, list[list[object]]]:
+def opd_table(
+    model: torch.nn.Module, tiny: bool, cuda: bool, repeat: int, forms: Sequence[str] = ("graphs",)
+) -> tuple[str, list[list[object]]]:
     vocab = model.config.vocab_size
     if tiny:
         batch = make_opd_batch(random.Random(1), vocab, 2, 3, (16, 24), (4, 24), (2, 12), (2, 3))
@@ -150,13 +153,7 @@ def opd_table(model: torch.nn.Module, tiny: bool, cuda: bool, repeat: int) -> tu
             relative_error(dense_grads, want),
         ]
     )
-    forms = (
-        ("", "graphs"),
-        (", pack graphs of the compiled layers (THUNDERSYNC_ENGINE_COMPILE=on)", "compiled-graphs"),
-        (", layer graphs only (THUNDERSYNC_ENGINE_PACK_GRAPHS=off)", "layers"),
-        (", eager (both graph switches off)", "eager"),
-    )
-    for name, layers in forms:
+    for name, layers in ((name, layers) for name, layers in FORMS if layers in forms):
         release_graphs(model)  # one form's graphs at a time: two sets need more than the device has
         gc.collect()
         if cuda:
@@ -189,16 +186,29 @@ def opd_table(model: torch.nn.Module, tiny: bool, cuda: bool, repeat: int) -> tu
     return info, rows
 
 
+FORMS = (  # (row suffix, engine_layers mode)
+    ("", "graphs"),
+    (", pack graphs of the compiled layers (THUNDERSYNC_ENGINE_COMPILE=on)", "compiled-graphs"),
+    (", layer graphs only (THUNDERSYNC_ENGINE_PACK_GRAPHS=off)", "layers"),
+    (", eager (both graph switches off)", "eager"),
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model and batch on CPU (seconds)")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="after the table, profile one run of each mode")
+    every = ",".join(layers for _, layers in FORMS)
+    parser.add_argument("--forms", default=every, help=f"the streamed rows' forms, comma-separated, of {every}")
     args = parser.parse_args()
+    forms = args.forms.split(",")
+    if unknown := [f for f in forms if f not in every.split(",")]:
+        parser.error(f"unknown form(s) {', '.join(unknown)}; the forms are {every}")
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
     model = make_model(args.tiny, device, torch.float32 if args.tiny else torch.bfloat16)
-    info, rows = opd_table(model, args.tiny, cuda, args.repeat)
+    info, rows = opd_table(model, args.tiny, cuda, args.repeat, forms)
     print(header("python bench/engine_opd.py" + (" --tiny" if args.tiny else "")))
     print(f"{info}, dtype {next(model.parameters()).dtype}\n")
     print(

@@ -7,13 +7,30 @@ import torch
 
 from tests.engine.tiny_models import tiny_qwen3, with_lora
 from thundersync.engine import AdjointLedger, Segment, SegmentPack
-from thundersync.engine._graphed import MAX_ROWS, bucket, graphed_layers
+from thundersync.engine._graphed import MAX_ROWS, bucket, graphed_layers, into_grads
 from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy
 
 
 def test_buckets_are_powers_of_two_from_64_up_to_the_limit() -> None:
     assert [bucket(n) for n in (1, 2, 64, 65, 128, 129, MAX_ROWS)] == [64, 64, 64, 128, 128, 256, MAX_ROWS]
     assert bucket(MAX_ROWS + 1) is None
+
+
+def test_a_replay_adds_into_existing_grads_in_one_call_and_copies_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replay's parameter gradients (views of its static buffers): added at once into every
+    ``.grad`` that exists (autograd then gets None and accumulates nothing), copied for a parameter
+    without one (autograd keeps what it is given), None where the graph did not reach it."""
+    with_grad, without, unreached = (torch.nn.Parameter(torch.full((3,), float(i))) for i in range(3))
+    with_grad.grad = torch.ones(3)
+    static = torch.arange(6.0).view(2, 3)
+    calls: list[int] = []
+    add = torch._foreach_add_
+    monkeypatch.setattr(torch, "_foreach_add_", lambda a, b: (calls.append(len(a)), add(a, b))[1])
+    out = into_grads([with_grad, without, unreached], [static[0], static[1], None])
+    assert calls == [1]
+    assert out[0] is None and torch.equal(with_grad.grad, torch.tensor([1.0, 2.0, 3.0]))
+    assert out[1] is not None and torch.equal(out[1], static[1]) and out[1].data_ptr() != static[1].data_ptr()
+    assert out[2] is None and unreached.grad is None and without.grad is None
 
 
 def test_no_graphs_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -206,12 +206,14 @@ def test_a_longer_prefix_gets_new_buffers_and_earlier_buckets_keep_theirs(monkey
     assert _graphed.graph_counts() == {"pack_captured": 2, "pack_replayed": 3}  # the third replays the first
 
 
-def test_a_first_pack_without_prefix_rows_is_captured(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied-head"])
+def test_a_first_pack_without_prefix_rows_is_captured(monkeypatch: pytest.MonkeyPatch, tie: bool) -> None:
     # GRPO's close of a group packs its prompt with the branches: no prefix rows. As the first
     # capture it found no prefix buffer and fell back to eager (IndexError, seen on the H200).
+    # Tied: the embedding's gradient comes from the graph's buffer and from the head's backward.
     import thundersync
 
-    model = tiny_qwen3(torch.float64, seed=5)
+    model = tiny_qwen3(torch.float64, seed=5, tie=tie)
     reference = copy.deepcopy(model)
     run = thundersync.StreamingRun(reference)
     objective = thundersync.RewardLinearBackward(run, pack_tokens=64)

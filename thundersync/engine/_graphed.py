@@ -199,10 +199,21 @@ class _Replay(torch.autograd.Function):
         part.backward.replay()
         results = iter(part.grads)
         inputs = [next(results) if t.requires_grad else None for t in part.inputs]
-        # A parameter without a .grad would take the static buffer itself as its gradient (autograd
-        # steals an unshared incoming gradient), which the next replay overwrites: give it a copy.
-        params = [g if g is None or p.grad is not None else g.clone() for p, g in zip(part.params, results)]
+        params = into_grads(part.params, list(results))
         return (None, *(g if g is None else g.detach() for g in inputs), *params)
+
+
+def into_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """What a replay's backward returns for ``params``, given their gradients in the graph's static
+    buffers (None: not reached). A parameter with a ``.grad`` (inside ``GradCapture.capture()``
+    every one has a view of the scratch) gets its gradient added here, all of them in one
+    multi-tensor add, and autograd gets None: returned, each would cost an ``AccumulateGrad`` node
+    and an add kernel of its own, ~300 per pack. A parameter without one gets a copy: autograd
+    would keep the static buffer itself as its gradient, which the next replay overwrites."""
+    pairs = [(p.grad, g) for p, g in zip(params, grads) if g is not None and p.grad is not None]
+    if pairs:
+        torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
+    return [None if g is None or p.grad is not None else g.clone() for p, g in zip(params, grads)]
 
 
 class GraphedLayers:

@@ -69,6 +69,7 @@ from thundersync.engine._graphed import (
     MIN_ROWS,
     _Wrapper,
     for_model,
+    into_grads,
     power_of_two,
 )
 from thundersync.engine._streams import capture_graph, warm_up_stream
@@ -341,13 +342,10 @@ class _PackReplay(torch.autograd.Function):
             torch._foreach_zero_(missing)
         graph.backward.replay()
         # Autograd keeps an incoming gradient as a leaf's .grad itself where the leaf has none: the
-        # proxies' (fresh leaves) come from one copy; a parameter without a .grad gets its own.
+        # proxies' (fresh leaves) come from one copy.
         prefix_grads = _prefix_views(graph.buffer_grad[:, :, : graph.shape[1]].clone(), ctx.plan.sources)[0]
-        params = [
-            None if not used else g if p.grad is not None else g.clone()
-            for p, g, used in zip(graph.params, graph.param_grads, graph.used)
-        ]
-        return (None, None, None, *prefix_grads, *params)
+        reached = [g if used else None for g, used in zip(graph.param_grads, graph.used)]
+        return (None, None, None, *prefix_grads, *into_grads(graph.params, reached))
 
 
 def _prefix_views(
