@@ -20,7 +20,10 @@ for the segments' own K/V outputs, sends the parameter gradients to a sink (a
 :class:`~thundersync.engine._accum.GradCapture` scratch, or ``p.grad`` directly when the sink is
 ``None``) and returns the adjoint of every ancestor's state (accumulation dtype, full ancestor
 length), ready for an :class:`AdjointLedger`. Recomputing a segment later (a replay) gives the
-same forward: the engine runs no dropout.
+same forward: the engine runs no dropout. Differentiate a pack through :meth:`SegmentPack.backward`
+only: a pack replayed from CUDA graphs adds its parameters' gradients into their existing
+``.grad`` inside its backward (one multi-tensor add; see ``_graphed.into_grads``), so
+``torch.autograd.grad`` over its outputs would not return them.
 
 Example: on-policy distillation of one trajectory (prompt, scored action, observation, action)::
 
