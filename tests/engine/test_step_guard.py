@@ -116,3 +116,14 @@ def test_a_non_finite_opd_gradient_is_refused_and_grad_restored() -> None:
     with pytest.raises(UnsafeStepError, match=r"gradient is not finite .*; the batch was dropped"):
         opd.assert_safe_to_step()
     assert _grads_are(model, 0.25)
+
+
+def test_the_first_non_finite_gradient_is_named() -> None:
+    model = tiny_qwen3(torch.float32)
+    guard = thundersync.StreamingRun(model).guard
+    (a, p1), (_, p2), (c, p3) = list(model.named_parameters())[:3]
+    grads = [(p1, torch.zeros(2)), (p2, None), (p3, torch.tensor([1.0, float("nan")]))]
+    assert guard.non_finite(grads[:2]) is None and guard.non_finite([]) is None
+    assert f"inf or nan in {c})" in str(guard.non_finite(grads))
+    grads[0] = (p1, torch.tensor([float("-inf")]))
+    assert f"inf or nan in {a})" in str(guard.non_finite(grads))

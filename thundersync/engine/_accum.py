@@ -122,6 +122,10 @@ class FlatAccumulator:
                 else:
                     p.grad.add_(view)  # computed in the accumulation dtype, rounded once
 
+    def finite(self) -> bool:
+        """Whether every entry is finite (one reduction and one read-back)."""
+        return bool(torch.isfinite(self.acc).all())
+
     def per_parameter(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
         """(parameter, its part of ``acc``) for every parameter, in the layout's order."""
         return [

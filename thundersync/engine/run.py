@@ -197,7 +197,7 @@ class StreamingRun:
             raise UnsafeStepError("not safe to step: " + "; ".join(pending))
         self.wait()
         problem = self.guard.problem()
-        if problem is None and self._total is not None:
+        if problem is None and self._total is not None and not self._total.finite():
             problem = self.guard.non_finite(self._total.per_parameter())
         if problem is not None:
             self.discard()
