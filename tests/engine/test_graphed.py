@@ -7,7 +7,7 @@ import torch
 
 from tests.engine.tiny_models import tiny_qwen3, with_lora
 from thundersync.engine import AdjointLedger, Segment, SegmentPack
-from thundersync.engine._graphed import MAX_ROWS, bucket, graphed_layers, into_grads
+from thundersync.engine._graphed import MAX_ROWS, ParamsKey, bucket, graphed_layers, into_grads
 from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy
 
 
@@ -31,6 +31,42 @@ def test_a_replay_adds_into_existing_grads_in_one_call_and_copies_the_rest(monke
     assert out[0] is None and torch.equal(with_grad.grad, torch.tensor([1.0, 2.0, 3.0]))
     assert out[1] is not None and torch.equal(out[1], static[1]) and out[1].data_ptr() != static[1].data_ptr()
     assert out[2] is None and unreached.grad is None and without.grad is None
+
+
+def test_the_params_key_walks_the_modules_only_after_a_registration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key of a model's graphs follows every change that invalidates them: ``.data`` swapped,
+    a parameter frozen, a parameter replaced by assignment, a submodule added; between
+    registrations it reuses its walk of the module tree."""
+    model = tiny_qwen3(seed=3)
+    walks: list[int] = []
+    real = torch.nn.Module.parameters
+
+    def counted(self: torch.nn.Module, recurse: bool = True) -> object:
+        if self is model:
+            walks.append(1)
+        return real(self, recurse)
+
+    monkeypatch.setattr(torch.nn.Module, "parameters", counted)
+    key = ParamsKey(model)
+
+    def walked() -> tuple[tuple[int, bool], ...]:
+        return tuple((p.data_ptr(), p.requires_grad) for p in real(model))
+
+    first = key()
+    assert first == walked() and len(walks) == 1
+    assert key() == first and len(walks) == 1  # nothing registered: no walk
+    mlp = model.model.layers[0].mlp
+    mlp.down_proj.weight.data = mlp.down_proj.weight.data.clone()
+    swapped = key()
+    assert swapped != first and swapped == walked() and len(walks) == 1
+    mlp.down_proj.weight.requires_grad_(False)
+    frozen = key()
+    assert frozen != swapped and frozen == walked() and len(walks) == 1
+    mlp.up_proj.weight = torch.nn.Parameter(mlp.up_proj.weight.detach().clone())  # a registration
+    assert key() != frozen and key() == walked() and len(walks) == 2
+    count = len(key())
+    model.model.layers[0].extra = torch.nn.Linear(2, 2)  # registered with its two parameters
+    assert len(key()) == count + 2 and key() == walked()
 
 
 def test_no_graphs_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:

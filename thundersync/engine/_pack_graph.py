@@ -67,6 +67,7 @@ from thundersync.engine._graphed import (
     _WARMUP,
     MAX_ROWS,
     MIN_ROWS,
+    ParamsKey,
     _Wrapper,
     for_model,
     into_grads,
@@ -386,15 +387,12 @@ class PackGraphs:
         self._graphs: dict[tuple[tuple[int, int, int, int], LayerMath], _Graph] = {}  # (bucket, math) -> graphs
         self._pool: Any = None
         self._key: tuple[tuple[int, bool], ...] | None = None
+        self._params_key = ParamsKey(anatomy.model)
         self._busy = False
         self.failed = False
         self.prefix = self.prefix_grad = torch.zeros(0)  # [L, 2, capacity, Hkv, D], see _grow
         self._flats: dict[torch.dtype, torch.Tensor] = {}
         self.private = self.anatomy  # the modules the captures run, see _reset
-
-    def _params_key(self) -> tuple[tuple[int, bool], ...]:
-        model = self._model()
-        return () if model is None else tuple((p.data_ptr(), p.requires_grad) for p in model.parameters())
 
     def flats(self, params: Sequence[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
         """The shared buffers of the parameters' gradients: one flat vector per dtype."""

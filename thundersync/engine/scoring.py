@@ -35,7 +35,7 @@ from torch import nn
 
 from thundersync._compile import switch
 from thundersync._logging import get_logger
-from thundersync.engine._graphed import power_of_two
+from thundersync.engine._graphed import ParamsKey, power_of_two
 from thundersync.engine._pack_graph import MAX_CHUNKS, packed_attention
 from thundersync.engine._streams import capture_graph, warm_up_stream
 from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy
@@ -140,7 +140,8 @@ class PackedScorer:
         self.counts: Counter[str] = Counter()
         self._buckets: dict[tuple[int, int], _Bucket] = {}  # by (rows, inputs' length)
         self._pool: Any = None
-        self._key: tuple[int, ...] = ()
+        self._key: tuple[tuple[int, bool], ...] = ()
+        self._params_key = ParamsKey(self.anatomy.model)
         self._lock = threading.Lock()
 
     def logprobs(self, sequences: Sequence[Sequence[int]], scored: Sequence[int]) -> list[list[float]]:
@@ -205,7 +206,7 @@ class PackedScorer:
     def _bucket(self, rows: int, inputs: torch.Tensor) -> _Bucket | None:
         """The bucket's graph replayed over ``inputs`` (captured first if new), or None when
         capturing failed (the graphs are off from then on)."""
-        key = tuple(p.data_ptr() for p in self.anatomy.model.parameters())
+        key = self._params_key()
         if key != self._key:
             self._buckets, self._pool, self._key = {}, torch.cuda.graph_pool_handle(), key
         shape = (rows, len(inputs))  # rows and slots
