@@ -88,3 +88,18 @@ def engine_layers(mode: str) -> Iterator[None]:
                 del os.environ[name]
             else:
                 os.environ[name] = value
+
+
+def release_engine_graphs(model: Any) -> None:
+    """Free ``model``'s engine graphs and return the memory to the driver, so that the next row or
+    form captures its own (two sets of OPD graphs filled the H200)."""
+    import gc
+
+    import torch
+
+    from thundersync.engine import release_graphs
+
+    release_graphs(model)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import random
 import sys
 import time
@@ -30,9 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import thundersync
-from bench._common import engine_layers, header, markdown_table
+from bench._common import engine_layers, header, markdown_table, release_engine_graphs
 from bench.engine import make_model, measure, padded_logprobs, profile, relative_error
-from thundersync.engine import release_graphs
 
 
 @dataclass
@@ -154,10 +152,7 @@ def opd_table(
         ]
     )
     for name, layers in ((name, layers) for name, layers in FORMS if layers in forms):
-        release_graphs(model)  # one form's graphs at a time: two sets need more than the device has
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        release_engine_graphs(model)  # one form's graphs at a time: two sets need more than the device has
         with engine_layers(layers):
             stream_s, stream_peak, stream_grads = measure(opd_streaming, model, batch, cuda, repeat)
             latencies: list[float] = []

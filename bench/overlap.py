@@ -87,10 +87,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import thundersync
-from bench._common import engine_layers, header, markdown_table
+from bench._common import engine_layers, header, markdown_table, release_engine_graphs
 from bench.engine import Batch, Group, Trajectory, dense, make_model
 from bench.engine_opd import OPDGroup, OPDTrajectory, opd_dense
-from thundersync.engine import graph_counts, release_graphs
+from thundersync.engine import graph_counts
 from thundersync.engine._worker import Worker
 from thundersync.engine.process import ModelProcess
 from thundersync.engine.scoring import PackedScorer
@@ -644,10 +644,7 @@ async def run_rows(
                             args.trace / f"{row}.json.gz" if args.trace else None,
                         )
                     timelines.append(timeline)
-                    release_graphs(model)  # the next row captures its own (rows may differ in layer math)
-                    gc.collect()
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
+                    release_engine_graphs(model)  # the next row captures its own (rows may differ in layer math)
                     print(f"[timeline] {timeline}", file=sys.stderr, flush=True)
                 rows.append(cells_)
                 print(f"[done] {markdown_table(COLUMNS, rows[-1:]).splitlines()[-1]}", file=sys.stderr, flush=True)
