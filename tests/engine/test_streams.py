@@ -112,3 +112,35 @@ def test_a_capture_on_a_nearly_full_device_empties_the_cache_first(monkeypatch: 
     assert torch.cuda.memory_reserved(device) < reserved
     graph.replay()
     assert torch.equal(y, torch.full_like(x, 2.0))
+
+
+@pytest.mark.gpu
+def test_runs_share_the_side_stream_so_a_new_run_reuses_the_cached_memory() -> None:
+    """The caching allocator keeps freed blocks per stream: were each run on a stream of its own
+    (``torch.cuda.Stream()`` hands out a different one of its pool at every call), every new run
+    would take its memory from ``cudaMalloc`` again."""
+    model = tiny_qwen3(seed=3).to("cuda", torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 97, (40,), generator=gen) for _ in range(2)]
+    turns = [[torch.randint(0, 97, (20 + 9 * i,), generator=gen) for i in range(4)] for _ in prompts]
+
+    def batch() -> thundersync.StreamingRun:
+        run = thundersync.StreamingRun(model)
+        grpo = thundersync.RewardLinearBackward(run)
+        for g, prompt in enumerate(prompts):
+            grpo.open_group(g, prompt)
+            for i, turn in enumerate(turns[g]):
+                grpo.append_turn(g, i, turn, [True] * len(turn))
+                grpo.close_trajectory(g, i, float(i % 3))
+            grpo.close_group(g)
+        grpo.assert_safe_to_step()
+        torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
+        return run
+
+    first = batch()  # captures, lazy initialisations
+    second = batch()
+    allocs = torch.cuda.memory_stats()["num_device_alloc"]
+    third = batch()
+    assert first.streams.stream is second.streams.stream is third.streams.stream is not None
+    assert torch.cuda.memory_stats()["num_device_alloc"] == allocs, "a new run took new memory from the driver"
