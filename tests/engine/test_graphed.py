@@ -7,7 +7,7 @@ import torch
 
 from tests.engine.tiny_models import tiny_qwen3, with_lora
 from thundersync.engine import AdjointLedger, Segment, SegmentPack
-from thundersync.engine._graphed import MAX_ROWS, ParamsKey, bucket, graphed_layers, into_grads
+from thundersync.engine._graphed import MAX_ROWS, ParamsKey, bucket, graphed_layers, into_grads, write_grads
 from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy
 
 
@@ -31,6 +31,21 @@ def test_a_replay_adds_into_existing_grads_in_one_call_and_copies_the_rest(monke
     assert out[0] is None and torch.equal(with_grad.grad, torch.tensor([1.0, 2.0, 3.0]))
     assert out[1] is not None and torch.equal(out[1], static[1]) and out[1].data_ptr() != static[1].data_ptr()
     assert out[2] is None and unreached.grad is None and without.grad is None
+
+
+def test_a_whole_pack_replay_writes_every_reached_grad_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole-pack replay's node does not take the parameters as inputs: it adds into every
+    ``.grad`` that exists in one call, and sets a copy (never the static buffer) where none does."""
+    with_grad, without, unreached = (torch.nn.Parameter(torch.full((3,), float(i))) for i in range(3))
+    with_grad.grad = torch.ones(3)
+    static = torch.arange(6.0).view(2, 3)
+    calls: list[int] = []
+    add = torch._foreach_add_
+    monkeypatch.setattr(torch, "_foreach_add_", lambda a, b: (calls.append(len(a)), add(a, b))[1])
+    write_grads([with_grad, without, unreached], [static[0], static[1], None])
+    assert calls == [1] and torch.equal(with_grad.grad, torch.tensor([1.0, 2.0, 3.0]))
+    assert without.grad is not None and torch.equal(without.grad, static[1])
+    assert without.grad.data_ptr() != static[1].data_ptr() and unreached.grad is None
 
 
 def test_the_params_key_walks_the_modules_only_after_a_registration(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -240,16 +240,32 @@ class _Replay(torch.autograd.Function):
 
 
 def into_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """What a replay's backward returns for ``params``, given their gradients in the graph's static
-    buffers (None: not reached). A parameter with a ``.grad`` (inside ``GradCapture.capture()``
-    every one has a view of the scratch) gets its gradient added here, all of them in one
-    multi-tensor add, and autograd gets None: returned, each would cost an ``AccumulateGrad`` node
-    and an add kernel of its own, ~300 per pack. A parameter without one gets a copy: autograd
-    would keep the static buffer itself as its gradient, which the next replay overwrites."""
+    """What a replay's backward returns for ``params`` (autograd inputs), given their gradients in
+    the graph's static buffers (None: not reached). A parameter with a ``.grad`` (inside
+    ``GradCapture.capture()`` every one has a view of the scratch) gets its gradient added here,
+    all of them in one multi-tensor add, and autograd gets None: returned, each would cost an
+    ``AccumulateGrad`` node and an add kernel of its own, ~300 per pack. A parameter without one
+    gets a copy: autograd would keep the static buffer itself as its gradient, which the next
+    replay overwrites."""
+    _add_into_existing(params, grads)
+    return [None if g is None or p.grad is not None else g.clone() for p, g in zip(params, grads)]
+
+
+def write_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """``p.grad += g`` for every reached parameter (one multi-tensor add), ``p.grad = g.clone()``
+    where there is no ``.grad`` yet: for a replay whose autograd node does not take the parameters
+    as inputs. Unlike ``AccumulateGrad`` this writes every reached parameter, whatever a
+    backward's ``inputs`` list, and runs no gradient hooks."""
+    _add_into_existing(params, grads)
+    for p, g in zip(params, grads):
+        if g is not None and p.grad is None:
+            p.grad = g.clone()
+
+
+def _add_into_existing(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
     pairs = [(p.grad, g) for p, g in zip(params, grads) if g is not None and p.grad is not None]
     if pairs:
         torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
-    return [None if g is None or p.grad is not None else g.clone() for p, g in zip(params, grads)]
 
 
 class GraphedLayers:

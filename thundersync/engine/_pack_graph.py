@@ -24,9 +24,15 @@ gathered. Key rows are gathered the same way and in the same dtype as the eager 
 row's result differs from the eager pack's only through the rounding of kernels that see padded
 shapes.
 
-Gradients flow as through the eager pack: :class:`_PackReplay` is one autograd node whose inputs
-are the pack's prefix proxies and the trainable parameters. The graphs differentiate with respect
-to detached aliases of the parameters (see :class:`~thundersync.engine._graphed._Part`).
+Gradients: :class:`_PackReplay` is one autograd node whose inputs are the pack's prefix proxies
+and the owner's :attr:`PackGraphs.anchor`, not the ~300 trainable parameters: its backward adds
+their gradients into their ``.grad`` itself (:func:`~thundersync.engine._graphed.write_grads`,
+one multi-tensor add), so autograd would only visit an ``AccumulateGrad`` node per parameter to
+do nothing (~2.8 ms of host time per pack on the H200 machine, a quarter of a small pack's). The
+anchor, a scalar leaf that requires grad, makes the outputs require grad where no proxy does (a
+prompt's pack); a backward restricted to ``inputs`` must list it, as ``SegmentPack.backward``
+does. The graphs differentiate with respect to detached aliases of the parameters (see
+:class:`~thundersync.engine._graphed._Part`).
 
 One pack at a time owns the static buffers, as with the per-layer graphs; the buckets share one
 memory pool, and the prefix input and the gradient outputs are shared buffers outside it, so a
@@ -70,8 +76,8 @@ from thundersync.engine._graphed import (
     ParamsKey,
     _Wrapper,
     for_model,
-    into_grads,
     power_of_two,
+    write_grads,
 )
 from thundersync.engine._streams import capture_graph, warm_up_stream
 from thundersync.engine.adapter import KV, ChunkSpec, PackOutput, _gather_index, _key_spans
@@ -320,7 +326,8 @@ def _modules(an: DecoderAnatomy) -> dict[str, torch.nn.Module]:
 
 
 class _PackReplay(torch.autograd.Function):
-    """A pack's graphs as one autograd node: inputs the prefix proxies and the parameters."""
+    """A pack's graphs as one autograd node: inputs the anchor (where parameters train) and the
+    prefix proxies; the parameters' gradients go into their ``.grad`` in its backward."""
 
     @staticmethod
     def forward(
@@ -328,7 +335,7 @@ class _PackReplay(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         graph.load(plan, tokens)
         graph.forward.replay()
-        ctx.graph, ctx.plan = graph, plan
+        ctx.graph, ctx.plan, ctx.anchored = graph, plan, bool(graph.params)
         return tuple(o.detach() for o in graph.outputs)  # new tensors over the static buffers
 
     @staticmethod
@@ -345,8 +352,8 @@ class _PackReplay(torch.autograd.Function):
         # Autograd keeps an incoming gradient as a leaf's .grad itself where the leaf has none: the
         # proxies' (fresh leaves) come from one copy.
         prefix_grads = _prefix_views(graph.buffer_grad[:, :, : graph.shape[1]].clone(), ctx.plan.sources)[0]
-        reached = [g if used else None for g, used in zip(graph.param_grads, graph.used)]
-        return (None, None, None, *prefix_grads, *into_grads(graph.params, reached))
+        write_grads(graph.params, [g if used else None for g, used in zip(graph.param_grads, graph.used)])
+        return (None, None, None, *([None] if ctx.anchored else []), *prefix_grads)
 
 
 def _prefix_views(
@@ -393,6 +400,8 @@ class PackGraphs:
         self.prefix = self.prefix_grad = torch.zeros(0)  # [L, 2, capacity, Hkv, D], see _grow
         self._flats: dict[torch.dtype, torch.Tensor] = {}
         self.private = self.anatomy  # the modules the captures run, see _reset
+        # the replays' autograd input in the parameters' place (see the module's docstring)
+        self.anchor = torch.zeros((), device=anatomy.device, requires_grad=True)
 
     def flats(self, params: Sequence[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
         """The shared buffers of the parameters' gradients: one flat vector per dtype."""
@@ -445,7 +454,8 @@ class PackGraphs:
         _COUNTS["pack_replayed"] += 1
         leaves = [t for source in layout.sources for kv in source for t in kv]
         try:
-            outputs = _PackReplay.apply(graph, layout, tokens, *leaves, *graph.params)
+            anchor = [self.anchor] if graph.params else []
+            outputs = _PackReplay.apply(graph, layout, tokens, *anchor, *leaves)
         except BaseException:
             self._busy = False
             raise

@@ -21,9 +21,9 @@ for the segments' own K/V outputs, sends the parameter gradients to a sink (a
 ``None``) and returns the adjoint of every ancestor's state (accumulation dtype, full ancestor
 length), ready for an :class:`AdjointLedger`. Recomputing a segment later (a replay) gives the
 same forward: the engine runs no dropout. Differentiate a pack through :meth:`SegmentPack.backward`
-only: a pack replayed from CUDA graphs adds its parameters' gradients into their existing
-``.grad`` inside its backward (one multi-tensor add; see ``_graphed.into_grads``), so
-``torch.autograd.grad`` over its outputs would not return them.
+only: a pack replayed from CUDA graphs adds its parameters' gradients into their ``.grad`` inside
+its backward (one multi-tensor add; see ``_graphed.write_grads``), so ``torch.autograd.grad``
+over its outputs would not return them.
 
 Example: on-policy distillation of one trajectory (prompt, scored action, observation, action)::
 
@@ -217,6 +217,8 @@ class SegmentPack:
                             outputs.append(out)
                             grads.append(adj.to(out.dtype))
         leaves = [t for _, per_layer in self._leaves.values() for kv in per_layer for t in kv]
+        if isinstance(self._graphs, PackGraphs):
+            leaves.append(self._graphs.anchor)  # the replay's input in the parameters' place
         if outputs:
             with sink.capture() if sink is not None else contextlib.nullcontext():
                 torch.autograd.backward(outputs, grads, inputs=[*params, *leaves])
