@@ -186,15 +186,24 @@ def make_model(tiny: bool, device: torch.device, dtype: torch.dtype) -> torch.nn
 def measure(
     mode: Callable[[torch.nn.Module, Batch], None], model: torch.nn.Module, batch: Batch, cuda: bool, repeat: int
 ) -> tuple[float, float, list[torch.Tensor]]:
-    """(median seconds, peak GiB, gradients) of ``mode``; .grad starts as None every run."""
+    """(median seconds, peak GiB, gradients) of ``mode``; .grad starts as None every run. The
+    allocator's cache is emptied before the warm-up run only: the timed runs find what it cached,
+    as a trainer's steps after the first do (emptied before every run, as until the eleventh
+    session, each timed run took its memory from ``cudaMalloc`` again: ~2,000 calls per streamed
+    OPD batch). CUDA graphs the timed runs still captured are reported on stderr."""
+    from thundersync.engine import graph_counts
+
     times, peak = [], 0.0
+    captured = 0
     for attempt in range(repeat + 1):  # the first run warms up (probes, autotuning, allocator)
         for p in model.parameters():
             p.grad = None
         if cuda:
             torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+            if not attempt:
+                torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        before = sum(graph_counts().get(k, 0) for k in ("captured", "pack_captured"))
         start = time.perf_counter()
         mode(model, batch)
         if cuda:
@@ -202,6 +211,9 @@ def measure(
             peak = max(peak, torch.cuda.max_memory_allocated() / 2**30)
         if attempt:
             times.append(time.perf_counter() - start)
+            captured += sum(graph_counts().get(k, 0) for k in ("captured", "pack_captured")) - before
+    if captured:
+        print(f"{getattr(mode, '__name__', mode)}: the timed runs captured {captured} CUDA graphs", file=sys.stderr)
     grads = [p.grad.detach().float().clone() for p in model.parameters()]
     return (sorted(times)[len(times) // 2] if times else float("nan")), peak, grads
 
