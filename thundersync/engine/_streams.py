@@ -6,7 +6,8 @@ can run beside a generator's on the default stream. One stream, not one per run:
 allocator keeps freed blocks per stream, so a run on a new stream finds none of the blocks its
 predecessors cached and takes its memory from ``cudaMalloc`` again (measured on the H200: ~2,000
 ``cudaMalloc`` per OPD batch of a new run, ~30 GB more reserved per batch until an allocation
-failed and the allocator released everything, ~0.45 s of host time per batch). Ordering:
+failed and the allocator released everything; 0.46 s of host time in ``cudaMalloc`` and
+``cudaFree`` in the profiled batch that did). Ordering:
 
 - at each submit, an event is recorded on the caller's current stream, and the job's stream waits
   for it before launching: whatever the caller enqueued before the submit (a job's inputs, the
