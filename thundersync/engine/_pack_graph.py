@@ -29,10 +29,9 @@ and the owner's :attr:`PackGraphs.anchor`, not the ~300 trainable parameters: it
 their gradients into their ``.grad`` itself (:func:`~thundersync.engine._graphed.write_grads`,
 one multi-tensor add), so autograd would only evaluate an ``AccumulateGrad`` node per parameter
 to be handed None (366 per pack, ~2.8 ms of host time under the profiler on the H200 machine; a
-single pack's wall time did not change, its kernels bound it). The
-anchor, a scalar leaf that requires grad, makes the outputs require grad where no proxy does (a
-prompt's pack); a backward restricted to ``inputs`` must list it, as ``SegmentPack.backward``
-does. The graphs differentiate with respect to detached aliases of the parameters (see
+single pack's wall time did not change, its kernels bound it). The anchor, a scalar leaf that
+requires grad, makes the outputs require grad where no proxy does (a prompt's pack); a backward
+restricted to ``inputs`` must list it, as ``SegmentPack.backward`` does. The graphs differentiate with respect to detached aliases of the parameters (see
 :class:`~thundersync.engine._graphed._Part`).
 
 One pack at a time owns the static buffers, as with the per-layer graphs; the buckets share one
