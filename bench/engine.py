@@ -193,6 +193,9 @@ def measure(
     OPD batch). CUDA graphs the timed runs still captured are reported on stderr."""
     from thundersync.engine import graph_counts
 
+    def captures() -> int:
+        return sum(graph_counts().get(k, 0) for k in ("captured", "pack_captured"))
+
     times, peak = [], 0.0
     captured = 0
     for attempt in range(repeat + 1):  # the first run warms up (probes, autotuning, allocator)
@@ -203,7 +206,7 @@ def measure(
             if not attempt:
                 torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        before = sum(graph_counts().get(k, 0) for k in ("captured", "pack_captured"))
+        before = captures()
         start = time.perf_counter()
         mode(model, batch)
         if cuda:
@@ -211,7 +214,7 @@ def measure(
             peak = max(peak, torch.cuda.max_memory_allocated() / 2**30)
         if attempt:
             times.append(time.perf_counter() - start)
-            captured += sum(graph_counts().get(k, 0) for k in ("captured", "pack_captured")) - before
+            captured += captures() - before
     if captured:
         print(f"{getattr(mode, '__name__', mode)}: the timed runs captured {captured} CUDA graphs", file=sys.stderr)
     grads = [p.grad.detach().float().clone() for p in model.parameters()]

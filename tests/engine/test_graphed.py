@@ -16,16 +16,22 @@ def test_buckets_are_powers_of_two_from_64_up_to_the_limit() -> None:
     assert bucket(MAX_ROWS + 1) is None
 
 
+def _replay_grads(monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.nn.Parameter], torch.Tensor, list[int]]:
+    """Three parameters (with a ``.grad``, without, not reached), a replay's static gradient
+    buffer, and the sizes of the ``_foreach_add_`` calls made from now on."""
+    params = [torch.nn.Parameter(torch.full((3,), float(i))) for i in range(3)]
+    params[0].grad = torch.ones(3)
+    calls: list[int] = []
+    add = torch._foreach_add_
+    monkeypatch.setattr(torch, "_foreach_add_", lambda a, b: (calls.append(len(a)), add(a, b))[1])
+    return params, torch.arange(6.0).view(2, 3), calls
+
+
 def test_a_replay_adds_into_existing_grads_in_one_call_and_copies_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
     """A replay's parameter gradients (views of its static buffers): added at once into every
     ``.grad`` that exists (autograd then gets None and accumulates nothing), copied for a parameter
     without one (autograd keeps what it is given), None where the graph did not reach it."""
-    with_grad, without, unreached = (torch.nn.Parameter(torch.full((3,), float(i))) for i in range(3))
-    with_grad.grad = torch.ones(3)
-    static = torch.arange(6.0).view(2, 3)
-    calls: list[int] = []
-    add = torch._foreach_add_
-    monkeypatch.setattr(torch, "_foreach_add_", lambda a, b: (calls.append(len(a)), add(a, b))[1])
+    (with_grad, without, unreached), static, calls = _replay_grads(monkeypatch)
     out = into_grads([with_grad, without, unreached], [static[0], static[1], None])
     assert calls == [1]
     assert out[0] is None and torch.equal(with_grad.grad, torch.tensor([1.0, 2.0, 3.0]))
@@ -36,12 +42,7 @@ def test_a_replay_adds_into_existing_grads_in_one_call_and_copies_the_rest(monke
 def test_a_whole_pack_replay_writes_every_reached_grad_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole-pack replay's node does not take the parameters as inputs: it adds into every
     ``.grad`` that exists in one call, and sets a copy (never the static buffer) where none does."""
-    with_grad, without, unreached = (torch.nn.Parameter(torch.full((3,), float(i))) for i in range(3))
-    with_grad.grad = torch.ones(3)
-    static = torch.arange(6.0).view(2, 3)
-    calls: list[int] = []
-    add = torch._foreach_add_
-    monkeypatch.setattr(torch, "_foreach_add_", lambda a, b: (calls.append(len(a)), add(a, b))[1])
+    (with_grad, without, unreached), static, calls = _replay_grads(monkeypatch)
     write_grads([with_grad, without, unreached], [static[0], static[1], None])
     assert calls == [1] and torch.equal(with_grad.grad, torch.tensor([1.0, 2.0, 3.0]))
     assert without.grad is not None and torch.equal(without.grad, static[1])

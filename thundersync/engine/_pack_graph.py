@@ -335,7 +335,7 @@ class _PackReplay(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         graph.load(plan, tokens)
         graph.forward.replay()
-        ctx.graph, ctx.plan, ctx.anchored = graph, plan, bool(graph.params)
+        ctx.graph, ctx.plan = graph, plan
         return tuple(o.detach() for o in graph.outputs)  # new tensors over the static buffers
 
     @staticmethod
@@ -353,7 +353,7 @@ class _PackReplay(torch.autograd.Function):
         # proxies' (fresh leaves) come from one copy.
         prefix_grads = _prefix_views(graph.buffer_grad[:, :, : graph.shape[1]].clone(), ctx.plan.sources)[0]
         write_grads(graph.params, [g if used else None for g, used in zip(graph.param_grads, graph.used)])
-        return (None, None, None, *([None] if ctx.anchored else []), *prefix_grads)
+        return (None, None, None, *([None] if graph.params else []), *prefix_grads)  # the anchor's: None
 
 
 def _prefix_views(
