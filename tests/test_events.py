@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import msgspec
 import msgspec.inspect as mi
 import pytest
@@ -151,11 +153,12 @@ def test_non_finite_log_probs_are_rejected_naming_the_entry() -> None:
 
 
 def test_a_deeply_nested_value_before_the_tag_raises_an_event_error_not_a_recursion_error() -> None:
-    deep = "[" * 1000 + "]" * 1000
+    depth = sys.getrecursionlimit() + 100  # deeper than Python allows (an earlier test may have raised it)
+    deep = "[" * depth + "]" * depth
     payload = '{"x":' + deep + ',"type":"PolicyPublished","policy_version":1}'
     with pytest.raises(EventError, match=r"^invalid JSON event: the input is nested too deeply to decode"):
         events.decode_json(payload)
-    packed = b"\x82" + msgspec.msgpack.encode("x") + b"\x91" * 1000 + b"\x90"
+    packed = b"\x82" + msgspec.msgpack.encode("x") + b"\x91" * depth + b"\x90"
     packed += msgspec.msgpack.encode("type") + msgspec.msgpack.encode("PolicyPublished")
     with pytest.raises(EventError, match=r"^invalid MessagePack event: the input is nested too deeply to decode"):
         events.decode_msgpack(packed)

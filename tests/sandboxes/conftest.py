@@ -159,14 +159,17 @@ async def sandbox(
 # -- what "the host is left clean" means ----------------------------------------------------------
 
 
-async def our_containers() -> list[Any]:
+async def our_containers(names: list[str]) -> list[Any]:
+    """The containers with our label named in ``names`` (other tests may run beside this one)."""
     from thundersync.sandboxes.docker import docker_client
 
     client = docker_client()
     try:
-        return list(await client.containers.list(all=True, filters=f'{{"label": ["{LABEL}=1"]}}'))
+        found = await client.containers.list(all=True, filters=f'{{"label": ["{LABEL}=1"]}}')
     finally:
         await client.close()
+    wanted = {f"/{name}" for name in names}
+    return [c for c in found if wanted.intersection(c["Names"])]
 
 
 def processes_mentioning(text: str) -> list[str]:
@@ -206,7 +209,7 @@ async def assert_host_clean(backend: str, scratch: Path, names: list[str]) -> No
     assert not processes_mentioning(str(scratch)), processes_mentioning(str(scratch))
     assert not cgroups(names), f"cgroups left behind: {cgroups(names)}"
     if backend in ("docker", "podman"):
-        left = await our_containers()
+        left = await our_containers(names)
         assert not left, f"containers left behind: {[c.id[:12] for c in left]}"
     if backend == "udocker":
         assert not udocker_containers(names), f"uDocker containers left behind: {udocker_containers(names)}"
