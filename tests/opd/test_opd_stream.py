@@ -274,72 +274,36 @@ def test_background_work_packs_queued_turns_and_still_equals_the_dense_reference
     model.zero_grad(set_to_none=True)
 
 
-def _behind_a_held_worker(model: torch.nn.Module, plan, seed: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
-    """The streamed gradient with every turn and close queued behind a held worker, so that each
-    job finds many turns and many closed trajectories waiting."""
-    model.zero_grad(set_to_none=True)
-    run = thundersync.StreamingRun(model, background=True)
-    opd = thundersync.OPDStream(run)
-    release = threading.Event()
-    run.submit("hold the worker", lambda: release.wait(30))
-    for _ in drive(opd, plan, interleaving(plan, random.Random(seed))):
-        pass
-    release.set()
-    opd.assert_safe_to_step()
-    grads = collect_grads(model)
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
 def test_trajectories_closed_while_the_worker_is_busy_replay_together_level_by_level(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Turns pack one per trajectory, replays pack across trajectories."""
+    """Everything is queued behind a held worker, so each job finds many turns and many closed
+    trajectories waiting: turns pack one per trajectory, replays pack across trajectories."""
     from thundersync.opd import _replay
 
     rng = random.Random(11)
     plan = _agent_plan(rng, lambda: rng.randint(1, 5))
     model = _model(torch.float64, False)
     want = dense_reference_grads(model, plan, "token_mean")
+    model.zero_grad(set_to_none=True)
     replayed: list[int] = []
     real = _replay.replay_trajectories
     monkeypatch.setattr(
         _replay,
         "replay_trajectories",
-        lambda run, sink, closed, limit: (replayed.append(len(closed)), real(run, sink, closed, limit)),
+        lambda run, sink, closed: (replayed.append(len(closed)), real(run, sink, closed)),
     )
-    assert relative_error(_behind_a_held_worker(model, plan, 5), want) < 1e-10
+    run = thundersync.StreamingRun(model, background=True)
+    opd = thundersync.OPDStream(run)
+    release = threading.Event()
+    run.submit("hold the worker", lambda: release.wait(30))
+    for _ in drive(opd, plan, interleaving(plan, random.Random(5))):
+        pass
+    release.set()
+    opd.assert_safe_to_step()
+    assert relative_error(collect_grads(model), want) < 1e-10
+    model.zero_grad(set_to_none=True)
     assert sum(replayed) == 8 and max(replayed) > 1, replayed
-
-
-def test_packs_of_several_segments_keep_to_the_row_limit_of_the_pack_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the whole-pack graphs cap a pack's rows (forced here, on CPU, to 12), turn packs and
-    each replay level split at the cap: more packs, none of several items over it (an item: a
-    turn with the observations it forwards, a chain), the same rows in all and the same gradient."""
-    from thundersync.engine import forest
-
-    rng = random.Random(11)
-    plan = _agent_plan(rng, lambda: rng.randint(1, 5))
-    model = _model(torch.float64, False)
-    want = dense_reference_grads(model, plan, "token_mean")
-    packs: list[list[int]] = []  # per pack, its segments' rows
-    items: list[int] = []  # per pack, its chains
-    real = forest.SegmentPack.forward.__func__  # type: ignore[attr-defined]
-
-    def forward(cls, anatomy, segments, **options):  # type: ignore[no-untyped-def]
-        packs.append([segment.rows for segment in segments])
-        items.append(sum(segment.parent not in segments for segment in segments))
-        return real(cls, anatomy, segments, **options)
-
-    monkeypatch.setattr(forest.SegmentPack, "forward", classmethod(forward))
-    assert relative_error(_behind_a_held_worker(model, plan, 5), want) < 1e-10
-    unlimited, packs[:], before, items[:] = list(packs), [], list(items), []
-    monkeypatch.setattr(forest, "pack_limit", lambda anatomy, tokens: min(tokens, 12))
-    assert relative_error(_behind_a_held_worker(model, plan, 5), want) < 1e-10
-    assert any(sum(rows) > 12 and n > 1 for rows, n in zip(unlimited, before))
-    assert all(sum(rows) <= 12 or n == 1 for rows, n in zip(packs, items)), list(zip(packs, items))
-    assert len(packs) > len(unlimited)
-    assert sorted(r for rows in packs for r in rows) == sorted(r for rows in unlimited for r in rows)
 
 
 def test_the_pack_queue_takes_a_ready_fifo_prefix_with_one_item_per_trajectory_and_a_token_limit() -> None:

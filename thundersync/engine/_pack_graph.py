@@ -16,12 +16,10 @@ for a bucket of shapes and a pack costs a few dozen host ops:
     backward graph  d hidden, d k_l, d v_l -> d prefix (copied to a shared buffer),
                     d parameters (copied to one shared flat buffer)
 
-A bucket is (rows R, prefix rows P, gathered keys K, chunk slots C): R and K powers of two, P
-either 0 (no prefix) or K, C + 1 = R / 16 clamped to 4..64 (a pack with more chunks takes a larger
-R), so that few buckets serve every pack: each costs a capture (~0.5 s on the H200 machine) and
-its static outputs. The pack's N rows are padded to R: the padding rows form one extra chunk that
-attends to itself, so every row attends to at least one key and stays finite; its adjoints are
-zero, so it adds nothing to any gradient. Unused chunk slots have zero length. Prefix rows beyond the pack's are never
+A bucket is (rows R, prefix rows P, gathered keys K, chunk slots C), each a power of two. The
+pack's N rows are padded to R: the padding rows form one extra chunk that attends to itself, so
+every row attends to at least one key and stays finite; its adjoints are zero, so it adds nothing
+to any gradient. Unused chunk slots have zero length. Prefix rows beyond the pack's are never
 gathered. Key rows are gathered the same way and in the same dtype as the eager pack, so a real
 row's result differs from the eager pack's only through the rounding of kernels that see padded
 shapes.
@@ -37,14 +35,10 @@ restricted to ``inputs`` must list it, as ``SegmentPack.backward`` does. The gra
 :class:`~thundersync.engine._graphed._Part`).
 
 One pack at a time owns the static buffers, as with the per-layer graphs; the buckets share one
-memory pool, and the prefix input and the gradient outputs are shared buffers outside it. A
-capture reuses the pool's free blocks only for allocations they can hold, so buckets captured
-smallest first each add their activations to the pool (on the H200 machine, an OPD batch whose
-long replays were split into graphed packs ran out of memory with 76 GiB in graph pools). Hence a
-high-water mark: a bucket with more rows or more keys than any before drops every capture and
-starts a new pool with itself, and the smaller buckets captured after it can take its blocks (the
-same batch then peaked at 47.5 GiB allocated); the prefix buffers are sized to the mark's keys.
-Parameters that moved drop every capture too (captured again on first use). Like
+memory pool, and the prefix input and the gradient outputs are shared buffers outside it, so a
+new bucket costs its activations' peak only while it is captured. A prefix larger than the shared
+buffer holds gets a new buffer, twice as large, for the buckets captured from then on (earlier
+ones keep theirs). Parameters that moved drop every capture (captured again on first use). Like
 any CUDA graph, a capture keeps the modules' behaviour of its time: a module switched another way
 afterwards (peft's ``disable_adapter()``, say) without moving or freezing a parameter is not seen;
 turn the graphs off around such code.
@@ -99,9 +93,9 @@ __all__ = ["MAX_CHUNKS", "MAX_KEYS", "PackGraphs", "max_rows", "pack_graphs", "p
 _log = get_logger(__name__)
 
 MAX_KEYS = 16384  # gathered key rows of a pack (its prefix rows are at most as many)
-MAX_CHUNKS = 64  # chunk offsets of the largest buckets (63 chunks, the padding chunk included)
+MAX_CHUNKS = 64  # chunk slots, the padding chunk included
 _MIN_KEYS = 256
-_PREFIX_ROWS = 1024  # the shared prefix buffers' least size (they grow to the largest bucket's keys)
+_PREFIX_ROWS = 1024  # the shared prefix buffer's first size (it grows to the largest bucket's)
 
 _models: weakref.WeakKeyDictionary[torch.nn.Module, PackGraphs] = weakref.WeakKeyDictionary()
 
@@ -157,10 +151,6 @@ def plan(chunks: Sequence[ChunkSpec]) -> Plan | str:
     rows = power_of_two(n, MIN_ROWS)
     if rows > max_rows():
         return "pack_too_long"
-    while len(chunks) + (rows > n) > _slots(rows):  # more chunks than slots: a larger bucket has more
-        rows *= 2
-        if rows > max_rows():
-            return "pack_too_many_chunks"
     sources, spans = _key_spans(chunks, offsets)
     prefix = sum(int(s[0][0].shape[1]) for s in sources)
     q_lens = [int(c.tokens.numel()) for c in chunks]
@@ -171,11 +161,13 @@ def plan(chunks: Sequence[ChunkSpec]) -> Plan | str:
         k_lens.append(rows - n)
         flat.append((prefix + n, prefix + rows))
     keys = sum(k_lens)
-    k_rows = power_of_two(max(keys, prefix), _MIN_KEYS)
-    p_rows = 0 if prefix == 0 else k_rows
-    slots = _slots(rows)
-    if k_rows > MAX_KEYS:
+    p_rows = 0 if prefix == 0 else power_of_two(prefix, _MIN_KEYS)
+    k_rows = power_of_two(keys, _MIN_KEYS)
+    slots = power_of_two(len(q_lens) + 1, 4) - 1  # C + 1 offsets: a power of two
+    if k_rows > MAX_KEYS or p_rows > MAX_KEYS:
         return "pack_too_many_keys"
+    if slots > MAX_CHUNKS:
+        return "pack_too_many_chunks"
     index = _gather_index(flat)
     index = torch.where(index >= prefix, index + (p_rows - prefix), index)  # own rows follow the P buffer rows
     positions = _gather_index([(c.start, c.start + int(c.tokens.numel())) for c in chunks])
@@ -188,11 +180,6 @@ def plan(chunks: Sequence[ChunkSpec]) -> Plan | str:
     index = F.pad(index, (0, k_rows - keys), value=p_rows + rows)
     io = torch.cat([F.pad(positions, (0, rows - n)), index, cu.flatten()])
     return Plan((rows, p_rows, k_rows, slots), n, io, sources, offsets)
-
-
-def _slots(rows: int) -> int:
-    """The chunk slots C of a row bucket (C + 1 offsets, a power of two): one per 16 rows, 3 to 63."""
-    return min(MAX_CHUNKS, max(4, rows // 16)) - 1
 
 
 class _Body:
@@ -410,8 +397,7 @@ class PackGraphs:
         self._params_key = ParamsKey(anatomy.model)
         self._busy = False
         self.failed = False
-        self.prefix = self.prefix_grad = torch.zeros(0)  # [L, 2, capacity, Hkv, D], see _reset
-        self._high = (0, 0)  # the largest rows and keys of any bucket so far
+        self.prefix = self.prefix_grad = torch.zeros(0)  # [L, 2, capacity, Hkv, D], see _grow
         self._flats: dict[torch.dtype, torch.Tensor] = {}
         self.private = self.anatomy  # the modules the captures run, see _reset
         # the replays' autograd input in the parameters' place (see the module's docstring)
@@ -427,24 +413,24 @@ class PackGraphs:
         assert {d: f.numel() for d, f in self._flats.items()} == sizes, "every bucket has the same parameters"
         return self._flats
 
+    def _grow(self, prefix_rows: int) -> None:
+        """New shared prefix buffers of ``prefix_rows`` rows for the buckets captured from now on
+        (those captured before keep theirs)."""
+        an = self.anatomy
+        shape = (len(an.layers), 2, prefix_rows, an.num_kv_heads, an.head_dim)
+        self.prefix = torch.zeros(shape, dtype=accumulate_dtype(an.dtype), device=an.device)
+        self.prefix_grad = torch.zeros_like(self.prefix)
+
     def _reset(self) -> None:
-        """Drop every capture (the parameters moved, or a bucket past the high-water mark comes),
-        start a new pool, size the prefix buffers to the mark and copy the modules again."""
+        """Drop every capture (the parameters moved) and copy the modules again."""
         self._graphs, self._pool, self._flats = {}, torch.cuda.graph_pool_handle(), {}
         self._key = self._params_key()
-        an = self.anatomy
-        rows = max(self._high[1], _PREFIX_ROWS)
-        if self.prefix.dim() != 5 or self.prefix.shape[2] < rows:
-            self.prefix = self.prefix_grad = torch.zeros(0)  # the old ones' memory first
-            shape = (len(an.layers), 2, rows, an.num_kv_heads, an.head_dim)
-            self.prefix = torch.zeros(shape, dtype=accumulate_dtype(an.dtype), device=an.device)
-            self.prefix_grad = torch.zeros_like(self.prefix)
         # The captures swap parameters for aliases module by module (functional_call): on private
         # copies of the modules that share every tensor, so that another thread reading the model
         # meanwhile (the generator's weights watch, a rollout) never sees a half-swapped model.
         model = self._model()
         tensors = [] if model is None else [*model.parameters(), *model.buffers()]
-        self.private = copy.deepcopy(an, memo={id(t): t for t in tensors})
+        self.private = copy.deepcopy(self.anatomy, memo={id(t): t for t in tensors})
 
     def forward(self, chunks: Sequence[ChunkSpec], math: LayerMath = EAGER) -> PackOutput | None:
         """The pack's output through its bucket's graphs, or None: run it another way (no bucket,
@@ -455,10 +441,11 @@ class PackGraphs:
         if isinstance(layout, str) or self._busy:
             _COUNTS[layout if isinstance(layout, str) else "pack_busy"] += 1
             return None
-        rows, _, keys, _ = layout.shape
-        if self._params_key() != self._key or rows > self._high[0] or keys > self._high[1]:
-            self._high = (max(rows, self._high[0]), max(keys, self._high[1]))
+        if self._params_key() != self._key:
             self._reset()
+        capacity = self.prefix.shape[2] if self.prefix.dim() == 5 else -1  # -1: no buffer yet
+        if layout.shape[1] > capacity:  # (a first pack without prefix rows needs the buffer's layers too)
+            self._grow(max(layout.shape[1], 2 * capacity, _PREFIX_ROWS))
         tokens = torch.cat([c.tokens for c in chunks])
         graph = self._graphs.get((layout.shape, math)) or self._capture(layout, tokens, math)
         if graph is None:

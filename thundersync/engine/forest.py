@@ -52,12 +52,12 @@ import torch
 from thundersync.engine._accum import GradCapture, accumulate_dtype
 from thundersync.engine._compiled import pack_math
 from thundersync.engine._graphed import GraphedLayers, graphed_layers
-from thundersync.engine._pack_graph import PackGraphs, max_rows, pack_graphs
+from thundersync.engine._pack_graph import PackGraphs, pack_graphs
 from thundersync.engine.adapter import KV, ChunkSpec, PackOutput, empty_prefix, forward_pack, head_logprobs
 from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.engine.decoder import EAGER
 
-__all__ = ["AdjointLedger", "Segment", "SegmentPack", "forward_prompt", "pack_limit"]
+__all__ = ["AdjointLedger", "Segment", "SegmentPack", "forward_prompt"]
 
 
 class Segment:
@@ -87,18 +87,6 @@ class Segment:
     def release(self) -> None:
         """Drop the K/V state (after the last descendant has read it)."""
         self.state = None
-
-    @property
-    def rows(self) -> int:
-        """The rows it takes in a pack: its tokens, and its parent's last token (recomputed there)."""
-        return int(self.tokens.numel()) + (self.parent is not None)
-
-
-def pack_limit(anatomy: DecoderAnatomy, tokens: int) -> int:
-    """The most rows one pack should hold: ``tokens`` (an objective's ``pack_tokens``), and where the
-    whole-pack CUDA graphs are on, at most their largest bucket (:func:`max_rows`), since a longer
-    pack runs eagerly: launch by launch, slower than the same rows as several replays."""
-    return tokens if pack_graphs(anatomy) is None else min(tokens, max_rows())
 
 
 class AdjointLedger:

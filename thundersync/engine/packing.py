@@ -80,12 +80,10 @@ class PackQueue(Generic[Item]):
         with self._lock:
             self._waiting.append(item)
 
-    def take(self, limit: int | None = None) -> list[Item]:
-        """The next pack of at most ``limit`` tokens (default: the queue's own); empty when the
-        first waiting item is not ready, or none waits."""
-        limit = self.limit if limit is None else min(limit, self.limit)
+    def take(self) -> list[Item]:
+        """The next pack (empty when the first waiting item is not ready, or none waits)."""
         with self._lock:
-            return take_prefix(self._waiting, limit, self._size, ready=self._ready, owner=self._owner)
+            return take_prefix(self._waiting, self.limit, self._size, ready=self._ready, owner=self._owner)
 
     def holds(self, owner: Hashable) -> bool:
         """Whether an item of ``owner`` is waiting."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from thundersync.engine import forest, packing
+from thundersync.engine import forest
 from thundersync.engine._accum import FlatAccumulator
 from thundersync.engine._mismatch import LogprobMismatch
 from thundersync.engine.adapter import KV
@@ -170,9 +170,7 @@ class PendingTurn:
     trajectory: TurnChain
 
     def __len__(self) -> int:
-        """Its rows in a pack: its own, and those of the turns before it that it forwards."""
-        unforwarded = (len(turn.ids) + 1 for turn in self.prior if turn.segment is None)
-        return len(self.turn.ids) + 1 + sum(unforwarded)
+        return len(self.turn.ids) + 1
 
 
 def backward_turns(
@@ -226,22 +224,26 @@ class ClosedTrajectory:
         return sum(len(turn.ids) + 1 for turn in self.turns)
 
 
-def replay_trajectories(run: StreamingRun, sink: GradientSink, closed: Sequence[ClosedTrajectory], limit: int) -> None:
+def replay_trajectories(run: StreamingRun, sink: GradientSink, closed: Sequence[ClosedTrajectory]) -> None:
     """Replay the turns' ledgers, last turn first, for several closed trajectories at once.
 
-    Level k packs turn k of every trajectory that has one with a ledger, in packs of at most
-    ``limit`` rows (the trajectories are independent; within one, turn k's replay adds to the
-    ledgers of turns < k, which run at later levels). Each turn's state and ledger are dropped
-    after its level.
+    Level k packs turn k of every trajectory that has one with a ledger (the trajectories are
+    independent; within one, turn k's replay adds to the ledgers of turns < k, which run at later
+    levels). Each turn's state and ledger are dropped after its level.
     """
     for k in range(max((len(item.turns) for item in closed), default=0) - 1, -1, -1):
-        level = [(item, segment) for item in closed if (segment := _replayable(item, k)) is not None]
-        for part in packing.split(level, limit, size=lambda pair: pair[1].rows):
-            pack = SegmentPack.forward(run.anatomy, [segment for _, segment in part])
+        level = [
+            item
+            for item in closed
+            if k < len(item.turns) and item.turns[k].segment is not None and item.turns[k].ledger.tensors is not None
+        ]
+        segments = [segment for item in level if (segment := item.turns[k].segment) is not None]
+        if segments:
+            pack = SegmentPack.forward(run.anatomy, segments)
             ledgers: dict[int, AdjointLedger] = {}
-            for item, _ in part:
+            for item in level:
                 ledgers.update(_ledgers(item.group, item.turns[:k]))
-            adjoints = sink.backward(pack, None, [item.turns[k].ledger.tensors for item, _ in part])
+            adjoints = sink.backward(pack, None, [item.turns[k].ledger.tensors for item in level])
             for ancestor, adjoint in adjoints.items():
                 ledgers[id(ancestor)].add(adjoint)
         for item in closed:
@@ -265,10 +267,3 @@ def replay_root(run: StreamingRun, sink: GradientSink, group: PromptState) -> No
 def _ledgers(group: PromptState, prior: Sequence[TurnState]) -> dict[int, AdjointLedger]:
     """The ledger of every ancestor a turn reads (the prompt's and the earlier turns'), by id."""
     return {id(group.root): group.ledger, **{id(t.segment): t.ledger for t in prior}}
-
-
-def _replayable(item: ClosedTrajectory, k: int) -> Segment | None:
-    """The segment of the trajectory's turn ``k`` where it has one and a ledger to replay."""
-    if k >= len(item.turns) or item.turns[k].ledger.tensors is None:
-        return None
-    return item.turns[k].segment

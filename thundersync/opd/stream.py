@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from thundersync.engine import forest, inputs
+from thundersync.engine import inputs
 from thundersync.engine._mismatch import LogprobMismatch
 from thundersync.engine.groups import Group, OpenGroups, Trajectory, trajectory_name
 from thundersync.engine.objective import Signal
@@ -225,7 +225,7 @@ class OPDStream:
 
     def _backward_queued(self) -> None:
         """A run job: backpropagate the ready scored turns, packed (none left: no-op)."""
-        pack = self._turns.take(forest.pack_limit(self.run.anatomy, self.config.pack_tokens))
+        pack = self._turns.take()
         if pack:
             _replay.backward_turns(self.run, self._sink, pack, self._mismatch)
 
@@ -233,8 +233,7 @@ class OPDStream:
         """A run job: replay the ready closed trajectories, level by level (none left: no-op)."""
         closed = self._replays.take()
         if closed:
-            limit = forest.pack_limit(self.run.anatomy, self.config.pack_tokens)
-            _replay.replay_trajectories(self.run, self._sink, closed, limit)
+            _replay.replay_trajectories(self.run, self._sink, closed)
 
 
 def _chain(item: PendingTurn | ClosedTrajectory) -> Hashable:
