@@ -62,8 +62,8 @@ def test_a_learner_process_trains_the_file_as_one_process_does(tmp_path: Path) -
     for key in ("grad_norm", "logprob_mismatch", "reward_mean"):
         assert [r[key] for r in child_steps] == pytest.approx([r[key] for r in steps], rel=1e-5), key
     assert steps[0]["audit_rel_error"] is None is child_steps[0]["audit_rel_error"]
-    # the audit ran (every second step) in both; fp32 rounding, which depends on each process's threads
-    assert steps[1]["audit_rel_error"] < 1e-5 and child_steps[1]["audit_rel_error"] < 1e-5
+    assert child_steps[1]["audit_rel_error"] == pytest.approx(steps[1]["audit_rel_error"], rel=1e-3, abs=1e-9)
+    assert child_steps[1]["audit_rel_error"] < 1e-5  # the audit ran (every second step) in the child
     assert weights.keys() == child_weights.keys()
     for name, tensor in weights.items():
         torch.testing.assert_close(child_weights[name], tensor, rtol=1e-5, atol=1e-6)

@@ -98,7 +98,7 @@ class ModelProcess:
         first = next(model.parameters()).detach().view(-1)[:1]
         before = float(first)
         self.process.start()
-        self.send("start", build, tensors, frozen, serve, args)
+        self.send("start", build, tensors, frozen, serve, args, torch.get_num_threads())
         name, written = self.receive("written")
         if float(first) != written:
             raise StreamingError(
@@ -428,8 +428,9 @@ def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 def _child_main(commands: Any, answers: Any) -> None:
     commands = _FromParent(commands)
     try:
-        kind, build, tensors, frozen, serve, args = commands.get()
+        kind, build, tensors, frozen, serve, args, threads = commands.get()
         assert kind == "start", f"the learner process got {kind!r} first"
+        torch.set_num_threads(threads)  # the parent's: the same CPU math, summed in the same order
         model = share_into(build, tensors, frozen)
         del tensors
         _write_and_restore(model, commands, answers)
