@@ -1,15 +1,19 @@
-"""Shared test configuration: markers that skip cleanly when their hardware is missing, and the
-groups that keep tests sharing a machine-wide resource on one pytest-xdist worker."""
+"""Shared test configuration: markers that skip cleanly when their hardware is missing, and a lock
+that keeps tests sharing a machine-wide resource from running at once on pytest-xdist workers."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
+from collections.abc import Iterator
 
 import pytest
 
 # Tests that start containers or sandboxes (engines, cgroups, the uDocker repository) or a real vLLM
-# server (gigabytes of memory each) run one at a time, on one worker, beside the other tests.
+# server (gigabytes of memory each) run one at a time, beside the other tests. (pytest-xdist's own
+# ``--dist loadgroup`` does not group under pytest 9: it renames ``item._nodeid``, which pytest no
+# longer reads.)
 _SERIAL = {
     "containers": ("tests/sandboxes/", "tests/tools/", "tests/tasks/", "tests/app/test_agent_examples.py"),
     "vllm": ("tests/generation/test_openai_generator.py", "tests/generation/test_publish_vllm.py"),
@@ -33,12 +37,30 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
-    root = config.rootpath
     for item in items:
         if "gpu" in item.keywords and not _cuda_available():
             item.add_marker(skip_gpu)
-        where = item.path.relative_to(root).as_posix()
-        group = "containers" if "docker" in item.keywords else None
-        group = group or next((name for name, paths in _SERIAL.items() if where.startswith(paths)), None)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _serial_group(item: pytest.Item) -> str | None:
+    """The name of the resource ``item`` must not share with a test on another worker, if any."""
+    if "docker" in item.keywords:
+        return "containers"
+    where = item.path.relative_to(item.config.rootpath).as_posix()
+    return next((name for name, paths in _SERIAL.items() if where.startswith(paths)), None)
+
+
+@pytest.fixture(autouse=True)
+def _one_at_a_time(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Under pytest-xdist, hold the session's lock of the test's group while it runs."""
+    group = _serial_group(request.node)
+    if group is None or "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    # the workers' base directories share one parent per session
+    with open(tmp_path_factory.getbasetemp().parent / f"{group}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
