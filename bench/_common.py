@@ -69,14 +69,17 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 @contextlib.contextmanager
 def engine_layers(mode: str) -> Iterator[None]:
-    """Within the block the engine's packs run as ``mode``: ``graphs`` (whole-pack CUDA graphs, else
-    per-layer ones: the default on CUDA), ``layers`` (per-layer graphs only), ``compiled``
-    (torch.compile of the layers, no graphs), ``compiled-graphs`` (whole-pack graphs of the
-    compiled layers, else the compiled layers) or ``eager``."""
+    """Within the block the engine's packs run as ``mode``: ``graphs`` (whole-pack CUDA graphs of
+    the fused kernels' layer math, else that math ungraphed: the default on CUDA),
+    ``unfused-graphs`` (whole-pack graphs of the eager layer math, else per-layer ones: the default
+    before the fused math), ``fused`` (the fused math, no graphs), ``layers`` (per-layer graphs
+    only), ``compiled`` (torch.compile of the layers, no graphs), ``compiled-graphs`` (whole-pack
+    graphs of the compiled layers, else the compiled layers) or ``eager``."""
     values = {
-        "THUNDERSYNC_ENGINE_PACK_GRAPHS": "on" if mode in ("graphs", "compiled-graphs") else "off",
-        "THUNDERSYNC_ENGINE_GRAPHS": "on" if mode in ("graphs", "layers") else "off",
+        "THUNDERSYNC_ENGINE_PACK_GRAPHS": "on" if mode in ("graphs", "unfused-graphs", "compiled-graphs") else "off",
+        "THUNDERSYNC_ENGINE_GRAPHS": "on" if mode in ("graphs", "unfused-graphs", "layers") else "off",
         "THUNDERSYNC_ENGINE_COMPILE": "on" if mode in ("compiled", "compiled-graphs") else "off",
+        "THUNDERSYNC_ENGINE_FUSED": "auto" if mode in ("graphs", "fused") else "off",
     }
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)

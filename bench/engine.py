@@ -144,7 +144,10 @@ def _layers(form: str, mode: Callable[..., None], model: torch.nn.Module, batch:
 MODES: dict[str, Callable[[torch.nn.Module, Batch], None]] = {
     "dense (padded micro-batches of 8, fused log-probs)": dense,
     "streaming (RewardLinearBackward)": streaming,
-    "streaming, eager (both graph switches off)": lambda m, b: _layers("eager", streaming, m, b),
+    "streaming, eager layer math (THUNDERSYNC_ENGINE_FUSED=off)": lambda m, b: _layers(
+        "unfused-graphs", streaming, m, b
+    ),
+    "streaming, eager (both graph switches and the fused math off)": lambda m, b: _layers("eager", streaming, m, b),
     "streaming, pack graphs of the compiled layers": lambda m, b: _layers("compiled-graphs", streaming, m, b),
     "streaming, pack_tokens=2048 (packs the whole-pack graphs hold)": lambda m, b: streaming(m, b, pack_tokens=2048),
     "streaming, pack_tokens=0 (one trajectory per backward)": lambda m, b: streaming(m, b, pack_tokens=0),

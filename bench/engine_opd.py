@@ -183,6 +183,8 @@ def opd_table(
 
 FORMS = (  # (row suffix, engine_layers mode)
     ("", "graphs"),
+    (", pack graphs of the eager layer math (THUNDERSYNC_ENGINE_FUSED=off)", "unfused-graphs"),
+    (", fused layer math, no graphs", "fused"),
     (", pack graphs of the compiled layers (THUNDERSYNC_ENGINE_COMPILE=on)", "compiled-graphs"),
     (", layer graphs only (THUNDERSYNC_ENGINE_PACK_GRAPHS=off)", "layers"),
     (", eager (both graph switches off)", "eager"),

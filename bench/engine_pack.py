@@ -14,9 +14,11 @@ after warm-up, synchronized, with the layers' math in two forms:
   timing;
 - ``layer graphs``: :mod:`thundersync.engine._graphed` (each layer's two parts replayed as CUDA
   graphs, rows padded to a power of two; attention eager). Its captures happen in the warm-up calls;
+- ``fused``: :data:`thundersync.engine._fused.FUSED` (the norms, per-head norms and rotary, and the
+  MLP's activation as fused Triton kernels, forward and backward; CUDA, 16-bit);
 - ``pack graph``: :mod:`thundersync.engine._pack_graph` (the whole pack, attention included, one
-  graph forward and one backward per bucket; the default on CUDA). "-" where the pack fits no
-  bucket (it then takes the layer graphs).
+  graph forward and one backward per bucket) of the eager math; ``pack graph, fused`` of the fused
+  math (the default on CUDA). "-" where the pack fits no bucket (it then runs ungraphed).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from bench._common import header, markdown_table, median_seconds
 from bench.engine import make_model
 from thundersync.engine import _graphed, _pack_graph, adapter, anatomy
 from thundersync.engine._compiled import pack_math
+from thundersync.engine._fused import FUSED
 from thundersync.engine._graphed import GraphedLayers, graphed_layers
 from thundersync.engine._pack_graph import PackGraphs, pack_graphs
 from thundersync.engine.adapter import ChunkSpec, forward_pack
@@ -50,10 +53,10 @@ def make_prefix(an: anatomy.DecoderAnatomy, vocab: int, length: int) -> list[tup
 
 def pack_step(an: anatomy.DecoderAnatomy, chunks: list[ChunkSpec], form: LayerMath | str) -> Callable[[], None] | None:
     """One pack's forward and backward with the layer math ``form``, or "layers" (the layer graphs),
-    "pack" (the pack graph) or "compiled pack" (the pack graph of the compiled math); None where
-    the pack graph refuses the pack."""
+    "pack" (the pack graph), "fused pack" or "compiled pack" (the pack graph of the fused or the
+    compiled math); None where the pack graph refuses the pack."""
     rows = sum(int(c.tokens.numel()) for c in chunks)
-    whole = form in ("pack", "compiled pack")
+    whole = form in ("pack", "fused pack", "compiled pack")
     if whole and isinstance(_pack_graph.plan(chunks), str):
         return None
 
@@ -62,7 +65,8 @@ def pack_step(an: anatomy.DecoderAnatomy, chunks: list[ChunkSpec], form: LayerMa
         if whole:
             owner = pack_graphs(an, True)
             assert owner is not None, "the pack graphs need CUDA"
-            out = owner.forward(chunks, pack_math(an, True) if form == "compiled pack" else EAGER)
+            graphed = {"compiled pack": pack_math(an, True), "fused pack": FUSED}.get(str(form), EAGER)
+            out = owner.forward(chunks, graphed)
             assert out is not None, f"the pack graph refused the pack: {_graphed.graph_counts()}"
         else:
             owner = graphed_layers(an, True) if form == "layers" else None
@@ -102,7 +106,8 @@ def main() -> None:
     cases.append((f"32 chunks of {sizes[0]} after P={prefix_len}", [chunk(sizes[0]) for _ in range(32)]))
     forms: dict[str, LayerMath | str] = {"eager": EAGER, "compiled": pack_math(an, True)}
     if cuda:
-        forms |= {"layer graphs": "layers", "pack graph": "pack", "pack graph, compiled": "compiled pack"}
+        forms |= {"fused": FUSED, "layer graphs": "layers", "pack graph": "pack"}
+        forms |= {"pack graph, fused": "fused pack", "pack graph, compiled": "compiled pack"}
     rows = []
     for label, chunks in cases:
         ms: dict[str, float | str] = {}

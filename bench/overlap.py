@@ -628,7 +628,10 @@ async def run_rows(
                     checks.append(check)
                     print(f"[check] {check}", file=sys.stderr, flush=True)
                 else:
-                    layers = {_EAGER: "eager", _COMPILED: "compiled-graphs"}.get(row[row.rfind("-") :], "graphs")
+                    suffix = row[row.rfind("-") :]
+                    layers = {_EAGER: "eager", _COMPILED: "compiled-graphs", _UNFUSED: "unfused-graphs"}.get(
+                        suffix, "graphs"
+                    )
                     with engine_layers(layers):
                         cells_, timeline = await measure_in_process(
                             row,
@@ -657,11 +660,14 @@ async def run_rows(
 _IN_CHILD = "-2proc"
 _EAGER = "-eager"  # the engine's layers eager (no CUDA graphs), in this process
 _COMPILED = "-compiled"  # whole-pack graphs of the compiled layers (THUNDERSYNC_ENGINE_COMPILE=on), in this process
+_UNFUSED = "-unfused"  # whole-pack graphs of the eager layer math (THUNDERSYNC_ENGINE_FUSED=off), in this process
 _LEARNER_PROCESS = "-proc"  # the objective a thundersync.LearnerProcess, the teacher in this process
 
 
 def _objective_kind(row: str) -> str:
-    return row.removesuffix(_IN_CHILD).removesuffix(_EAGER).removesuffix(_COMPILED).removesuffix(_LEARNER_PROCESS)
+    for suffix in (_IN_CHILD, _EAGER, _COMPILED, _UNFUSED, _LEARNER_PROCESS):
+        row = row.removesuffix(suffix)
+    return row
 
 
 def _workload(row: str) -> str:
@@ -706,6 +712,8 @@ _ROW_NAMES = {
     "grpo-eager": "GRPO, pack_tokens=8192, eager (no graphs)",
     "opd-eager": "OPD, eager (no graphs)",
     "opd-compiled": "OPD, pack graphs of the compiled layers",
+    "grpo-unfused": "GRPO, pack graphs of the eager layer math (THUNDERSYNC_ENGINE_FUSED=off)",
+    "opd-unfused": "OPD, pack graphs of the eager layer math (THUNDERSYNC_ENGINE_FUSED=off)",
     "grpo-compiled": "GRPO, pack graphs of the compiled layers",
     "grpo-early-compiled": "GRPO, stream_early=True, pack graphs of the compiled layers",
     "balanced-eager": "balanced GRPO, eager (no graphs)",

@@ -273,3 +273,62 @@ def test_the_decode_kernels_probe_trial_passes(dtype: str) -> None:
     from thundersync.kernels.decode import _trial
 
     _trial(torch.device("cpu"), DTYPES[dtype][0])  # raises AssertionError naming what differs
+
+
+# --- a training layer's fused kernels (thundersync.kernels.layer) and the engine's math over them ---
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize(
+    ("width", "heads", "head_dim", "rows"),
+    [(96, 3, 16, 5), (64, 4, 8, 1), (40, 2, 32, 50)],  # 50 rows: 7 to a backward program (at most 8 here)
+)
+def test_the_layer_kernels_match_their_references(
+    monkeypatch: pytest.MonkeyPatch, dtype: str, width: int, heads: int, head_dim: int, rows: int
+) -> None:
+    from thundersync.kernels import layer
+
+    monkeypatch.setattr(layer, "_MAX_PROGRAMS", 8)  # strips of several rows, the last one short
+    layer._trial(torch.device("cpu"), DTYPES[dtype][0], width, heads, head_dim, rows)  # raises naming what differs
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_the_fused_pack_math_equals_the_eager_pack(family: str) -> None:
+    """A pack of two chunks (one after a prefix) through the fused math against the eager math,
+    fp32 under the interpreter: outputs, every parameter's gradient and the prefix's adjoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from thundersync.engine._fused import FUSED
+    from thundersync.engine.adapter import ChunkSpec, forward_pack
+    from thundersync.engine.anatomy import decoder_anatomy
+    from thundersync.engine.decoder import EAGER
+
+    shape = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    config = Qwen3Config(**shape) if family == "qwen3" else LlamaConfig(**shape)
+    model = (Qwen3ForCausalLM if family == "qwen3" else LlamaForCausalLM)(config)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            torch.nn.init.normal_(p, 1.0, 0.3)  # norms that are not all ones
+    anatomy = decoder_anatomy(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    prefix = [(torch.randn(2, 5, 16), torch.randn(2, 5, 16)) for _ in range(2)]
+    tokens = [torch.randint(0, 64, (7,)), torch.randint(0, 64, (4,))]
+
+    def run(math: object) -> list[torch.Tensor]:
+        leaves = [(k.clone().requires_grad_(), v.clone().requires_grad_()) for k, v in prefix]
+        chunks = [ChunkSpec(tokens[0], 0, [(k[:, :0], v[:, :0]) for k, v in leaves]), ChunkSpec(tokens[1], 5, leaves)]
+        out = forward_pack(anatomy, chunks, math)  # type: ignore[arg-type]
+        seed = torch.Generator().manual_seed(3)
+        loss = (out.hidden * torch.randn(out.hidden.shape, generator=seed)).sum()
+        loss = loss + sum((k * torch.randn(k.shape, generator=seed)).sum() for k, _ in out.layer_kv)
+        grads = torch.autograd.grad(loss, [*params, *(t for kv in leaves for t in kv)], allow_unused=True)
+        used = [g for g in grads if g is not None]  # the head is not used
+        assert len(used) == len(grads) - 1
+        return [out.hidden.detach(), *(t.detach() for kv in out.layer_kv for t in kv), *used]
+
+    for got, want in zip(run(FUSED), run(EAGER), strict=True):
+        assert _rel(got, want) <= 2e-5

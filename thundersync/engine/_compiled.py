@@ -37,6 +37,7 @@ import weakref
 import torch
 
 from thundersync._compile import COMPILE_LOCK, OrEager, switch
+from thundersync.engine._fused import FUSED, fused_math
 from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.engine.decoder import EAGER, LayerMath, Tensors3, attention_inputs, attention_output, embed
 
@@ -72,14 +73,15 @@ COMPILED = LayerMath(embed, _before, _after)
 
 def pack_math(anatomy: DecoderAnatomy, enabled: bool | None = None) -> LayerMath:
     """The layer math for ``anatomy``'s packs: :data:`COMPILED` where compiling is on (``enabled``,
-    else ``THUNDERSYNC_ENGINE_COMPILE``), else :data:`~thundersync.engine.decoder.EAGER`.
+    else ``THUNDERSYNC_ENGINE_COMPILE``), else the fused kernels' math where the model qualifies
+    (:func:`~thundersync.engine._fused.fused_math`), else :data:`~thundersync.engine.decoder.EAGER`.
 
     The first call for a model compiles: under :data:`~thundersync._compile.COMPILE_LOCK` it runs a
     two-token pack forward without and with autograd, and that pack's backward (whose gradients it
     returns instead of accumulating them), so no later pack compiles beside the generator.
     """
     if not switch("THUNDERSYNC_ENGINE_COMPILE", enabled, auto=False):
-        return EAGER
+        return FUSED if fused_math(anatomy) else EAGER
     if anatomy.model not in _warm:
         with COMPILE_LOCK:
             if anatomy.model not in _warm:

@@ -66,6 +66,7 @@ import torch.nn.functional as F
 from thundersync._compile import COMPILE_LOCK
 from thundersync._logging import get_logger
 from thundersync.engine import _graphed
+from thundersync.engine._fused import FUSED
 from thundersync.engine._graphed import (
     _AFTER,
     _BEFORE,
@@ -470,7 +471,7 @@ class PackGraphs:
             graph.load(layout, tokens)  # a valid layout to warm up on (an all-zero one indexes out of range)
             # Compiled math compiles in the warm-up (dynamo may add a specialization for the
             # aliased parameters), on this thread and autograd's: under the lock, as pack_math does.
-            with COMPILE_LOCK if math is not EAGER else contextlib.nullcontext():
+            with COMPILE_LOCK if math not in (EAGER, FUSED) else contextlib.nullcontext():
                 graph.capture(self._pool)
         except Exception as error:  # a model whose math cannot be captured: the other forms compute the same
             self.failed = True

@@ -52,11 +52,15 @@ __all__ = [
     "decoder_forward",
     "embed",
     "is_plain_rms_norm",
+    "is_silu_mlp",
     "rotary_tables",
 ]
 
 # Norm classes known to compute ``weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(dtype)``.
 _PLAIN_RMS_NORMS = frozenset({"Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm"})
+# MLP classes known to compute ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, and SiLU activations.
+PLAIN_MLPS = frozenset({"Qwen3MLP", "Qwen2MLP", "LlamaMLP", "MistralMLP"})
+SILU_ACTIVATIONS = frozenset({"SiLUActivation", "SiLU"})
 
 
 class LayerAttention(Protocol):
@@ -159,6 +163,12 @@ class _RMSNorm(Protocol):
 def is_plain_rms_norm(module: nn.Module) -> TypeGuard[_RMSNorm]:
     """Whether ``module`` is one of the transformers RMSNorm classes of ``_PLAIN_RMS_NORMS``."""
     return type(module).__name__ in _PLAIN_RMS_NORMS
+
+
+def is_silu_mlp(module: nn.Module) -> bool:
+    """Whether ``module`` is one of the ``PLAIN_MLPS`` with a SiLU activation (its projections may be
+    any modules, e.g. peft-wrapped linears)."""
+    return type(module).__name__ in PLAIN_MLPS and type(getattr(module, "act_fn", None)).__name__ in SILU_ACTIVATIONS
 
 
 def apply_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

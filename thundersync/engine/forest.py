@@ -51,6 +51,7 @@ import torch
 
 from thundersync.engine._accum import GradCapture, accumulate_dtype
 from thundersync.engine._compiled import pack_math
+from thundersync.engine._fused import FUSED
 from thundersync.engine._graphed import GraphedLayers, graphed_layers
 from thundersync.engine._pack_graph import PackGraphs, pack_graphs
 from thundersync.engine.adapter import KV, ChunkSpec, PackOutput, empty_prefix, forward_pack, head_logprobs
@@ -137,7 +138,7 @@ class SegmentPack:
         leaves: dict[int, tuple[list[Segment], list[KV]]] = {}
         chunks: list[ChunkSpec] = []
         index = {id(seg): i for i, seg in enumerate(segments)}
-        math = pack_math(anatomy)  # the compiled math when asked for (opt-in), else eager
+        math = pack_math(anatomy)  # compiled (opt-in), the fused kernels' (CUDA, 16-bit) or eager
         owner: PackGraphs | GraphedLayers | None = None  # whose static buffers hold the activations
         try:
             with torch.enable_grad() if grad else torch.no_grad():
@@ -147,7 +148,11 @@ class SegmentPack:
                 output = whole.forward(chunks, math) if whole is not None else None
                 if output is not None:
                     owner = whole
-                else:  # the per-layer graphs record the eager math only
+                else:
+                    # Outside the pack graphs the fused math's launches cost more host time than the
+                    # eager ops they replace (bench/RESULTS.md, 2026-12-03); the per-layer graphs
+                    # record the eager math only.
+                    math = EAGER if math is FUSED else math
                     layers = graphed_layers(anatomy) if grad and math is EAGER else None
                     layer_math = layers.math(sum(int(c.tokens.numel()) for c in chunks)) if layers else None
                     owner = layers if layer_math is not None else None

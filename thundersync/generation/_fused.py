@@ -14,7 +14,7 @@ b features (the fused decode kernels compute the activation in the product's epi
 
 A layer is fused only when its projections are plain ``nn.Linear`` modules (a peft adapter
 wraps them, and then the layer runs through its modules) and its MLP is one of the
-``down(act(gate(x)) * up(x))`` classes of ``_PLAIN_MLPS``. The stacked weights are a copy:
+``down(act(gate(x)) * up(x))`` classes of ``decoder.PLAIN_MLPS``. The stacked weights are a copy:
 :meth:`FusedWeights.refresh` rewrites them in place (so captured CUDA graphs read the new values)
 and the batcher calls it whenever its :class:`~thundersync.generation._weights_watch.WeightsWatch`
 sees the parameters change. The copy costs :attr:`FusedWeights.nbytes` of device memory, about
@@ -31,16 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from thundersync.engine.anatomy import DecoderAnatomy, LayerParts
-from thundersync.engine.decoder import apply_norm, apply_rotary
+from thundersync.engine.decoder import PLAIN_MLPS, apply_norm, apply_rotary
 
 __all__ = ["FusedLayer", "FusedWeights", "fused_attention_inputs", "fused_attention_output", "split_gate_up"]
 
-# MLP classes known to compute ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``.
-_PLAIN_MLPS = frozenset({"Qwen3MLP", "Qwen2MLP", "LlamaMLP", "MistralMLP"})
-
 
 class _PlainMLP(Protocol):
-    """What the MLPs of ``_PLAIN_MLPS`` hold."""
+    """What the MLPs of ``decoder.PLAIN_MLPS`` hold."""
 
     gate_proj: nn.Linear
     up_proj: nn.Linear
@@ -50,7 +47,7 @@ class _PlainMLP(Protocol):
 
 
 def _is_plain_mlp(module: nn.Module) -> TypeGuard[_PlainMLP]:
-    return type(module).__name__ in _PLAIN_MLPS and all(
+    return type(module).__name__ in PLAIN_MLPS and all(
         type(getattr(module, name, None)) is nn.Linear for name in ("gate_proj", "up_proj", "down_proj")
     )
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from thundersync.engine.anatomy import DecoderAnatomy, LayerParts
-from thundersync.engine.decoder import LayerMath, is_plain_rms_norm
+from thundersync.engine.decoder import LayerMath, is_plain_rms_norm, is_silu_mlp
 from thundersync.generation._fused import FusedLayer, FusedWeights
 from thundersync.generation._kv_cache import KVCache
 from thundersync.kernels.decode import (
@@ -39,8 +39,6 @@ from thundersync.kernels.decode import (
 )
 
 __all__ = ["KernelLayers"]
-
-_SILU = frozenset({"SiLUActivation", "SiLU"})
 
 
 @dataclass(frozen=True)
@@ -105,7 +103,7 @@ def _why_not(anatomy: DecoderAnatomy, fused: FusedWeights) -> str | None:
             return f"layer {index} has a norm other than a plain RMSNorm"
         if type(parts.o_proj) is not nn.Linear:
             return f"layer {index}'s o_proj is a {type(parts.o_proj).__name__}"
-        if type(getattr(mlp, "act_fn", None)).__name__ not in _SILU or _module(mlp, "down_proj").bias is not None:
+        if not is_silu_mlp(mlp) or _module(mlp, "down_proj").bias is not None:
             return f"layer {index}'s MLP is not SiLU-gated without a down bias"
         if len({_eps(n) for n in norms}) != 1:
             return f"layer {index}'s norms differ in eps"

@@ -4,7 +4,10 @@
   output head, chunked, never the full [N, V] logits;
 - :func:`chunk_attention`: a chunk's queries over a prefix state plus the chunk (causal), through
   FA4, flash varlen, the split SDPA form, flex attention, one masked SDPA call, or the reference;
-  :func:`packed_chunk_attention` for every chunk of a pack at once (one varlen call).
+  :func:`packed_chunk_attention` for every chunk of a pack at once (one varlen call);
+- :mod:`~thundersync.kernels.layer`: a training layer's RMS norms, per-head norm + rotary and
+  SiLU-gated activation as fused Triton kernels, forward and backward (the engine's pack graphs);
+- :mod:`~thundersync.kernels.decode`: the decode step's fused layer kernels.
 
 On CPU every function runs its pure-torch reference. ``THUNDERSYNC_FA4`` and
 ``THUNDERSYNC_OPERATOR_PROFILE_RANGES`` are described in ``thundersync.kernels._env``.

@@ -1,0 +1,271 @@
+# mypy: disable-error-code="no-untyped-call"
+# (torch.autograd.Function.apply is untyped in torch's stubs)
+"""A training layer's row-wise parts as fused kernels, forward and backward, with their eager references.
+
+Between its matrix products a decoder layer runs norms, the per-head norms and rotary embedding,
+the MLP's activation and their backwards as eager ops: about seventy of the ~120 kernels a layer
+launches in a pack's forward and backward (bench/RESULTS.md, "What a small pack launches"). Three
+autograd functions take each of these parts to one kernel forward and one (plus a reduction of the
+weight's gradient) backward::
+
+    y = rms_norm(x, w, eps)                    w * rmsnorm(x), as transformers' RMSNorm
+    q = heads_norm_rope(t, w, cos, sin', eps)  per-head RMS norm (w, or none) then the rotary embedding
+    m = silu_mul(gate, up)                     silu(gate) * up
+
+Each forward rounds where the eager form rounds, so it returns the eager values up to the order
+of fp32 sums; a backward keeps its intermediates in fp32 (see ``_layer_triton``). The
+``*_reference`` functions are the eager forms (the engine's :data:`~thundersync.engine.decoder.EAGER`
+math computes the same). :func:`layer_kernels_capability` probes the three, forward and backward,
+once per (device, dtype) against them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from thundersync.kernels.probe import Capability, check_close, probe, record
+
+__all__ = [
+    "heads_norm_rope",
+    "heads_norm_rope_reference",
+    "layer_kernels_capability",
+    "rms_norm",
+    "rms_norm_reference",
+    "silu_mul",
+    "silu_mul_reference",
+]
+
+_KERNEL = "train_layer"
+_MAX_PROGRAMS = 128  # of a backward that sums a weight's gradient: partial sums [programs, width]
+_ELEMENTWISE_BLOCK = 1024
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _strips(rows: int) -> tuple[int, int]:
+    """(programs, rows per program) of a backward over ``rows`` rows: a function of ``rows`` only."""
+    per = -(-rows // _MAX_PROGRAMS) if rows else 1
+    return max(-(-rows // per), 1), per
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` as [rows, width] with unit stride along the width (a copy only when it lacks one)."""
+    t2 = t.reshape(-1, width)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        from thundersync.kernels._layer_triton import rms_norm_fwd_kernel
+
+        width = x.shape[-1]
+        x2 = _rows(x, width)
+        y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+        if x2.shape[0]:
+            rms_norm_fwd_kernel[(x2.shape[0],)](
+                x2, weight, y, rstd, x2.stride(0), y.stride(0), width, eps, BLOCK=_pow2(width)
+            )
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        from thundersync.kernels._layer_triton import rms_norm_bwd_kernel
+
+        x2, weight, rstd = ctx.saved_tensors
+        rows, width = x2.shape
+        dy2 = _rows(dy, width)
+        dx = torch.empty_like(x2)
+        programs, per = _strips(rows)
+        weight_grad = ctx.needs_input_grad[1]
+        partial = torch.empty(programs, width, dtype=torch.float32, device=x2.device) if weight_grad else dx
+        if rows:
+            rms_norm_bwd_kernel[(programs,)](
+                dy2, x2, weight, rstd, dx, partial, rows, per, dy2.stride(0), x2.stride(0), dx.stride(0), width,
+                BLOCK=_pow2(width), WEIGHT_GRAD=weight_grad,
+            )  # fmt: skip
+        dw = (partial.sum(0) if rows else partial.new_zeros(width)).to(weight.dtype) if weight_grad else None
+        return dx.view(ctx.shape), dw, None
+
+
+class _HeadsNormRope(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        t: torch.Tensor,
+        weight: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        eps: float,
+        head_dim: int,
+    ) -> torch.Tensor:
+        from thundersync.kernels._layer_triton import heads_fwd_kernel
+
+        t2 = _rows(t, t.shape[-1])
+        rows, heads = t2.shape[0], t2.shape[1] // head_dim
+        cos2, sin2 = _rows(cos, head_dim), _rows(sin, head_dim)
+        out = torch.empty(rows, heads, head_dim, dtype=t.dtype, device=t.device)
+        rstd = torch.empty(rows, heads, dtype=torch.float32, device=t.device)
+        if rows:
+            heads_fwd_kernel[(rows,)](
+                t2, weight if weight is not None else t2, cos2, sin2, out, rstd,
+                t2.stride(0), out.stride(0), cos2.stride(0), sin2.stride(0), eps,
+                HEADS=heads, BLOCK_HEADS=_pow2(heads), D=head_dim, NORM=weight is not None,
+            )  # fmt: skip
+        ctx.save_for_backward(t2, weight, cos2, sin2, rstd)
+        ctx.head_dim = head_dim
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        from thundersync.kernels._layer_triton import heads_bwd_kernel
+
+        t2, weight, cos2, sin2, rstd = ctx.saved_tensors
+        rows, d = t2.shape[0], ctx.head_dim
+        heads = t2.shape[1] // d
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dt = torch.empty_like(t2)
+        programs, per = _strips(rows)
+        weight_grad = weight is not None and ctx.needs_input_grad[1]
+        partial = torch.empty(programs, d, dtype=torch.float32, device=t2.device) if weight_grad else dt
+        if rows:
+            heads_bwd_kernel[(programs,)](
+                dout, t2, weight if weight is not None else t2, cos2, sin2, rstd, dt, partial, rows, per,
+                dout.stride(0), dout.stride(1), t2.stride(0), dt.stride(0), cos2.stride(0), sin2.stride(0),
+                HEADS=heads, BLOCK_HEADS=_pow2(heads), D=d, NORM=weight is not None, WEIGHT_GRAD=weight_grad,
+            )  # fmt: skip
+        dw = None
+        if weight_grad:
+            assert weight is not None
+            dw = (partial.sum(0) if rows else partial.new_zeros(d)).to(weight.dtype)
+        return dt, dw, None, None, None, None
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        from thundersync.kernels._layer_triton import silu_mul_fwd_kernel
+
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        n = gate.numel()
+        if n:
+            silu_mul_fwd_kernel[(-(-n // _ELEMENTWISE_BLOCK),)](gate, up, out, n, BLOCK=_ELEMENTWISE_BLOCK)
+        ctx.save_for_backward(gate, up)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from thundersync.kernels._layer_triton import silu_mul_bwd_kernel
+
+        gate, up = ctx.saved_tensors
+        dm = dm.contiguous()
+        dg, du = torch.empty_like(gate), torch.empty_like(up)
+        n = gate.numel()
+        if n:
+            silu_mul_bwd_kernel[(-(-n // _ELEMENTWISE_BLOCK),)](dm, gate, up, dg, du, n, BLOCK=_ELEMENTWISE_BLOCK)
+        return dg, du
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * rmsnorm(x)`` over the last dimension, as a transformers RMSNorm computes it
+    (normalized in fp32, rounded to ``x``'s dtype, then multiplied by ``weight`` of the same dtype)."""
+    out: torch.Tensor = _RMSNorm.apply(x, weight, eps)
+    return out
+
+
+def heads_norm_rope(
+    t: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float, head_dim: int
+) -> torch.Tensor:
+    """The projection ``t`` [N, heads * D] as heads [N, heads, D], each RMS-normed with ``weight`` [D]
+    (skipped when None) and rotated: ``x cos + roll(x, D / 2) sin'`` for ``cos``, ``sin'`` [N, (1,) D]
+    (``sin'``: sin with its first half negated, :func:`~thundersync.engine.decoder.rotary_tables`).
+    The tables take no gradient."""
+    out: torch.Tensor = _HeadsNormRope.apply(t, weight, cos, sin, eps, head_dim)
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, with ``silu(gate)`` rounded to the dtype first (as the eager MLP)."""
+    out: torch.Tensor = _SiluMul.apply(gate, up)
+    return out
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The eager form of :func:`rms_norm`."""
+    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
+
+
+def heads_norm_rope_reference(
+    t: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float, head_dim: int
+) -> torch.Tensor:
+    """The eager form of :func:`heads_norm_rope`."""
+    x = t.view(t.shape[0], -1, head_dim)
+    if weight is not None:
+        x = rms_norm_reference(x, weight, eps)
+    cos, sin = cos.reshape(-1, 1, head_dim), sin.reshape(-1, 1, head_dim)
+    return torch.addcmul(x * cos, x.roll(head_dim // 2, dims=-1), sin)
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The eager form of :func:`silu_mul`."""
+    return F.silu(gate) * up
+
+
+def _trial(
+    device: torch.device, dtype: torch.dtype, width: int = 96, heads: int = 3, head_dim: int = 16, rows: int = 5
+) -> None:
+    """The three functions against their references, forward and backward, every option."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    tol = 2e-6 if dtype in (torch.float32, torch.float64) else 2e-2
+
+    def rand(*shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=device) * scale + shift).to(dtype).requires_grad_()
+
+    def check(fused: Any, reference: Any, args: list[Any], what: str) -> None:
+        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        got, want = fused(*args), reference(*args)
+        check_close(got.detach(), want.detach(), tol, f"{what} forward")
+        seed = torch.randn(got.shape, generator=gen, device=device).to(dtype)
+        for g, w, t in zip(
+            torch.autograd.grad(got, tensors, seed), torch.autograd.grad(want, tensors, seed), tensors, strict=True
+        ):
+            check_close(g, w, tol, f"{what} gradient of a {tuple(t.shape)} input")
+
+    check(rms_norm, rms_norm_reference, [rand(rows, width), rand(width, shift=1.0), 1e-6], "rms_norm")
+    angle = torch.rand(rows, head_dim, generator=gen, device=device) * 6
+    cos = angle.cos().to(dtype)
+    sin = torch.cat([-angle[:, : head_dim // 2], angle[:, head_dim // 2 :]], -1).sin().to(dtype)
+    for weight in (rand(head_dim, shift=1.0), None):
+        args = [rand(rows, heads * head_dim), weight, cos, sin, 1e-6, head_dim]
+        check(heads_norm_rope, heads_norm_rope_reference, args, "heads_norm_rope")
+    check(silu_mul, silu_mul_reference, [rand(rows, width, scale=3), rand(rows, width)], "silu_mul")
+
+
+def layer_kernels_capability(device: torch.device, dtype: torch.dtype) -> Capability:
+    """Whether :func:`rms_norm`, :func:`heads_norm_rope` and :func:`silu_mul` run on ``device`` for
+    ``dtype`` (a 16-bit dtype on CUDA with triton installed, after a trial against the references),
+    and why not."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return record(_KERNEL, device, dtype, "layer", False, "the fused layer kernels serve 16-bit models only")
+    if device.type != "cuda":
+        return record(_KERNEL, device, dtype, "layer", False, "Triton kernels run on CUDA devices only")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        why = "triton is not installed: pip install 'thundersync[kernels]'"
+        return record(_KERNEL, device, dtype, "layer", False, why)
+    return probe(_KERNEL, device, dtype, "layer", lambda: _trial(device, dtype))
