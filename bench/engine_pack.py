@@ -15,7 +15,8 @@ after warm-up, synchronized, with the layers' math in two forms:
 - ``layer graphs``: :mod:`thundersync.engine._graphed` (each layer's two parts replayed as CUDA
   graphs, rows padded to a power of two; attention eager). Its captures happen in the warm-up calls;
 - ``fused``: :data:`thundersync.engine._fused.FUSED` (the norms, per-head norms and rotary, and the
-  MLP's activation as fused Triton kernels, forward and backward; CUDA, 16-bit);
+  MLP's activation as fused Triton kernels, forward and backward; CUDA, 16-bit; in the pack graph
+  the key gather too);
 - ``pack graph``: :mod:`thundersync.engine._pack_graph` (the whole pack, attention included, one
   graph forward and one backward per bucket) of the eager math; ``pack graph, fused`` of the fused
   math (the default on CUDA). "-" where the pack fits no bucket (it then runs ungraphed).

@@ -39,7 +39,7 @@ step agent "${AGENT_LIMIT:-240}" bash -c "d=\$(mktemp -d) && ln -s '$PWD/example
     --set objects.base_model.config.num_hidden_layers=28 --set objects.base_model.config.num_attention_heads=16 \
     --set objects.base_model.config.num_key_value_heads=8 --set objects.base_model.config.head_dim=128 \
     --set objects.base_model.dtype=bfloat16 --set objects.model.lr=3e-4 --set objects.optimizer.lr=2e-5"
-# GPU_TESTS narrows the tests (default: every file that has `gpu` tests).
-step gpu_tests "${TESTS_LIMIT:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 \
-    ${GPU_TESTS:-tests/kernels/test_gpu.py tests/grpo tests/opd tests/generation tests/engine/test_streams.py tests/engine/test_pack_graph.py tests/engine/test_scoring.py tests/engine/test_process.py tests/tasks/test_model_teacher.py tests/app/test_checkpoint.py tests/app/test_train_file.py}
+# GPU_TESTS narrows the tests (default: every test file that marks a test `gpu`).
+step gpu_tests "${TESTS_LIMIT:-400}" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 \
+    ${GPU_TESTS:-$(grep -rl --include='test_*.py' 'mark.gpu' tests | sort)}
 for f in "$out"/*.log; do echo "---- $f"; tail -n 25 "$f"; done

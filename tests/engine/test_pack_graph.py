@@ -17,7 +17,7 @@ import torch
 from tests.engine.test_graphed import cuda_anatomy, pack_results
 from tests.engine.tiny_models import tiny_qwen3, with_lora
 from thundersync.engine import _graphed, _pack_graph, forest, release_graphs
-from thundersync.engine._pack_graph import MAX_CHUNKS, MAX_KEYS, PackGraphs, pack_graphs, plan
+from thundersync.engine._pack_graph import MAX_CHUNKS, MAX_KEYS, PackGraphs, io_split, pack_graphs, plan
 from thundersync.engine.adapter import ChunkSpec, empty_prefix
 from thundersync.engine.anatomy import decoder_anatomy
 from thundersync.errors import ConfigError
@@ -38,17 +38,22 @@ def test_a_plan_lays_the_pack_out_in_its_bucket() -> None:
     layout = plan([a, b])
     assert not isinstance(layout, str)
     assert layout.shape == (64, 256, 256, 3) and layout.rows == 7 and layout.offsets == [0, 4, 7]
-    positions, index, cu = layout.io[:64], layout.io[64:320], layout.io[320:].view(2, 4)
+    assert io_split(layout.shape) == [64, 256, 8, 256, 256 + 64 + 1]
+    positions, index, cu, readers, starts = layout.io.split(io_split(layout.shape))
+    cu = cu.view(2, 4)
     assert positions[:7].tolist() == [9, 10, 11, 12, 12, 13, 14] and not positions[7:].any()
     own = list(range(256, 256 + 64))  # the pack's rows follow the prefix buffer
     want = [*range(9), *own[:4], *range(9), *own[1:4], *own[4:7], *own[7:]]
     assert index[: len(want)].tolist() == want and (index[len(want) :] == 256 + 64).all()  # the zero row
     assert cu.tolist() == [[0, 4, 7, 64], [0, 13, 28, 85]]
     assert len(layout.sources) == 1 and layout.sources[0] is prompt
+    for row in range(256 + 64):  # the keys that read each row, ascending (the zero row's not listed)
+        assert readers[starts[row] : starts[row + 1]].tolist() == (index == row).nonzero()[:, 0].tolist()
+    assert starts[-1] == (index < 256 + 64).sum()
     root = ChunkSpec(torch.arange(64), 0, empty_prefix(anatomy))  # exactly a bucket: no padding chunk
     layout = plan([root])
     assert not isinstance(layout, str) and layout.shape == (64, 0, 256, 3)
-    assert layout.io[64 + 256 :].view(2, 4).tolist() == [[0, 64, 64, 64], [0, 64, 64, 64]]
+    assert layout.io.split(io_split(layout.shape))[2].view(2, 4).tolist() == [[0, 64, 64, 64], [0, 64, 64, 64]]
 
 
 def test_packs_that_fit_no_bucket_are_refused() -> None:

@@ -332,3 +332,74 @@ def test_the_fused_pack_math_equals_the_eager_pack(family: str) -> None:
 
     for got, want in zip(run(FUSED), run(EAGER), strict=True):
         assert _rel(got, want) <= 2e-5
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_the_key_gather_equals_its_reference(monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    """Random keys over a prefix, the pack's own rows and the zero row, rows read several times or
+    never, rows of three column blocks: the forward bitwise, the backward to the order of fp32 sums."""
+    from thundersync.kernels import layer
+
+    monkeypatch.setattr(layer, "_ROW_BLOCK", 16)  # a 2 x 20 row: three programs, the last one short
+    gen = torch.Generator().manual_seed(5)
+    p, r = 9, 6
+    index = torch.randint(0, p + r + 1, (40,), generator=gen)  # p + r: the zero row
+    order, starts = layer.key_readers(index, p + r)
+    prefix = torch.randn(p, 2, 20, generator=gen).requires_grad_()
+    own = torch.randn(r, 2, 20, generator=gen).to(DTYPES[dtype][0]).requires_grad_()
+    got = layer.gather_rows(prefix, own, index, order, starts)
+    want = layer.gather_rows_reference(prefix, own, index, order, starts)
+    assert torch.equal(got, want)
+    seed = torch.randn(got.shape, generator=gen).to(got.dtype)
+    for g, w in zip(torch.autograd.grad(got, [prefix, own], seed), torch.autograd.grad(want, [prefix, own], seed)):
+        assert g.dtype == w.dtype
+        assert _rel(g, w) <= 1e-6 if g.dtype == torch.float32 else _rel(g, w) <= 1e-3
+
+
+def test_the_fused_pack_graph_body_equals_the_eager_body() -> None:
+    """The pack graphs' body (the math they capture, run here uncaptured on CPU) from a plan's static
+    inputs, fused against eager: two chunks read a shared prefix (its rows' adjoints sum two
+    readers), one chunk starts a sequence, rows and keys padded to the bucket."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from thundersync.engine._fused import FUSED
+    from thundersync.engine._pack_graph import _Body, plan
+    from thundersync.engine.adapter import ChunkSpec
+    from thundersync.engine.anatomy import decoder_anatomy
+    from thundersync.engine.decoder import EAGER
+
+    shape = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**shape))
+    anatomy = decoder_anatomy(model)
+    params = [p for p in model.model.parameters() if p.requires_grad]
+    source = [(torch.randn(2, 5, 16), torch.randn(2, 5, 16)) for _ in range(2)]
+    empty = [(k[:, :0], v[:, :0]) for k, v in source]
+    chunks = [
+        ChunkSpec(torch.randint(0, 64, (7,)), 0, empty),
+        ChunkSpec(torch.randint(0, 64, (4,)), 5, source),
+        ChunkSpec(torch.randint(0, 64, (3,)), 5, source),
+    ]
+    layout = plan(chunks)
+    assert not isinstance(layout, str), layout
+    rows, p_rows = layout.shape[:2]
+    ids = torch.zeros(rows, dtype=torch.long)
+    ids[: layout.rows] = torch.cat([c.tokens for c in chunks])
+
+    def run(math: object) -> list[torch.Tensor]:
+        prefix = [torch.zeros(p_rows, 2, 16) for _ in range(4)]  # per layer keys then values [P, Hkv, D]
+        for i, t in enumerate(prefix):
+            t[:5] = source[i // 2][i % 2].transpose(0, 1)
+        prefix = [t.requires_grad_() for t in prefix]
+        out = _Body(anatomy, layout.shape, math)(ids, layout.io, *prefix)  # type: ignore[arg-type]
+        seed = torch.Generator().manual_seed(3)
+        n = layout.rows
+        loss = sum((o[:n] * torch.randn(o[:n].shape, generator=seed)).sum() for o in out)
+        grads = torch.autograd.grad(loss, [*params, *prefix])
+        return [*(o[:n].detach() for o in out), *grads]
+
+    for got, want in zip(run(FUSED), run(EAGER), strict=True):
+        assert _rel(got, want) <= 2e-5

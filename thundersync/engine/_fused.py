@@ -15,7 +15,10 @@ kernels of :mod:`thundersync.kernels.layer`::
 The projections are the model's own modules, called (so peft adapters on them apply); the norms'
 weights are read from the modules at each call (so the pack graphs' parameter aliases are what a
 capture records). Values are the eager math's up to rounding (the forwards round where the eager
-ops round; the backwards keep fp32 intermediates).
+ops round; the backwards keep fp32 intermediates). The pack graphs that record this math also
+gather each layer's keys and values with :func:`~thundersync.kernels.layer.gather_rows` (the
+attention is not part of a :class:`~thundersync.engine.decoder.LayerMath`; ``_pack_graph._Body``
+picks the gather by the math).
 
 A model qualifies (:func:`fused_math`) on CUDA in bf16/fp16, when every norm is a plain
 transformers RMSNorm of the model's dtype (per-head norms on both q and k, or on neither), every

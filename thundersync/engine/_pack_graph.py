@@ -7,10 +7,12 @@ each part's autograd bookkeeping eager: ~60 host ops per layer, ~40 ms of host t
 the H200 machine. Here the whole pack, embedding to final norm, forward and backward, is captured
 for a bucket of shapes and a pack costs a few dozen host ops:
 
-    static inputs   io = [positions R | key index K | cu 2 x (C + 1)]   (one host-to-device copy)
+    static inputs   io = [positions R | key index K | cu 2 x (C + 1) | readers K | starts P + R + 1]
+                    (one host-to-device copy; readers and starts list the keys that read each row)
                     ids [R] (the tokens, copied on the device), prefix [L, 2, P, Hkv, D] (fp32)
     forward graph   x = decoder_forward(ids, positions)      each layer's attention:
-                        keys = cat(prefix[l], k, 0).index_select(index)   (as adapter._PackAttention)
+                        keys = cat(prefix[l], k, 0).index_select(index)   (as adapter._PackAttention;
+                            one kernel each way with the fused math: kernels.layer.gather_rows)
                         a = varlen flash attention over cu            (a masked SDPA off bf16/fp16)
                     -> hidden [R, H] (final norm), k_l, v_l [R, Hkv, D]
     backward graph  d hidden, d k_l, d v_l -> d prefix (copied to a shared buffer),
@@ -88,6 +90,7 @@ from thundersync.errors import ConfigError
 from thundersync.kernels._attention_varlen import varlen_packed_attention
 from thundersync.kernels.attention import capability
 from thundersync.kernels.dtypes import accumulate_dtype
+from thundersync.kernels.layer import gather_rows, gather_rows_reference, key_readers
 
 __all__ = ["MAX_CHUNKS", "MAX_KEYS", "PackGraphs", "max_rows", "pack_graphs", "packed_attention", "release_graphs"]
 
@@ -138,7 +141,7 @@ class Plan:
 
     shape: tuple[int, int, int, int]  # the bucket: rows R, prefix rows P, keys K, chunk slots C
     rows: int  # the pack's real rows N
-    io: torch.Tensor  # host long [R + K + 2 (C + 1)]: positions, key index, cu
+    io: torch.Tensor  # host long [io_size(shape)]: positions, key index, cu, readers, starts
     sources: list[Sequence[KV]]  # the distinct prefixes, per layer (k, v) [Hkv, P_s, D]
     offsets: list[int]  # chunk c occupies rows offsets[c] : offsets[c + 1]
 
@@ -179,32 +182,35 @@ def plan(chunks: Sequence[ChunkSpec]) -> Plan | str:
     # Key rows past the chunks' gather the zero row behind the pack's rows: flash attention leaves
     # their adjoints unwritten, and the zero row's adjoint goes nowhere.
     index = F.pad(index, (0, k_rows - keys), value=p_rows + rows)
-    io = torch.cat([F.pad(positions, (0, rows - n)), index, cu.flatten()])
+    readers, starts = key_readers(index, p_rows + rows)
+    io = torch.cat([F.pad(positions, (0, rows - n)), index, cu.flatten(), readers, starts])
     return Plan((rows, p_rows, k_rows, slots), n, io, sources, offsets)
+
+
+def io_split(shape: tuple[int, int, int, int]) -> list[int]:
+    """The sizes of the parts of a bucket's ``io``: positions, key index, cu, readers, starts."""
+    rows, p_rows, keys, slots = shape
+    return [rows, keys, 2 * (slots + 1), keys, p_rows + rows + 1]
 
 
 class _Body:
     """The pack's forward from its static inputs: the eager pack's math with every shape fixed."""
 
     def __init__(self, anatomy: DecoderAnatomy, shape: tuple[int, int, int, int], math: LayerMath) -> None:
-        self.anatomy, self.math = anatomy, math
-        self.rows, _, self.keys, _ = shape
+        self.anatomy, self.math, self.shape = anatomy, math, shape
+        self.gather = gather_rows if math is FUSED else gather_rows_reference
 
     def __call__(self, ids: torch.Tensor, io: torch.Tensor, *prefix: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``prefix``: per layer its keys and values [P, Hkv, D], each its own leaf (a view of one
         leaf would make the backward of every layer fill and add a gradient of the whole)."""
-        rows, keys = self.rows, self.keys
-        positions, index = io[:rows], io[rows : rows + keys]
-        cu = io[rows + keys :].view(2, -1).to(torch.int32)
+        positions, index, cu, readers, starts = io.split(io_split(self.shape))
+        cu = cu.view(2, -1).to(torch.int32)
         kv: list[torch.Tensor] = []
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kv.extend((k, v))
-            acc = accumulate_dtype(k.dtype)
-            zero = k.new_zeros((1, *k.shape[1:]), dtype=acc)
             keys, values = (
-                torch.cat([prefix[2 * layer + i], own.to(acc), zero]).index_select(0, index).to(own.dtype)
-                for i, own in ((0, k), (1, v))
+                self.gather(prefix[2 * layer + i], own, index, readers, starts) for i, own in ((0, k), (1, v))
             )
             return packed_attention(q, keys, values, cu, self.anatomy.scaling).reshape(q.shape[0], -1)
 
@@ -233,7 +239,7 @@ class _Graph:
     """One bucket's static inputs and outputs, its forward and backward graphs."""
 
     def __init__(self, owner: PackGraphs, shape: tuple[int, int, int, int], math: LayerMath) -> None:
-        rows, prefix_rows, keys, slots = shape
+        rows, prefix_rows = shape[:2]
         self.shape = shape
         an = owner.private
         self.module = _Wrapper(_Body(an, shape, math), _modules(an))
@@ -241,7 +247,7 @@ class _Graph:
         self.params = [p for _, p in named]
         self.aliases = {name: p.detach().requires_grad_() for name, p in named}
         self.ids = torch.zeros(rows, dtype=torch.long, device=an.device)
-        self.io = torch.zeros(rows + keys + 2 * (slots + 1), dtype=torch.long, device=an.device)
+        self.io = torch.zeros(sum(io_split(shape)), dtype=torch.long, device=an.device)
         cuda = an.device.type == "cuda"
         self.staging = torch.zeros_like(self.io, device="cpu", pin_memory=cuda)
         self.copied = torch.cuda.Event() if cuda else None

@@ -6,7 +6,8 @@
   FA4, flash varlen, the split SDPA form, flex attention, one masked SDPA call, or the reference;
   :func:`packed_chunk_attention` for every chunk of a pack at once (one varlen call);
 - :mod:`~thundersync.kernels.layer`: a training layer's RMS norms, per-head norm + rotary and
-  SiLU-gated activation as fused Triton kernels, forward and backward (the engine's pack graphs);
+  SiLU-gated activation and a pack's key gather as fused Triton kernels, forward and backward
+  (the engine's pack graphs);
 - :mod:`~thundersync.kernels.decode`: the decode step's fused layer kernels.
 
 On CPU every function runs its pure-torch reference. ``THUNDERSYNC_FA4`` and

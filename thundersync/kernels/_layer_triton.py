@@ -208,3 +208,45 @@ def silu_mul_bwd_kernel(dm_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, BLOCK: tl.const
     s = 1.0 / (1.0 + tl.exp(-g))
     tl.store(du_ptr + at, (dm * (g * s).to(dtype).to(tl.float32)).to(dtype), mask=ok)
     tl.store(dg_ptr + at, (dm * u * s * (1.0 + g * (1.0 - s))).to(dtype), mask=ok)
+
+
+@triton.jit(do_not_specialize=["p_rows", "own_rows"])
+def gather_rows_fwd_kernel(
+    prefix_ptr,
+    own_ptr,
+    index_ptr,
+    out_ptr,
+    p_rows,
+    own_rows,
+    stride_p,
+    stride_o,
+    stride_out,
+    width,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    s = tl.load(index_ptr + row) + 0 * cols  # (a vector: the interpreter masks with vectors only)
+    from_prefix = ok & (s < p_rows)
+    from_own = ok & (s >= p_rows) & (s < p_rows + own_rows)  # past both: the zero row
+    x = tl.load(prefix_ptr + s * stride_p + cols, mask=from_prefix, other=0.0)
+    y = tl.load(own_ptr + (s - p_rows) * stride_o + cols, mask=from_own, other=0.0).to(x.dtype)
+    tl.store(out_ptr + row * stride_out + cols, tl.where(from_prefix, x, y).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["p_rows"])
+def gather_rows_bwd_kernel(
+    dout_ptr, order_ptr, starts_ptr, dprefix_ptr, down_ptr, p_rows, stride_d, stride_dp, stride_do, width,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    source = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(tl.load(starts_ptr + source), tl.load(starts_ptr + source + 1)):  # its readers, in key order
+        row = tl.load(order_ptr + j)
+        acc += tl.load(dout_ptr + row * stride_d + cols, mask=ok, other=0.0).to(tl.float32)
+    s = source + 0 * cols
+    tl.store(dprefix_ptr + s * stride_dp + cols, acc.to(dprefix_ptr.dtype.element_ty), mask=ok & (s < p_rows))
+    tl.store(down_ptr + (s - p_rows) * stride_do + cols, acc.to(down_ptr.dtype.element_ty), mask=ok & (s >= p_rows))

@@ -12,15 +12,24 @@ weight's gradient) backward::
     q = heads_norm_rope(t, w, cos, sin', eps)  per-head RMS norm (w, or none) then the rotary embedding
     m = silu_mul(gate, up)                     silu(gate) * up
 
+and a pack's key gather, per layer for its keys and for its values (cast, concatenate, select,
+cast back in the eager form; a sum by atomic index adds in its backward) to one kernel each way::
+
+    keys = gather_rows(prefix, own, index, order, starts)   cat(prefix, own, zero row)[index]
+
+whose backward sums the adjoints of a row that several keys read in a fixed order (the readers
+that :func:`key_readers` lists), so its result does not depend on timing either.
+
 Each forward rounds where the eager form rounds, so it returns the eager values up to the order
 of fp32 sums; a backward keeps its intermediates in fp32 (see ``_layer_triton``). The
 ``*_reference`` functions are the eager forms (the engine's :data:`~thundersync.engine.decoder.EAGER`
-math computes the same). :func:`layer_kernels_capability` probes the three, forward and backward,
+math computes the same). :func:`layer_kernels_capability` probes the four, forward and backward,
 once per (device, dtype) against them.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -30,8 +39,11 @@ from torch.autograd.function import once_differentiable
 from thundersync.kernels.probe import Capability, check_close, probe, record
 
 __all__ = [
+    "gather_rows",
+    "gather_rows_reference",
     "heads_norm_rope",
     "heads_norm_rope_reference",
+    "key_readers",
     "layer_kernels_capability",
     "rms_norm",
     "rms_norm_reference",
@@ -42,6 +54,7 @@ __all__ = [
 _KERNEL = "train_layer"
 _MAX_PROGRAMS = 128  # of a backward that sums a weight's gradient: partial sums [programs, width]
 _ELEMENTWISE_BLOCK = 1024
+_ROW_BLOCK = 1024  # columns of a gathered row per program
 
 
 def _pow2(n: int) -> int:
@@ -180,6 +193,49 @@ class _SiluMul(torch.autograd.Function):
         return dg, du
 
 
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        prefix: torch.Tensor,
+        own: torch.Tensor,
+        index: torch.Tensor,
+        order: torch.Tensor,
+        starts: torch.Tensor,
+    ) -> torch.Tensor:
+        from thundersync.kernels._layer_triton import gather_rows_fwd_kernel
+
+        width = math.prod(own.shape[1:])
+        p2, o2 = _rows(prefix, width), _rows(own, width)
+        out = torch.empty(index.shape[0], width, dtype=own.dtype, device=own.device)
+        block = min(_pow2(width), _ROW_BLOCK)
+        if index.shape[0]:
+            gather_rows_fwd_kernel[(index.shape[0], -(-width // block))](
+                p2, o2, index, out, p2.shape[0], o2.shape[0], p2.stride(0), o2.stride(0), out.stride(0), width,
+                BLOCK=block,
+            )  # fmt: skip
+        ctx.save_for_backward(order, starts)
+        ctx.shapes = (prefix.shape, prefix.dtype, own.shape, own.dtype, width)
+        return out.view(index.shape[0], *own.shape[1:])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        from thundersync.kernels._layer_triton import gather_rows_bwd_kernel
+
+        order, starts = ctx.saved_tensors
+        p_shape, p_dtype, o_shape, o_dtype, width = ctx.shapes
+        d2 = _rows(dout, width)
+        dprefix = torch.empty(p_shape, dtype=p_dtype, device=dout.device)
+        down = torch.empty(o_shape, dtype=o_dtype, device=dout.device)
+        sources, block = p_shape[0] + o_shape[0], min(_pow2(width), _ROW_BLOCK)
+        if sources:
+            gather_rows_bwd_kernel[(sources, -(-width // block))](
+                d2, order, starts, dprefix, down, p_shape[0], d2.stride(0), width, width, width, BLOCK=block
+            )
+        return dprefix, down, None, None, None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * rmsnorm(x)`` over the last dimension, as a transformers RMSNorm computes it
     (normalized in fp32, rounded to ``x``'s dtype, then multiplied by ``weight`` of the same dtype)."""
@@ -202,6 +258,34 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``, with ``silu(gate)`` rounded to the dtype first (as the eager MLP)."""
     out: torch.Tensor = _SiluMul.apply(gate, up)
     return out
+
+
+def gather_rows(
+    prefix: torch.Tensor, own: torch.Tensor, index: torch.Tensor, order: torch.Tensor, starts: torch.Tensor
+) -> torch.Tensor:
+    """Rows ``index`` [K] of ``cat(prefix, own, one zero row)``, in ``own``'s dtype: ``prefix`` [P, ...]
+    in the accumulation dtype, ``own`` [R, ...] (the same row shape). The backward sums each source
+    row's adjoints in that dtype, over ``order[starts[s]:starts[s + 1]]`` for row ``s``
+    (:func:`key_readers`), and rounds ``own``'s once."""
+    out: torch.Tensor = _GatherRows.apply(prefix, own, index, order, starts)
+    return out
+
+
+def key_readers(index: torch.Tensor, sources: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [K], starts [sources + 1]): the positions of ``index`` that read each source row
+    ``s < sources``, ascending, are ``order[starts[s]:starts[s + 1]]`` (host tensors, as ``index``)."""
+    order = torch.argsort(index, stable=True)
+    starts = torch.zeros(sources + 1, dtype=torch.long, device=index.device)
+    starts[1:] = torch.bincount(index, minlength=sources)[:sources].cumsum(0)
+    return order, starts
+
+
+def gather_rows_reference(
+    prefix: torch.Tensor, own: torch.Tensor, index: torch.Tensor, order: torch.Tensor, starts: torch.Tensor
+) -> torch.Tensor:
+    """The eager form of :func:`gather_rows` (``order`` and ``starts`` unused)."""
+    zero = own.new_zeros((1, *own.shape[1:]), dtype=prefix.dtype)
+    return torch.cat([prefix, own.to(prefix.dtype), zero]).index_select(0, index).to(own.dtype)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -228,7 +312,7 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def _trial(
     device: torch.device, dtype: torch.dtype, width: int = 96, heads: int = 3, head_dim: int = 16, rows: int = 5
 ) -> None:
-    """The three functions against their references, forward and backward, every option."""
+    """The four functions against their references, forward and backward, every option."""
     gen = torch.Generator(device=device).manual_seed(0)
     tol = 2e-6 if dtype in (torch.float32, torch.float64) else 2e-2
 
@@ -253,10 +337,16 @@ def _trial(
         args = [rand(rows, heads * head_dim), weight, cos, sin, 1e-6, head_dim]
         check(heads_norm_rope, heads_norm_rope_reference, args, "heads_norm_rope")
     check(silu_mul, silu_mul_reference, [rand(rows, width, scale=3), rand(rows, width)], "silu_mul")
+    # keys of 2 heads: a prefix of rows + 2 rows, read twice over, the own rows once, the zero row
+    index = torch.cat([torch.arange(rows + 2).repeat(2), rows + 2 + torch.arange(rows), torch.tensor([2 * rows + 2])])
+    order, starts = key_readers(index, 2 * rows + 2)
+    prefix = rand(rows + 2, 2, head_dim).detach().float().requires_grad_()
+    args = [prefix, rand(rows, 2, head_dim), index.to(device), order.to(device), starts.to(device)]
+    check(gather_rows, gather_rows_reference, args, "gather_rows")
 
 
 def layer_kernels_capability(device: torch.device, dtype: torch.dtype) -> Capability:
-    """Whether :func:`rms_norm`, :func:`heads_norm_rope` and :func:`silu_mul` run on ``device`` for
+    """Whether :func:`rms_norm`, :func:`heads_norm_rope`, :func:`silu_mul` and :func:`gather_rows` run on ``device`` for
     ``dtype`` (a 16-bit dtype on CUDA with triton installed, after a trial against the references),
     and why not."""
     if dtype not in (torch.bfloat16, torch.float16):
