@@ -254,8 +254,8 @@ class SegmentPack:
                     for (rk, rv), (k, v) in zip(result[ancestor], pieces):
                         rk.add_(k)
                         rv.add_(v)
-                else:
-                    result[ancestor] = [(k.clone(), v.clone()) for k, v in pieces]
+                else:  # views of the leaves' gradients: the pack drops its leaves, nothing else reads them
+                    result[ancestor] = pieces
         return result
 
 
@@ -286,11 +286,17 @@ def _proxy(
         acc = accumulate_dtype(anatomy.dtype)
         per_layer = []
         for layer in range(len(anatomy.layers)):
-            k = torch.cat([state[layer][0] for state in states], dim=1)
-            v = torch.cat([state[layer][1] for state in states], dim=1)
-            per_layer.append((k.to(acc).requires_grad_(grad), v.to(acc).requires_grad_(grad)))
+            kv = [_joined([state[layer][i] for state in states], acc).requires_grad_(grad) for i in (0, 1)]
+            per_layer.append((kv[0], kv[1]))
         leaves[key] = (chain, per_layer)
     return leaves[key][1]
+
+
+def _joined(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``cat(parts, dim=1)`` in ``dtype``, a new tensor (one kernel for a single part)."""
+    if len(parts) == 1:
+        return parts[0].to(dtype, copy=True)
+    return torch.cat(parts, dim=1).to(dtype)
 
 
 def _chunk(
