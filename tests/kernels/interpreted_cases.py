@@ -353,7 +353,7 @@ def test_the_key_gather_equals_its_reference(monkeypatch: pytest.MonkeyPatch, dt
     seed = torch.randn(got.shape, generator=gen).to(got.dtype)
     for g, w in zip(torch.autograd.grad(got, [prefix, own], seed), torch.autograd.grad(want, [prefix, own], seed)):
         assert g.dtype == w.dtype
-        assert _rel(g, w) <= 1e-6 if g.dtype == torch.float32 else _rel(g, w) <= 1e-3
+        assert _rel(g, w) <= (1e-6 if g.dtype == torch.float32 else 1e-3)
 
 
 def test_the_fused_pack_graph_body_equals_the_eager_body() -> None:

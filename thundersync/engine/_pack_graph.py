@@ -141,7 +141,7 @@ class Plan:
 
     shape: tuple[int, int, int, int]  # the bucket: rows R, prefix rows P, keys K, chunk slots C
     rows: int  # the pack's real rows N
-    io: torch.Tensor  # host long [io_size(shape)]: positions, key index, cu, readers, starts
+    io: torch.Tensor  # host long [sum(io_split(shape))]: positions, key index, cu, readers, starts
     sources: list[Sequence[KV]]  # the distinct prefixes, per layer (k, v) [Hkv, P_s, D]
     offsets: list[int]  # chunk c occupies rows offsets[c] : offsets[c + 1]
 

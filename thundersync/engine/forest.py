@@ -286,8 +286,8 @@ def _proxy(
         acc = accumulate_dtype(anatomy.dtype)
         per_layer = []
         for layer in range(len(anatomy.layers)):
-            kv = [_joined([state[layer][i] for state in states], acc).requires_grad_(grad) for i in (0, 1)]
-            per_layer.append((kv[0], kv[1]))
+            k, v = (_joined([state[layer][i] for state in states], acc).requires_grad_(grad) for i in (0, 1))
+            per_layer.append((k, v))
         leaves[key] = (chain, per_layer)
     return leaves[key][1]
 
