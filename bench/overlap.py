@@ -35,9 +35,14 @@ Columns, each measured in the same run:
 Rows: GRPO with the default packing (branches wait for 8192 tokens or their group's close), with
 ``stream_early=True`` (``grpo-early``: a close that finds the worker idle submits what waits),
 with ``pack_tokens=2048`` (``grpo-pack2048``: packs the whole-pack graphs hold) and with
-``pack_tokens=0``, OPD, and a balanced GRPO
-workload whose learner costs about as much as its rollout (prompts ~2048, responses
-64 x lognormal(0.7, 0.5) clipped to 64..512), where the ceiling is close to 2x.
+``pack_tokens=0``, OPD, and a balanced GRPO workload whose streamed learner costs about as much as
+its rollout: 32 x 8 trajectories through the generator's 256 slots (a finished one's slot takes
+the next, so the decode batch stays full and trajectories finish all through the rollout), prompts
+~512, responses 64 x lognormal(1.2, 0.4) clipped to 64..1024 (``--balanced`` gives another shape).
+The streamed learner shares a group's prompt, so it needs far more trajectories per second of
+rollout than the dense one to be comparable: on the H200 this learner is 3.0 s against a 5.1 s
+rollout. The ``ceiling`` column is the best a step can do, (rollout + learner) / max(rollout,
+learner).
 
 The ``-proc`` rows (``grpo-proc``, ``opd-proc``) are the in-process rows with the objective a
 ``thundersync.LearnerProcess`` (the library's learner process: the engine's work in a child over
@@ -102,7 +107,8 @@ Finished = tuple[int, int, list[int]]  # (group, trajectory, generated token ids
 
 @dataclass(frozen=True)
 class Workload:
-    """A batch's shape: groups x size trajectories, prompt lengths, response lengths."""
+    """A batch's shape: groups x size trajectories, prompt lengths, response lengths, and the
+    generator's slots (sequences decoded at once; a finished one's slot takes the next)."""
 
     groups: int
     size: int
@@ -110,6 +116,7 @@ class Workload:
     response: tuple[int, int]
     mu: float = 1.5  # response length = lo * exp(N(mu, sigma)), clipped
     sigma: float = 1.0
+    slots: int = 64
 
 
 class Timeline:
@@ -389,6 +396,13 @@ def dense_seconds(model: torch.nn.Module, plan: Batch, finished: list[Finished],
     return seconds
 
 
+def release_cache() -> None:
+    """Give this process's cached device memory back to the driver, for a learner process to use."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def cells(
     row: str, rollout_s: float, learner_s: float, dense_s: float, step_s: float, last_s: float, tokens: int
 ) -> list[Any]:
@@ -404,6 +418,7 @@ def cells(
         f"{(sync_s - step_s) / learner_s:.0%}",
         sync_s / step_s,
         f"{last_s / rollout_s - 1:+.1%}",
+        sync_s / max(rollout_s, learner_s),
         step_s - last_s,
         tokens / sync_s,
         tokens / step_s,
@@ -420,6 +435,7 @@ COLUMNS = [
     "hidden",
     "speed-up",
     "rollout slowdown",
+    "ceiling",
     "tail s",
     "sync tok/s",
     "streamed tok/s",
@@ -456,6 +472,8 @@ async def measure_in_process(
     dense_seconds(model, plan[:1], finished, teacher)  # the dense path's kernels and autotuning
     learner_s = await learner_alone(learner, finished)
     dense_s = dense_seconds(model, plan, finished, teacher)
+    if row.endswith(_LEARNER_PROCESS):
+        release_cache()  # the learner process allocates from the driver, not from this process's cache
     if warm_streamed:  # packs formed beside a rollout (stream_early) may need buckets the warm-up did not capture
         await streamed(generator, learner, alone_step_ms)
     before = graph_counts()
@@ -484,6 +502,7 @@ async def measure_in_child(
     (learner_s,) = child.receive("ready")
     dense_seconds(model, plan[:1], finished, teacher)
     dense_s = dense_seconds(model, plan, finished, teacher)
+    release_cache()  # the dense pass's cached blocks: the child allocates from the driver
     step_s, last_s, done = await streamed_in_child(generator, child, plan)
     check = await gradient_check(row, model, child, plan, done, teacher)
     return cells(row, rollout_s, learner_s, dense_s, step_s, last_s, sum(len(t) for _, _, t in finished)), check
@@ -588,15 +607,27 @@ def workloads(tiny: bool) -> dict[str, Workload]:
         return {"main": Workload(2, 3, (12, 20), (4, 32)), "balanced": Workload(2, 3, (48, 64), (4, 12), 0.7, 0.5)}
     return {
         "main": Workload(8, 8, (480, 544), (64, 2048)),
-        "balanced": Workload(8, 8, (1984, 2112), (64, 512), 0.7, 0.5),
+        "balanced": Workload(32, 8, (480, 544), (64, 1024), 1.2, 0.4, 256),
     }
+
+
+def parse_workload(text: str) -> Workload:
+    """``G,S,PLO,PHI,RLO,RHI,MU,SIGMA,SLOTS`` (``--balanced``) as a ``Workload``."""
+    try:
+        g, s, plo, phi, rlo, rhi, mu, sigma, slots = text.split(",")
+        return Workload(int(g), int(s), (int(plo), int(phi)), (int(rlo), int(rhi)), float(mu), float(sigma), int(slots))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not GROUPS,SIZE,PROMPT_LO,PROMPT_HI,RESPONSE_LO,RESPONSE_HI,MU,SIGMA,SLOTS "
+            f"(e.g. 24,8,480,544,64,1024,1.2,0.4,128): {err}"
+        ) from None
 
 
 async def run_rows(
     args: argparse.Namespace, model: torch.nn.Module, device: torch.device
 ) -> tuple[list[list[Any]], list[str], list[str]]:
     """The table's rows, the 2-process rows' gradient checks and the in-process rows' timelines."""
-    shapes = workloads(args.tiny)
+    shapes = workloads(args.tiny) | ({"balanced": args.balanced} if args.balanced else {})
     rows: list[list[Any]] = []
     checks: list[str] = []
     timelines: list[str] = []
@@ -610,7 +641,8 @@ async def run_rows(
             workload = shapes[workload_name]
             plan = make_plan(workload, model.config.vocab_size, seed=0)
             longest = max(len(g.prompt) for g in plan) + workload.response[1] + 1
-            generator = TorchGenerator(model, max_batch=min(64, workload.groups * workload.size), max_seq_len=longest)
+            slots = min(workload.slots, workload.groups * workload.size)
+            generator = TorchGenerator(model, max_batch=slots, max_seq_len=longest)
             await rollout(generator, plan)  # warm-up: decode graphs for every key length, kernels, allocator
             alone_start = time.perf_counter()
             rollout_s, finished = await rollout(generator, plan)
@@ -621,10 +653,17 @@ async def run_rows(
                     teacher = make_teacher(args.tiny, device, next(model.parameters()).dtype)
                 row_teacher = teacher if _objective_kind(row) == "opd" else None
                 if row.endswith(_IN_CHILD):
-                    child = child or ModelProcess(model, serve_learner, args.tiny)
-                    cells_, check = await measure_in_child(
-                        row, model, generator, child, plan, rollout_s, finished, row_teacher
-                    )
+                    release_cache()
+                    child = ModelProcess(
+                        model, serve_learner, args.tiny, env=CHILD_ENV
+                    )  # one a row: its memory goes with it
+                    try:
+                        cells_, check = await measure_in_child(
+                            row, model, generator, child, plan, rollout_s, finished, row_teacher
+                        )
+                    finally:
+                        child.close()
+                        child = None
                     checks.append(check)
                     print(f"[check] {check}", file=sys.stderr, flush=True)
                 else:
@@ -657,6 +696,7 @@ async def run_rows(
     return rows, checks, timelines
 
 
+CHILD_ENV: dict[str, str] = {}  # --child-env: the learner processes' extra environment
 _IN_CHILD = "-2proc"
 _EAGER = "-eager"  # the engine's layers eager (no CUDA graphs), in this process
 _COMPILED = "-compiled"  # whole-pack graphs of the compiled layers (THUNDERSYNC_ENGINE_COMPILE=on), in this process
@@ -685,10 +725,8 @@ def make_objective(row: str, run: thundersync.StreamingRun) -> Any:
         )
     if not row.endswith(_LEARNER_PROCESS):
         return build(run)
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the child allocates from the driver, not from this process's cache
-    return thundersync.LearnerProcess(run, build)
+    release_cache()  # the child allocates from the driver, not from this process's cache
+    return thundersync.LearnerProcess(run, build, env=CHILD_ENV)
 
 
 def make_teacher(tiny: bool, device: torch.device, dtype: torch.dtype) -> PackedScorer:
@@ -708,7 +746,7 @@ _ROW_NAMES = {
     "grpo-pack0": "GRPO, pack_tokens=0",
     "grpo-pack2048": "GRPO, pack_tokens=2048 (packs the whole-pack graphs hold)",
     "opd": "OPD (teacher on the same device)",
-    "balanced": "balanced GRPO (prompts ~2048, short responses)",
+    "balanced": "balanced GRPO (learner ~ rollout)",
     "grpo-eager": "GRPO, pack_tokens=8192, eager (no graphs)",
     "opd-eager": "OPD, eager (no graphs)",
     "opd-compiled": "OPD, pack graphs of the compiled layers",
@@ -732,6 +770,21 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny model and batch on CPU (seconds)")
     parser.add_argument(
         "--rows", default="grpo,grpo-early,opd,grpo-pack0,balanced", help=f"comma-separated, of {', '.join(_ROW_NAMES)}"
+    )
+    parser.add_argument(
+        "--balanced",
+        type=parse_workload,
+        default=None,
+        metavar="G,S,PLO,PHI,RLO,RHI,MU,SIGMA,SLOTS",
+        help="the balanced rows' workload instead of the built-in one",
+    )
+    parser.add_argument(
+        "--child-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set in the environment of the learner processes of the -proc and -2proc rows, e.g. "
+        "CUDA_MPS_CLIENT_PRIORITY=1 under an MPS daemon; repeatable",
     )
     parser.add_argument(
         "--switch-interval",
@@ -773,12 +826,17 @@ def main() -> None:
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
     model = make_model(args.tiny, device, torch.bfloat16 if cuda else torch.float32)
+    for assignment in args.child_env:
+        name, sep, value = assignment.partition("=")
+        if not sep or not name:
+            parser.error(f"--child-env {assignment!r}: expected NAME=VALUE")
+        CHILD_ENV[name] = value
     TIMELINE.install()
     rows, checks, timelines = anyio.run(run_rows, args, model, device)
     print(header(" ".join(["python", *sys.argv])))
-    shapes = workloads(args.tiny)
+    shapes = workloads(args.tiny) | ({"balanced": args.balanced} if args.balanced else {})
     print(f"workload: {shapes['main']}; balanced: {shapes['balanced']}; dtype {next(model.parameters()).dtype}")
-    print(f"GIL switch interval {sys.getswitchinterval()} s\n")
+    print(f"GIL switch interval {sys.getswitchinterval()} s; learner processes' extra environment: {args.child_env}\n")
     print(markdown_table(COLUMNS, rows))
     if cuda:
         print(f"\nengine graphs in this process (all rows): {graph_counts()}")

@@ -59,7 +59,7 @@ def test_overlap_bench_runs_every_row() -> None:
     rows = ("GRPO, pack_tokens=8192 (default)", "GRPO, pack_tokens=8192, stream_early=True")
     for row in (*rows, "GRPO, pack_tokens=0", "OPD (teacher on the same device)"):
         assert f"| {row} |" in table
-    assert "| balanced GRPO " in table and "| hidden | speed-up | rollout slowdown |" in table
+    assert "| balanced GRPO " in table and "| hidden | speed-up | rollout slowdown | ceiling |" in table
     assert "- OPD (teacher on the same device): engine " in table  # the streamed runs' host timeline
 
 
@@ -72,7 +72,10 @@ def test_teacher_cost_bench_runs_and_the_packed_scorer_matches_transformers() ->
 
 @pytest.mark.timeout(300)
 def test_overlap_bench_runs_the_learner_in_a_second_process_with_the_same_gradient() -> None:
-    out = _run("overlap.py", "--rows", "grpo-2proc,opd-2proc,balanced-2proc,opd-proc")
+    shape = ("--balanced", "2,3,40,56,4,12,0.7,0.5,4", "--child-env", "THUNDERSYNC_PROBE=1")
+    out = _run("overlap.py", "--rows", "grpo-2proc,opd-2proc,balanced-2proc,opd-proc", *shape)
+    assert "balanced: Workload(groups=2, size=3, prompt=(40, 56), response=(4, 12), mu=0.7, sigma=0.5, slots=4)" in out
+    assert "learner processes' extra environment: ['THUNDERSYNC_PROBE=1']" in out
     rows = ("GRPO, learner in a 2nd process", "OPD, learner and teacher in a 2nd process")
     for row in (*rows, "OPD, LearnerProcess (teacher in this process)"):
         assert f"| {row} |" in out

@@ -107,6 +107,13 @@ def test_objectives_wrap_the_library_configs() -> None:
     assert isinstance(grpo, RewardLinearBackward) and grpo.config.estimator == "rloo" and grpo.config.pack_tokens == 0
     opd = training.opd(run=run, normalization="sum")
     assert isinstance(opd, OPDStream) and opd.config.normalization == "sum"
+    for factory in (training.grpo, training.opd):
+        with pytest.raises(
+            ConfigError,
+            match=r"process_env \{'A': '1'\} is the environment of a learner process.*"
+            r"set process = true",
+        ):
+            factory(run=run, process_env={"A": "1"})
 
 
 def test_optimizer_by_name_maximizes_grpo_and_minimizes_opd() -> None:

@@ -58,7 +58,9 @@ def test_a_learner_process_trains_the_file_as_one_process_does(tmp_path: Path) -
         )
 
     steps, weights = train(tmp_path / "one")
-    child_steps, child_weights = train(tmp_path / "two", "objects.objective.process=true")
+    child_steps, child_weights = train(
+        tmp_path / "two", "objects.objective.process=true", 'objects.objective.process_env={ THUNDERSYNC_PROBE = "1" }'
+    )
     for key in ("grad_norm", "logprob_mismatch", "reward_mean"):
         assert [r[key] for r in child_steps] == pytest.approx([r[key] for r in steps], rel=1e-5), key
     assert steps[0]["audit_rel_error"] is None is child_steps[0]["audit_rel_error"]

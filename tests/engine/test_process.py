@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import random
+from typing import Any
 
 import anyio
 import pytest
@@ -173,6 +175,29 @@ def test_a_model_without_a_config_is_refused_before_any_process_starts() -> None
 
 async def _never_served(*args: object) -> None:
     raise AssertionError("no child should start")
+
+
+def test_the_child_gets_the_environment_it_is_given_and_the_parent_keeps_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("THUNDERSYNC_PROBE_KEPT", "parent")
+    monkeypatch.delenv("THUNDERSYNC_PROBE_SET", raising=False)
+    env = {"THUNDERSYNC_PROBE_SET": "child", "THUNDERSYNC_PROBE_KEPT": "child too"}
+    child = ModelProcess(tiny_qwen3(torch.float32, seed=1), _serve_environment, list(env), env=env)
+    try:
+        assert child.receive("environment") == [env]
+    finally:
+        child.close()
+    assert os.environ["THUNDERSYNC_PROBE_KEPT"] == "parent" and "THUNDERSYNC_PROBE_SET" not in os.environ
+    with pytest.raises(ConfigError, match=r"needs a string value without NUL, got 1; quote it"):
+        ModelProcess(tiny_qwen3(torch.float32, seed=1), _never_served, env={"CUDA_MPS_CLIENT_PRIORITY": 1})  # type: ignore[dict-item]
+    with pytest.raises(ConfigError, match=r"needs a name without '=' or NUL, got 'A=B'"):
+        thundersync.LearnerProcess(thundersync.StreamingRun(tiny_qwen3(torch.float32, seed=1)), GRPO, env={"A=B": "1"})
+
+
+async def _serve_environment(model: torch.nn.Module, commands: Any, answers: Any, names: list[str]) -> None:
+    answers.put(("environment", {name: os.environ.get(name) for name in names}))
+    assert commands.get() == ("stop",)
 
 
 @pytest.mark.gpu

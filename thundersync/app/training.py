@@ -11,6 +11,7 @@ Each is a thin wrapper over the library's own classes; the references make the c
     run = { object = "run" }
     estimator = "grpo"
     process = false        # true: computed in a learner process of its own (LearnerProcess)
+    process_env = {}       # that process's extra environment, e.g. { CUDA_MPS_CLIENT_PRIORITY = "1" } under MPS
 
     [objects.optimizer]    # any torch.optim class over run.params; GRPO maximizes the reward
     factory = "optimizer"
@@ -97,13 +98,15 @@ def grpo(
     pack_tokens: _NonNegative = 8192,
     stream_early: bool = False,
     process: bool = False,
+    process_env: dict[str, str] | None = None,
 ) -> RewardLinearBackward | LearnerProcess:
     """``grpo``: a :class:`~thundersync.grpo.RewardLinearBackward` (GRPO-family objective) on ``run``;
-    ``process = true`` computes it in a learner process of its own (:class:`~thundersync.LearnerProcess`)."""
+    ``process = true`` computes it in a learner process of its own (:class:`~thundersync.LearnerProcess`),
+    with ``process_env`` in its environment."""
     build = functools.partial(
         RewardLinearBackward, estimator=estimator, eps=eps, pack_tokens=pack_tokens, stream_early=stream_early
     )
-    return _in_process(run, build, process)
+    return _in_process(run, build, process, process_env)
 
 
 def opd(
@@ -112,22 +115,31 @@ def opd(
     normalization: Normalization = "token_mean",
     pack_tokens: _NonNegative = 8192,
     process: bool = False,
+    process_env: dict[str, str] | None = None,
 ) -> OPDStream | LearnerProcess:
     """``opd``: an :class:`~thundersync.opd.OPDStream` (on-policy distillation) on ``run``;
-    ``process = true`` computes it in a learner process of its own (:class:`~thundersync.LearnerProcess`)."""
-    return _in_process(run, functools.partial(OPDStream, normalization=normalization, pack_tokens=pack_tokens), process)
+    ``process = true`` computes it in a learner process of its own (:class:`~thundersync.LearnerProcess`),
+    with ``process_env`` in its environment."""
+    build = functools.partial(OPDStream, normalization=normalization, pack_tokens=pack_tokens)
+    return _in_process(run, build, process, process_env)
 
 
 _Objective = TypeVar("_Objective", RewardLinearBackward, OPDStream)
 
 
 def _in_process(
-    run: StreamingRun, build: Callable[[StreamingRun], _Objective], process: bool
+    run: StreamingRun, build: Callable[[StreamingRun], _Objective], process: bool, env: dict[str, str] | None
 ) -> _Objective | LearnerProcess:
-    """``build(run)``, or the same objective in a child process over the run's model (``process``)."""
+    """``build(run)``, or the same objective in a child process over the run's model (``process``)
+    with ``env`` in its environment."""
     if not process:
+        if env:
+            raise ConfigError(
+                f"process_env {env} is the environment of a learner process, and this objective has none: "
+                "set process = true, or remove process_env"
+            )
         return build(run)
-    learner = LearnerProcess(run, build)
+    learner = LearnerProcess(run, build, env=env)
     _log.info("learner_process", pid=learner.pid, signal=learner.signal)
     return learner
 

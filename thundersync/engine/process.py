@@ -60,10 +60,11 @@ import contextlib
 import functools
 import gc
 import multiprocessing
+import os
 import queue
 import traceback
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -81,9 +82,11 @@ Serve = Callable[..., Awaitable[None]]  # serve(model, commands, answers, *args)
 
 
 class ModelProcess:
-    """A child process over ``model``'s parameters (shared), serving the parent's commands."""
+    """A child process over ``model``'s parameters (shared), serving the parent's commands;
+    ``env``: variables set in the child's environment before it initializes CUDA."""
 
-    def __init__(self, model: torch.nn.Module, serve: Serve, *args: Any) -> None:
+    def __init__(self, model: torch.nn.Module, serve: Serve, *args: Any, env: Mapping[str, str] | None = None) -> None:
+        env = child_environment(env)
         build = rebuild_recipe(model)
         context = torch.multiprocessing.get_context("spawn")
         self.commands = context.Queue()
@@ -93,7 +96,7 @@ class ModelProcess:
         # the shared tensors travel as a message, not as the process's arguments, which the child
         # would hold until it exits (its references to the parent's memory never released)
         self.process = context.Process(
-            target=_child_main, args=(self.commands, self.answers), name="learner", daemon=True
+            target=_child_main, args=(self.commands, self.answers, env), name="learner", daemon=True
         )
         first = next(model.parameters()).detach().view(-1)[:1]
         before = float(first)
@@ -155,9 +158,15 @@ class LearnerProcess:
     guard), the optimizer, the trainer, checkpoints, and a generator over the same model (which
     sees every optimizer step, as in one process). Use it as a context manager, or call
     :meth:`close`; see the module docstring for what travels and how.
+
+    ``env`` is set in the child's environment before it initializes CUDA, and only there. On one
+    GPU the two processes' kernels take turns in time slices unless an MPS daemon runs
+    (``nvidia-cuda-mps-control -d`` before either process starts); under MPS,
+    ``env={"CUDA_MPS_CLIENT_PRIORITY": "1"}`` puts the learner's kernels behind the generator's.
+    What each choice measured on an H200 is in bench/RESULTS.md ("MPS").
     """
 
-    def __init__(self, run: StreamingRun, objective: Objective) -> None:
+    def __init__(self, run: StreamingRun, objective: Objective, *, env: Mapping[str, str] | None = None) -> None:
         model = run.anatomy.model
         if run.data_parallel is not None:
             raise ConfigError(
@@ -176,7 +185,7 @@ class LearnerProcess:
             for g, flat in enumerate(self._grads)
             for p, view in zip(layout.groups[g][1], layout.views(flat, g), strict=True)
         ]
-        self._child = ModelProcess(model, _serve_objective, objective, run.config, self._grads)
+        self._child = ModelProcess(model, _serve_objective, objective, run.config, self._grads, env=env)
         weakref.finalize(self, self._child.close)  # the child ends with this object, or at exit
         (self.signal,) = self._child.receive("ready")  # "reward" (GRPO) or "teacher" (OPD)
         self._in_batch = False
@@ -425,7 +434,23 @@ def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*model.named_parameters(), *model.named_buffers()]
 
 
-def _child_main(commands: Any, answers: Any) -> None:
+def child_environment(env: Mapping[str, str] | None) -> dict[str, str]:
+    """``env`` checked: names without ``=`` or NUL, string values (a ``ConfigError`` otherwise)."""
+    checked = {}
+    for name, value in (env or {}).items():
+        if not isinstance(name, str) or not name or "=" in name or "\0" in name:
+            raise ConfigError(f"a learner process's environment variable needs a name without '=' or NUL, got {name!r}")
+        if not isinstance(value, str) or "\0" in value:
+            raise ConfigError(
+                f"the learner process's environment variable {name} needs a string value without NUL, "
+                f'got {value!r}; quote it ("1", not 1)'
+            )
+        checked[name] = value
+    return checked
+
+
+def _child_main(commands: Any, answers: Any, env: dict[str, str]) -> None:
+    os.environ.update(env)  # before the first message: its CUDA tensors initialize CUDA here
     commands = _FromParent(commands)
     try:
         kind, build, tensors, frozen, serve, args, threads = commands.get()
