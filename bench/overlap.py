@@ -52,7 +52,7 @@ The ``-2proc`` rows (``grpo-2proc``, ``opd-2proc``, ``balanced-2proc``) run the 
 objectives with the learner in a second process (issue 14's alternative to threads that share one
 GIL; ``thundersync.engine.process.ModelProcess`` starts it). The parent keeps the model and the ``TorchGenerator`` and sends each finished trajectory
 (group, index, token ids) down a queue as it finishes. The child, started with
-``torch.multiprocessing`` (spawn), owns everything else: the ``StreamingRun`` and its objective,
+``torch.multiprocessing`` (spawn), one per row, owns everything else: the ``StreamingRun`` and its objective,
 the engine's worker thread, for OPD the teacher (it scores in the child), and the gradient in its
 own ``.grad``. It receives the parameters through ``torch.multiprocessing`` (a CUDA tensor
 travels as an IPC handle of the parent's memory: zero copy; on CPU the storage moves into shared
@@ -491,20 +491,26 @@ async def measure_in_child(
     row: str,
     model: torch.nn.Module,
     generator: TorchGenerator,
-    child: ModelProcess,
     plan: Batch,
     rollout_s: float,
     finished: list[Finished],
     teacher: PackedScorer | None,
+    tiny: bool,
 ) -> tuple[list[Any], str]:
-    """The row's cells and its gradient check, the learner in ``child``."""
-    child.send("row", row, plan, finished)
-    (learner_s,) = child.receive("ready")
-    dense_seconds(model, plan[:1], finished, teacher)
-    dense_s = dense_seconds(model, plan, finished, teacher)
-    release_cache()  # the dense pass's cached blocks: the child allocates from the driver
-    step_s, last_s, done = await streamed_in_child(generator, child, plan)
-    check = await gradient_check(row, model, child, plan, done, teacher)
+    """The row's cells and its gradient check, the learner in a child of the row's own (its
+    memory goes with it)."""
+    release_cache()  # the child allocates from the driver, not from this process's cache
+    child = ModelProcess(model, serve_learner, tiny, env=CHILD_ENV)
+    try:
+        child.send("row", row, plan, finished)
+        (learner_s,) = child.receive("ready")
+        dense_seconds(model, plan[:1], finished, teacher)
+        dense_s = dense_seconds(model, plan, finished, teacher)
+        release_cache()  # the dense pass's cached blocks
+        step_s, last_s, done = await streamed_in_child(generator, child, plan)
+        check = await gradient_check(row, model, child, plan, done, teacher)
+    finally:
+        child.close()
     return cells(row, rollout_s, learner_s, dense_s, step_s, last_s, sum(len(t) for _, _, t in finished)), check
 
 
@@ -632,67 +638,54 @@ async def run_rows(
     checks: list[str] = []
     timelines: list[str] = []
     teacher: PackedScorer | None = None
-    child: ModelProcess | None = None
-    try:
-        for workload_name in ("main", "balanced"):
-            wanted = [r for r in args.rows if _workload(r) == workload_name]
-            if not wanted:
-                continue
-            workload = shapes[workload_name]
-            plan = make_plan(workload, model.config.vocab_size, seed=0)
-            longest = max(len(g.prompt) for g in plan) + workload.response[1] + 1
-            slots = min(workload.slots, workload.groups * workload.size)
-            generator = TorchGenerator(model, max_batch=slots, max_seq_len=longest)
-            await rollout(generator, plan)  # warm-up: decode graphs for every key length, kernels, allocator
-            alone_start = time.perf_counter()
-            rollout_s, finished = await rollout(generator, plan)
-            alone_step_ms = TIMELINE.median_step_ms(alone_start, time.perf_counter())
-            print(f"[done] {workload_name} rollout alone: {rollout_s:.2f} s", file=sys.stderr, flush=True)
-            for row in wanted:
-                if _objective_kind(row) == "opd" and teacher is None:
-                    teacher = make_teacher(args.tiny, device, next(model.parameters()).dtype)
-                row_teacher = teacher if _objective_kind(row) == "opd" else None
-                if row.endswith(_IN_CHILD):
-                    release_cache()
-                    child = ModelProcess(
-                        model, serve_learner, args.tiny, env=CHILD_ENV
-                    )  # one a row: its memory goes with it
-                    try:
-                        cells_, check = await measure_in_child(
-                            row, model, generator, child, plan, rollout_s, finished, row_teacher
-                        )
-                    finally:
-                        child.close()
-                        child = None
-                    checks.append(check)
-                    print(f"[check] {check}", file=sys.stderr, flush=True)
-                else:
-                    suffix = row[row.rfind("-") :]
-                    layers = {_EAGER: "eager", _COMPILED: "compiled-graphs", _UNFUSED: "unfused-graphs"}.get(
-                        suffix, "graphs"
+    for workload_name in ("main", "balanced"):
+        wanted = [r for r in args.rows if _workload(r) == workload_name]
+        if not wanted:
+            continue
+        workload = shapes[workload_name]
+        plan = make_plan(workload, model.config.vocab_size, seed=0)
+        longest = max(len(g.prompt) for g in plan) + workload.response[1] + 1
+        slots = min(workload.slots, workload.groups * workload.size)
+        generator = TorchGenerator(model, max_batch=slots, max_seq_len=longest)
+        await rollout(generator, plan)  # warm-up: decode graphs for every key length, kernels, allocator
+        alone_start = time.perf_counter()
+        rollout_s, finished = await rollout(generator, plan)
+        alone_step_ms = TIMELINE.median_step_ms(alone_start, time.perf_counter())
+        print(f"[done] {workload_name} rollout alone: {rollout_s:.2f} s", file=sys.stderr, flush=True)
+        for row in wanted:
+            if _objective_kind(row) == "opd" and teacher is None:
+                teacher = make_teacher(args.tiny, device, next(model.parameters()).dtype)
+            row_teacher = teacher if _objective_kind(row) == "opd" else None
+            if row.endswith(_IN_CHILD):
+                cells_, check = await measure_in_child(
+                    row, model, generator, plan, rollout_s, finished, row_teacher, args.tiny
+                )
+                checks.append(check)
+                print(f"[check] {check}", file=sys.stderr, flush=True)
+            else:
+                suffix = row[row.rfind("-") :]
+                layers = {_EAGER: "eager", _COMPILED: "compiled-graphs", _UNFUSED: "unfused-graphs"}.get(
+                    suffix, "graphs"
+                )
+                with engine_layers(layers):
+                    cells_, timeline = await measure_in_process(
+                        row,
+                        model,
+                        generator,
+                        plan,
+                        rollout_s,
+                        finished,
+                        row_teacher,
+                        alone_step_ms,
+                        args.gpu_window,
+                        args.warm_streamed,
+                        args.trace / f"{row}.json.gz" if args.trace else None,
                     )
-                    with engine_layers(layers):
-                        cells_, timeline = await measure_in_process(
-                            row,
-                            model,
-                            generator,
-                            plan,
-                            rollout_s,
-                            finished,
-                            row_teacher,
-                            alone_step_ms,
-                            args.gpu_window,
-                            args.warm_streamed,
-                            args.trace / f"{row}.json.gz" if args.trace else None,
-                        )
-                    timelines.append(timeline)
-                    release_engine_graphs(model)  # the next row captures its own (rows may differ in layer math)
-                    print(f"[timeline] {timeline}", file=sys.stderr, flush=True)
-                rows.append(cells_)
-                print(f"[done] {markdown_table(COLUMNS, rows[-1:]).splitlines()[-1]}", file=sys.stderr, flush=True)
-    finally:
-        if child is not None:
-            child.close()
+                timelines.append(timeline)
+                release_engine_graphs(model)  # the next row captures its own (rows may differ in layer math)
+                print(f"[timeline] {timeline}", file=sys.stderr, flush=True)
+            rows.append(cells_)
+            print(f"[done] {markdown_table(COLUMNS, rows[-1:]).splitlines()[-1]}", file=sys.stderr, flush=True)
     return rows, checks, timelines
 
 
