@@ -86,7 +86,7 @@ class ModelProcess:
     ``env``: variables set in the child's environment before it initializes CUDA."""
 
     def __init__(self, model: torch.nn.Module, serve: Serve, *args: Any, env: Mapping[str, str] | None = None) -> None:
-        env = child_environment(env)
+        env = _child_environment(env)
         build = rebuild_recipe(model)
         context = torch.multiprocessing.get_context("spawn")
         self.commands = context.Queue()
@@ -434,7 +434,7 @@ def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*model.named_parameters(), *model.named_buffers()]
 
 
-def child_environment(env: Mapping[str, str] | None) -> dict[str, str]:
+def _child_environment(env: Mapping[str, str] | None) -> dict[str, str]:
     """``env`` checked: names without ``=`` or NUL, string values (a ``ConfigError`` otherwise)."""
     checked = {}
     for name, value in (env or {}).items():
