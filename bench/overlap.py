@@ -608,13 +608,16 @@ async def serve_learner(model: torch.nn.Module, commands: Any, answers: Any, tin
                 answers.put(("ended",))
 
 
-def workloads(tiny: bool) -> dict[str, Workload]:
+def workloads(tiny: bool, balanced: Workload | None = None) -> dict[str, Workload]:
+    """The main and balanced workloads (``balanced``: in place of the built-in one)."""
     if tiny:
-        return {"main": Workload(2, 3, (12, 20), (4, 32)), "balanced": Workload(2, 3, (48, 64), (4, 12), 0.7, 0.5)}
-    return {
-        "main": Workload(8, 8, (480, 544), (64, 2048)),
-        "balanced": Workload(32, 8, (480, 544), (64, 1024), 1.2, 0.4, 256),
-    }
+        shapes = {"main": Workload(2, 3, (12, 20), (4, 32)), "balanced": Workload(2, 3, (48, 64), (4, 12), 0.7, 0.5)}
+    else:
+        shapes = {
+            "main": Workload(8, 8, (480, 544), (64, 2048)),
+            "balanced": Workload(32, 8, (480, 544), (64, 1024), 1.2, 0.4, 256),
+        }
+    return shapes | ({"balanced": balanced} if balanced else {})
 
 
 def parse_workload(text: str) -> Workload:
@@ -629,11 +632,19 @@ def parse_workload(text: str) -> Workload:
         ) from None
 
 
+def parse_assignment(text: str) -> tuple[str, str]:
+    """``NAME=VALUE`` (``--child-env``) as (name, value)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+    return name, value
+
+
 async def run_rows(
     args: argparse.Namespace, model: torch.nn.Module, device: torch.device
 ) -> tuple[list[list[Any]], list[str], list[str]]:
     """The table's rows, the 2-process rows' gradient checks and the in-process rows' timelines."""
-    shapes = workloads(args.tiny) | ({"balanced": args.balanced} if args.balanced else {})
+    shapes = workloads(args.tiny, args.balanced)
     rows: list[list[Any]] = []
     checks: list[str] = []
     timelines: list[str] = []
@@ -773,6 +784,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--child-env",
+        type=parse_assignment,
         action="append",
         default=[],
         metavar="NAME=VALUE",
@@ -819,17 +831,15 @@ def main() -> None:
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
     model = make_model(args.tiny, device, torch.bfloat16 if cuda else torch.float32)
-    for assignment in args.child_env:
-        name, sep, value = assignment.partition("=")
-        if not sep or not name:
-            parser.error(f"--child-env {assignment!r}: expected NAME=VALUE")
-        CHILD_ENV[name] = value
+    CHILD_ENV.update(args.child_env)
     TIMELINE.install()
     rows, checks, timelines = anyio.run(run_rows, args, model, device)
     print(header(" ".join(["python", *sys.argv])))
-    shapes = workloads(args.tiny) | ({"balanced": args.balanced} if args.balanced else {})
+    shapes = workloads(args.tiny, args.balanced)
     print(f"workload: {shapes['main']}; balanced: {shapes['balanced']}; dtype {next(model.parameters()).dtype}")
-    print(f"GIL switch interval {sys.getswitchinterval()} s; learner processes' extra environment: {args.child_env}\n")
+    print(
+        f"GIL switch interval {sys.getswitchinterval()} s; learner processes' extra environment: {[f'{k}={v}' for k, v in CHILD_ENV.items()]}\n"
+    )
     print(markdown_table(COLUMNS, rows))
     if cuda:
         print(f"\nengine graphs in this process (all rows): {graph_counts()}")
