@@ -18,7 +18,9 @@ engine's work runs on its own worker thread and CUDA stream.
 
 Columns, each measured in the same run:
 
-- ``rollout``: the generation of the batch alone; ``learner``: the streamed learner alone over the
+- ``rollout``: the generation of the batch alone, the mean of a run before the workload's rows and
+  one after them (its time moves by several percent between runs; both are printed under the
+  table); ``learner``: the streamed learner alone over the
   same tokens, fed in the order they finished (OPD: teacher scoring included); ``dense``: the
   synchronous baseline's learner (padded micro-batches through transformers' forward,
   ``bench/engine.py``'s ``dense`` / ``bench/engine_opd.py``'s ``opd_dense``);
@@ -29,7 +31,9 @@ Columns, each measured in the same run:
   measures the first; the timeline says how many captures the measured run still made);
 - ``hidden``: the fraction of the learner's work hidden, (sync - streamed) / learner; ``speed-up``:
   sync / streamed; ``rollout slowdown``: the streamed run's time to its last trajectory over the
-  rollout alone; ``tail``: from the last trajectory to the end of the step; tokens/s: generated
+  rollout alone; ``price``: that slowdown in seconds per second of the learner's work,
+  (time to the last trajectory - rollout) / learner (``bench/interference.py`` measures it for
+  synthetic loads); ``tail``: from the last trajectory to the end of the step; tokens/s: generated
   tokens over the step's time.
 
 Rows: GRPO with the default packing (branches wait for 8192 tokens or their group's close), with
@@ -403,26 +407,38 @@ def release_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def cells(
-    row: str, rollout_s: float, learner_s: float, dense_s: float, step_s: float, last_s: float, tokens: int
-) -> list[Any]:
-    """One row of the table (the rollout alone was measured once for the workload)."""
-    sync_s = rollout_s + learner_s
-    return [
-        _ROW_NAMES[row],
-        rollout_s,
-        learner_s,
-        dense_s,
-        sync_s,
-        step_s,
-        f"{(sync_s - step_s) / learner_s:.0%}",
-        sync_s / step_s,
-        f"{last_s / rollout_s - 1:+.1%}",
-        sync_s / max(rollout_s, learner_s),
-        step_s - last_s,
-        tokens / sync_s,
-        tokens / step_s,
-    ]
+@dataclass(frozen=True)
+class Measured:
+    """A row's own measurements: seconds of the learner alone, of the dense learner, of the
+    streamed step and to its last trajectory, and the tokens generated."""
+
+    row: str
+    learner_s: float
+    dense_s: float
+    step_s: float
+    last_s: float
+    tokens: int
+
+    def cells(self, rollout_s: float) -> list[Any]:
+        """The row of the table, against ``rollout_s``: the rollout alone (the mean of its runs)."""
+        learner_s, step_s, last_s = self.learner_s, self.step_s, self.last_s
+        sync_s = rollout_s + learner_s
+        return [
+            _ROW_NAMES[self.row],
+            rollout_s,
+            learner_s,
+            self.dense_s,
+            sync_s,
+            step_s,
+            f"{(sync_s - step_s) / learner_s:.0%}",
+            sync_s / step_s,
+            f"{last_s / rollout_s - 1:+.1%}",
+            (last_s - rollout_s) / learner_s,
+            sync_s / max(rollout_s, learner_s),
+            step_s - last_s,
+            self.tokens / sync_s,
+            self.tokens / step_s,
+        ]
 
 
 COLUMNS = [
@@ -435,6 +451,7 @@ COLUMNS = [
     "hidden",
     "speed-up",
     "rollout slowdown",
+    "price",
     "ceiling",
     "tail s",
     "sync tok/s",
@@ -458,15 +475,14 @@ async def measure_in_process(
     model: torch.nn.Module,
     generator: TorchGenerator,
     plan: Batch,
-    rollout_s: float,
     finished: list[Finished],
     teacher: PackedScorer | None,
     alone_step_ms: float,
     window: tuple[float, float] | None,
     warm_streamed: bool,
     trace: Path | None,
-) -> tuple[list[Any], str]:
-    """The row's cells and its streamed run's timeline summary (``warm_streamed``: after one
+) -> tuple[Measured, str]:
+    """The row's measurements and its streamed run's timeline summary (``warm_streamed``: after one
     unmeasured streamed run, as in a training run's later steps)."""
     learner = await warmed_learner(row, model, plan, finished, teacher)
     dense_seconds(model, plan[:1], finished, teacher)  # the dense path's kernels and autotuning
@@ -484,7 +500,7 @@ async def measure_in_process(
         learner.objective.close()
     tokens = sum(len(t) for _, _, t in finished)
     timeline = f"{_ROW_NAMES[row]}: {timeline} (learner alone: {learner.alone})"
-    return cells(row, rollout_s, learner_s, dense_s, step_s, last_s, tokens), timeline
+    return Measured(row, learner_s, dense_s, step_s, last_s, tokens), timeline
 
 
 async def measure_in_child(
@@ -492,12 +508,11 @@ async def measure_in_child(
     model: torch.nn.Module,
     generator: TorchGenerator,
     plan: Batch,
-    rollout_s: float,
     finished: list[Finished],
     teacher: PackedScorer | None,
     tiny: bool,
-) -> tuple[list[Any], str]:
-    """The row's cells and its gradient check, the learner in a child of the row's own (its
+) -> tuple[Measured, str]:
+    """The row's measurements and its gradient check, the learner in a child of the row's own (its
     memory goes with it)."""
     release_cache()  # the child allocates from the driver, not from this process's cache
     child = ModelProcess(model, serve_learner, tiny, env=CHILD_ENV)
@@ -511,7 +526,7 @@ async def measure_in_child(
         check = await gradient_check(row, model, child, plan, done, teacher)
     finally:
         child.close()
-    return cells(row, rollout_s, learner_s, dense_s, step_s, last_s, sum(len(t) for _, _, t in finished)), check
+    return Measured(row, learner_s, dense_s, step_s, last_s, sum(len(t) for _, _, t in finished)), check
 
 
 async def streamed_in_child(
@@ -642,12 +657,14 @@ def parse_assignment(text: str) -> tuple[str, str]:
 
 async def run_rows(
     args: argparse.Namespace, model: torch.nn.Module, device: torch.device
-) -> tuple[list[list[Any]], list[str], list[str]]:
-    """The table's rows, the 2-process rows' gradient checks and the in-process rows' timelines."""
+) -> tuple[list[list[Any]], list[str], list[str], list[str]]:
+    """The table's rows, the 2-process rows' gradient checks, the in-process rows' timelines and
+    the rollouts alone."""
     shapes = workloads(args.tiny, args.balanced)
     rows: list[list[Any]] = []
     checks: list[str] = []
     timelines: list[str] = []
+    notes: list[str] = []
     teacher: PackedScorer | None = None
     for workload_name in ("main", "balanced"):
         wanted = [r for r in args.rows if _workload(r) == workload_name]
@@ -663,14 +680,13 @@ async def run_rows(
         rollout_s, finished = await rollout(generator, plan)
         alone_step_ms = TIMELINE.median_step_ms(alone_start, time.perf_counter())
         print(f"[done] {workload_name} rollout alone: {rollout_s:.2f} s", file=sys.stderr, flush=True)
+        measured: list[Measured] = []
         for row in wanted:
             if _objective_kind(row) == "opd" and teacher is None:
                 teacher = make_teacher(args.tiny, device, next(model.parameters()).dtype)
             row_teacher = teacher if _objective_kind(row) == "opd" else None
             if row.endswith(_IN_CHILD):
-                cells_, check = await measure_in_child(
-                    row, model, generator, plan, rollout_s, finished, row_teacher, args.tiny
-                )
+                result, check = await measure_in_child(row, model, generator, plan, finished, row_teacher, args.tiny)
                 checks.append(check)
                 print(f"[check] {check}", file=sys.stderr, flush=True)
             else:
@@ -679,12 +695,11 @@ async def run_rows(
                     suffix, "graphs"
                 )
                 with engine_layers(layers):
-                    cells_, timeline = await measure_in_process(
+                    result, timeline = await measure_in_process(
                         row,
                         model,
                         generator,
                         plan,
-                        rollout_s,
                         finished,
                         row_teacher,
                         alone_step_ms,
@@ -695,9 +710,19 @@ async def run_rows(
                 timelines.append(timeline)
                 release_engine_graphs(model)  # the next row captures its own (rows may differ in layer math)
                 print(f"[timeline] {timeline}", file=sys.stderr, flush=True)
-            rows.append(cells_)
-            print(f"[done] {markdown_table(COLUMNS, rows[-1:]).splitlines()[-1]}", file=sys.stderr, flush=True)
-    return rows, checks, timelines
+            measured.append(result)
+            line = markdown_table(COLUMNS, [result.cells(rollout_s)]).splitlines()[-1]
+            print(f"[done] (against the first rollout alone) {line}", file=sys.stderr, flush=True)
+        # The rollout alone once more: its time moves by several percent from run to run, and the
+        # table's slowdown, price and hidden columns are differences against it.
+        again_s, _ = await rollout(generator, plan)
+        alone_s = (rollout_s + again_s) / 2
+        notes.append(
+            f"{workload_name}: rollout alone {rollout_s:.3f} s before its rows and {again_s:.3f} s after them; "
+            f"the table uses their mean, {alone_s:.3f} s"
+        )
+        rows.extend(m.cells(alone_s) for m in measured)
+    return rows, checks, timelines, notes
 
 
 CHILD_ENV: dict[str, str] = {}  # --child-env: the learner processes' extra environment
@@ -833,7 +858,7 @@ def main() -> None:
     model = make_model(args.tiny, device, torch.bfloat16 if cuda else torch.float32)
     CHILD_ENV.update(args.child_env)
     TIMELINE.install()
-    rows, checks, timelines = anyio.run(run_rows, args, model, device)
+    rows, checks, timelines, notes = anyio.run(run_rows, args, model, device)
     print(header(" ".join(["python", *sys.argv])))
     shapes = workloads(args.tiny, args.balanced)
     print(f"workload: {shapes['main']}; balanced: {shapes['balanced']}; dtype {next(model.parameters()).dtype}")
@@ -841,6 +866,7 @@ def main() -> None:
         f"GIL switch interval {sys.getswitchinterval()} s; learner processes' extra environment: {[f'{k}={v}' for k, v in CHILD_ENV.items()]}\n"
     )
     print(markdown_table(COLUMNS, rows))
+    print("\n" + "\n".join(notes))
     if cuda:
         print(f"\nengine graphs in this process (all rows): {graph_counts()}")
     if timelines:

@@ -59,8 +59,23 @@ def test_overlap_bench_runs_every_row() -> None:
     rows = ("GRPO, pack_tokens=8192 (default)", "GRPO, pack_tokens=8192, stream_early=True")
     for row in (*rows, "GRPO, pack_tokens=0", "OPD (teacher on the same device)"):
         assert f"| {row} |" in table
-    assert "| balanced GRPO " in table and "| hidden | speed-up | rollout slowdown | ceiling |" in table
+    assert "| balanced GRPO " in table and "| hidden | speed-up | rollout slowdown | price | ceiling |" in table
     assert "- OPD (teacher on the same device): engine " in table  # the streamed runs' host timeline
+
+
+@pytest.mark.timeout(300)
+def test_interference_bench_runs_a_load_in_a_thread_and_in_a_process_and_refuses_a_bad_load() -> None:
+    table = _run("interference.py")
+    for load in ("none (before the loads)", "thread:gemm", "thread:small", "process:gemm", "none (after the loads)"):
+        assert f"| {load} |" in table
+    done = subprocess.run(
+        [sys.executable, "bench/interference.py", "--tiny", "--loads", "process:gemm:0"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "'process:gemm:0' is not thread:KIND or process:KIND[:PERCENT]" in done.stderr
 
 
 @pytest.mark.timeout(300)
