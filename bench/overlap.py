@@ -69,7 +69,10 @@ process's streamed gradient over the same trajectories (printed under the table)
 
 The product form of the second process is ``thundersync.LearnerProcess`` (the ``-proc`` rows):
 there the optimizer, the teacher and the gradient stay in the parent, and only the engine's work
-runs in the child.
+runs in the child. The ``-gpu2`` rows (``grpo-gpu2``, ``opd-gpu2``, ``balanced-gpu2``) put that
+child on a second GPU, ``LearnerProcess(..., device="cuda:1")``: its own copy of the parameters
+there, taken again at every batch, the gradient copied back (they need two CUDA devices; on the CPU
+the child computes on a private copy).
 """
 
 from __future__ import annotations
@@ -488,7 +491,7 @@ async def measure_in_process(
     dense_seconds(model, plan[:1], finished, teacher)  # the dense path's kernels and autotuning
     learner_s = await learner_alone(learner, finished)
     dense_s = dense_seconds(model, plan, finished, teacher)
-    if row.endswith(_LEARNER_PROCESS):
+    if row.endswith((_LEARNER_PROCESS, _SECOND_DEVICE)):
         release_cache()  # the learner process allocates from the driver, not from this process's cache
     if warm_streamed:  # packs formed beside a rollout (stream_early) may need buckets the warm-up did not capture
         await streamed(generator, learner, alone_step_ms)
@@ -731,10 +734,11 @@ _EAGER = "-eager"  # the engine's layers eager (no CUDA graphs), in this process
 _COMPILED = "-compiled"  # whole-pack graphs of the compiled layers (THUNDERSYNC_ENGINE_COMPILE=on), in this process
 _UNFUSED = "-unfused"  # whole-pack graphs of the eager layer math (THUNDERSYNC_ENGINE_FUSED=off), in this process
 _LEARNER_PROCESS = "-proc"  # the objective a thundersync.LearnerProcess, the teacher in this process
+_SECOND_DEVICE = "-gpu2"  # a LearnerProcess on cuda:1, its own copy of the parameters (CPU: a private copy)
 
 
 def _objective_kind(row: str) -> str:
-    for suffix in (_IN_CHILD, _EAGER, _COMPILED, _UNFUSED, _LEARNER_PROCESS):
+    for suffix in (_IN_CHILD, _EAGER, _COMPILED, _UNFUSED, _LEARNER_PROCESS, _SECOND_DEVICE):
         row = row.removesuffix(suffix)
     return row
 
@@ -752,6 +756,9 @@ def make_objective(row: str, run: thundersync.StreamingRun) -> Any:
         build = functools.partial(
             thundersync.RewardLinearBackward, pack_tokens=pack_tokens, stream_early=kind == "grpo-early"
         )
+    if row.endswith(_SECOND_DEVICE):
+        device = "cuda:1" if run.layout.device.type == "cuda" else "cpu"
+        return thundersync.LearnerProcess(run, build, env=CHILD_ENV, device=device)
     if not row.endswith(_LEARNER_PROCESS):
         return build(run)
     release_cache()  # the child allocates from the driver, not from this process's cache
@@ -788,6 +795,9 @@ _ROW_NAMES = {
     "grpo-proc": "GRPO, LearnerProcess",
     "grpo-early-proc": "GRPO, stream_early=True, LearnerProcess",
     "balanced-proc": "balanced GRPO, LearnerProcess",
+    "grpo-gpu2": "GRPO, LearnerProcess on a second GPU",
+    "opd-gpu2": "OPD, LearnerProcess on a second GPU (teacher in this process)",
+    "balanced-gpu2": "balanced GRPO, LearnerProcess on a second GPU",
     "opd-proc": "OPD, LearnerProcess (teacher in this process)",
     "opd-2proc": "OPD, learner and teacher in a 2nd process",
     "balanced-2proc": "balanced GRPO, learner in a 2nd process",
@@ -854,6 +864,11 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown row(s) {', '.join(unknown)}; the rows are {', '.join(_ROW_NAMES)}")
     cuda = torch.cuda.is_available() and not args.tiny
+    second = [row for row in args.rows if row.endswith(_SECOND_DEVICE)]
+    if cuda and second and torch.cuda.device_count() < 2:
+        parser.error(
+            f"row(s) {', '.join(second)} need a second CUDA device; this machine has {torch.cuda.device_count()}"
+        )
     device = torch.device("cuda" if cuda else "cpu")
     model = make_model(args.tiny, device, torch.bfloat16 if cuda else torch.float32)
     CHILD_ENV.update(args.child_env)

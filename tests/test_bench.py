@@ -88,11 +88,11 @@ def test_teacher_cost_bench_runs_and_the_packed_scorer_matches_transformers() ->
 @pytest.mark.timeout(300)
 def test_overlap_bench_runs_the_learner_in_a_second_process_with_the_same_gradient() -> None:
     shape = ("--balanced", "2,3,40,56,4,12,0.7,0.5,4", "--child-env", "THUNDERSYNC_PROBE=1")
-    out = _run("overlap.py", "--rows", "grpo-2proc,opd-2proc,balanced-2proc,opd-proc", *shape)
+    out = _run("overlap.py", "--rows", "grpo-2proc,opd-2proc,balanced-2proc,opd-proc,grpo-gpu2", *shape)
     assert "balanced: Workload(groups=2, size=3, prompt=(40, 56), response=(4, 12), mu=0.7, sigma=0.5, slots=4)" in out
     assert "learner processes' extra environment: ['THUNDERSYNC_PROBE=1']" in out
     rows = ("GRPO, learner in a 2nd process", "OPD, learner and teacher in a 2nd process")
-    for row in (*rows, "OPD, LearnerProcess (teacher in this process)"):
+    for row in (*rows, "OPD, LearnerProcess (teacher in this process)", "GRPO, LearnerProcess on a second GPU"):
         assert f"| {row} |" in out
     assert "| balanced GRPO, learner in a 2nd process |" in out
     errors = [float(e) for e in re.findall(r"model\.norm\.weight rel\. error ([0-9.e+-]+)", out)]

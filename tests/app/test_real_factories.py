@@ -109,11 +109,11 @@ def test_objectives_wrap_the_library_configs() -> None:
     assert isinstance(opd, OPDStream) and opd.config.normalization == "sum"
     for factory in (training.grpo, training.opd):
         with pytest.raises(
-            ConfigError,
-            match=r"process_env \{'A': '1'\} is the environment of a learner process.*"
-            r"set process = true",
+            ConfigError, match=r"process_env \{'A': '1'\} is an option of a learner process.*set process = true"
         ):
             factory(run=run, process_env={"A": "1"})
+        with pytest.raises(ConfigError, match=r"process_device 'cuda:1' is an option of a learner process"):
+            factory(run=run, process_device="cuda:1")
 
 
 def test_optimizer_by_name_maximizes_grpo_and_minimizes_opd() -> None:

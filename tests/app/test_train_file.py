@@ -73,7 +73,7 @@ def test_a_learner_process_trains_the_file_as_one_process_does(tmp_path: Path) -
 
 def test_an_opd_file_trains_in_a_learner_process_as_in_one(tmp_path: Path) -> None:
     """The tiny file turned into OPD (a fake teacher scores every token; the teacher stage feeds
-    the backward stage): ``process = true`` steps as one process does."""
+    the backward stage): ``process = true`` on its own copy of the parameters steps as one process does."""
     from safetensors.torch import load_file
 
     text = TINY.read_text()
@@ -101,7 +101,11 @@ def test_an_opd_file_trains_in_a_learner_process_as_in_one(tmp_path: Path) -> No
         return [r for r in records if r["event"] == "step"], weights
 
     steps, weights = train("one")
-    child_steps, child_weights = train("two", "objects.objective.process=true")
+    # the learner on its own copy of the parameters (process_device; on the CPU a private copy,
+    # taken again at each batch): the second step's gradient comes from the weights after the first
+    child_steps, child_weights = train(
+        "two", "objects.objective.process=true", 'objects.objective.process_device="cpu"'
+    )
     assert [r["step"] for r in steps] == [1, 2] and all(r["reverse_kl"] is not None for r in steps)
     for key in ("grad_norm", "reverse_kl", "logprob_mismatch"):
         assert [r[key] for r in child_steps] == pytest.approx([r[key] for r in steps], rel=1e-5), key

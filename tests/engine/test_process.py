@@ -112,6 +112,63 @@ def test_a_learner_process_leaves_the_one_process_gradient_in_the_parents_grads(
     assert not learner._child.process.is_alive()
 
 
+def two_batches_with_a_step_between(model: torch.nn.Module, **options: Any) -> list[list[torch.Tensor]]:
+    """p.grad after each of two batches of a LearnerProcess(run, GRPO, **options), an SGD step
+    between them (and gradients already held when the second begins)."""
+    run = thundersync.StreamingRun(model)
+    optimizer = SGD(run.params)
+    grads = []
+    with thundersync.LearnerProcess(run, GRPO, **options) as learner:
+        for batch in (0, 1):
+            for name, args, kwargs in batch_calls(batch):
+                getattr(learner, name)(*args, **kwargs)
+            learner.assert_safe_to_step()
+            grads.append([p.grad.clone() for p in run.params])
+            optimizer.step()
+            torch.manual_seed(batch)
+            for p in run.params:
+                p.grad = torch.randn_like(p)
+    return grads
+
+
+def one_process_two_batches(model: torch.nn.Module) -> list[list[torch.Tensor]]:
+    """What :func:`two_batches_with_a_step_between` must give, computed in one process."""
+    want, held = [], None
+    for batch in (0, 1):
+        want.append(one_process_step(model, GRPO, batch_calls(batch), held))
+        SGD(list(model.parameters())).step()
+        torch.manual_seed(batch)
+        held = [torch.randn_like(p) for p in model.parameters() if p.requires_grad]
+    return want
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_learner_on_a_device_of_its_own_copies_the_parameters_each_batch_and_gives_the_same_gradient(
+    lora: bool,
+) -> None:
+    """``device=``: the child computes on its own copy of the parameters, taken again at every
+    batch's first call (a peft model: its adapters; its frozen base once, at start). On the CPU
+    the copy is private memory; without the refresh the second batch would be computed at the
+    first batch's parameters, before the step."""
+    if lora:
+        pytest.importorskip("peft")
+    model = tiny_qwen3(torch.float32, seed=7).double()
+    model = with_lora(model) if lora else model
+    want = one_process_two_batches(copy.deepcopy(model))
+    got = two_batches_with_a_step_between(model, device="cpu")
+    for batch in (0, 1):
+        for g, w in zip(got[batch], want[batch], strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_a_learner_device_of_another_kind_or_out_of_range_is_refused_before_any_process_starts() -> None:
+    run = thundersync.StreamingRun(tiny_qwen3(torch.float32, seed=1))
+    with pytest.raises(ConfigError, match="'gpu:1' is not a torch device"):
+        thundersync.LearnerProcess(run, GRPO, device="gpu:1")
+    with pytest.raises(ConfigError, match="cuda:0 is not of the model's kind"):
+        thundersync.LearnerProcess(run, GRPO, device="cuda:0")
+
+
 def test_a_streaming_trainer_over_a_learner_process_audits_and_reports_as_in_one_process() -> None:
     model = tiny_qwen3(torch.float32, seed=4).double()
     reference = copy.deepcopy(model)
@@ -198,6 +255,24 @@ def test_the_child_gets_the_environment_it_is_given_and_the_parent_keeps_its_own
 async def _serve_environment(model: torch.nn.Module, commands: Any, answers: Any, names: list[str]) -> None:
     answers.put(("environment", {name: os.environ.get(name) for name in names}))
     assert commands.get() == ("stop",)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.filterwarnings("ignore:Attempting to run cuBLAS, but there was no current CUDA context:UserWarning")
+def test_on_two_gpus_the_learner_on_the_second_gives_the_one_process_gradient_over_steps() -> None:
+    """``device="cuda:1"``: the model and its optimizer on cuda:0, the learner's copy on cuda:1,
+    taken again at every batch (fp32, TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_qwen3(torch.float32, seed=5).cuda()
+    want = one_process_two_batches(copy.deepcopy(model))
+    got = two_batches_with_a_step_between(model, device="cuda:1")
+    for batch in (0, 1):
+        for g, w in zip(got[batch], want[batch], strict=True):
+            assert g.device == torch.device("cuda:0")
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConfigError, match="needs an index of one of this process's"):
+        thundersync.LearnerProcess(thundersync.StreamingRun(model), GRPO, device=f"cuda:{torch.cuda.device_count()}")
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ Each is a thin wrapper over the library's own classes; the references make the c
     estimator = "grpo"
     process = false        # true: computed in a learner process of its own (LearnerProcess)
     process_env = {}       # that process's extra environment, e.g. { CUDA_MPS_CLIENT_PRIORITY = "1" } under MPS
+    process_device = ""    # e.g. "cuda:1": that process computes on its own copy of the parameters there
 
     [objects.optimizer]    # any torch.optim class over run.params; GRPO maximizes the reward
     factory = "optimizer"
@@ -99,14 +100,15 @@ def grpo(
     stream_early: bool = False,
     process: bool = False,
     process_env: dict[str, str] | None = None,
+    process_device: str = "",
 ) -> RewardLinearBackward | LearnerProcess:
     """``grpo``: a :class:`~thundersync.grpo.RewardLinearBackward` (GRPO-family objective) on ``run``;
     ``process = true`` computes it in a learner process of its own (:class:`~thundersync.LearnerProcess`),
-    with ``process_env`` in its environment."""
+    with ``process_env`` in its environment, on ``process_device`` when given."""
     build = functools.partial(
         RewardLinearBackward, estimator=estimator, eps=eps, pack_tokens=pack_tokens, stream_early=stream_early
     )
-    return _in_process(run, build, process, process_env)
+    return _in_process(run, build, process, process_env, process_device)
 
 
 def opd(
@@ -116,31 +118,37 @@ def opd(
     pack_tokens: _NonNegative = 8192,
     process: bool = False,
     process_env: dict[str, str] | None = None,
+    process_device: str = "",
 ) -> OPDStream | LearnerProcess:
     """``opd``: an :class:`~thundersync.opd.OPDStream` (on-policy distillation) on ``run``;
     ``process = true`` computes it in a learner process of its own (:class:`~thundersync.LearnerProcess`),
-    with ``process_env`` in its environment."""
+    with ``process_env`` in its environment, on ``process_device`` when given."""
     build = functools.partial(OPDStream, normalization=normalization, pack_tokens=pack_tokens)
-    return _in_process(run, build, process, process_env)
+    return _in_process(run, build, process, process_env, process_device)
 
 
 _Objective = TypeVar("_Objective", RewardLinearBackward, OPDStream)
 
 
 def _in_process(
-    run: StreamingRun, build: Callable[[StreamingRun], _Objective], process: bool, env: dict[str, str] | None
+    run: StreamingRun,
+    build: Callable[[StreamingRun], _Objective],
+    process: bool,
+    env: dict[str, str] | None,
+    device: str,
 ) -> _Objective | LearnerProcess:
     """``build(run)``, or the same objective in a child process over the run's model (``process``)
-    with ``env`` in its environment."""
+    with ``env`` in its environment, on ``device`` when given."""
     if not process:
-        if env:
-            raise ConfigError(
-                f"process_env {env} is the environment of a learner process, and this objective has none: "
-                "set process = true, or remove process_env"
-            )
+        for name, value in (("process_env", env), ("process_device", device)):
+            if value:
+                raise ConfigError(
+                    f"{name} {value!r} is an option of a learner process, and this objective has none: "
+                    f"set process = true, or remove {name}"
+                )
         return build(run)
-    learner = LearnerProcess(run, build, env=env)
-    _log.info("learner_process", pid=learner.pid, signal=learner.signal)
+    learner = LearnerProcess(run, build, env=env, device=device or None)
+    _log.info("learner_process", pid=learner.pid, signal=learner.signal, device=device or str(run.layout.device))
     return learner
 
 

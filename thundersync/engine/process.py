@@ -33,8 +33,10 @@ stream before a batch's first call (so the child reads the weights of the last o
 and the ``p.grad`` handed over); the child synchronizes its device before every answer.
 
 The child rebuilds the model's structure from its class and config (a peft model: its base, then
-its adapters' configs) on the meta device, around the parent's tensors. Not yet: data
-parallelism (refused with a ConfigError).
+its adapters' configs) on the meta device, around the parent's tensors. With ``device`` (a GPU of
+the learner's own) it builds a second copy there and computes on it, refreshed from the shared
+tensors at every batch's first call (:class:`LearnerProcess`). Not yet: data parallelism
+(refused with a ConfigError).
 
 :class:`ModelProcess` is the mechanism: ``ModelProcess(model, serve, *args)`` starts a ``torch.multiprocessing`` child (spawn) that gets
 every parameter and buffer of ``model`` by name: a CUDA tensor travels as an IPC handle of the
@@ -83,10 +85,20 @@ Serve = Callable[..., Awaitable[None]]  # serve(model, commands, answers, *args)
 
 class ModelProcess:
     """A child process over ``model``'s parameters (shared), serving the parent's commands;
-    ``env``: variables set in the child's environment before it initializes CUDA."""
+    ``env``: variables set in the child's environment before it initializes CUDA; ``device``:
+    serve a copy of the model on that device instead (see :class:`LearnerProcess`), refreshed
+    from the shared tensors whenever ``serve`` calls its ``refresh`` keyword."""
 
-    def __init__(self, model: torch.nn.Module, serve: Serve, *args: Any, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        serve: Serve,
+        *args: Any,
+        env: Mapping[str, str] | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
         env = _child_environment(env)
+        replica = _replica_device(model, device)
         build = rebuild_recipe(model)
         context = torch.multiprocessing.get_context("spawn")
         self.commands = context.Queue()
@@ -101,7 +113,7 @@ class ModelProcess:
         first = next(model.parameters()).detach().view(-1)[:1]
         before = float(first)
         self.process.start()
-        self.send("start", build, tensors, frozen, serve, args, torch.get_num_threads())
+        self.send("start", build, tensors, frozen, serve, args, torch.get_num_threads(), replica)
         name, written = self.receive("written")
         if float(first) != written:
             raise StreamingError(
@@ -164,9 +176,27 @@ class LearnerProcess:
     (``nvidia-cuda-mps-control -d`` before either process starts); under MPS,
     ``env={"CUDA_MPS_CLIENT_PRIORITY": "1"}`` puts the learner's kernels behind the generator's.
     What each choice measured on an H200 is in bench/RESULTS.md ("MPS").
+
+    ``device`` (e.g. ``"cuda:1"``) runs the learner on a device of its own. The child keeps a copy
+    of the parameters there and copies the trainable ones from the parent's at every batch's first
+    call (they are fixed within a batch; frozen parameters and buffers are copied once, at start).
+    It computes the batch there and copies the gradient back into the shared buffer on the
+    parent's device. On one GPU any learner work beside the rollout slows it (bench/RESULTS.md,
+    "What any device work beside the rollout costs it"); on a GPU of its own it shares no SMs
+    with the rollout. Costs: the copy's memory on that device, and per batch one copy of the
+    trainable parameters and one of the gradient. The index is as this process sees the devices
+    (do not also narrow them with ``CUDA_VISIBLE_DEVICES`` in ``env``). On the CPU,
+    ``device="cpu"`` gives the child a private copy.
     """
 
-    def __init__(self, run: StreamingRun, objective: Objective, *, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        run: StreamingRun,
+        objective: Objective,
+        *,
+        env: Mapping[str, str] | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
         model = run.anatomy.model
         if run.data_parallel is not None:
             raise ConfigError(
@@ -185,7 +215,7 @@ class LearnerProcess:
             for g, flat in enumerate(self._grads)
             for p, view in zip(layout.groups[g][1], layout.views(flat, g), strict=True)
         ]
-        self._child = ModelProcess(model, _serve_objective, objective, run.config, self._grads, env=env)
+        self._child = ModelProcess(model, _serve_objective, objective, run.config, self._grads, env=env, device=device)
         weakref.finalize(self, self._child.close)  # the child ends with this object, or at exit
         (self.signal,) = self._child.receive("ready")  # "reward" (GRPO) or "teacher" (OPD)
         self._in_batch = False
@@ -348,7 +378,14 @@ _ERRORS = _errors()
 
 
 async def _serve_objective(
-    model: torch.nn.Module, commands: Any, answers: Any, objective: Objective, config: Any, grads: list[torch.Tensor]
+    model: torch.nn.Module,
+    commands: Any,
+    answers: Any,
+    objective: Objective,
+    config: Any,
+    grads: list[torch.Tensor],
+    *,
+    refresh: Callable[[], None] | None = None,
 ) -> None:
     """The child's loop: run the forwarded calls in order, remembering the batch's first failure
     (later calls are skipped until ``discard``); answer ``("done", failure or None, value)`` to
@@ -356,30 +393,39 @@ async def _serve_objective(
 
     ``grads`` are the parent's shared buffers, laid out as the run's parameters: ``begin`` makes
     each ``p.grad`` that the parent holds a view of them (holding its values), ``safe`` leaves the
-    batch's ``p.grad`` there, ``dense`` writes the dense gradient there."""
+    batch's ``p.grad`` there, ``dense`` writes the dense gradient there. With ``refresh`` the model
+    is a copy on a device of its own: ``begin`` calls it first (the parameters of the parent's last
+    step), and ``p.grad`` are views of buffers on that device, copied from and to the shared ones."""
     from thundersync.engine.run import StreamingRun
 
     run = StreamingRun(model, config)
     target = objective(run)
-    views = [view for g, flat in enumerate(grads) for view in run.layout.views(flat, g)]
+    local = grads if refresh is None else [torch.zeros_like(g, device=run.layout.device) for g in grads]
+    shared, views = (
+        [view for g, flat in enumerate(bufs) for view in run.layout.views(flat, g)] for bufs in (grads, local)
+    )
     assert [v.shape for v in views] == [p.shape for p in run.layout.params], "the parent's layout differs"
     answers.put(("ready", target.signal))
     failure: Failure | None = None
 
     def begin(held: list[bool]) -> None:
-        for p, view, has in zip(run.layout.params, views, held, strict=True):
+        if refresh is not None:
+            refresh()
+        for p, view, source, has in zip(run.layout.params, views, shared, held, strict=True):
+            if has and view is not source:
+                view.copy_(source)
             p.grad = view if has else None  # the parent's p.grad, copied into the view
 
     def safe() -> list[bool]:
-        """The objective's ``assert_safe_to_step()``; the gradient (if any) into the views."""
+        """The objective's ``assert_safe_to_step()``; the gradient (if any) into the shared views."""
         target.assert_safe_to_step()
-        for p, view in zip(run.layout.params, views, strict=True):
+        for p, view in zip(run.layout.params, shared, strict=True):
             if p.grad is not None and p.grad is not view:
                 view.copy_(p.grad)
         return [p.grad is not None for p in run.layout.params]
 
     def dense() -> None:
-        for view, value in zip(views, target.dense_gradient(), strict=True):
+        for view, value in zip(shared, target.dense_gradient(), strict=True):
             view.copy_(value)
 
     requests: dict[str, Callable[[], object]] = {
@@ -453,19 +499,59 @@ def _child_main(commands: Any, answers: Any, env: dict[str, str]) -> None:
     os.environ.update(env)  # before the first message: its CUDA tensors initialize CUDA here
     commands = _FromParent(commands)
     try:
-        kind, build, tensors, frozen, serve, args, threads = commands.get()
+        kind, build, tensors, frozen, serve, args, threads, device = commands.get()
         assert kind == "start", f"the learner process got {kind!r} first"
         torch.set_num_threads(threads)  # the parent's: the same CPU math, summed in the same order
         model = share_into(build, tensors, frozen)
-        del tensors
         _write_and_restore(model, commands, answers)
+        if device is not None:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # the engine's streams and graphs use the current device
+            copies = {name: t.to(device, copy=True) for name, t in tensors.items()}
+            trained = {name: copies[name] for name, p in model.named_parameters() if p.requires_grad}
+            model = share_into(build, copies, frozen)
+            serve = functools.partial(serve, refresh=functools.partial(_refresh, trained, tensors))
+            del copies, trained
+        del tensors
         anyio.run(serve, model, commands, answers, *args)
-        del model, args  # release the parent's memory before exiting (the parent frees it in close())
+        del model, args, serve  # release the parent's memory before exiting (the parent frees it in close())
         gc.collect()
         _sync()
     except BaseException:
         answers.put(("failed", traceback.format_exc()))
         raise
+
+
+def _refresh(copies: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]) -> None:
+    """The copies of the trainable parameters take the shared tensors' values (the parent
+    synchronized before asking); frozen parameters and buffers were copied once, at start."""
+    with torch.no_grad():
+        for name, replica in copies.items():
+            replica.copy_(shared[name])
+
+
+def _replica_device(model: torch.nn.Module, device: str | torch.device | None) -> torch.device | None:
+    """``device`` checked against the model's (a ``ConfigError`` naming what is wrong), or None."""
+    if device is None:
+        return None
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"the learner's device {device!r} is not a torch device; use e.g. 'cuda:1'") from None
+    home = next(model.parameters()).device
+    if chosen.type != home.type:
+        raise ConfigError(
+            f"the learner's device {chosen} is not of the model's kind ({home}); a learner on its own device "
+            "copies the parameters between devices of one kind (e.g. cuda:0 -> cuda:1)"
+        )
+    if chosen.type == "cuda":
+        count = torch.cuda.device_count()
+        if chosen.index is None or not 0 <= chosen.index < count:
+            raise ConfigError(
+                f"the learner's device {chosen} needs an index of one of this process's {count} CUDA device(s), "
+                f"e.g. 'cuda:{count - 1}'"
+            )
+    return chosen
 
 
 class _FromParent:
