@@ -196,14 +196,15 @@ def _sms(device: torch.device) -> int | str:
 
 def serve_load(args: argparse.Namespace) -> None:
     """``--serve-load KIND``: the load process. Calibrates, says it is ready (one JSON line), runs
-    bursts until the stop file exists, then prints its bursts' durations (one JSON line)."""
+    bursts until the stop file exists (or its parent is gone), then prints its bursts' durations
+    (one JSON line)."""
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     burster = Burster(args.serve_load, device, args.tiny)
     per_op = burster.calibrate(args.burst_ms)
     ready = {"ops": burster.ops, "burst_alone_ms": per_op * burster.ops, "sms": _sms(device)}
     print(json.dumps(ready), flush=True)
-    stop = Path(args.stop_file)
-    burster.run(args.period_ms, stop.exists)
+    stop, parent = Path(args.stop_file), os.getppid()
+    burster.run(args.period_ms, lambda: stop.exists() or os.getppid() != parent)  # or the bench died
     print(json.dumps({"durations": burster.durations}), flush=True)
 
 
@@ -233,8 +234,11 @@ async def measure(args: argparse.Namespace) -> tuple[str, list[list[Any]]]:
     for spec in args.loads:
         load = Load(spec, args, device)
         load.start()
-        seconds, step = await one()
-        results.append((spec, seconds, step, load.stop()))
+        try:
+            seconds, step = await one()
+        finally:  # a failed rollout leaves no load running
+            result = load.stop()
+        results.append((spec, seconds, step, result))
         print(f"[done] {spec}: rollout {seconds:.3f} s", file=sys.stderr, flush=True)
     after = await one()
     alone = (before[0] + after[0]) / 2
