@@ -167,6 +167,8 @@ def test_a_learner_device_of_another_kind_or_out_of_range_is_refused_before_any_
         thundersync.LearnerProcess(run, GRPO, device="gpu:1")
     with pytest.raises(ConfigError, match="cuda:0 is not of the model's kind"):
         thundersync.LearnerProcess(run, GRPO, device="cuda:0")
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES='1' in its environment would renumber them"):
+        thundersync.LearnerProcess(run, GRPO, device="cpu", env={"CUDA_VISIBLE_DEVICES": "1"})
 
 
 def test_a_streaming_trainer_over_a_learner_process_audits_and_reports_as_in_one_process() -> None:

@@ -99,6 +99,12 @@ class ModelProcess:
     ) -> None:
         env = _child_environment(env)
         replica = _replica_device(model, device)
+        if replica is not None and "CUDA_VISIBLE_DEVICES" in env:
+            raise ConfigError(
+                f"the learner's device {replica} is named as this process sees the devices, and "
+                f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r} in its environment would renumber them "
+                "(and hide the parameters' device from it): give the device alone"
+            )
         build = rebuild_recipe(model)
         context = torch.multiprocessing.get_context("spawn")
         self.commands = context.Queue()
@@ -185,7 +191,7 @@ class LearnerProcess:
     "What any device work beside the rollout costs it"); on a GPU of its own it shares no SMs
     with the rollout. Costs: the copy's memory on that device, and per batch one copy of the
     trainable parameters and one of the gradient. The index is as this process sees the devices
-    (do not also narrow them with ``CUDA_VISIBLE_DEVICES`` in ``env``). On the CPU,
+    (``CUDA_VISIBLE_DEVICES`` in ``env`` is refused beside it). On the CPU,
     ``device="cpu"`` gives the child a private copy.
     """
 
