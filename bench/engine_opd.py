@@ -13,7 +13,8 @@ separate passes that wait for each action's backward (time from ``append_turn`` 
 being done), run twice: a lone action's pack has other shapes than the streamed run's packs of
 several actions, so the first pass still captures CUDA graphs (0.5-0.8 s each on the H200); the
 p50 and p95 columns are the second pass's, as a training run sees them once its shapes are
-captured, and the first pass's are beside them. Relative errors are against the dense gradient of an fp32 copy of the model.
+captured, and the first pass's are beside them. Relative errors are against the dense gradient
+of an fp32 copy of the model.
 """
 
 from __future__ import annotations

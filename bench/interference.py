@@ -55,8 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import header, markdown_table
 from bench.engine import make_model
-from bench.overlap import TIMELINE, make_plan, parse_workload, rollout, workloads
-from thundersync.generation import TorchGenerator
+from bench.overlap import TIMELINE, make_plan, parse_workload, rollout, workload_generator, workloads
 
 KINDS = ("gemm", "copy", "small")
 DEFAULT_LOADS = "thread:gemm,thread:copy,thread:small,process:gemm,process:copy,process:small"
@@ -214,10 +213,7 @@ async def measure(args: argparse.Namespace) -> tuple[str, list[list[Any]]]:
     model = make_model(args.tiny, device, torch.bfloat16 if cuda else torch.float32)
     workload = workloads(args.tiny, args.balanced)[args.workload]
     plan = make_plan(workload, model.config.vocab_size, seed=0)
-    longest = max(len(g.prompt) for g in plan) + workload.response[1] + 1
-    generator = TorchGenerator(
-        model, max_batch=min(workload.slots, workload.groups * workload.size), max_seq_len=longest
-    )
+    generator = workload_generator(model, workload, plan)
     TIMELINE.install()
     await rollout(generator, plan)  # warm-up: decode graphs, kernels, allocator
 

@@ -253,6 +253,13 @@ async def gpu_window(offset: float, seconds: float, out: list[str], trace: Path 
         out.append(f"trace in {trace}")
 
 
+def workload_generator(model: torch.nn.Module, workload: Workload, plan: Batch) -> TorchGenerator:
+    """A ``TorchGenerator`` on ``model`` with the workload's slots and room for its longest sequence."""
+    longest = max(len(g.prompt) for g in plan) + workload.response[1] + 1
+    slots = min(workload.slots, workload.groups * workload.size)
+    return TorchGenerator(model, max_batch=slots, max_seq_len=longest)
+
+
 def make_plan(workload: Workload, vocab: int, seed: int) -> Batch:
     """Prompts, rewards and response lengths (the responses' tokens come from the generator)."""
     rng = random.Random(seed)
@@ -675,9 +682,7 @@ async def run_rows(
             continue
         workload = shapes[workload_name]
         plan = make_plan(workload, model.config.vocab_size, seed=0)
-        longest = max(len(g.prompt) for g in plan) + workload.response[1] + 1
-        slots = min(workload.slots, workload.groups * workload.size)
-        generator = TorchGenerator(model, max_batch=slots, max_seq_len=longest)
+        generator = workload_generator(model, workload, plan)
         await rollout(generator, plan)  # warm-up: decode graphs for every key length, kernels, allocator
         alone_start = time.perf_counter()
         rollout_s, finished = await rollout(generator, plan)

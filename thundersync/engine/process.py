@@ -42,7 +42,7 @@ tensors at every batch's first call (:class:`LearnerProcess`). Not yet: data par
 every parameter and buffer of ``model`` by name: a CUDA tensor travels as an IPC handle of the
 parent's memory (the child maps the same allocation: zero copy), a CPU tensor through shared
 memory (its storage moves into a shared segment in place, the parent's too). The child builds
-the model's structure (:func:`rebuild_recipe`) on the meta device and puts those tensors in place of its own
+the model's structure (:func:`~thundersync.engine._rebuild.rebuild_recipe`) on the meta device and puts those tensors in place of its own
 (tied parameters stay tied), so its parameters are the parent's storage. Device pointers mean
 nothing across processes, so the proof is a write: the child sets the first parameter's first
 element, the parent must read the new value in its own copy, then the child restores it.
@@ -73,6 +73,7 @@ import anyio
 import anyio.to_thread
 import torch
 
+from thundersync.engine._rebuild import named_tensors, rebuild_recipe, share_into
 from thundersync.errors import ConfigError, StreamingError
 
 if TYPE_CHECKING:
@@ -109,7 +110,7 @@ class ModelProcess:
         context = torch.multiprocessing.get_context("spawn")
         self.commands = context.Queue()
         self.answers = context.Queue()
-        tensors = {name: t.detach() for name, t in _named_tensors(model)}
+        tensors = {name: t.detach() for name, t in named_tensors(model)}
         frozen = frozenset(name for name, p in model.named_parameters() if not p.requires_grad)
         # the shared tensors travel as a message, not as the process's arguments, which the child
         # would hold until it exits (its references to the parent's memory never released)
@@ -482,10 +483,6 @@ def _failure(fn: Callable[[], object]) -> Failure | None:
     return _outcome(fn)[0]
 
 
-def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [*model.named_parameters(), *model.named_buffers()]
-
-
 def _child_environment(env: Mapping[str, str] | None) -> dict[str, str]:
     """``env`` checked: names without ``=`` or NUL, string values (a ``ConfigError`` otherwise)."""
     checked = {}
@@ -574,71 +571,6 @@ class _FromParent:
                 parent = multiprocessing.parent_process()
                 if parent is not None and not parent.is_alive():
                     raise SystemExit("the parent process is gone") from None
-
-
-def rebuild_recipe(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
-    """How another process builds ``model``'s structure (not its values): a picklable callable.
-
-    A transformers model: ``type(model)(model.config)``. A peft model: its base the same way,
-    wrapped by ``get_peft_model`` with each of its adapters' configs, the active one set."""
-    from thundersync.engine.anatomy import unwrap_peft
-
-    base = unwrap_peft(model)
-    config = getattr(base, "config", None)
-    if config is None:
-        raise ConfigError(
-            f"a learner process rebuilds the model from type(model)(model.config); {type(base).__name__} has "
-            "no config: pass a transformers causal LM, or one wrapped by peft"
-        )
-    if base is model:
-        return functools.partial(_transformers_model, type(model), config)
-    adapters = getattr(model, "peft_config", None)
-    if not isinstance(adapters, dict) or not adapters:
-        raise ConfigError(f"{type(model).__name__} wraps a model but has no peft_config to rebuild it from")
-    active = getattr(model, "active_adapter", next(iter(adapters)))
-    return functools.partial(_peft_model, type(base), config, dict(adapters), active)
-
-
-def _transformers_model(model_class: type, config: Any) -> torch.nn.Module:
-    built: torch.nn.Module = model_class(config)
-    return built
-
-
-def _peft_model(base_class: type, config: Any, adapters: dict[str, Any], active: str) -> torch.nn.Module:
-    from peft import get_peft_model
-
-    (first, first_config), *others = adapters.items()
-    model = get_peft_model(base_class(config), first_config, adapter_name=first)
-    for name, adapter_config in others:
-        model.add_adapter(name, adapter_config)
-    model.set_adapter(active)
-    built: torch.nn.Module = model
-    return built
-
-
-def share_into(
-    build: Callable[[], torch.nn.Module], tensors: dict[str, torch.Tensor], frozen: frozenset[str] = frozenset()
-) -> torch.nn.Module:
-    """``build()`` on the meta device, each parameter and buffer replaced by the tensor of its name
-    (``named_parameters()``/``named_buffers()`` names), tied ones kept tied; parameters named in
-    ``frozen`` do not require gradients."""
-    with torch.device("meta"):
-        model = build()
-    adopted: dict[int, torch.Tensor] = {}  # id of a meta tensor -> the tensor in its place
-    for prefix, module in model.named_modules():
-        for slots in (module._parameters, module._buffers):
-            for attr, meta in list(slots.items()):
-                if meta is None:
-                    continue
-                if id(meta) not in adopted:  # the first name of a tied tensor is the one sent
-                    name = f"{prefix}.{attr}" if prefix else attr
-                    shared = tensors[name]
-                    is_parameter = isinstance(meta, torch.nn.Parameter)
-                    adopted[id(meta)] = torch.nn.Parameter(shared, name not in frozen) if is_parameter else shared
-                slots[attr] = adopted[id(meta)]
-    left = [name for name, t in _named_tensors(model) if t.is_meta]
-    assert not left, f"tensors the parent did not send: {left}"
-    return model.eval()
 
 
 def _write_and_restore(model: torch.nn.Module, commands: Any, answers: Any) -> None:
