@@ -23,9 +23,8 @@ from thundersync.engine.anatomy import decoder_anatomy
 from thundersync.errors import ConfigError
 
 
-def _prefix(rows: int, layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    t = torch.zeros(2, rows, 16)
-    return [(t, t) for _ in range(layers)]
+def _prefix(rows: int, layers: int = 2) -> torch.Tensor:
+    return torch.zeros(layers, 2, 2, rows, 16)  # a KVStack: [layers, keys and values, Hkv, rows, D]
 
 
 def test_a_plan_lays_the_pack_out_in_its_bucket() -> None:

@@ -83,7 +83,7 @@ from thundersync.engine._graphed import (
     write_grads,
 )
 from thundersync.engine._streams import capture_graph, warm_up_stream
-from thundersync.engine.adapter import KV, ChunkSpec, PackOutput, _gather_index, _key_spans
+from thundersync.engine.adapter import ChunkSpec, KVStack, PackOutput, _gather_index, _key_spans
 from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.engine.decoder import EAGER, LayerMath, apply_norm, decoder_forward
 from thundersync.errors import ConfigError
@@ -142,7 +142,7 @@ class Plan:
     shape: tuple[int, int, int, int]  # the bucket: rows R, prefix rows P, keys K, chunk slots C
     rows: int  # the pack's real rows N
     io: torch.Tensor  # host long [sum(io_split(shape))]: positions, key index, cu, readers, starts
-    sources: list[Sequence[KV]]  # the distinct prefixes, per layer (k, v) [Hkv, P_s, D]
+    sources: list[KVStack]  # the distinct prefixes, each [L, 2, Hkv, P_s, D]
     offsets: list[int]  # chunk c occupies rows offsets[c] : offsets[c + 1]
 
 
@@ -156,7 +156,7 @@ def plan(chunks: Sequence[ChunkSpec]) -> Plan | str:
     if rows > max_rows():
         return "pack_too_long"
     sources, spans = _key_spans(chunks, offsets)
-    prefix = sum(int(s[0][0].shape[1]) for s in sources)
+    prefix = sum(int(s.shape[3]) for s in sources)
     q_lens = [int(c.tokens.numel()) for c in chunks]
     k_lens = [sum(stop - start for start, stop in per_chunk) for per_chunk in spans]
     flat = [span for per_chunk in spans for span in per_chunk]
@@ -274,9 +274,8 @@ class _Graph:
             self.copied.record()
         else:
             self.io.copy_(plan.io)
-        destinations, sources = _prefix_views(self.buffer, plan.sources)
-        if destinations:
-            torch._foreach_copy_(destinations, sources)
+        if plan.sources:
+            torch._foreach_copy_(_prefix_views(self.buffer, plan.sources), plan.sources)
 
     def run(self) -> tuple[torch.Tensor, ...]:
         out: tuple[torch.Tensor, ...] = torch.func.functional_call(
@@ -358,26 +357,19 @@ class _PackReplay(torch.autograd.Function):
         graph.backward.replay()
         # Autograd keeps an incoming gradient as a leaf's .grad itself where the leaf has none: the
         # proxies' (fresh leaves) come from one copy.
-        prefix_grads = _prefix_views(graph.buffer_grad[:, :, : graph.shape[1]].clone(), ctx.plan.sources)[0]
+        prefix_grads = _prefix_views(graph.buffer_grad[:, :, : graph.shape[1]].clone(), ctx.plan.sources)
         write_grads(graph.params, [g if used else None for g, used in zip(graph.param_grads, graph.used)])
         return (None, None, None, *([None] if graph.params else []), *prefix_grads)  # the anchor's: None
 
 
-def _prefix_views(
-    buffer: torch.Tensor, sources: Sequence[Sequence[KV]]
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The rows of ``buffer`` [L, 2, P, Hkv, D] that hold each source, as [Hkv, P_s, D] views, and the
-    sources' tensors in the same order (source, layer, k then v)."""
-    views, tensors = [], []
-    start = 0
+def _prefix_views(buffer: torch.Tensor, sources: Sequence[KVStack]) -> list[torch.Tensor]:
+    """The rows of ``buffer`` [L, 2, P, Hkv, D] that hold each source, as [L, 2, Hkv, P_s, D] views."""
+    views, start = [], 0
     for source in sources:
-        length = int(source[0][0].shape[1])
-        for layer, kv in enumerate(source):
-            for i, t in enumerate(kv):
-                views.append(buffer[layer, i, start : start + length].transpose(0, 1))
-                tensors.append(t)
+        length = int(source.shape[3])
+        views.append(buffer[:, :, start : start + length].transpose(2, 3))
         start += length
-    return views, tensors
+    return views
 
 
 def _views(flats: dict[torch.dtype, torch.Tensor], params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -459,10 +451,9 @@ class PackGraphs:
             return None
         self._busy = True
         _COUNTS["pack_replayed"] += 1
-        leaves = [t for source in layout.sources for kv in source for t in kv]
         try:
             anchor = [self.anchor] if graph.params else []
-            outputs = _PackReplay.apply(graph, layout, tokens, *anchor, *leaves)
+            outputs = _PackReplay.apply(graph, layout, tokens, *anchor, *layout.sources)
         except BaseException:
             self._busy = False
             raise

@@ -1,9 +1,13 @@
 """Run a decoder's own submodules over packed chunks of new tokens, each after its own prefix.
 
 A *chunk* is a run of consecutive tokens of one sequence, starting at absolute position
-``start``. Its *prefix* is the per-layer key/value state of everything before it (post-norm,
-post-rotary, exactly what attention consumes), usually a detached proxy that requires grad, so
-the backward of the chunk stops there and leaves the prefix's adjoint in ``proxy.grad``.
+``start``. Its *prefix* is the key/value state of everything before it (post-norm, post-rotary,
+exactly what attention consumes), every layer's in one tensor (a :data:`KVStack`), usually a
+detached proxy that requires grad, so the backward of the chunk stops there and leaves the
+prefix's adjoint in ``proxy.grad``. One tensor, not a list per layer, because the engine moves
+states, proxies and adjoints whole: a 28-layer model's per-layer lists cost 56 launches for every
+cast, copy, split or add (OPD's ledgers and proxies, ~25 ms of host time per streamed pack on the
+H200 machine).
 
 Several chunks are *packed*: their tokens are concatenated into one row, so every projection,
 norm and MLP of the decoder layers (:func:`~thundersync.engine.decoder.decoder_forward`) runs once
@@ -41,9 +45,19 @@ from thundersync.engine.decoder import LayerMath, apply_norm, decoder_forward
 from thundersync.kernels.attention import PackedLayout, packed_chunk_attention
 from thundersync.kernels.dtypes import accumulate_dtype
 
-__all__ = ["KV", "ChunkSpec", "PackOutput", "empty_prefix", "forward_pack", "head_logprobs"]
+__all__ = ["KV", "ChunkSpec", "KVStack", "PackOutput", "empty_prefix", "forward_pack", "head_logprobs", "stack_kv"]
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values) of one layer, each [Hkv, L, D]
+KVStack = torch.Tensor  # every layer's keys and values: [layers, 2, Hkv, L, D]; kv[layer][0] is a layer's keys
+
+
+def stack_kv(kv: KVStack | Sequence[KV]) -> KVStack:
+    """``kv`` as one [layers, 2, Hkv, L, D] tensor: itself if it is one, else its layers stacked
+    (one kernel; the result stays differentiable with respect to the per-layer tensors)."""
+    if isinstance(kv, torch.Tensor):
+        return kv
+    stacked = torch.stack([t for pair in kv for t in pair])
+    return stacked.view(len(kv), 2, *stacked.shape[1:])
 
 
 @dataclass(frozen=True)
@@ -52,10 +66,11 @@ class ChunkSpec:
 
     tokens: torch.Tensor
     start: int
-    # Per layer (k, v), each [Hkv, P, D], in any float dtype (the engine passes its fp32 proxies):
-    # the chunk reads rows [0, prefix_len) (all P when None). Chunks that pass the same sequence
-    # object share it: it is cast and laid out once per layer for all of them. P may be 0.
-    prefix: Sequence[KV]
+    # A KVStack [layers, 2, Hkv, P, D] (or a per-layer sequence of (k, v) [Hkv, P, D], stacked once)
+    # in any float dtype (the engine passes its fp32 proxies): the chunk reads rows [0, prefix_len)
+    # (all P when None). Chunks that pass the same object share it: it is cast and laid out once
+    # for all of them. P may be 0.
+    prefix: KVStack | Sequence[KV]
     # The prefix continues with rows [offsets[c] + skip, offsets[c + 1] - trim) of earlier chunks
     # c of the same pack, in this order (ancestors forwarded together with their descendants:
     # the gradient flows through the graph).
@@ -84,12 +99,10 @@ class PackOutput:
             return [(k[rows].transpose(0, 1), v[rows].transpose(0, 1)) for k, v in self.layer_kv]
 
 
-def empty_prefix(anatomy: DecoderAnatomy, device: torch.device | None = None) -> list[KV]:
+def empty_prefix(anatomy: DecoderAnatomy, device: torch.device | None = None) -> KVStack:
     """A zero-length prefix for a chunk that starts a sequence."""
-    shape = (anatomy.num_kv_heads, 0, anatomy.head_dim)
-    dev = device if device is not None else anatomy.device
-    empty = torch.empty(shape, dtype=anatomy.dtype, device=dev)
-    return [(empty, empty) for _ in anatomy.layers]
+    shape = (len(anatomy.layers), 2, anatomy.num_kv_heads, 0, anatomy.head_dim)
+    return torch.empty(shape, dtype=anatomy.dtype, device=device if device is not None else anatomy.device)
 
 
 @dataclass(frozen=True)
@@ -102,7 +115,10 @@ class _PackAttention:
     adjoints of a row that several chunks read (a shared prompt) in fp32 before the one rounding.
     """
 
-    sources: Sequence[Sequence[KV]]  # the distinct prefixes, per layer [Hkv, P_s, D]
+    # the distinct prefixes, each unbound into its layers' keys and values [Hkv, P_s, D] (one
+    # autograd node per prefix, whose backward stacks their adjoints: a prefix's gradient is one
+    # tensor, not a sum of per-layer scatters)
+    sources: Sequence[Sequence[torch.Tensor]]
     key_index: torch.Tensor | None  # rows of cat(sources..., pack) per chunk; None: the pack's rows as they are
     layout: PackedLayout
     scale: float
@@ -114,7 +130,7 @@ class _PackAttention:
         if self.key_index is not None:
             acc = accumulate_dtype(k.dtype)
             keys, values = (
-                torch.cat([*(s[layer][i].transpose(0, 1).to(acc) for s in self.sources), own.to(acc)])
+                torch.cat([*(s[2 * layer + i].transpose(0, 1).to(acc) for s in self.sources), own.to(acc)])
                 .index_select(0, self.key_index)
                 .to(own.dtype)
                 for i, own in ((0, k), (1, v))
@@ -141,24 +157,24 @@ def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec], math: Lay
     key_index = None if identity else _gather_index(flat).to(device, non_blocking=True)
     layout = PackedLayout([int(c.tokens.numel()) for c in chunks], key_lengths, device)
     kv: list[KV] = []
-    attention = _PackAttention(sources, key_index, layout, anatomy.scaling, kv)
+    unbound = [s.flatten(0, 1).unbind(0) for s in sources]
+    attention = _PackAttention(unbound, key_index, layout, anatomy.scaling, kv)
     x = decoder_forward(anatomy, tokens, positions, attention, math)[: offsets[-1]]  # a math may pad rows
     return PackOutput(hidden=apply_norm(anatomy.norm, x), tokens=tokens, offsets=offsets, layer_kv=kv)
 
 
-def _key_spans(
-    chunks: Sequence[ChunkSpec], offsets: list[int]
-) -> tuple[list[Sequence[KV]], list[list[tuple[int, int]]]]:
-    """The distinct prefixes and, per chunk, the spans of its key rows in ``cat(prefixes..., pack
-    rows)``: its prefix rows, its in-pack ancestors' rows, its own rows (always last)."""
-    sources: list[Sequence[KV]] = []
+def _key_spans(chunks: Sequence[ChunkSpec], offsets: list[int]) -> tuple[list[KVStack], list[list[tuple[int, int]]]]:
+    """The distinct prefixes (stacked) and, per chunk, the spans of its key rows in
+    ``cat(prefixes..., pack rows)``: its prefix rows, its in-pack ancestors' rows, its own rows
+    (always last)."""
+    sources: list[KVStack] = []
     base: dict[int, int] = {}  # id(prefix) -> its first row
     rows = 0
     for chunk in chunks:
         if chunk.prefix_rows and id(chunk.prefix) not in base:
             base[id(chunk.prefix)] = rows
-            sources.append(chunk.prefix)
-            rows += int(chunk.prefix[0][0].shape[1])
+            sources.append(stack_kv(chunk.prefix))
+            rows += int(sources[-1].shape[3])
     spans = []
     for n, chunk in enumerate(chunks):
         own = [] if not chunk.prefix_rows else [(base[id(chunk.prefix)], base[id(chunk.prefix)] + chunk.prefix_rows)]

@@ -2,12 +2,13 @@
 
 A :class:`Segment` is a run of tokens appended after its parent segment (``None`` for a root,
 e.g. a prompt). A group is a tree: the prompt is the root, each trajectory a chain below it.
-Once forwarded, a segment keeps its per-layer K/V ``state`` (detached, model dtype), which its
-descendants read as a prefix.
+Once forwarded, a segment keeps its K/V ``state`` (detached, model dtype, every layer's in one
+:data:`~thundersync.engine.adapter.KVStack` [layers, 2, Hkv, T, D]), which its descendants read
+as a prefix.
 
 :meth:`SegmentPack.forward` runs several segments packed into one row, each after a detached
-proxy of its ancestors' states (the proxy is an fp32 / fp64 leaf; every chunk reads its own cast
-of it). Log-probabilities of a segment's token ``j`` come from the hidden state of the token
+proxy of its ancestors' states (the proxy is one fp32 / fp64 leaf per chain, the states
+concatenated; every chunk reads its own cast of it). Log-probabilities of a segment's token ``j`` come from the hidden state of the token
 before it, so a non-root segment is fed as ``[last token of its parent] + its tokens`` and reads
 its ancestors' states for every position but that last one: the boundary token's K/V is
 recomputed inside the segment (the same values), so its first token is scored exactly and no
@@ -18,8 +19,8 @@ the graph (e.g. a prompt packed with its last branches, backpropagated once for 
 :meth:`SegmentPack.backward` takes a scalar objective over the scored log-probs and/or adjoints
 for the segments' own K/V outputs, sends the parameter gradients to a sink (a
 :class:`~thundersync.engine._accum.GradCapture` scratch, or ``p.grad`` directly when the sink is
-``None``) and returns the adjoint of every ancestor's state (accumulation dtype, full ancestor
-length), ready for an :class:`AdjointLedger`. Recomputing a segment later (a replay) gives the
+``None``) and returns the adjoint of every ancestor's state (a KVStack in the accumulation
+dtype, full ancestor length), ready for an :class:`AdjointLedger`. Recomputing a segment later (a replay) gives the
 same forward: the engine runs no dropout. Differentiate a pack through :meth:`SegmentPack.backward`
 only: a pack replayed from CUDA graphs adds its parameters' gradients into their ``.grad`` inside
 its backward (one multi-tensor add; see ``_graphed.write_grads``), so ``torch.autograd.grad``
@@ -54,7 +55,16 @@ from thundersync.engine._compiled import pack_math
 from thundersync.engine._fused import FUSED
 from thundersync.engine._graphed import GraphedLayers, graphed_layers
 from thundersync.engine._pack_graph import PackGraphs, pack_graphs
-from thundersync.engine.adapter import KV, ChunkSpec, PackOutput, empty_prefix, forward_pack, head_logprobs
+from thundersync.engine.adapter import (
+    KV,
+    ChunkSpec,
+    KVStack,
+    PackOutput,
+    empty_prefix,
+    forward_pack,
+    head_logprobs,
+    stack_kv,
+)
 from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.engine.decoder import EAGER
 
@@ -70,7 +80,7 @@ class Segment:
         self.tokens = tokens
         self.parent = parent
         self.start = parent.end if parent is not None else 0
-        self.state: list[KV] | None = None
+        self.state: KVStack | None = None
 
     @property
     def end(self) -> int:
@@ -91,27 +101,23 @@ class Segment:
 
 
 class AdjointLedger:
-    """The fp32 (fp64) adjoint of one segment's K/V state, per layer; allocated on first add."""
+    """The fp32 (fp64) adjoint of one segment's K/V state (a KVStack); allocated on first add."""
 
     def __init__(self) -> None:
-        self.tensors: list[KV] | None = None
+        self.tensors: KVStack | None = None
 
-    def add(self, adjoint: Sequence[KV], scale: float = 1.0) -> None:
+    def add(self, adjoint: KVStack, scale: float = 1.0) -> None:
         """ledger += scale * adjoint (product rounded first, then the sum)."""
         if scale == 0.0:
             return
-        scaled = [(k * scale, v * scale) if scale != 1.0 else (k, v) for k, v in adjoint]
+        scaled = adjoint * scale if scale != 1.0 else adjoint
         if self.tensors is None:
-            self.tensors = [(k.clone(), v.clone()) for k, v in scaled]
-            return
-        for (lk, lv), (k, v) in zip(self.tensors, scaled):
-            lk.add_(k)
-            lv.add_(v)
+            self.tensors = scaled.clone() if scaled is adjoint else scaled
+        else:
+            self.tensors.add_(scaled)
 
     def nbytes(self) -> int:
-        if self.tensors is None:
-            return 0
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.tensors)
+        return 0 if self.tensors is None else self.tensors.numel() * self.tensors.element_size()
 
 
 class SegmentPack:
@@ -122,12 +128,12 @@ class SegmentPack:
         anatomy: DecoderAnatomy,
         segments: Sequence[Segment],
         output: PackOutput,
-        leaves: dict[int, tuple[list[Segment], list[KV]]],
+        leaves: dict[int, tuple[list[Segment], KVStack]],
     ) -> None:
         self.anatomy = anatomy
         self.segments = list(segments)
         self.output = output
-        self._leaves = leaves  # id(parent) -> (its chain incl. the parent, per-layer proxy leaves)
+        self._leaves = leaves  # id(parent) -> (its chain incl. the parent, the proxy leaf)
         self._graphs: PackGraphs | GraphedLayers | None = None  # whose static buffers hold this pack's activations
 
     @classmethod
@@ -135,7 +141,7 @@ class SegmentPack:
         cls, anatomy: DecoderAnatomy, segments: Sequence[Segment], *, grad: bool = True, keep_state: bool = False
     ) -> SegmentPack:
         """Forward ``segments`` packed; with ``keep_state`` each keeps its own K/V as ``state``."""
-        leaves: dict[int, tuple[list[Segment], list[KV]]] = {}
+        leaves: dict[int, tuple[list[Segment], KVStack]] = {}
         chunks: list[ChunkSpec] = []
         index = {id(seg): i for i, seg in enumerate(segments)}
         math = pack_math(anatomy)  # compiled (opt-in), the fused kernels' (CUDA, 16-bit) or eager
@@ -164,8 +170,9 @@ class SegmentPack:
         pack = cls(anatomy, segments, output, leaves)
         pack._graphs = owner
         if keep_state:
-            for position, seg in enumerate(segments):
-                seg.state = [(k.detach().clone(), v.detach().clone()) for k, v in pack.kv(position)]
+            with torch.no_grad():
+                for position, seg in enumerate(segments):
+                    seg.state = stack_kv(pack.kv(position))
         return pack
 
     def kv(self, index: int) -> list[KV]:
@@ -198,11 +205,11 @@ class SegmentPack:
     def backward(
         self,
         objective: torch.Tensor | None,
-        kv_adjoints: Sequence[Sequence[KV] | None] | None = None,
+        kv_adjoints: Sequence[KVStack | None] | None = None,
         *,
         params: Sequence[torch.nn.Parameter],
         sink: GradCapture | None,
-    ) -> dict[Segment, list[KV]]:
+    ) -> dict[Segment, KVStack]:
         """Backpropagate ``objective`` (a scalar) and/or adjoints of the segments' own K/V.
 
         Parameter gradients go to ``sink``'s scratch (``p.grad`` when ``None``); returns each
@@ -216,12 +223,13 @@ class SegmentPack:
             grads.append(torch.ones_like(objective))
         for index, adjoint in enumerate(kv_adjoints or []):
             if adjoint is not None:
+                adjoint = adjoint.to(self.output.layer_kv[0][0].dtype)  # one cast for every layer
                 for (k, v), (ak, av) in zip(self.kv(index), adjoint):
                     for out, adj in ((k, ak), (v, av)):
                         if out.requires_grad:  # e.g. layer-0 keys under LoRA on q/v only: no graph
                             outputs.append(out)
-                            grads.append(adj.to(out.dtype))
-        leaves = [t for _, per_layer in self._leaves.values() for kv in per_layer for t in kv]
+                            grads.append(adj)
+        leaves = [leaf for _, leaf in self._leaves.values()]
         if isinstance(self._graphs, PackGraphs):
             leaves.append(self._graphs.anchor)  # the replay's input in the parameters' place
         if outputs:
@@ -241,21 +249,16 @@ class SegmentPack:
     def __del__(self) -> None:
         self._release()  # a pack dropped without its backward frees its graphs' buffers too
 
-    def _ancestor_adjoints(self) -> dict[Segment, list[KV]]:
-        result: dict[Segment, list[KV]] = {}
-        for chain, per_layer in self._leaves.values():
+    def _ancestor_adjoints(self) -> dict[Segment, KVStack]:
+        result: dict[Segment, KVStack] = {}
+        for chain, leaf in self._leaves.values():
             lengths = [int(a.tokens.numel()) for a in chain]
-            split = [
-                tuple(zip(*(torch.split(_grad_or_zero(t), lengths, dim=1) for t in kv))) for kv in per_layer
-            ]  # per layer: tuple over ancestors of (k_adj, v_adj)
-            for position, ancestor in enumerate(chain):
-                pieces = [layer[position] for layer in split]
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            for ancestor, piece in zip(chain, torch.split(grad, lengths, dim=3)):
                 if ancestor in result:
-                    for (rk, rv), (k, v) in zip(result[ancestor], pieces):
-                        rk.add_(k)
-                        rv.add_(v)
-                else:  # views of the leaves' gradients: the pack drops its leaves, nothing else reads them
-                    result[ancestor] = pieces
+                    result[ancestor].add_(piece)
+                else:  # a view of the leaf's gradient: the pack drops its leaves, nothing else reads it
+                    result[ancestor] = piece
         return result
 
 
@@ -267,14 +270,10 @@ def forward_prompt(anatomy: DecoderAnatomy, tokens: torch.Tensor) -> Segment:
     return root
 
 
-def _grad_or_zero(leaf: torch.Tensor) -> torch.Tensor:
-    return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-
-
 def _proxy(
-    anatomy: DecoderAnatomy, chain: list[Segment], leaves: dict[int, tuple[list[Segment], list[KV]]], grad: bool
-) -> list[KV]:
-    """Per-layer fp32 (fp64) leaves holding the concatenated states of ``chain`` (shared per pack)."""
+    anatomy: DecoderAnatomy, chain: list[Segment], leaves: dict[int, tuple[list[Segment], KVStack]], grad: bool
+) -> KVStack:
+    """An fp32 (fp64) leaf holding the concatenated states of ``chain`` (shared per pack)."""
     key = id(chain[-1])
     if key not in leaves:
         states = [a.state for a in chain if a.state is not None]
@@ -284,26 +283,16 @@ def _proxy(
                 "or in the same pack before its children"
             )
         acc = accumulate_dtype(anatomy.dtype)
-        per_layer = []
-        for layer in range(len(anatomy.layers)):
-            k, v = (_joined([state[layer][i] for state in states], acc).requires_grad_(grad) for i in (0, 1))
-            per_layer.append((k, v))
-        leaves[key] = (chain, per_layer)
+        joined = states[0].to(acc, copy=True) if len(states) == 1 else torch.cat(states, dim=3).to(acc)
+        leaves[key] = (chain, joined.requires_grad_(grad))
     return leaves[key][1]
-
-
-def _joined(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """``cat(parts, dim=1)`` in ``dtype``, a new tensor (one kernel for a single part)."""
-    if len(parts) == 1:
-        return parts[0].to(dtype, copy=True)
-    return torch.cat(parts, dim=1).to(dtype)
 
 
 def _chunk(
     anatomy: DecoderAnatomy,
     seg: Segment,
     index: dict[int, int],
-    leaves: dict[int, tuple[list[Segment], list[KV]]],
+    leaves: dict[int, tuple[list[Segment], KVStack]],
     grad: bool,
 ) -> ChunkSpec:
     if seg.parent is None:

@@ -17,7 +17,7 @@ import torch
 from thundersync.engine import forest
 from thundersync.engine._accum import FlatAccumulator
 from thundersync.engine._mismatch import LogprobMismatch
-from thundersync.engine.adapter import KV
+from thundersync.engine.adapter import KVStack
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.run import StreamingRun
 
@@ -62,11 +62,7 @@ class GroupWork:
     cancelled: bool = False
 
     def nbytes(self) -> int:
-        state = (
-            0
-            if self.root is None or self.root.state is None
-            else sum(k.numel() * k.element_size() * 2 for k, _ in self.root.state)
-        )
+        state = 0 if self.root is None or self.root.state is None else self.root.state.nbytes
         accs = sum(a.nbytes() for a in (self.g1, self.g2) if a is not None)
         return state + accs + self.l1.nbytes() + self.l2.nbytes() + self.final.nbytes()
 
@@ -137,7 +133,7 @@ def backward_final(run: StreamingRun, items: Sequence[tuple[GroupWork, Branch, f
             work.final.add(adjoint)
 
 
-def _combined_adjoint(work: GroupWork, c1: float, c2: float) -> list[KV] | None:
+def _combined_adjoint(work: GroupWork, c1: float, c2: float) -> KVStack | None:
     combined = AdjointLedger()
     for ledger, scale in ((work.l1, c1), (work.l2, c2), (work.final, 1.0)):
         if ledger.tensors is not None:

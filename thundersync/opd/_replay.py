@@ -16,7 +16,7 @@ import torch
 from thundersync.engine import forest
 from thundersync.engine._accum import FlatAccumulator
 from thundersync.engine._mismatch import LogprobMismatch
-from thundersync.engine.adapter import KV
+from thundersync.engine.adapter import KVStack
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.run import StreamingRun
 from thundersync.opd.loss import surrogate_sum
@@ -48,8 +48,8 @@ class TurnState:
     ledger: AdjointLedger = field(default_factory=AdjointLedger)
 
     def nbytes(self) -> int:
-        state = self.segment.state if self.segment is not None and self.segment.state is not None else []
-        return self.ledger.nbytes() + sum(k.nbytes + v.nbytes for k, v in state)
+        state = self.segment.state if self.segment is not None else None
+        return self.ledger.nbytes() + (0 if state is None else state.nbytes)
 
 
 @dataclass(eq=False)
@@ -77,8 +77,8 @@ class PromptState:
     ledger: AdjointLedger = field(default_factory=AdjointLedger)
 
     def nbytes(self) -> int:
-        state = self.root.state if self.root is not None and self.root.state is not None else []
-        return self.ledger.nbytes() + sum(k.nbytes + v.nbytes for k, v in state)
+        state = self.root.state if self.root is not None else None
+        return self.ledger.nbytes() + (0 if state is None else state.nbytes)
 
 
 class GradientSink:
@@ -110,8 +110,8 @@ class GradientSink:
         self,
         pack: SegmentPack,
         objective: torch.Tensor | None,
-        adjoints: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]] | None] | None,
-    ) -> dict[Segment, list[KV]]:
+        adjoints: Sequence[KVStack | None] | None,
+    ) -> dict[Segment, KVStack]:
         """``pack.backward`` with the parameter gradients sent where they belong."""
         if self.direct:
             return pack.backward(objective, adjoints, params=self.run.params, sink=None)
