@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from thundersync.engine._streams import upload
+
 if TYPE_CHECKING:
     from thundersync.engine.distributed import DataParallel
 
@@ -39,9 +41,9 @@ class LogprobMismatch:
         count = int(known.sum())
         if count == 0:
             return
-        gaps = (behaviour.to(learner.device, torch.float64) - learner.detach().to(torch.float64)).abs()
+        gaps = (upload(behaviour, learner.device) - learner.detach().to(torch.float64)).abs()
         # where, not a mask index: indexing by a device mask would sync the host on every pack
-        gap = torch.where(known.to(learner.device), gaps, 0.0).sum()
+        gap = torch.where(upload(known, learner.device), gaps, 0.0).sum()
         self._sum = gap if self._sum is None else self._sum + gap
         self._count += count
 

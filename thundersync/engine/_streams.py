@@ -20,7 +20,8 @@ its stream and frees (the run's total, a ``.grad`` a job created) is only reused
 and every job first waits for the caller's stream as of its submit, so the reuse follows the use.
 On the CPU every call is a no-op: the ``JobStream`` of a CPU run has no stream.
 
-:func:`warm_up_stream` is where every CUDA-graph capture warms up (lazy initialisations must not be
+:func:`upload` moves a job's small host inputs without a wait; :func:`warm_up_stream` is where
+every CUDA-graph capture warms up (lazy initialisations must not be
 captured), and :func:`capture_graph` where it records.
 """
 
@@ -33,7 +34,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["JobStream", "capture_graph", "warm_up_stream"]
+__all__ = ["JobStream", "capture_graph", "upload", "warm_up_stream"]
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device`` without waiting for the device: through pinned memory,
+    asynchronously on the current stream. A copy from pageable memory waits until the stream's
+    queued work is done, so each one inside a job made the host wait for the pack before it (a
+    lone OPD action's GPU idled ~40% of its wait on the H200). Torch's pinned allocator keeps the
+    staging block until the copy has run."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class JobStream:

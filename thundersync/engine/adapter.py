@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from thundersync.engine._streams import upload
 from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.engine.decoder import LayerMath, apply_norm, decoder_forward
 from thundersync.kernels.attention import PackedLayout, packed_chunk_attention
@@ -149,12 +150,12 @@ def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec], math: Lay
         offsets.append(offsets[-1] + int(chunk.tokens.numel()))
     tokens = torch.cat([chunk.tokens for chunk in chunks])
     device = tokens.device
-    positions = _gather_index([(c.start, c.start + int(c.tokens.numel())) for c in chunks]).to(device)
+    positions = upload(_gather_index([(c.start, c.start + int(c.tokens.numel())) for c in chunks]), device)
     sources, spans = _key_spans(chunks, offsets)
     key_lengths = [sum(stop - start for start, stop in per_chunk) for per_chunk in spans]
     flat = [span for per_chunk in spans for span in per_chunk]
     identity = not sources and all(a[1] == b[0] for a, b in itertools.pairwise(flat))  # the pack's rows in order
-    key_index = None if identity else _gather_index(flat).to(device, non_blocking=True)
+    key_index = None if identity else upload(_gather_index(flat), device)
     layout = PackedLayout([int(c.tokens.numel()) for c in chunks], key_lengths, device)
     kv: list[KV] = []
     unbound = [s.flatten(0, 1).unbind(0) for s in sources]

@@ -55,6 +55,7 @@ from thundersync.engine._compiled import pack_math
 from thundersync.engine._fused import FUSED
 from thundersync.engine._graphed import GraphedLayers, graphed_layers
 from thundersync.engine._pack_graph import PackGraphs, pack_graphs
+from thundersync.engine._streams import upload
 from thundersync.engine.adapter import (
     KV,
     ChunkSpec,
@@ -198,7 +199,7 @@ class SegmentPack:
         if not rows:
             empty = self.output.hidden.new_zeros(0, dtype=accumulate_dtype(self.output.hidden.dtype))
             return [empty for _ in sizes]
-        at = torch.tensor(rows, dtype=torch.long).to(self.output.hidden.device, non_blocking=True)
+        at = upload(torch.tensor(rows, dtype=torch.long), self.output.hidden.device)
         lp = head_logprobs(self.anatomy, self.output.hidden[at], self.output.tokens[at + 1])  # row r predicts r + 1
         return list(torch.split(lp, sizes))
 

@@ -25,7 +25,7 @@ from torch import nn
 from thundersync.engine import inputs
 from thundersync.engine._accum import FlatAccumulator, GradCapture, ParamLayout
 from thundersync.engine._guard import ParameterGuard, check_deterministic
-from thundersync.engine._streams import JobStream
+from thundersync.engine._streams import JobStream, upload
 from thundersync.engine._worker import Worker
 from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy, unwrap_peft
 from thundersync.engine.inputs import build_config
@@ -121,7 +121,7 @@ class StreamingRun:
         return self._total
 
     def tensor(self, ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(ids, dtype=torch.long, device=self.layout.device)
+        return upload(torch.tensor(ids, dtype=torch.long), self.layout.device)
 
     # --- caller side ---------------------------------------------------------------------------
 

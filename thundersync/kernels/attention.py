@@ -114,7 +114,8 @@ class PackedLayout:
             [list(itertools.accumulate(self.q_lens, initial=0)), list(itertools.accumulate(self.k_lens, initial=0))],
             dtype=torch.int32,
         )
-        self.cu = bounds.to(device)  # rows: cumulative query offsets, cumulative key offsets
+        # rows: cumulative query offsets, cumulative key offsets (pinned: no wait for the device)
+        self.cu = bounds.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else bounds
 
     @property
     def rows(self) -> tuple[int, int]:

@@ -16,6 +16,7 @@ import torch
 from thundersync.engine import forest
 from thundersync.engine._accum import FlatAccumulator
 from thundersync.engine._mismatch import LogprobMismatch
+from thundersync.engine._streams import upload
 from thundersync.engine.adapter import KVStack
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.run import StreamingRun
@@ -205,8 +206,8 @@ def backward_turns(
     losses = []
     for item, lp in zip(pending, logprobs):
         assert item.turn.teacher is not None
-        behaviour = None if item.turn.behaviour is None else item.turn.behaviour.to(lp)
-        losses.append(surrogate_sum(lp, item.turn.teacher.to(lp), behaviour))
+        behaviour = None if item.turn.behaviour is None else upload(item.turn.behaviour, lp.device)
+        losses.append(surrogate_sum(lp, upload(item.turn.teacher, lp.device), behaviour))
         mismatch.add(lp, item.turn.behaviour)
     for ancestor, adjoint in sink.backward(pack, torch.stack(losses).sum(), None).items():
         ledgers[id(ancestor)].add(adjoint)
