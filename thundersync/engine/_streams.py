@@ -40,9 +40,9 @@ __all__ = ["JobStream", "capture_graph", "upload", "warm_up_stream"]
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``host`` (a CPU tensor) on ``device`` without waiting for the device: through pinned memory,
     asynchronously on the current stream. A copy from pageable memory waits until the stream's
-    queued work is done, so each one inside a job made the host wait for the pack before it (a
-    lone OPD action's GPU idled ~40% of its wait on the H200). Torch's pinned allocator keeps the
-    staging block until the copy has run."""
+    queued work is done, so each one inside a job made the host wait for the work before it
+    instead of queueing the next launches. Torch's pinned allocator keeps the staging block until
+    the copy has run."""
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
