@@ -108,7 +108,7 @@ def test_pack_graphs_record_the_compiled_math(compiled: Counting, monkeypatch: p
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
     assert graph_counts()["pack_replayed"] == 2 and len(graphs.buckets()) == 2
-    assert all(math is _compiled.COMPILED for _, math in graphs._graphs)
+    assert all(math is _compiled.COMPILED for _, math, _ in graphs._graphs)
     # The graphs' steps went through dynamo: at most one new specialization per function (for the
     # aliased parameters), not one per layer (5 here; 28 would pass dynamo's recompile limit)
     assert counts[0] < compiled.forward <= counts[0] + 2 and compiled.backward <= counts[1] + 2

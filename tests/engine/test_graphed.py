@@ -7,7 +7,9 @@ import torch
 
 from tests.engine.tiny_models import tiny_qwen3, with_lora
 from thundersync.engine import AdjointLedger, Segment, SegmentPack
+from thundersync.engine._accum import FlatAccumulator, GradCapture, GradSum, ParamLayout
 from thundersync.engine._graphed import MAX_ROWS, ParamsKey, bucket, graphed_layers, into_grads, write_grads
+from thundersync.engine._pack_graph import drain_totals
 from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy
 
 
@@ -100,12 +102,17 @@ def cuda_anatomy(lora: bool, dtype: torch.dtype = torch.float32) -> DecoderAnato
     return decoder_anatomy(with_lora(model) if lora else model)
 
 
-def pack_results(anatomy: object, tokens: torch.Generator, second: bool, device: str = "cuda") -> list[torch.Tensor]:
+def pack_results(
+    anatomy: object, tokens: torch.Generator, second: bool, device: str = "cuda", accumulate: bool = False
+) -> list[torch.Tensor]:
     """A pack after a prompt read by proxy: a branch with its in-pack child and three more branches
     (one of a single token); a weighted log-prob objective, then the prompt's replay with the
-    adjoint it received. Returns the log-probs, the prompt's adjoint and every gradient."""
+    adjoint it received. Returns the log-probs, the prompt's adjoint and every gradient: ``.grad``,
+    or with ``accumulate`` the fp32 (fp64) sum a GradSum sink gathered (the graph totals drained)."""
     an = anatomy  # DecoderAnatomy
     params = an.trainable_parameters()  # type: ignore[attr-defined]
+    total = FlatAccumulator(ParamLayout(params), torch.device(device)) if accumulate else None
+    sink = GradSum(total, GradCapture(total.layout)) if total is not None else None
 
     def ids(n: int) -> torch.Tensor:
         return torch.randint(0, 97, (n,), generator=tokens).to(device)
@@ -114,21 +121,27 @@ def pack_results(anatomy: object, tokens: torch.Generator, second: bool, device:
     SegmentPack.forward(an, [root], grad=False, keep_state=True)  # type: ignore[arg-type]
     a = Segment(ids(5), root)
     segments = [a, Segment(ids(7), a), *(Segment(ids(n), root) for n in (1, 4, 30))]
-    pack = SegmentPack.forward(an, segments)  # type: ignore[arg-type]
+    pack = SegmentPack.forward(an, segments, accumulate=accumulate)  # type: ignore[arg-type]
     if second:  # a second pack while the first waits for its backward: it must not share buffers
-        other = SegmentPack.forward(an, [Segment(ids(6), root)])  # type: ignore[arg-type]
+        other = SegmentPack.forward(an, [Segment(ids(6), root)], accumulate=accumulate)  # type: ignore[arg-type]
         (lp_other,) = other.scored_logprobs([list(range(6))])
     lps = pack.scored_logprobs([list(range(s.tokens.numel())) for s in segments])
     objective = sum(lp.sum() * (i + 1) for i, lp in enumerate(lps))
-    adjoints = pack.backward(objective, params=params, sink=None)  # type: ignore[arg-type]
+    adjoints = pack.backward(objective, params=params, sink=sink)  # type: ignore[arg-type]
     ledger = AdjointLedger()
     ledger.add(adjoints[root])
     if second:
-        ledger.add(other.backward(lp_other.sum(), params=params, sink=None)[root])
-    replay = SegmentPack.forward(an, [root])  # type: ignore[arg-type]
-    replay.backward(None, [ledger.tensors], params=params, sink=None)
+        ledger.add(other.backward(lp_other.sum(), params=params, sink=sink)[root])
+    replay = SegmentPack.forward(an, [root], accumulate=accumulate)  # type: ignore[arg-type]
+    replay.backward(None, [ledger.tensors], params=params, sink=sink)
     assert ledger.tensors is not None
-    return [*lps, *(t for kv in ledger.tensors for t in kv), *(p.grad for p in params)]
+    grads = [p.grad for p in params]
+    if total is not None:
+        assert all(g is None for g in grads), "a GradSum sink leaves .grad alone"
+        drain_totals(an.model, total)  # type: ignore[attr-defined]
+        summed = dict(total.per_parameter())
+        grads = [summed[p] for p in params]
+    return [*lps, *(t for kv in ledger.tensors for t in kv), *grads]
 
 
 @pytest.mark.gpu

@@ -85,9 +85,12 @@ def uncaptured(monkeypatch: pytest.MonkeyPatch, anatomy: object) -> PackGraphs:
     """PackGraphs whose 'graphs' run the recorded steps each time (what a capture records)."""
 
     def capture(self: _pack_graph._Graph, pool: object) -> None:
+        sums = self.param_grads  # a capture computes nothing: this step's sums are no pack's
+        self.param_grads = [torch.zeros_like(t) for t in sums]
         self.forward_step()
         self.grad_outputs = [torch.zeros_like(o) for o in self.outputs]
         self.backward_step()
+        self.param_grads = sums
         self.forward = types.SimpleNamespace(replay=self.forward_step)
         self.backward = types.SimpleNamespace(replay=self.backward_step)
 
@@ -123,10 +126,59 @@ def test_the_bucketed_pack_math_equals_the_eager_pack_in_fp64(
     assert graphs.buckets() == [(64, 0, 256, 3), (64, 256, 256, 7)]
 
 
+@pytest.mark.parametrize("second", [False, True], ids=["one-pack", "two-packs-pending"])
+def test_graphed_packs_that_accumulate_add_the_same_gradients_in_their_totals(
+    monkeypatch: pytest.MonkeyPatch, second: bool
+) -> None:
+    """A GradSum sink: the graphed packs add their parameters' gradients to the model's graph
+    totals (drained into the sink's accumulator), the head's arrive through .grad; the sum equals
+    the eager packs' .grad in fp64, and the totals are zero after the drain."""
+    model = tiny_qwen3(torch.float64, seed=6)
+    anatomy = decoder_anatomy(model)
+    model.zero_grad(set_to_none=True)
+    want = pack_results(anatomy, torch.Generator().manual_seed(7), second, device="cpu")
+    graphs = uncaptured(monkeypatch, anatomy)
+    monkeypatch.setitem(_pack_graph._models, model, graphs)  # where drain_totals looks
+    for _ in range(2):  # the second pass replays the buckets of the first
+        model.zero_grad(set_to_none=True)
+        got = pack_results(anatomy, torch.Generator().manual_seed(7), second, device="cpu", accumulate=True)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+        assert not graphs.pending and all(not t.any() for t in graphs.totals.values())
+    assert graphs.totals and graphs.buckets() == [(64, 0, 256, 3), (64, 256, 256, 7)]
+
+
+def test_graph_totals_follow_the_trainable_parameters_between_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A parameter frozen after a drained batch: the graphs are captured again with totals for the
+    new set (the sums still equal the eager packs'); frozen while totals are pending: refused."""
+    model = tiny_qwen3(torch.float64, seed=6)
+    anatomy = decoder_anatomy(model)
+    graphs = uncaptured(monkeypatch, anatomy)
+    monkeypatch.setitem(_pack_graph._models, model, graphs)
+    pack_results(anatomy, torch.Generator().manual_seed(7), False, device="cpu", accumulate=True)
+    summed = len(graphs.total_params)  # the parameters the graphs reach (not an untied head)
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    anatomy = decoder_anatomy(model)
+    monkeypatch.setattr(forest, "pack_graphs", lambda an: None)
+    want = pack_results(anatomy, torch.Generator().manual_seed(7), False, device="cpu")
+    model.zero_grad(set_to_none=True)
+    monkeypatch.setattr(forest, "pack_graphs", lambda an: graphs)
+    got = pack_results(anatomy, torch.Generator().manual_seed(7), False, device="cpu", accumulate=True)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    assert len(graphs.total_params) == summed - 1
+    graphs.pending = True  # as if a batch's packs had replayed and not been drained
+    with pytest.raises(RuntimeError, match="trainable parameters changed while its CUDA graphs held"):
+        graphs.total_buffers(graphs.total_params[1:])
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("accumulate", [False, True], ids=["grad", "totals"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-masked", "bf16-varlen"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_pack_graphs_equal_eager_packs(monkeypatch: pytest.MonkeyPatch, lora: bool, dtype: torch.dtype) -> None:
+def test_pack_graphs_equal_eager_packs(
+    monkeypatch: pytest.MonkeyPatch, lora: bool, dtype: torch.dtype, accumulate: bool
+) -> None:
     anatomy = cuda_anatomy(lora, dtype)
     model = anatomy.model
     results = {}
@@ -135,7 +187,8 @@ def test_pack_graphs_equal_eager_packs(monkeypatch: pytest.MonkeyPatch, lora: bo
     for mode in ("off", "on", "on"):  # the second graphed run replays graphs captured by the first
         monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPHS", mode)
         model.zero_grad(set_to_none=True)
-        results[mode] = pack_results(anatomy, torch.Generator().manual_seed(7), True)
+        accumulated = accumulate and mode == "on"  # against the eager packs' .grad
+        results[mode] = pack_results(anatomy, torch.Generator().manual_seed(7), True, accumulate=accumulated)
     graphs = pack_graphs(anatomy)
     assert graphs is not None and len(graphs.buckets()) == 2
     assert _graphed.graph_counts()["pack_replayed"] == 4

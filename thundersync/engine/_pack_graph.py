@@ -16,7 +16,8 @@ for a bucket of shapes and a pack costs a few dozen host ops:
                         a = varlen flash attention over cu            (a masked SDPA off bf16/fp16)
                     -> hidden [R, H] (final norm), k_l, v_l [R, Hkv, D]
     backward graph  d hidden, d k_l, d v_l -> d prefix (copied to a shared buffer),
-                    d parameters (copied to one shared flat buffer)
+                    d parameters (copied to one shared flat buffer, or added to the model's
+                    fp32 graph totals: ``accumulate``)
 
 A bucket is (rows R, prefix rows P, gathered keys K, chunk slots C), each a power of two. The
 pack's N rows are padded to R: the padding rows form one extra chunk that attends to itself, so
@@ -35,6 +36,14 @@ single pack's wall time did not change, its kernels bound it). The anchor, a sca
 requires grad, makes the outputs require grad where no proxy does (a prompt's pack); a backward
 restricted to ``inputs`` must list it, as ``SegmentPack.backward`` does. The graphs differentiate with respect to detached aliases of the parameters (see
 :class:`~thundersync.engine._graphed._Part`).
+
+A pack forwarded with ``accumulate`` (an unscaled fp32 sum of every pack's gradient: OPD on a
+16-bit model, :class:`~thundersync.engine._accum.GradSum`) replays graphs captured for that: their
+backward adds the parameters' gradients into the model's graph totals (one accumulation-dtype flat
+buffer per parameter dtype, outside the pool), so no ``.grad`` is written; :func:`drain_totals`
+adds the totals into the batch's accumulator and zeroes them, :func:`clear_totals` drops them.
+They persist while the batch runs, through re-captures (a replaced :class:`PackGraphs`, by
+:func:`release_graphs`, loses them: not during a batch).
 
 One pack at a time owns the static buffers, as with the per-layer graphs; the buckets share one
 memory pool, and the prefix input and the gradient outputs are shared buffers outside it, so a
@@ -68,6 +77,7 @@ import torch.nn.functional as F
 from thundersync._compile import COMPILE_LOCK
 from thundersync._logging import get_logger
 from thundersync.engine import _graphed
+from thundersync.engine._accum import FlatAccumulator
 from thundersync.engine._fused import FUSED
 from thundersync.engine._graphed import (
     _AFTER,
@@ -92,7 +102,17 @@ from thundersync.kernels.attention import capability
 from thundersync.kernels.dtypes import accumulate_dtype
 from thundersync.kernels.layer import gather_rows, gather_rows_reference, key_readers
 
-__all__ = ["MAX_CHUNKS", "MAX_KEYS", "PackGraphs", "max_rows", "pack_graphs", "packed_attention", "release_graphs"]
+__all__ = [
+    "MAX_CHUNKS",
+    "MAX_KEYS",
+    "PackGraphs",
+    "clear_totals",
+    "drain_totals",
+    "max_rows",
+    "pack_graphs",
+    "packed_attention",
+    "release_graphs",
+]
 
 _log = get_logger(__name__)
 
@@ -117,6 +137,24 @@ def release_graphs(model: torch.nn.Module) -> None:
     process that switches the layer math, or trains another model next, need not keep both)."""
     _models.pop(model, None)
     _graphed._models.pop(model, None)
+
+
+def drain_totals(model: torch.nn.Module, into: FlatAccumulator) -> None:
+    """Add ``model``'s graph totals (what packs replayed with ``accumulate`` left) into ``into``
+    and zero them; on the current stream, after the replays (join the engine's stream first)."""
+    graphs = _models.get(model)  # a model whose capture failed later keeps what it accumulated before
+    if graphs is not None and graphs.pending:
+        into.add_grads(list(zip(graphs.total_params, _views(graphs.totals, graphs.total_params))))
+        clear_totals(model)
+
+
+def clear_totals(model: torch.nn.Module) -> None:
+    """Zero ``model``'s graph totals (a dropped batch)."""
+    graphs = _models.get(model)
+    if graphs is not None and graphs.pending:
+        for t in graphs.totals.values():
+            t.zero_()
+        graphs.pending = False
 
 
 def max_rows() -> int:
@@ -238,9 +276,9 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torc
 class _Graph:
     """One bucket's static inputs and outputs, its forward and backward graphs."""
 
-    def __init__(self, owner: PackGraphs, shape: tuple[int, int, int, int], math: LayerMath) -> None:
+    def __init__(self, owner: PackGraphs, shape: tuple[int, int, int, int], math: LayerMath, accumulate: bool) -> None:
         rows, prefix_rows = shape[:2]
-        self.shape = shape
+        self.shape, self.accumulate = shape, accumulate
         an = owner.private
         self.module = _Wrapper(_Body(an, shape, math), _modules(an))
         named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
@@ -255,7 +293,9 @@ class _Graph:
         # per layer, keys then values: leaves sharing the buffer's rows
         self.prefix = [t[:prefix_rows].detach().requires_grad_() for layer in owner.prefix for t in layer]
         self.prefix_grad = [t[:prefix_rows] for layer in owner.prefix_grad for t in layer]
-        self.param_grads = _views(owner.flats(self.params), self.params)
+        self.param_grads = _views(
+            owner.total_buffers(self.params) if accumulate else owner.flats(self.params), self.params
+        )
         self.used: list[bool] = []  # per parameter: whether the pack's math reaches it
         self.outputs: tuple[torch.Tensor, ...] = ()
         self.grad_outputs: list[torch.Tensor] = []
@@ -295,24 +335,34 @@ class _Graph:
         self.outputs = tuple(o.detach() for o in self._live)
 
     def backward_step(self) -> None:
-        """What the backward graph records: the gradients, copied into the shared buffers."""
+        """What the backward graph records: the gradients, copied into the shared buffers (the
+        parameters' added to the graph totals with ``accumulate``)."""
         grads = self.grads(self._live, self.grad_outputs)
         self._live = ()
         prefix, params = grads[: len(self.prefix)], grads[len(self.prefix) :]
         self.used = [g is not None for g in params]
         for t in (dst for dst, g in zip(self.prefix_grad, prefix) if g is None):
             t.zero_()
-        pairs = [(dst, g) for dst, g in zip([*self.prefix_grad, *self.param_grads], grads) if g is not None]
-        if pairs:
-            torch._foreach_copy_([d for d, _ in pairs], [g for _, g in pairs])
+        copies = [(dst, g) for dst, g in zip(self.prefix_grad, prefix) if g is not None]
+        sums = [(dst, g) for dst, g in zip(self.param_grads, params) if g is not None]
+        if not self.accumulate:
+            copies, sums = copies + sums, []
+        if copies:
+            torch._foreach_copy_([d for d, _ in copies], [g for _, g in copies])
+        if sums:
+            torch._foreach_add_([d for d, _ in sums], [g for _, g in sums])
 
     def capture(self, pool: Any) -> None:
         """Warm up on a side stream, then capture the forward and the backward step."""
+        sums = self.param_grads
+        if self.accumulate:  # the warm-up's sums are no pack's gradients: not into the totals
+            self.param_grads = [torch.zeros_like(t) for t in sums]
         with warm_up_stream():
             for _ in range(_WARMUP):
                 self.forward_step()
                 self.grad_outputs = [torch.zeros_like(o) for o in self.outputs]
                 self.backward_step()  # the warm-up's autograd graph dies here, before the capture
+        self.param_grads = sums
         self.forward, self.backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with capture_graph(self.forward, pool):
             self.forward_step()
@@ -358,7 +408,8 @@ class _PackReplay(torch.autograd.Function):
         # Autograd keeps an incoming gradient as a leaf's .grad itself where the leaf has none: the
         # proxies' (fresh leaves) come from one copy.
         prefix_grads = _prefix_views(graph.buffer_grad[:, :, : graph.shape[1]].clone(), ctx.plan.sources)
-        write_grads(graph.params, [g if used else None for g, used in zip(graph.param_grads, graph.used)])
+        if not graph.accumulate:  # else they went to the graph totals
+            write_grads(graph.params, [g if used else None for g, used in zip(graph.param_grads, graph.used)])
         return (None, None, None, *([None] if graph.params else []), *prefix_grads)  # the anchor's: None
 
 
@@ -390,7 +441,7 @@ class PackGraphs:
         # kept names the embedding in its place (its only use there: the device and dtype).
         self._model = weakref.ref(anatomy.model)
         self.anatomy = dataclasses.replace(anatomy, model=anatomy.embed)
-        self._graphs: dict[tuple[tuple[int, int, int, int], LayerMath], _Graph] = {}  # (bucket, math) -> graphs
+        self._graphs: dict[tuple[tuple[int, int, int, int], LayerMath, bool], _Graph] = {}  # (bucket, math, accumulate)
         self._pool: Any = None
         self._key: tuple[tuple[int, bool], ...] | None = None
         self._params_key = ParamsKey(anatomy.model)
@@ -398,6 +449,11 @@ class PackGraphs:
         self.failed = False
         self.prefix = self.prefix_grad = torch.zeros(0)  # [L, 2, capacity, Hkv, D], see _grow
         self._flats: dict[torch.dtype, torch.Tensor] = {}
+        # the graph totals (see the module's docstring): accumulation-dtype flats per parameter
+        # dtype, in the order of total_params; pending: written since the last drain or clear
+        self.totals: dict[torch.dtype, torch.Tensor] = {}
+        self.total_params: list[torch.Tensor] = []
+        self.pending = False
         self.private = self.anatomy  # the modules the captures run, see _reset
         # the replays' autograd input in the parameters' place (see the module's docstring)
         self.anchor = torch.zeros((), device=anatomy.device, requires_grad=True)
@@ -411,6 +467,23 @@ class PackGraphs:
             self._flats = {d: torch.zeros(n, dtype=d, device=self.anatomy.device) for d, n in sizes.items()}
         assert {d: f.numel() for d, f in self._flats.items()} == sizes, "every bucket has the same parameters"
         return self._flats
+
+    def total_buffers(self, params: Sequence[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
+        """The graph totals of ``params`` (allocated at the first capture that accumulates)."""
+        same = [id(p) for p in params] == [id(p) for p in self.total_params]
+        if self.totals and not same and self.pending:
+            raise RuntimeError(
+                "the model's trainable parameters changed while its CUDA graphs held a batch's gradients; "
+                "finish or discard the batch before freezing, unfreezing or replacing parameters"
+            )
+        if not self.totals or not same:
+            sizes: dict[torch.dtype, int] = {}
+            for p in params:
+                sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+            device = self.anatomy.device
+            self.totals = {d: torch.zeros(n, dtype=accumulate_dtype(d), device=device) for d, n in sizes.items()}
+            self.total_params = list(params)
+        return self.totals
 
     def _grow(self, prefix_rows: int) -> None:
         """New shared prefix buffers of ``prefix_rows`` rows for the buckets captured from now on
@@ -431,11 +504,14 @@ class PackGraphs:
         tensors = [] if model is None else [*model.parameters(), *model.buffers()]
         self.private = copy.deepcopy(self.anatomy, memo={id(t): t for t in tensors})
 
-    def forward(self, chunks: Sequence[ChunkSpec], math: LayerMath = EAGER) -> PackOutput | None:
+    def forward(
+        self, chunks: Sequence[ChunkSpec], math: LayerMath = EAGER, *, accumulate: bool = False
+    ) -> PackOutput | None:
         """The pack's output through its bucket's graphs, or None: run it another way (no bucket,
         another pack's backward is pending, or the capture failed). The caller calls
         :meth:`release` once the pack's backward has run or the pack is dropped. ``math``: the
-        layer math the graphs record (the eager ops, or the compiled ones: fewer kernels)."""
+        layer math the graphs record (the eager ops, or the compiled ones: fewer kernels);
+        ``accumulate``: the backward adds the parameters' gradients to the graph totals."""
         layout = plan(chunks)
         if isinstance(layout, str) or self._busy:
             _COUNTS[layout if isinstance(layout, str) else "pack_busy"] += 1
@@ -446,10 +522,11 @@ class PackGraphs:
         if layout.shape[1] > capacity:  # (a first pack without prefix rows needs the buffer's layers too)
             self._grow(max(layout.shape[1], 2 * capacity, _PREFIX_ROWS))
         tokens = torch.cat([c.tokens for c in chunks])
-        graph = self._graphs.get((layout.shape, math)) or self._capture(layout, tokens, math)
+        graph = self._graphs.get((layout.shape, math, accumulate)) or self._capture(layout, tokens, math, accumulate)
         if graph is None:
             return None
         self._busy = True
+        self.pending = self.pending or accumulate
         _COUNTS["pack_replayed"] += 1
         try:
             anchor = [self.anchor] if graph.params else []
@@ -461,10 +538,10 @@ class PackGraphs:
         kv = [(outputs[1 + 2 * i][:n], outputs[2 + 2 * i][:n]) for i in range(len(self.anatomy.layers))]
         return PackOutput(hidden=outputs[0][:n], tokens=tokens, offsets=layout.offsets, layer_kv=kv)
 
-    def _capture(self, layout: Plan, tokens: torch.Tensor, math: LayerMath) -> _Graph | None:
+    def _capture(self, layout: Plan, tokens: torch.Tensor, math: LayerMath, accumulate: bool) -> _Graph | None:
         shape = layout.shape
         try:
-            graph = _Graph(self, shape, math)
+            graph = _Graph(self, shape, math, accumulate)
             graph.load(layout, tokens)  # a valid layout to warm up on (an all-zero one indexes out of range)
             # Compiled math compiles in the warm-up (dynamo may add a specialization for the
             # aliased parameters), on this thread and autograd's: under the lock, as pack_math does.
@@ -475,13 +552,13 @@ class PackGraphs:
             _COUNTS["pack_capture_failed"] += 1
             _log.warning("pack_graph_capture_failed", shape=shape, error=repr(error), fallback="layer graphs or eager")
             return None
-        self._graphs[shape, math] = graph
+        self._graphs[shape, math, accumulate] = graph
         _COUNTS["pack_captured"] += 1
         return graph
 
     def buckets(self) -> list[tuple[int, int, int, int]]:
         """The (rows, prefix rows, keys, chunk slots) buckets captured so far."""
-        return sorted({shape for shape, _ in self._graphs})
+        return sorted({shape for shape, _, _ in self._graphs})
 
     def release(self) -> None:
         """The pack that :meth:`forward` served is done: its static buffers may be overwritten."""

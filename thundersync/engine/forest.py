@@ -50,7 +50,7 @@ from collections.abc import Sequence
 
 import torch
 
-from thundersync.engine._accum import GradCapture, accumulate_dtype
+from thundersync.engine._accum import GradCapture, GradSum, accumulate_dtype
 from thundersync.engine._compiled import pack_math
 from thundersync.engine._fused import FUSED
 from thundersync.engine._graphed import GraphedLayers, graphed_layers
@@ -136,12 +136,22 @@ class SegmentPack:
         self.output = output
         self._leaves = leaves  # id(parent) -> (its chain incl. the parent, the proxy leaf)
         self._graphs: PackGraphs | GraphedLayers | None = None  # whose static buffers hold this pack's activations
+        self._summed = False  # replayed by graphs that add the parameters' gradients to their totals
 
     @classmethod
     def forward(
-        cls, anatomy: DecoderAnatomy, segments: Sequence[Segment], *, grad: bool = True, keep_state: bool = False
+        cls,
+        anatomy: DecoderAnatomy,
+        segments: Sequence[Segment],
+        *,
+        grad: bool = True,
+        keep_state: bool = False,
+        accumulate: bool = False,
     ) -> SegmentPack:
-        """Forward ``segments`` packed; with ``keep_state`` each keeps its own K/V as ``state``."""
+        """Forward ``segments`` packed; with ``keep_state`` each keeps its own K/V as ``state``.
+        ``accumulate``: the backward's sink will be a :class:`~thundersync.engine._accum.GradSum`
+        (a pack replayed from the whole-pack graphs then adds its parameters' gradients to the
+        model's graph totals, not to ``.grad``)."""
         leaves: dict[int, tuple[list[Segment], KVStack]] = {}
         chunks: list[ChunkSpec] = []
         index = {id(seg): i for i, seg in enumerate(segments)}
@@ -152,7 +162,7 @@ class SegmentPack:
                 for seg in segments:
                     chunks.append(_chunk(anatomy, seg, index, leaves, grad))
                 whole = pack_graphs(anatomy) if grad else None
-                output = whole.forward(chunks, math) if whole is not None else None
+                output = whole.forward(chunks, math, accumulate=accumulate) if whole is not None else None
                 if output is not None:
                     owner = whole
                 else:
@@ -170,6 +180,7 @@ class SegmentPack:
             raise
         pack = cls(anatomy, segments, output, leaves)
         pack._graphs = owner
+        pack._summed = accumulate and isinstance(owner, PackGraphs)
         if keep_state:
             with torch.no_grad():
                 for position, seg in enumerate(segments):
@@ -209,11 +220,12 @@ class SegmentPack:
         kv_adjoints: Sequence[KVStack | None] | None = None,
         *,
         params: Sequence[torch.nn.Parameter],
-        sink: GradCapture | None,
+        sink: GradCapture | GradSum | None,
     ) -> dict[Segment, KVStack]:
         """Backpropagate ``objective`` (a scalar) and/or adjoints of the segments' own K/V.
 
-        Parameter gradients go to ``sink``'s scratch (``p.grad`` when ``None``); returns each
+        Parameter gradients go to ``sink`` (``p.grad`` when ``None``; a pack forwarded with
+        ``accumulate`` takes a :class:`~thundersync.engine._accum.GradSum`); returns each
         ancestor's state adjoint (accumulation dtype, full length: the direct parent's last
         position, recomputed inside the child, gets zero).
         """
@@ -234,7 +246,10 @@ class SegmentPack:
         if isinstance(self._graphs, PackGraphs):
             leaves.append(self._graphs.anchor)  # the replay's input in the parameters' place
         if outputs:
-            with sink.capture() if sink is not None else contextlib.nullcontext():
+            capture: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+            if sink is not None:
+                capture = sink.capture(self._summed) if isinstance(sink, GradSum) else sink.capture()
+            with capture:
                 torch.autograd.backward(outputs, grads, inputs=[*params, *leaves])
         result = self._ancestor_adjoints()
         self.output = None  # type: ignore[assignment]  # free the activations now

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from thundersync.engine import forest
-from thundersync.engine._accum import FlatAccumulator
+from thundersync.engine._accum import FlatAccumulator, GradSum
 from thundersync.engine._mismatch import LogprobMismatch
+from thundersync.engine._pack_graph import clear_totals, drain_totals
 from thundersync.engine._streams import upload
 from thundersync.engine.adapter import KVStack
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
@@ -86,7 +87,9 @@ class GradientSink:
     """Where the batch's unnormalized parameter gradients go, and their division by N.
 
     fp32/fp64 parameters: straight into ``p.grad`` (earlier contents set aside at the batch's
-    start and added back at its end). Lower precision: an fp32 accumulator, added into
+    start and added back at its end). Lower precision: an fp32 accumulator
+    (:class:`~thundersync.engine._accum.GradSum`; packs replayed from CUDA graphs add theirs to
+    the model's graph totals, drained into it once the batch's work is done), added into
     ``p.grad`` at the end.
     """
 
@@ -95,7 +98,13 @@ class GradientSink:
         self.direct = all(p.dtype in (torch.float32, torch.float64) for p in run.params)
         self._earlier: dict[torch.nn.Parameter, torch.Tensor] = {}
         self._total: FlatAccumulator | None = None
+        self._sum: GradSum | None = None
         self._open = False
+
+    @property
+    def accumulate(self) -> bool:
+        """Whether packs are forwarded for a :class:`GradSum` (``SegmentPack.forward(accumulate=...)``)."""
+        return not self.direct
 
     def begin_batch(self) -> None:
         if self._open:
@@ -116,11 +125,10 @@ class GradientSink:
         """``pack.backward`` with the parameter gradients sent where they belong."""
         if self.direct:
             return pack.backward(objective, adjoints, params=self.run.params, sink=None)
-        result = pack.backward(objective, adjoints, params=self.run.params, sink=self.run.capture)
-        if self._total is None:
-            self._total = self.run.new_accumulator()
-        self._total.add_scratch(self.run.capture)
-        return result
+        if self._sum is None:
+            self._sum = GradSum(self._total or self.run.new_accumulator(), self.run.capture)
+            self._total = self._sum.total
+        return pack.backward(objective, adjoints, params=self.run.params, sink=self._sum)
 
     def abandon(self) -> None:
         """Drop the batch's gradients: ``p.grad`` gets back what it held before the batch."""
@@ -128,14 +136,23 @@ class GradientSink:
             for p in self.run.params:
                 p.grad = self._earlier.pop(p, None)
         self._earlier.clear()
-        self._total = None
+        if not self.direct:
+            clear_totals(self.run.anatomy.model)
+        self._total, self._sum = None, None
         self._open = False
 
     def gradients(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
         """(parameter, the batch's unnormalized gradient so far) for every parameter."""
         if self.direct:
             return [(p, p.grad) for p in self.run.params]
+        self._drain()
         return self._total.per_parameter() if self._total is not None else []
+
+    def _drain(self) -> None:
+        """Move what the graphed packs added to the model's graph totals into the accumulator
+        (after the batch's work: the caller has joined the engine's stream)."""
+        if self._total is not None:
+            drain_totals(self.run.anatomy.model, self._total)
 
     def finish_batch(self, n: float) -> None:
         """Divide the batch's gradient by ``n`` once and hand it to ``p.grad``."""
@@ -149,10 +166,11 @@ class GradientSink:
                         earlier.add_(p.grad)
                     p.grad = earlier
         elif self._total is not None:
+            self._drain()
             if n != 1.0:
                 self._total.acc.div_(n)
             self._total.add_into_grads()
-            self._total = None
+            self._total, self._sum = None, None
         self._open = False
 
 
@@ -201,7 +219,7 @@ def backward_turns(
         segments.append(item.turn.segment)
         selections.append(item.turn.scored)
         ledgers.update(_ledgers(item.group, item.prior))
-    pack = SegmentPack.forward(run.anatomy, segments, keep_state=True)
+    pack = SegmentPack.forward(run.anatomy, segments, keep_state=True, accumulate=sink.accumulate)
     logprobs = [lp for lp, picked in zip(pack.scored_logprobs(selections), selections) if picked is not None]
     losses = []
     for item, lp in zip(pending, logprobs):
@@ -240,7 +258,7 @@ def replay_trajectories(run: StreamingRun, sink: GradientSink, closed: Sequence[
         ]
         segments = [segment for item in level if (segment := item.turns[k].segment) is not None]
         if segments:
-            pack = SegmentPack.forward(run.anatomy, segments)
+            pack = SegmentPack.forward(run.anatomy, segments, accumulate=sink.accumulate)
             ledgers: dict[int, AdjointLedger] = {}
             for item in level:
                 ledgers.update(_ledgers(item.group, item.turns[:k]))
@@ -259,7 +277,7 @@ def replay_root(run: StreamingRun, sink: GradientSink, group: PromptState) -> No
     """Backpropagate the prompt once with its ledger (the sum over its trajectories)."""
     assert group.root is not None
     if group.ledger.tensors is not None:
-        pack = SegmentPack.forward(run.anatomy, [group.root])
+        pack = SegmentPack.forward(run.anatomy, [group.root], accumulate=sink.accumulate)
         sink.backward(pack, None, [group.ledger.tensors])
     group.root.release()
     group.root, group.ledger = None, AdjointLedger()
