@@ -6,8 +6,8 @@ exactly what attention consumes), every layer's in one tensor (a :data:`KVStack`
 detached proxy that requires grad, so the backward of the chunk stops there and leaves the
 prefix's adjoint in ``proxy.grad``. One tensor, not a list per layer, because the engine moves
 states, proxies and adjoints whole: a 28-layer model's per-layer lists cost 56 launches for every
-cast, copy, split or add (OPD's ledgers and proxies, ~25 ms of host time per streamed pack on the
-H200 machine).
+cast, copy, split or add (on the H200 machine a streamed OPD pack of 16 actions spent ~27 ms
+splitting and adding its ancestors' adjoints, bench/RESULTS.md, 2026-12-04).
 
 Several chunks are *packed*: their tokens are concatenated into one row, so every projection,
 norm and MLP of the decoder layers (:func:`~thundersync.engine.decoder.decoder_forward`) runs once
