@@ -242,6 +242,29 @@ def test_a_bf16_model_accumulates_in_fp32_and_matches_the_fp32_reference() -> No
     assert relative_error(got, want) < 2e-2
 
 
+def test_a_batch_abandoned_without_discard_leaves_nothing_in_the_next_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an abandoned batch's graphed packs left in the model's graph totals (its run collected,
+    so its claims ended) is zeroed when the next batch begins, not drained into it."""
+    from thundersync.engine import _pack_graph
+    from thundersync.engine.anatomy import decoder_anatomy
+
+    plan = _single_trajectory_plan(
+        [[5, 6, 7], [9, 10], [11, 12, 13]], [[True, False, True], [False, False], [True] * 3]
+    )
+    model = tiny_qwen3(torch.float32).to(torch.bfloat16)
+    want = _streamed_grads(model, plan, list(interleaving(plan, random.Random(2))), "token_mean")
+    graphs = _pack_graph.PackGraphs(decoder_anatomy(model))
+    params = [p for p in model.parameters() if p.requires_grad]
+    for total in graphs.total_buffers(params).values():
+        total.fill_(1.0)  # the abandoned batch's sums
+    graphs.pending = True
+    monkeypatch.setitem(_pack_graph._models, model, graphs)
+    got = _streamed_grads(model, plan, list(interleaving(plan, random.Random(2))), "token_mean")
+    assert not graphs.pending
+    for name, g in got.items():
+        assert torch.equal(g, want[name]), name
+
+
 def _agent_plan(rng: random.Random, turns: Callable[[], int]):  # type: ignore[no-untyped-def]
     """2 groups x 4 trajectories of ``turns()`` turns each, actions (mostly scored) and
     observations alternating."""

@@ -107,9 +107,14 @@ class GradientSink:
         return not self.direct
 
     def begin_batch(self) -> None:
+        """At the batch's first group (its parameters claimed): set earlier ``.grad`` aside, or
+        zero what a batch abandoned without ``discard()`` may have left in the graph totals (its
+        run was collected, so its claims ended and nothing else streams into them now)."""
         if self._open:
             return
         self._open = True
+        if not self.direct:
+            clear_totals(self.run.anatomy.model)
         if self.direct:
             for p in self.run.params:
                 if p.grad is not None:
