@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from thundersync.engine import forest
-from thundersync.engine._accum import FlatAccumulator, GradSum
+from thundersync.engine._accum import GradSum
 from thundersync.engine._mismatch import LogprobMismatch
 from thundersync.engine._pack_graph import clear_totals, drain_totals
 from thundersync.engine._streams import upload
@@ -97,8 +97,7 @@ class GradientSink:
         self.run = run
         self.direct = all(p.dtype in (torch.float32, torch.float64) for p in run.params)
         self._earlier: dict[torch.nn.Parameter, torch.Tensor] = {}
-        self._total: FlatAccumulator | None = None
-        self._sum: GradSum | None = None
+        self._sum: GradSum | None = None  # the batch's fp32 accumulator and its sink (lower precision)
         self._open = False
 
     @property
@@ -115,7 +114,7 @@ class GradientSink:
         self._open = True
         if not self.direct:
             clear_totals(self.run.anatomy.model)
-        if self.direct:
+        else:
             for p in self.run.params:
                 if p.grad is not None:
                     self._earlier[p] = p.grad
@@ -131,8 +130,7 @@ class GradientSink:
         if self.direct:
             return pack.backward(objective, adjoints, params=self.run.params, sink=None)
         if self._sum is None:
-            self._sum = GradSum(self._total or self.run.new_accumulator(), self.run.capture)
-            self._total = self._sum.total
+            self._sum = GradSum(self.run.new_accumulator(), self.run.capture)
         return pack.backward(objective, adjoints, params=self.run.params, sink=self._sum)
 
     def abandon(self) -> None:
@@ -143,7 +141,7 @@ class GradientSink:
         self._earlier.clear()
         if not self.direct:
             clear_totals(self.run.anatomy.model)
-        self._total, self._sum = None, None
+        self._sum = None
         self._open = False
 
     def gradients(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
@@ -151,13 +149,13 @@ class GradientSink:
         if self.direct:
             return [(p, p.grad) for p in self.run.params]
         self._drain()
-        return self._total.per_parameter() if self._total is not None else []
+        return self._sum.total.per_parameter() if self._sum is not None else []
 
     def _drain(self) -> None:
         """Move what the graphed packs added to the model's graph totals into the accumulator
         (after the batch's work: the caller has joined the engine's stream)."""
-        if self._total is not None:
-            drain_totals(self.run.anatomy.model, self._total)
+        if self._sum is not None:
+            drain_totals(self.run.anatomy.model, self._sum.total)
 
     def finish_batch(self, n: float) -> None:
         """Divide the batch's gradient by ``n`` once and hand it to ``p.grad``."""
@@ -170,12 +168,12 @@ class GradientSink:
                     if p.grad is not None:
                         earlier.add_(p.grad)
                     p.grad = earlier
-        elif self._total is not None:
+        elif self._sum is not None:
             self._drain()
             if n != 1.0:
-                self._total.acc.div_(n)
-            self._total.add_into_grads()
-            self._total, self._sum = None, None
+                self._sum.total.acc.div_(n)
+            self._sum.total.add_into_grads()
+            self._sum = None
         self._open = False
 
 
