@@ -4,7 +4,8 @@
 :func:`resolve_device` turns it into a ``torch.device`` on this machine, with an error that says
 what to give instead when CUDA, or that GPU, is not there. ``cuda`` is the current CUDA device,
 which a data-parallel launch sets to ``cuda:LOCAL_RANK`` (:mod:`thundersync.app.distributed`);
-``auto`` is ``cuda`` when torch sees a GPU, else ``cpu``.
+``auto`` is ``cuda`` when torch sees a GPU, else ``cpu``. :func:`upload` moves a small host tensor
+to a device without waiting for the device's queued work.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from thundersync.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEVICE_FORMS", "check_device", "resolve_device"]
+__all__ = ["DEVICE_FORMS", "check_device", "resolve_device", "upload"]
 
 DEVICE_FORMS = '"cpu", "cuda", "cuda:N" (the GPU of index N) or "auto" (the GPU when there is one, else the CPU)'
 """The accepted forms, as error messages list them."""
@@ -54,3 +55,14 @@ def resolve_device(value: str) -> torch.device:
             'give one of them, or "cuda" for the current one'
         )
     return device
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device`` without waiting for the device: through pinned memory,
+    asynchronously on the current stream. A copy from pageable memory waits until the stream's
+    queued work is done, so each one inside an engine job made the host wait for the work before
+    it instead of queueing the next launches. Torch's pinned allocator keeps the staging block
+    until the copy has run."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

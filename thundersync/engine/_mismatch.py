@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from thundersync.engine._streams import upload
+from thundersync._device import upload
 
 if TYPE_CHECKING:
     from thundersync.engine.distributed import DataParallel

@@ -20,9 +20,9 @@ its stream and frees (the run's total, a ``.grad`` a job created) is only reused
 and every job first waits for the caller's stream as of its submit, so the reuse follows the use.
 On the CPU every call is a no-op: the ``JobStream`` of a CPU run has no stream.
 
-:func:`upload` moves a job's small host inputs without a wait; :func:`warm_up_stream` is where
-every CUDA-graph capture warms up (lazy initialisations must not be
-captured), and :func:`capture_graph` where it records.
+:func:`warm_up_stream` is where every CUDA-graph capture warms up (lazy initialisations must not be
+captured), and :func:`capture_graph` where it records. A job's small host inputs go to the device
+through :func:`thundersync._device.upload`, which does not wait for the stream's queued work.
 """
 
 from __future__ import annotations
@@ -34,18 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["JobStream", "capture_graph", "upload", "warm_up_stream"]
-
-
-def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` (a CPU tensor) on ``device`` without waiting for the device: through pinned memory,
-    asynchronously on the current stream. A copy from pageable memory waits until the stream's
-    queued work is done, so each one inside a job made the host wait for the work before it
-    instead of queueing the next launches. Torch's pinned allocator keeps the staging block until
-    the copy has run."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+__all__ = ["JobStream", "capture_graph", "warm_up_stream"]
 
 
 class JobStream:

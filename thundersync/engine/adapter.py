@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from thundersync.engine._streams import upload
+from thundersync._device import upload
 from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.engine.decoder import LayerMath, apply_norm, decoder_forward
 from thundersync.kernels.attention import PackedLayout, packed_chunk_attention

@@ -50,12 +50,12 @@ from collections.abc import Sequence
 
 import torch
 
+from thundersync._device import upload
 from thundersync.engine._accum import GradCapture, GradSum, accumulate_dtype
 from thundersync.engine._compiled import pack_math
 from thundersync.engine._fused import FUSED
 from thundersync.engine._graphed import GraphedLayers, graphed_layers
 from thundersync.engine._pack_graph import PackGraphs, pack_graphs
-from thundersync.engine._streams import upload
 from thundersync.engine.adapter import (
     KV,
     ChunkSpec,

@@ -22,10 +22,11 @@ import msgspec
 import torch
 from torch import nn
 
+from thundersync._device import upload
 from thundersync.engine import inputs
 from thundersync.engine._accum import FlatAccumulator, GradCapture, ParamLayout
 from thundersync.engine._guard import ParameterGuard, check_deterministic
-from thundersync.engine._streams import JobStream, upload
+from thundersync.engine._streams import JobStream
 from thundersync.engine._worker import Worker
 from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy, unwrap_peft
 from thundersync.engine.inputs import build_config

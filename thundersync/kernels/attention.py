@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from thundersync._device import upload
 from thundersync.errors import ConfigError, KernelUnavailable
 from thundersync.kernels._attention_reference import reference_chunk_attention
 from thundersync.kernels._env import fa4_mode, profile_range
@@ -114,8 +115,7 @@ class PackedLayout:
             [list(itertools.accumulate(self.q_lens, initial=0)), list(itertools.accumulate(self.k_lens, initial=0))],
             dtype=torch.int32,
         )
-        # rows: cumulative query offsets, cumulative key offsets (pinned: no wait for the device)
-        self.cu = bounds.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else bounds
+        self.cu = upload(bounds, torch.device(device))  # rows: cumulative query offsets, cumulative key offsets
 
     @property
     def rows(self) -> tuple[int, int]:

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from thundersync._device import upload
 from thundersync.engine import forest
 from thundersync.engine._accum import GradSum
 from thundersync.engine._mismatch import LogprobMismatch
 from thundersync.engine._pack_graph import clear_totals, drain_totals
-from thundersync.engine._streams import upload
 from thundersync.engine.adapter import KVStack
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.run import StreamingRun
