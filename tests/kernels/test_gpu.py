@@ -187,3 +187,29 @@ def test_packed_attention_in_one_call_matches_fp64_no_worse_than_per_chunk_sdpa(
         ours_err, base_err = rel(ours[i], want[i]), rel(base[i], want[i])
         print(f"packed {path} {name}: ours {ours_err:.3e} torch sdpa {base_err:.3e}")
         assert ours_err <= 1.5 * base_err + 1e-4, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_add_widened_is_torchs_add_bitwise_and_falls_back_where_it_must(dtype: torch.dtype) -> None:
+    from thundersync.kernels.layer import add_widened, layer_kernels_capability
+
+    assert layer_kernels_capability(torch.device("cuda"), dtype).ok
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    shapes = [(1,), (4095,), (4097,), (1024, 3072), (151936, 64)]  # single rows, short last programs, big
+    accs = [torch.randn(s, generator=gen, device="cuda") * 100 for s in shapes]
+    grads = [torch.randn(s, generator=gen, device="cuda").to(dtype) for s in shapes]
+    # and pairs the kernel does not take: a strided gradient, an fp64 sum, an empty pair
+    accs += [
+        torch.randn(64, 32, device="cuda"),
+        torch.randn(300, dtype=torch.float64, device="cuda"),
+        torch.zeros(0, device="cuda"),
+    ]
+    grads += [
+        torch.randn(32, 64, device="cuda").to(dtype).t(),
+        torch.randn(300, device="cuda").to(dtype),
+        torch.zeros(0, device="cuda", dtype=dtype),
+    ]
+    want = [a.clone().add_(g) for a, g in zip(accs, grads)]
+    add_widened(accs, grads)
+    for got, w in zip(accs, want):
+        assert torch.equal(got, w)

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from thundersync.kernels.dtypes import accumulate_dtype
+from thundersync.kernels.layer import add_widened
 
 __all__ = ["FlatAccumulator", "GradCapture", "GradSum", "ParamLayout", "accumulate_dtype"]
 
@@ -105,7 +106,7 @@ class FlatAccumulator:
             t = s.to(self.acc.device)  # the sum below widens exactly, in one kernel
             if scale != 1.0:
                 t = t.to(self.acc.dtype) * scale
-            self.acc[start:stop].add_(t)
+            add_widened([self.acc[start:stop]], [t])
 
     def add_grads(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """acc[p] += g for each (parameter, gradient) pair, computed in the accumulation dtype."""
@@ -115,8 +116,8 @@ class FlatAccumulator:
                 for g, (start, stop) in enumerate(self.layout.spans)
                 for p, view in zip(self.layout.groups[g][1], self.layout.views(self.acc[start:stop], g))
             }
-        for p, grad in pairs:
-            self._views[p].add_(grad.to(self.acc.device))
+        views = self._views
+        add_widened([views[p] for p, _ in pairs], [grad.to(self.acc.device) for _, grad in pairs])
 
     def add_combination(self, terms: Sequence[tuple[float, FlatAccumulator]]) -> None:
         """acc += sum_k c_k * other_k, each product and each partial sum rounded separately."""

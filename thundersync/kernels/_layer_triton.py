@@ -250,3 +250,12 @@ def gather_rows_bwd_kernel(
     s = source + 0 * cols
     tl.store(dprefix_ptr + s * stride_dp + cols, acc.to(dprefix_ptr.dtype.element_ty), mask=ok & (s < p_rows))
     tl.store(down_ptr + (s - p_rows) * stride_do + cols, acc.to(down_ptr.dtype.element_ty), mask=ok & (s >= p_rows))
+
+
+@triton.jit(do_not_specialize=["n"])
+def add_widened_kernel(acc_ptr, src_ptr, n, BLOCK: tl.constexpr):
+    """``acc += float(src)``: each sum rounded once in ``acc``'s dtype, as torch's ``acc.add_(src)``."""
+    at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = at < n
+    src = tl.load(src_ptr + at, mask=ok, other=0.0).to(acc_ptr.dtype.element_ty)
+    tl.store(acc_ptr + at, tl.load(acc_ptr + at, mask=ok, other=0.0) + src, mask=ok)
