@@ -17,7 +17,7 @@ import torch
 from tests.engine.test_graphed import cuda_anatomy, pack_results
 from tests.engine.tiny_models import tiny_qwen3, with_lora
 from thundersync.engine import _graphed, _pack_graph, forest, release_graphs
-from thundersync.engine._pack_graph import MAX_CHUNKS, MAX_KEYS, PackGraphs, io_split, pack_graphs, plan
+from thundersync.engine._pack_graph import MAX_CHUNKS, MAX_KEYS, PackGraphs, io_split, pack_graphs, plan, row_bucket
 from thundersync.engine.adapter import ChunkSpec, empty_prefix
 from thundersync.engine.anatomy import decoder_anatomy
 from thundersync.errors import ConfigError
@@ -55,6 +55,13 @@ def test_a_plan_lays_the_pack_out_in_its_bucket() -> None:
     assert layout.io.split(io_split(layout.shape))[2].view(2, 4).tolist() == [[0, 64, 64, 64], [0, 64, 64, 64]]
 
 
+def test_row_buckets_are_powers_of_two_and_three_quarters_of_them() -> None:
+    want = {1: 64, 64: 64, 65: 96, 96: 96, 97: 128, 129: 192, 192: 192, 193: 256, 700: 768, 769: 1024, 1537: 2048}
+    assert {n: row_bucket(n) for n in want} == want
+    sizes = sorted({1 << k for k in range(6, 13)} | {3 << k for k in range(5, 11)})  # 64, 96, 128, ..., 4096
+    assert all(row_bucket(n) == min(r for r in sizes if r >= n) for n in range(1, 4097))
+
+
 def test_packs_that_fit_no_bucket_are_refused() -> None:
     assert plan([ChunkSpec(torch.arange(_graphed.MAX_ROWS + 1), 0, _prefix(0))]) == "pack_too_long"
     assert plan([ChunkSpec(torch.arange(4), MAX_KEYS, _prefix(MAX_KEYS))]) == "pack_too_many_keys"
@@ -67,7 +74,8 @@ def test_the_row_cap_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert plan(long) == "pack_too_long"
     monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPH_ROWS", "4096")
     layout = plan(long)
-    assert not isinstance(layout, str) and layout.shape[0] == 4096
+    assert not isinstance(layout, str) and layout.shape[0] == 3072
+    assert plan([ChunkSpec(torch.arange(3073), 0, _prefix(0))]).shape[0] == 4096  # type: ignore[union-attr]
     for bad in ("3000", "32", "lots"):
         monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPH_ROWS", bad)
         with pytest.raises(ConfigError, match=f"power of two from 64 to 65536, got '{bad}'"):

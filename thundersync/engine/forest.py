@@ -298,8 +298,10 @@ def _proxy(
                 "the parent segment has no K/V state yet: forward it with keep_state=True first, "
                 "or in the same pack before its children"
             )
-        acc = accumulate_dtype(anatomy.dtype)
-        joined = states[0].to(acc, copy=True) if len(states) == 1 else torch.cat(states, dim=3).to(acc)
+        shape = list(states[0].shape)
+        shape[3] = sum(int(s.shape[3]) for s in states)
+        joined = states[0].new_empty(shape, dtype=accumulate_dtype(anatomy.dtype))
+        torch.cat(states, dim=3, out=joined)  # cast while concatenated: one pass
         leaves[key] = (chain, joined.requires_grad_(grad))
     return leaves[key][1]
 
