@@ -55,13 +55,15 @@ def token_ids(tokens: Any, what: str, vocab: int) -> list[int]:
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
             raise ConfigError(f"{what} must be a 1-D integer tensor, got {tokens.dtype} of shape {tuple(tokens.shape)}")
-        ids = [int(t) for t in tokens.tolist()]
+        ids = tokens.tolist()
     elif isinstance(tokens, str | bytes) or not hasattr(tokens, "__iter__"):
         raise ConfigError(f"{what} must be a list of int token ids, got {type(tokens).__name__} {tokens!r:.80}")
+    elif type(tokens) is list and all(type(t) is int for t in tokens):  # the common case, without a call per id
+        ids = list(tokens)
     else:
         ids = [_token(t, what) for t in tokens]
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
+    if ids and (min(ids) < 0 or max(ids) >= vocab):
+        bad = next(t for t in ids if not 0 <= t < vocab)
         raise ConfigError(
             f"{what} holds token id {bad}, outside the vocabulary of size {vocab} (valid ids: 0..{vocab - 1})"
         )
@@ -87,6 +89,8 @@ def scored_flags(scored: Any, count: int, where: str) -> list[bool]:
         raise ConfigError(
             f"scored of {where} must be a list of bools (one per token), got {type(scored).__name__} {scored!r:.80}"
         )
+    elif type(scored) is list and all(type(s) is bool for s in scored):  # the common case
+        flags = list(scored)
     else:
         flags = [_flag(s, where) for s in scored]
     if len(flags) != count:
