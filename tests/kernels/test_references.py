@@ -32,6 +32,39 @@ def test_linear_logprobs_gradient_is_onehot_minus_softmax_times_weight() -> None
     assert weight.grad.flatten().tolist() == pytest.approx([1 - p[0], -p[1], -p[2]], abs=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_weight_gradient_added_into_a_given_tensor_is_autograds_before_its_rounding(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(7, 16, generator=gen).to(dtype)
+    weight = torch.randn(301, 16, generator=gen).to(dtype)
+    targets = torch.randint(0, 301, (7,), generator=gen)
+    seed = torch.randn(7, generator=gen)
+
+    def backward(into: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        (kernels.linear_logprobs(h, w, targets, weight_grad_into=into) * seed).sum().backward()
+        assert h.grad is not None
+        return h.grad, w.grad
+
+    dh, dw = backward(None)
+    into = torch.zeros(weight.shape)  # fp32: the accumulation dtype of both
+    got_dh, got_dw = backward(into)
+    assert got_dw is None and torch.equal(got_dh, dh)
+    assert dw is not None and torch.equal(into.to(dtype), dw)  # the same sum, rounded once to W's dtype
+    start = torch.randn(weight.shape, generator=gen)
+    into = start.clone()
+    backward(into)
+    assert (into - start - dw.float()).abs().max() <= 1e-2 * dw.float().abs().max()  # added, not written
+
+
+def test_linear_logprobs_refuses_a_gradient_destination_it_cannot_add_into() -> None:
+    weight = torch.zeros(10, 8, dtype=torch.bfloat16)
+    args = (torch.zeros(4, 8, dtype=torch.bfloat16), weight, torch.zeros(4, dtype=torch.long))
+    for bad in (torch.zeros(10, 8, dtype=torch.bfloat16), torch.zeros(8, 10), torch.zeros(8, 10).t()):
+        with pytest.raises(ConfigError, match=r"weight_grad_into must be a contiguous torch.float32 tensor"):
+            kernels.linear_logprobs(*args, weight_grad_into=bad)
+
+
 def test_linear_logprobs_rejects_mismatched_shapes_with_the_shapes() -> None:
     with pytest.raises(ConfigError, match=r"hidden \(4, 8\) and weight \(10, 7\)"):
         kernels.linear_logprobs(torch.zeros(4, 8), torch.zeros(10, 7), torch.zeros(4, dtype=torch.long))

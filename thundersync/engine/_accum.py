@@ -96,7 +96,7 @@ class FlatAccumulator:
     def __init__(self, layout: ParamLayout, device: torch.device) -> None:
         self.layout = layout
         self.acc = torch.zeros(layout.numel, dtype=layout.acc_dtype, device=device)
-        self._views: dict[torch.Tensor, torch.Tensor] | None = None  # per parameter, for add_grads
+        self._views: dict[torch.Tensor, torch.Tensor] | None = None  # per parameter (view)
 
     def add_scratch(self, capture: GradCapture, scale: float = 1.0) -> None:
         """acc += scale * scratch (the product rounded first, then the sum)."""
@@ -108,16 +108,19 @@ class FlatAccumulator:
                 t = t.to(self.acc.dtype) * scale
             add_widened([self.acc[start:stop]], [t])
 
-    def add_grads(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """acc[p] += g for each (parameter, gradient) pair, computed in the accumulation dtype."""
+    def view(self, p: torch.Tensor) -> torch.Tensor:
+        """Parameter ``p``'s part of ``acc``, shaped as ``p`` (a KeyError for another tensor)."""
         if self._views is None:
             self._views = {
                 p: view
                 for g, (start, stop) in enumerate(self.layout.spans)
                 for p, view in zip(self.layout.groups[g][1], self.layout.views(self.acc[start:stop], g))
             }
-        views = self._views
-        add_widened([views[p] for p, _ in pairs], [grad.to(self.acc.device) for _, grad in pairs])
+        return self._views[p]
+
+    def add_grads(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """acc[p] += g for each (parameter, gradient) pair, computed in the accumulation dtype."""
+        add_widened([self.view(p) for p, _ in pairs], [grad.to(self.acc.device) for _, grad in pairs])
 
     def add_combination(self, terms: Sequence[tuple[float, FlatAccumulator]]) -> None:
         """acc += sum_k c_k * other_k, each product and each partial sum rounded separately."""
@@ -161,8 +164,9 @@ class GradSum:
     adds its parameters' gradients to the model's graph totals inside the replay
     (:func:`~thundersync.engine._pack_graph.drain_totals` later moves them into ``total``). Its
     backward runs in ``capture(summed=True)``: every ``p.grad`` is None, so what autograd hands
-    the few parameters reached outside the graphs (the head) becomes their ``.grad`` without an
-    add, and those are added into ``total``; the user's ``.grad`` comes back. Against a
+    the few parameters reached outside the graphs becomes their ``.grad`` without an add, and
+    those are added into ``total``; the user's ``.grad`` comes back. The head's log-probabilities
+    may add the head's gradient into ``total`` themselves (:meth:`grad_into`). Against a
     :class:`GradCapture` this saves, per pack, the zeroing of a parameter-sized scratch, the
     graph's copy of its gradients, their add into the scratch and the scratch's add into the
     accumulator (on the H200: ~4.2 ms of a 0.6B model's pack, against one add of ~2 ms). Any
@@ -171,6 +175,13 @@ class GradSum:
 
     def __init__(self, total: FlatAccumulator, scratch: GradCapture) -> None:
         self.layout, self.total, self.scratch = total.layout, total, scratch
+
+    def grad_into(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """Where a backward may add ``p``'s gradient directly (its part of ``total``, unscaled, in
+        the accumulation dtype), or None: ``p`` is not accumulated here, or not on its device."""
+        if self.total.acc.device != p.device or not any(p is q for q in self.layout.params):
+            return None
+        return self.total.view(p)
 
     @contextlib.contextmanager
     def capture(self, summed: bool) -> Iterator[None]:

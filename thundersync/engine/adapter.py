@@ -34,7 +34,7 @@ itself otherwise (a LoRA-wrapped head).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -199,13 +199,21 @@ def _gather_index(spans: list[tuple[int, int]]) -> torch.Tensor:
     return steps.cumsum(0) + torch.arange(total)
 
 
-def head_logprobs(anatomy: DecoderAnatomy, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log pi(targets[n] | hidden[n]) for hidden [M, H], targets [M]: fp32 [M] (fp64 for fp64)."""
+def head_logprobs(
+    anatomy: DecoderAnatomy,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    grad_into: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None,
+) -> torch.Tensor:
+    """log pi(targets[n] | hidden[n]) for hidden [M, H], targets [M]: fp32 [M] (fp64 for fp64).
+    ``grad_into(head weight)``: where the backward may add that weight's gradient directly (an
+    accumulator's part, see ``linear_logprobs(weight_grad_into=...)``), or None: into autograd."""
     head = anatomy.head
     if type(head) is nn.Linear and head.bias is None:
         from thundersync.kernels import linear_logprobs
 
-        return linear_logprobs(hidden, head.weight, targets)
+        into = grad_into(head.weight) if grad_into is not None and head.weight.requires_grad else None
+        return linear_logprobs(hidden, head.weight, targets, weight_grad_into=into)
     # A wrapped head (LoRA on lm_head): call it, a bounded number of rows at a time.
     acc = accumulate_dtype(hidden.dtype)
     pieces = []

@@ -46,7 +46,7 @@ Example: on-policy distillation of one trajectory (prompt, scored action, observ
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -193,12 +193,17 @@ class SegmentPack:
         skip = 0 if seg.parent is None else 1
         return [(k[:, skip:], v[:, skip:]) for k, v in self.output.kv(index)]
 
-    def scored_logprobs(self, selections: Sequence[Sequence[int] | torch.Tensor | None]) -> list[torch.Tensor]:
+    def scored_logprobs(
+        self,
+        selections: Sequence[Sequence[int] | torch.Tensor | None],
+        head_grad_into: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None,
+    ) -> list[torch.Tensor]:
         """Per segment, log pi(token j | everything before it) for the own-token indices given.
 
         ``selections[i]``: indices into segment i's tokens, ints or a long tensor (best on the
         host: a device tensor is read back), ``None`` for none. A root's token 0 has no context and
         cannot be selected. One index copy and one fused head call for the whole pack.
+        ``head_grad_into``: see :func:`~thundersync.engine.adapter.head_logprobs`.
         """
         rows: list[int] = []
         sizes = []
@@ -211,7 +216,8 @@ class SegmentPack:
             empty = self.output.hidden.new_zeros(0, dtype=accumulate_dtype(self.output.hidden.dtype))
             return [empty for _ in sizes]
         at = upload(torch.tensor(rows, dtype=torch.long), self.output.hidden.device)
-        lp = head_logprobs(self.anatomy, self.output.hidden[at], self.output.tokens[at + 1])  # row r predicts r + 1
+        # row r predicts r + 1
+        lp = head_logprobs(self.anatomy, self.output.hidden[at], self.output.tokens[at + 1], head_grad_into)
         return list(torch.split(lp, sizes))
 
     def backward(

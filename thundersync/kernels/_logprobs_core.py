@@ -14,7 +14,10 @@ memory). Because each token's outputs depend on its own row only, dh_n = g_lp_n 
 where a_n = (1[y_n] - p_n) W and b_n = -(p_n (z_n - E_n z)) W do not depend on the upstream
 gradient: when W needs no gradient (a frozen head), the forward computes a and b and the backward
 is two scalings (2 matrix products in all instead of 4). When W needs a gradient, the backward
-recomputes each chunk's logits and forms dz once for both dh and dW.
+recomputes each chunk's logits and forms dz once for both dh and dW. dW is summed in fp32 (for
+16-bit inputs) and returned in W's dtype, or, given ``grad_into`` (fp32, W's shape), added there
+and not returned: a caller that sums gradients in fp32 anyway saves the [V, H] zero fill, the cast
+to W's dtype and its own add of the result (~0.7 ms per pack for Qwen3's head on the H200).
 
 A ``RowOps`` backend supplies the two per-row passes over a chunk of logits (torch or Triton).
 """
@@ -112,13 +115,20 @@ class LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, with_entropy: bool, ops: RowOps, grad_enabled: bool
+        ctx: Any,
+        h: torch.Tensor,
+        w: torch.Tensor,
+        y: torch.Tensor,
+        with_entropy: bool,
+        ops: RowOps,
+        grad_enabled: bool,
+        grad_into: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         # grad_enabled: the caller's grad mode (forward always runs without it); under no_grad the
         # frozen-head precomputation would be wasted work.
         want_dh = grad_enabled and ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]
         lp, lse, ent, a, b = _stats_and_coefficients(ops, h, w, y, with_entropy, want_dh)
-        ctx.ops, ctx.with_entropy, ctx.precomputed = ops, with_entropy, want_dh
+        ctx.ops, ctx.with_entropy, ctx.precomputed, ctx.grad_into = ops, with_entropy, want_dh, grad_into
         mean_z = lse - ent if ent is not None else None
         ctx.save_for_backward(h, w, y, lse, mean_z, a, b)
         return (lp, ent) if ent is not None else (lp,)
@@ -133,8 +143,8 @@ class LinearLogprobs(torch.autograd.Function):
             dh = a * g_lp[:, None] if g_lp is not None else torch.zeros_like(a)
             if b is not None and g_ent is not None:
                 dh += b * g_ent[:, None]
-            return dh.to(h.dtype), None, None, None, None, None
-        return (*_recompute_grads(ctx, h, w, y, lse, mean_z, g_lp, g_ent), None, None, None, None)
+            return dh.to(h.dtype), None, None, None, None, None, None
+        return (*_recompute_grads(ctx, h, w, y, lse, mean_z, g_lp, g_ent), None, None, None, None, None)
 
 
 def _recompute_grads(
@@ -149,8 +159,9 @@ def _recompute_grads(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     acc = lse.dtype
     want_dh, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    into: torch.Tensor | None = ctx.grad_into if want_dw else None
     dh = torch.empty(h.shape, dtype=h.dtype, device=h.device) if want_dh else None
-    dw = torch.zeros(w.shape, dtype=acc, device=w.device) if want_dw else None
+    dw = into if into is not None else torch.zeros(w.shape, dtype=acc, device=w.device) if want_dw else None
     step = chunk_rows(w.shape[0])
     for start in range(0, h.shape[0], step):
         rows = slice(start, min(start + step, h.shape[0]))
@@ -169,7 +180,7 @@ def _recompute_grads(
             dh[rows] = _mm_out(dz, w, acc).to(h.dtype)
         if dw is not None:
             _mm_acc(dw, dz.t(), h[rows])
-    return dh, None if dw is None else dw.to(w.dtype)
+    return dh, None if dw is None or into is not None else dw.to(w.dtype)
 
 
 def _mm_out(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:

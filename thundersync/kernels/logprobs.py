@@ -18,6 +18,7 @@ from thundersync.errors import ConfigError
 from thundersync.kernels._env import profile_range
 from thundersync.kernels._logprobs_core import LinearLogprobs, RowOps
 from thundersync.kernels._logprobs_torch import TorchRowOps
+from thundersync.kernels.dtypes import accumulate_dtype
 from thundersync.kernels.probe import check_close, use_triton
 
 __all__ = ["linear_logprobs", "reference_linear_logprobs"]
@@ -27,27 +28,47 @@ _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @overload
 def linear_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, with_entropy: Literal[False] = ...
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    with_entropy: Literal[False] = ...,
+    weight_grad_into: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 @overload
 def linear_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, with_entropy: Literal[True]
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    with_entropy: Literal[True],
+    weight_grad_into: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def linear_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    with_entropy: bool = False,
+    weight_grad_into: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log p(targets[n]) under softmax(hidden @ weight.T), fp32 [N]; with ``with_entropy`` also H [N].
 
     hidden [N, H] and weight [V, H] share a dtype and device; targets [N] are int64 in [0, V).
     Gradients flow to hidden and weight; products of bf16/fp16 inputs accumulate in fp32
-    (fp64 inputs give fp64 results).
+    (fp64 inputs give fp64 results). ``weight_grad_into``: a contiguous tensor of weight's shape
+    in that accumulation dtype on its device; the backward adds weight's gradient into it, unrounded,
+    instead of handing it to autograd (``weight.grad`` gets nothing).
     """
     _check(hidden, weight, targets)
+    if weight_grad_into is not None:
+        _check_into(weight_grad_into, weight)
     ops = _row_ops(hidden)
     with profile_range("linear_logprobs"):
-        out = LinearLogprobs.apply(hidden, weight, targets, with_entropy, ops, torch.is_grad_enabled())
+        grad_enabled = torch.is_grad_enabled()
+        out = LinearLogprobs.apply(hidden, weight, targets, with_entropy, ops, grad_enabled, weight_grad_into)
     return (out[0], out[1]) if with_entropy else out[0]
 
 
@@ -56,7 +77,7 @@ def reference_linear_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The same function in pure torch on any device (chunked, never the full [N, V])."""
     _check(hidden, weight, targets)
-    out = LinearLogprobs.apply(hidden, weight, targets, with_entropy, TorchRowOps(), torch.is_grad_enabled())
+    out = LinearLogprobs.apply(hidden, weight, targets, with_entropy, TorchRowOps(), torch.is_grad_enabled(), None)
     return (out[0], out[1]) if with_entropy else out[0]
 
 
@@ -75,6 +96,15 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) ->
             f"linear_logprobs needs hidden, weight and targets on one device with one float dtype; got "
             f"hidden {hidden.dtype} on {hidden.device}, weight {weight.dtype} on {weight.device}, "
             f"targets on {targets.device}"
+        )
+
+
+def _check_into(into: torch.Tensor, weight: torch.Tensor) -> None:
+    want = accumulate_dtype(weight.dtype)
+    if into.shape != weight.shape or into.dtype != want or into.device != weight.device or not into.is_contiguous():
+        raise ConfigError(
+            f"linear_logprobs' weight_grad_into must be a contiguous {want} tensor of the weight's shape "
+            f"{tuple(weight.shape)} on {weight.device}; got {into.dtype} {tuple(into.shape)} on {into.device}"
         )
 
 
@@ -99,7 +129,7 @@ def _trial(device: torch.device, dtype: torch.dtype) -> None:
     results = []
     for ops in (TritonRowOps(), TorchRowOps()):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        lp, ent = LinearLogprobs.apply(hh, ww, y, True, ops, True)
+        lp, ent = LinearLogprobs.apply(hh, ww, y, True, ops, True, None)
         (lp.sum() + 0.5 * ent.sum()).backward()
         results.append((lp, ent, hh.grad, ww.grad))
     tol = 1e-4 if dtype == torch.float32 else 2e-2

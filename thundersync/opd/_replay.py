@@ -120,6 +120,18 @@ class GradientSink:
                     self._earlier[p] = p.grad
                     p.grad = None
 
+    def head_grad_into(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """Where the head's log-probabilities add its gradient themselves (lower precision: the
+        accumulator's part, see :meth:`GradSum.grad_into`), or None: through autograd."""
+        if self.direct:
+            return None
+        return self._summed().grad_into(p)
+
+    def _summed(self) -> GradSum:
+        if self._sum is None:
+            self._sum = GradSum(self.run.new_accumulator(), self.run.capture)
+        return self._sum
+
     def backward(
         self,
         pack: SegmentPack,
@@ -129,9 +141,7 @@ class GradientSink:
         """``pack.backward`` with the parameter gradients sent where they belong."""
         if self.direct:
             return pack.backward(objective, adjoints, params=self.run.params, sink=None)
-        if self._sum is None:
-            self._sum = GradSum(self.run.new_accumulator(), self.run.capture)
-        return pack.backward(objective, adjoints, params=self.run.params, sink=self._sum)
+        return pack.backward(objective, adjoints, params=self.run.params, sink=self._summed())
 
     def abandon(self) -> None:
         """Drop the batch's gradients: ``p.grad`` gets back what it held before the batch."""
@@ -223,7 +233,8 @@ def backward_turns(
         selections.append(item.turn.scored)
         ledgers.update(_ledgers(item.group, item.prior))
     pack = SegmentPack.forward(run.anatomy, segments, keep_state=True, accumulate=sink.accumulate)
-    logprobs = [lp for lp, picked in zip(pack.scored_logprobs(selections), selections) if picked is not None]
+    scored = pack.scored_logprobs(selections, sink.head_grad_into)
+    logprobs = [lp for lp, picked in zip(scored, selections) if picked is not None]
     losses = []
     for item, lp in zip(pending, logprobs):
         assert item.turn.teacher is not None
