@@ -112,9 +112,9 @@ class FlatAccumulator:
         """Parameter ``p``'s part of ``acc``, shaped as ``p`` (a KeyError for another tensor)."""
         if self._views is None:
             self._views = {
-                p: view
+                q: view
                 for g, (start, stop) in enumerate(self.layout.spans)
-                for p, view in zip(self.layout.groups[g][1], self.layout.views(self.acc[start:stop], g))
+                for q, view in zip(self.layout.groups[g][1], self.layout.views(self.acc[start:stop], g))
             }
         return self._views[p]
 

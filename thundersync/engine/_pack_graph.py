@@ -22,9 +22,9 @@ for a bucket of shapes and a pack costs a few dozen host ops:
 A bucket is (rows R, prefix rows P, gathered keys K, chunk slots C), each a power of two, except
 that R may also be three quarters of one (:func:`row_bucket`: the graphs' matrix products and
 attention scale with R, and powers of two alone leave ~28% of a bucket's rows padding on average
-over sizes spread evenly in log scale, ~14% with both). The pack's N rows are padded to R: the padding rows form one extra chunk that attends to itself, so
-every row attends to at least one key and stays finite; its adjoints are zero, so it adds nothing
-to any gradient. Unused chunk slots have zero length. Prefix rows beyond the pack's are never
+over sizes spread evenly in log scale, ~14% with both). The pack's N rows are padded to R: the
+padding rows form one extra chunk that attends to itself, so every row attends to at least one key
+and stays finite; its adjoints are zero, so it adds nothing to any gradient. Unused chunk slots have zero length. Prefix rows beyond the pack's are never
 gathered. Key rows are gathered the same way and in the same dtype as the eager pack, so a real
 row's result differs from the eager pack's only through the rounding of kernels that see padded
 shapes.

@@ -161,7 +161,9 @@ def _recompute_grads(
     want_dh, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     into: torch.Tensor | None = ctx.grad_into if want_dw else None
     dh = torch.empty(h.shape, dtype=h.dtype, device=h.device) if want_dh else None
-    dw = into if into is not None else torch.zeros(w.shape, dtype=acc, device=w.device) if want_dw else None
+    dw = into
+    if dw is None and want_dw:
+        dw = torch.zeros(w.shape, dtype=acc, device=w.device)
     step = chunk_rows(w.shape[0])
     for start in range(0, h.shape[0], step):
         rows = slice(start, min(start + step, h.shape[0]))
