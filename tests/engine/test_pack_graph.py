@@ -154,6 +154,9 @@ def test_graphed_packs_that_accumulate_add_the_same_gradients_in_their_totals(
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
         assert not graphs.pending and all(not t.any() for t in graphs.totals.values())
     assert graphs.totals and graphs.buckets() == [(64, 0, 256, 3), (64, 256, 256, 7)]
+    for graph in graphs._graphs.values():  # the projections and the embedding added theirs themselves
+        backward_returned = {name for name, used in zip(graph.aliases, graph.used, strict=True) if used}
+        assert backward_returned and all("norm" in name for name in backward_returned), backward_returned
 
 
 def test_graph_totals_follow_the_trainable_parameters_between_batches(monkeypatch: pytest.MonkeyPatch) -> None:
