@@ -99,6 +99,13 @@ class PackOutput:
         with torch.enable_grad():  # views that keep the graph even when asked for under no_grad
             return [(k[rows].transpose(0, 1), v[rows].transpose(0, 1)) for k, v in self.layer_kv]
 
+    def state(self, chunk: int, skip: int = 0) -> KVStack:
+        """Chunk ``chunk``'s own K/V from its row ``skip`` on, stacked [layers, 2, Hkv, T, D] without
+        graph (a snapshot: no view that autograd tracks, ~2 x layers of them otherwise)."""
+        rows = slice(self.offsets[chunk] + skip, self.offsets[chunk + 1])
+        with torch.no_grad():
+            return stack_kv([(k[rows].transpose(0, 1), v[rows].transpose(0, 1)) for k, v in self.layer_kv])
+
 
 def empty_prefix(anatomy: DecoderAnatomy, device: torch.device | None = None) -> KVStack:
     """A zero-length prefix for a chunk that starts a sequence."""

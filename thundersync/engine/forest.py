@@ -64,7 +64,6 @@ from thundersync.engine.adapter import (
     empty_prefix,
     forward_pack,
     head_logprobs,
-    stack_kv,
 )
 from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.engine.decoder import EAGER
@@ -182,9 +181,8 @@ class SegmentPack:
         pack._graphs = owner
         pack._summed = accumulate and isinstance(owner, PackGraphs)
         if keep_state:
-            with torch.no_grad():
-                for position, seg in enumerate(segments):
-                    seg.state = stack_kv(pack.kv(position))
+            for position, seg in enumerate(segments):
+                seg.state = output.state(position, skip=0 if seg.parent is None else 1)
         return pack
 
     def kv(self, index: int) -> list[KV]:
