@@ -256,3 +256,28 @@ def test_grads_into_the_destination_on_cuda_replayed_from_a_graph() -> None:
     assert plain.grad is not None
     row = plain.grad.float()
     assert torch.equal(into_table, row + row)
+
+
+def test_the_varlen_backward_of_head_pairs_equals_flash_attentions_grouped_backward() -> None:
+    """Two query heads per key head: the backward through repeated heads and one pairwise add
+    gives flash attention's own grouped dk and dv bitwise (dq: its atomic sums, to rounding)."""
+    from thundersync.kernels._attention_varlen import varlen_packed_attention
+
+    aten = torch.ops.aten
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q = torch.randn(300, 16, 128, device="cuda", generator=gen).to(BF16)
+    k, v = (torch.randn(900, 8, 128, device="cuda", generator=gen).to(BF16) for _ in range(2))
+    g = torch.randn(300, 16, 128, device="cuda", generator=gen).to(BF16)
+    cu_q = torch.tensor([0, 250, 300], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 800, 900], dtype=torch.int32, device="cuda")
+    scale = 128**-0.5
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    varlen_packed_attention(*leaves, cu_q, cu_k, 250, 800, scale).backward(g)
+    out, lse, rng, unused, _ = aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, 250, 800, 0.0, True, False, scale=scale
+    )
+    dq, dk, dv = aten._flash_attention_backward(
+        g, q, k, v, out, lse, cu_q, cu_k, 250, 800, 0.0, True, rng, unused, scale=scale
+    )
+    assert torch.equal(leaves[1].grad, dk) and torch.equal(leaves[2].grad, dv)
+    assert rel(leaves[0].grad, dq.double()) < 1e-2
