@@ -17,6 +17,7 @@ import torch
 from tests.engine.test_graphed import cuda_anatomy, pack_results
 from tests.engine.tiny_models import tiny_qwen3, with_lora
 from thundersync.engine import _graphed, _pack_graph, forest, release_graphs
+from thundersync.engine._fused import FUSED
 from thundersync.engine._pack_graph import MAX_CHUNKS, MAX_KEYS, PackGraphs, io_split, pack_graphs, plan, row_bucket
 from thundersync.engine.adapter import ChunkSpec, empty_prefix
 from thundersync.engine.anatomy import decoder_anatomy
@@ -203,6 +204,11 @@ def test_pack_graphs_equal_eager_packs(
     graphs = pack_graphs(anatomy)
     assert graphs is not None and len(graphs.buckets()) == 2
     assert _graphed.graph_counts()["pack_replayed"] == 4
+    for graph in (g for g in graphs._graphs.values() if g.accumulate):  # bf16: weights added theirs themselves
+        returned = {name for name, used in zip(graph.aliases, graph.used, strict=True) if used}
+        assert not any(part in name for name in returned for part in ("proj", "embed", "lora")), returned
+        if graph.module.fn.math is FUSED:  # its norms too, but the final one (eager in every math)
+            assert all(name.startswith("parts.norm.") for name in returned), returned
     for got, want in zip(results["on"], results["off"], strict=True):
         if dtype == torch.float32:  # masked SDPA against the per-chunk kernels
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

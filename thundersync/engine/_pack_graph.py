@@ -104,7 +104,14 @@ from thundersync.kernels._attention_varlen import varlen_packed_attention
 from thundersync.kernels.attention import capability
 from thundersync.kernels.dtypes import accumulate_dtype
 from thundersync.kernels.grad_into import embedding_grad_into, linear_grad_into
-from thundersync.kernels.layer import add_widened, gather_rows, gather_rows_reference, key_readers
+from thundersync.kernels.layer import (
+    add_widened,
+    gather_rows,
+    gather_rows_reference,
+    heads_norm_rope,
+    key_readers,
+    rms_norm,
+)
 
 __all__ = [
     "MAX_CHUNKS",
@@ -387,9 +394,10 @@ class _Graph:
 
 
 class _GradsInto(TorchFunctionMode):
-    """While an accumulating graph records its forward: a linear layer or an embedding whose weight
-    is a parameter's alias adds that gradient into the parameter's total itself
-    (:mod:`~thundersync.kernels.grad_into`), so the backward neither writes nor adds it again."""
+    """While an accumulating graph records its forward: a linear layer, an embedding or a fused norm
+    (``kernels.layer.rms_norm``, ``heads_norm_rope``) whose weight is a parameter's alias adds that
+    gradient into the parameter's total itself (:mod:`~thundersync.kernels.grad_into`), so the
+    backward neither writes nor adds it again."""
 
     def __init__(self, aliases: Iterable[torch.Tensor], totals: Sequence[torch.Tensor]) -> None:
         super().__init__()
@@ -397,14 +405,20 @@ class _GradsInto(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.linear and (into := self.totals.get(id(args[1]))) is not None:
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            return linear_grad_into(args[0], args[1], bias, into)
-        if func is F.embedding and (into := self.totals.get(id(args[1]))) is not None:
+        into = self.totals.get(id(args[1])) if len(args) > 1 and func in _ROUTED else None
+        if into is None:
+            return func(*args, **kwargs)
+        if func is F.linear:
+            return linear_grad_into(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias"), into)
+        if func is F.embedding:
             plain = len(args) == 2 and kwargs.get("max_norm") is None and not kwargs.get("scale_grad_by_freq")
             if plain and not kwargs.get("sparse"):
                 return embedding_grad_into(args[0], args[1], into, kwargs.get("padding_idx"))
-        return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        return func(*args, weight_grad_into=into)  # the fused layer math's norms
+
+
+_ROUTED = frozenset({F.linear, F.embedding, rms_norm, heads_norm_rope})  # functions whose args[1] is a weight
 
 
 def _modules(an: DecoderAnatomy) -> dict[str, torch.nn.Module]:

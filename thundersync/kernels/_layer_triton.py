@@ -6,7 +6,8 @@ dtype before the weight, the rotary's ``x cos`` before the add, ``silu(gate)`` b
 so it returns the eager values up to the order of fp32 sums. The backwards keep their
 intermediates in fp32 (the eager backward rounds each to the model dtype). A weight's gradient is
 summed per program over a strip of rows into an fp32 partial [programs, width], which the caller
-reduces with one ``sum``: the same order on every run, so a result does not depend on timing.
+reduces with one ``sum`` (or ``sum_rows_into_kernel``, into an accumulator): the same order on
+every run, so a result does not depend on timing.
 Row counts are not specialized on (``do_not_specialize``), so a new pack size compiles nothing.
 """
 
@@ -259,3 +260,16 @@ def add_widened_kernel(acc_ptr, src_ptr, n, BLOCK: tl.constexpr):
     ok = at < n
     src = tl.load(src_ptr + at, mask=ok, other=0.0).to(acc_ptr.dtype.element_ty)
     tl.store(acc_ptr + at, tl.load(acc_ptr + at, mask=ok, other=0.0) + src, mask=ok)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def sum_rows_into_kernel(partial_ptr, acc_ptr, rows, width, BLOCK: tl.constexpr):
+    """``acc += partial.sum(0)`` for an fp32 partial [rows, width]: the rows summed in order in fp32,
+    then added to ``acc`` (rounded once, in ``acc``'s dtype)."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for row in range(rows):
+        total += tl.load(partial_ptr + row * width + cols, mask=ok, other=0.0)
+    acc = tl.load(acc_ptr + cols, mask=ok, other=0.0)
+    tl.store(acc_ptr + cols, acc + total.to(acc_ptr.dtype.element_ty), mask=ok)

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+from torch.overrides import handle_torch_function, has_torch_function
 
 from thundersync.kernels.probe import Capability, check_close, probe, record
 
@@ -80,7 +81,7 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, into: torch.Tensor | None) -> torch.Tensor:
         from thundersync.kernels._layer_triton import rms_norm_fwd_kernel
 
         width = x.shape[-1]
@@ -92,7 +93,7 @@ class _RMSNorm(torch.autograd.Function):
                 x2, weight, y, rstd, x2.stride(0), y.stride(0), width, eps, BLOCK=_pow2(width)
             )
         ctx.save_for_backward(x2, weight, rstd)
-        ctx.shape = x.shape
+        ctx.shape, ctx.into = x.shape, into
         return y.view(x.shape)
 
     @staticmethod
@@ -112,8 +113,7 @@ class _RMSNorm(torch.autograd.Function):
                 dy2, x2, weight, rstd, dx, partial, rows, per, dy2.stride(0), x2.stride(0), dx.stride(0), width,
                 BLOCK=_pow2(width), WEIGHT_GRAD=weight_grad,
             )  # fmt: skip
-        dw = (partial.sum(0) if rows else partial.new_zeros(width)).to(weight.dtype) if weight_grad else None
-        return dx.view(ctx.shape), dw, None
+        return dx.view(ctx.shape), _weight_grad(partial, rows, weight, ctx.into) if weight_grad else None, None, None
 
 
 class _HeadsNormRope(torch.autograd.Function):
@@ -126,6 +126,7 @@ class _HeadsNormRope(torch.autograd.Function):
         sin: torch.Tensor,
         eps: float,
         head_dim: int,
+        into: torch.Tensor | None,
     ) -> torch.Tensor:
         from thundersync.kernels._layer_triton import heads_fwd_kernel
 
@@ -141,7 +142,7 @@ class _HeadsNormRope(torch.autograd.Function):
                 HEADS=heads, BLOCK_HEADS=_pow2(heads), D=head_dim, NORM=weight is not None,
             )  # fmt: skip
         ctx.save_for_backward(t2, weight, cos2, sin2, rstd)
-        ctx.head_dim = head_dim
+        ctx.head_dim, ctx.into = head_dim, into
         return out
 
     @staticmethod
@@ -164,11 +165,8 @@ class _HeadsNormRope(torch.autograd.Function):
                 dout.stride(0), dout.stride(1), t2.stride(0), dt.stride(0), cos2.stride(0), sin2.stride(0),
                 HEADS=heads, BLOCK_HEADS=_pow2(heads), D=d, NORM=weight is not None, WEIGHT_GRAD=weight_grad,
             )  # fmt: skip
-        dw = None
-        if weight_grad:
-            assert weight is not None
-            dw = (partial.sum(0) if rows else partial.new_zeros(d)).to(weight.dtype)
-        return dt, dw, None, None, None, None
+        dw = _weight_grad(partial, rows, weight, ctx.into) if weight_grad else None
+        return dt, dw, None, None, None, None, None
 
 
 class _SiluMul(torch.autograd.Function):
@@ -241,22 +239,74 @@ class _GatherRows(torch.autograd.Function):
         return dprefix, down, None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _weight_grad(
+    partial: torch.Tensor, rows: int, weight: torch.Tensor, into: torch.Tensor | None
+) -> torch.Tensor | None:
+    """A norm's weight gradient from its backward's fp32 partial sums [programs, width]: in the
+    weight's dtype, or (given ``into``) added into ``into`` in one kernel and None."""
+    if into is None:
+        return (partial.sum(0) if rows else partial.new_zeros(partial.shape[1])).to(weight.dtype)
+    if rows:
+        from thundersync.kernels._layer_triton import sum_rows_into_kernel
+
+        width = partial.shape[1]
+        block = min(_pow2(width), 128)
+        sum_rows_into_kernel[(-(-width // block),)](partial, into, partial.shape[0], width, BLOCK=block)
+    return None
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_grad_into: torch.Tensor | None = None
+) -> torch.Tensor:
     """``weight * rmsnorm(x)`` over the last dimension, as a transformers RMSNorm computes it
-    (normalized in fp32, rounded to ``x``'s dtype, then multiplied by ``weight`` of the same dtype)."""
-    out: torch.Tensor = _RMSNorm.apply(x, weight, eps)
+    (normalized in fp32, rounded to ``x``'s dtype, then multiplied by ``weight`` of the same dtype).
+    ``weight_grad_into`` (contiguous, the weight's shape, fp32): the backward adds the weight's
+    gradient there, summed in fp32, and returns None for it. Overridable by a
+    ``TorchFunctionMode`` (the pack graphs route the gradient so)."""
+    if has_torch_function((x, weight)):
+        return handle_torch_function(rms_norm, (x, weight), x, weight, eps, weight_grad_into=weight_grad_into)
+    _check_into(weight, weight_grad_into)
+    out: torch.Tensor = _RMSNorm.apply(x, weight, eps, weight_grad_into)
     return out
 
 
 def heads_norm_rope(
-    t: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float, head_dim: int
+    t: torch.Tensor,
+    weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    head_dim: int,
+    weight_grad_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The projection ``t`` [N, heads * D] as heads [N, heads, D], each RMS-normed with ``weight`` [D]
     (skipped when None) and rotated: ``x cos + roll(x, D / 2) sin'`` for ``cos``, ``sin'`` [N, (1,) D]
     (``sin'``: sin with its first half negated, :func:`~thundersync.engine.decoder.rotary_tables`).
-    The tables take no gradient."""
-    out: torch.Tensor = _HeadsNormRope.apply(t, weight, cos, sin, eps, head_dim)
+    The tables take no gradient. ``weight_grad_into`` as for :func:`rms_norm`."""
+    if has_torch_function((t, weight) if weight is not None else (t,)):
+        return handle_torch_function(
+            heads_norm_rope, (t,) if weight is None else (t, weight), t, weight, cos, sin, eps, head_dim,
+            weight_grad_into=weight_grad_into,
+        )  # fmt: skip
+    if weight is not None:
+        _check_into(weight, weight_grad_into)
+    out: torch.Tensor = _HeadsNormRope.apply(t, weight, cos, sin, eps, head_dim, weight_grad_into)
     return out
+
+
+def _check_into(weight: torch.Tensor, into: torch.Tensor | None) -> None:
+    ok = into is None or (
+        into.shape == weight.shape
+        and into.dtype == torch.float32
+        and into.device == weight.device
+        and into.is_contiguous()
+    )
+    if not ok:
+        assert into is not None
+        raise ValueError(
+            f"weight_grad_into must be a contiguous fp32 tensor of the weight's shape {tuple(weight.shape)} on "
+            f"{weight.device}; got {tuple(into.shape)} {into.dtype} on {into.device}"
+        )
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -352,8 +402,8 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def _trial(
     device: torch.device, dtype: torch.dtype, width: int = 96, heads: int = 3, head_dim: int = 16, rows: int = 5
 ) -> None:
-    """The four functions against their references, forward and backward, every option; the
-    widening add bitwise against torch's."""
+    """The four functions against their references, forward and backward, every option (the
+    norms' weight gradients also added into a destination); the widening add bitwise against torch's."""
     gen = torch.Generator(device=device).manual_seed(0)
     tol = 2e-6 if dtype in (torch.float32, torch.float64) else 2e-2
 
@@ -370,13 +420,29 @@ def _trial(
         ):
             check_close(g, w, tol, f"{what} gradient of a {tuple(t.shape)} input")
 
-    check(rms_norm, rms_norm_reference, [rand(rows, width), rand(width, shift=1.0), 1e-6], "rms_norm")
+    def check_into(fused: Any, args: list[Any], what: str) -> None:
+        """The weight's gradient added into an fp32 destination equals the one returned."""
+        x, weight = args[0], args[1]
+        seed = torch.randn(fused(*args).shape, generator=gen, device=device).to(dtype)
+        want = torch.autograd.grad(fused(*args), [weight], seed)[0]
+        start = torch.randn(weight.shape, generator=gen, device=device)
+        into = start.clone()
+        got = torch.autograd.grad(fused(*args, weight_grad_into=into), [x, weight], seed, allow_unused=True)
+        if got[1] is not None:
+            raise AssertionError(f"{what} returned the weight's gradient it was to add into its destination")
+        check_close(into - start, want.float(), tol, f"{what} weight gradient added into a destination")
+
+    args = [rand(rows, width), rand(width, shift=1.0), 1e-6]
+    check(rms_norm, rms_norm_reference, args, "rms_norm")
+    check_into(rms_norm, args, "rms_norm")
     angle = torch.rand(rows, head_dim, generator=gen, device=device) * 6
     cos = angle.cos().to(dtype)
     sin = torch.cat([-angle[:, : head_dim // 2], angle[:, head_dim // 2 :]], -1).sin().to(dtype)
     for weight in (rand(head_dim, shift=1.0), None):
         args = [rand(rows, heads * head_dim), weight, cos, sin, 1e-6, head_dim]
         check(heads_norm_rope, heads_norm_rope_reference, args, "heads_norm_rope")
+        if weight is not None:
+            check_into(heads_norm_rope, args, "heads_norm_rope")
     check(silu_mul, silu_mul_reference, [rand(rows, width, scale=3), rand(rows, width)], "silu_mul")
     # keys of 2 heads: a prefix of rows + 2 rows, read twice over, the own rows once, the zero row
     index = torch.cat([torch.arange(rows + 2).repeat(2), rows + 2 + torch.arange(rows), torch.tensor([2 * rows + 2])])
