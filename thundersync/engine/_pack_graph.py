@@ -69,13 +69,12 @@ import copy
 import dataclasses
 import os
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from thundersync._compile import COMPILE_LOCK
 from thundersync._logging import get_logger
@@ -103,15 +102,8 @@ from thundersync.errors import ConfigError
 from thundersync.kernels._attention_varlen import varlen_packed_attention
 from thundersync.kernels.attention import capability
 from thundersync.kernels.dtypes import accumulate_dtype
-from thundersync.kernels.grad_into import embedding_grad_into, linear_grad_into
-from thundersync.kernels.layer import (
-    add_widened,
-    gather_rows,
-    gather_rows_reference,
-    heads_norm_rope,
-    key_readers,
-    rms_norm,
-)
+from thundersync.kernels.grad_into import GradsInto
+from thundersync.kernels.layer import add_widened, gather_rows, gather_rows_reference, key_readers
 
 __all__ = [
     "MAX_CHUNKS",
@@ -338,8 +330,8 @@ class _Graph:
             torch._foreach_copy_(_prefix_views(self.buffer, plan.sources), plan.sources)
 
     def run(self) -> tuple[torch.Tensor, ...]:
-        into = _GradsInto(self.aliases.values(), self.param_grads) if self.accumulate else contextlib.nullcontext()
-        with into:
+        into = GradsInto(dict(zip(self.aliases.values(), self.param_grads, strict=True))) if self.accumulate else None
+        with into or contextlib.nullcontext():
             out: tuple[torch.Tensor, ...] = torch.func.functional_call(
                 self.module, self.aliases, (self.ids, self.io, *self.prefix)
             )
@@ -391,34 +383,6 @@ class _Graph:
         self.grad_outputs = [torch.zeros_like(o) for o in self.outputs]
         with capture_graph(self.backward, pool):
             self.backward_step()  # the gradients' own memory returns to the pool for later captures
-
-
-class _GradsInto(TorchFunctionMode):
-    """While an accumulating graph records its forward: a linear layer, an embedding or a fused norm
-    (``kernels.layer.rms_norm``, ``heads_norm_rope``) whose weight is a parameter's alias adds that
-    gradient into the parameter's total itself (:mod:`~thundersync.kernels.grad_into`), so the
-    backward neither writes nor adds it again."""
-
-    def __init__(self, aliases: Iterable[torch.Tensor], totals: Sequence[torch.Tensor]) -> None:
-        super().__init__()
-        self.totals = {id(alias): total for alias, total in zip(aliases, totals, strict=True)}
-
-    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        into = self.totals.get(id(args[1])) if len(args) > 1 and func in _ROUTED else None
-        if into is None:
-            return func(*args, **kwargs)
-        if func is F.linear:
-            return linear_grad_into(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias"), into)
-        if func is F.embedding:
-            plain = len(args) == 2 and kwargs.get("max_norm") is None and not kwargs.get("scale_grad_by_freq")
-            if plain and not kwargs.get("sparse"):
-                return embedding_grad_into(args[0], args[1], into, kwargs.get("padding_idx"))
-            return func(*args, **kwargs)
-        return func(*args, weight_grad_into=into)  # the fused layer math's norms
-
-
-_ROUTED = frozenset({F.linear, F.embedding, rms_norm, heads_norm_rope})  # functions whose args[1] is a weight
 
 
 def _modules(an: DecoderAnatomy) -> dict[str, torch.nn.Module]:

@@ -95,16 +95,18 @@ class PackOutput:
 
     def kv(self, chunk: int) -> list[KV]:
         """Chunk ``chunk``'s own per-layer (k, v) [Hkv, T, D], with graph."""
-        rows = slice(self.offsets[chunk], self.offsets[chunk + 1])
         with torch.enable_grad():  # views that keep the graph even when asked for under no_grad
-            return [(k[rows].transpose(0, 1), v[rows].transpose(0, 1)) for k, v in self.layer_kv]
+            return self._heads_first(chunk, 0)
 
     def state(self, chunk: int, skip: int = 0) -> KVStack:
         """Chunk ``chunk``'s own K/V from its row ``skip`` on, stacked [layers, 2, Hkv, T, D] without
         graph (a snapshot: no view that autograd tracks, ~2 x layers of them otherwise)."""
-        rows = slice(self.offsets[chunk] + skip, self.offsets[chunk + 1])
         with torch.no_grad():
-            return stack_kv([(k[rows].transpose(0, 1), v[rows].transpose(0, 1)) for k, v in self.layer_kv])
+            return stack_kv(self._heads_first(chunk, skip))
+
+    def _heads_first(self, chunk: int, skip: int) -> list[KV]:
+        rows = slice(self.offsets[chunk] + skip, self.offsets[chunk + 1])
+        return [(k[rows].transpose(0, 1), v[rows].transpose(0, 1)) for k, v in self.layer_kv]
 
 
 def empty_prefix(anatomy: DecoderAnatomy, device: torch.device | None = None) -> KVStack:

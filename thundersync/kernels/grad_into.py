@@ -18,7 +18,9 @@ weight's dtype), added only where a token occurs: the tokens are sorted and numb
 value, the plain backward runs over those numbers into a [N, H] table, and each row is added at its
 token. No sum depends on timing: a token's row is added once; the table's rows past the distinct
 tokens are zero, added at some token, and adding zero changes nothing in any order.
-Both are capturable in a CUDA graph (no host synchronization).
+Both are capturable in a CUDA graph (no host synchronization). :class:`GradsInto` reroutes a
+model's own calls to them (and the fused norms to their ``weight_grad_into``) while it runs, for
+the weights given a destination: OPD's pack graphs record their forward under it.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+from torch.overrides import TorchFunctionMode
 
 from thundersync.kernels._logprobs_core import _mm_acc
+from thundersync.kernels.layer import heads_norm_rope, rms_norm
 
-__all__ = ["embedding_grad_into", "linear_grad_into"]
+__all__ = ["GradsInto", "embedding_grad_into", "linear_grad_into"]
 
 
 class _LinearGradInto(torch.autograd.Function):
@@ -115,3 +119,38 @@ def _check_into(name: str, weight: torch.Tensor, into: torch.Tensor) -> None:
             f"{weight.dtype} or wider, that does not require grad; got {tuple(into.shape)} {into.dtype} on "
             f"{into.device} (requires_grad={into.requires_grad})"
         )
+
+
+class GradsInto(TorchFunctionMode):
+    """While active: ``F.linear``, a plain ``F.embedding`` and the fused norms
+    (``kernels.layer.rms_norm``, ``heads_norm_rope``) whose weight is a key of ``destinations``
+    add that weight's gradient into its destination themselves (the functions above and the
+    norms' ``weight_grad_into``); other calls run as they are."""
+
+    def __init__(self, destinations: dict[torch.Tensor, torch.Tensor]) -> None:
+        super().__init__()
+        self.destinations = {id(weight): into for weight, into in destinations.items()}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        into = self.destinations.get(id(args[1])) if len(args) > 1 and func in _ROUTED else None
+        if into is None or (func is F.embedding and not _plain_embedding(args, kwargs)):
+            return func(*args, **kwargs)
+        if func is F.linear:
+            return linear_grad_into(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias"), into)
+        if func is F.embedding:
+            return embedding_grad_into(args[0], args[1], into, kwargs.get("padding_idx"))
+        return func(*args, weight_grad_into=into)  # the fused norms
+
+
+def _plain_embedding(args: Any, kwargs: Any) -> bool:
+    """Whether an ``F.embedding`` call takes none of the options ``embedding_grad_into`` lacks."""
+    return (
+        len(args) == 2
+        and kwargs.get("max_norm") is None
+        and not kwargs.get("scale_grad_by_freq")
+        and not kwargs.get("sparse")
+    )
+
+
+_ROUTED = frozenset({F.linear, F.embedding, rms_norm, heads_norm_rope})  # functions whose args[1] is a weight
