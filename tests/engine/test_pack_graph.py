@@ -21,6 +21,7 @@ from thundersync.engine._fused import FUSED
 from thundersync.engine._pack_graph import MAX_CHUNKS, MAX_KEYS, PackGraphs, io_split, pack_graphs, plan, row_bucket
 from thundersync.engine.adapter import ChunkSpec, empty_prefix
 from thundersync.engine.anatomy import decoder_anatomy
+from thundersync.engine.forest import Segment, SegmentPack
 from thundersync.errors import ConfigError
 
 
@@ -158,6 +159,40 @@ def test_graphed_packs_that_accumulate_add_the_same_gradients_in_their_totals(
     for graph in graphs._graphs.values():  # the projections and the embedding added theirs themselves
         backward_returned = {name for name, used in zip(graph.aliases, graph.used, strict=True) if used}
         assert backward_returned and all("norm" in name for name in backward_returned), backward_returned
+
+
+def test_packs_of_one_bucket_read_no_output_gradient_an_earlier_pack_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward graph reads its outputs' gradients from static buffers that a pack writes only
+    where it has one: a longer pack with K/V adjoints, then shorter ones with an objective only and
+    with K/V adjoints, in one bucket, each give the eager pack's gradients (fp64)."""
+    model = tiny_qwen3(torch.float64, seed=6)
+    anatomy = decoder_anatomy(model)
+    params = anatomy.trainable_parameters()
+    gen = torch.Generator().manual_seed(3)
+    steps = []
+    for n, adjoint in ((30, True), (9, False), (9, True), (20, False)):
+        tokens = torch.randint(0, 97, (n,), generator=gen)
+        shape = (len(anatomy.layers), 2, anatomy.num_kv_heads, n, anatomy.head_dim)
+        steps.append((tokens, torch.randn(shape, generator=gen, dtype=torch.float64) if adjoint else None))
+
+    def gradients() -> list[list[torch.Tensor]]:
+        out = []
+        for tokens, adjoint in steps:
+            model.zero_grad(set_to_none=True)
+            pack = SegmentPack.forward(anatomy, [Segment(tokens)])
+            objective = None if adjoint is not None else pack.scored_logprobs([list(range(1, len(tokens)))])[0].sum()
+            pack.backward(objective, None if adjoint is None else [adjoint], params=params, sink=None)
+            out.append([torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params])
+        return out
+
+    monkeypatch.setattr(forest, "pack_graphs", lambda an: None)
+    want = gradients()
+    graphs = uncaptured(monkeypatch, anatomy)
+    got = gradients()
+    assert len(graphs.buckets()) == 1
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g, w, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_graph_totals_follow_the_trainable_parameters_between_batches(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -37,7 +37,11 @@ to be handed None (366 per pack, ~2.8 ms of host time under the profiler on the 
 single pack's wall time did not change, its kernels bound it). The anchor, a scalar leaf that
 requires grad, makes the outputs require grad where no proxy does (a prompt's pack); a backward
 restricted to ``inputs`` must list it, as ``SegmentPack.backward`` does. The graphs differentiate with respect to detached aliases of the parameters (see
-:class:`~thundersync.engine._graphed._Part`).
+:class:`~thundersync.engine._graphed._Part`). The node's outputs are the pack's rows of the static
+output buffers. Most get no gradient in a pack (a lone action's K/V, 56 of 57 outputs for
+Qwen3-0.6B): autograd hands None for them rather than materializing zeros, and the backward graph's
+static gradient inputs are rewritten only where the pack has a gradient and zeroed only where an
+earlier pack wrote one (``_Graph.set_grad_outputs``).
 
 A pack forwarded with ``accumulate`` (an unscaled fp32 sum of every pack's gradient: OPD on a
 16-bit model, :class:`~thundersync.engine._accum.GradSum`) replays graphs captured for that: their
@@ -311,6 +315,7 @@ class _Graph:
         self.used: list[bool] = []  # per parameter: whether the pack's math reaches it
         self.outputs: tuple[torch.Tensor, ...] = ()
         self.grad_outputs: list[torch.Tensor] = []
+        self.grad_rows: list[int] = []  # per output: the leading rows of its gradient that may be non-zero
         self._live: tuple[torch.Tensor, ...] = ()  # the outputs with their autograd graph, until the backward
         self.forward: Any = None  # the graphs (CUDAGraph), set by capture
         self.backward: Any = None
@@ -336,6 +341,26 @@ class _Graph:
                 self.module, self.aliases, (self.ids, self.io, *self.prefix)
             )
         return out
+
+    def set_grad_outputs(self, rows: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """Put the outputs' gradients where the backward graph reads them: ``grads`` (the pack's
+        ``rows`` rows each; None: zero) in the first rows, zero after them. Only rows that an
+        earlier pack wrote are zeroed again: most outputs get no gradient in most packs."""
+        if len(self.grad_rows) != len(self.grad_outputs):  # first use: any row may hold a value
+            self.grad_rows = [int(t.shape[0]) for t in self.grad_outputs]
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        zeros: list[torch.Tensor] = []
+        for i, (static, grad) in enumerate(zip(self.grad_outputs, grads, strict=True)):
+            written = 0 if grad is None else rows
+            if grad is not None:
+                copies.append((static[:rows], grad))
+            if self.grad_rows[i] > written:
+                zeros.append(static[written : self.grad_rows[i]])
+            self.grad_rows[i] = written
+        if copies:
+            torch._foreach_copy_([s for s, _ in copies], [g for _, g in copies])
+        if zeros:
+            torch._foreach_zero_(zeros)
 
     def grads(self, outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         return list(
@@ -406,18 +431,14 @@ class _PackReplay(torch.autograd.Function):
         graph.load(plan, tokens)
         graph.forward.replay()
         ctx.graph, ctx.plan = graph, plan
-        return tuple(o.detach() for o in graph.outputs)  # new tensors over the static buffers
+        ctx.set_materialize_grads(False)  # an output no gradient reaches (most K/V ones) comes as None
+        return tuple(o[: plan.rows] for o in graph.outputs)  # the pack's rows of the static buffers
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         graph: _Graph = ctx.graph
-        given = [(s, g) for s, g in zip(graph.grad_outputs, grads) if g is not None]
-        missing = [s for s, g in zip(graph.grad_outputs, grads) if g is None]
-        if given:
-            torch._foreach_copy_([s for s, _ in given], [g for _, g in given])
-        if missing:
-            torch._foreach_zero_(missing)
+        graph.set_grad_outputs(ctx.plan.rows, grads)
         graph.backward.replay()
         # Autograd keeps an incoming gradient as a leaf's .grad itself where the leaf has none and
         # the gradient has the leaf's layout (else it copies it again): the proxies' (fresh,
@@ -552,9 +573,8 @@ class PackGraphs:
         except BaseException:
             self._busy = False
             raise
-        n = layout.rows
-        kv = [(outputs[1 + 2 * i][:n], outputs[2 + 2 * i][:n]) for i in range(len(self.anatomy.layers))]
-        return PackOutput(hidden=outputs[0][:n], tokens=tokens, offsets=layout.offsets, layer_kv=kv)
+        kv = [(outputs[1 + 2 * i], outputs[2 + 2 * i]) for i in range(len(self.anatomy.layers))]
+        return PackOutput(hidden=outputs[0], tokens=tokens, offsets=layout.offsets, layer_kv=kv)
 
     def _capture(self, layout: Plan, tokens: torch.Tensor, math: LayerMath, accumulate: bool) -> _Graph | None:
         shape = layout.shape
