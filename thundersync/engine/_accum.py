@@ -163,9 +163,11 @@ class GradSum:
     A pack replayed from CUDA graphs for this sink (``SegmentPack.forward(..., accumulate=True)``)
     adds its parameters' gradients to the model's graph totals inside the replay
     (:func:`~thundersync.engine._pack_graph.drain_totals` later moves them into ``total``). Its
-    backward runs in ``capture(summed=True)``: every ``p.grad`` is None, so what autograd hands
-    the few parameters reached outside the graphs becomes their ``.grad`` without an add, and
-    those are added into ``total``; the user's ``.grad`` comes back. The head's log-probabilities
+    backward runs in ``capture(summed=True, params)``, ``params`` the few parameters reached
+    outside the graphs (``SegmentPack.backward`` finds them in the objective's autograd graph:
+    none where the head adds its own gradient, not ~300): their ``.grad`` is None, so what
+    autograd hands them becomes their ``.grad`` without an add, and those are added into
+    ``total``; the user's ``.grad`` comes back. The head's log-probabilities
     may add the head's gradient into ``total`` themselves (:meth:`grad_into`). Against a
     :class:`GradCapture` this saves, per pack, the zeroing of a parameter-sized scratch, the
     graph's copy of its gradients, their add into the scratch and the scratch's add into the
@@ -184,18 +186,21 @@ class GradSum:
         return self.total.view(p)
 
     @contextlib.contextmanager
-    def capture(self, summed: bool) -> Iterator[None]:
+    def capture(self, summed: bool, params: Sequence[torch.nn.Parameter] | None = None) -> Iterator[None]:
+        """Around a backward: ``summed``, the gradients that reach ``params`` (default: every
+        parameter of the layout) through autograd go into ``total``; else through the scratch."""
         if not summed:
             with self.scratch.capture():
                 yield
             self.total.add_scratch(self.scratch)
             return
-        saved = [p.grad for p in self.layout.params]
-        for p in self.layout.params:
+        params = self.layout.params if params is None else params
+        saved = [p.grad for p in params]
+        for p in params:
             p.grad = None
         try:
             yield
-            self.total.add_grads([(p, p.grad) for p in self.layout.params if p.grad is not None])
+            self.total.add_grads([(p, p.grad) for p in params if p.grad is not None])
         finally:
-            for p, grad in zip(self.layout.params, saved):
+            for p, grad in zip(params, saved):
                 p.grad = grad

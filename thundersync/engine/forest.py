@@ -249,10 +249,16 @@ class SegmentPack:
         leaves = [leaf for _, leaf in self._leaves.values()]
         if isinstance(self._graphs, PackGraphs):
             leaves.append(self._graphs.anchor)  # the replay's input in the parameters' place
+        if self._summed and isinstance(sink, GradSum):
+            # The replay adds its parameters' gradients to the graph totals itself: autograd
+            # reaches only those the objective uses outside it (the head's, unless the head adds
+            # its own), and the K/V outputs reach the replay alone.
+            reached = _leaves_reached(outputs[:1] if objective is not None and objective.requires_grad else [])
+            params = [p for p in params if id(p) in reached]
         if outputs:
             capture: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
             if sink is not None:
-                capture = sink.capture(self._summed) if isinstance(sink, GradSum) else sink.capture()
+                capture = sink.capture(self._summed, params) if isinstance(sink, GradSum) else sink.capture()
             with capture:
                 torch.autograd.backward(outputs, grads, inputs=[*params, *leaves])
         result = self._ancestor_adjoints()
@@ -280,6 +286,23 @@ class SegmentPack:
                 else:  # a view of the leaf's gradient: the pack drops its leaves, nothing else reads it
                     result[ancestor] = piece
         return result
+
+
+def _leaves_reached(outputs: Sequence[torch.Tensor]) -> set[int]:
+    """The ids of the leaves a backward from ``outputs`` accumulates into (its ``AccumulateGrad`` nodes')."""
+    found: set[int] = set()
+    seen: set[object] = set()
+    stack = [o.grad_fn for o in outputs]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            found.add(id(node.variable))
+        else:
+            stack.extend(n for n, _ in node.next_functions)
+    return found
 
 
 def forward_prompt(anatomy: DecoderAnatomy, tokens: torch.Tensor) -> Segment:
