@@ -263,13 +263,16 @@ def add_widened_kernel(acc_ptr, src_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["rows"])
-def sum_rows_into_kernel(partial_ptr, acc_ptr, rows, width, BLOCK: tl.constexpr):
-    """``acc += partial.sum(0)`` for an fp32 partial [rows, width]: the rows summed in order in fp32,
-    then added to ``acc`` (rounded once, in ``acc``'s dtype)."""
+def sum_rows_into_kernel(partial_ptr, acc_ptr, rows, width, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """``acc += partial.sum(0)`` for an fp32 partial [rows, width]: ``ROWS`` rows at a time (one
+    load of a tile, not a dependent load per row), each tile summed down its rows, in fp32 and in
+    an order fixed by the shape; then added to ``acc`` (rounded once, in ``acc``'s dtype)."""
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
     total = tl.zeros([BLOCK], dtype=tl.float32)
-    for row in range(rows):
-        total += tl.load(partial_ptr + row * width + cols, mask=ok, other=0.0)
+    for start in range(0, rows, ROWS):
+        at = start + tl.arange(0, ROWS)
+        live = (at[:, None] < rows) & ok[None, :]
+        total += tl.sum(tl.load(partial_ptr + at[:, None] * width + cols[None, :], mask=live, other=0.0), 0)
     acc = tl.load(acc_ptr + cols, mask=ok, other=0.0)
     tl.store(acc_ptr + cols, acc + total.to(acc_ptr.dtype.element_ty), mask=ok)

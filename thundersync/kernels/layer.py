@@ -61,6 +61,7 @@ _MAX_PROGRAMS = 128  # of a backward that sums a weight's gradient: partial sums
 _ELEMENTWISE_BLOCK = 1024
 _ROW_BLOCK = 1024  # columns of a gathered row per program
 _ADD_BLOCK = 4096  # elements per program of add_widened
+_SUM_ROWS = 32  # rows of a weight gradient's partial sums loaded at once (sum_rows_into_kernel)
 
 
 def _pow2(n: int) -> int:
@@ -250,8 +251,9 @@ def _weight_grad(
         from thundersync.kernels._layer_triton import sum_rows_into_kernel
 
         width = partial.shape[1]
-        block = min(_pow2(width), 128)
-        sum_rows_into_kernel[(-(-width // block),)](partial, into, partial.shape[0], width, BLOCK=block)
+        block = min(_pow2(width), 64)
+        grid = (-(-width // block),)
+        sum_rows_into_kernel[grid](partial, into, partial.shape[0], width, BLOCK=block, ROWS=_SUM_ROWS)
     return None
 
 
