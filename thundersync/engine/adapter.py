@@ -37,6 +37,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -81,7 +82,9 @@ class ChunkSpec:
     @property
     def prefix_rows(self) -> int:
         """How many rows of ``prefix`` the chunk reads."""
-        return int(self.prefix[0][0].shape[1]) if self.prefix_len is None else self.prefix_len
+        if self.prefix_len is not None:
+            return self.prefix_len
+        return int(self.prefix.shape[3] if isinstance(self.prefix, torch.Tensor) else self.prefix[0][0].shape[1])
 
 
 @dataclass
@@ -194,18 +197,23 @@ def _key_spans(chunks: Sequence[ChunkSpec], offsets: list[int]) -> tuple[list[KV
 
 
 def _gather_index(spans: list[tuple[int, int]]) -> torch.Tensor:
-    """The rows of ``spans`` concatenated, as a host long tensor: a step function of the spans'
-    shifts, summed up (a few serial ops however many spans; ``repeat_interleave`` would wake the
-    CPU thread pool at every call: its loop has a grain of one, ~0.4 ms a call on a 16-core host)."""
-    bounds = torch.tensor(spans, dtype=torch.long).reshape(-1, 2)
+    """The rows of ``spans`` concatenated, as a host long tensor (:func:`span_rows`)."""
+    return torch.from_numpy(span_rows(spans))
+
+
+def span_rows(spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """The rows of ``spans`` concatenated (int64): a step function of the spans' shifts, summed up
+    (a few serial numpy ops however many spans: a host op costs ~1 us there, ~5-20 us through
+    torch's CPU dispatch on the H200 machine, where a pack's layout takes a few dozen of them)."""
+    bounds = np.array(spans, dtype=np.int64).reshape(-1, 2)
     lengths = bounds[:, 1] - bounds[:, 0]
-    starts = lengths.cumsum(0) - lengths  # each span's first position in the index
+    starts = np.cumsum(lengths) - lengths  # each span's first position in the index
     total = int(lengths.sum())
     nonempty = lengths > 0
     shift = (bounds[:, 0] - starts)[nonempty]  # row - position, per span
-    steps = torch.zeros(total, dtype=torch.long)
-    steps[starts[nonempty]] = torch.diff(shift, prepend=shift.new_zeros(1))
-    return steps.cumsum(0) + torch.arange(total)
+    steps = np.zeros(total, dtype=np.int64)
+    steps[starts[nonempty]] = np.diff(shift, prepend=0)
+    return np.cumsum(steps) + np.arange(total, dtype=np.int64)
 
 
 def head_logprobs(

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -364,12 +365,13 @@ def _widens(acc: torch.Tensor, grad: torch.Tensor) -> bool:
 
 
 def key_readers(index: torch.Tensor, sources: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order [K], starts [sources + 1]): the positions of ``index`` that read each source row
-    ``s < sources``, ascending, are ``order[starts[s]:starts[s + 1]]`` (host tensors, as ``index``)."""
-    order = torch.argsort(index, stable=True)
-    starts = torch.zeros(sources + 1, dtype=torch.long, device=index.device)
-    starts[1:] = torch.bincount(index, minlength=sources)[:sources].cumsum(0)
-    return order, starts
+    """(order [K], starts [sources + 1]): the positions of the host long tensor ``index`` that read
+    each source row ``s < sources``, ascending, are ``order[starts[s]:starts[s + 1]]`` (host long
+    tensors; computed in numpy, whose host ops cost a fraction of torch's)."""
+    rows = index.numpy()
+    starts = np.zeros(sources + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rows, minlength=sources)[:sources], out=starts[1:])
+    return torch.from_numpy(np.argsort(rows, kind="stable")), torch.from_numpy(starts)
 
 
 def gather_rows_reference(
