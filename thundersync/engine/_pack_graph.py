@@ -38,10 +38,8 @@ single pack's wall time did not change, its kernels bound it). The anchor, a sca
 requires grad, makes the outputs require grad where no proxy does (a prompt's pack); a backward
 restricted to ``inputs`` must list it, as ``SegmentPack.backward`` does. The graphs differentiate with respect to detached aliases of the parameters (see
 :class:`~thundersync.engine._graphed._Part`). The node's outputs are the pack's rows of the static
-output buffers. Most get no gradient in a pack (a lone action's K/V, 56 of 57 outputs for
-Qwen3-0.6B): autograd hands None for them rather than materializing zeros, and the backward graph's
-static gradient inputs are rewritten only where the pack has a gradient and zeroed only where an
-earlier pack wrote one (``_Graph.set_grad_outputs``).
+buffers; those without gradient (a lone action's K/V) come as None, not materialized zeros
+(``_Graph.set_grad_outputs`` zeroes only what an earlier pack wrote).
 
 A pack forwarded with ``accumulate`` (an unscaled fp32 sum of every pack's gradient: OPD on a
 16-bit model, :class:`~thundersync.engine._accum.GradSum`) replays graphs captured for that: their
@@ -71,7 +69,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import itertools
 import os
 import weakref
 from collections.abc import Sequence
@@ -203,10 +200,10 @@ def row_bucket(n: int) -> int:
 
 
 def plan(chunks: Sequence[ChunkSpec]) -> Plan | str:
-    """The bucket and inputs of ``chunks``, or why they fit none (a :func:`graph_counts` key).
-    Host work on every pack: numpy arrays, not torch's host tensors (a fraction of the time per op)."""
+    """The bucket and inputs of ``chunks``, or why they fit none (a :func:`graph_counts` key); on
+    numpy arrays (host work on every pack: a fraction of torch's time per host op)."""
     q_lens = [int(c.tokens.numel()) for c in chunks]
-    offsets = [0, *itertools.accumulate(q_lens)]
+    offsets = [0, *np.cumsum(q_lens, dtype=np.int64).tolist()]
     n = offsets[-1]
     rows = row_bucket(n)
     if rows > max_rows():
@@ -232,8 +229,7 @@ def plan(chunks: Sequence[ChunkSpec]) -> Plan | str:
     index = np.full(k_rows, p_rows + rows, dtype=np.int64)
     gathered = span_rows(flat)
     index[:keys] = np.where(gathered >= prefix, gathered + (p_rows - prefix), gathered)  # own rows after P rows
-    positions = np.zeros(rows, dtype=np.int64)
-    positions[:n] = span_rows([(c.start, c.start + q) for c, q in zip(chunks, q_lens)])
+    positions = np.pad(span_rows([(c.start, c.start + q) for c, q in zip(chunks, q_lens)]), (0, rows - n))
     cu = np.zeros((2, slots + 1), dtype=np.int64)
     cu[0, 1 : len(q_lens) + 1] = np.cumsum(q_lens)
     cu[1, 1 : len(k_lens) + 1] = np.cumsum(k_lens)
@@ -345,9 +341,8 @@ class _Graph:
         return out
 
     def set_grad_outputs(self, rows: int, grads: Sequence[torch.Tensor | None]) -> None:
-        """Put the outputs' gradients where the backward graph reads them: ``grads`` (the pack's
-        ``rows`` rows each; None: zero) in the first rows, zero after them. Only rows that an
-        earlier pack wrote are zeroed again: most outputs get no gradient in most packs."""
+        """``grads`` (the pack's ``rows`` rows each; None: zero) into the backward graph's static
+        inputs, zero after them; only rows an earlier pack wrote are zeroed again."""
         if len(self.grad_rows) != len(self.grad_outputs):  # first use: any row may hold a value
             self.grad_rows = [int(t.shape[0]) for t in self.grad_outputs]
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
