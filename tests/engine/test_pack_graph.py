@@ -9,13 +9,19 @@ here; the GPU tests check the captured graphs themselves.
 from __future__ import annotations
 
 import copy
+import random
 import types
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.engine.test_graphed import cuda_anatomy, pack_results
 from tests.engine.tiny_models import tiny_qwen3, with_lora
+from tests.grpo import grpo_cases
+from tests.grpo.test_stream import call
+from tests.opd import opd_cases
 from thundersync.engine import _graphed, _pack_graph, forest, release_graphs
 from thundersync.engine._fused import FUSED
 from thundersync.engine._pack_graph import MAX_CHUNKS, MAX_KEYS, PackGraphs, io_split, pack_graphs, plan, row_bucket
@@ -347,6 +353,45 @@ def test_a_first_pack_without_prefix_rows_is_captured(monkeypatch: pytest.Monkey
     assert [shape[1] for shape in graphs.buckets()] == [0]
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), lora=st.booleans(), background=st.booleans())
+def test_streamed_opd_and_grpo_through_the_pack_graphs_equal_their_dense_references(
+    data: st.DataObject, lora: bool, background: bool
+) -> None:
+    """Random OPD and GRPO batches in random orders stream through the bucketed pack graphs (OPD's
+    gradients summed in the graph totals, as 16-bit models' are on CUDA), to the dense gradient
+    in fp64 (the references of tests/opd and tests/grpo)."""
+    import thundersync
+
+    model = tiny_qwen3(torch.float64, seed=4)
+    model = with_lora(model) if lora else model
+    opd_plan = data.draw(opd_cases.plans(with_behaviour=data.draw(st.booleans()), max_groups=3))
+    want = opd_cases.dense_reference_grads(model, opd_plan, "token_mean")
+    grpo_plan = data.draw(st.lists(grpo_cases.groups(), min_size=1, max_size=3))
+    reference = copy.deepcopy(model)
+    grpo_cases.dense_objective(reference, grpo_plan, "grpo", 1e-6).backward()
+    seed = data.draw(st.integers(0, 2**16))
+    _graphed.reset_graph_counts()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        run = thundersync.StreamingRun(model, background=background)
+        graphs = uncaptured(monkeypatch, run.anatomy)
+        monkeypatch.setitem(_pack_graph._models, model, graphs)  # where the sink drains the totals
+        opd = thundersync.OPDStream(run)
+        opd._sink.direct = False  # the 16-bit models' sink: an accumulator fed by the graph totals
+        for _ in opd_cases.drive(opd, opd_plan, opd_cases.interleaving(opd_plan, random.Random(seed))):
+            pass
+        opd.assert_safe_to_step()
+        assert opd_cases.relative_error(opd_cases.collect_grads(model), want) < 1e-10
+        model.zero_grad(set_to_none=True)
+        grpo = thundersync.RewardLinearBackward(run, eps=1e-6, pack_tokens=data.draw(st.sampled_from([0, 30, 8192])))
+        for op in grpo_cases.interleaving(grpo_plan, random.Random(seed)):
+            call(grpo, grpo_plan, op)
+        grpo.assert_safe_to_step()
+        assert grpo_cases.relative_error(grpo_cases.grads(model), grpo_cases.grads(reference)) < 1e-10
+        assert not graphs.pending  # the totals drained into the OPD batch's accumulator
+    assert set(_graphed.graph_counts()) <= {"pack_captured", "pack_replayed"}  # no pack ran eagerly
 
 
 def test_captures_never_swap_the_models_own_modules(monkeypatch: pytest.MonkeyPatch) -> None:
