@@ -47,6 +47,37 @@ def test_run_resume_continues_a_file_from_its_checkpoint(tmp_path: Path) -> None
     assert [r["step"] for r in records if r["event"] == "step"] == [3, 4]
 
 
+@pytest.mark.parametrize("fail_at", [1, 2])
+def test_a_run_that_fails_after_a_checkpoint_says_how_to_continue_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fail_at: int
+) -> None:
+    """A failure at step 2 (after step 1 was checkpointed) names step 1's checkpoint and the
+    --resume that continues from it, which then runs step 2; a failure before any says nothing."""
+    from thundersync.app.checkpoint import Checkpointer
+
+    real = Checkpointer.stepped
+
+    async def stepped(self: Checkpointer, step: int, batch_id: object) -> None:
+        if step == fail_at:
+            raise RuntimeError(f"injected at step {step}")
+        await real(self, step, batch_id)
+
+    monkeypatch.setattr(Checkpointer, "stepped", stepped)
+    ckpt = tmp_path / "ckpt"
+    argv = ["run", str(TINY), "--metrics", str(tmp_path / "m.jsonl"), "--no-progress"]
+    argv += ["--set", f'objects.checkpointer.directory="{ckpt}"', "--set", "objects.checkpointer.every=1"]
+    assert main([*argv, "--set", "stages.source.repeat=1"]) == 1
+    err = capsys.readouterr().err
+    assert err.endswith(f"injected at step {fail_at} (run with --verbose for the traceback)\n")
+    hint = f"step 1 is checkpointed in {ckpt / 'step-00000001'}; to continue from it, run the same command with --resume {ckpt}"
+    assert (hint in err) == (fail_at == 2), err
+    if fail_at == 2:
+        monkeypatch.setattr(Checkpointer, "stepped", real)
+        assert main([*argv, "--set", "stages.source.repeat=1", "--overwrite", "--resume", str(ckpt)]) == 0
+        steps = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in steps if r["event"] == "step"] == [2]
+
+
 def test_a_learner_process_trains_the_file_as_one_process_does(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 

@@ -222,10 +222,28 @@ def _run_rank(path: Path, args: argparse.Namespace, ranks: Launch | None) -> int
             )
         except BaseException as error:
             metrics.write("run_finished", status="failed", error=f"{type(error).__name__}: {error}")
+            if writes:
+                _say_where_to_resume(objects)
             raise
         metrics.write("run_finished", status="ok", elapsed_s=stats.elapsed_s)
     log.info("run finished", file=str(path), elapsed_s=round(stats.elapsed_s, 3))
     return EXIT_OK
+
+
+def _say_where_to_resume(objects: dict[str, object]) -> None:
+    """After a run that stopped early: the newest checkpoint a checkpointer of this run saved or
+    resumed from, and how to continue from it."""
+    checkpoint = sys.modules.get("thundersync.app.checkpoint")  # not imported: no Checkpointer exists
+    if checkpoint is None:
+        return
+    for obj in objects.values():
+        if isinstance(obj, checkpoint.Checkpointer) and obj.saved_step > 0:
+            saved = obj.directory / f"step-{obj.saved_step:08d}"
+            if (saved / checkpoint.MARKER).is_file():
+                sys.stderr.write(
+                    f"thundersync: {rank_label()}step {obj.saved_step} is checkpointed in {printable(str(saved))}; "
+                    f"to continue from it, run the same command with --resume {printable(str(obj.directory))}\n"
+                )
 
 
 def _plot(path: Path, out: Path | None) -> int:
