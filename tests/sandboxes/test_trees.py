@@ -102,6 +102,29 @@ def test_tree_digest_sees_contents_names_modes_and_links_but_not_times(tmp_path:
     assert trees.tree_digest(tmp_path / "empty") == trees.tree_digest_of_empty() != trees.tree_digest(a)
 
 
+def test_a_file_swapped_for_a_fifo_while_the_tree_is_hashed_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A FIFO whose writer stays open would block (or spin) the digest: only regular files are read."""
+    tree = tmp_path / "t"
+    tree.mkdir()
+    (tree / "f").write_text("x")
+    real = trees._walk_tree
+
+    def swapping(root: Path, visit: object) -> None:
+        def swap(fd: int, name: bytes, rel: bytes, info: os.stat_result) -> bool:
+            if name == b"f":  # listed as a regular file, a FIFO by the time it is opened
+                os.unlink(name, dir_fd=fd)
+                os.mkfifo(name, dir_fd=fd)
+            return visit(fd, name, rel, info)  # type: ignore[operator,no-any-return]
+
+        real(root, swap)
+
+    monkeypatch.setattr(trees, "_walk_tree", swapping)
+    with pytest.raises(UnsafePathError, match="'f' changed while the tree was hashed"):
+        trees.tree_digest(tree)
+
+
 def test_remove_tree_removes_directories_the_sandbox_locked(tmp_path: Path) -> None:
     (tmp_path / "t" / "locked").mkdir(parents=True)
     (tmp_path / "t" / "locked" / "f").write_text("x")

@@ -119,6 +119,8 @@ def tree_digest(root: Path) -> str:
         elif stat.S_ISREG(info.st_mode):
             file_fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
             with os.fdopen(file_fd, "rb") as file:
+                if not stat.S_ISREG(os.fstat(file_fd).st_mode):  # swapped since the walk listed it
+                    raise UnsafePathError(f"{rel.decode(errors='replace')!r} changed while the tree was hashed")
                 digest.update(hashlib.file_digest(file, "sha256").digest())
         return True
 
