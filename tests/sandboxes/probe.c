@@ -5,6 +5,9 @@
  *   probe handle PATH       name_to_handle_at(2) on PATH
  *   probe ptrace PID        PTRACE_ATTACH to PID
  *   probe vmwrite PID       process_vm_writev(2) one byte into PID
+ *   probe memwrite PID      open /proc/PID/mem for writing
+ *   probe fchmodat2 PATH    fchmodat2(2) (Linux 6.6; PRoot 5.1 does not know it) PATH to mode 0600
+ *   probe status -          no_new_privs, the seccomp mode, how many capabilities are effective and bounding
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -12,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/ptrace.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -50,6 +54,22 @@ int main(int argc, char **argv) {
         struct iovec local = {&byte, 1}, remote = {(void *)0x400000, 1};
         return report(process_vm_writev(atoi(arg), &local, 1, &remote, 1, 0));
     }
+    if (!strcmp(what, "memwrite")) {
+        char path[64];
+        snprintf(path, sizeof path, "/proc/%d/mem", atoi(arg));
+        return report(open(path, O_RDWR));
+    }
+    if (!strcmp(what, "status")) {
+        struct { unsigned int version; int pid; } head = {0x20080522 /* _LINUX_CAPABILITY_VERSION_3 */, 0};
+        struct { unsigned int effective, permitted, inheritable; } data[2] = {{0}};
+        if (syscall(SYS_capget, &head, data) != 0) return report(-1);
+        int effective = __builtin_popcount(data[0].effective) + __builtin_popcount(data[1].effective), bounding = 0;
+        for (int cap = 0; cap < 64; cap++) bounding += prctl(PR_CAPBSET_READ, cap, 0, 0, 0) == 1;
+        printf("nnp %d seccomp %d capeff %d capbnd %d\n", prctl(PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0),
+               prctl(PR_GET_SECCOMP, 0, 0, 0, 0), effective, bounding);
+        return 0;
+    }
+    if (!strcmp(what, "fchmodat2")) return report(syscall(452, AT_FDCWD, arg, 0600, 0));
     fprintf(stderr, "probe: unknown %s\n", what);
     return 2;
 }

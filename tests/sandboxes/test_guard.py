@@ -115,3 +115,33 @@ def test_the_filter_closes_every_call_proot_does_not_translate_with_enosys() -> 
     done = guarded("--no-inet", code=SYSCALLS)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [f"{name} {errno.ENOSYS}" for name in UNTRANSLATED] + ["open True stat True"]
+
+
+REACH = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def call(number, *args):
+    rc = libc.syscall(number, *args)
+    return ctypes.get_errno() if rc < 0 else "allowed"
+parent = os.getppid()
+print("ptrace attach", call(101, 16, parent, 0, 0), "seize", call(101, 0x4206, parent, 0, 0))
+print("process_vm_readv", call(310, parent, 0, 0, 0, 0, 0))
+print("fchmodat2", call(452, -100, b"/nonexistent", 0o600, 0), "open_tree_attr", call(467, -100, b"/", 0, 0, 0))
+print("close_range", call(436, 1000, 1001, 0), "newest", call(511, 0), "x32", call(0x40000000 | 452, 0))
+print(open("/proc/self/status").read().split("CapInh")[1].split("NoNewPrivs")[0].split())
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64", reason="x86-64 syscall numbers")
+def test_the_guard_leaves_no_capability_no_reach_into_others_and_no_call_newer_than_linux_5_10() -> None:
+    done = guarded("--no-inet", "--drop-caps", code=REACH)
+    assert done.returncode == 0, done.stderr
+    eperm, enosys = errno.EPERM, errno.ENOSYS
+    assert done.stdout.splitlines()[:4] == [
+        f"ptrace attach {eperm} seize {eperm}",
+        f"process_vm_readv {enosys}",
+        f"fchmodat2 {enosys} open_tree_attr {enosys}",
+        f"close_range allowed newest {enosys} x32 {enosys}",
+    ]
+    caps = done.stdout.splitlines()[4]  # CapInh, CapPrm, CapEff, CapBnd, CapAmb: all empty
+    assert caps.count("0000000000000000") == 5, caps

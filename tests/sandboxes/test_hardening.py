@@ -60,6 +60,33 @@ async def test_openat2_and_the_other_untranslated_calls_do_not_reach_host_files(
         assert (await run_probe(sandbox, probe, call, str(secret))).startswith("denied")
 
 
+async def test_system_calls_newer_than_proots_fail_closed(
+    sandbox: Sandbox, backend: str, probe: Path, tmp_path: Path
+) -> None:
+    """fchmodat2 (Linux 6.6) takes a path PRoot 5.1 would pass through untranslated."""
+    secret = tmp_path / "host-secret"
+    secret.write_text("host secret\n")
+    secret.chmod(0o644)
+    result = await run_probe(sandbox, probe, "fchmodat2", str(secret))
+    assert secret.stat().st_mode & 0o777 == 0o644
+    if backend not in ("docker", "podman"):  # a container sees its own files only
+        assert result == f"denied {ENOSYS}"
+
+
+async def test_the_tracer_and_udocker_are_out_of_the_commands_reach(
+    sandbox: Sandbox, backend: str, probe: Path
+) -> None:
+    """uDocker (pid 1 of the exec's namespace) and PRoot share the command's uid: no process of the
+    namespace may be ptraced, written with process_vm_writev or opened through /proc/PID/mem
+    (PRoot's bindings live in its memory), and no capability is left to mount a procfs."""
+    if backend != "udocker":
+        pytest.skip("only uDocker runs the command beside its tracer")
+    assert await run_probe(sandbox, probe, "status", "-") == "nnp 1 seccomp 2 capeff 0 capbnd 0"
+    for pid in range(1, 6):  # uDocker, PRoot and the command's own shell among them
+        for call in ("ptrace", "vmwrite", "memwrite"):
+            assert (await run_probe(sandbox, probe, call, str(pid))).startswith("denied"), (call, pid)
+
+
 async def test_pid_1_of_a_container_is_out_of_the_sandbox_users_reach(
     sandbox: Sandbox, backend: str, probe: Path
 ) -> None:
@@ -80,6 +107,15 @@ async def test_reset_leaves_no_task_process_even_when_the_kill_misses_one(
     await sandbox.reset()
     listing = (await sandbox.exec(["/bin/sh", "-c", docker._SURVIVORS])).stdout
     assert listing == "", f"processes of the last task survived reset(): {listing!r}"
+
+
+async def test_a_command_that_closes_its_output_still_times_out(sandbox: Sandbox, backend: str) -> None:
+    """Suspected by an audit on Docker (an exec whose streams end counts as finished): the engines'
+    streams end with the process, so the timeout holds, and it kills what the command left."""
+    result = await sandbox.exec("exec >/dev/null 2>&1; sleep 30", timeout=1.5)
+    assert result.timed_out and result.exit_code is None and result.duration_s < 15, result
+    if backend in ("docker", "podman"):
+        assert (await sandbox.exec(["/bin/sh", "-c", docker._SURVIVORS])).stdout == ""  # the sleep was killed
 
 
 async def test_a_first_word_that_looks_like_an_option_is_refused(sandbox: Sandbox) -> None:
@@ -171,6 +207,21 @@ async def test_tmp_bytes_bounds_tmp_on_every_backend(new_sandbox: Callable[..., 
         else:
             assert result.exit_code != 0 and "space" in result.stdout, result  # the tmpfs is full
         assert await sandbox.reset()
+
+
+async def test_writes_to_a_udocker_root_filesystem_count_against_tmp_bytes(
+    new_sandbox: Callable[..., Sandbox], backend: str
+) -> None:
+    if backend != "udocker":
+        pytest.skip("only uDocker's root filesystem is writable (a container's is read-only, local has none)")
+    async with new_sandbox(SandboxLimits(tmp_bytes=8 * 2**20)) as sandbox:
+        assert (await sandbox.exec("dd if=/dev/zero of=/root/small bs=1M count=2 2>&1")).exit_code == 0
+        with pytest.raises(
+            SandboxLimitError, match=r"root filesystem grew by 1[67]\d{6}, over SandboxLimits.tmp_bytes"
+        ):
+            await sandbox.exec("dd if=/dev/zero of=/root/big bs=1M count=14 2>&1")
+        assert await sandbox.reset()
+        assert (await sandbox.exec("ls /root")).stdout == ""  # a new container
 
 
 async def test_one_exec_timing_out_spares_a_sibling_exec(sandbox: Sandbox, backend: str) -> None:

@@ -3,12 +3,13 @@
 The command runs as::
 
     [python -I -S _guard.py --cgroup=DIR... --]  unshare --user --map-root-user --net --pid --fork \\
-        --kill-child --mount-proc  python -I -S _guard.py --no-inet --rlimit AS=... -- CMD...
+        --kill-child --mount-proc  python -I -S _guard.py --no-inet --drop-caps --rlimit AS=... -- CMD...
 
-in a new session. ``--net`` leaves it only a loopback that is down, the seccomp filter denies
-every non-Unix socket, and the pid namespace makes the kill total: SIGKILL to the session kills
-``unshare``, ``--kill-child`` then kills the namespace's init, and the kernel kills everything
-left in the namespace, wherever it ``setsid``-ed to. The command's own child cgroup (when the
+in a new session, holding no capability. ``--net`` leaves it only a loopback that is down, the
+seccomp filter denies every non-Unix socket (and more, see ``_guard``), and the pid namespace makes
+the kill total: SIGKILL to the session kills ``unshare``, ``--kill-child`` then kills the
+namespace's init, and the kernel kills everything left in the namespace, wherever it
+``setsid``-ed to. The command's own child cgroup (when the
 sandbox has cgroups) holds it under the sandbox's pids and memory limits and is emptied from the
 host as a second line; it is the command's alone, so a sibling command is never killed with it.
 """
@@ -59,7 +60,7 @@ def guarded_argv(command: Sequence[str], limits: SandboxLimits, cgroups: Sequenc
     if reason is not None:
         raise SandboxUnavailable(f"process sandboxes need user and network namespaces: {reason}")
     python = [sys.executable, "-I", "-S", str(_GUARD)]
-    inner = [*python, "--no-inet", "--rlimit", f"AS={limits.memory_bytes}"]
+    inner = [*python, "--no-inet", "--drop-caps", "--rlimit", f"AS={limits.memory_bytes}"]
     if not cgroups and os.geteuid() != 0:  # root is exempt from RLIMIT_NPROC, and it counts the whole user
         inner += ["--rlimit", f"NPROC={limits.pids}"]
     argv = [shutil.which("unshare") or "unshare", *_UNSHARE, *inner, "--", *command]

@@ -1,9 +1,10 @@
 """The uDocker backend (rootless): PRoot containers driven as guarded subprocesses.
 
 Each sandbox is one ``udocker create``-d container, re-created on reset (commands may write
-anywhere in its root filesystem, a plain host directory). Every command is a ``udocker run`` with
-``--nosysdirs`` (only /proc of its own pid namespace and a few /dev nodes are bound), private
-``/tmp`` and ``/dev/shm`` (bounded by ``tmp_bytes``, checked after each command), the working tree
+anywhere in its root filesystem, a plain host directory, whose growth counts with /tmp against
+``tmp_bytes``). Every command is a ``udocker run`` with ``--nosysdirs`` (only a few /dev nodes are
+bound: no /proc, see below), private ``/tmp`` and ``/dev/shm`` (bounded by ``tmp_bytes``, checked
+after each command), the working tree
 bound at ``workdir`` and ``-w workdir`` always, run by :func:`_process.run_guarded` (user + network
 + pid namespaces, the seccomp filter that also closes the calls PRoot does not translate, rlimits,
 the sandbox's cgroups). The environment given to uDocker is built from an allow-list, so secrets
@@ -11,6 +12,15 @@ and NCCL_* never reach it. A command may not start with ``-`` (PRoot would read 
 
 Offline set-up: ``UDOCKER_TARBALL`` is set empty (no tools download) and PRoot is Debian's,
 through a wrapper that drops ``-k <release>`` (proot 5.1.0 fails with it on recent kernels).
+
+The tracer is out of the command's reach. The command runs beside uDocker and PRoot, as their uid,
+and a process may ptrace, or read and write through ``/proc/PID/mem``, any dumpable process of its
+own uid: a command that rewrote PRoot's path bindings in its memory would see the host's files.
+So the command gets no ``/proc``, the guard's filter denies ``PTRACE_ATTACH``/``PTRACE_SEIZE`` and
+``process_vm_readv``/``writev`` (PRoot traces its own children and reads them with ``PEEKDATA``),
+and the guard drops every capability, so that nothing can mount a procfs of its own. (Making
+PRoot undumpable instead breaks it: its children inherit that until their first ``execve``, which
+PRoot must read to translate.)
 """
 
 from __future__ import annotations
@@ -116,6 +126,7 @@ class UDockerSandbox(TreeSandbox):
         self._bin = udocker_bin()
         self._cgroup: _cgroup.SandboxCgroup | None = None
         self._created = False
+        self._root_bytes = 0  # the root filesystem's size when created (what writes grow it from)
 
     async def _udocker(self, *args: str) -> str:
         done = await anyio.run_process(
@@ -138,6 +149,11 @@ class UDockerSandbox(TreeSandbox):
                 for made in _CONTAINER_ID.findall("".join(getattr(error, "__notes__", []))):
                     await self._udocker("rm", "-f", made)
                 raise
+            self._root_bytes = await anyio.to_thread.run_sync(trees.tree_usage, self._root())
+
+    def _root(self) -> Path:
+        """The container's root filesystem (a host directory its commands may write anywhere in)."""
+        return self._udocker_dir() / "containers" / self.name / "ROOT"
 
     def _private(self, which: str) -> Path:
         path = self.scratch / which
@@ -161,7 +177,7 @@ class UDockerSandbox(TreeSandbox):
     async def _prepare_seed(self) -> Path | None:
         key = self._image_key()
         await self._create()
-        root = self._udocker_dir() / "containers" / self.name / "ROOT"
+        root = self._root()
 
         async def fill(dest: Path) -> None:
             source = root / self.workdir.lstrip("/")
@@ -201,8 +217,12 @@ class UDockerSandbox(TreeSandbox):
 
     def _over_limit(self) -> str | None:
         used = sum(trees.tree_usage(self.scratch / which) for which in ("tmp", "shm"))
-        if used > self.limits.tmp_bytes:
-            return f"its /tmp and /dev/shm hold {used} bytes, over SandboxLimits.tmp_bytes={self.limits.tmp_bytes}"
+        grown = trees.tree_usage(self._root()) - self._root_bytes
+        if used + grown > self.limits.tmp_bytes:
+            return (
+                f"its /tmp and /dev/shm hold {used} bytes and its root filesystem grew by {grown}, "
+                f"over SandboxLimits.tmp_bytes={self.limits.tmp_bytes} together"
+            )
         return super()._over_limit()
 
     async def _exec(self, argv: list[str], *, timeout: float, env: dict[str, str], stdin: bytes | None) -> ExecResult:
@@ -210,7 +230,6 @@ class UDockerSandbox(TreeSandbox):
             f"{self.tree}:{self.workdir}",
             f"{self._private('tmp')}:/tmp",
             f"{self._private('shm')}:/dev/shm",
-            "/proc",
             *_DEVICES,
         ]
         udocker = [self._bin, "--allow-root", "--quiet", "run", "--nobanner", "--nosysdirs"]
