@@ -9,9 +9,9 @@ in a new session, holding no capability. ``--net`` leaves it only a loopback tha
 seccomp filter denies every non-Unix socket (and more, see ``_guard``), and the pid namespace makes
 the kill total: SIGKILL to the session kills ``unshare``, ``--kill-child`` then kills the
 namespace's init, and the kernel kills everything left in the namespace, wherever it
-``setsid``-ed to. The command's own child cgroup (when the
-sandbox has cgroups) holds it under the sandbox's pids and memory limits and is emptied from the
-host as a second line; it is the command's alone, so a sibling command is never killed with it.
+``setsid``-ed to. The command's own child cgroup (when the sandbox has cgroups) holds it under the
+sandbox's pids and memory limits and is emptied from the host as a second line; it is the
+command's alone, so a sibling command is never killed with it.
 """
 
 from __future__ import annotations
