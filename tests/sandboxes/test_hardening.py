@@ -198,6 +198,15 @@ async def test_a_tree_over_tree_bytes_is_refused_and_reset_recovers(new_sandbox:
         assert (await sandbox.exec("echo alive")).stdout == "alive\n"
 
 
+async def test_no_file_grows_past_tree_bytes_while_the_command_runs(new_sandbox: Callable[..., Sandbox]) -> None:
+    """The check after a command would let a runaway writer fill the disk until its timeout."""
+    async with new_sandbox(SandboxLimits(tree_bytes=8 * 2**20)) as sandbox:
+        with pytest.raises(SandboxLimitError, match="over SandboxLimits.tree_bytes=8388608"):
+            await sandbox.exec("dd if=/dev/zero of=big bs=1M count=64 2>/dev/null")
+        assert (sandbox.tree / "big").stat().st_size <= 8 * 2**20
+        assert await sandbox.reset()
+
+
 async def test_tmp_bytes_bounds_tmp_on_every_backend(new_sandbox: Callable[..., Sandbox]) -> None:
     async with new_sandbox(SandboxLimits(tmp_bytes=8 * 2**20)) as sandbox:
         try:

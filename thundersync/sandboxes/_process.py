@@ -3,7 +3,7 @@
 The command runs as::
 
     [python -I -S _guard.py --cgroup=DIR... --]  unshare --user --map-root-user --net --pid --fork \\
-        --kill-child --mount-proc  python -I -S _guard.py --no-inet --drop-caps --rlimit AS=... -- CMD...
+        --kill-child --mount-proc  python -I -S _guard.py --no-inet --drop-caps --rlimit AS=... --rlimit FSIZE=... -- CMD...
 
 in a new session, holding no capability. ``--net`` leaves it only a loopback that is down, the
 seccomp filter denies every non-Unix socket (and more, see ``_guard``), and the pid namespace makes
@@ -61,6 +61,7 @@ def guarded_argv(command: Sequence[str], limits: SandboxLimits, cgroups: Sequenc
         raise SandboxUnavailable(f"process sandboxes need user and network namespaces: {reason}")
     python = [sys.executable, "-I", "-S", str(_GUARD)]
     inner = [*python, "--no-inet", "--drop-caps", "--rlimit", f"AS={limits.memory_bytes}"]
+    inner += ["--rlimit", f"FSIZE={limits.tree_bytes}"]  # no file outgrows the tree while the command runs
     if not cgroups and os.geteuid() != 0:  # root is exempt from RLIMIT_NPROC, and it counts the whole user
         inner += ["--rlimit", f"NPROC={limits.pids}"]
     argv = [shutil.which("unshare") or "unshare", *_UNSHARE, *inner, "--", *command]

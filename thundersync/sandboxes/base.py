@@ -34,7 +34,9 @@ class SandboxLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``memory_bytes`` bounds the sandbox's processes together (a container's or a cgroup's limit;
     where no cgroup can be made, each process on its own). ``tmp_bytes`` bounds ``/tmp`` (and
     ``/dev/shm``); ``tree_bytes`` the working tree, checked after every command, and what
-    ``read_file`` and ``copy_out`` bring to the host.
+    ``read_file`` and ``copy_out`` bring to the host. While a command runs, no file it writes may
+    grow past ``tree_bytes`` (``RLIMIT_FSIZE``: a runaway ``yes > out`` stops there, not at the
+    timeout); many files can still pass the bounds until the check after the command.
     """
 
     memory_bytes: int = 512 * 2**20

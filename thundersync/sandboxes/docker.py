@@ -271,13 +271,16 @@ class DockerSandbox(TreeSandbox):
 
     async def _exec(self, argv: list[str], *, timeout: float, env: dict[str, str], stdin: bytes | None) -> ExecResult:
         stdin_file = self._stdin_file(stdin) if stdin is not None else None
-        if stdin_file is not None:
-            argv = ["/bin/sh", "-c", f'exec "$@" < {_IO_DIR}/{stdin_file.name}', "sh", *argv]
+        # No file may outgrow the tree while the command runs (ulimit -f counts 512-byte blocks in
+        # every sh; the engines' own ulimits are refused by Podman once all capabilities are dropped).
+        redirect = "" if stdin_file is None else f" < {_IO_DIR}/{stdin_file.name}"
+        script = f'ulimit -f {self.limits.tree_bytes // 512} && exec "$@"{redirect}'
+        wrapped = ["/bin/sh", "-c", script, "sh", *argv]
         out = OutputCollector(self.limits.output_bytes, self.limits.output_cap_bytes)
         started = time.monotonic()
         try:
             exe = await self._container.exec(
-                argv, user=self.user, workdir=self.workdir, environment=env, stdout=True, stderr=True
+                wrapped, user=self.user, workdir=self.workdir, environment=env, stdout=True, stderr=True
             )
         except Exception as error:
             raise SandboxExecError(f"cannot start {argv[:3]!r} in sandbox {self.name}: {error}") from error
