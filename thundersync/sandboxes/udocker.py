@@ -4,10 +4,9 @@ Each sandbox is one ``udocker create``-d container, re-created on reset (command
 anywhere in its root filesystem, a plain host directory, whose growth counts with /tmp against
 ``tmp_bytes``). Every command is a ``udocker run`` with ``--nosysdirs`` (only a few /dev nodes are
 bound: no /proc, see below), private ``/tmp`` and ``/dev/shm`` (bounded by ``tmp_bytes``, checked
-after each command), the working tree
-bound at ``workdir`` and ``-w workdir`` always, run by :func:`_process.run_guarded` (user + network
-+ pid namespaces, the seccomp filter that also closes the calls PRoot does not translate, rlimits,
-the sandbox's cgroups). The environment given to uDocker is built from an allow-list, so secrets
+after each command), the working tree bound at ``workdir`` and ``-w workdir`` always, run by
+:func:`_process.run_guarded` (user + network + pid namespaces, the seccomp filter that also closes
+the calls PRoot does not translate, rlimits, the sandbox's cgroups). The environment given to uDocker is built from an allow-list, so secrets
 and NCCL_* never reach it. A command may not start with ``-`` (PRoot would read it as an option).
 
 Offline set-up: ``UDOCKER_TARBALL`` is set empty (no tools download) and PRoot is Debian's,
