@@ -17,7 +17,10 @@ time over a ~5.5 s rollout), from the rollout's start to its end. Kinds:
 - ``small``: adds on 1,024 elements (a launch each, almost no work).
 
 A load runs in this process, from a thread on a low-priority CUDA stream (``thread:KIND``; the
-generator steps on its own high-priority stream), or in a process of its own
+generator steps on its own high-priority stream), from a thread on the stream of a green context
+of SMS SMs (``green:KIND:SMS``, ``bench/_green.py``; ``green-split:KIND:SMS`` also moves the
+generator's steps onto the complementary partition, so neither side can take the other's SMs),
+or in a process of its own
 (``process:KIND[:PERCENT]``: with PERCENT it starts with ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``,
 which under an MPS daemon gives it that share of the SMs; without a daemon the variable does
 nothing and the two processes' contexts take turns on the device). The ``SMs`` column says what
@@ -87,10 +90,12 @@ class Burster:
     ops: int = 1
     durations: list[float] = field(default_factory=list)  # ms of each burst
 
+    stream: torch.cuda.Stream | None = None  # default: a new low-priority stream (on CUDA)
+
     def __post_init__(self) -> None:
         self.op = operation(self.kind, self.device, self.tiny)
-        cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device, priority=0) if cuda else None  # type: ignore[no-untyped-call]
+        if self.stream is None and self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.device, priority=0)  # type: ignore[no-untyped-call]
 
     def burst(self, ops: int | None = None) -> float:
         """Run one burst; its milliseconds."""
@@ -143,16 +148,19 @@ class Load:
         self._stopfile = Path(tempfile.mkdtemp(prefix="thundersync-interference-")) / "stop"
         self.ready: dict[str, Any] = {}
         self.burster: Burster | None = None
+        self.partition: Any = None  # the green-context partition of a green load
 
     def start(self) -> None:
-        if self.where == "thread":
-            self.burster = Burster(self.kind, self.device, self.args.tiny)
+        if self.where in ("thread", "green", "green-split"):
+            stream, sms = None, _sms(self.device)
+            if self.where != "thread":
+                from bench._green import green_partition
+
+                self.partition = green_partition(int(self.share or 0), self.device)
+                stream, sms = self.partition.stream, self.partition.sms
+            self.burster = Burster(self.kind, self.device, self.args.tiny, stream=stream)
             per_op = self.burster.calibrate(self.args.burst_ms)
-            self.ready = {
-                "ops": self.burster.ops,
-                "burst_alone_ms": per_op * self.burster.ops,
-                "sms": _sms(self.device),
-            }
+            self.ready = {"ops": self.burster.ops, "burst_alone_ms": per_op * self.burster.ops, "sms": sms}
             self._thread = threading.Thread(
                 target=self.burster.run, args=(self.args.period_ms, self._stop.is_set), daemon=True
             )
@@ -227,12 +235,17 @@ async def measure(args: argparse.Namespace) -> tuple[str, list[list[Any]]]:
     before = await one()
     print(f"[done] alone: rollout {before[0]:.3f} s", file=sys.stderr, flush=True)
     results = []
+    batcher = generator._batcher
     for spec in args.loads:
         load = Load(spec, args, device)
         load.start()
+        own_stream = batcher.stream
+        if load.where == "green-split":
+            batcher.stream = load.partition.rest_stream
         try:
             seconds, step = await one()
         finally:  # a failed rollout leaves no load running
+            batcher.stream = own_stream
             result = load.stop()
         results.append((spec, seconds, step, result))
         print(f"[done] {spec}: rollout {seconds:.3f} s", file=sys.stderr, flush=True)
@@ -287,7 +300,9 @@ COLUMNS = [
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model and loads on CPU (seconds)")
-    parser.add_argument("--loads", default=None, help=f"comma-separated WHERE:KIND[:PERCENT] (default {DEFAULT_LOADS})")
+    parser.add_argument(
+        "--loads", default=None, help=f"comma-separated WHERE:KIND[:PERCENT or SMS] (default {DEFAULT_LOADS})"
+    )
     parser.add_argument(
         "--workload",
         choices=("main", "balanced"),
@@ -315,18 +330,31 @@ def main() -> None:
     args.loads = text.split(",")
     for spec in args.loads:
         parts = spec.split(":")
-        share_ok = len(parts) == 2 or (
-            len(parts) == 3 and parts[0] == "process" and parts[2].isdigit() and 0 < int(parts[2]) <= 100
+        green = parts[0] in ("green", "green-split")
+        share_ok = (len(parts) == 2 and not green) or (
+            len(parts) == 3
+            and parts[0] in ("process", "green", "green-split")
+            and parts[2].isdigit()
+            and 0 < int(parts[2]) <= (1000 if green else 100)
         )
-        if parts[0] not in ("thread", "process") or len(parts) < 2 or parts[1] not in KINDS or not share_ok:
+        if (
+            parts[0] not in ("thread", "process", "green", "green-split")
+            or len(parts) < 2
+            or parts[1] not in KINDS
+            or not share_ok
+        ):
             parser.error(
-                f"load {spec!r} is not thread:KIND or process:KIND[:PERCENT] with KIND one of {', '.join(KINDS)} "
-                "and PERCENT 1-100 (e.g. process:gemm:40)"
+                f"load {spec!r} is not thread:KIND, process:KIND[:PERCENT] or green[-split]:KIND:SMS with KIND one of "
+                f"{', '.join(KINDS)}, PERCENT 1-100 and SMS a count of SMs (e.g. process:gemm:40, green:gemm:96)"
             )
     info, rows = anyio.run(measure, args)
     print(header(" ".join(["python", *sys.argv])))
     print(info + "\n")
     print(markdown_table(COLUMNS, rows))
+    if any(spec.startswith("green") for spec in args.loads):
+        from bench._green import release
+
+        release()
 
 
 if __name__ == "__main__":
