@@ -8,7 +8,7 @@ of every layer pays a fixed host cost. Each row times ``forward_pack`` + backwar
 a 512-token prefix (a detached proxy that requires grad, as the engine builds it), median of 5
 after warm-up, synchronized, with the layers' math in two forms:
 
-- ``eager``: :data:`thundersync.engine.decoder.EAGER`, op by op;
+- ``eager``: :data:`thundersync.model.decoder.EAGER`, op by op;
 - ``compiled``: :data:`thundersync.engine._compiled.COMPILED` (``torch.compile`` of a layer up to
   attention and after it, rows dynamic; opt-in). Its compile happens in ``pack_math``, before the
   timing;
@@ -35,13 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import header, markdown_table, median_seconds
 from bench.engine import make_model
-from thundersync.engine import _graphed, _pack_graph, adapter, anatomy
+from thundersync.engine import _graphed, _pack_graph
 from thundersync.engine._compiled import pack_math
 from thundersync.engine._fused import FUSED
 from thundersync.engine._graphed import GraphedLayers, graphed_layers
 from thundersync.engine._pack_graph import PackGraphs, pack_graphs
-from thundersync.engine.adapter import ChunkSpec, forward_pack
-from thundersync.engine.decoder import EAGER, LayerMath
+from thundersync.model import anatomy
+from thundersync.model import packed as adapter
+from thundersync.model.decoder import EAGER, LayerMath
+from thundersync.model.packed import ChunkSpec, forward_pack
 
 
 def make_prefix(an: anatomy.DecoderAnatomy, vocab: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

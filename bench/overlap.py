@@ -105,9 +105,9 @@ from bench.engine_opd import OPDGroup, OPDTrajectory, opd_dense
 from thundersync.engine import graph_counts
 from thundersync.engine._worker import Worker
 from thundersync.engine.process import ModelProcess
-from thundersync.engine.scoring import PackedScorer
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator
 from thundersync.generation._batcher import ContinuousBatcher
+from thundersync.model.scoring import PackedScorer
 
 Finished = tuple[int, int, list[int]]  # (group, trajectory, generated token ids)
 

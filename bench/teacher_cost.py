@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import header, markdown_table
 from bench.engine import padded_logprobs
 from bench.overlap import make_teacher
-from thundersync.engine.scoring import PackedScorer
+from thundersync.model.scoring import PackedScorer
 
 
 def timed(fn: Callable[[], list[float]]) -> tuple[float, list[float]]:

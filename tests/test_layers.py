@@ -5,7 +5,7 @@ edge (top-level and function-local, ``import``, ``from ... import`` and relative
 top to bottom, as docs/ARCHITECTURE.md states them:
 
     app -> stages -> pipeline (runtime) -> tasks -> grpo, opd, generation, scheduling, tools -> engine
-        -> kernels, sandboxes -> events, _device, _compile -> errors, _logging
+        -> model -> kernels, sandboxes -> events, _device, _compile -> errors, _logging
 
 A module may import its own package and any lower layer. Packages that share a layer are siblings
 and do not import each other (grpo does not import opd). ``testing`` may import anything but
@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("tasks",),
     ("grpo", "opd", "generation", "scheduling", "tools"),
     ("engine",),
+    ("model",),
     ("kernels", "sandboxes"),
     ("events", "_device", "_compile"),
     ("errors", "_logging"),
@@ -179,7 +180,7 @@ def test_the_checker_reads_function_local_and_relative_imports() -> None:
         target
         for node in ast.walk(ast.parse(code))
         if isinstance(node, (ast.Import, ast.ImportFrom))
-        for target in _imported("thundersync.engine.adapter", node)
+        for target in _imported("thundersync.engine.groups", node)
     }
     assert found == {
         "thundersync.engine.run",

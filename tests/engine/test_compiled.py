@@ -20,8 +20,8 @@ from tests.engine.test_graphed import cuda_anatomy, pack_results
 from tests.engine.tiny_models import tiny_qwen3
 from thundersync._compile import OrEager
 from thundersync.engine import Segment, SegmentPack, _compiled, graph_counts, reset_graph_counts
-from thundersync.engine.anatomy import decoder_anatomy
-from thundersync.engine.decoder import EAGER, attention_inputs, attention_output
+from thundersync.model.anatomy import decoder_anatomy
+from thundersync.model.decoder import EAGER, attention_inputs, attention_output
 
 
 class Counting:

@@ -9,7 +9,7 @@ import torch
 
 from tests.engine.tiny_models import tiny_qwen3, with_lora
 from thundersync.engine import AdjointLedger, Segment, SegmentPack
-from thundersync.engine.anatomy import decoder_anatomy
+from thundersync.model.anatomy import decoder_anatomy
 
 WEIGHTS = (0.7, 0.0, -1.3)  # turn 1 scored, turn 2 an observation, turn 3 scored
 

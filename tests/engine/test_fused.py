@@ -11,10 +11,10 @@ import torch
 from tests.engine.test_graphed import cuda_anatomy, pack_results
 from tests.engine.tiny_models import tiny_qwen3, use_native_norms, with_lora
 from thundersync.engine import _compiled, _fused, _graphed
-from thundersync.engine.adapter import ChunkSpec, forward_pack
-from thundersync.engine.anatomy import decoder_anatomy
-from thundersync.engine.decoder import EAGER, LayerMath
 from thundersync.errors import ConfigError
+from thundersync.model.anatomy import decoder_anatomy
+from thundersync.model.decoder import EAGER, LayerMath
+from thundersync.model.packed import ChunkSpec, forward_pack
 
 
 def test_a_cpu_model_runs_the_eager_math_and_on_says_why(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,7 @@ from thundersync.engine import AdjointLedger, Segment, SegmentPack
 from thundersync.engine._accum import FlatAccumulator, GradCapture, GradSum, ParamLayout
 from thundersync.engine._graphed import MAX_ROWS, ParamsKey, bucket, graphed_layers, into_grads, write_grads
 from thundersync.engine._pack_graph import drain_totals
-from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy
+from thundersync.model.anatomy import DecoderAnatomy, decoder_anatomy
 
 
 def test_buckets_are_powers_of_two_from_64_up_to_the_limit() -> None:

@@ -25,10 +25,10 @@ from tests.opd import opd_cases
 from thundersync.engine import _graphed, _pack_graph, forest, release_graphs
 from thundersync.engine._fused import FUSED
 from thundersync.engine._pack_graph import MAX_CHUNKS, MAX_KEYS, PackGraphs, io_split, pack_graphs, plan, row_bucket
-from thundersync.engine.adapter import ChunkSpec, empty_prefix
-from thundersync.engine.anatomy import decoder_anatomy
 from thundersync.engine.forest import Segment, SegmentPack
 from thundersync.errors import ConfigError
+from thundersync.model.anatomy import decoder_anatomy
+from thundersync.model.packed import ChunkSpec, empty_prefix
 
 
 def _prefix(rows: int, layers: int = 2) -> torch.Tensor:

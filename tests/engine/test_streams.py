@@ -10,9 +10,10 @@ import torch
 
 import thundersync
 from tests.engine.tiny_models import tiny_qwen3
-from thundersync.engine._streams import JobStream, capture_graph
+from thundersync.engine._streams import JobStream
 from thundersync.engine.dense import relative_error
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many
+from thundersync.model.graphs import capture_graph
 
 
 def test_a_cpu_run_has_no_side_stream_and_its_jobs_run_as_before() -> None:

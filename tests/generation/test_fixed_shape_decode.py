@@ -10,12 +10,12 @@ import msgspec
 import pytest
 import torch
 
-from thundersync.engine.anatomy import decoder_anatomy
 from thundersync.errors import ConfigError
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many
 from thundersync.generation._decode_math import DecodeMath
 from thundersync.generation._fixed_step import batch_buckets
 from thundersync.generation._fused import FusedWeights
+from thundersync.model.anatomy import decoder_anatomy
 
 
 def scenario(generator: TorchGenerator, params: SamplingParams) -> list:

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from tests.generation.test_fixed_shape_decode import assert_same_results, fixed_shape, ragged
-from thundersync.engine.anatomy import decoder_anatomy
 from thundersync.errors import ConfigError
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many
 from thundersync.generation._decode_math import DecodeMath
@@ -19,6 +18,7 @@ from thundersync.generation._fused import FusedWeights
 from thundersync.generation._kernel_layers import KernelLayers, _why_not
 from thundersync.generation._kv_cache import KVCache
 from thundersync.generation._sampling import RowParams, sample, sample_kernels
+from thundersync.model.anatomy import decoder_anatomy
 
 BF16 = torch.bfloat16
 

@@ -150,13 +150,13 @@ def test_kernel_layers_decode_like_the_eager_layers(family: str) -> None:
     """The whole decode step's layers, fp32 under the interpreter, against the eager layers."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from thundersync.engine.anatomy import decoder_anatomy
-    from thundersync.engine.decoder import EAGER
     from thundersync.generation._forward import Rows, forward_hidden
     from thundersync.generation._fused import FusedWeights
     from thundersync.generation._kernel_layers import KernelLayers
     from thundersync.generation._kv_cache import KVCache
     from thundersync.kernels.decode import GATE_UP_INTERLEAVE
+    from thundersync.model.anatomy import decoder_anatomy
+    from thundersync.model.decoder import EAGER
 
     shape = dict(
         vocab_size=64,
@@ -300,9 +300,9 @@ def test_the_fused_pack_math_equals_the_eager_pack(family: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from thundersync.engine._fused import FUSED
-    from thundersync.engine.adapter import ChunkSpec, forward_pack
-    from thundersync.engine.anatomy import decoder_anatomy
-    from thundersync.engine.decoder import EAGER
+    from thundersync.model.anatomy import decoder_anatomy
+    from thundersync.model.decoder import EAGER
+    from thundersync.model.packed import ChunkSpec, forward_pack
 
     shape = dict(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -365,9 +365,9 @@ def test_the_fused_pack_graph_body_equals_the_eager_body() -> None:
 
     from thundersync.engine._fused import FUSED
     from thundersync.engine._pack_graph import _Body, plan
-    from thundersync.engine.adapter import ChunkSpec
-    from thundersync.engine.anatomy import decoder_anatomy
-    from thundersync.engine.decoder import EAGER
+    from thundersync.model.anatomy import decoder_anatomy
+    from thundersync.model.decoder import EAGER
+    from thundersync.model.packed import ChunkSpec
 
     shape = dict(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -246,7 +246,7 @@ def test_a_batch_abandoned_without_discard_leaves_nothing_in_the_next_one(monkey
     """What an abandoned batch's graphed packs left in the model's graph totals (its run collected,
     so its claims ended) is zeroed when the next batch begins, not drained into it."""
     from thundersync.engine import _pack_graph
-    from thundersync.engine.anatomy import decoder_anatomy
+    from thundersync.model.anatomy import decoder_anatomy
 
     plan = _single_trajectory_plan(
         [[5, 6, 7], [9, 10], [11, 12, 13]], [[True, False, True], [False, False], [True] * 3]

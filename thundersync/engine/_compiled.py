@@ -38,8 +38,8 @@ import torch
 
 from thundersync._compile import COMPILE_LOCK, OrEager, switch
 from thundersync.engine._fused import FUSED, fused_math
-from thundersync.engine.anatomy import DecoderAnatomy
-from thundersync.engine.decoder import EAGER, LayerMath, Tensors3, attention_inputs, attention_output, embed
+from thundersync.model.anatomy import DecoderAnatomy
+from thundersync.model.decoder import EAGER, LayerMath, Tensors3, attention_inputs, attention_output, embed
 
 __all__ = ["COMPILED", "failures", "pack_math"]
 
@@ -74,7 +74,7 @@ COMPILED = LayerMath(embed, _before, _after)
 def pack_math(anatomy: DecoderAnatomy, enabled: bool | None = None) -> LayerMath:
     """The layer math for ``anatomy``'s packs: :data:`COMPILED` where compiling is on (``enabled``,
     else ``THUNDERSYNC_ENGINE_COMPILE``), else the fused kernels' math where the model qualifies
-    (:func:`~thundersync.engine._fused.fused_math`), else :data:`~thundersync.engine.decoder.EAGER`.
+    (:func:`~thundersync.engine._fused.fused_math`), else :data:`~thundersync.model.decoder.EAGER`.
 
     The first call for a model compiles: under :data:`~thundersync._compile.COMPILE_LOCK` it runs a
     two-token pack forward without and with autograd, and that pack's backward (whose gradients it
@@ -91,7 +91,7 @@ def pack_math(anatomy: DecoderAnatomy, enabled: bool | None = None) -> LayerMath
 
 
 def _warm_up(anatomy: DecoderAnatomy) -> None:
-    from thundersync.engine.adapter import ChunkSpec, empty_prefix, forward_pack
+    from thundersync.model.packed import ChunkSpec, empty_prefix, forward_pack
 
     chunk = ChunkSpec(torch.zeros(2, dtype=torch.long, device=anatomy.device), 0, empty_prefix(anatomy))
     with torch.no_grad():

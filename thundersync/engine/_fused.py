@@ -1,6 +1,6 @@
 """The engine's layer math through the fused training kernels: a third of the kernels of a pack.
 
-The eager math (:data:`~thundersync.engine.decoder.EAGER`) launches ~120 kernels per layer in a
+The eager math (:data:`~thundersync.model.decoder.EAGER`) launches ~120 kernels per layer in a
 pack's forward and backward, of which matrix products are ~21 and attention ~4; the rest is the
 norms', rotary's, activation's and residuals' elementwise work and its autograd (~3.7 µs each on
 the H200: a 64-token pack's 3,459 kernels take 12.7 ms, where its products take ~3 ms;
@@ -17,7 +17,7 @@ weights are read from the modules at each call (so the pack graphs' parameter al
 capture records). Values are the eager math's up to rounding (the forwards round where the eager
 ops round; the backwards keep fp32 intermediates). The pack graphs that record this math also
 gather each layer's keys and values with :func:`~thundersync.kernels.layer.gather_rows` (the
-attention is not part of a :class:`~thundersync.engine.decoder.LayerMath`; ``_pack_graph._Body``
+attention is not part of a :class:`~thundersync.model.decoder.LayerMath`; ``_pack_graph._Body``
 picks the gather by the math).
 
 A model qualifies (:func:`fused_math`) on CUDA in bf16/fp16, when every norm is a plain
@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from thundersync._compile import switch_mode
-from thundersync.engine.anatomy import DecoderAnatomy
-from thundersync.engine.decoder import LayerMath, Tensors3, embed, is_plain_rms_norm, is_silu_mlp
 from thundersync.errors import ConfigError
+from thundersync.model.anatomy import DecoderAnatomy
+from thundersync.model.decoder import LayerMath, Tensors3, embed, is_plain_rms_norm, is_silu_mlp
 
 __all__ = ["FUSED", "fused_math", "why_not_fused"]
 

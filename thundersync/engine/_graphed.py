@@ -5,7 +5,7 @@
 A pack's forward and backward launch ~110 kernels per layer, each from Python or autograd at
 ~10 µs of host time on the H200 machine, so a small pack costs ~120 ms of host time for ~10 ms of
 GPU work (bench/RESULTS.md, "The fixed cost of a pack"). Here each layer's two row-wise parts, up
-to attention and after it (:mod:`~thundersync.engine.decoder`), are captured as CUDA graphs,
+to attention and after it (:mod:`~thundersync.model.decoder`), are captured as CUDA graphs,
 forward and backward, for a bucket of rows; a pack pads its rows to the bucket and replays them::
 
     x, cos, sin' = embed(tokens, positions), padded to B rows           (eager)
@@ -35,7 +35,6 @@ backward is pending (:meth:`GraphedLayers.release`).
 from __future__ import annotations
 
 import collections
-import itertools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -44,9 +43,9 @@ import torch
 import torch.nn.functional as F
 
 from thundersync._compile import switch
-from thundersync.engine._streams import capture_graph, warm_up_stream
-from thundersync.engine.anatomy import DecoderAnatomy, LayerParts
-from thundersync.engine.decoder import LayerMath, Tensors3, attention_inputs, attention_output, embed
+from thundersync.model.anatomy import DecoderAnatomy, LayerParts
+from thundersync.model.decoder import LayerMath, Tensors3, attention_inputs, attention_output, embed
+from thundersync.model.graphs import ParamsKey, capture_graph, power_of_two, warm_up_stream
 
 __all__ = ["MAX_ROWS", "MIN_ROWS", "GraphedLayers", "graph_counts", "graphed_layers", "reset_graph_counts"]
 
@@ -77,41 +76,6 @@ def reset_graph_counts() -> None:
 T = TypeVar("T")
 
 
-_registrations = itertools.count()  # drawn from by every module's parameter or submodule registration
-_registered = 0  # the last number drawn
-
-
-def _on_registration(*args: object) -> None:
-    global _registered
-    _registered = next(_registrations)
-
-
-torch.nn.modules.module.register_module_parameter_registration_hook(_on_registration)
-torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
-
-
-class ParamsKey:
-    """``(data pointer, requires_grad)`` of every parameter of a model, the key under which its CUDA
-    graphs stay valid. Walking the module tree for it cost 0.46 ms per pack (28 layers); the walk's
-    list is kept until any module in the process registers a parameter or a submodule (a
-    parameter replaced by assignment, an adapter added: torch's global registration hooks),
-    while pointers and flags are read on every call (``.data`` swapped, a parameter frozen)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._model = weakref.ref(model)
-        self._seen = -1
-        self._params: list[torch.nn.Parameter] = []
-
-    def __call__(self) -> tuple[tuple[int, bool], ...]:
-        model = self._model()
-        if model is None:
-            return ()
-        if self._seen != _registered:
-            self._seen = _registered  # read first: a registration during the walk walks again next time
-            self._params = list(model.parameters())
-        return tuple((p.data_ptr(), p.requires_grad) for p in self._params)
-
-
 def for_model(
     name: str,
     enabled: bool | None,
@@ -134,11 +98,6 @@ def graphed_layers(anatomy: DecoderAnatomy, enabled: bool | None = None) -> Grap
     """The model's :class:`GraphedLayers`, or None where graphs are off (``enabled``, else
     ``THUNDERSYNC_ENGINE_GRAPHS``) or the model is not on CUDA."""
     return for_model("THUNDERSYNC_ENGINE_GRAPHS", enabled, anatomy, _models, GraphedLayers)
-
-
-def power_of_two(n: int, low: int) -> int:
-    """The smallest power of two that is at least ``n`` and ``low``."""
-    return max(low, 1 << max(n - 1, 0).bit_length())
 
 
 def bucket(rows: int) -> int | None:

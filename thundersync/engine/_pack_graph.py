@@ -77,7 +77,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from thundersync._compile import COMPILE_LOCK
 from thundersync._logging import get_logger
@@ -91,22 +90,19 @@ from thundersync.engine._graphed import (
     _WARMUP,
     MAX_ROWS,
     MIN_ROWS,
-    ParamsKey,
     _Wrapper,
     for_model,
-    power_of_two,
     write_grads,
 )
-from thundersync.engine._streams import capture_graph, warm_up_stream
-from thundersync.engine.adapter import ChunkSpec, KVStack, PackOutput, _key_spans, span_rows
-from thundersync.engine.anatomy import DecoderAnatomy
-from thundersync.engine.decoder import EAGER, LayerMath, apply_norm, decoder_forward
 from thundersync.errors import ConfigError
-from thundersync.kernels._attention_varlen import varlen_packed_attention
-from thundersync.kernels.attention import capability
+from thundersync.kernels.attention import MAX_PACKED_CHUNKS, packed_attention
 from thundersync.kernels.dtypes import accumulate_dtype
 from thundersync.kernels.grad_into import GradsInto
 from thundersync.kernels.layer import add_widened, gather_rows, gather_rows_reference, key_readers
+from thundersync.model.anatomy import DecoderAnatomy
+from thundersync.model.decoder import EAGER, LayerMath, apply_norm, decoder_forward
+from thundersync.model.graphs import ParamsKey, capture_graph, power_of_two, warm_up_stream
+from thundersync.model.packed import ChunkSpec, KVStack, PackOutput, key_spans, span_rows
 
 __all__ = [
     "MAX_CHUNKS",
@@ -116,7 +112,6 @@ __all__ = [
     "drain_totals",
     "max_rows",
     "pack_graphs",
-    "packed_attention",
     "release_graphs",
     "row_bucket",
 ]
@@ -124,7 +119,7 @@ __all__ = [
 _log = get_logger(__name__)
 
 MAX_KEYS = 16384  # gathered key rows of a pack (its prefix rows are at most as many)
-MAX_CHUNKS = 64  # chunk slots, the padding chunk included
+MAX_CHUNKS = MAX_PACKED_CHUNKS  # chunk slots, the padding chunk included
 _MIN_KEYS = 256
 _PREFIX_ROWS = 1024  # the shared prefix buffer's first size (it grows to the largest bucket's)
 
@@ -208,7 +203,7 @@ def plan(chunks: Sequence[ChunkSpec]) -> Plan | str:
     rows = row_bucket(n)
     if rows > max_rows():
         return "pack_too_long"
-    sources, spans = _key_spans(chunks, offsets)
+    sources, spans = key_spans(chunks, offsets)
     prefix = sum(int(s.shape[3]) for s in sources)
     k_lens = [sum(stop - start for start, stop in per_chunk) for per_chunk in spans]
     flat = [span for per_chunk in spans for span in per_chunk]
@@ -268,23 +263,6 @@ class _Body:
 
         x = decoder_forward(self.anatomy, ids, positions, attention, self.math)
         return (apply_norm(self.anatomy.norm, x), *kv)
-
-
-def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float) -> torch.Tensor:
-    """Each chunk's queries over its keys (bottom-right causal), q [R, Hq, D], k/v [K, Hkv, D];
-    ``cu`` [2, C + 1]: the chunks' query and key offsets."""
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and capability("varlen", q, k).ok:
-        return varlen_packed_attention(q, k, v, cu[0], cu[1], q.shape[0], k.shape[0], scale)
-    rows, keys = q.shape[0], k.shape[0]
-    row = torch.arange(rows, device=q.device, dtype=torch.int32)
-    chunk = torch.searchsorted(cu[0, 1:], row, right=True)
-    first = cu[1, chunk]
-    last = cu[1, chunk + 1] - (cu[0, chunk + 1] - row)  # the last key a row sees
-    column = torch.arange(keys, device=q.device, dtype=torch.int32)
-    mask = (column >= first[:, None]) & (column <= last[:, None])
-    groups = q.shape[1] // k.shape[1]
-    q, k, v = (t.transpose(0, 1) for t in (q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(0, 1)
 
 
 class _Graph:

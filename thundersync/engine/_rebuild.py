@@ -26,7 +26,7 @@ def rebuild_recipe(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
 
     A transformers model: ``type(model)(model.config)``. A peft model: its base the same way,
     wrapped by ``get_peft_model`` with each of its adapters' configs, the active one set."""
-    from thundersync.engine.anatomy import unwrap_peft
+    from thundersync.model.anatomy import unwrap_peft
 
     base = unwrap_peft(model)
     config = getattr(base, "config", None)

@@ -20,9 +20,8 @@ its stream and frees (the run's total, a ``.grad`` a job created) is only reused
 and every job first waits for the caller's stream as of its submit, so the reuse follows the use.
 On the CPU every call is a no-op: the ``JobStream`` of a CPU run has no stream.
 
-:func:`warm_up_stream` is where every CUDA-graph capture warms up (lazy initialisations must not be
-captured), and :func:`capture_graph` where it records. A job's small host inputs go to the device
-through :func:`thundersync._device.upload`, which does not wait for the stream's queued work.
+A job's small host inputs go to the device through :func:`thundersync._device.upload`, which does
+not wait for the stream's queued work. CUDA-graph captures are :mod:`thundersync.model.graphs`'.
 """
 
 from __future__ import annotations
@@ -30,11 +29,10 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
-__all__ = ["JobStream", "capture_graph", "warm_up_stream"]
+__all__ = ["JobStream"]
 
 
 class JobStream:
@@ -82,51 +80,3 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
         if key not in _streams:
             _streams[key] = torch.cuda.Stream(key)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
         return _streams[key]
-
-
-@contextlib.contextmanager
-def warm_up_stream() -> Iterator[None]:
-    """Run the block on a new CUDA stream after the current one's work; the current stream then
-    waits for it, also when the block raises. That matters after a failed warm-up or capture: the
-    buffers its kernels read are freed as the error unwinds, and the caching allocator hands their
-    memory to the current stream at once, so without the wait a fallback's kernels could overwrite
-    indices the side stream's kernels are still reading (measured: a device-side assert in a gather
-    after a capture ran out of memory)."""
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
-    side.wait_stream(torch.cuda.current_stream())
-    try:
-        with torch.cuda.stream(side):
-            yield
-    finally:
-        torch.cuda.current_stream().wait_stream(side)
-
-
-@contextlib.contextmanager
-def capture_graph(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[None]:
-    """Record the block's CUDA work into ``graph`` (memory from ``pool``), on a capture stream of
-    its own, in thread-local mode (other threads keep launching meanwhile: a generator's decode
-    steps beside the engine's captures, and the other way round).
-
-    ``torch.cuda.graph`` does the same after a device-wide synchronize, ``empty_cache()`` and the
-    pinned host cache's release. Beside a rollout that costs every thread: the synchronize waits
-    for every stream, and the released blocks of every stream's pool come back only through
-    ``cudaMalloc`` (measured on the H200 after a few captures beside a rollout: 558 calls in 0.6 s,
-    100 ms of the engine's host time, stalling the generator's copies behind them). The captured
-    work does not run, and the capture stream first waits for the current stream, so whatever the
-    block reads was written before it: the synchronize is never needed. The cache is emptied only
-    when less than a quarter of the device is free: the capture allocates from its own pool, which
-    cannot take the blocks the other pools keep cached, and on the H200 a capture beside 57 GB of
-    such blocks ran out of memory.
-    """
-    free, total = torch.cuda.mem_get_info()
-    if free < total // 4:
-        torch.cuda.empty_cache()
-    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph.capture_begin(pool, capture_error_mode="thread_local")
-        try:
-            yield
-        finally:
-            graph.capture_end()
-    torch.cuda.current_stream().wait_stream(stream)

@@ -3,7 +3,7 @@
 A :class:`Segment` is a run of tokens appended after its parent segment (``None`` for a root,
 e.g. a prompt). A group is a tree: the prompt is the root, each trajectory a chain below it.
 Once forwarded, a segment keeps its K/V ``state`` (detached, model dtype, every layer's in one
-:data:`~thundersync.engine.adapter.KVStack` [layers, 2, Hkv, T, D]), which its descendants read
+:data:`~thundersync.model.packed.KVStack` [layers, 2, Hkv, T, D]), which its descendants read
 as a prefix.
 
 :meth:`SegmentPack.forward` runs several segments packed into one row, each after a detached
@@ -56,7 +56,9 @@ from thundersync.engine._compiled import pack_math
 from thundersync.engine._fused import FUSED
 from thundersync.engine._graphed import GraphedLayers, graphed_layers
 from thundersync.engine._pack_graph import PackGraphs, pack_graphs
-from thundersync.engine.adapter import (
+from thundersync.model.anatomy import DecoderAnatomy
+from thundersync.model.decoder import EAGER
+from thundersync.model.packed import (
     KV,
     ChunkSpec,
     KVStack,
@@ -65,8 +67,6 @@ from thundersync.engine.adapter import (
     forward_pack,
     head_logprobs,
 )
-from thundersync.engine.anatomy import DecoderAnatomy
-from thundersync.engine.decoder import EAGER
 
 __all__ = ["AdjointLedger", "Segment", "SegmentPack", "forward_prompt"]
 
@@ -201,7 +201,7 @@ class SegmentPack:
         ``selections[i]``: indices into segment i's tokens, ints or a long tensor (best on the
         host: a device tensor is read back), ``None`` for none. A root's token 0 has no context and
         cannot be selected. One index copy and one fused head call for the whole pack.
-        ``head_grad_into``: see :func:`~thundersync.engine.adapter.head_logprobs`.
+        ``head_grad_into``: see :func:`~thundersync.model.packed.head_logprobs`.
         """
         rows: list[int] = []
         sizes = []

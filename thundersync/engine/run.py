@@ -28,9 +28,9 @@ from thundersync.engine._accum import FlatAccumulator, GradCapture, ParamLayout
 from thundersync.engine._guard import ParameterGuard, check_deterministic
 from thundersync.engine._streams import JobStream
 from thundersync.engine._worker import Worker
-from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy, unwrap_peft
 from thundersync.engine.inputs import build_config
 from thundersync.errors import ConfigError, UnsafeStepError
+from thundersync.model.anatomy import DecoderAnatomy, decoder_anatomy, unwrap_peft
 
 if TYPE_CHECKING:
     from thundersync.engine.distributed import DataParallel

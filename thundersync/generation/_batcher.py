@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from thundersync.engine.anatomy import decoder_anatomy
 from thundersync.errors import ConfigError, GenerationError
 from thundersync.generation._decode_math import DecodeMath
 from thundersync.generation._fixed_step import CapturedStep, FixedStep
@@ -49,6 +48,7 @@ from thundersync.generation._kv_cache import KVCache
 from thundersync.generation._sampling import RowParams, sample
 from thundersync.generation._weights_watch import WeightsWatch
 from thundersync.generation.base import FinishReason, GenerationRequest, GenerationResult, SamplingParams
+from thundersync.model.anatomy import decoder_anatomy
 
 __all__ = ["ContinuousBatcher", "Ticket"]
 

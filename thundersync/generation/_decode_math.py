@@ -7,7 +7,7 @@ graph. Two remedies, each optional:
 
 - ``compile``: inductor fuses each run of elementwise work between two matrix products into one
   kernel. What is compiled are the embedding with the rotary tables, a layer up to attention, a
-  layer after it (:class:`~thundersync.engine.decoder.LayerMath`) and the sampler's counter-based
+  layer after it (:class:`~thundersync.model.decoder.LayerMath`) and the sampler's counter-based
   hash: code whose shapes depend only on the batch bucket. Attention, whose key length changes
   every 128 tokens, stays eager, and so do the sampler's reductions over the vocabulary (inductor
   2.11 fails on a vocabulary-long argmax with a dynamic batch: "NYI TritonSplitDimKernel
@@ -37,11 +37,11 @@ from typing import ParamSpec, TypeVar
 import torch
 
 from thundersync._compile import Backend, OrEager
-from thundersync.engine.anatomy import DecoderAnatomy
-from thundersync.engine.decoder import LayerMath, Tensors3, attention_inputs, attention_output, embed
 from thundersync.generation._fused import FusedWeights, fused_attention_inputs, fused_attention_output
 from thundersync.generation._kernel_layers import KernelLayers
 from thundersync.generation._sampling import counter_uniform, sample, sample_kernels
+from thundersync.model.anatomy import DecoderAnatomy
+from thundersync.model.decoder import LayerMath, Tensors3, attention_inputs, attention_output, embed
 
 __all__ = ["DecodeMath"]
 

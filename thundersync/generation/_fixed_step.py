@@ -25,10 +25,10 @@ from collections.abc import Callable
 
 import torch
 
-from thundersync.engine._streams import capture_graph, warm_up_stream
 from thundersync.generation._host import device_tensor
 from thundersync.generation._sampling import RowParams, SampleOutput, sample
 from thundersync.generation.base import SamplingParams
+from thundersync.model.graphs import capture_graph, warm_up_stream
 
 __all__ = ["CapturedStep", "FixedStep", "batch_buckets"]
 

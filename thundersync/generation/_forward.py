@@ -1,6 +1,6 @@
 """The decoder forward pass over a :class:`KVCache`: the engine's decoder layers, keys kept in the cache.
 
-The per-layer math is :func:`thundersync.engine.decoder.decoder_forward`; this module supplies
+The per-layer math is :func:`thundersync.model.decoder.decoder_forward`; this module supplies
 its attention, :class:`CacheAttention`, which writes the new tokens' keys/values into the cache and
 attends over the slot's cached keys.
 
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from thundersync.engine.anatomy import DecoderAnatomy
-from thundersync.engine.decoder import LayerMath, apply_norm, decoder_forward
 from thundersync.generation._host import device_tensor
 from thundersync.generation._kv_cache import KVCache
+from thundersync.model.anatomy import DecoderAnatomy
+from thundersync.model.decoder import LayerMath, apply_norm, decoder_forward
 
 __all__ = ["CacheAttention", "PrefillBatch", "Rows", "forward_hidden", "logits_of", "pack_prefill"]
 
@@ -140,7 +140,7 @@ def _decode_bias(an: DecoderAnatomy, rows: Rows, dtype: torch.dtype) -> torch.Te
 
 
 class CacheAttention:
-    """The generator's :class:`~thundersync.engine.decoder.LayerAttention`: new keys/values enter
+    """The generator's :class:`~thundersync.model.decoder.LayerAttention`: new keys/values enter
     ``cache`` at (``slots``, ``positions``), queries attend over their slot's cached keys."""
 
     def __init__(

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from thundersync.engine.anatomy import DecoderAnatomy, LayerParts
-from thundersync.engine.decoder import PLAIN_MLPS, apply_norm, apply_rotary
+from thundersync.model.anatomy import DecoderAnatomy, LayerParts
+from thundersync.model.decoder import PLAIN_MLPS, apply_norm, apply_rotary
 
 __all__ = ["FusedLayer", "FusedWeights", "fused_attention_inputs", "fused_attention_output", "split_gate_up"]
 
@@ -169,7 +169,7 @@ def fused_attention_inputs(
     q_size: int,
     head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`~thundersync.engine.decoder.attention_inputs` with one product for q, k and v."""
+    """:func:`~thundersync.model.decoder.attention_inputs` with one product for q, k and v."""
     h = apply_norm(parts.input_norm, x)
     qkv = F.linear(h, qkv_weight, qkv_bias)
     kv_size = (qkv.shape[-1] - q_size) // 2
@@ -182,7 +182,7 @@ def fused_attention_inputs(
 def fused_attention_output(
     parts: LayerParts, gate_up_weight: torch.Tensor, x: torch.Tensor, a: torch.Tensor, interleave: int = 0
 ) -> torch.Tensor:
-    """:func:`~thundersync.engine.decoder.attention_output` with one product for gate and up.
+    """:func:`~thundersync.model.decoder.attention_output` with one product for gate and up.
 
     The residual adds are written ``(x.float() + y.float()).to(x.dtype)``: the same values (torch
     adds 16-bit tensors in fp32 and rounds once), but inductor then fuses the add into the next

@@ -25,8 +25,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from thundersync.engine.anatomy import DecoderAnatomy, LayerParts
-from thundersync.engine.decoder import LayerMath, is_plain_rms_norm, is_silu_mlp
 from thundersync.generation._fused import FusedLayer, FusedWeights
 from thundersync.generation._kv_cache import KVCache
 from thundersync.kernels.decode import (
@@ -37,6 +35,8 @@ from thundersync.kernels.decode import (
     decode_linear,
     tuned_linear_configs,
 )
+from thundersync.model.anatomy import DecoderAnatomy, LayerParts
+from thundersync.model.decoder import LayerMath, is_plain_rms_norm, is_silu_mlp
 
 __all__ = ["KernelLayers"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from thundersync.engine.anatomy import DecoderAnatomy
 from thundersync.generation._host import device_tensor
+from thundersync.model.anatomy import DecoderAnatomy
 
 __all__ = ["KVCache"]
 

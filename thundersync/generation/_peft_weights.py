@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, TypeGuard
 import torch
 from torch import nn
 
-from thundersync.engine.anatomy import unwrap_peft
 from thundersync.errors import BackendCapabilityError
+from thundersync.model.anatomy import unwrap_peft
 
 if TYPE_CHECKING:
     from peft import PeftModel

@@ -36,10 +36,10 @@ import torch
 from torch import nn
 
 from thundersync._logging import get_logger
-from thundersync.engine.anatomy import input_embedding_weight, unwrap_peft
 from thundersync.errors import BackendCapabilityError, GenerationError, MissingExtraError
 from thundersync.generation._peft_weights import is_peft_model, merged_weights
 from thundersync.generation.base import FinishReason, GenerationRequest, GenerationResult, LogprobMode
+from thundersync.model.anatomy import input_embedding_weight, unwrap_peft
 
 if TYPE_CHECKING:
     from peft import PeftModel

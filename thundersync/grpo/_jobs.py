@@ -17,9 +17,9 @@ import torch
 from thundersync.engine import forest
 from thundersync.engine._accum import FlatAccumulator
 from thundersync.engine._mismatch import LogprobMismatch
-from thundersync.engine.adapter import KVStack
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.run import StreamingRun
+from thundersync.model.packed import KVStack
 
 __all__ = ["Branch", "GroupWork", "backward_final", "backward_linear", "close_group", "forward_prompt"]
 

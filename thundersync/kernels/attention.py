@@ -32,18 +32,22 @@ import itertools
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from thundersync._device import upload
 from thundersync.errors import ConfigError, KernelUnavailable
 from thundersync.kernels._attention_reference import reference_chunk_attention
+from thundersync.kernels._attention_varlen import varlen_packed_attention as _varlen_packed
 from thundersync.kernels._env import fa4_mode, profile_range
 from thundersync.kernels.probe import Capability, check_close, probe, record
 
 __all__ = [
     "ATTENTION_PATHS",
+    "MAX_PACKED_CHUNKS",
     "PackedLayout",
     "attention_path_counts",
     "chunk_attention",
+    "packed_attention",
     "packed_chunk_attention",
     "reset_attention_path_counts",
 ]
@@ -58,6 +62,7 @@ _MODULES = {
 }
 _PACKED = ("fa4", "varlen")  # paths with a one-call packed form, ``{name}_packed_attention``
 _COUNTS: collections.Counter[str] = collections.Counter()
+MAX_PACKED_CHUNKS = 64  # chunk slots of a fixed-shape pack (packed_attention), a padding chunk included
 SPLIT_MIN_WORK = 4096 * 1024  # prefix * chunk from which the split form is preferred
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -302,3 +307,20 @@ def _check(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kc: torch.Tensor
 def _describe(tensors: tuple[torch.Tensor, ...]) -> str:
     names = ("q", "k_prefix", "v_prefix", "k_chunk", "v_chunk")
     return ", ".join(f"{n} {tuple(x.shape)} {x.dtype} on {x.device}" for n, x in zip(names, tensors, strict=True))
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each chunk's queries over its keys (bottom-right causal), q [R, Hq, D], k/v [K, Hkv, D];
+    ``cu`` [2, C + 1]: the chunks' query and key offsets."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and capability("varlen", q, k).ok:
+        return _varlen_packed(q, k, v, cu[0], cu[1], q.shape[0], k.shape[0], scale)
+    rows, keys = q.shape[0], k.shape[0]
+    row = torch.arange(rows, device=q.device, dtype=torch.int32)
+    chunk = torch.searchsorted(cu[0, 1:], row, right=True)
+    first = cu[1, chunk]
+    last = cu[1, chunk + 1] - (cu[0, chunk + 1] - row)  # the last key a row sees
+    column = torch.arange(keys, device=q.device, dtype=torch.int32)
+    mask = (column >= first[:, None]) & (column <= last[:, None])
+    groups = q.shape[1] // k.shape[1]
+    q, k, v = (t.transpose(0, 1) for t in (q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(0, 1)

@@ -234,7 +234,7 @@ def decode_heads(
     per-head norms (when given) and the rotary embedding; row r's key (normed, rotated) and value
     are written into ``k_cache``/``v_cache`` [slots, Hkv, L, D] at slot r, position ``positions[r]``.
 
-    ``cos``, ``signed_sin``: [M, 1, D] or [M, D], as :func:`~thundersync.engine.decoder.rotary_tables` gives them.
+    ``cos``, ``signed_sin``: [M, 1, D] or [M, D], as :func:`~thundersync.model.decoder.rotary_tables` gives them.
     """
     from thundersync.kernels._decode_triton import heads_kernel
 

@@ -25,7 +25,7 @@ model's pack), where one that reads 16 bytes at a time runs near the memory's ba
 
 Each forward rounds where the eager form rounds, so it returns the eager values up to the order
 of fp32 sums; a backward keeps its intermediates in fp32 (see ``_layer_triton``). The
-``*_reference`` functions are the eager forms (the engine's :data:`~thundersync.engine.decoder.EAGER`
+``*_reference`` functions are the eager forms (the engine's :data:`~thundersync.model.decoder.EAGER`
 math computes the same). :func:`layer_kernels_capability` probes the four, forward and backward,
 once per (device, dtype) against them.
 """
@@ -284,7 +284,7 @@ def heads_norm_rope(
 ) -> torch.Tensor:
     """The projection ``t`` [N, heads * D] as heads [N, heads, D], each RMS-normed with ``weight`` [D]
     (skipped when None) and rotated: ``x cos + roll(x, D / 2) sin'`` for ``cos``, ``sin'`` [N, (1,) D]
-    (``sin'``: sin with its first half negated, :func:`~thundersync.engine.decoder.rotary_tables`).
+    (``sin'``: sin with its first half negated, :func:`~thundersync.model.decoder.rotary_tables`).
     The tables take no gradient. ``weight_grad_into`` as for :func:`rms_norm`."""
     if has_torch_function((t, weight) if weight is not None else (t,)):
         return handle_torch_function(

@@ -18,9 +18,9 @@ from thundersync.engine import forest
 from thundersync.engine._accum import GradSum
 from thundersync.engine._mismatch import LogprobMismatch
 from thundersync.engine._pack_graph import clear_totals, drain_totals
-from thundersync.engine.adapter import KVStack
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.run import StreamingRun
+from thundersync.model.packed import KVStack
 from thundersync.opd.loss import surrogate_sum
 
 __all__ = [

@@ -4,7 +4,7 @@
 Calls that arrive together (the teacher stage scores ``concurrency`` actions at once) are
 answered by one forward pass: the first caller waits ``max_wait_s`` for others, then runs up to
 ``max_batch`` requests in a worker thread, without gradients. A Qwen3/Qwen2/Llama model is scored
-by :class:`~thundersync.engine.scoring.PackedScorer`: the sequences packed into one run of rows,
+by :class:`~thundersync.model.scoring.PackedScorer`: the sequences packed into one run of rows,
 replayed from CUDA graphs on a GPU (an eager forward's ~1,400 kernel launches would cost several
 times its device time, beside a generator and a learner in one process even more), log-probs from
 the fused head kernel. Any other causal LM runs transformers' forward over the batch, left-padded
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # torch loads when the teacher first scores, so building the 
     import torch
     from torch import nn
 
-    from thundersync.engine.scoring import PackedScorer
+    from thundersync.model.scoring import PackedScorer
 
 __all__ = ["TransformersTeacher", "transformers_teacher"]
 
@@ -144,7 +144,7 @@ class TransformersTeacher:
 
     def _packed_scorer(self) -> PackedScorer | None:
         if self._scorer is None:
-            from thundersync.engine.scoring import PackedScorer
+            from thundersync.model.scoring import PackedScorer
 
             try:
                 self._scorer = PackedScorer(self.model)

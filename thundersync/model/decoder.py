@@ -1,6 +1,6 @@
 """The decoder layer stack, over a transformers model's own modules: one implementation for every caller.
 
-The streaming engine (:mod:`thundersync.engine.adapter`) and the generator
+The streaming engine (:mod:`thundersync.model.packed`) and the generator
 (:mod:`thundersync.generation._forward`) run the same per-layer math. They differ only in where
 a layer's keys and values live, so that is the one parameter, a :class:`LayerAttention`::
 
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from thundersync.engine.anatomy import DecoderAnatomy, LayerParts
+from thundersync.model.anatomy import DecoderAnatomy, LayerParts
 
 __all__ = [
     "EAGER",

@@ -10,7 +10,7 @@ cast, copy, split or add (on the H200 machine a streamed OPD pack of 16 actions 
 splitting and adding its ancestors' adjoints, bench/RESULTS.md, 2026-12-04).
 
 Several chunks are *packed*: their tokens are concatenated into one row, so every projection,
-norm and MLP of the decoder layers (:func:`~thundersync.engine.decoder.decoder_forward`) runs once
+norm and MLP of the decoder layers (:func:`~thundersync.model.decoder.decoder_forward`) runs once
 over all of them, and attention runs once per layer over the pack with each chunk's own keys (a
 chunk's queries see its own prefix and, causally, its own tokens; never another chunk, except that
 a chunk may name an earlier chunk of the pack as the end of its prefix, e.g. a prompt packed with
@@ -42,10 +42,10 @@ import torch
 from torch import nn
 
 from thundersync._device import upload
-from thundersync.engine.anatomy import DecoderAnatomy
-from thundersync.engine.decoder import LayerMath, apply_norm, decoder_forward
 from thundersync.kernels.attention import PackedLayout, packed_chunk_attention
 from thundersync.kernels.dtypes import accumulate_dtype
+from thundersync.model.anatomy import DecoderAnatomy
+from thundersync.model.decoder import LayerMath, apply_norm, decoder_forward
 
 __all__ = ["KV", "ChunkSpec", "KVStack", "PackOutput", "empty_prefix", "forward_pack", "head_logprobs", "stack_kv"]
 
@@ -120,7 +120,7 @@ def empty_prefix(anatomy: DecoderAnatomy, device: torch.device | None = None) ->
 
 @dataclass(frozen=True)
 class _PackAttention:
-    """The engine's :class:`~thundersync.engine.decoder.LayerAttention`: each chunk's queries over its
+    """The engine's :class:`~thundersync.model.decoder.LayerAttention`: each chunk's queries over its
     keys, gathered by one index from the distinct prefixes and the pack's own rows; records every
     layer's (k, v).
 
@@ -155,7 +155,7 @@ class _PackAttention:
 def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec], math: LayerMath | None = None) -> PackOutput:
     """Forward ``chunks`` packed into one row; gradients flow to parameters and to the prefixes.
 
-    ``math`` is the layers' math (:data:`~thundersync.engine.decoder.EAGER` by default).
+    ``math`` is the layers' math (:data:`~thundersync.model.decoder.EAGER` by default).
     """
     offsets = [0]
     for chunk in chunks:
@@ -163,7 +163,7 @@ def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec], math: Lay
     tokens = torch.cat([chunk.tokens for chunk in chunks])
     device = tokens.device
     positions = upload(_gather_index([(c.start, c.start + int(c.tokens.numel())) for c in chunks]), device)
-    sources, spans = _key_spans(chunks, offsets)
+    sources, spans = key_spans(chunks, offsets)
     key_lengths = [sum(stop - start for start, stop in per_chunk) for per_chunk in spans]
     flat = [span for per_chunk in spans for span in per_chunk]
     identity = not sources and all(a[1] == b[0] for a, b in itertools.pairwise(flat))  # the pack's rows in order
@@ -176,7 +176,7 @@ def forward_pack(anatomy: DecoderAnatomy, chunks: Sequence[ChunkSpec], math: Lay
     return PackOutput(hidden=apply_norm(anatomy.norm, x), tokens=tokens, offsets=offsets, layer_kv=kv)
 
 
-def _key_spans(chunks: Sequence[ChunkSpec], offsets: list[int]) -> tuple[list[KVStack], list[list[tuple[int, int]]]]:
+def key_spans(chunks: Sequence[ChunkSpec], offsets: list[int]) -> tuple[list[KVStack], list[list[tuple[int, int]]]]:
     """The distinct prefixes (stacked) and, per chunk, the spans of its key rows in
     ``cat(prefixes..., pack rows)``: its prefix rows, its in-pack ancestors' rows, its own rows
     (always last)."""

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.engine.tiny_models import tiny_qwen3, with_lora
-from thundersync.engine.adapter import ChunkSpec, empty_prefix, forward_pack, head_logprobs
-from thundersync.engine.anatomy import decoder_anatomy
 from thundersync.errors import ConfigError
+from thundersync.model.anatomy import decoder_anatomy
+from thundersync.model.packed import ChunkSpec, empty_prefix, forward_pack, head_logprobs
 
 
 def _model_logprobs(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -118,7 +118,7 @@ def test_anatomy_rejects_a_layer_part_that_is_not_a_module() -> None:
 
 
 def test_input_embedding_weight_names_a_model_without_one() -> None:
-    from thundersync.engine.anatomy import input_embedding_weight
+    from thundersync.model.anatomy import input_embedding_weight
 
     assert input_embedding_weight(tiny_qwen3()).shape == (97, 32)
     with pytest.raises(ConfigError, match=r"Linear has no input embedding matrix \(get_input_embeddings\(\)\.weight\)"):

@@ -13,7 +13,7 @@ the head. The layout is the one transformers uses for Qwen3, Qwen2 and Llama::
 A peft model is unwrapped with ``get_base_model()``; its wrapped Linear layers apply their
 adapters when called, so LoRA needs nothing special.
 
-The per-layer math over these parts is :mod:`thundersync.engine.decoder`.
+The per-layer math over these parts is :mod:`thundersync.model.decoder`.
 
     >>> anatomy = decoder_anatomy(model)        # doctest: +SKIP
     >>> anatomy.num_kv_heads, anatomy.head_dim  # doctest: +SKIP

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.engine.tiny_models import tiny_qwen3
-from thundersync.engine.anatomy import decoder_anatomy
-from thundersync.engine.decoder import apply_norm, apply_rotary, decoder_forward
+from thundersync.model.anatomy import decoder_anatomy
+from thundersync.model.decoder import apply_norm, apply_rotary, decoder_forward
 
 
 class _CausalAttention:

@@ -35,13 +35,12 @@ from torch import nn
 
 from thundersync._compile import switch
 from thundersync._logging import get_logger
-from thundersync.engine._graphed import ParamsKey, power_of_two
-from thundersync.engine._pack_graph import MAX_CHUNKS, packed_attention
-from thundersync.engine._streams import capture_graph, warm_up_stream
-from thundersync.engine.anatomy import DecoderAnatomy, decoder_anatomy
-from thundersync.engine.decoder import apply_norm, decoder_forward
 from thundersync.errors import ConfigError
+from thundersync.kernels.attention import MAX_PACKED_CHUNKS, packed_attention
 from thundersync.kernels.logprobs import linear_logprobs
+from thundersync.model.anatomy import DecoderAnatomy, decoder_anatomy
+from thundersync.model.decoder import apply_norm, decoder_forward
+from thundersync.model.graphs import ParamsKey, capture_graph, power_of_two, warm_up_stream
 
 __all__ = ["PackedScorer"]
 
@@ -159,7 +158,7 @@ class PackedScorer:
         """Consecutive runs of sequences, each within the largest bucket (a longer sequence alone)."""
         runs, start, rows = [], 0, 0
         for i, n in enumerate(lengths):
-            if i > start and (rows + n > self.max_rows or i - start >= MAX_CHUNKS - 2):
+            if i > start and (rows + n > self.max_rows or i - start >= MAX_PACKED_CHUNKS - 2):
                 runs.append((start, i))
                 start, rows = i, 0
             rows += n

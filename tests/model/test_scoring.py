@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.engine.tiny_models import tiny_qwen3
-from thundersync.engine.scoring import PackedScorer, _hidden, bucket_rows_of, split
 from thundersync.errors import ConfigError
+from thundersync.model.scoring import PackedScorer, _hidden, bucket_rows_of, split
 
 
 def direct(model: torch.nn.Module, sequence: list[int], scored: int) -> list[float]:
