@@ -9,15 +9,15 @@ a 512-token prefix (a detached proxy that requires grad, as the engine builds it
 after warm-up, synchronized, with the layers' math in two forms:
 
 - ``eager``: :data:`thundersync.model.decoder.EAGER`, op by op;
-- ``compiled``: :data:`thundersync.engine._compiled.COMPILED` (``torch.compile`` of a layer up to
+- ``compiled``: :data:`thundersync.engine.accel._compiled.COMPILED` (``torch.compile`` of a layer up to
   attention and after it, rows dynamic; opt-in). Its compile happens in ``pack_math``, before the
   timing;
-- ``layer graphs``: :mod:`thundersync.engine._graphed` (each layer's two parts replayed as CUDA
+- ``layer graphs``: :mod:`thundersync.engine.accel._layer_graphs` (each layer's two parts replayed as CUDA
   graphs, rows padded to a power of two; attention eager). Its captures happen in the warm-up calls;
-- ``fused``: :data:`thundersync.engine._fused.FUSED` (the norms, per-head norms and rotary, and the
+- ``fused``: :data:`thundersync.engine.accel._fused.FUSED` (the norms, per-head norms and rotary, and the
   MLP's activation as fused Triton kernels, forward and backward; CUDA, 16-bit; in the pack graph
   the key gather too);
-- ``pack graph``: :mod:`thundersync.engine._pack_graph` (the whole pack, attention included, one
+- ``pack graph``: :mod:`thundersync.engine.accel._pack_graphs` (the whole pack, attention included, one
   graph forward and one backward per bucket) of the eager math; ``pack graph, fused`` of the fused
   math (the default on CUDA). "-" where the pack fits no bucket (it then runs ungraphed).
 """
@@ -35,11 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import header, markdown_table, median_seconds
 from bench.engine import make_model
-from thundersync.engine import _graphed, _pack_graph
-from thundersync.engine._compiled import pack_math
-from thundersync.engine._fused import FUSED
-from thundersync.engine._graphed import GraphedLayers, graphed_layers
-from thundersync.engine._pack_graph import PackGraphs, pack_graphs
+from thundersync.engine.accel import _layer_graphs as _graphed
+from thundersync.engine.accel import _pack_graphs as _pack_graph
+from thundersync.engine.accel._compiled import pack_math
+from thundersync.engine.accel._fused import FUSED
+from thundersync.engine.accel._layer_graphs import GraphedLayers, graphed_layers
+from thundersync.engine.accel._pack_graphs import PackGraphs, pack_graphs
 from thundersync.model import anatomy
 from thundersync.model import packed as adapter
 from thundersync.model.decoder import EAGER, LayerMath

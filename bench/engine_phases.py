@@ -38,7 +38,7 @@ import thundersync
 from bench._common import header, markdown_table
 from bench.engine import make_batch, make_model, streaming
 from bench.engine_opd import make_opd_batch, opd_streaming
-from thundersync.engine import _accum, forest
+from thundersync.engine import forest, sinks
 
 PHASES = {  # label: (owner, attribute)
     "pack.forward": (forest.SegmentPack, "forward"),
@@ -46,7 +46,7 @@ PHASES = {  # label: (owner, attribute)
     "head log-probs": (forest.SegmentPack, "scored_logprobs"),
     "ancestor adjoints": (forest.SegmentPack, "_ancestor_adjoints"),
     "ledger add": (forest.AdjointLedger, "add"),
-    "accumulate": (_accum.FlatAccumulator, "add_scratch"),
+    "accumulate": (sinks.FlatAccumulator, "add_scratch"),
 }
 
 

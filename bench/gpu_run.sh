@@ -14,6 +14,6 @@ if [ -d "$base" ]; then
 fi
 timeout 90 python3 $gen > "$out/generate.log" 2>&1; echo "generate $? ${SECONDS}s"
 timeout 110 python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_process.py tests/generation/test_fixed_shape_decode.py \
-    tests/engine/test_streams.py tests/engine/test_pack_graph.py tests/app/test_train_file.py > "$out/tests.log" 2>&1; echo "tests $? ${SECONDS}s"
+    tests/engine/test_streams.py tests/engine/accel/test_pack_graph.py tests/app/test_train_file.py > "$out/tests.log" 2>&1; echo "tests $? ${SECONDS}s"
 timeout ${OVERLAP_LIMIT:-270} python3 bench/overlap.py --rows ${ROWS:-grpo,opd,grpo-proc,opd-proc} > "$out/overlap.log" 2>&1; echo "overlap $? ${SECONDS}s"
 for f in "$out"/*.log; do echo "---- $f"; grep -v "^ \|Traceback\|warn\|^|.*| [0-9.]* | [0-9.e-]* | [0-9.e-]* | 0\.0" "$f" | tail -n 16; done

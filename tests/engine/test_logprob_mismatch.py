@@ -11,7 +11,7 @@ import torch
 import thundersync
 from tests.engine.test_distributed import _connect, _spawn
 from tests.engine.tiny_models import tiny_qwen3
-from thundersync.engine._mismatch import LogprobMismatch
+from thundersync.engine.mismatch import LogprobMismatch
 from thundersync.errors import ConfigError
 
 PROMPT = [1, 2, 3]

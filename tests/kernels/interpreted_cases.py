@@ -299,7 +299,7 @@ def test_the_fused_pack_math_equals_the_eager_pack(family: str) -> None:
     fp32 under the interpreter: outputs, every parameter's gradient and the prefix's adjoint."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from thundersync.engine._fused import FUSED
+    from thundersync.engine.accel._fused import FUSED
     from thundersync.model.anatomy import decoder_anatomy
     from thundersync.model.decoder import EAGER
     from thundersync.model.packed import ChunkSpec, forward_pack
@@ -363,8 +363,8 @@ def test_the_fused_pack_graph_body_equals_the_eager_body() -> None:
     readers), one chunk starts a sequence, rows and keys padded to the bucket."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from thundersync.engine._fused import FUSED
-    from thundersync.engine._pack_graph import _Body, plan
+    from thundersync.engine.accel._fused import FUSED
+    from thundersync.engine.accel._pack_graphs import _Body, plan
     from thundersync.model.anatomy import decoder_anatomy
     from thundersync.model.decoder import EAGER
     from thundersync.model.packed import ChunkSpec

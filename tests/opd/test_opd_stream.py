@@ -245,7 +245,7 @@ def test_a_bf16_model_accumulates_in_fp32_and_matches_the_fp32_reference() -> No
 def test_a_batch_abandoned_without_discard_leaves_nothing_in_the_next_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """What an abandoned batch's graphed packs left in the model's graph totals (its run collected,
     so its claims ended) is zeroed when the next batch begins, not drained into it."""
-    from thundersync.engine import _pack_graph
+    from thundersync.engine.accel import _pack_graphs as _pack_graph
     from thundersync.model.anatomy import decoder_anatomy
 
     plan = _single_trajectory_plan(

@@ -8,7 +8,7 @@ import torch
 import thundersync
 from tests.engine.tiny_models import tiny_qwen3
 from thundersync.app import training
-from thundersync.engine._accum import FlatAccumulator
+from thundersync.engine.sinks import FlatAccumulator
 from thundersync.errors import ConfigError
 from thundersync.events import BatchReady
 from thundersync.stages.step import StreamingTrainer

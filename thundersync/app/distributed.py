@@ -92,8 +92,8 @@ def launch(environ: Mapping[str, str] = os.environ) -> Iterator[Launch | None]:
     import torch
     import torch.distributed as dist
 
-    from thundersync.engine._failures import report_failure
     from thundersync.engine.distributed import default_store
+    from thundersync.engine.failures import report_failure
 
     rank, local_rank, timeout_s = _int(environ, "RANK", 0), _int(environ, "LOCAL_RANK", 0), _timeout(environ)
     cuda = torch.cuda.is_available()

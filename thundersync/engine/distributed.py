@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from thundersync.engine._accum import accumulate_dtype
-from thundersync.engine._failures import describe_failures, report_failure
+from thundersync.engine.failures import describe_failures, report_failure
+from thundersync.engine.sinks import accumulate_dtype
 from thundersync.errors import ConfigError, DistributedError
 
 __all__ = ["DataParallel", "default_store"]

@@ -17,26 +17,28 @@ instead be forwarded in the same pack, before its descendants: they then read it
 the graph (e.g. a prompt packed with its last branches, backpropagated once for all of them).
 
 :meth:`SegmentPack.backward` takes a scalar objective over the scored log-probs and/or adjoints
-for the segments' own K/V outputs, sends the parameter gradients to a sink (a
-:class:`~thundersync.engine._accum.GradCapture` scratch, or ``p.grad`` directly when the sink is
-``None``) and returns the adjoint of every ancestor's state (a KVStack in the accumulation
-dtype, full ancestor length), ready for an :class:`AdjointLedger`. Recomputing a segment later (a replay) gives the
-same forward: the engine runs no dropout. Differentiate a pack through :meth:`SegmentPack.backward`
-only: a pack replayed from CUDA graphs adds its parameters' gradients into their ``.grad`` inside
-its backward (one multi-tensor add; see ``_graphed.write_grads``), so ``torch.autograd.grad``
-over its outputs would not return them.
+for the segments' own K/V outputs, sends the parameter gradients to a sink (:mod:`~thundersync.engine.sinks`: a
+:class:`~thundersync.engine.sinks.GradCapture` scratch, a
+:class:`~thundersync.engine.sinks.GradSum`, or ``p.grad`` directly when the sink is ``None``) and
+returns the adjoint of every ancestor's state (a KVStack in the accumulation dtype, full ancestor
+length), ready for an :class:`AdjointLedger`. Recomputing a segment later (a replay) gives the
+same forward: the engine runs no dropout. How a pack runs is its
+:class:`~thundersync.engine.executor.PackExecutor`'s choice; differentiate a pack through
+:meth:`SegmentPack.backward` only (a pack the executor replayed from CUDA graphs adds its
+parameters' gradients inside its backward, so ``torch.autograd.grad`` over its outputs would not
+return them).
 
 Example: on-policy distillation of one trajectory (prompt, scored action, observation, action)::
 
-    root = forward_prompt(anatomy, prompt_ids)                             # root.state, no graph
+    root = forward_prompt(executor, prompt_ids)                            # root.state, no graph
     a1 = Segment(action_ids, parent=root)
-    pack = SegmentPack.forward(anatomy, [a1], keep_state=True)
+    pack = SegmentPack.forward(executor, [a1], keep_state=True)
     lp = pack.scored_logprobs([scored_index])[0]                            # fp32 [S]
     adjoints = pack.backward(loss_of(lp), params=params, sink=None)         # grads -> p.grad
     ledgers[root].add(adjoints[root])                                       # later turns add too
     ...                                                                     # o1, a2 likewise
     for seg in reversed([a1, o1, a2]):                                      # trajectory close
-        pack = SegmentPack.forward(anatomy, [seg])                          # recompute
+        pack = SegmentPack.forward(executor, [seg])                         # recompute
         adjoints = pack.backward(None, [ledgers[seg].tensors], params=params, sink=None)
         for ancestor, adjoint in adjoints.items():
             ledgers[ancestor].add(adjoint)
@@ -51,22 +53,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from thundersync._device import upload
-from thundersync.engine._accum import GradCapture, GradSum, accumulate_dtype
-from thundersync.engine._compiled import pack_math
-from thundersync.engine._fused import FUSED
-from thundersync.engine._graphed import GraphedLayers, graphed_layers
-from thundersync.engine._pack_graph import PackGraphs, pack_graphs
+from thundersync.engine.executor import Execution, PackExecutor
+from thundersync.engine.sinks import GradCapture, GradSum, accumulate_dtype
 from thundersync.model.anatomy import DecoderAnatomy
-from thundersync.model.decoder import EAGER
-from thundersync.model.packed import (
-    KV,
-    ChunkSpec,
-    KVStack,
-    PackOutput,
-    empty_prefix,
-    forward_pack,
-    head_logprobs,
-)
+from thundersync.model.packed import KV, ChunkSpec, KVStack, empty_prefix, head_logprobs
 
 __all__ = ["AdjointLedger", "Segment", "SegmentPack", "forward_prompt"]
 
@@ -127,20 +117,19 @@ class SegmentPack:
         self,
         anatomy: DecoderAnatomy,
         segments: Sequence[Segment],
-        output: PackOutput,
+        execution: Execution,
         leaves: dict[int, tuple[list[Segment], KVStack]],
     ) -> None:
         self.anatomy = anatomy
         self.segments = list(segments)
-        self.output = output
+        self.execution: Execution | None = execution
+        self.output = execution.output
         self._leaves = leaves  # id(parent) -> (its chain incl. the parent, the proxy leaf)
-        self._graphs: PackGraphs | GraphedLayers | None = None  # whose static buffers hold this pack's activations
-        self._summed = False  # replayed by graphs that add the parameters' gradients to their totals
 
     @classmethod
     def forward(
         cls,
-        anatomy: DecoderAnatomy,
+        executor: PackExecutor,
         segments: Sequence[Segment],
         *,
         grad: bool = True,
@@ -148,41 +137,17 @@ class SegmentPack:
         accumulate: bool = False,
     ) -> SegmentPack:
         """Forward ``segments`` packed; with ``keep_state`` each keeps its own K/V as ``state``.
-        ``accumulate``: the backward's sink will be a :class:`~thundersync.engine._accum.GradSum`
-        (a pack replayed from the whole-pack graphs then adds its parameters' gradients to the
-        model's graph totals, not to ``.grad``)."""
+        ``accumulate``: the backward's sink will be a :class:`~thundersync.engine.sinks.GradSum`."""
+        anatomy = executor.anatomy
         leaves: dict[int, tuple[list[Segment], KVStack]] = {}
-        chunks: list[ChunkSpec] = []
         index = {id(seg): i for i, seg in enumerate(segments)}
-        math = pack_math(anatomy)  # compiled (opt-in), the fused kernels' (CUDA, 16-bit) or eager
-        owner: PackGraphs | GraphedLayers | None = None  # whose static buffers hold the activations
-        try:
-            with torch.enable_grad() if grad else torch.no_grad():
-                for seg in segments:
-                    chunks.append(_chunk(anatomy, seg, index, leaves, grad))
-                whole = pack_graphs(anatomy) if grad else None
-                output = whole.forward(chunks, math, accumulate=accumulate) if whole is not None else None
-                if output is not None:
-                    owner = whole
-                else:
-                    # Outside the pack graphs the fused math's launches cost more host time than the
-                    # eager ops they replace (bench/RESULTS.md, 2026-12-03); the per-layer graphs
-                    # record the eager math only.
-                    math = EAGER if math is FUSED else math
-                    layers = graphed_layers(anatomy) if grad and math is EAGER else None
-                    layer_math = layers.math(sum(int(c.tokens.numel()) for c in chunks)) if layers else None
-                    owner = layers if layer_math is not None else None
-                    output = forward_pack(anatomy, chunks, layer_math or math)
-        except BaseException:
-            if owner is not None:
-                owner.release()
-            raise
-        pack = cls(anatomy, segments, output, leaves)
-        pack._graphs = owner
-        pack._summed = accumulate and isinstance(owner, PackGraphs)
+        with torch.enable_grad() if grad else torch.no_grad():
+            chunks = [_chunk(anatomy, seg, index, leaves, grad) for seg in segments]
+            execution = executor.forward(chunks, grad=grad, accumulate=accumulate)
+        pack = cls(anatomy, segments, execution, leaves)
         if keep_state:
             for position, seg in enumerate(segments):
-                seg.state = output.state(position, skip=0 if seg.parent is None else 1)
+                seg.state = execution.output.state(position, skip=0 if seg.parent is None else 1)
         return pack
 
     def kv(self, index: int) -> list[KV]:
@@ -229,7 +194,7 @@ class SegmentPack:
         """Backpropagate ``objective`` (a scalar) and/or adjoints of the segments' own K/V.
 
         Parameter gradients go to ``sink`` (``p.grad`` when ``None``; a pack forwarded with
-        ``accumulate`` takes a :class:`~thundersync.engine._accum.GradSum`); returns each
+        ``accumulate`` takes a :class:`~thundersync.engine.sinks.GradSum`); returns each
         ancestor's state adjoint (accumulation dtype, full length: the direct parent's last
         position, recomputed inside the child, gets zero).
         """
@@ -246,10 +211,11 @@ class SegmentPack:
                         if out.requires_grad:  # e.g. layer-0 keys under LoRA on q/v only: no graph
                             outputs.append(out)
                             grads.append(adj)
-        leaves = [leaf for _, leaf in self._leaves.values()]
-        if isinstance(self._graphs, PackGraphs):
-            leaves.append(self._graphs.anchor)  # the replay's input in the parameters' place
-        if self._summed and isinstance(sink, GradSum):
+        execution = self.execution
+        assert execution is not None, "a pack is backpropagated once"
+        leaves = [leaf for _, leaf in self._leaves.values()] + execution.inputs
+        summed = execution.summed and isinstance(sink, GradSum)
+        if summed:
             # The replay adds its parameters' gradients to the graph totals itself: autograd
             # reaches only those the objective uses outside it (the head's, unless the head adds
             # its own), and the K/V outputs reach the replay alone.
@@ -258,7 +224,7 @@ class SegmentPack:
         if outputs:
             capture: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
             if sink is not None:
-                capture = sink.capture(self._summed, params) if isinstance(sink, GradSum) else sink.capture()
+                capture = sink.capture(summed, params) if isinstance(sink, GradSum) else sink.capture()
             with capture:
                 torch.autograd.backward(outputs, grads, inputs=[*params, *leaves])
         result = self._ancestor_adjoints()
@@ -268,9 +234,9 @@ class SegmentPack:
         return result
 
     def _release(self) -> None:
-        if self._graphs is not None:
-            self._graphs.release()
-            self._graphs = None
+        if self.execution is not None:
+            self.execution.release()
+            self.execution = None
 
     def __del__(self) -> None:
         self._release()  # a pack dropped without its backward frees its graphs' buffers too
@@ -305,11 +271,11 @@ def _leaves_reached(outputs: Sequence[torch.Tensor]) -> set[int]:
     return found
 
 
-def forward_prompt(anatomy: DecoderAnatomy, tokens: torch.Tensor) -> Segment:
+def forward_prompt(executor: PackExecutor, tokens: torch.Tensor) -> Segment:
     """A group's prompt as a root segment with its K/V ``state`` computed (no graph): the shared
     prefix that the group's trajectories read through proxies."""
     root = Segment(tokens)
-    SegmentPack.forward(anatomy, [root], grad=False, keep_state=True)
+    SegmentPack.forward(executor, [root], grad=False, keep_state=True)
     return root
 
 

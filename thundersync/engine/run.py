@@ -1,10 +1,13 @@
 """StreamingRun: one model with fixed parameters for one logical batch, and its streamed work.
 
 The run owns what every streaming objective shares: the decoder's anatomy, the trainable
-parameters and their flat layout, the scratch that captures one backward's parameter gradients,
-the run-wide fp32 (fp64) total that groups add their combined gradient into, and the worker
-that executes the GPU work in submission order (off the caller's thread on CUDA by default, on
-the run's own CUDA stream: :mod:`thundersync.engine._streams` says how it is ordered).
+parameters and their flat layout, the executor that decides how a pack runs
+(:mod:`thundersync.engine.executor`, from the run's :class:`~thundersync.acceleration.Acceleration`),
+the sinks a backward sends gradients to (:mod:`thundersync.engine.sinks`: the scratch that
+captures one backward's gradients, accumulators, OPD's unscaled sum), the run-wide fp32 (fp64)
+total that groups add their combined gradient into, and the worker that executes the GPU work in
+submission order (off the caller's thread on CUDA by default, on the run's own CUDA stream:
+:mod:`thundersync.engine._streams` says how it is ordered).
 
 Parameters must not change while a logical batch is open: the run's
 :class:`~thundersync.engine._guard.ParameterGuard` claims them when the batch's first group
@@ -23,12 +26,14 @@ import torch
 from torch import nn
 
 from thundersync._device import upload
+from thundersync.acceleration import Acceleration
 from thundersync.engine import inputs
-from thundersync.engine._accum import FlatAccumulator, GradCapture, ParamLayout
 from thundersync.engine._guard import ParameterGuard, check_deterministic
 from thundersync.engine._streams import JobStream
 from thundersync.engine._worker import Worker
+from thundersync.engine.executor import PackExecutor
 from thundersync.engine.inputs import build_config
+from thundersync.engine.sinks import FlatAccumulator, GradCapture, ParamLayout, UnscaledSum
 from thundersync.errors import ConfigError, UnsafeStepError
 from thundersync.model.anatomy import DecoderAnatomy, decoder_anatomy, unwrap_peft
 
@@ -45,6 +50,8 @@ class StreamingRun:
     ``source_offload_device``: where the param-sized accumulators live (``"cpu"`` to keep them
     on the host; results are bitwise equal). ``background``: run the work on a worker thread
     (default: on CUDA only). How work is packed is the objective's option (``pack_tokens``).
+    ``acceleration``: the forms its packs may take (:class:`~thundersync.acceleration.Acceleration`,
+    resolved once here; default: every field auto, the environment overriding).
     ``data_parallel``: a :class:`~thundersync.engine.distributed.DataParallel` when this run is one
     rank of several; the objectives then reduce their batch statistics (OPD's N) across ranks and
     :class:`~thundersync.StreamingTrainer` sums the gradients before it steps.
@@ -67,6 +74,7 @@ class StreamingRun:
         config: Config | None = None,
         /,
         *,
+        acceleration: Acceleration | None = None,
         data_parallel: DataParallel | None = None,
         **options: Any,
     ) -> None:
@@ -85,6 +93,7 @@ class StreamingRun:
                 "the streaming engine needs the model on one device"
             )
         self.layout = ParamLayout(self.params)
+        self.executor = PackExecutor(self.anatomy, acceleration)
         self.accumulator_device = _device(self.config.source_offload_device) or self.layout.device
         background = self.config.background
         self.worker = Worker(background=self.layout.device.type == "cuda" if background is None else background)
@@ -112,7 +121,13 @@ class StreamingRun:
         return local if self.data_parallel is None else self.data_parallel.all_reduce_counts([local])[0]
 
     def new_accumulator(self) -> FlatAccumulator:
+        """A zeroed fp32 (fp64) accumulator over the trainable parameters (a reward-linear pair's half)."""
         return FlatAccumulator(self.layout, self.accumulator_device)
+
+    def unscaled_sum(self) -> UnscaledSum:
+        """A sink for a batch's unscaled gradient (OPD's): ``p.grad`` directly for fp32/fp64
+        parameters, an fp32 sum (the graph totals drained into it) for 16-bit ones."""
+        return UnscaledSum(self)
 
     @property
     def total(self) -> FlatAccumulator:

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from thundersync.engine import forest
-from thundersync.engine._accum import FlatAccumulator
-from thundersync.engine._mismatch import LogprobMismatch
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
+from thundersync.engine.mismatch import LogprobMismatch
 from thundersync.engine.run import StreamingRun
+from thundersync.engine.sinks import FlatAccumulator
 from thundersync.model.packed import KVStack
 
 __all__ = ["Branch", "GroupWork", "backward_final", "backward_linear", "close_group", "forward_prompt"]
@@ -74,7 +74,7 @@ class GroupWork:
 
 def forward_prompt(run: StreamingRun, work: GroupWork) -> None:
     """Compute the prompt's K/V state once (no graph); branches read it through a proxy."""
-    work.root = forest.forward_prompt(run.anatomy, run.tensor(work.prompt))
+    work.root = forest.forward_prompt(run.executor, run.tensor(work.prompt))
 
 
 def _forward_branches(
@@ -89,7 +89,7 @@ def _forward_branches(
     ids = run.tensor([t for b in branches for t in b.tokens])  # one copy for the pack
     segments = [Segment(t, root) for root, t in zip(roots, torch.split(ids, [len(b) for b in branches]))]
     head = [prompt] if prompt is not None else []
-    pack = SegmentPack.forward(run.anatomy, [*head, *segments])
+    pack = SegmentPack.forward(run.executor, [*head, *segments])
     picks = [[j for j, s in enumerate(b.scored) if s] for b in branches]
     logprobs = pack.scored_logprobs([*([None] * len(head)), *picks])[len(head) :]
     known = [(lp, b.behaviour) for b, lp in zip(branches, logprobs) if b.behaviour]

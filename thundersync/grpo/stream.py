@@ -60,8 +60,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import msgspec
 
 from thundersync.engine import inputs
-from thundersync.engine._mismatch import LogprobMismatch
 from thundersync.engine.groups import Group, OpenGroups, trajectory_name
+from thundersync.engine.mismatch import LogprobMismatch
 from thundersync.engine.objective import Signal
 from thundersync.engine.packing import split
 from thundersync.engine.run import StreamingRun

@@ -1,7 +1,9 @@
-"""Environment switches of the kernels and the profiler ranges they put around each call.
+"""The kernels' FlashAttention 4 switch and the profiler ranges they put around each call.
 
-``THUNDERSYNC_FA4``: ``auto`` (default: use FlashAttention 4 when it imports and passes its probe),
-``require`` (raise :class:`~thundersync.errors.KernelUnavailable` when it cannot run), ``off``.
+FA4: ``auto`` (default: use FlashAttention 4 when it imports and passes its probe), ``require``
+(raise :class:`~thundersync.errors.KernelUnavailable` when it cannot run), ``off``. It is
+process-wide, like the probes' results: :func:`set_fa4_mode` sets it (a run does, from its
+resolved ``Acceleration.fa4``); until then ``THUNDERSYNC_FA4`` is read once.
 
 ``THUNDERSYNC_OPERATOR_PROFILE_RANGES``: ``off`` (default), ``kineto``
 (``torch.profiler.record_function``), ``nvtx`` (``torch.cuda.nvtx``) or ``both``. Ranges are
@@ -16,7 +18,7 @@ from collections.abc import Iterator
 
 from thundersync.errors import ConfigError
 
-__all__ = ["fa4_mode", "profile_mode", "profile_range"]
+__all__ = ["fa4_mode", "profile_mode", "profile_range", "set_fa4_mode"]
 
 FA4_MODES = ("auto", "require", "off")
 PROFILE_MODES = ("off", "kineto", "nvtx", "both")
@@ -30,9 +32,21 @@ def _choice(variable: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+_fa4: list[str] = []  # the mode, once set or read
+
+
+def set_fa4_mode(mode: str) -> None:
+    """Use FlashAttention 4 as ``mode`` says (``auto``, ``require``, ``off``) from now on."""
+    if mode not in FA4_MODES:
+        raise ConfigError(f"the FA4 mode must be one of {', '.join(FA4_MODES)}, got {mode!r}")
+    _fa4[:] = [mode]
+
+
 def fa4_mode() -> str:
-    """The value of ``THUNDERSYNC_FA4``: ``auto``, ``require`` or ``off``."""
-    return _choice("THUNDERSYNC_FA4", FA4_MODES)
+    """``auto``, ``require`` or ``off``: as last set, else ``THUNDERSYNC_FA4`` (read once)."""
+    if not _fa4:
+        _fa4.append(_choice("THUNDERSYNC_FA4", FA4_MODES))
+    return _fa4[0]
 
 
 def profile_mode() -> str:

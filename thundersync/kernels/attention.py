@@ -38,7 +38,7 @@ from thundersync._device import upload
 from thundersync.errors import ConfigError, KernelUnavailable
 from thundersync.kernels._attention_reference import reference_chunk_attention
 from thundersync.kernels._attention_varlen import varlen_packed_attention as _varlen_packed
-from thundersync.kernels._env import fa4_mode, profile_range
+from thundersync.kernels._env import fa4_mode, profile_range, set_fa4_mode
 from thundersync.kernels.probe import Capability, check_close, probe, record
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "packed_attention",
     "packed_chunk_attention",
     "reset_attention_path_counts",
+    "set_fa4_mode",
 ]
 
 ATTENTION_PATHS = ("fa4", "varlen", "sdpa_split", "flex", "sdpa_masked", "reference")

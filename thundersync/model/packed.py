@@ -24,7 +24,7 @@ its branches)::
 
 The index is built once per pack, so a layer costs the same few ops however many chunks share it.
 ``math`` is the layers' math around attention (eager by default; the forest passes CUDA-graphed
-or compiled forms, :mod:`~thundersync.engine._graphed`, :mod:`~thundersync.engine._compiled`).
+or compiled forms, :mod:`~thundersync.engine.accel._layer_graphs`, :mod:`~thundersync.engine.accel._compiled`).
 
 Log-probabilities of chosen rows come from :func:`head_logprobs`: the fused
 ``kernels.linear_logprobs`` for a plain linear head (never the [N, V] logits), the head module

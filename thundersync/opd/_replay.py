@@ -15,17 +15,14 @@ import torch
 
 from thundersync._device import upload
 from thundersync.engine import forest
-from thundersync.engine._accum import GradSum
-from thundersync.engine._mismatch import LogprobMismatch
-from thundersync.engine._pack_graph import clear_totals, drain_totals
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
+from thundersync.engine.mismatch import LogprobMismatch
 from thundersync.engine.run import StreamingRun
-from thundersync.model.packed import KVStack
+from thundersync.engine.sinks import UnscaledSum
 from thundersync.opd.loss import surrogate_sum
 
 __all__ = [
     "ClosedTrajectory",
-    "GradientSink",
     "PendingTurn",
     "PromptState",
     "TurnChain",
@@ -83,113 +80,9 @@ class PromptState:
         return self.ledger.nbytes() + (0 if state is None else state.nbytes)
 
 
-class GradientSink:
-    """Where the batch's unnormalized parameter gradients go, and their division by N.
-
-    fp32/fp64 parameters: straight into ``p.grad`` (earlier contents set aside at the batch's
-    start and added back at its end). Lower precision: an fp32 accumulator
-    (:class:`~thundersync.engine._accum.GradSum`; packs replayed from CUDA graphs add theirs to
-    the model's graph totals, drained into it once the batch's work is done), added into
-    ``p.grad`` at the end.
-    """
-
-    def __init__(self, run: StreamingRun) -> None:
-        self.run = run
-        self.direct = all(p.dtype in (torch.float32, torch.float64) for p in run.params)
-        self._earlier: dict[torch.nn.Parameter, torch.Tensor] = {}
-        self._sum: GradSum | None = None  # the batch's fp32 accumulator and its sink (lower precision)
-        self._open = False
-
-    @property
-    def accumulate(self) -> bool:
-        """Whether packs are forwarded for a :class:`GradSum` (``SegmentPack.forward(accumulate=...)``)."""
-        return not self.direct
-
-    def begin_batch(self) -> None:
-        """At the batch's first group (its parameters claimed): set earlier ``.grad`` aside, or
-        zero what a batch abandoned without ``discard()`` may have left in the graph totals (its
-        run was collected, so its claims ended and nothing else streams into them now)."""
-        if self._open:
-            return
-        self._open = True
-        if not self.direct:
-            clear_totals(self.run.anatomy.model)
-        else:
-            for p in self.run.params:
-                if p.grad is not None:
-                    self._earlier[p] = p.grad
-                    p.grad = None
-
-    def head_grad_into(self, p: torch.nn.Parameter) -> torch.Tensor | None:
-        """Where the head's log-probabilities add its gradient themselves (lower precision: the
-        accumulator's part, see :meth:`GradSum.grad_into`), or None: through autograd."""
-        if self.direct:
-            return None
-        return self._summed().grad_into(p)
-
-    def _summed(self) -> GradSum:
-        if self._sum is None:
-            self._sum = GradSum(self.run.new_accumulator(), self.run.capture)
-        return self._sum
-
-    def backward(
-        self,
-        pack: SegmentPack,
-        objective: torch.Tensor | None,
-        adjoints: Sequence[KVStack | None] | None,
-    ) -> dict[Segment, KVStack]:
-        """``pack.backward`` with the parameter gradients sent where they belong."""
-        if self.direct:
-            return pack.backward(objective, adjoints, params=self.run.params, sink=None)
-        return pack.backward(objective, adjoints, params=self.run.params, sink=self._summed())
-
-    def abandon(self) -> None:
-        """Drop the batch's gradients: ``p.grad`` gets back what it held before the batch."""
-        if self.direct and self._open:
-            for p in self.run.params:
-                p.grad = self._earlier.pop(p, None)
-        self._earlier.clear()
-        if not self.direct:
-            clear_totals(self.run.anatomy.model)
-        self._sum = None
-        self._open = False
-
-    def gradients(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
-        """(parameter, the batch's unnormalized gradient so far) for every parameter."""
-        if self.direct:
-            return [(p, p.grad) for p in self.run.params]
-        self._drain()
-        return self._sum.total.per_parameter() if self._sum is not None else []
-
-    def _drain(self) -> None:
-        """Move what the graphed packs added to the model's graph totals into the accumulator
-        (after the batch's work: the caller has joined the engine's stream)."""
-        if self._sum is not None:
-            drain_totals(self.run.anatomy.model, self._sum.total)
-
-    def finish_batch(self, n: float) -> None:
-        """Divide the batch's gradient by ``n`` once and hand it to ``p.grad``."""
-        if self.direct:
-            for p in self.run.params:
-                if p.grad is not None and n != 1.0:
-                    p.grad.div_(n)
-                earlier = self._earlier.pop(p, None)
-                if earlier is not None:
-                    if p.grad is not None:
-                        earlier.add_(p.grad)
-                    p.grad = earlier
-        elif self._sum is not None:
-            self._drain()
-            if n != 1.0:
-                self._sum.total.acc.div_(n)
-            self._sum.total.add_into_grads()
-            self._sum = None
-        self._open = False
-
-
 def forward_prompt(run: StreamingRun, group: PromptState) -> None:
     """The group's prompt state, computed once; every turn of the group reads it through a proxy."""
-    group.root = forest.forward_prompt(run.anatomy, run.tensor(group.prompt))
+    group.root = forest.forward_prompt(run.executor, run.tensor(group.prompt))
 
 
 @dataclass(eq=False)
@@ -206,7 +99,7 @@ class PendingTurn:
 
 
 def backward_turns(
-    run: StreamingRun, sink: GradientSink, pending: Sequence[PendingTurn], mismatch: LogprobMismatch
+    run: StreamingRun, sink: UnscaledSum, pending: Sequence[PendingTurn], mismatch: LogprobMismatch
 ) -> None:
     """Forward scored turns (of distinct trajectories) packed and backpropagate their losses now.
 
@@ -232,7 +125,7 @@ def backward_turns(
         segments.append(item.turn.segment)
         selections.append(item.turn.scored)
         ledgers.update(_ledgers(item.group, item.prior))
-    pack = SegmentPack.forward(run.anatomy, segments, keep_state=True, accumulate=sink.accumulate)
+    pack = SegmentPack.forward(run.executor, segments, keep_state=True, accumulate=sink.accumulate)
     scored = pack.scored_logprobs(selections, sink.head_grad_into)
     logprobs = [lp for lp, picked in zip(scored, selections) if picked is not None]
     losses = []
@@ -257,7 +150,7 @@ class ClosedTrajectory:
         return sum(len(turn.ids) + 1 for turn in self.turns)
 
 
-def replay_trajectories(run: StreamingRun, sink: GradientSink, closed: Sequence[ClosedTrajectory]) -> None:
+def replay_trajectories(run: StreamingRun, sink: UnscaledSum, closed: Sequence[ClosedTrajectory]) -> None:
     """Replay the turns' ledgers, last turn first, for several closed trajectories at once.
 
     Level k packs turn k of every trajectory that has one with a ledger (the trajectories are
@@ -272,7 +165,7 @@ def replay_trajectories(run: StreamingRun, sink: GradientSink, closed: Sequence[
         ]
         segments = [segment for item in level if (segment := item.turns[k].segment) is not None]
         if segments:
-            pack = SegmentPack.forward(run.anatomy, segments, accumulate=sink.accumulate)
+            pack = SegmentPack.forward(run.executor, segments, accumulate=sink.accumulate)
             ledgers: dict[int, AdjointLedger] = {}
             for item in level:
                 ledgers.update(_ledgers(item.group, item.turns[:k]))
@@ -287,11 +180,11 @@ def replay_trajectories(run: StreamingRun, sink: GradientSink, closed: Sequence[
                 turn.segment, turn.ledger = None, AdjointLedger()
 
 
-def replay_root(run: StreamingRun, sink: GradientSink, group: PromptState) -> None:
+def replay_root(run: StreamingRun, sink: UnscaledSum, group: PromptState) -> None:
     """Backpropagate the prompt once with its ledger (the sum over its trajectories)."""
     assert group.root is not None
     if group.ledger.tensors is not None:
-        pack = SegmentPack.forward(run.anatomy, [group.root], accumulate=sink.accumulate)
+        pack = SegmentPack.forward(run.executor, [group.root], accumulate=sink.accumulate)
         sink.backward(pack, None, [group.ledger.tensors])
     group.root.release()
     group.root, group.ledger = None, AdjointLedger()

@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import msgspec
 
 from thundersync.engine import inputs
-from thundersync.engine._mismatch import LogprobMismatch
 from thundersync.engine.groups import Group, OpenGroups, Trajectory, trajectory_name
+from thundersync.engine.mismatch import LogprobMismatch
 from thundersync.engine.objective import Signal
 from thundersync.engine.packing import PackQueue
 from thundersync.engine.run import StreamingRun
@@ -79,7 +79,7 @@ class OPDStream:
     def __init__(self, run: StreamingRun, config: Config | None = None, /, **options: Any) -> None:
         self.config = inputs.build_config(OPDStream.Config, config, options, "OPDStream")
         self.run = run
-        self._sink = _replay.GradientSink(run)
+        self._sink = run.unscaled_sum()
         self._groups: OpenGroups[PromptState, TurnChain] = OpenGroups(run, new_trajectory=TurnChain)
         # scored turns waiting for their backward; closed trajectories waiting for their replay
         limit = self.config.pack_tokens

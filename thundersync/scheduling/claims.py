@@ -97,7 +97,7 @@ class GroupClaims:
     def not_sealed(self, batch_id: Hashable) -> DistributedError:
         """The error of a batch not sealed within the timeout: who holds its unclosed groups, and why
         any rank that reported a failure stopped."""
-        from thundersync.engine._failures import describe_failures  # the engine package loads torch: only now
+        from thundersync.engine.failures import describe_failures  # the engine package loads torch: only now
 
         return DistributedError(
             f"rank {self.rank}: batch {batch_id!r} was not sealed within {self.timeout_s:g} s: "

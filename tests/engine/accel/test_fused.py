@@ -1,4 +1,4 @@
-"""The fused kernels' layer math (``THUNDERSYNC_ENGINE_FUSED``): which models take it, and on CUDA
+"""The fused kernels' layer math (``Acceleration.fused``): which models take it, and on CUDA
 that it computes what the eager math does. Its kernels against their references, and the math
 against the eager math in fp32, run on CPU under the Triton interpreter
 (tests/kernels/interpreted_cases.py)."""
@@ -8,27 +8,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.test_graphed import cuda_anatomy, pack_results
+from tests.engine.accel.test_graphed import cuda_anatomy, executor, pack_results
 from tests.engine.tiny_models import tiny_qwen3, use_native_norms, with_lora
-from thundersync.engine import _compiled, _fused, _graphed
+from thundersync.acceleration import Acceleration
+from thundersync.engine.accel import _compiled, _fused
+from thundersync.engine.accel import _layer_graphs as _graphed
 from thundersync.errors import ConfigError
 from thundersync.model.anatomy import decoder_anatomy
 from thundersync.model.decoder import EAGER, LayerMath
 from thundersync.model.packed import ChunkSpec, forward_pack
 
 
-def test_a_cpu_model_runs_the_eager_math_and_on_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cpu_model_runs_the_eager_math_and_on_says_why() -> None:
     anatomy = decoder_anatomy(tiny_qwen3())
     assert _fused.why_not_fused(anatomy) == (
         "the fused layer kernels run on CUDA in bf16/fp16, the model is torch.float32 on cpu"
     )
     assert _compiled.pack_math(anatomy) is EAGER
-    monkeypatch.setenv("THUNDERSYNC_ENGINE_FUSED", "on")
-    with pytest.raises(ConfigError, match="THUNDERSYNC_ENGINE_FUSED=on.*float32 on cpu.*auto or off"):
-        _compiled.pack_math(anatomy)
-    monkeypatch.setenv("THUNDERSYNC_ENGINE_FUSED", "sometimes")
-    with pytest.raises(ConfigError, match="must be auto, on or off, got 'sometimes'"):
-        _compiled.pack_math(anatomy)
+    with pytest.raises(ConfigError, match="fused = on .*float32 on cpu.*auto or off"):
+        _compiled.pack_math(anatomy, fused="on")
+    with pytest.raises(ConfigError, match="THUNDERSYNC_ENGINE_FUSED must be auto, on or off, got 'sometimes'"):
+        Acceleration().resolved({"THUNDERSYNC_ENGINE_FUSED": "sometimes"})
 
 
 def test_layers_the_kernels_do_not_cover_are_named() -> None:
@@ -51,19 +51,17 @@ def test_layers_the_kernels_do_not_cover_are_named() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_the_pack_graphs_of_the_fused_math_equal_the_eager_packs(monkeypatch: pytest.MonkeyPatch, lora: bool) -> None:
+def test_the_pack_graphs_of_the_fused_math_equal_the_eager_packs(lora: bool) -> None:
     anatomy = cuda_anatomy(lora, torch.bfloat16)
     assert _fused.why_not_fused(anatomy) is None
     model = anatomy.model
-    monkeypatch.setenv("THUNDERSYNC_ENGINE_GRAPHS", "off")
     results = {}
     for fused, graphs in (("off", "off"), ("auto", "off"), ("auto", "on"), ("auto", "on")):
-        monkeypatch.setenv("THUNDERSYNC_ENGINE_FUSED", fused)
-        monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPHS", graphs)
-        assert (_compiled.pack_math(anatomy) is _fused.FUSED) == (fused == "auto")
+        assert (_compiled.pack_math(anatomy, fused=fused) is _fused.FUSED) == (fused == "auto")
         model.zero_grad(set_to_none=True)
         _graphed.reset_graph_counts()
-        results[fused, graphs] = pack_results(anatomy, torch.Generator().manual_seed(7), True)
+        forms = executor(anatomy, fused=fused, pack_graphs=graphs)  # (layer graphs off)
+        results[fused, graphs] = pack_results(forms, torch.Generator().manual_seed(7), True)
     assert _graphed.graph_counts()["pack_replayed"] == 2  # the second run replays the first's captures
     for got, want in zip(results["auto", "off"], results["off", "off"], strict=True):
         assert torch.equal(got, want)  # outside the pack graphs the eager math runs (fewer host launches)

@@ -17,9 +17,9 @@ compiles everything for a model before its first pack, while it holds
 autograd's thread, where the lock of each compiled call would not cover it).
 
 ``THUNDERSYNC_ENGINE_COMPILE``: ``auto`` (default, off), ``on``, ``off``. On, the whole-pack CUDA
-graphs (:mod:`~thundersync.engine._pack_graph`) record the compiled math, so a replay launches
+graphs (:mod:`~thundersync.engine.accel._pack_graphs`) record the compiled math, so a replay launches
 the fused kernels without their Python wrappers; packs no bucket holds run the compiled math
-without graphs (the per-layer graphs of :mod:`~thundersync.engine._graphed` record the eager math
+without graphs (the per-layer graphs of :mod:`~thundersync.engine.accel._layer_graphs` record the eager math
 only). Launched without graphs it measured slower on the H200 (bench/RESULTS.md, 2026-12-01): the
 compiled regions' Python wrappers cost about what the fused kernels save (a 64-token pack: 127 ms
 against 118 ms eager), streamed GRPO took 1.14 s against 0.91 s and streamed OPD beside the
@@ -36,8 +36,8 @@ import weakref
 
 import torch
 
-from thundersync._compile import COMPILE_LOCK, OrEager, switch
-from thundersync.engine._fused import FUSED, fused_math
+from thundersync._compile import COMPILE_LOCK, OrEager
+from thundersync.engine.accel._fused import FUSED, fused_math
 from thundersync.model.anatomy import DecoderAnatomy
 from thundersync.model.decoder import EAGER, LayerMath, Tensors3, attention_inputs, attention_output, embed
 
@@ -71,17 +71,17 @@ def _after(an: DecoderAnatomy, index: int, x: torch.Tensor, a: torch.Tensor) -> 
 COMPILED = LayerMath(embed, _before, _after)
 
 
-def pack_math(anatomy: DecoderAnatomy, enabled: bool | None = None) -> LayerMath:
-    """The layer math for ``anatomy``'s packs: :data:`COMPILED` where compiling is on (``enabled``,
-    else ``THUNDERSYNC_ENGINE_COMPILE``), else the fused kernels' math where the model qualifies
-    (:func:`~thundersync.engine._fused.fused_math`), else :data:`~thundersync.model.decoder.EAGER`.
+def pack_math(anatomy: DecoderAnatomy, compile: bool = False, fused: str = "auto") -> LayerMath:
+    """The layer math for ``anatomy``'s packs: :data:`COMPILED` where ``compile``, else the fused
+    kernels' math where ``fused`` (``Acceleration.fused``) and the model allow
+    (:func:`~thundersync.engine.accel._fused.fused_math`), else :data:`~thundersync.model.decoder.EAGER`.
 
     The first call for a model compiles: under :data:`~thundersync._compile.COMPILE_LOCK` it runs a
     two-token pack forward without and with autograd, and that pack's backward (whose gradients it
     returns instead of accumulating them), so no later pack compiles beside the generator.
     """
-    if not switch("THUNDERSYNC_ENGINE_COMPILE", enabled, auto=False):
-        return FUSED if fused_math(anatomy) else EAGER
+    if not compile:
+        return FUSED if fused_math(anatomy, fused) else EAGER
     if anatomy.model not in _warm:
         with COMPILE_LOCK:
             if anatomy.model not in _warm:

@@ -1,4 +1,4 @@
-"""The engine's layers replayed as CUDA graphs (``THUNDERSYNC_ENGINE_GRAPHS``) compute what eager layers do."""
+"""The engine's layers replayed as CUDA graphs (``Acceleration.layer_graphs``) compute what eager layers do."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from tests.engine.tiny_models import tiny_qwen3, with_lora
+from thundersync.acceleration import Acceleration
 from thundersync.engine import AdjointLedger, Segment, SegmentPack
-from thundersync.engine._accum import FlatAccumulator, GradCapture, GradSum, ParamLayout
-from thundersync.engine._graphed import MAX_ROWS, ParamsKey, bucket, graphed_layers, into_grads, write_grads
-from thundersync.engine._pack_graph import drain_totals
+from thundersync.engine.accel._layer_graphs import MAX_ROWS, bucket, graphed_layers, into_grads, write_grads
+from thundersync.engine.executor import PackExecutor
+from thundersync.engine.sinks import FlatAccumulator, GradCapture, GradSum, ParamLayout
 from thundersync.model.anatomy import DecoderAnatomy, decoder_anatomy
+from thundersync.model.graphs import ParamsKey
 
 
 def test_buckets_are_powers_of_two_from_64_up_to_the_limit() -> None:
@@ -87,11 +89,11 @@ def test_the_params_key_walks_the_modules_only_after_a_registration(monkeypatch:
     assert len(key()) == count + 2 and key() == walked()
 
 
-def test_no_graphs_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_graphs_off_cuda() -> None:
     anatomy = decoder_anatomy(tiny_qwen3())
     assert graphed_layers(anatomy) is None
-    monkeypatch.setenv("THUNDERSYNC_ENGINE_GRAPHS", "on")
-    assert graphed_layers(anatomy) is None
+    executor = PackExecutor(anatomy, Acceleration(layer_graphs="on", pack_graphs="on"))
+    assert not executor.layer_graphs and not executor.pack_graphs
 
 
 def cuda_anatomy(lora: bool, dtype: torch.dtype = torch.float32) -> DecoderAnatomy:
@@ -102,15 +104,21 @@ def cuda_anatomy(lora: bool, dtype: torch.dtype = torch.float32) -> DecoderAnato
     return decoder_anatomy(with_lora(model) if lora else model)
 
 
+def executor(anatomy: DecoderAnatomy, **forms: str) -> PackExecutor:
+    """An executor of ``anatomy`` with the acceleration's ``forms`` (the others: off)."""
+    fields = {"pack_graphs": "off", "layer_graphs": "off", "fused": "off", "compile": "off"}
+    return PackExecutor(anatomy, Acceleration(**{**fields, **forms}))
+
+
 def pack_results(
-    anatomy: object, tokens: torch.Generator, second: bool, device: str = "cuda", accumulate: bool = False
+    executor: PackExecutor, tokens: torch.Generator, second: bool, device: str = "cuda", accumulate: bool = False
 ) -> list[torch.Tensor]:
     """A pack after a prompt read by proxy: a branch with its in-pack child and three more branches
     (one of a single token); a weighted log-prob objective, then the prompt's replay with the
     adjoint it received. Returns the log-probs, the prompt's adjoint and every gradient: ``.grad``,
     or with ``accumulate`` the fp32 (fp64) sum a GradSum sink gathered (the graph totals drained)."""
-    an = anatomy  # DecoderAnatomy
-    params = an.trainable_parameters()  # type: ignore[attr-defined]
+    an = executor
+    params = executor.anatomy.trainable_parameters()
     total = FlatAccumulator(ParamLayout(params), torch.device(device)) if accumulate else None
     sink = GradSum(total, GradCapture(total.layout)) if total is not None else None
 
@@ -118,27 +126,27 @@ def pack_results(
         return torch.randint(0, 97, (n,), generator=tokens).to(device)
 
     root = Segment(ids(9))
-    SegmentPack.forward(an, [root], grad=False, keep_state=True)  # type: ignore[arg-type]
+    SegmentPack.forward(an, [root], grad=False, keep_state=True)
     a = Segment(ids(5), root)
     segments = [a, Segment(ids(7), a), *(Segment(ids(n), root) for n in (1, 4, 30))]
-    pack = SegmentPack.forward(an, segments, accumulate=accumulate)  # type: ignore[arg-type]
+    pack = SegmentPack.forward(an, segments, accumulate=accumulate)
     if second:  # a second pack while the first waits for its backward: it must not share buffers
-        other = SegmentPack.forward(an, [Segment(ids(6), root)], accumulate=accumulate)  # type: ignore[arg-type]
+        other = SegmentPack.forward(an, [Segment(ids(6), root)], accumulate=accumulate)
         (lp_other,) = other.scored_logprobs([list(range(6))])
     lps = pack.scored_logprobs([list(range(s.tokens.numel())) for s in segments])
     objective = sum(lp.sum() * (i + 1) for i, lp in enumerate(lps))
-    adjoints = pack.backward(objective, params=params, sink=sink)  # type: ignore[arg-type]
+    adjoints = pack.backward(objective, params=params, sink=sink)
     ledger = AdjointLedger()
     ledger.add(adjoints[root])
     if second:
         ledger.add(other.backward(lp_other.sum(), params=params, sink=sink)[root])
-    replay = SegmentPack.forward(an, [root], accumulate=accumulate)  # type: ignore[arg-type]
+    replay = SegmentPack.forward(an, [root], accumulate=accumulate)
     replay.backward(None, [ledger.tensors], params=params, sink=sink)
     assert ledger.tensors is not None
     grads = [p.grad for p in params]
     if total is not None:
         assert all(g is None for g in grads), "a GradSum sink leaves .grad alone"
-        drain_totals(an.model, total)  # type: ignore[attr-defined]
+        executor.drain_totals(total)
         summed = dict(total.per_parameter())
         grads = [summed[p] for p in params]
     return [*lps, *(t for kv in ledger.tensors for t in kv), *grads]
@@ -147,15 +155,13 @@ def pack_results(
 @pytest.mark.gpu
 @pytest.mark.parametrize("second", [False, True], ids=["one-pack", "two-packs-pending"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_graphed_packs_equal_eager_packs(monkeypatch: pytest.MonkeyPatch, lora: bool, second: bool) -> None:
+def test_graphed_packs_equal_eager_packs(lora: bool, second: bool) -> None:
     anatomy = cuda_anatomy(lora)
     model = anatomy.model
     results = {}
-    monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPHS", "off")  # else whole-pack graphs take these packs
     for mode in ("off", "on", "on"):  # the second graphed run replays graphs captured by the first
-        monkeypatch.setenv("THUNDERSYNC_ENGINE_GRAPHS", mode)
-        model.zero_grad(set_to_none=True)
-        results[mode] = pack_results(anatomy, torch.Generator().manual_seed(7), second)
+        model.zero_grad(set_to_none=True)  # (whole-pack graphs off: they would take these packs)
+        results[mode] = pack_results(executor(anatomy, layer_graphs=mode), torch.Generator().manual_seed(7), second)
     layers = graphed_layers(anatomy)
     assert layers is not None and layers.buckets() == [64]
     for got, want in zip(results["on"], results["off"], strict=True):
@@ -166,13 +172,13 @@ def test_which_packs_replay_and_which_run_eagerly(monkeypatch: pytest.MonkeyPatc
     """The decision and its counts, with the captures stubbed (no GPU here): one bucket per power of
     two, captured once; eager over the largest bucket, for one row, and while a graphed pack's
     backward is pending; everything captured again once a parameter changes."""
-    from thundersync.engine import _graphed
+    from thundersync.engine.accel import _layer_graphs as _graphed
 
     captured: list[int] = []
 
-    def fake_capture(self: _graphed.GraphedLayers, size: int) -> None:
+    def fake_capture(self: _graphed.GraphedLayers, size: int, pool: object) -> tuple[list[object], list[object]]:
         captured.append(size)
-        self._before[size], self._after[size] = [], []
+        return [], []
 
     monkeypatch.setattr(_graphed.GraphedLayers, "_capture_bucket", fake_capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 0))

@@ -2,7 +2,7 @@
 # (torch.autograd.Function.apply and torch.cuda.Stream are untyped in torch's stubs)
 """Whole packs as CUDA graphs: a pack's forward is one replay, its backward another, attention included.
 
-The per-layer graphs (:mod:`~thundersync.engine._graphed`) leave attention, its key gather and
+The per-layer graphs (:mod:`~thundersync.engine.accel._layer_graphs`) leave attention, its key gather and
 each part's autograd bookkeeping eager: ~60 host ops per layer, ~40 ms of host time per pack on
 the H200 machine. Here the whole pack, embedding to final norm, forward and backward, is captured
 for a bucket of shapes and a pack costs a few dozen host ops:
@@ -31,18 +31,18 @@ shapes.
 
 Gradients: :class:`_PackReplay` is one autograd node whose inputs are the pack's prefix proxies
 and the owner's :attr:`PackGraphs.anchor`, not the ~300 trainable parameters: its backward adds
-their gradients into their ``.grad`` itself (:func:`~thundersync.engine._graphed.write_grads`,
+their gradients into their ``.grad`` itself (:func:`~thundersync.engine.accel._layer_graphs.write_grads`,
 one multi-tensor add), so autograd would only evaluate an ``AccumulateGrad`` node per parameter
 to be handed None (366 per pack, ~2.8 ms of host time under the profiler on the H200 machine; a
 single pack's wall time did not change, its kernels bound it). The anchor, a scalar leaf that
 requires grad, makes the outputs require grad where no proxy does (a prompt's pack); a backward
 restricted to ``inputs`` must list it, as ``SegmentPack.backward`` does. The graphs differentiate with respect to detached aliases of the parameters (see
-:class:`~thundersync.engine._graphed._Part`). The node's outputs are the pack's rows of the static
+:class:`~thundersync.engine.accel._layer_graphs._Part`). The node's outputs are the pack's rows of the static
 buffers; those without gradient (a lone action's K/V) come as None, not materialized zeros
 (``_Graph.set_grad_outputs`` zeroes only what an earlier pack wrote).
 
 A pack forwarded with ``accumulate`` (an unscaled fp32 sum of every pack's gradient: OPD on a
-16-bit model, :class:`~thundersync.engine._accum.GradSum`) replays graphs captured for that: their
+16-bit model, :class:`~thundersync.engine.sinks.GradSum`) replays graphs captured for that: their
 backward adds the parameters' gradients into the model's graph totals (one accumulation-dtype flat
 buffer per parameter dtype, outside the pool), so no ``.grad`` is written; :func:`drain_totals`
 adds the totals into the batch's accumulator and zeroes them, :func:`clear_totals` drops them.
@@ -58,10 +58,9 @@ any CUDA graph, a capture keeps the modules' behaviour of its time: a module swi
 afterwards (peft's ``disable_adapter()``, say) without moving or freezing a parameter is not seen;
 turn the graphs off around such code.
 A capture that fails turns these graphs off for the model, logged once; the pack then takes the
-per-layer graphs or runs eagerly.
-
-``THUNDERSYNC_ENGINE_PACK_GRAPHS``: ``auto`` (default: on when the model is on CUDA), ``on``, ``off``;
-``THUNDERSYNC_ENGINE_PACK_GRAPH_ROWS``: the largest row bucket (:func:`max_rows`).
+per-layer graphs or runs eagerly. The captures live in a
+:class:`~thundersync.model.graphs.GraphCache`; the largest row bucket is the executor's
+(``Acceleration.pack_graph_rows``).
 """
 
 from __future__ import annotations
@@ -69,7 +68,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,11 +77,9 @@ import numpy as np
 import torch
 
 from thundersync._compile import COMPILE_LOCK
-from thundersync._logging import get_logger
-from thundersync.engine import _graphed
-from thundersync.engine._accum import FlatAccumulator
-from thundersync.engine._fused import FUSED
-from thundersync.engine._graphed import (
+from thundersync.engine.accel import _layer_graphs
+from thundersync.engine.accel._fused import FUSED
+from thundersync.engine.accel._layer_graphs import (
     _AFTER,
     _BEFORE,
     _COUNTS,
@@ -94,14 +90,14 @@ from thundersync.engine._graphed import (
     for_model,
     write_grads,
 )
-from thundersync.errors import ConfigError
+from thundersync.engine.sinks import FlatAccumulator
 from thundersync.kernels.attention import MAX_PACKED_CHUNKS, packed_attention
 from thundersync.kernels.dtypes import accumulate_dtype
 from thundersync.kernels.grad_into import GradsInto
 from thundersync.kernels.layer import add_widened, gather_rows, gather_rows_reference, key_readers
 from thundersync.model.anatomy import DecoderAnatomy
 from thundersync.model.decoder import EAGER, LayerMath, apply_norm, decoder_forward
-from thundersync.model.graphs import ParamsKey, capture_graph, power_of_two, warm_up_stream
+from thundersync.model.graphs import GraphCache, capture_graph, power_of_two, warm_up_stream
 from thundersync.model.packed import ChunkSpec, KVStack, PackOutput, key_spans, span_rows
 
 __all__ = [
@@ -110,13 +106,10 @@ __all__ = [
     "PackGraphs",
     "clear_totals",
     "drain_totals",
-    "max_rows",
     "pack_graphs",
     "release_graphs",
     "row_bucket",
 ]
-
-_log = get_logger(__name__)
 
 MAX_KEYS = 16384  # gathered key rows of a pack (its prefix rows are at most as many)
 MAX_CHUNKS = MAX_PACKED_CHUNKS  # chunk slots, the padding chunk included
@@ -126,11 +119,12 @@ _PREFIX_ROWS = 1024  # the shared prefix buffer's first size (it grows to the la
 _models: weakref.WeakKeyDictionary[torch.nn.Module, PackGraphs] = weakref.WeakKeyDictionary()
 
 
-def pack_graphs(anatomy: DecoderAnatomy, enabled: bool | None = None) -> PackGraphs | None:
-    """The model's :class:`PackGraphs`, or None where they are off (``enabled``, else
-    ``THUNDERSYNC_ENGINE_PACK_GRAPHS``), the model is not on CUDA, or a capture failed."""
-    graphs = for_model("THUNDERSYNC_ENGINE_PACK_GRAPHS", enabled, anatomy, _models, PackGraphs)
-    return None if graphs is None or graphs.failed else graphs
+def pack_graphs(anatomy: DecoderAnatomy, enabled: bool = True, pool_fraction: float = 1.0) -> PackGraphs | None:
+    """The model's :class:`PackGraphs`, or None where they are not ``enabled``, the model is not on
+    CUDA, or a capture failed (``pool_fraction``: the graph-memory bound, for the first call that
+    makes them)."""
+    graphs = for_model(enabled, anatomy, _models, lambda an: PackGraphs(an, pool_fraction))
+    return None if graphs is None or graphs.cache.failed else graphs
 
 
 def release_graphs(model: torch.nn.Module) -> None:
@@ -138,7 +132,7 @@ def release_graphs(model: torch.nn.Module) -> None:
     back to the caching allocator once nothing else holds it, and later packs capture again (a
     process that switches the layer math, or trains another model next, need not keep both)."""
     _models.pop(model, None)
-    _graphed._models.pop(model, None)
+    _layer_graphs._models.pop(model, None)
 
 
 def drain_totals(model: torch.nn.Module, into: FlatAccumulator) -> None:
@@ -157,22 +151,6 @@ def clear_totals(model: torch.nn.Module) -> None:
         for t in graphs.totals.values():
             t.zero_()
         graphs.pending = False
-
-
-def max_rows() -> int:
-    """The largest row bucket: ``THUNDERSYNC_ENGINE_PACK_GRAPH_ROWS`` (a power of two, 64 to 65536;
-    default 2048, as the layer graphs). Larger buckets graph longer packs (an OPD trajectory's
-    replay) at the cost of their captured activations and outputs."""
-    text = os.environ.get("THUNDERSYNC_ENGINE_PACK_GRAPH_ROWS", "").strip()
-    if not text:
-        return MAX_ROWS
-    value = int(text) if text.isdigit() else 0
-    if not 64 <= value <= 65536 or value & (value - 1):
-        raise ConfigError(
-            f"THUNDERSYNC_ENGINE_PACK_GRAPH_ROWS must be a power of two from 64 to 65536, got {text!r}; "
-            "unset it for the default (2048)"
-        )
-    return value
 
 
 @dataclass(frozen=True)
@@ -194,14 +172,15 @@ def row_bucket(n: int) -> int:
     return smaller if n <= smaller and smaller >= MIN_ROWS else size
 
 
-def plan(chunks: Sequence[ChunkSpec]) -> Plan | str:
-    """The bucket and inputs of ``chunks``, or why they fit none (a :func:`graph_counts` key); on
-    numpy arrays (host work on every pack: a fraction of torch's time per host op)."""
+def plan(chunks: Sequence[ChunkSpec], max_rows: int = MAX_ROWS) -> Plan | str:
+    """The bucket and inputs of ``chunks`` (rows up to ``max_rows``), or why they fit none (a
+    :func:`graph_counts` key); on numpy arrays (host work on every pack: a fraction of torch's
+    time per host op)."""
     q_lens = [int(c.tokens.numel()) for c in chunks]
     offsets = [0, *np.cumsum(q_lens, dtype=np.int64).tolist()]
     n = offsets[-1]
     rows = row_bucket(n)
-    if rows > max_rows():
+    if rows > max_rows:
         return "pack_too_long"
     sources, spans = key_spans(chunks, offsets)
     prefix = sum(int(s.shape[3]) for s in sources)
@@ -450,17 +429,21 @@ def _views(flats: dict[torch.dtype, torch.Tensor], params: Sequence[torch.Tensor
 class PackGraphs:
     """A model's packs captured per bucket (lazily) and replayed."""
 
-    def __init__(self, anatomy: DecoderAnatomy) -> None:
+    def __init__(self, anatomy: DecoderAnatomy, pool_fraction: float = 1.0) -> None:
         # No reference to the model itself: it is the key of the module's weak cache. The anatomy
         # kept names the embedding in its place (its only use there: the device and dtype).
         self._model = weakref.ref(anatomy.model)
         self.anatomy = dataclasses.replace(anatomy, model=anatomy.embed)
-        self._graphs: dict[tuple[tuple[int, int, int, int], LayerMath, bool], _Graph] = {}  # (bucket, math, accumulate)
-        self._pool: Any = None
-        self._key: tuple[tuple[int, bool], ...] | None = None
-        self._params_key = ParamsKey(anatomy.model)
-        self._busy = False
-        self.failed = False
+        # by (bucket, math, accumulate)
+        self.cache: GraphCache[tuple[tuple[int, int, int, int], LayerMath, bool], _Graph] = GraphCache(
+            "pack graphs",
+            anatomy.model,
+            pool_fraction=pool_fraction,
+            fail_off=True,
+            on_reset=self._reset,
+            shared=_COUNTS,
+            prefix="pack_",
+        )
         self.prefix = self.prefix_grad = torch.zeros(0)  # [L, 2, capacity, Hkv, D], see _grow
         self._flats: dict[torch.dtype, torch.Tensor] = {}
         # the graph totals (see the module's docstring): accumulation-dtype flats per parameter
@@ -508,9 +491,9 @@ class PackGraphs:
         self.prefix_grad = torch.zeros_like(self.prefix)
 
     def _reset(self) -> None:
-        """Drop every capture (the parameters moved) and copy the modules again."""
-        self._graphs, self._pool, self._flats = {}, torch.cuda.graph_pool_handle(), {}
-        self._key = self._params_key()
+        """The cache dropped every capture (the parameters moved, or its memory bound): copy the
+        modules again."""
+        self._flats = {}
         # The captures swap parameters for aliases module by module (functional_call): on private
         # copies of the modules that share every tensor, so that another thread reading the model
         # meanwhile (the generator's weights watch, a rollout) never sees a half-swapped model.
@@ -519,60 +502,60 @@ class PackGraphs:
         self.private = copy.deepcopy(self.anatomy, memo={id(t): t for t in tensors})
 
     def forward(
-        self, chunks: Sequence[ChunkSpec], math: LayerMath = EAGER, *, accumulate: bool = False
+        self,
+        chunks: Sequence[ChunkSpec],
+        math: LayerMath = EAGER,
+        *,
+        accumulate: bool = False,
+        max_rows: int = MAX_ROWS,
     ) -> PackOutput | None:
-        """The pack's output through its bucket's graphs, or None: run it another way (no bucket,
-        another pack's backward is pending, or the capture failed). The caller calls
-        :meth:`release` once the pack's backward has run or the pack is dropped. ``math``: the
-        layer math the graphs record (the eager ops, or the compiled ones: fewer kernels);
+        """The pack's output through its bucket's graphs, or None: run it another way (no bucket
+        within ``max_rows``, another pack's backward is pending, or the capture failed). The caller
+        calls :meth:`release` once the pack's backward has run or the pack is dropped. ``math``:
+        the layer math the graphs record (the eager ops, or the compiled ones: fewer kernels);
         ``accumulate``: the backward adds the parameters' gradients to the graph totals."""
-        layout = plan(chunks)
-        if isinstance(layout, str) or self._busy:
-            _COUNTS[layout if isinstance(layout, str) else "pack_busy"] += 1
+        layout = plan(chunks, max_rows)
+        if isinstance(layout, str) or self.cache.busy:
+            self.cache.count(layout.removeprefix("pack_") if isinstance(layout, str) else "busy")
             return None
-        if self._params_key() != self._key:
-            self._reset()
+        self.cache.current()
         capacity = self.prefix.shape[2] if self.prefix.dim() == 5 else -1  # -1: no buffer yet
         if layout.shape[1] > capacity:  # (a first pack without prefix rows needs the buffer's layers too)
             self._grow(max(layout.shape[1], 2 * capacity, _PREFIX_ROWS))
         tokens = torch.cat([c.tokens for c in chunks])
-        graph = self._graphs.get((layout.shape, math, accumulate)) or self._capture(layout, tokens, math, accumulate)
+        graph = self.cache.get(
+            (layout.shape, math, accumulate), lambda pool: self._capture(layout, tokens, math, accumulate, pool)
+        )
         if graph is None:
             return None
-        self._busy = True
+        self.cache.acquire()
         self.pending = self.pending or accumulate
-        _COUNTS["pack_replayed"] += 1
+        self.cache.count("replayed")
         try:
             anchor = [self.anchor] if graph.params else []
             outputs = _PackReplay.apply(graph, layout, tokens, *anchor, *layout.sources)
         except BaseException:
-            self._busy = False
+            self.cache.release()
             raise
         kv = [(outputs[1 + 2 * i], outputs[2 + 2 * i]) for i in range(len(self.anatomy.layers))]
         return PackOutput(hidden=outputs[0], tokens=tokens, offsets=layout.offsets, layer_kv=kv)
 
-    def _capture(self, layout: Plan, tokens: torch.Tensor, math: LayerMath, accumulate: bool) -> _Graph | None:
-        shape = layout.shape
-        try:
-            graph = _Graph(self, shape, math, accumulate)
-            graph.load(layout, tokens)  # a valid layout to warm up on (an all-zero one indexes out of range)
-            # Compiled math compiles in the warm-up (dynamo may add a specialization for the
-            # aliased parameters), on this thread and autograd's: under the lock, as pack_math does.
-            with COMPILE_LOCK if math not in (EAGER, FUSED) else contextlib.nullcontext():
-                graph.capture(self._pool)
-        except Exception as error:  # a model whose math cannot be captured: the other forms compute the same
-            self.failed = True
-            _COUNTS["pack_capture_failed"] += 1
-            _log.warning("pack_graph_capture_failed", shape=shape, error=repr(error), fallback="layer graphs or eager")
-            return None
-        self._graphs[shape, math, accumulate] = graph
-        _COUNTS["pack_captured"] += 1
+    def _capture(self, layout: Plan, tokens: torch.Tensor, math: LayerMath, accumulate: bool, pool: Any) -> _Graph:
+        """A new bucket's graphs (a failure turns the cache off: the pack then takes the layer
+        graphs or runs eagerly, which compute the same)."""
+        graph = _Graph(self, layout.shape, math, accumulate)
+        graph.load(layout, tokens)  # a valid layout to warm up on (an all-zero one indexes out of range)
+        # Compiled math compiles in the warm-up (dynamo may add a specialization for the aliased
+        # parameters), on this thread and autograd's: under the lock, as pack_math does.
+        with COMPILE_LOCK if math not in (EAGER, FUSED) else contextlib.nullcontext():
+            graph.capture(pool)
         return graph
 
     def buckets(self) -> list[tuple[int, int, int, int]]:
         """The (rows, prefix rows, keys, chunk slots) buckets captured so far."""
-        return sorted({shape for shape, _, _ in self._graphs})
+        self.cache.current()
+        return sorted({shape for shape, _, _ in self.cache.entries})
 
     def release(self) -> None:
         """The pack that :meth:`forward` served is done: its static buffers may be overwritten."""
-        self._busy = False
+        self.cache.release()

@@ -27,9 +27,8 @@ changed ``requires_grad``) is captured again. The captures run on the worker thr
 
 A pack's outputs (q, k, v, the layers' outputs) live in the graphs' static buffers until its
 backward: :meth:`GraphedLayers.math` refuses (returns None: eager) while another graphed pack's
-backward is pending (:meth:`GraphedLayers.release`).
-
-``THUNDERSYNC_ENGINE_GRAPHS``: ``auto`` (default: on when the model is on CUDA), ``on``, ``off``.
+backward is pending (:meth:`GraphedLayers.release`). The captures live in a
+:class:`~thundersync.model.graphs.GraphCache`.
 """
 
 from __future__ import annotations
@@ -42,10 +41,9 @@ from typing import Any, TypeVar
 import torch
 import torch.nn.functional as F
 
-from thundersync._compile import switch
 from thundersync.model.anatomy import DecoderAnatomy, LayerParts
 from thundersync.model.decoder import LayerMath, Tensors3, attention_inputs, attention_output, embed
-from thundersync.model.graphs import ParamsKey, capture_graph, power_of_two, warm_up_stream
+from thundersync.model.graphs import GraphCache, capture_graph, power_of_two, warm_up_stream
 
 __all__ = ["MAX_ROWS", "MIN_ROWS", "GraphedLayers", "graph_counts", "graphed_layers", "reset_graph_counts"]
 
@@ -61,7 +59,7 @@ def graph_counts() -> dict[str, int]:
     """What the engine's CUDA graphs did in this process. Layer graphs: packs ``replayed``, packs
     run eagerly because they were ``eager_too_long`` (over :data:`MAX_ROWS` rows), ``eager_one_row``
     or ``eager_busy`` (another graphed pack's backward pending), and row buckets ``captured``.
-    Whole-pack graphs (:mod:`~thundersync.engine._pack_graph`): ``pack_replayed``,
+    Whole-pack graphs (:mod:`~thundersync.engine.accel._pack_graphs`): ``pack_replayed``,
     ``pack_captured``, ``pack_capture_failed``, and packs passed on to the layer graphs because
     they were ``pack_too_long``, had ``pack_too_many_keys`` or ``pack_too_many_chunks``, or
     found the graphs ``pack_busy``."""
@@ -77,16 +75,14 @@ T = TypeVar("T")
 
 
 def for_model(
-    name: str,
-    enabled: bool | None,
+    enabled: bool,
     anatomy: DecoderAnatomy,
     cache: weakref.WeakKeyDictionary[torch.nn.Module, T],
     make: Callable[[DecoderAnatomy], T],
 ) -> T | None:
-    """The model's graphs from ``cache`` (made by ``make`` on first use), or None where the switch
-    ``name`` (``enabled`` when given) turns them off or the model is not on CUDA."""
-    cuda = anatomy.device.type == "cuda"
-    if not switch(name, enabled, auto=cuda) or not cuda:
+    """The model's graphs from ``cache`` (made by ``make`` on first use, shared by every run on
+    the model), or None where they are not ``enabled`` or the model is not on CUDA."""
+    if not enabled or anatomy.device.type != "cuda":
         return None
     value = cache.get(anatomy.model)
     if value is None:
@@ -94,10 +90,10 @@ def for_model(
     return value
 
 
-def graphed_layers(anatomy: DecoderAnatomy, enabled: bool | None = None) -> GraphedLayers | None:
-    """The model's :class:`GraphedLayers`, or None where graphs are off (``enabled``, else
-    ``THUNDERSYNC_ENGINE_GRAPHS``) or the model is not on CUDA."""
-    return for_model("THUNDERSYNC_ENGINE_GRAPHS", enabled, anatomy, _models, GraphedLayers)
+def graphed_layers(anatomy: DecoderAnatomy, enabled: bool = True, pool_fraction: float = 1.0) -> GraphedLayers | None:
+    """The model's :class:`GraphedLayers`, or None where they are not ``enabled`` or the model is
+    not on CUDA (``pool_fraction``: the graph-memory bound, for the first call that makes them)."""
+    return for_model(enabled, anatomy, _models, lambda an: GraphedLayers(an, pool_fraction))
 
 
 def bucket(rows: int) -> int | None:
@@ -230,52 +226,50 @@ def _add_into_existing(params: Sequence[torch.Tensor], grads: Sequence[torch.Ten
 class GraphedLayers:
     """A model's layer parts captured per row bucket (lazily, every bucket at the first use)."""
 
-    def __init__(self, anatomy: DecoderAnatomy) -> None:
-        # No reference to the model itself (the params key holds it weakly): it is the key of the
-        # module's weak cache.
+    def __init__(self, anatomy: DecoderAnatomy, pool_fraction: float = 1.0) -> None:
+        # No reference to the model itself (the cache's params key holds it weakly): it is the key
+        # of the module's weak cache.
         self.layers = anatomy.layers
         self.device, self.dtype = anatomy.device, anatomy.dtype
         norm_weight = anatomy.norm.weight
         assert isinstance(norm_weight, torch.Tensor), "the final norm has no weight"
         self.hidden = int(norm_weight.shape[0])
         self.heads, self.head_dim = anatomy.num_heads, anatomy.head_dim
-        self._before: dict[int, list[_Part]] = {}
-        self._after: dict[int, list[_Part]] = {}
-        self._pool: Any = None
-        self._key: tuple[tuple[int, bool], ...] = ()
-        self._params_key = ParamsKey(anatomy.model)
-        self._busy = False
+        # per row bucket: every layer's parts, before and after attention
+        self.cache: GraphCache[int, tuple[list[_Part], list[_Part]]] = GraphCache(
+            "layer graphs", anatomy.model, pool_fraction=pool_fraction, shared=_COUNTS
+        )
 
     def math(self, rows: int) -> LayerMath | None:
         """The layer math for a pack of ``rows`` rows (with autograd), or None: run it eagerly
         (no bucket, or another graphed pack's backward is pending). The caller calls
         :meth:`release` once the pack's backward has run or the pack is dropped."""
         size = bucket(rows)
-        reason = (
-            "eager_too_long" if size is None else "eager_one_row" if rows < 2 else "eager_busy" if self._busy else ""
-        )
+        reason = "eager_too_long" if size is None else "eager_one_row" if rows < 2 else ""
         if reason or size is None:
-            _COUNTS[reason] += 1
+            self.cache.count(reason)
             return None
-        key = self._params_key()
-        if key != self._key or self._pool is None:
-            self._before, self._after, self._pool, self._key = {}, {}, torch.cuda.graph_pool_handle(), key
-        if size not in self._before:
-            self._capture_bucket(size)
-            _COUNTS["captured"] += 1
-        self._busy = True
-        _COUNTS["replayed"] += 1
-        return _PackMath(self._before[size], self._after[size], size, rows).math()
+        if not self.cache.acquire():
+            self.cache.count("eager_busy")
+            return None
+        try:
+            before, after = self.cache.get(size, lambda pool: self._capture_bucket(size, pool)) or ([], [])
+        except BaseException:
+            self.cache.release()
+            raise
+        self.cache.count("replayed")
+        return _PackMath(before, after, size, rows).math()
 
     def buckets(self) -> list[int]:
         """The row buckets captured so far."""
-        return sorted(self._before)
+        self.cache.current()
+        return sorted(self.cache.entries)
 
     def release(self) -> None:
         """The pack that :meth:`math` served is done: its static buffers may be overwritten."""
-        self._busy = False
+        self.cache.release()
 
-    def _capture_bucket(self, size: int) -> None:
+    def _capture_bucket(self, size: int, pool: Any) -> tuple[list[_Part], list[_Part]]:
         def static(*shape: int, grad: bool = False) -> torch.Tensor:
             return torch.zeros(size, *shape, device=self.device, dtype=self.dtype, requires_grad=grad)
 
@@ -285,8 +279,8 @@ class GraphedLayers:
             befores.append(_Part(_Before(layer, self.head_dim), _modules(layer, _BEFORE), [x, cos, sin]))
             y, a = static(self.hidden, grad=True), static(self.heads * self.head_dim, grad=True)
             afters.append(_Part(_After(layer), _modules(layer, _AFTER), [y, a]))
-        _capture([part for pair in zip(befores, afters) for part in pair], self._pool)
-        self._before[size], self._after[size] = befores, afters
+        _capture([part for pair in zip(befores, afters) for part in pair], pool)
+        return befores, afters
 
 
 _BEFORE = ("input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm")

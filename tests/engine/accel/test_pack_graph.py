@@ -17,14 +17,25 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.engine.test_graphed import cuda_anatomy, pack_results
+from tests.engine.accel.test_graphed import cuda_anatomy, executor, pack_results
 from tests.engine.tiny_models import tiny_qwen3, with_lora
 from tests.grpo import grpo_cases
 from tests.grpo.test_stream import call
 from tests.opd import opd_cases
-from thundersync.engine import _graphed, _pack_graph, forest, release_graphs
-from thundersync.engine._fused import FUSED
-from thundersync.engine._pack_graph import MAX_CHUNKS, MAX_KEYS, PackGraphs, io_split, pack_graphs, plan, row_bucket
+from thundersync.acceleration import Acceleration
+from thundersync.engine import accel, forest, release_graphs
+from thundersync.engine.accel import _layer_graphs as _graphed
+from thundersync.engine.accel import _pack_graphs as _pack_graph
+from thundersync.engine.accel._fused import FUSED
+from thundersync.engine.accel._pack_graphs import (
+    MAX_CHUNKS,
+    MAX_KEYS,
+    PackGraphs,
+    io_split,
+    pack_graphs,
+    plan,
+    row_bucket,
+)
 from thundersync.engine.forest import Segment, SegmentPack
 from thundersync.errors import ConfigError
 from thundersync.model.anatomy import decoder_anatomy
@@ -77,24 +88,24 @@ def test_packs_that_fit_no_bucket_are_refused() -> None:
     assert plan(many) == "pack_too_many_chunks"
 
 
-def test_the_row_cap_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_row_cap_is_a_setting() -> None:
     long = [ChunkSpec(torch.arange(3000), 0, _prefix(0))]
     assert plan(long) == "pack_too_long"
-    monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPH_ROWS", "4096")
-    layout = plan(long)
+    rows = Acceleration(pack_graph_rows=4096).max_pack_rows
+    layout = plan(long, rows)
     assert not isinstance(layout, str) and layout.shape[0] == 3072
-    assert plan([ChunkSpec(torch.arange(3073), 0, _prefix(0))]).shape[0] == 4096  # type: ignore[union-attr]
-    for bad in ("3000", "32", "lots"):
-        monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPH_ROWS", bad)
-        with pytest.raises(ConfigError, match=f"power of two from 64 to 65536, got '{bad}'"):
-            plan(long)
+    assert plan([ChunkSpec(torch.arange(3073), 0, _prefix(0))], rows).shape[0] == 4096  # type: ignore[union-attr]
+    for bad in (3000, 32):
+        with pytest.raises(ConfigError, match=f"pack_graph_rows must be a power of two from 64 to 65536, got {bad}"):
+            Acceleration(pack_graph_rows=bad)
+    for text in ("3000", "32", "lots"):
+        with pytest.raises(ConfigError, match=f"THUNDERSYNC_ENGINE_PACK_GRAPH_ROWS must be a power of .*got '{text}'"):
+            Acceleration().resolved({"THUNDERSYNC_ENGINE_PACK_GRAPH_ROWS": text})
 
 
-def test_no_pack_graphs_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_pack_graphs_off_cuda() -> None:
     anatomy = decoder_anatomy(tiny_qwen3())
-    assert pack_graphs(anatomy) is None
-    monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPHS", "on")
-    assert pack_graphs(anatomy) is None
+    assert pack_graphs(anatomy) is None and pack_graphs(anatomy, enabled=True) is None
 
 
 def uncaptured(monkeypatch: pytest.MonkeyPatch, anatomy: object) -> PackGraphs:
@@ -113,7 +124,7 @@ def uncaptured(monkeypatch: pytest.MonkeyPatch, anatomy: object) -> PackGraphs:
     monkeypatch.setattr(_pack_graph._Graph, "capture", capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     graphs = PackGraphs(anatomy)  # type: ignore[arg-type]
-    monkeypatch.setattr(forest, "pack_graphs", lambda an: graphs if an is anatomy else None)
+    monkeypatch.setattr(accel, "pack_graphs", lambda an, *_: graphs if an is anatomy else None)
     return graphs
 
 
@@ -127,12 +138,12 @@ def test_the_bucketed_pack_math_equals_the_eager_pack_in_fp64(
         model = with_lora(model)
     anatomy = decoder_anatomy(model)
     model.zero_grad(set_to_none=True)
-    want = pack_results(anatomy, torch.Generator().manual_seed(7), second, device="cpu")
+    want = pack_results(executor(anatomy), torch.Generator().manual_seed(7), second, device="cpu")
     graphs = uncaptured(monkeypatch, anatomy)
     _graphed.reset_graph_counts()
     for _ in range(2):  # the second pass replays the buckets of the first
         model.zero_grad(set_to_none=True)
-        got = pack_results(anatomy, torch.Generator().manual_seed(7), second, device="cpu")
+        got = pack_results(executor(anatomy), torch.Generator().manual_seed(7), second, device="cpu")
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
     counts = _graphed.graph_counts()
@@ -152,17 +163,17 @@ def test_graphed_packs_that_accumulate_add_the_same_gradients_in_their_totals(
     model = tiny_qwen3(torch.float64, seed=6)
     anatomy = decoder_anatomy(model)
     model.zero_grad(set_to_none=True)
-    want = pack_results(anatomy, torch.Generator().manual_seed(7), second, device="cpu")
+    want = pack_results(executor(anatomy), torch.Generator().manual_seed(7), second, device="cpu")
     graphs = uncaptured(monkeypatch, anatomy)
     monkeypatch.setitem(_pack_graph._models, model, graphs)  # where drain_totals looks
     for _ in range(2):  # the second pass replays the buckets of the first
         model.zero_grad(set_to_none=True)
-        got = pack_results(anatomy, torch.Generator().manual_seed(7), second, device="cpu", accumulate=True)
+        got = pack_results(executor(anatomy), torch.Generator().manual_seed(7), second, device="cpu", accumulate=True)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
         assert not graphs.pending and all(not t.any() for t in graphs.totals.values())
     assert graphs.totals and graphs.buckets() == [(64, 0, 256, 3), (64, 256, 256, 7)]
-    for graph in graphs._graphs.values():  # the projections and the embedding added theirs themselves
+    for graph in graphs.cache.entries.values():  # the projections and the embedding added theirs themselves
         backward_returned = {name for name, used in zip(graph.aliases, graph.used, strict=True) if used}
         assert backward_returned and all("norm" in name for name in backward_returned), backward_returned
 
@@ -185,13 +196,13 @@ def test_packs_of_one_bucket_read_no_output_gradient_an_earlier_pack_left(monkey
         out = []
         for tokens, adjoint in steps:
             model.zero_grad(set_to_none=True)
-            pack = SegmentPack.forward(anatomy, [Segment(tokens)])
+            pack = SegmentPack.forward(executor(anatomy), [Segment(tokens)])
             objective = None if adjoint is not None else pack.scored_logprobs([list(range(1, len(tokens)))])[0].sum()
             pack.backward(objective, None if adjoint is None else [adjoint], params=params, sink=None)
             out.append([torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params])
         return out
 
-    monkeypatch.setattr(forest, "pack_graphs", lambda an: None)
+    monkeypatch.setattr(accel, "pack_graphs", lambda *_: None)
     want = gradients()
     graphs = uncaptured(monkeypatch, anatomy)
     got = gradients()
@@ -208,15 +219,15 @@ def test_graph_totals_follow_the_trainable_parameters_between_batches(monkeypatc
     anatomy = decoder_anatomy(model)
     graphs = uncaptured(monkeypatch, anatomy)
     monkeypatch.setitem(_pack_graph._models, model, graphs)
-    pack_results(anatomy, torch.Generator().manual_seed(7), False, device="cpu", accumulate=True)
+    pack_results(executor(anatomy), torch.Generator().manual_seed(7), False, device="cpu", accumulate=True)
     summed = len(graphs.total_params)  # the parameters the graphs reach (not an untied head)
     model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
     anatomy = decoder_anatomy(model)
-    monkeypatch.setattr(forest, "pack_graphs", lambda an: None)
-    want = pack_results(anatomy, torch.Generator().manual_seed(7), False, device="cpu")
+    monkeypatch.setattr(accel, "pack_graphs", lambda *_: None)
+    want = pack_results(executor(anatomy), torch.Generator().manual_seed(7), False, device="cpu")
     model.zero_grad(set_to_none=True)
-    monkeypatch.setattr(forest, "pack_graphs", lambda an: graphs)
-    got = pack_results(anatomy, torch.Generator().manual_seed(7), False, device="cpu", accumulate=True)
+    monkeypatch.setattr(accel, "pack_graphs", lambda *_: graphs)
+    got = pack_results(executor(anatomy), torch.Generator().manual_seed(7), False, device="cpu", accumulate=True)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
     assert len(graphs.total_params) == summed - 1
@@ -235,17 +246,16 @@ def test_pack_graphs_equal_eager_packs(
     anatomy = cuda_anatomy(lora, dtype)
     model = anatomy.model
     results = {}
-    monkeypatch.setenv("THUNDERSYNC_ENGINE_GRAPHS", "off")  # the pending second pack runs eagerly
     _graphed.reset_graph_counts()
     for mode in ("off", "on", "on"):  # the second graphed run replays graphs captured by the first
-        monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPHS", mode)
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)  # (layer graphs off: the pending second pack runs eagerly)
         accumulated = accumulate and mode == "on"  # against the eager packs' .grad
-        results[mode] = pack_results(anatomy, torch.Generator().manual_seed(7), True, accumulate=accumulated)
+        forms = executor(anatomy, pack_graphs=mode, fused="auto")
+        results[mode] = pack_results(forms, torch.Generator().manual_seed(7), True, accumulate=accumulated)
     graphs = pack_graphs(anatomy)
     assert graphs is not None and len(graphs.buckets()) == 2
     assert _graphed.graph_counts()["pack_replayed"] == 4
-    for graph in (g for g in graphs._graphs.values() if g.accumulate):  # bf16: weights added theirs themselves
+    for graph in (g for g in graphs.cache.entries.values() if g.accumulate):  # bf16: weights added theirs themselves
         returned = {name for name, used in zip(graph.aliases, graph.used, strict=True) if used}
         assert not any(part in name for name in returned for part in ("proj", "embed", "lora")), returned
         if graph.module.fn.math is FUSED:  # its norms too, but the final one (eager in every math)
@@ -265,9 +275,7 @@ def test_a_capture_that_fails_after_its_warm_up_leaves_the_eager_packs_exact(mon
     import contextlib
 
     anatomy = cuda_anatomy(False, torch.float32)
-    monkeypatch.setenv("THUNDERSYNC_ENGINE_GRAPHS", "off")
-    monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPHS", "off")
-    want = pack_results(anatomy, torch.Generator().manual_seed(7), False)
+    want = pack_results(executor(anatomy), torch.Generator().manual_seed(7), False)
     anatomy.model.zero_grad(set_to_none=True)
     real = _pack_graph.warm_up_stream
 
@@ -278,9 +286,8 @@ def test_a_capture_that_fails_after_its_warm_up_leaves_the_eager_packs_exact(mon
             raise torch.OutOfMemoryError("injected after the warm-up's kernels were queued")
 
     monkeypatch.setattr(_pack_graph, "warm_up_stream", failing)
-    monkeypatch.setenv("THUNDERSYNC_ENGINE_PACK_GRAPHS", "on")
     _graphed.reset_graph_counts()
-    got = pack_results(anatomy, torch.Generator().manual_seed(7), False)
+    got = pack_results(executor(anatomy, pack_graphs="on"), torch.Generator().manual_seed(7), False)
     torch.cuda.synchronize()
     assert _graphed.graph_counts().get("pack_capture_failed") == 1
     assert pack_graphs(anatomy) is None  # off for the model from then on
@@ -291,14 +298,14 @@ def test_a_capture_that_fails_after_its_warm_up_leaves_the_eager_packs_exact(mon
 def _prompt_packs(anatomy: object, lengths: list[int]) -> list[torch.Tensor]:
     """Per prompt length: a 5-token branch after the prompt, its log-probs' sum backpropagated;
     returns the log-probs, the prompt's adjoint and the gradients."""
-    an = anatomy  # DecoderAnatomy
-    params = an.trainable_parameters()  # type: ignore[attr-defined]
+    an = executor(anatomy)  # type: ignore[arg-type]
+    params = an.anatomy.trainable_parameters()
     tokens = torch.Generator().manual_seed(3)
     results: list[torch.Tensor] = []
     for n in lengths:
-        root = forest.forward_prompt(an, torch.randint(0, 97, (n,), generator=tokens))  # type: ignore[arg-type]
+        root = forest.forward_prompt(an, torch.randint(0, 97, (n,), generator=tokens))
         branch = forest.Segment(torch.randint(0, 97, (5,), generator=tokens), root)
-        pack = forest.SegmentPack.forward(an, [branch])  # type: ignore[arg-type]
+        pack = forest.SegmentPack.forward(an, [branch])
         (lp,) = pack.scored_logprobs([list(range(5))])
         adjoint = pack.backward(lp.sum(), params=params, sink=None)[root]
         results += [lp, *(t for kv in adjoint for t in kv)]

@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from thundersync._compile import switch_mode
 from thundersync.errors import ConfigError
 from thundersync.model.anatomy import DecoderAnatomy
 from thundersync.model.decoder import LayerMath, Tensors3, embed, is_plain_rms_norm, is_silu_mlp
@@ -107,10 +106,9 @@ def why_not_fused(anatomy: DecoderAnatomy) -> str | None:
     return None if capability.ok else capability.why
 
 
-def fused_math(anatomy: DecoderAnatomy, enabled: bool | None = None) -> bool:
-    """Whether ``anatomy``'s packs run :data:`FUSED`: ``enabled``, else ``THUNDERSYNC_ENGINE_FUSED``
-    (``auto``: where the model qualifies; ``on`` raises :class:`ConfigError` where it does not)."""
-    mode = switch_mode(_ENV, enabled)
+def fused_math(anatomy: DecoderAnatomy, mode: str = "auto") -> bool:
+    """Whether ``anatomy``'s packs run :data:`FUSED` under ``mode`` (``Acceleration.fused``):
+    ``auto``, where the model qualifies; ``on`` raises :class:`ConfigError` where it does not."""
     if mode == "off":
         return False
     model, device, dtype = anatomy.model, anatomy.device, anatomy.dtype
@@ -119,5 +117,8 @@ def fused_math(anatomy: DecoderAnatomy, enabled: bool | None = None) -> bool:
         checked = _checked[model] = (device, dtype, why_not_fused(anatomy))
     why = checked[2]
     if why is not None and mode == "on":
-        raise ConfigError(f"{_ENV}=on, but the fused layer math cannot serve this model: {why}; set it to auto or off")
+        raise ConfigError(
+            f"fused = on ({_ENV}=on or [acceleration] fused), but the fused layer math cannot serve this model: "
+            f"{why}; set it to auto or off"
+        )
     return why is None
