@@ -14,7 +14,7 @@ import pytest
 import structlog
 import torch
 
-from tests.app.test_step_metrics import KEYS as STEP_KEYS
+from tests.app.metrics.test_step_metrics import KEYS as STEP_KEYS
 from thundersync.app.cli import EXIT_INVALID, main
 from thundersync.app.models import model as build_model
 from thundersync.app.warmup import supervised_warmup, warmup_loss

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from tests.app.test_step_metrics import KEYS
+from tests.app.metrics.test_step_metrics import KEYS
 from tests.sandboxes.conftest import require
 from thundersync.app.definition import load
 
