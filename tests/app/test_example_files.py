@@ -30,7 +30,7 @@ import pytest
 
 from tests.app.metrics.test_step_metrics import KEYS
 from tests.sandboxes.conftest import require
-from thundersync.app.definition import load
+from thundersync.app.files.definition import load
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTAINERS = ("docker", "udocker")

@@ -20,8 +20,8 @@ from transformers import Qwen3ForCausalLM
 
 import thundersync
 from tests.engine.tiny_models import tiny_qwen3, with_lora
-from thundersync.app._checkpoint_files import MARKER, checkpoints
-from thundersync.app.checkpoint import STATE_FILE, Checkpointer
+from thundersync.app.checkpoints._checkpoint_files import MARKER, checkpoints
+from thundersync.app.checkpoints.checkpoint import STATE_FILE, Checkpointer
 from thundersync.errors import ConfigError
 from thundersync.events import StepDone
 from thundersync.pipeline.policy import PolicyClock

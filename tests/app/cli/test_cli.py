@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import structlog
 
-from thundersync.app.cli import main
+from thundersync.app.cli.command import main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "pipeline_fake.toml"
 SMALL = """\
 # thundersync run small.toml

@@ -26,11 +26,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from thundersync.app.cli import main
+from thundersync.app.cli.command import main
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ADMISSION = '\n[objects.admission]\nfactory = "admission"\nmax_groups = 1\n'
 SHARD = "objects.optimizer.shard_state=true"
 SLOW_REWARD = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from thundersync.app.distributed import TIMEOUT_ENV, Launch, balance, launch, rank_label
+from thundersync.app.cli.distributed import TIMEOUT_ENV, Launch, balance, launch, rank_label
 from thundersync.errors import ConfigError
 from thundersync.pipeline.graph import Graph
 from thundersync.scheduling import Admission, GroupClaims, RankClaims

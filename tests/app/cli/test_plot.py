@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from thundersync.app._plot import SIZE_PX, draw, plot_metrics, read_steps
-from thundersync.app.cli import main
+from thundersync.app.cli._plot import SIZE_PX, draw, plot_metrics, read_steps
+from thundersync.app.cli.command import main
 from thundersync.errors import MissingExtraError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

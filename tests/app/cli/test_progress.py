@@ -7,7 +7,7 @@ import io
 import anyio
 import pytest
 
-from thundersync.app.progress import Progress, duration, show_progress
+from thundersync.app.cli.progress import Progress, duration, show_progress
 
 
 class _Clock:

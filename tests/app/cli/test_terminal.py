@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from thundersync.app._terminal import configure_logging, printable
+from thundersync.app.cli._terminal import configure_logging, printable
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import structlog
 
-from thundersync.app.cli import main
+from thundersync.app.cli.command import main
 
 FILE = """\
 # thundersync run admitted.toml

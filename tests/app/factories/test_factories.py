@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from thundersync.app.factories import FACTORIES, TEST_FACTORIES, TEST_PREFIX
+from thundersync.app.factories.registry import FACTORIES, TEST_FACTORIES, TEST_PREFIX
 
 
 def test_the_factory_registry_lists_real_objects_and_the_fakes_only_under_the_test_prefix() -> None:

@@ -10,9 +10,9 @@ import pytest
 import torch
 from peft import PeftModel
 
-from thundersync.app import generators, models, training
-from thundersync.app.build import build_objects
-from thundersync.app.definition import loads
+from thundersync.app.factories import generators, models, training
+from thundersync.app.files.build import build_objects
+from thundersync.app.files.definition import loads
 from thundersync.errors import ConfigError
 from thundersync.generation.torch_generator import TorchGenerator
 from thundersync.generation.vllm_generator import VLLMGenerator
@@ -127,10 +127,10 @@ def test_optimizer_by_name_maximizes_grpo_and_minimizes_opd() -> None:
 
 def test_optimizer_with_sharded_state_in_one_process_is_the_plain_optimizer(caplog: pytest.LogCaptureFixture) -> None:
     run = training.streaming_run(model=models.model(config=SHAPES))
-    with caplog.at_level("INFO", logger="thundersync.app.training"):
+    with caplog.at_level("INFO", logger="thundersync.app.factories.training"):
         adamw = training.optimizer(objective=training.grpo(run=run), name="AdamW", shard_state=True, lr=1e-3)
     assert type(adamw) is torch.optim.AdamW and adamw.defaults["maximize"] is True
-    (record,) = [r for r in caplog.records if r.name == "thundersync.app.training"]
+    (record,) = [r for r in caplog.records if r.name == "thundersync.app.factories.training"]
     assert record.levelname == "INFO" and "optimizer_not_sharded" in record.getMessage()
 
 

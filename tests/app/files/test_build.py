@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.app.specs import SOURCE, example_in_python
-from thundersync.app.build import build_graph
-from thundersync.app.definition import ObjectSpec, PipelineSpec, StageSpec, loads
+from thundersync.app.files.build import build_graph
+from thundersync.app.files.definition import ObjectSpec, PipelineSpec, StageSpec, loads
 from thundersync.errors import DefinitionError, GraphError
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.stages.generate import GenerateStage

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from thundersync.app.check import check_pipeline
-from thundersync.app.definition import loads
+from thundersync.app.files.check import check_pipeline
+from thundersync.app.files.definition import loads
 from thundersync.errors import DefinitionError
 
-TINY = (Path(__file__).resolve().parents[2] / "examples" / "train_tiny_grpo.toml").read_text()
+TINY = (Path(__file__).resolve().parents[3] / "examples" / "train_tiny_grpo.toml").read_text()
 VLLM = """\
 [objects.generator]
 factory = "vllm-generator"
@@ -92,7 +92,7 @@ def test_without_vllm_check_skips_its_engine_options_and_says_so(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError, as where it is not installed
-    with caplog.at_level(logging.WARNING, logger="thundersync.app.check"):
+    with caplog.at_level(logging.WARNING, logger="thundersync.app.files.check"):
         check_pipeline(loads(VLLM.format(extra="no_such_option = 1")))
     (record,) = caplog.records
     assert "event='vllm_options_not_checked'" in record.message and "object='objects.generator'" in record.message

@@ -9,9 +9,9 @@ import msgspec
 import pytest
 
 from tests.app.specs import EXAMPLE, example_in_python
-from thundersync.app._schema import factory_params, stage_union
-from thundersync.app.definition import MAX_NESTING, load, loads
-from thundersync.app.factories import ALL_FACTORIES
+from thundersync.app.factories.registry import ALL_FACTORIES
+from thundersync.app.files._schema import factory_params, stage_union
+from thundersync.app.files.definition import MAX_NESTING, load, loads
 from thundersync.errors import DefinitionError
 from thundersync.stages import REGISTRY
 

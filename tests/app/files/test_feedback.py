@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from thundersync.app.build import build_graph
-from thundersync.app.definition import loads
+from thundersync.app.files.build import build_graph
+from thundersync.app.files.definition import loads
 from thundersync.errors import DefinitionError
 
 HEAD = """

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from thundersync.app.build import build_objects
-from thundersync.app.check import check_pipeline
-from thundersync.app.definition import loads
-from thundersync.app.object_graph import build_order
+from thundersync.app.files.build import build_objects
+from thundersync.app.files.check import check_pipeline
+from thundersync.app.files.definition import loads
+from thundersync.app.files.object_graph import build_order
 from thundersync.errors import DefinitionError
 
-TINY = (Path(__file__).resolve().parents[2] / "examples" / "train_tiny_grpo.toml").read_text()
+TINY = (Path(__file__).resolve().parents[3] / "examples" / "train_tiny_grpo.toml").read_text()
 NESTED = TINY.replace('generator = { object = "generator" }\n', 'rngs = { sampler = { object = "generator" } }\n')
 
 

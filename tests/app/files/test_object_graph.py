@@ -6,17 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from thundersync.app import models
-from thundersync.app.build import build_graph, build_objects
-from thundersync.app.check import check_pipeline
-from thundersync.app.cli import main
-from thundersync.app.definition import ObjectSpec, PipelineSpec, load, loads
-from thundersync.app.object_graph import build_order
+from thundersync.app.cli.command import main
+from thundersync.app.factories import models
+from thundersync.app.files.build import build_graph, build_objects
+from thundersync.app.files.check import check_pipeline
+from thundersync.app.files.definition import ObjectSpec, PipelineSpec, load, loads
+from thundersync.app.files.object_graph import build_order
 from thundersync.errors import DefinitionError
 from thundersync.tools.base import ByteTokenizer
 from thundersync.tools.qwen import Qwen3ToolCallParser
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "examples" / "train_tiny_grpo.toml"
 
 PARSER_FIRST = """\

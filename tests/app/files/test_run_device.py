@@ -9,13 +9,13 @@ import torch
 
 from tests.app.specs import SOURCE
 from thundersync._device import resolve_device
-from thundersync.app.build import build_objects
-from thundersync.app.check import check_run_settings
-from thundersync.app.cli import main
-from thundersync.app.definition import RunSettings, loads
+from thundersync.app.cli.command import main
+from thundersync.app.files.build import build_objects
+from thundersync.app.files.check import check_run_settings
+from thundersync.app.files.definition import RunSettings, loads
 from thundersync.errors import ConfigError, DefinitionError
 
-TINY = Path(__file__).resolve().parents[2] / "examples" / "train_tiny_grpo.toml"
+TINY = Path(__file__).resolve().parents[3] / "examples" / "train_tiny_grpo.toml"
 
 MODEL = (
     SOURCE

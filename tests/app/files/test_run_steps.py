@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from thundersync.app.build import build_graph
-from thundersync.app.check import check_pipeline
-from thundersync.app.cli import main
-from thundersync.app.definition import loads
+from thundersync.app.cli.command import main
+from thundersync.app.files.build import build_graph
+from thundersync.app.files.check import check_pipeline
+from thundersync.app.files.definition import loads
 from thundersync.errors import DefinitionError
 from thundersync.stages.source import SourceStage
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FAKE = ROOT / "examples" / "pipeline_fake.toml"
 TINY = ROOT / "examples" / "train_tiny_grpo.toml"
 TWO_SOURCES = """\

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from thundersync.app.metrics import JsonlMetrics
+from thundersync.app.metrics.jsonl import JsonlMetrics
 from thundersync.errors import ConfigError
 from thundersync.events import GroupClosed
 from thundersync.pipeline._stats import RunStatistics, StageStatistics

@@ -11,9 +11,9 @@ from typing import Any
 import anyio
 import pytest
 
-from thundersync.app._cli_run import run_pipeline
-from thundersync.app._step_metrics import StepMetrics, watched
-from thundersync.app.metrics import JsonlMetrics
+from thundersync.app.cli._cli_run import run_pipeline
+from thundersync.app.metrics.jsonl import JsonlMetrics
+from thundersync.app.metrics.step_metrics import StepMetrics, watched
 from thundersync.events import (
     ActionGenerated,
     BatchReady,

@@ -11,11 +11,11 @@ import pytest
 import structlog
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from thundersync.app._tensorboard import TensorBoardSteps
-from thundersync.app.cli import main
-from thundersync.app.metrics import JsonlMetrics
+from thundersync.app.cli.command import main
+from thundersync.app.metrics.jsonl import JsonlMetrics
+from thundersync.app.metrics.tensorboard import TensorBoardSteps
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FAKE = ROOT / "examples" / "pipeline_fake.toml"
 TINY = ROOT / "examples" / "train_tiny_grpo.toml"
 

@@ -13,7 +13,7 @@ are exactly those the next batch samples from. A checkpoint directory ``DIR/step
 
 It loads back with ``AutoModelForCausalLM.from_pretrained(path)`` or
 ``PeftModel.from_pretrained(base, path)``. Directories are published atomically (see
-:mod:`thundersync.app._checkpoint_files`) and only the ``keep`` newest are kept.
+:mod:`thundersync.app.checkpoints._checkpoint_files`) and only the ``keep`` newest are kept.
 
 :meth:`Checkpointer.resume` restores the weights, the optimizer and scheduler, the step (the
 ``policy`` clock's version, from which the step and generate stages count on), the RNG states
@@ -42,7 +42,7 @@ import anyio.to_thread
 import torch
 from torch import nn
 
-from thundersync.app._checkpoint_files import (
+from thundersync.app.checkpoints._checkpoint_files import (
     MARKER,
     find_checkpoint,
     is_adapter,

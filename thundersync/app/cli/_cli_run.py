@@ -2,10 +2,10 @@
 
 The graph runs as an embedded :class:`~thundersync.pipeline.Pipeline` so that its output
 events (the lifecycle events: TrajectoryClosed, GroupClosed, BatchReady, StepDone...) reach the
-metrics file as they happen. A watcher stage added to the graph (:func:`~thundersync.app._step_metrics.watched`)
+metrics file as they happen. A watcher stage added to the graph (:func:`~thundersync.app.metrics.step_metrics.watched`)
 sees every event and turns each optimizer step into a ``step`` line of the metrics file and an
-update of the progress display (:mod:`thundersync.app.progress`); the run ends with one summary
-line (in a data-parallel launch, each rank's, naming it; :mod:`thundersync.app.distributed`).
+update of the progress display (:mod:`thundersync.app.cli.progress`); the run ends with one summary
+line (in a data-parallel launch, each rank's, naming it; :mod:`thundersync.app.cli.distributed`).
 An :class:`~thundersync.scheduling.Admission` among the objects adds its decisions to each step
 line. Runtime objects that are async context managers (engines, sandbox pools) are entered for
 the run and left after it.
@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 
-from thundersync.app._step_metrics import StepMetrics, merge_ranks, watched
-from thundersync.app.metrics import JsonlMetrics
-from thundersync.app.progress import Progress, show_progress
+from thundersync.app.cli.progress import Progress, show_progress
+from thundersync.app.metrics.jsonl import JsonlMetrics
+from thundersync.app.metrics.step_metrics import StepMetrics, merge_ranks, watched
 from thundersync.errors import PipelineError
 from thundersync.events import EventBase
 from thundersync.pipeline import Pipeline
@@ -32,7 +32,7 @@ from thundersync.scheduling import Admission
 from thundersync.stages.source import SourceStage
 
 if TYPE_CHECKING:
-    from thundersync.app.distributed import Launch
+    from thundersync.app.cli.distributed import Launch
 
 __all__ = ["run_pipeline"]
 
@@ -123,8 +123,9 @@ def _admission(objects: Mapping[str, Any]) -> Admission | None:
 
 def _checkpoints(objects: Mapping[str, Any]) -> str | None:
     """Where the run's checkpointers write (None: no checkpointer)."""
-    module = sys.modules.get("thundersync.app.checkpoint")  # a Checkpointer exists only once it is imported;
-    if module is None:  # importing it here would load torch for every run
+    # a Checkpointer exists only once it is imported; importing it here would load torch for every run
+    module = sys.modules.get("thundersync.app.checkpoints.checkpoint")
+    if module is None:
         return None
     found = [str(obj.directory) for obj in objects.values() if isinstance(obj, module.Checkpointer)]
     return ", ".join(found) or None

@@ -1,6 +1,6 @@
 """``thundersync plot METRICS.jsonl``: reward and step-time curves of a run, as a PNG (private).
 
-Reads the ``step`` lines of a metrics file (:mod:`thundersync.app.metrics`) and draws two panels
+Reads the ``step`` lines of a metrics file (:mod:`thundersync.app.metrics.jsonl`) and draws two panels
 over the step number: the batch-mean reward with a ± one standard deviation band (and, for a
 distillation run, its ``reverse_kl`` on a right-hand axis), and the step time split into rollout
 and learn time. matplotlib (the ``plot`` extra) is imported only here,

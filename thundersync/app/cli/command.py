@@ -14,9 +14,9 @@ Exit status: 0 on success, 1 when the run failed, 2 when the file, the command l
 metrics path is invalid (for ``plot``: the metrics file is missing, malformed or has no step
 lines), 130 when interrupted. Errors are one line on stderr; ``--verbose`` adds
 the traceback and info-level logs; under a data-parallel launch the line starts with the rank
-(:mod:`thundersync.app.distributed`, where rank 0 alone writes files). The metrics file is created new in an existing directory;
-``--overwrite`` lets it replace an existing file (:mod:`thundersync.app.metrics`), and the event
-files of an earlier run in ``run.tensorboard``'s directory (:mod:`thundersync.app._tensorboard`). Names from
+(:mod:`thundersync.app.cli.distributed`, where rank 0 alone writes files). The metrics file is created new in an existing directory;
+``--overwrite`` lets it replace an existing file (:mod:`thundersync.app.metrics.jsonl`), and the event
+files of an earlier run in ``run.tensorboard``'s directory (:mod:`thundersync.app.metrics.tensorboard`). Names from
 the file reach the terminal escaped (``\x1b``, ``\n``). This is the only place that configures
 logging (structlog, to stderr); the library itself configures no handlers.
 """
@@ -33,14 +33,14 @@ from pathlib import Path
 import anyio
 import structlog
 
-from thundersync.app._cli_run import run_pipeline
-from thundersync.app._tensorboard import TensorBoardSteps
-from thundersync.app._terminal import configure_logging, printable
-from thundersync.app.build import build_graph, build_objects
-from thundersync.app.check import check_pipeline, check_run_settings
-from thundersync.app.definition import PipelineSpec, load
-from thundersync.app.distributed import Launch, attach, balance, launch, rank_label
-from thundersync.app.metrics import JsonlMetrics
+from thundersync.app.cli._cli_run import run_pipeline
+from thundersync.app.cli._terminal import configure_logging, printable
+from thundersync.app.cli.distributed import Launch, attach, balance, launch, rank_label
+from thundersync.app.files.build import build_graph, build_objects
+from thundersync.app.files.check import check_pipeline, check_run_settings
+from thundersync.app.files.definition import PipelineSpec, load
+from thundersync.app.metrics.jsonl import JsonlMetrics
+from thundersync.app.metrics.tensorboard import TensorBoardSteps
 from thundersync.errors import ConfigError, DefinitionError, GraphError, ThunderSyncError
 from thundersync.pipeline.graph import Graph
 
@@ -172,7 +172,7 @@ def _check(path: Path, overrides: Sequence[str]) -> int:
 def _resume(objects: dict[str, object], directory: Path) -> int:
     """Restore every Checkpointer among ``objects`` from ``directory`` (``--resume``); returns the
     step they resumed at."""
-    from thundersync.app.checkpoint import Checkpointer  # loads torch: only when resuming
+    from thundersync.app.checkpoints.checkpoint import Checkpointer  # loads torch: only when resuming
 
     checkpointers = [obj for obj in objects.values() if isinstance(obj, Checkpointer)]
     if not checkpointers:
@@ -233,7 +233,7 @@ def _run_rank(path: Path, args: argparse.Namespace, ranks: Launch | None) -> int
 def _say_where_to_resume(objects: dict[str, object]) -> None:
     """After a run that stopped early: the newest checkpoint a checkpointer of this run saved or
     resumed from, and how to continue from it."""
-    checkpoint = sys.modules.get("thundersync.app.checkpoint")  # not imported: no Checkpointer exists
+    checkpoint = sys.modules.get("thundersync.app.checkpoints.checkpoint")  # not imported: no Checkpointer exists
     if checkpoint is None:
         return
     for obj in objects.values():
@@ -247,7 +247,7 @@ def _say_where_to_resume(objects: dict[str, object]) -> None:
 
 
 def _plot(path: Path, out: Path | None) -> int:
-    from thundersync.app._plot import plot_metrics
+    from thundersync.app.cli._plot import plot_metrics
 
     written = plot_metrics(path, out)
     sys.stdout.write(f"{printable(str(written))}\n")

@@ -16,7 +16,7 @@ with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT
 - the source claims a group only when its admission has room; without a ``max_groups`` in the
   file, :func:`balance` bounds each rank to ``ceil(groups_per_batch / world_size)`` groups in
   flight (an info log line names the bound), so the first rank at a batch cannot claim all of it;
-- only rank 0 writes files: the metrics file, checkpoints (:class:`~thundersync.app.checkpoint.Checkpointer`
+- only rank 0 writes files: the metrics file, checkpoints (:class:`~thundersync.app.checkpoints.checkpoint.Checkpointer`
   asks the process group) and the progress display; every rank loads a ``--resume`` checkpoint;
 - a rank that fails writes its cause into the store before it stops, so the others' timeouts
   name it; the launcher ends the others when one exits with an error. The process group is
@@ -116,7 +116,7 @@ def launch(environ: Mapping[str, str] = os.environ) -> Iterator[Launch | None]:
 def attach(launch: Launch, objects: Mapping[str, Any]) -> dict[str, Any]:
     """Make the file's streaming runs data-parallel; returns the objects the graph's stages take
     (``claims``, and an unbounded ``admission`` when the file has none, which :func:`balance`
-    bounds), to pass to :func:`~thundersync.app.build.build_graph`."""
+    bounds), to pass to :func:`~thundersync.app.files.build.build_graph`."""
     from thundersync.engine import StreamingRun
     from thundersync.engine.distributed import DataParallel
     from thundersync.scheduling import Admission, GroupClaims, RankClaims

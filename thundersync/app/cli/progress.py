@@ -1,7 +1,7 @@
 """What ``thundersync run`` shows on stderr: a live progress line, and one summary line at the end.
 
 The live line (on a terminal, or with ``--progress``) is redrawn in place every ``interval_s``
-from the per-step records (:mod:`thundersync.app._step_metrics`)::
+from the per-step records (:mod:`thundersync.app.metrics.step_metrics`)::
 
     step 3/10  reward 0.412 ± 0.118  812 tok/s  elapsed 0:00:12  ETA 0:00:28
 
@@ -17,7 +17,7 @@ live line), the others say so::
 
     thundersync: rank 1 of 2: 10/10 steps in 0:00:41; no files (rank 0 writes the metrics and checkpoints)
 
-Paths come from the user and are printed escaped (:func:`~thundersync.app._terminal.printable`).
+Paths come from the user and are printed escaped (:func:`~thundersync.app.cli._terminal.printable`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, TextIO
 
 import anyio
 
-from thundersync.app._terminal import printable
+from thundersync.app.cli._terminal import printable
 
 __all__ = ["Progress", "duration", "show_progress"]
 

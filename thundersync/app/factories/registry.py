@@ -4,7 +4,7 @@ Runtime objects (generators, scorers, sandbox pools, trainers) are never config 
 declares them in ``[objects.NAME]`` tables that name a factory and give its keyword arguments; a
 stage receives the object whose name matches its keyword argument (``generator``, ``scorer``...)
 or the one named in its ``objects = {kwarg = "NAME"}`` table. Applications pass their own objects
-to :func:`~thundersync.app.build.build_graph` instead
+to :func:`~thundersync.app.files.build.build_graph` instead
 (``build_graph(spec, generator=my_vllm_generator)``).
 
 :data:`FACTORIES` lists the real objects. :data:`TEST_FACTORIES` lists the fakes of
@@ -14,9 +14,9 @@ fakes (``examples/pipeline_fake.toml``) says so wherever it names one. A file ma
 Adding a factory is one line: a callable whose keyword arguments have annotated types. Arguments
 of plain data types are validated like the rest of the file; the others (a model, an optimizer...)
 are references to other objects (``model = { object = "model" }``), built first. A factory may be
-expensive (it loads weights): ``thundersync check`` never calls one (:mod:`thundersync.app.check`).
-The real factories live in :mod:`~thundersync.app.models`, :mod:`~thundersync.app.training` and
-:mod:`~thundersync.app.generators`; the warm-up in :mod:`~thundersync.app.warmup`.
+expensive (it loads weights): ``thundersync check`` never calls one (:mod:`thundersync.app.files.check`).
+The real factories live in :mod:`~thundersync.app.factories.models`, :mod:`~thundersync.app.factories.training` and
+:mod:`~thundersync.app.factories.generators`; the warm-up in :mod:`~thundersync.app.factories.warmup`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from thundersync.app import generators, models, scheduling, training, warmup
+from thundersync.app.factories import generators, models, scheduling, training, warmup
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.tasks import AnswerReward, ArithmeticTasks, FunctionReward, JsonlTasks, sandbox_check_reward
 from thundersync.tasks.demonstrations import CalculatorDemonstrations

@@ -10,7 +10,7 @@
     sandbox_slots = 4          # tool-execute: actions running their tool calls at once
 
 The source, generate, tool-execute and close stages take it by name (``admission``); its decisions show in
-each step line of the metrics file (:mod:`thundersync.app._step_metrics`).
+each step line of the metrics file (:mod:`thundersync.app.metrics.step_metrics`).
 """
 
 from __future__ import annotations

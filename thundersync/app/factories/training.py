@@ -51,7 +51,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from thundersync._logging import get_logger
-from thundersync.app.checkpoint import Checkpointer, RandomSource
+from thundersync.app.checkpoints.checkpoint import Checkpointer, RandomSource
 from thundersync.engine import StreamingObjective, StreamingRun
 from thundersync.engine.objective import Signal
 from thundersync.engine.process import LearnerProcess
@@ -331,7 +331,7 @@ def checkpointer(
     generator: RandomSource | None = None,
     rngs: dict[str, RandomSource] | None = None,
 ) -> Checkpointer:
-    """``checkpointer``: a :class:`~thundersync.app.checkpoint.Checkpointer` in ``directory``, so
+    """``checkpointer``: a :class:`~thundersync.app.checkpoints.checkpoint.Checkpointer` in ``directory``, so
     that ``thundersync run FILE --resume DIR`` continues a run. ``generator``: the generator whose
     random state is saved with it (a ``torch-generator``); ``rngs``: more objects with a random
     state, by name (``rngs = { teacher = { object = "teacher" } }``). Give it to the step stage

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Union
 import msgspec
 import msgspec.inspect
 
-from thundersync.app.factories import ALL_FACTORIES
+from thundersync.app.factories.registry import ALL_FACTORIES
 from thundersync.errors import DefinitionError
 from thundersync.pipeline.stage import Stage
 from thundersync.stages import REGISTRY

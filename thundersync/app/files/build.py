@@ -2,7 +2,7 @@
 
 Each stage gets the runtime object named like its keyword argument, or the one its
 ``objects = {kwarg = "NAME"}`` table names: the objects passed to :func:`build_graph` first, then
-those the spec's ``[objects]`` tables build with their factories (``app/factories.py``). The graph
+those the spec's ``[objects]`` tables build with their factories (``app/factories/registry.py``). The graph
 is validated before it is returned, so a file that would hang or fail to wire fails here, naming
 the stage::
 
@@ -16,11 +16,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from thundersync._device import resolve_device
-from thundersync.app._schema import convert, factory_params, object_union, reference_params, runtime_params
-from thundersync.app.checkpoint import Checkpointer
-from thundersync.app.definition import ObjectSpec, PipelineSpec, StageSpec, is_reference
-from thundersync.app.factories import ALL_FACTORIES
-from thundersync.app.object_graph import build_order, place_hint, runtime_class
+from thundersync.app.checkpoints.checkpoint import Checkpointer
+from thundersync.app.factories.registry import ALL_FACTORIES
+from thundersync.app.files._schema import convert, factory_params, object_union, reference_params, runtime_params
+from thundersync.app.files.definition import ObjectSpec, PipelineSpec, StageSpec, is_reference
+from thundersync.app.files.object_graph import build_order, place_hint, runtime_class
 from thundersync.errors import ConfigError, DefinitionError, GraphError
 from thundersync.pipeline.graph import INPUT, Graph
 from thundersync.pipeline.stage import Stage
@@ -34,7 +34,7 @@ __all__ = ["assemble_graph", "build_graph", "build_objects"]
 
 def build_objects(spec: PipelineSpec, /, **given: Any) -> dict[str, Any]:
     """The runtime objects of ``spec`` by name: ``given`` ones, else built by their factory, each
-    after the objects it references (:func:`~thundersync.app.object_graph.build_order`). A factory
+    after the objects it references (:func:`~thundersync.app.files.object_graph.build_order`). A factory
     that takes a ``device`` gets ``run.device`` when the object's table gives none."""
     objects = dict(given)
     order = build_order(spec, given)
@@ -106,7 +106,7 @@ def _is_instance(obj: Any, cls: type) -> bool:
 def build_graph(spec: PipelineSpec, /, **objects: Any) -> Graph:
     """Build and validate the :class:`Graph` of ``spec``; ``objects`` override ``[objects]`` by name.
 
-    A :class:`~thundersync.app.checkpoint.Checkpointer` without a ``source`` gets the graph's
+    A :class:`~thundersync.app.checkpoints.checkpoint.Checkpointer` without a ``source`` gets the graph's
     source stage when there is exactly one (so that ``--resume`` skips the consumed batches).
     """
     built = build_objects(spec, **objects)

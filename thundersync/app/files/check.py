@@ -1,10 +1,10 @@
 """``thundersync check``: validate a whole pipeline file without building any object.
 
-:func:`check_pipeline` verifies what :func:`~thundersync.app.build.build_graph` would, short of
+:func:`check_pipeline` verifies what :func:`~thundersync.app.files.build.build_graph` would, short of
 calling a factory (no model is loaded, no sandbox started, no server contacted):
 
 - the object graph: references, their order, cycles, and that each referenced factory's product
-  fits the parameter's annotation (:mod:`thundersync.app.object_graph`); field types were checked
+  fits the parameter's annotation (:mod:`thundersync.app.files.object_graph`); field types were checked
   against the factories' signatures when the file was loaded;
 - each stage's runtime objects: the names exist, required ones are given, and the factory's product
   fits the stage's parameter;
@@ -28,13 +28,13 @@ from __future__ import annotations
 from typing import Any
 
 from thundersync._logging import get_logger
-from thundersync.app import generators, training
-from thundersync.app._schema import factory_params, factory_returns
-from thundersync.app._tensorboard import require_tensorboard
-from thundersync.app.build import assemble_graph, stage_class
-from thundersync.app.definition import PipelineSpec, StageSpec
-from thundersync.app.factories import ALL_FACTORIES
-from thundersync.app.object_graph import build_order, check_fits
+from thundersync.app.factories import generators, training
+from thundersync.app.factories.registry import ALL_FACTORIES
+from thundersync.app.files._schema import factory_params, factory_returns
+from thundersync.app.files.build import assemble_graph, stage_class
+from thundersync.app.files.definition import PipelineSpec, StageSpec
+from thundersync.app.files.object_graph import build_order, check_fits
+from thundersync.app.metrics.tensorboard import require_tensorboard
 from thundersync.errors import ConfigError, DefinitionError
 from thundersync.pipeline.graph import Graph
 from thundersync.pipeline.stage import Stage

@@ -7,7 +7,7 @@ A file has three kinds of tables; its first comment is the command that runs it:
     metrics = "metrics.jsonl"
     device = "cpu"                 # every object that takes a device and gives none (default "auto")
 
-    [objects.scorer]               # a runtime object, built by a factory (app/factories.py)
+    [objects.scorer]               # a runtime object, built by a factory (app/factories/registry.py)
     factory = "test-fake-scorer"
 
     [objects.run]                  # a field that takes an object references it by name
@@ -28,12 +28,12 @@ whose type is not plain data (a model, an optimizer, a tokenizer...), and requir
 parameter has no default. It may also sit inside the tables and arrays of such a parameter's value
 (``rngs = { generator = { object = "generator" } }``, ``tools = [{ object = "calc" }]``) or of a
 free-form one (``dict[str, Any]``, a factory's ``**options``); each is replaced by its object when
-the factory is called. Objects are built in dependency order (:mod:`thundersync.app.object_graph`).
+the factory is called. Objects are built in dependency order (:mod:`thundersync.app.files.object_graph`).
 
 Unknown fields, wrong types and unknown stage types fail with a path-qualified
 :class:`~thundersync.errors.DefinitionError` (``stages.reward.factr: unknown field; valid
 fields: ...``), and so does a file that nests tables and arrays more than :data:`MAX_NESTING`
-levels deep. :func:`~thundersync.app.build.build_graph` turns a spec into a graph; Python code
+levels deep. :func:`~thundersync.app.files.build.build_graph` turns a spec into a graph; Python code
 builds the same :class:`PipelineSpec` directly.
 """
 
@@ -47,7 +47,8 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 
 from thundersync._device import check_device
-from thundersync.app._schema import (
+from thundersync.app.factories.registry import ALL_FACTORIES
+from thundersync.app.files._schema import (
     GRAPH_FIELDS,
     convert,
     factory_params,
@@ -56,8 +57,7 @@ from thundersync.app._schema import (
     stage_union,
     takes_extra_options,
 )
-from thundersync.app.factories import ALL_FACTORIES
-from thundersync.app.overrides import apply_overrides
+from thundersync.app.files.overrides import apply_overrides
 from thundersync.errors import ConfigError, DefinitionError
 from thundersync.pipeline.graph import DEFAULT_CAPACITY
 from thundersync.pipeline.stage import Stage
@@ -91,7 +91,7 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     ``repeat``; None: the source's ``repeat`` epochs decide); ``device``: the device of every
     object whose factory takes a ``device`` and whose table gives none (``cpu``, ``cuda``,
     ``cuda:N``, or ``auto``: the GPU when there is one); ``tensorboard``: a directory for
-    TensorBoard scalars of each step line (:mod:`thundersync.app._tensorboard`; None: none).
+    TensorBoard scalars of each step line (:mod:`thundersync.app.metrics.tensorboard`; None: none).
     """
 
     metrics: str | None = None
@@ -104,7 +104,7 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
 
 class ObjectSpec(msgspec.Struct, frozen=True):
-    """A runtime object: the name of its factory (``app/factories.py``), its keyword arguments
+    """A runtime object: the name of its factory (``app/factories/registry.py``), its keyword arguments
     given as values (``args``) and those given as references to other objects (``refs``: the
     reference's path in the table -> object name). A reference that is a whole argument has its
     parameter as path (``"model"``) and is not in ``args``; one nested inside an argument's tables
@@ -147,7 +147,7 @@ class _File(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def load(path: str | Path, overrides: Sequence[str] = ()) -> PipelineSpec:
-    """Read and validate a pipeline file, with ``--set`` ``overrides`` applied (``app/overrides.py``);
+    """Read and validate a pipeline file, with ``--set`` ``overrides`` applied (``app/files/overrides.py``);
     errors start with the file's path."""
     path = Path(path)
     try:

@@ -30,9 +30,9 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from thundersync.app._schema import factory_returns, reference_params
-from thundersync.app.definition import ObjectSpec, PipelineSpec
-from thundersync.app.factories import ALL_FACTORIES
+from thundersync.app.factories.registry import ALL_FACTORIES
+from thundersync.app.files._schema import factory_returns, reference_params
+from thundersync.app.files.definition import ObjectSpec, PipelineSpec
 from thundersync.errors import DefinitionError
 
 __all__ = ["build_order", "check_references", "place_hint", "runtime_class"]

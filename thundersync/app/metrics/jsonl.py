@@ -10,9 +10,9 @@ Every line is a JSON object with an ``event`` (``step``, an event's class name, 
     {"t":0.9,"event":"stage_statistics","name":"reward","state":"done","received":1640,...}
     {"t":0.9,"event":"run_finished","status":"ok","elapsed_s":0.9}
 
-The ``step`` lines (one per optimizer step; :mod:`thundersync.app._step_metrics` defines each
+The ``step`` lines (one per optimizer step; :mod:`thundersync.app.metrics.step_metrics` defines each
 key) are what other tools read: ``thundersync plot`` draws them. Given ``tensorboard``
-(:class:`~thundersync.app._tensorboard.TensorBoardSteps`, ``[run] tensorboard``), the sink also
+(:class:`~thundersync.app.metrics.tensorboard.TensorBoardSteps`, ``[run] tensorboard``), the sink also
 hands each step record to it, opens it with itself and closes it with itself.
 
 Lines reach the file as they are written (no buffer), so a crashed run leaves every line up to the crash.
@@ -37,7 +37,7 @@ from typing import Any
 
 import msgspec
 
-from thundersync.app._tensorboard import TensorBoardSteps
+from thundersync.app.metrics.tensorboard import TensorBoardSteps
 from thundersync.errors import ConfigError
 from thundersync.events import EventBase
 from thundersync.pipeline.runner import RunStatistics

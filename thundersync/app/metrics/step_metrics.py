@@ -1,4 +1,4 @@
-"""Per-step metrics: one record per optimizer step, aggregated from the graph's events (private).
+"""Per-step metrics: one record per optimizer step, aggregated from the graph's events.
 
 :class:`StepMetrics` watches every event of a run (:func:`watched` adds a stage that reads from
 all the others) and, on each StepDone, returns the step's record, which the metrics file writes

@@ -1,7 +1,7 @@
-"""TensorBoard scalars of each step line: ``[run] tensorboard = "DIR"`` (private).
+"""TensorBoard scalars of each step line: ``[run] tensorboard = "DIR"``.
 
 :class:`TensorBoardSteps` takes the step records that the metrics file writes as ``"event":
-"step"`` lines (:class:`~thundersync.app.metrics.JsonlMetrics` hands each one on) and writes
+"step"`` lines (:class:`~thundersync.app.metrics.jsonl.JsonlMetrics` hands each one on) and writes
 every numeric key of each as a scalar through ``torch.utils.tensorboard.SummaryWriter``: the tag
 is the key (``reward_mean``, ``grad_norm``, ``tokens_per_s``...), the global step the record's
 ``step``. Keys whose value is ``null`` or not a number (``groups_per_rank``) are left out. The
