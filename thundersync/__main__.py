@@ -1,8 +1,8 @@
-"""``python -m thundersync`` is the ``thundersync`` command (see :mod:`thundersync.app.cli`)."""
+"""``python -m thundersync`` is the ``thundersync`` command (see :mod:`thundersync.app.cli.command`)."""
 
 from __future__ import annotations
 
-from thundersync.app.cli import main
+from thundersync.app.cli.command import main
 
 __all__: list[str] = []
 

@@ -3,7 +3,7 @@
 :func:`check_device` validates the text without importing torch (``thundersync check`` calls it);
 :func:`resolve_device` turns it into a ``torch.device`` on this machine, with an error that says
 what to give instead when CUDA, or that GPU, is not there. ``cuda`` is the current CUDA device,
-which a data-parallel launch sets to ``cuda:LOCAL_RANK`` (:mod:`thundersync.app.distributed`);
+which a data-parallel launch sets to ``cuda:LOCAL_RANK`` (:mod:`thundersync.app.cli.distributed`);
 ``auto`` is ``cuda`` when torch sees a GPU, else ``cpu``. :func:`upload` moves a small host tensor
 to a device without waiting for the device's queued work.
 """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from thundersync.app.definition import ObjectSpec, PipelineSpec, RunSettings, StageSpec
+from thundersync.app.files.definition import ObjectSpec, PipelineSpec, RunSettings, StageSpec
 from thundersync.stages.close import CloseStage
 from thundersync.stages.generate import GenerateStage
 from thundersync.stages.reward import RewardStage

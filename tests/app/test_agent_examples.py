@@ -14,10 +14,10 @@ import pytest
 import structlog
 import torch
 
-from tests.app.test_step_metrics import KEYS as STEP_KEYS
-from thundersync.app.cli import EXIT_INVALID, main
-from thundersync.app.models import model as build_model
-from thundersync.app.warmup import supervised_warmup, warmup_loss
+from tests.app.metrics.test_step_metrics import KEYS as STEP_KEYS
+from thundersync.app.cli.command import EXIT_INVALID, main
+from thundersync.app.factories.models import model as build_model
+from thundersync.app.factories.warmup import supervised_warmup, warmup_loss
 from thundersync.errors import ConfigError
 from thundersync.sandboxes._process import unshare_available
 from thundersync.sandboxes.local import NotIsolatedWarning
@@ -146,7 +146,7 @@ def test_agent_opd_without_the_grpo_checkpoint_says_to_train_it_first(
 
 
 def test_reverse_kl_pairs_each_actions_scored_behaviour_log_probs_with_its_teachers_in_either_order() -> None:
-    from thundersync.app._step_metrics import StepMetrics
+    from thundersync.app.metrics.step_metrics import StepMetrics
     from thundersync.events import ActionGenerated, StepDone, TeacherScored
 
     metrics = StepMetrics(clock=lambda: 0.0)

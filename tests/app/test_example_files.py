@@ -28,9 +28,9 @@ from typing import Any
 
 import pytest
 
-from tests.app.test_step_metrics import KEYS
+from tests.app.metrics.test_step_metrics import KEYS
 from tests.sandboxes.conftest import require
-from thundersync.app.definition import load
+from thundersync.app.files.definition import load
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTAINERS = ("docker", "udocker")

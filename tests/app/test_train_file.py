@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from thundersync.app import training
-from thundersync.app.cli import main
+from thundersync.app.cli.command import main
+from thundersync.app.factories import training
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "train_tiny_grpo.toml"
 
@@ -53,7 +53,7 @@ def test_a_run_that_fails_after_a_checkpoint_says_how_to_continue_from_it(
 ) -> None:
     """A failure at step 2 (after step 1 was checkpointed) names step 1's checkpoint and the
     --resume that continues from it, which then runs step 2; a failure before any says nothing."""
-    from thundersync.app.checkpoint import Checkpointer
+    from thundersync.app.checkpoints.checkpoint import Checkpointer
 
     real = Checkpointer.stepped
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import thundersync
 from tests.engine.tiny_models import tiny_qwen3, with_lora
-from thundersync.app import generators, training
+from thundersync.app.factories import generators, training
 from thundersync.errors import ConfigError
 from thundersync.events import BatchReady
 from thundersync.generation import GenerationRequest, OpenAIGenerator, SamplingParams

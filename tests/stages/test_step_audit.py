@@ -7,7 +7,7 @@ import torch
 
 import thundersync
 from tests.engine.tiny_models import tiny_qwen3
-from thundersync.app import training
+from thundersync.app.factories import training
 from thundersync.engine.sinks import FlatAccumulator
 from thundersync.errors import ConfigError
 from thundersync.events import BatchReady

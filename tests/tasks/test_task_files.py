@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from thundersync.app.cli import main
+from thundersync.app.cli.command import main
 
 FILE = """\
 # thundersync run tasks.toml

@@ -10,8 +10,8 @@ import anyio
 import pytest
 
 from tests.tools.conftest import MakeRunner
-from thundersync.app.build import build_graph
-from thundersync.app.definition import loads
+from thundersync.app.files.build import build_graph
+from thundersync.app.files.definition import loads
 from thundersync.events import StepDone, TrajectoryClosed
 from thundersync.pipeline import Graph, Pipeline
 from thundersync.pipeline.policy import PolicyClock

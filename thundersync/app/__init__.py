@@ -5,24 +5,44 @@ The top layer of the package: it imports the stages (``thundersync.stages``) and
 
 ::
 
-    definition   PipelineSpec and friends: a TOML file decoded straight into msgspec Structs
-    overrides    ``--set key.path=value``: command-line overrides of any field of a file
-    object_graph objects that reference objects (``{ object = "NAME" }``): order, cycles, types
-    check        ``thundersync check``: the whole file validated without building any object
-    build        build_graph: a spec and its runtime objects -> a validated Graph
-    factories    the runtime objects a file can build by name (``factory = "policy-clock"``)
-    models       the ``model`` and ``tokenizer`` factories
-    training     streaming-run, grpo, opd, optimizer, lr-schedule, streaming-trainer, checkpointer
-    generators   torch-generator, vllm-generator, openai-generator
-    cli          ``thundersync check`` / ``thundersync run`` (also ``python -m thundersync``)
-    metrics      JsonlMetrics: per-step metrics, lifecycle events and per-stage statistics as JSON lines
-    progress     the live progress line that ``thundersync run`` draws on stderr, and its summary line
-    checkpoint   Checkpointer: atomic checkpoints every N steps and at the end; bitwise resume
+    files/        pipeline files
+      definition    PipelineSpec and friends: a TOML file decoded straight into msgspec Structs
+      overrides     ``--set key.path=value``: command-line overrides of any field of a file
+      object_graph  objects that reference objects (``{ object = "NAME" }``): order, cycles, types
+      check         ``thundersync check``: the whole file validated without building any object
+      build         build_graph: a spec and its runtime objects -> a validated Graph
+    factories/    the runtime objects a file can build by name (``factory = "policy-clock"``)
+      registry      every factory name and its callable (real ones, and the ``test-*`` fakes)
+      models        the ``model`` and ``tokenizer`` factories
+      training      streaming-run, grpo, opd, optimizer, lr-schedule, streaming-trainer, checkpointer
+      generators    torch-generator, vllm-generator, openai-generator
+      scheduling    admission: a bound on the groups in flight
+      warmup        supervised-warmup: the model trained on demonstrations before RL
+    cli/          the ``thundersync`` command (also ``python -m thundersync``)
+      command       ``thundersync check`` / ``run`` / ``plot``
+      distributed   a data-parallel launch (torchrun): ranks, shares, rank 0 alone writes files
+      progress      the live progress line that ``thundersync run`` draws on stderr, and its summary line
+    metrics/      what a run writes about itself
+      jsonl         JsonlMetrics: per-step metrics, lifecycle events and per-stage statistics as JSON lines
+      step_metrics  one ``step`` record per optimizer step, from the run's events
+      tensorboard   the step records as TensorBoard scalars (``[run] tensorboard``)
+    checkpoints/  checkpoints
+      checkpoint    Checkpointer: atomic checkpoints every N steps and at the end; bitwise resume
+
+Subpackages import each other only through public modules (no ``_name`` module of a sibling).
 """
 
 from __future__ import annotations
 
-from thundersync.app.build import build_graph, build_objects
-from thundersync.app.definition import ObjectSpec, PipelineSpec, RunSettings, StageSpec, load, loads
+from thundersync.app.files import (
+    ObjectSpec,
+    PipelineSpec,
+    RunSettings,
+    StageSpec,
+    build_graph,
+    build_objects,
+    load,
+    loads,
+)
 
 __all__ = ["ObjectSpec", "PipelineSpec", "RunSettings", "StageSpec", "build_graph", "build_objects", "load", "loads"]

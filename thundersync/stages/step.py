@@ -7,7 +7,7 @@ announcing BatchReady.
 Runtime objects: ``trainer``, any :class:`Trainer` (:class:`StreamingTrainer` puts the streaming
 engine's safe-to-step check, clipping and the optimizer step behind it), ``policy``, the
 :class:`~thundersync.pipeline.policy.PolicyClock` that generate waits on, and ``checkpointer``,
-any :class:`Checkpointer` (:class:`thundersync.app.checkpoint.Checkpointer`): it is told of each
+any :class:`Checkpointer` (:class:`thundersync.app.checkpoints.checkpoint.Checkpointer`): it is told of each
 step after the optimizer step and before StepDone is sent and the policy published (a step the
 application sees done has its checkpoint, if one was due), and of the end of the stream.
 """

@@ -2,7 +2,7 @@
 
 A :class:`Demonstration` is one whole trajectory as the agent loop would produce it (prompt,
 actions, tool observations) with a mask of the tokens the model writes itself (its actions); a
-warm-up trains on those tokens only (:mod:`thundersync.app.warmup`). A
+warm-up trains on those tokens only (:mod:`thundersync.app.factories.warmup`). A
 :class:`DemonstrationSource` lists them.
 
 :class:`CalculatorDemonstrations` writes the calculator episode of each task that has an

@@ -212,7 +212,7 @@ def _model_directory(path: Path) -> Path:
     """``path`` if it holds a model, else its newest complete ``step-N`` checkpoint that holds one."""
     if (path / "config.json").is_file():
         return path
-    # thundersync.app.checkpoint's layout (the app layer sits above this one): step-N, complete once
+    # thundersync.app.checkpoints.checkpoint's layout (the app layer sits above this one): step-N, complete once
     # its checkpoint.json is written
     found = [
         (int(match[1]), child)

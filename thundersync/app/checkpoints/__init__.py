@@ -1,0 +1,11 @@
+"""Checkpoints: atomic saves every N steps and at the end of a run, and a bitwise resume.
+
+``checkpoint`` holds the :class:`Checkpointer` that the step stage calls; ``_checkpoint_files`` the
+directory's layout (atomic publication, retention, weights).
+"""
+
+from __future__ import annotations
+
+from thundersync.app.checkpoints.checkpoint import Checkpointer, RandomSource
+
+__all__ = ["Checkpointer", "RandomSource"]

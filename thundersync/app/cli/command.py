@@ -1,0 +1,284 @@
+"""The ``thundersync`` command: ``run`` a pipeline definition file, ``check`` one, ``plot`` a run.
+
+::
+
+    thundersync check examples/pipeline_fake.toml        # validate: schema, objects, graph wiring (builds nothing)
+    thundersync run FILE --set stages.source.samples=8   # override any field of the file (repeatable)
+    thundersync run examples/pipeline_fake.toml          # run it to completion
+    thundersync run FILE --metrics out.jsonl --progress  # metrics as JSON lines, a live stderr line
+    thundersync run FILE --resume runs/a                 # continue from the newest checkpoint in runs/a
+    thundersync plot out.jsonl [--out curves.png]        # reward and step-time curves (needs [plot])
+    torchrun --nproc-per-node 2 -m thundersync run FILE  # data parallel: one rank per GPU (or CPU process)
+
+Exit status: 0 on success, 1 when the run failed, 2 when the file, the command line or the
+metrics path is invalid (for ``plot``: the metrics file is missing, malformed or has no step
+lines), 130 when interrupted. Errors are one line on stderr; ``--verbose`` adds
+the traceback and info-level logs; under a data-parallel launch the line starts with the rank
+(:mod:`thundersync.app.cli.distributed`, where rank 0 alone writes files). The metrics file is created new in an existing directory;
+``--overwrite`` lets it replace an existing file (:mod:`thundersync.app.metrics.jsonl`), and the event
+files of an earlier run in ``run.tensorboard``'s directory (:mod:`thundersync.app.metrics.tensorboard`). Names from
+the file reach the terminal escaped (``\x1b``, ``\n``). This is the only place that configures
+logging (structlog, to stderr); the library itself configures no handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import anyio
+import structlog
+
+from thundersync.app.cli._cli_run import run_pipeline
+from thundersync.app.cli._terminal import configure_logging, printable
+from thundersync.app.cli.distributed import Launch, attach, balance, launch, rank_label
+from thundersync.app.files.build import build_graph, build_objects
+from thundersync.app.files.check import check_pipeline, check_run_settings
+from thundersync.app.files.definition import PipelineSpec, load
+from thundersync.app.metrics.jsonl import JsonlMetrics
+from thundersync.app.metrics.tensorboard import TensorBoardSteps
+from thundersync.errors import ConfigError, DefinitionError, GraphError, ThunderSyncError
+from thundersync.pipeline.graph import Graph
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="thundersync", description="Run ThunderSync pipeline definition files.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    check = commands.add_parser("check", help="validate a pipeline file without running it")
+    run = commands.add_parser("run", help="run a pipeline file to completion")
+    plot = commands.add_parser("plot", help="draw a run's reward and step-time curves to a PNG")
+    for sub in (check, run):
+        sub.add_argument("file", type=Path, metavar="FILE", help="the pipeline definition (TOML)")
+        sub.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY.PATH=VALUE",
+            help="override a field of the file, e.g. --set objects.model.dtype=bfloat16 (a TOML value; repeatable)",
+        )
+    plot.add_argument("file", type=Path, metavar="METRICS", help="a metrics file written by thundersync run")
+    plot.add_argument("--out", type=Path, metavar="PNG", help="where to write the PNG (default: beside METRICS)")
+    for sub in (check, run, plot):
+        sub.add_argument("-v", "--verbose", action="store_true", help="tracebacks and info-level logs")
+    run.add_argument(
+        "--metrics",
+        type=Path,
+        metavar="PATH",
+        help="write JSON-lines metrics to this new file, in an existing directory (overrides run.metrics)",
+    )
+    shown = run.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_const",
+        const="on",
+        help="show a live progress line on stderr even when it is not a terminal",
+    )
+    shown.add_argument(
+        "--no-progress", dest="progress", action="store_const", const="off", help="never show the progress line"
+    )
+    run.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the metrics file and run.tensorboard's event files if they exist (never done silently)",
+    )
+    run.add_argument(
+        "--resume",
+        type=Path,
+        metavar="DIR",
+        help="restore the file's checkpointer objects from DIR (a checkpoint, or the newest one in DIR) first",
+    )
+    run.add_argument(
+        "--timeout", type=_seconds, metavar="SECONDS", help="fail the run after this long (overrides run.timeout_s)"
+    )
+    return parser
+
+
+def _seconds(text: str) -> float:
+    """A positive number of seconds (argparse turns the ValueError into a usage error, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _error(message: str, error: BaseException, verbose: bool, *, hint_verbose: bool = True) -> None:
+    if verbose:
+        traceback.print_exception(error, file=sys.stderr)
+    hint = " (run with --verbose for the traceback)" if hint_verbose and not verbose else ""
+    sys.stderr.write(f"thundersync: {rank_label()}{message}: {printable(str(error))}{hint}\n")
+
+
+def _prepare(
+    path: Path, overrides: Sequence[str], ranks: Launch | None = None
+) -> tuple[PipelineSpec, dict[str, object], Graph]:
+    spec = load(path, overrides)
+    try:
+        check_run_settings(spec, data_parallel=ranks is not None)
+        objects = build_objects(spec)
+        if ranks is not None:  # claims, and an admission when the file has none (its step lines show it)
+            objects = {**objects, **attach(ranks, objects)}
+        graph = build_graph(spec, **objects)
+        if ranks is not None:
+            balance(ranks, graph)
+    except ConfigError as error:  # object and graph errors are not path-qualified by themselves
+        raise type(error)(f"{path}: {error}") from None
+    return spec, objects, graph
+
+
+@contextmanager
+def _metrics(
+    path: str | Path | None, *, overwrite: bool, tensorboard: TensorBoardSteps | None, **started: object
+) -> Iterator[JsonlMetrics]:
+    """The metrics sink (and its TensorBoard writer), open, with its ``run_started`` line written: a
+    path that cannot take that line (``/proc/version``...) is refused before anything runs (exit 2)."""
+    with JsonlMetrics(path, overwrite=overwrite, tensorboard=tensorboard) as sink:
+        try:
+            sink.write("run_started", **started)
+        except OSError as error:
+            raise ConfigError(
+                f"cannot write the metrics file {path}: {error.strerror or error}; give --metrics "
+                "(or run.metrics) the path of a regular file on a writable file system"
+            ) from None
+        yield sink
+
+
+def _check(path: Path, overrides: Sequence[str]) -> int:
+    spec = load(path, overrides)
+    try:
+        graph = check_pipeline(spec)
+    except ConfigError as error:  # object and graph errors are not path-qualified by themselves
+        raise type(error)(f"{path}: {error}") from None
+    lines = [f"{path}: ok, {len(graph)} stages, {len(spec.objects)} runtime objects"]
+    for node in graph:
+        reads = f"reads {', '.join(node.reads)}" if node.reads else "a source"
+        lines.append(f"  {node.name}: type {spec.stages[node.name].type}, {reads}")
+    sys.stdout.write("".join(printable(line) + "\n" for line in lines))
+    return EXIT_OK
+
+
+def _resume(objects: dict[str, object], directory: Path) -> int:
+    """Restore every Checkpointer among ``objects`` from ``directory`` (``--resume``); returns the
+    step they resumed at."""
+    from thundersync.app.checkpoints.checkpoint import Checkpointer  # loads torch: only when resuming
+
+    checkpointers = [obj for obj in objects.values() if isinstance(obj, Checkpointer)]
+    if not checkpointers:
+        raise ConfigError(
+            f"--resume {directory} needs a checkpointer among the file's objects, and there is none; "
+            "give the step stage a Checkpointer, or run without --resume"
+        )
+    for checkpointer in checkpointers:
+        checkpointer.resume(directory)
+    return max(checkpointer.saved_step for checkpointer in checkpointers)
+
+
+def _run(path: Path, args: argparse.Namespace) -> int:
+    with launch() as ranks:
+        return _run_rank(path, args, ranks)
+
+
+def _run_rank(path: Path, args: argparse.Namespace, ranks: Launch | None) -> int:
+    spec, objects, graph = _prepare(path, args.overrides, ranks)
+    resumed = None if args.resume is None else _resume(objects, args.resume)
+    settings = spec.run
+    writes = ranks is None or ranks.writes_files
+    metrics_path = (args.metrics if args.metrics is not None else settings.metrics) if writes else None
+    tensorboard = None
+    if writes and settings.tensorboard is not None:
+        tensorboard = TensorBoardSteps(settings.tensorboard, overwrite=args.overwrite, resume_step=resumed)
+    timeout_s = args.timeout if args.timeout is not None else settings.timeout_s
+    mode = args.progress or settings.progress
+    show = writes and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
+    log = structlog.get_logger("thundersync.cli")
+    stages = [node.name for node in graph]
+    with _metrics(
+        metrics_path, overwrite=args.overwrite, tensorboard=tensorboard, file=str(path), stages=stages
+    ) as metrics:
+        log.info("run started", file=str(path), stages=len(graph))
+        try:
+            stats = anyio.run(
+                lambda: run_pipeline(
+                    graph,
+                    objects,
+                    metrics,
+                    progress=sys.stderr if show else None,
+                    summary=sys.stderr,
+                    timeout_s=timeout_s,
+                    ranks=ranks,
+                )
+            )
+        except BaseException as error:
+            metrics.write("run_finished", status="failed", error=f"{type(error).__name__}: {error}")
+            if writes:
+                _say_where_to_resume(objects)
+            raise
+        metrics.write("run_finished", status="ok", elapsed_s=stats.elapsed_s)
+    log.info("run finished", file=str(path), elapsed_s=round(stats.elapsed_s, 3))
+    return EXIT_OK
+
+
+def _say_where_to_resume(objects: dict[str, object]) -> None:
+    """After a run that stopped early: the newest checkpoint a checkpointer of this run saved or
+    resumed from, and how to continue from it."""
+    checkpoint = sys.modules.get("thundersync.app.checkpoints.checkpoint")  # not imported: no Checkpointer exists
+    if checkpoint is None:
+        return
+    for obj in objects.values():
+        if isinstance(obj, checkpoint.Checkpointer) and obj.saved_step > 0:
+            saved = obj.directory / f"step-{obj.saved_step:08d}"
+            if (saved / checkpoint.MARKER).is_file():
+                sys.stderr.write(
+                    f"thundersync: {rank_label()}step {obj.saved_step} is checkpointed in {printable(str(saved))}; "
+                    f"to continue from it, run the same command with --resume {printable(str(obj.directory))}\n"
+                )
+
+
+def _plot(path: Path, out: Path | None) -> int:
+    from thundersync.app.cli._plot import plot_metrics
+
+    written = plot_metrics(path, out)
+    sys.stdout.write(f"{printable(str(written))}\n")
+    return EXIT_OK
+
+
+def _command(args: argparse.Namespace) -> int:
+    if args.command == "check":
+        return _check(args.file, args.overrides)
+    if args.command == "plot":
+        return _plot(args.file, args.out)
+    return _run(args.file, args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``thundersync`` command; returns the exit status."""
+    args = _parser().parse_args(argv)
+    configure_logging(args.verbose)
+    try:
+        return _command(args)
+    except ConfigError as error:
+        what = "pipeline" if isinstance(error, (DefinitionError, GraphError)) else "settings"
+        what = "metrics file" if args.command == "plot" else what
+        _error(f"invalid {what} ({type(error).__name__})", error, args.verbose, hint_verbose=False)
+        return EXIT_INVALID
+    except ThunderSyncError as error:
+        _error(f"{args.command} failed ({type(error).__name__})", error, args.verbose)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        sys.stderr.write("thundersync: interrupted\n")
+        return EXIT_INTERRUPTED
+    except Exception as error:  # a bug, not a pipeline error: still one paragraph
+        _error(f"{args.command} failed with an unexpected {type(error).__name__}", error, args.verbose)
+        return EXIT_FAILED

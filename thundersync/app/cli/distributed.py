@@ -1,0 +1,178 @@
+"""Data parallel from the command line: ``torchrun --nproc-per-node N -m thundersync run FILE``.
+
+A launcher (``torchrun``, ``python -m torch.distributed.run``) starts N copies of the command
+with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set. When
+``WORLD_SIZE`` is above 1, :func:`launch` makes each copy one rank of a data-parallel run:
+
+- it initialises the default process group: NCCL when CUDA is present (each rank on
+  ``cuda:LOCAL_RANK``, made its current device, so a model's ``device = "cuda"`` or ``"auto"``
+  lands there), gloo otherwise, with a timeout on every collective (``THUNDERSYNC_DIST_TIMEOUT_S``,
+  default 600 s);
+- :func:`attach` gives every :class:`~thundersync.engine.StreamingRun` of the file a
+  :class:`~thundersync.engine.distributed.DataParallel` (its trainer then sums the ranks'
+  gradients before each step), makes the replicas' trainable parameters rank 0's, and returns
+  the :class:`~thundersync.scheduling.RankClaims` that the source (claims whole groups) and the
+  close stage (seals each batch once every rank closed its groups) share;
+- the source claims a group only when its admission has room; without a ``max_groups`` in the
+  file, :func:`balance` bounds each rank to ``ceil(groups_per_batch / world_size)`` groups in
+  flight (an info log line names the bound), so the first rank at a batch cannot claim all of it;
+- only rank 0 writes files: the metrics file, checkpoints (:class:`~thundersync.app.checkpoints.checkpoint.Checkpointer`
+  asks the process group) and the progress display; every rank loads a ``--resume`` checkpoint;
+- a rank that fails writes its cause into the store before it stops, so the others' timeouts
+  name it; the launcher ends the others when one exits with an error. The process group is
+  destroyed when the run ends, whichever way.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from thundersync._logging import get_logger
+from thundersync.errors import ConfigError
+
+if TYPE_CHECKING:
+    from thundersync.pipeline.graph import Graph
+
+__all__ = ["TIMEOUT_ENV", "Launch", "attach", "balance", "launch", "rank_label"]
+
+_log = get_logger(__name__)
+
+TIMEOUT_ENV = "THUNDERSYNC_DIST_TIMEOUT_S"
+"""Seconds any collective, claim or seal may wait for the other ranks (default 600)."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This process's place in a data-parallel run."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    timeout_s: float
+    store: Any  # the default process group's torch.distributed.Store
+    metrics_group: Any = None  # a gloo group for the step records' gather (apart from the gradients')
+
+    @property
+    def writes_files(self) -> bool:
+        """Whether this rank writes the metrics, checkpoints and progress (rank 0 only)."""
+        return self.rank == 0
+
+    @property
+    def label(self) -> str:
+        return f"rank {self.rank} of {self.world_size}"
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (a blocking collective of all ranks: call it from a
+        worker thread, each rank once per step record)."""
+        import torch.distributed as dist
+
+        objs: list[Any] = [None] * self.world_size
+        dist.all_gather_object(objs, obj, group=self.metrics_group)
+        return objs
+
+
+def rank_label(environ: Mapping[str, str] = os.environ) -> str:
+    """``"rank 1 of 2: "`` in a data-parallel launch, else ``""`` (for error lines)."""
+    world = _int(environ, "WORLD_SIZE", 1)
+    return f"rank {_int(environ, 'RANK', 0)} of {world}: " if world > 1 else ""
+
+
+@contextmanager
+def launch(environ: Mapping[str, str] = os.environ) -> Iterator[Launch | None]:
+    """This rank's :class:`Launch` with the process group up (None: not launched data-parallel)."""
+    world_size = _int(environ, "WORLD_SIZE", 1)
+    if world_size <= 1:
+        yield None
+        return
+    import torch
+    import torch.distributed as dist
+
+    from thundersync.engine.distributed import default_store
+    from thundersync.engine.failures import report_failure
+
+    rank, local_rank, timeout_s = _int(environ, "RANK", 0), _int(environ, "LOCAL_RANK", 0), _timeout(environ)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    store = default_store()
+    # the step records travel on their own gloo group: their gather runs in a worker thread while
+    # the trainer's collectives may run on another, and one group's calls must come in one order
+    metrics_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        yield Launch(rank, world_size, local_rank, timeout_s, store, metrics_group)
+    except BaseException as error:
+        report_failure(store, rank, error)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def attach(launch: Launch, objects: Mapping[str, Any]) -> dict[str, Any]:
+    """Make the file's streaming runs data-parallel; returns the objects the graph's stages take
+    (``claims``, and an unbounded ``admission`` when the file has none, which :func:`balance`
+    bounds), to pass to :func:`~thundersync.app.files.build.build_graph`."""
+    from thundersync.engine import StreamingRun
+    from thundersync.engine.distributed import DataParallel
+    from thundersync.scheduling import Admission, GroupClaims, RankClaims
+
+    for obj in objects.values():
+        if isinstance(obj, StreamingRun):
+            obj.data_parallel = DataParallel(store=launch.store, timeout_s=launch.timeout_s)
+            obj.data_parallel.broadcast_parameters(obj.params)
+    claims = GroupClaims(launch.store, rank=launch.rank, world_size=launch.world_size, timeout_s=launch.timeout_s)
+    given: dict[str, Any] = {"claims": RankClaims(claims)}
+    if "admission" not in objects and not any(isinstance(obj, Admission) for obj in objects.values()):
+        given["admission"] = Admission()
+    return given
+
+
+def balance(launch: Launch, graph: Graph) -> None:
+    """Bound each claiming source's admission to ``ceil(groups_per_batch / world_size)`` groups in
+    flight when the file gives no ``max_groups``: then no rank claims more than its share of a
+    batch while the others still claim theirs (a rank whose bound is full claims again when one of
+    its groups closes, so every group of a batch is still claimed)."""
+    import msgspec
+
+    from thundersync.stages.source import SourceStage
+
+    for node in graph:
+        source = node.stage
+        if not isinstance(source, SourceStage) or source.claims is None or source.admission is None:
+            continue
+        admission = source.admission
+        if admission.config.max_groups is None:
+            bound = -(-source.groups_per_batch // launch.world_size)
+            admission.config = msgspec.structs.replace(admission.config, max_groups=bound)
+            _log.info(
+                "admission bound",
+                max_groups=bound,
+                reason=f"no max_groups given: {source.groups_per_batch} groups per batch over {launch.world_size} ranks",
+                rank=launch.rank,
+            )
+
+
+def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+    text = environ.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not an integer; the launcher (torchrun) sets it") from None
+
+
+def _timeout(environ: Mapping[str, str]) -> float:
+    text = environ.get(TIMEOUT_ENV, "600")
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ConfigError(f"{TIMEOUT_ENV}={text!r}: give the seconds a collective may wait, a number > 0")
+    return value

@@ -1,0 +1,168 @@
+"""`JsonlMetrics`: per-step metrics, lifecycle events and per-stage statistics as JSON lines.
+
+Every line is a JSON object with an ``event`` (``step``, an event's class name, ``run_started``,
+``stage_statistics`` or ``run_finished``) and ``t``, the seconds since the sink was opened::
+
+    {"t":0.0,"event":"run_started","file":"examples/pipeline_fake.toml","stages":["source",...]}
+    {"t":0.011,"event":"GroupClosed","group_id":0,"num_trajectories":4}
+    {"t":0.012,"event":"StepDone","batch_id":0,"policy_version":1,"grad_norm":0.0,...}
+    {"t":0.012,"event":"step","step":1,"reward_mean":0.41,"reward_std":0.12,"step_s":0.012,...}
+    {"t":0.9,"event":"stage_statistics","name":"reward","state":"done","received":1640,...}
+    {"t":0.9,"event":"run_finished","status":"ok","elapsed_s":0.9}
+
+The ``step`` lines (one per optimizer step; :mod:`thundersync.app.metrics.step_metrics` defines each
+key) are what other tools read: ``thundersync plot`` draws them. Given ``tensorboard``
+(:class:`~thundersync.app.metrics.tensorboard.TensorBoardSteps`, ``[run] tensorboard``), the sink also
+hands each step record to it, opens it with itself and closes it with itself.
+
+Lines reach the file as they are written (no buffer), so a crashed run leaves every line up to the crash.
+
+The file is created new, in a directory that must already exist; an existing file is replaced
+only with ``overwrite=True`` (``thundersync run --overwrite``), and then only if it is a regular
+file: the sink never writes through a symbolic link (``O_NOFOLLOW``), into a device or a FIFO.
+Each refusal is a :class:`~thundersync.errors.ConfigError` that names the path and what to do.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import shlex
+import stat
+from pathlib import Path
+from time import perf_counter
+from types import TracebackType
+from typing import Any
+
+import msgspec
+
+from thundersync.app.metrics.tensorboard import TensorBoardSteps
+from thundersync.errors import ConfigError
+from thundersync.events import EventBase
+from thundersync.pipeline.runner import RunStatistics
+
+__all__ = ["JsonlMetrics"]
+
+_KINDS = (
+    (stat.S_ISREG, "regular file"),
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISLNK, "symbolic link"),
+    (stat.S_ISFIFO, "FIFO"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISSOCK, "socket"),
+)
+_HINT = "give --metrics (or run.metrics) the path of a new file"
+
+
+class JsonlMetrics:
+    """Write metric records to ``path`` (``None``: a sink that drops everything).
+
+    ``overwrite``: replace an existing regular file instead of refusing to open; ``tensorboard``:
+    where the step records also go (None: nowhere else).
+    """
+
+    def __init__(
+        self, path: str | Path | None, *, overwrite: bool = False, tensorboard: TensorBoardSteps | None = None
+    ) -> None:
+        self.path = None if path is None else Path(path)
+        self.overwrite = overwrite
+        self.tensorboard = tensorboard
+        self._file: io.FileIO | None = None
+        self._encoder = msgspec.json.Encoder()
+        self._start = perf_counter()
+        self.lines = 0
+
+    def __enter__(self) -> JsonlMetrics:
+        if self.path is not None:
+            self._file = _open_new(self.path, overwrite=self.overwrite)
+        if self.tensorboard is not None:
+            try:
+                self.tensorboard.__enter__()
+            except BaseException:
+                self.__exit__(None, None, None)
+                raise
+        self._start = perf_counter()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        try:
+            if self.tensorboard is not None:
+                self.tensorboard.__exit__(exc_type, exc, traceback)
+        finally:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def write(self, event: str, **fields: Any) -> None:
+        """Write one record ``{"t": ..., "event": event, **fields}`` (a ``step`` record also to TensorBoard)."""
+        if event == "step" and self.tensorboard is not None:
+            self.tensorboard.add(fields)
+        if self._file is None:
+            return
+        record = {"t": round(perf_counter() - self._start, 6), "event": event, **fields}
+        line = memoryview(self._encoder.encode(record) + b"\n")
+        while line:  # unbuffered: each line reaches the file now, and a failed write is not retried at close
+            line = line[self._file.write(line) :]
+        self.lines += 1
+
+    def event(self, event: EventBase) -> None:
+        """Write one pipeline event (its fields; ``event`` is its class name)."""
+        fields = msgspec.to_builtins(event)
+        self.write(fields.pop("type"), **fields)
+
+    def statistics(self, stats: RunStatistics) -> None:
+        """Write one ``stage_statistics`` line per stage."""
+        for stage in stats.stages.values():
+            self.write("stage_statistics", **msgspec.to_builtins(stage))
+
+
+def _open_new(path: Path, *, overwrite: bool) -> io.FileIO:
+    """``path`` opened for writing from its start, or a ConfigError saying why it may not be."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO must not block us
+    try:
+        fd = os.open(path, flags if overwrite else flags | os.O_EXCL, 0o644)
+    except OSError as error:
+        raise _refusal(path, error) from None
+    try:
+        kind = _kind(os.fstat(fd).st_mode)
+        if kind != "regular file":
+            raise ConfigError(f"the metrics path {path} is a {kind}, not a regular file; {_HINT}")
+        os.set_blocking(fd, True)
+        os.ftruncate(fd, 0)
+    except OSError as error:
+        os.close(fd)
+        raise _refusal(path, error) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return io.FileIO(fd, "wb")
+
+
+def _refusal(path: Path, error: OSError) -> ConfigError:
+    """Why ``path`` cannot be the metrics file, as one message that says what to do."""
+    try:
+        kind: str | None = _kind(os.lstat(path).st_mode)
+    except OSError:
+        kind = None
+    if kind == "regular file" and error.errno == errno.EEXIST:
+        return ConfigError(
+            f"the metrics file {path} already exists and is never overwritten silently; choose a new "
+            "path, or replace it with --overwrite (overwrite=True in Python)"
+        )
+    if kind is not None and kind != "regular file":
+        return ConfigError(f"the metrics path {path} is a {kind}, not a regular file; {_HINT}")
+    if error.errno == errno.ENOENT:
+        parent = path.parent
+        return ConfigError(
+            f"the metrics file {path} cannot be created: its directory {parent} does not exist; "
+            f"create it first (mkdir -p {shlex.quote(str(parent))})"
+        )
+    return ConfigError(f"cannot write the metrics file {path}: {error.strerror or error}; {_HINT}")
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "special file")

@@ -1,0 +1,271 @@
+"""Per-step metrics: one record per optimizer step, aggregated from the graph's events.
+
+:class:`StepMetrics` watches every event of a run (:func:`watched` adds a stage that reads from
+all the others) and, on each StepDone, returns the step's record, which the metrics file writes
+as an ``"event": "step"`` line::
+
+    {"step": 3, "batch_id": 2, "reward_mean": 0.41, "reward_std": 0.12,
+     "step_s": 1.9, "rollout_s": 1.5, "learn_s": 0.3, "tokens": 1536, "tokens_per_s": 808.4,
+     "grad_norm": 0.8, "lr": 0.001, "tool_calls": 12, "tool_errors": 1, "logprob_mismatch": null,
+     "audit_rel_error": null, "reverse_kl": null}
+
+Definitions (times in seconds, from the watcher's clock):
+
+- ``reward_mean`` / ``reward_std``: mean and population standard deviation of the batch's
+  Rewarded values (``null`` when it has none, as in OPD);
+- ``rollout_s``: from the start of the batch's generation to its last final ActionGenerated.
+  The start is the batch's first GroupOpened (generate began the batch), or its first
+  PromptSubmitted when no GroupOpened is seen: the source submits the next batch's prompts while
+  the current step still runs (up to its channel's capacity), so counting from submission would
+  count the wait for the new policy as rollout;
+- ``learn_s``: the time the step waited for the engine's queued work plus the optimizer step
+  (the trainer measures it: StepDone.learn_s);
+- ``step_s``: since the previous StepDone (the first step: since the watcher started);
+- ``tokens``: action tokens generated for the batch (ActionGenerated); ``tokens_per_s``: tokens
+  over ``step_s``;
+- ``tool_calls``: the batch's ToolObserved; ``tool_errors``: those that timed out or whose
+  process did not exit with status 0 (killed ones included);
+- ``grad_norm``, ``lr``, ``logprob_mismatch``, ``audit_rel_error``: as the step reported them
+  (StepDone; ``audit_rel_error`` only on the trainer's audited steps, ``audit_every``);
+- ``reverse_kl`` (OPD): the mean over the batch's teacher-scored tokens of behaviour log-prob
+  minus teacher log-prob, the sampled estimate of the policy's KL(policy || teacher) per token
+  (``null`` when no teacher scored the batch);
+- with an :class:`~thundersync.scheduling.Admission`, its decisions since the previous step:
+  ``admission_waits`` (admissions and reservations that had to wait), ``admission_wait_s``
+  (their total wait), ``admission_forced`` (groups let in, or the oldest group's tokens counted,
+  over a bound so the pipeline keeps moving), and the peaks ``in_flight_groups`` and
+  ``in_flight_tokens`` (prompts, actions and observations of the groups in flight).
+
+In a data-parallel run each rank sees only its own groups' events; the ranks gather their shares
+at each step (:func:`merge_ranks`), so rank 0's line (the one written) has the rewards, tokens,
+tool calls and reverse KL of the whole batch, plus ``groups_per_rank`` (how the claims fell).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any, ClassVar
+
+from thundersync.events import (
+    ActionGenerated,
+    EventBase,
+    GroupOpened,
+    Id,
+    PromptSubmitted,
+    Rewarded,
+    StepDone,
+    TeacherScored,
+    ToolObserved,
+)
+from thundersync.pipeline.graph import Graph
+from thundersync.pipeline.stage import Inbox, Outbox, Stage
+from thundersync.scheduling import Admission, AdmissionStats
+
+__all__ = ["WATCHER", "RankShare", "StepMetrics", "merge_ranks", "watched"]
+
+WATCHER = "step-metrics"
+"""The name of the stage :func:`watched` adds (a graph that has it gets ``step-metrics-2``...)."""
+
+
+@dataclass
+class _Batch:
+    submitted_s: float | None = None
+    started_s: float | None = None
+    last_final_s: float | None = None
+    rewards: list[float] = field(default_factory=list)
+    tokens: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    kl_sum: float = 0.0  # over teacher-scored tokens: behaviour - teacher log-prob
+    kl_tokens: int = 0
+    groups: int = 0  # GroupOpened seen
+    unpaired: dict[tuple[Id, Id, int], list[float]] = field(default_factory=dict)  # an action's scored
+    # behaviour log-probs or its teacher's log-probs, whichever came first
+
+
+class StepMetrics:
+    """Aggregates a run's events into one record per step; ``clock`` gives seconds (monotonic)."""
+
+    def __init__(self, clock: Callable[[], float] = perf_counter, *, admission: Admission | None = None) -> None:
+        self._clock = clock
+        self._admission = admission
+        self._admitted = AdmissionStats()  # the admission's counters at the previous step
+        self._last_step_s = clock()
+        self._batch_of_group: dict[Id, Id] = {}
+        self._batches: dict[Id, _Batch] = {}
+        self.share: RankShare | None = None  # this rank's part of the last recorded batch
+
+    def observe(self, event: EventBase) -> dict[str, Any] | None:
+        """Take one event; returns the step record when ``event`` is a StepDone."""
+        now = self._clock()
+        if isinstance(event, (PromptSubmitted, GroupOpened)):
+            self._batch_of_group[event.group_id] = event.batch_id
+            batch = self._batches.setdefault(event.batch_id, _Batch())
+            if isinstance(event, PromptSubmitted) and batch.submitted_s is None:
+                batch.submitted_s = now
+            if isinstance(event, GroupOpened):
+                batch.groups += 1
+                batch.started_s = now if batch.started_s is None else batch.started_s
+        elif isinstance(event, StepDone):
+            return self._record(event, now)
+        elif isinstance(event, (ActionGenerated, Rewarded, ToolObserved)):
+            self._count(event, self._batch(event.group_id), now)
+        if isinstance(event, (ActionGenerated, TeacherScored)):
+            self._pair(event)
+        return None
+
+    def _pair(self, event: ActionGenerated | TeacherScored) -> None:
+        """Add an action's per-token reverse KL once both its behaviour and teacher log-probs came."""
+        if isinstance(event, ActionGenerated):
+            if not event.behaviour_logprobs:
+                return
+            scored = event.scored or [True] * len(event.behaviour_logprobs)
+            mine = [b for b, s in zip(event.behaviour_logprobs, scored) if s]
+        else:
+            mine = event.teacher_logprobs
+        batch, turn = self._batch(event.group_id), (event.group_id, event.trajectory_id, event.turn)
+        other = batch.unpaired.pop(turn, None)
+        if other is None:
+            batch.unpaired[turn] = mine
+            return
+        behaviour, teacher = (mine, other) if isinstance(event, ActionGenerated) else (other, mine)
+        batch.kl_sum += sum(b - q for b, q in zip(behaviour, teacher))
+        batch.kl_tokens += len(teacher)
+
+    def _batch(self, group_id: Id) -> _Batch:
+        return self._batches.setdefault(self._batch_of_group.get(group_id, group_id), _Batch())
+
+    @staticmethod
+    def _count(event: ActionGenerated | Rewarded | ToolObserved, batch: _Batch, now: float) -> None:
+        if isinstance(event, ActionGenerated):
+            batch.tokens += len(event.token_ids)
+            if event.final:
+                batch.last_final_s = now
+        elif isinstance(event, Rewarded):
+            batch.rewards.append(event.reward)
+        else:
+            batch.tool_calls += 1
+            batch.tool_errors += event.timed_out or event.exit_status != 0
+
+    def _record(self, done: StepDone, now: float) -> dict[str, Any]:
+        batch = self._batches.pop(done.batch_id, _Batch())
+        self._batch_of_group = {g: b for g, b in self._batch_of_group.items() if b != done.batch_id}
+        step_s, self._last_step_s = now - self._last_step_s, now
+        start = batch.started_s if batch.started_s is not None else batch.submitted_s
+        rollout_s = None if start is None or batch.last_final_s is None else batch.last_final_s - start
+        self.share = RankShare(
+            batch.rewards,
+            batch.tokens,
+            batch.tool_calls,
+            batch.tool_errors,
+            batch.kl_sum,
+            batch.kl_tokens,
+            batch.groups,
+        )
+        record = {
+            "step": done.policy_version,
+            "batch_id": done.batch_id,
+            "step_s": step_s,
+            "rollout_s": rollout_s,
+            "learn_s": done.learn_s,
+            "grad_norm": done.grad_norm,
+            "lr": done.lr,
+            "logprob_mismatch": done.logprob_mismatch,
+            "audit_rel_error": done.audit_rel_error,
+        }
+        return _with_share(record, self.share) | self._admission_record()
+
+    def _admission_record(self) -> dict[str, Any]:
+        if self._admission is None:
+            return {}
+        now, before = self._admission.stats(reset_peaks=True), self._admitted
+        self._admitted = now
+        return {
+            "admission_waits": now.waits - before.waits,
+            "admission_wait_s": now.waited_s - before.waited_s,
+            "admission_forced": now.forced - before.forced,
+            "in_flight_groups": now.peak_groups,
+            "in_flight_tokens": now.peak_tokens,
+        }
+
+
+@dataclass
+class RankShare:
+    """One rank's part of a batch: what the ranks of a data-parallel run add up for its record."""
+
+    rewards: list[float]
+    tokens: int
+    tool_calls: int
+    tool_errors: int
+    kl_sum: float
+    kl_tokens: int
+    groups: int
+
+
+def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, Any]:
+    """``record`` (this rank's) with the batch fields taken over every rank's share, in rank order:
+    rewards, tokens, tool calls and reverse KL of the whole batch, and ``groups_per_rank``."""
+    total = RankShare(
+        [r for share in shares for r in share.rewards],
+        sum(share.tokens for share in shares),
+        sum(share.tool_calls for share in shares),
+        sum(share.tool_errors for share in shares),
+        sum(share.kl_sum for share in shares),
+        sum(share.kl_tokens for share in shares),
+        sum(share.groups for share in shares),
+    )
+    return _with_share(record, total) | {"groups_per_rank": [share.groups for share in shares]}
+
+
+def _with_share(record: dict[str, Any], share: RankShare) -> dict[str, Any]:
+    step_s = record["step_s"]
+    return record | {
+        "reward_mean": statistics.fmean(share.rewards) if share.rewards else None,
+        "reward_std": statistics.pstdev(share.rewards) if share.rewards else None,
+        "tokens": share.tokens,
+        "tokens_per_s": share.tokens / step_s if step_s > 0 else None,
+        "tool_calls": share.tool_calls,
+        "tool_errors": share.tool_errors,
+        "reverse_kl": share.kl_sum / share.kl_tokens if share.kl_tokens else None,
+    }
+
+
+class _Watch(Stage):
+    """Reads every event of the stages it is wired to and hands each to ``see``; sends nothing."""
+
+    consumes: ClassVar[tuple[type[EventBase], ...]] = (EventBase,)
+
+    def __init__(self, see: Callable[[EventBase], Awaitable[None] | None]) -> None:
+        super().__init__()
+        self.see = see
+
+    async def run(self, inbox: Inbox, outbox: Outbox) -> None:
+        async for event in inbox:
+            seen = self.see(event)
+            if seen is not None:
+                await seen
+
+
+def watched(graph: Graph, see: Callable[[EventBase], Awaitable[None] | None]) -> Graph:
+    """A copy of ``graph`` with the same results, plus a stage that hands every event to ``see``
+    (awaiting what it returns, when it returns an awaitable)."""
+    outputs = {node.name for node in graph.outputs()}
+    copy = Graph()
+    for node in graph:
+        copy.add(
+            node.name,
+            node.stage,
+            reads=node.reads,
+            feedback=node.feedback,
+            capacity=node.capacity,
+            output=node.name in outputs,
+        )
+    name, n = WATCHER, 1
+    while name in copy:
+        n += 1
+        name = f"{WATCHER}-{n}"
+    producers = [node.name for node in graph if node.stage.produces]
+    return copy.add(name, _Watch(see), reads=producers)
