@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -43,3 +44,13 @@ def test_the_calculator_passes_the_expression_after_its_fixed_program() -> None:
 def test_bad_arguments_say_what_is_wrong(tool: Any, arguments: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         tool.command(arguments)
+
+
+def test_each_default_tool_publishes_a_function_schema_of_its_arguments() -> None:
+    arguments = {"calculator": "expression", "python": "code", "shell": "command"}
+    for name, tool in default_tools().items():
+        schema = json.loads(json.dumps(tool.schema))  # plain JSON data
+        function = schema["function"]
+        assert schema["type"] == "function" and function["name"] == name and function["description"]
+        assert function["parameters"]["required"] == [arguments[name]]
+        assert set(function["parameters"]["properties"]) == {arguments[name]}

@@ -4,7 +4,9 @@ A tool checks its arguments and builds the command as an argv list; model output
 part of a shell string or an option. ``shell`` is the one tool that runs a shell, and it passes the
 model's command as a single argv element after ``sh -c --``; ``python`` sends the code on stdin;
 ``calculator`` accepts only arithmetic and passes it as the one argument of a fixed program.
-A bad argument raises ``ValueError`` with a message for the model.
+A bad argument raises ``ValueError`` with a message for the model. Each tool publishes its
+``schema`` (an OpenAI-style function description: name, description, JSON-schema parameters),
+which prompts give the model in its tokenizer's format (``apply_chat_template(..., tools=...)``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["CalculatorTool", "Command", "PythonTool", "ShellTool", "Tool", "default_tools"]
+__all__ = ["CalculatorTool", "Command", "PythonTool", "ShellTool", "Tool", "default_tools", "function_schema"]
 
 
 @dataclass(frozen=True)
@@ -33,9 +35,33 @@ class Tool(Protocol):
         """The name a call gives (``{"name": "calculator", ...}``)."""
         ...
 
+    @property
+    def schema(self) -> dict[str, Any]:
+        """The tool as the model is told of it: ``{"type": "function", "function": {"name": ...,
+        "description": ..., "parameters": {JSON schema}}}`` (:func:`function_schema`)."""
+        ...
+
     def command(self, arguments: Mapping[str, Any]) -> Command:
         """The command for these arguments; raises ``ValueError`` saying what is wrong with them."""
         ...
+
+
+def function_schema(name: str, description: str, properties: Mapping[str, tuple[str, str]]) -> dict[str, Any]:
+    """An OpenAI-style function schema whose parameters are required strings or integers:
+    ``properties`` maps each parameter to (JSON type, description)."""
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {key: {"type": kind, "description": text} for key, (kind, text) in properties.items()},
+                "required": list(properties),
+                "additionalProperties": False,
+            },
+        },
+    }
 
 
 def _text(arguments: Mapping[str, Any], tool: str, key: str, limit: int) -> str:
@@ -57,6 +83,12 @@ class ShellTool:
     name: str = "shell"
     max_chars: int = 4096
 
+    @property
+    def schema(self) -> dict[str, Any]:
+        return function_schema(
+            self.name, "Run a shell command (sh -c) in the sandbox.", {"command": ("string", "the command line")}
+        )
+
     def command(self, arguments: Mapping[str, Any]) -> Command:
         return Command(["sh", "-c", "--", _text(arguments, self.name, "command", self.max_chars)])
 
@@ -68,6 +100,14 @@ class PythonTool:
     name: str = "python"
     interpreter: str = "python3"
     max_chars: int = 16384
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        return function_schema(
+            self.name,
+            "Run a Python program in the sandbox; its stdout is returned.",
+            {"code": ("string", "the program")},
+        )
 
     def command(self, arguments: Mapping[str, Any]) -> Command:
         code = _text(arguments, self.name, "code", self.max_chars)
@@ -91,6 +131,14 @@ class CalculatorTool:
     name: str = "calculator"
     interpreter: str = "python3"
     max_chars: int = 256
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        return function_schema(
+            self.name,
+            "Evaluate arithmetic: numbers and + - * / % ( ).",
+            {"expression": ("string", "the expression, e.g. 17 * (3 + 4)")},
+        )
 
     def command(self, arguments: Mapping[str, Any]) -> Command:
         expression = _text(arguments, self.name, "expression", self.max_chars)
