@@ -29,6 +29,7 @@ def action_generated(draw: st.DrawFn) -> ActionGenerated:
         behaviour_logprobs=draw(st.lists(finite, min_size=len(tokens), max_size=len(tokens))),
         scored=draw(st.lists(st.booleans(), min_size=len(tokens), max_size=len(tokens))),
         final=draw(st.booleans()),
+        stop_reason=draw(st.none() | st.sampled_from(["context", "submitted", "failed", "dropped"])),
     )
 
 
@@ -46,6 +47,8 @@ def _strategy(info: mi.Type) -> st.SearchStrategy[object]:
         return st.booleans()
     if isinstance(info, mi.NoneType):
         return st.none()
+    if isinstance(info, mi.LiteralType):
+        return st.sampled_from(info.values)
     if isinstance(info, mi.ListType):
         return st.lists(_strategy(info.item_type), max_size=8)
     if isinstance(info, mi.UnionType):

@@ -22,6 +22,7 @@ keep working.
     ├── KernelError                         GPU kernels and their capability probing
     │   └── KernelUnavailable               a kernel that was required cannot run here
     ├── DistributedError                    a rank died, stalled or disagreed with the others
+    ├── EpisodeError                        an agent episode failed: names task, trajectory, tool, cause
     ├── GenerationError                     rollout generation backends
     │   └── BackendCapabilityError          a backend cannot do what was asked (e.g. token ids)
     └── SandboxError                        agent tool sandboxes
@@ -40,6 +41,7 @@ __all__ = [
     "ConfigError",
     "DefinitionError",
     "DistributedError",
+    "EpisodeError",
     "EventError",
     "GenerationError",
     "GraphError",
@@ -171,6 +173,17 @@ class KernelUnavailable(KernelError):
 
 class DistributedError(ThunderSyncError):
     """Data-parallel training across ranks failed: a rank died or timed out, or ranks disagreed."""
+
+
+class EpisodeError(ThunderSyncError):
+    """An agent episode failed for a reason outside the model's text: its sandbox could not start or
+    died, its task's setup or grading failed, a tool raised. The message names the task, the
+    trajectory, the tool (or ``setup``, ``grader``) and the cause; ``on_failure`` (an
+    :class:`~thundersync.scheduling.EpisodeFailures`) decides whether it fails the run."""
+
+    def __init__(self, *, task: str, trajectory: str, tool: str, cause: str) -> None:
+        super().__init__(f"episode failed: task {task}, {trajectory}, tool {tool!r}: {cause}")
+        self.task, self.trajectory, self.tool, self.cause = task, trajectory, tool, cause
 
 
 class GenerationError(ThunderSyncError):

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Final, TypeAlias
+from typing import Annotated, Any, Final, Literal, TypeAlias
 
 import msgspec
 
@@ -56,6 +56,7 @@ __all__ = [
     "PromptSubmitted",
     "Rewarded",
     "StepDone",
+    "StopReason",
     "TaskFields",
     "TeacherScored",
     "ToolObserved",
@@ -73,6 +74,10 @@ TokenIds: TypeAlias = list[TokenId]
 
 Id: TypeAlias = _Int64 | str
 """Group, trajectory and batch ids: an int (int64 range) or a str (JSON keeps both apart)."""
+
+StopReason: TypeAlias = Literal["context", "submitted", "failed", "dropped"]
+"""Why a trajectory ended before the model wrote a final answer: its next prompt would not fit the
+generator's context, the model called the submit tool, its episode failed, or its group was dropped."""
 
 TaskFields: TypeAlias = dict[str, Any]
 """A task's own fields beside its prompt (``{"answer": "42"}``), JSON values; the reward reads them."""
@@ -136,7 +141,9 @@ class ActionGenerated(EventBase, frozen=True):
 
     ``token_ids`` are the new tokens, ``behaviour_logprobs`` their sampling log-probs (one per
     token) and ``scored`` which of them are trained on (empty: all). ``final`` marks the
-    trajectory's last action. Produced by generate. Consumed by backward (appends the turn),
+    trajectory's last action. A trajectory that ends without a final answer (``stop_reason``: its
+    next prompt would not fit, it submitted, its episode failed, its group was dropped) ends with an
+    empty final action. Produced by generate. Consumed by backward (appends the turn),
     close (declares the turn), teacher (scores every action) and reward (scores the trajectory
     at its final action).
     """
@@ -149,6 +156,7 @@ class ActionGenerated(EventBase, frozen=True):
     scored: list[bool] = []
     final: bool = False
     policy_version: NonNegInt = 0
+    stop_reason: StopReason | None = None  # set on the empty final action that ends a trajectory early
 
     def __post_init__(self) -> None:
         if self.behaviour_logprobs:
@@ -164,7 +172,9 @@ class ToolObserved(EventBase, frozen=True):
     ``turn`` is the action's turn whose tool call this answers. ``exit_status`` is the tool
     process's exit status (``None``: it was killed before it exited), ``truncated`` says that
     output was dropped to fit a bound and ``timed_out`` that the call hit its time limit; a
-    :class:`~thundersync.tools.ToolRunner` reports them with the tokens. Produced by
+    :class:`~thundersync.tools.ToolRunner` reports them with the tokens. ``stop_reason`` ends the
+    trajectory after this observation (the model submitted, or its episode failed: ``failure``
+    says how). Produced by
     tool-execute. Consumed by generate (the next action continues from it), by backward (appends
     the observation as context) and by reward and teacher (the trajectory's tokens).
     """
@@ -176,6 +186,8 @@ class ToolObserved(EventBase, frozen=True):
     exit_status: _Int64 | None = 0
     truncated: bool = False
     timed_out: bool = False
+    stop_reason: Literal["submitted", "failed"] | None = None  # the trajectory ends after this observation
+    failure: str | None = None  # the episode failed: task, trajectory, tool and cause
 
 
 class TeacherScored(EventBase, frozen=True):
@@ -204,6 +216,7 @@ class Rewarded(EventBase, frozen=True):
     group_id: Id
     trajectory_id: Id
     reward: float
+    failure: str | None = None  # grading failed (the reward is then the failure policy's)
 
     def __post_init__(self) -> None:
         _require_finite("reward", [self.reward])
@@ -248,6 +261,7 @@ class GroupClosed(EventBase, frozen=True):
 
     group_id: Id
     num_trajectories: NonNegInt = 0
+    dropped: bool = False  # an episode of it failed under on_failure = "drop": not in its batch
 
 
 class BatchReady(EventBase, frozen=True):

@@ -14,10 +14,12 @@ def _never() -> object:
 
 
 def test_the_runner_rejects_settings_it_cannot_honour() -> None:
-    with pytest.raises(
-        ConfigError, match=r"needs max_sandboxes >= 1, timeout_s > 0 and truncate_tokens >= 0; got 0, 1.0, 5"
-    ):
+    with pytest.raises(ConfigError, match=r"needs max_sandboxes, max_calls, .* got \(0, 8, 65536, 4096\), warm=0"):
         SandboxToolRunner(_never, max_sandboxes=0, timeout_s=1.0, truncate_tokens=5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"0 <= warm <= max_sandboxes.* warm=3"):
+        SandboxToolRunner(_never, max_sandboxes=2, warm=3)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"needs a sandbox factory \(sandbox=...\) or one per image"):
+        SandboxToolRunner()
 
 
 @pytest.mark.anyio
@@ -25,13 +27,14 @@ async def test_a_runner_entered_twice_keeps_its_pool_until_the_last_exit() -> No
     """``thundersync run`` enters its objects, and the tool-execute stage enters its runner again."""
     runner = SandboxToolRunner(_never)  # type: ignore[arg-type]
     async with runner:
-        pool = runner._pool
+        sessions = runner.sessions
         async with runner:
-            assert runner._pool is pool and pool is not None
-        assert runner._pool is pool
-    assert runner._pool is None
+            assert runner.sessions is sessions
+        assert runner.sessions is sessions
     with pytest.raises(SandboxError, match=r"the SandboxToolRunner is not open: use 'async with runner'"):
-        await runner._outcomes([ToolCall(name="calculator", arguments={"expression": "1 + 1"})])
+        runner.sessions  # noqa: B018
+    with pytest.raises(SandboxError, match=r"the SandboxToolRunner is not open: use 'async with runner'"):
+        await runner._outcomes([ToolCall(name="calculator", arguments={"expression": "1 + 1"})], ("g", 0), None, "x")
 
 
 def test_the_factory_needs_an_image_for_container_backends() -> None:

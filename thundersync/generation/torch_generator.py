@@ -111,6 +111,7 @@ class TorchGenerator:
         self._batcher = ContinuousBatcher(
             model, slots=max_batch, capacity=max_seq_len, prefill_tokens=prefill_tokens, key_bucket=128
         )
+        self.max_seq_len = max_seq_len  # what generate's trajectories must fit (prompt and new tokens)
         device = self._batcher.anatomy.device
         if cuda_graphs is None:
             cuda_graphs = device.type == "cuda"

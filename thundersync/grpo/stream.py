@@ -202,6 +202,20 @@ class RewardLinearBackward:
             self._profile.wrap(group_id, len(packs) - 1, len(last), tokens, job),
         )
 
+    def drop_group(self, group_id: Hashable) -> None:
+        """Drop a group whose trajectories are all closed (an episode of it failed): nothing of it
+        reaches the total, so the batch's gradient is the one over the groups kept.
+
+        Its branches only ever added into the group's own accumulators and ledgers (the total
+        receives a group's terms at its close), which are released; work of it still queued is
+        skipped. Branches already forwarded still count in the log-prob mismatch.
+        """
+        group = self._groups.close_group(group_id)
+        pending = group.payload
+        pending.waiting = []
+        pending.work.cancelled = True
+        self.run.submit(f"release of dropped group {group_id!r}", pending.work.release)
+
     def assert_safe_to_step(self) -> None:
         """Raise :class:`~thundersync.errors.UnsafeStepError` naming pending work; else ``.grad`` is final."""
         self.run.assert_safe_to_step(self._groups.pending())

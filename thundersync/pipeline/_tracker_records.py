@@ -156,6 +156,7 @@ class GroupRecord:
     needs_prompt: bool
     state: GroupState = GroupState.OPEN
     prompt_done: bool = False  # reported while trajectories were still open (it came by another edge)
+    dropped: bool = False  # an episode failed under on_failure = "drop": it leaves its batch at its close
 
     def pending(self) -> list[str]:
         if self.state is GroupState.PROMPT_PENDING:
@@ -206,6 +207,12 @@ class BatchRecord:
         for group in self.groups:
             waits.extend(group.pending())
         return waits
+
+    def remove(self, group: GroupRecord) -> None:
+        """Take a dropped group out of the batch: the batch waits for one more group again."""
+        self.groups.remove(group)
+        if self.state is BatchState.SEALED and self.expected_groups is not None:
+            self.state = BatchState.OPEN
 
     def try_ready(self) -> bool:
         """Become READY once sealed and every group closed."""

@@ -3,7 +3,8 @@
 Invariant: a trajectory is CLOSED exactly when its final turn was added and every dependency it
 declared is done; a group is CLOSED exactly when each of its trajectories is CLOSED and (when
 backward is tracked) its prompt backward is done; a batch is READY exactly when it is sealed and
-every one of its groups is CLOSED.
+every one of its groups is CLOSED. A dropped group (:meth:`Tracker.drop_group`) leaves its batch
+when it closes, and the batch then waits for one more group (the source's refill).
 
 The tracker owns the graph's gating, and only that: the close stage feeds it and sends the events
 it returns; the engine's own state (what is queued, whether parameters may move) belongs to the
@@ -59,11 +60,13 @@ class Tracker:
         self.needs = frozenset(needs)
         self._batches: dict[Id, BatchRecord] = {}
         self._groups: dict[Id, GroupRecord] = {}
+        self._drop_early: set[Id] = set()  # dropped before their GroupOpened came
 
     def clear(self) -> None:
         """Forget every batch, group and trajectory (the close stage does it when a run starts)."""
         self._batches.clear()
         self._groups.clear()
+        self._drop_early.clear()
 
     # --- declarations --------------------------------------------------------------------------
 
@@ -83,6 +86,8 @@ class Tracker:
             )
         records = {t: TrajectoryRecord(group_id, t, self.needs) for t in trajectory_ids}
         group = GroupRecord(group_id, batch_id, records, needs_prompt=Need.BACKWARD in self.needs)
+        group.dropped = group_id in self._drop_early
+        self._drop_early.discard(group_id)
         self._groups[group_id] = group
         batch.groups.append(group)
         if batch.expected_groups is not None and len(batch.groups) == batch.expected_groups:
@@ -112,6 +117,17 @@ class Tracker:
                 batch.state = BatchState.SEALED
                 out.extend(self._batch_events(batch))
         return out
+
+    def drop_group(self, group_id: Id) -> None:
+        """Mark a group dropped: when it closes its GroupClosed says ``dropped`` and it leaves its
+        batch, which then expects one more group (a group not opened yet is marked when it opens)."""
+        group = self._groups.get(group_id)
+        if group is None:
+            self._drop_early.add(group_id)
+        elif group.state is GroupState.CLOSED:
+            raise TrackerError(f"group {group_id!r} was dropped after it closed; drop a group before its close")
+        else:
+            group.dropped = True
 
     # --- completions ---------------------------------------------------------------------------
 
@@ -169,7 +185,10 @@ class Tracker:
         return self._group_closed(group) if group.try_advance() else []
 
     def _group_closed(self, group: GroupRecord) -> list[EventBase]:
-        closed = GroupClosed(group_id=group.group_id, num_trajectories=len(group.trajectories))
+        closed = GroupClosed(group_id=group.group_id, num_trajectories=len(group.trajectories), dropped=group.dropped)
+        if group.dropped:
+            self._batches[group.batch_id].remove(group)
+            return [closed]
         return [closed, *self._batch_events(self._batches[group.batch_id])]
 
     def _batch_events(self, batch: BatchRecord) -> list[EventBase]:

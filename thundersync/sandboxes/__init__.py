@@ -16,7 +16,7 @@ from thundersync.sandboxes.base import ExecResult, Sandbox, SandboxLimits
 from thundersync.sandboxes.docker import DockerSandbox, prune_containers
 from thundersync.sandboxes.local import LocalSandbox, NotIsolatedWarning
 from thundersync.sandboxes.output import BoundedStream, truncate_tokens
-from thundersync.sandboxes.pool import PoolStats, SandboxPool
+from thundersync.sandboxes.pool import PoolStats, SandboxPool, SandboxPools
 from thundersync.sandboxes.select import choose_backend, make_sandbox, open_sandbox
 from thundersync.sandboxes.udocker import UDockerSandbox
 
@@ -30,6 +30,7 @@ __all__ = [
     "Sandbox",
     "SandboxLimits",
     "SandboxPool",
+    "SandboxPools",
     "UDockerSandbox",
     "choose_backend",
     "make_sandbox",

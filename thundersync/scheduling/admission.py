@@ -8,7 +8,9 @@ A group is *in flight* from its admission (before its prompt is submitted) until
   every action's and observation's tokens once they exist (:meth:`Admission.reserve_tokens`);
 - ``gpu_memory_bytes``: a group is admitted only while the device's allocated memory is under
   this budget (``memory_probe``, default ``torch.cuda.memory_allocated`` of the current device);
-- ``sandbox_slots``: tool calls running at once (:meth:`Admission.sandbox_slot`).
+- ``sandbox_slots``: trajectories holding a sandbox (:meth:`Admission.hold_sandbox_slot`, from a
+  trajectory's first sandbox to its release), or tool calls running at once for runners that keep
+  no sandbox per trajectory (:meth:`Admission.sandbox_slot`).
 
 In a pipeline file it is the ``admission`` object (``factory = "admission"``): the source stage
 admits each group before it submits the prompt (``tokens``: prompt length times samples), the
@@ -58,6 +60,8 @@ class AdmissionStats(msgspec.Struct, kw_only=True):
     waited_s: float = 0.0
     waits_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
     forced: int = 0  # admitted over a bound so that the pipeline keeps moving
+    sandbox_holders: int = 0  # trajectories holding a sandbox slot now
+    peak_sandbox_holders: int = 0
 
 
 class Admission:
@@ -89,6 +93,7 @@ class Admission:
         self._tokens: dict[Hashable, int] = {}  # in flight, oldest first (dicts keep insertion order)
         self._changed = anyio.Event()
         self._slots = None if self.config.sandbox_slots is None else anyio.CapacityLimiter(self.config.sandbox_slots)
+        self._holders: set[Hashable] = set()
         self._stats = AdmissionStats()
 
     # --- the three calls ------------------------------------------------------------------------
@@ -139,14 +144,38 @@ class Admission:
                 self._count_wait("sandbox_slots", time.perf_counter() - started)
             yield
 
+    async def hold_sandbox_slot(self, holder: Hashable) -> None:
+        """Hold one of ``sandbox_slots`` for ``holder`` (a trajectory) until
+        :meth:`release_sandbox_slot`, waiting while every slot is held (no bound: at once)."""
+        if holder in self._holders:
+            raise ConfigError(f"{holder!r} already holds a sandbox slot; release it first")
+        if self._slots is not None:
+            started = time.perf_counter()
+            waited = self._slots.available_tokens < 1
+            await self._slots.acquire_on_behalf_of(holder)
+            if waited:
+                self._count_wait("sandbox_slots", time.perf_counter() - started)
+        self._holders.add(holder)
+        self._stats.peak_sandbox_holders = max(self._stats.peak_sandbox_holders, len(self._holders))
+
+    def release_sandbox_slot(self, holder: Hashable) -> None:
+        """Give back ``holder``'s sandbox slot (nothing when it holds none)."""
+        if holder not in self._holders:
+            return
+        self._holders.discard(holder)
+        if self._slots is not None:
+            self._slots.release_on_behalf_of(holder)
+
     def stats(self, *, reset_peaks: bool = False) -> AdmissionStats:
         """A snapshot of the counters; ``reset_peaks`` then starts the peaks again from what is in
         flight now (the metrics report each step's peaks)."""
         snapshot = msgspec.structs.replace(self._stats, waits_by_reason=dict(self._stats.waits_by_reason))
         snapshot.groups_in_flight = len(self._tokens)
         snapshot.tokens_in_flight = sum(self._tokens.values())
+        snapshot.sandbox_holders = len(self._holders)
         if reset_peaks:
             self._stats.peak_groups, self._stats.peak_tokens = 0, 0
+            self._stats.peak_sandbox_holders = len(self._holders)
             self._update_peaks()
         return snapshot
 

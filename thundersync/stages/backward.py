@@ -33,6 +33,12 @@ group is closed, and everything the engine needs, is the objective's to know; a 
 the stage's book when it closes, and its group when the last one did. The graph's gating is the
 close stage's tracker.
 
+With ``failures`` (an :class:`~thundersync.scheduling.EpisodeFailures`) under
+``on_failure = "drop"``, a group that was dropped is not closed in the objective but dropped from
+it (``objective.drop_group``: GRPO forgets its accumulators, so the update is the one over the kept
+groups); its BackwardDone still follows. The empty final action of a trajectory that ended early
+is not appended (unless it is the trajectory's only turn).
+
 A run that fails mid-batch leaves the batch in the objective; the next run of the graph discards
 it first (``objective.discard()``: ``p.grad`` goes back to what it was before the batch).
 Logical batches must not overlap: give generate and step one
@@ -50,7 +56,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import anyio
 
-from thundersync.errors import PipelineError
+from thundersync.errors import ConfigError, PipelineError
 from thundersync.events import (
     ActionGenerated,
     BackwardDone,
@@ -62,6 +68,7 @@ from thundersync.events import (
     ToolObserved,
 )
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
+from thundersync.scheduling import EpisodeFailures
 from thundersync.stages._objective import require_objective
 
 if TYPE_CHECKING:
@@ -79,6 +86,7 @@ class _Reorder:
     turns: deque[Turn] = field(default_factory=deque)  # in order; the head waits for its signal
     teacher: dict[int, list[float]] = field(default_factory=dict)  # scores by turn, before their action
     reward: float | None = None  # before the final action
+    appended: bool = False  # a turn went into the objective
 
     @property
     def complete(self) -> bool:
@@ -98,10 +106,22 @@ class BackwardStage(Stage):
     )
     produces: ClassVar[tuple[type[EventBase], ...]] = (BackwardDone,)
 
-    def __init__(self, config: Stage.Config | None = None, /, *, objective: StreamingObjective) -> None:
+    def __init__(
+        self,
+        config: Stage.Config | None = None,
+        /,
+        *,
+        objective: StreamingObjective,
+        failures: EpisodeFailures | None = None,
+    ) -> None:
         super().__init__(config)
         require_objective(objective, "the backward stage")
-        self.objective = objective
+        if failures is not None and failures.drops and not callable(getattr(objective, "drop_group", None)):
+            raise ConfigError(
+                f"on_failure = 'drop' drops failed groups from the objective, but {type(objective).__name__} "
+                "cannot drop a group (OPD's actions are in the gradient as they come); use on_failure = 'zero'"
+            )
+        self.objective, self.failures = objective, failures
         self._groups: dict[Id, dict[Id, _Reorder]] = {}  # group -> its open trajectories
 
     @property
@@ -192,12 +212,17 @@ class BackwardStage(Stage):
         while trajectory.turns:
             turn = trajectory.turns[0]
             if isinstance(turn, ToolObserved):
-                await self._append(group_id, trajectory_id, trajectory.turns.popleft(), None)
+                observed = trajectory.turns.popleft()
+                if observed.token_ids:  # a failed episode's observation is empty
+                    await self._append(group_id, trajectory_id, observed, None)
                 continue
             if not self._rewarded and turn.turn not in trajectory.teacher:
                 return done  # OPD: its teacher scores have not arrived
             teacher = None if self._rewarded else trajectory.teacher.pop(turn.turn)
-            await self._append(group_id, trajectory_id, trajectory.turns.popleft(), teacher)
+            action = trajectory.turns.popleft()
+            if action.token_ids or not trajectory.appended:  # an early end's empty action adds nothing
+                await self._append(group_id, trajectory_id, action, teacher)
+                trajectory.appended = True
             done.append(BackwardDone(group_id=group_id, trajectory_id=trajectory_id, turn=turn.turn))
             if turn.final:
                 return done + await self._close(group_id, trajectory_id, trajectory.reward)
@@ -227,7 +252,10 @@ class BackwardStage(Stage):
         if group:
             return []
         del self._groups[group_id]
-        await self._call(partial(self.objective.close_group, group_id))
+        if self.failures is not None and self.failures.dropped(group_id):
+            await self._call(partial(self.objective.drop_group, group_id))  # type: ignore[attr-defined]
+        else:
+            await self._call(partial(self.objective.close_group, group_id))
         return [BackwardDone(group_id=group_id)]
 
     @staticmethod

@@ -21,6 +21,13 @@ its groups of it; the tracker then gates each group alone (as a batch of one, wh
 counts the group into its batch) and the BatchReady of each batch comes from ``claims.sealed()``,
 in batch order, also for a batch of which this rank claimed no group (every rank takes part in each
 step).
+
+``tools`` (the tool-execute stage's runner; a pipeline file's ``tools`` object is given by name):
+a :class:`~thundersync.tools.TrajectoryToolRunner` keeps each trajectory's sandbox until its
+TrajectoryClosed, when this stage tells it to give the sandbox back (so a grader in the reward
+stage can still use it). ``failures`` (an :class:`~thundersync.scheduling.EpisodeFailures`): a
+group dropped under ``on_failure = "drop"`` closes with ``GroupClosed(dropped=True)`` and leaves
+its batch, which waits for the source's refill; each GroupClosed settles its group for the source.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from __future__ import annotations
 from contextlib import aclosing
 from typing import ClassVar, Literal
 
-from thundersync.errors import TrackerError
+from thundersync.errors import ConfigError, TrackerError
 from thundersync.events import (
     ActionGenerated,
     BackwardDone,
@@ -43,8 +50,9 @@ from thundersync.events import (
 from thundersync.pipeline._runtime import EVENT_ATTRIBUTE
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
 from thundersync.pipeline.tracker import Need, Tracker
-from thundersync.scheduling import Admission, RankClaims
+from thundersync.scheduling import Admission, EpisodeFailures, RankClaims
 from thundersync.stages._tasks import task_group
+from thundersync.tools import ToolRunner, TrajectoryToolRunner
 
 __all__ = ["CloseStage"]
 
@@ -67,11 +75,24 @@ class CloseStage(Stage):
     config: Config
 
     def __init__(
-        self, config: Config | None = None, /, *, admission: Admission | None = None, claims: RankClaims | None = None
+        self,
+        config: Config | None = None,
+        /,
+        *,
+        admission: Admission | None = None,
+        claims: RankClaims | None = None,
+        tools: ToolRunner | None = None,
+        failures: EpisodeFailures | None = None,
     ) -> None:
         super().__init__(config)
         self.tracker = Tracker(Need(name) for name in self.config.wait_for)
-        self.admission, self.claims = admission, claims
+        self.admission, self.claims, self.failures = admission, claims, failures
+        if failures is not None and failures.drops and claims is not None:
+            raise ConfigError("on_failure = 'drop' refills groups from one source; data parallel runs take 'zero'")
+        self.tools = tools if isinstance(tools, TrajectoryToolRunner) else None
+        if self.tools is not None:
+            self.tools.release_at("close")  # the sandbox outlives the final action: graders use it
+        self._drops_seen = 0
 
     def required_inputs(self) -> tuple[type[EventBase], ...]:
         """The event types some stage it reads from must produce, or the tracker would wait forever."""
@@ -80,21 +101,35 @@ class CloseStage(Stage):
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
         self.tracker.clear()  # each run of the graph starts from no groups
+        self._drops_seen = 0
         async with task_group() as group:
             if self.claims is not None:
                 group.start_soon(self._send_sealed, self.claims, outbox)
             async for event in inbox:
+                self._sync_drops()
                 for closure in self.handle(event):
                     await self._send(closure, outbox)
+                    if isinstance(closure, TrajectoryClosed) and self.tools is not None:
+                        group.start_soon(self.tools.trajectory_closed, closure.group_id, closure.trajectory_id)
             for closure in self.tracker.seal_all():
                 await self._send(closure, outbox)
             pending = self.tracker.pending()
             if pending:
                 raise TrackerError(f"the input ended while work is still pending: {'; '.join(pending)}")
 
+    def _sync_drops(self) -> None:
+        """Mark in the tracker the groups dropped since the last event (before the event that closes them)."""
+        if self.failures is None:
+            return
+        dropped, self._drops_seen = self.failures.dropped_since(self._drops_seen)
+        for group_id in dropped:
+            self.tracker.drop_group(group_id)  # type: ignore[arg-type]
+
     async def _send(self, closure: EventBase, outbox: Outbox) -> None:
         if isinstance(closure, GroupClosed) and self.admission is not None:
             self.admission.release_group(closure.group_id)
+        if isinstance(closure, GroupClosed) and self.failures is not None:
+            self.failures.settled(closure.group_id, dropped=closure.dropped)
         if isinstance(closure, BatchReady) and self.claims is not None:  # a group's own batch of one
             await self.claims.group_closed(
                 closure.batch_id, trajectories=closure.num_trajectories, scored_tokens=closure.num_scored_tokens

@@ -27,6 +27,15 @@ not only their prompts. Only a group that is not the oldest in flight waits for 
 cannot stall the stage: it reads prompts in the order its source admitted them, so every
 trajectory of the oldest group has started before a younger one takes a slot, and the oldest
 group's close frees the room.
+
+A trajectory ends early, with an empty final action whose ``stop_reason`` says why, when its
+observation says so (the model submitted, or its episode failed: ``stop_reason`` of the
+ToolObserved), when its group was dropped (``failures``, an
+:class:`~thundersync.scheduling.EpisodeFailures` under ``on_failure = "drop"``), or when its next
+prompt would not fit the generator's context (``"context"``): ``max_context_tokens``, or the
+generator's own ``max_seq_len`` when it has one and the config gives 0. Each request asks for at
+most what still fits. A tool-call parser that raises on the model's text counts as a call, which
+tool-execute answers with an error observation: nothing the model writes fails the stage.
 """
 
 from __future__ import annotations
@@ -38,11 +47,11 @@ import anyio
 import msgspec
 
 from thundersync.errors import ConfigError, PipelineError
-from thundersync.events import ActionGenerated, EventBase, GroupOpened, Id, PromptSubmitted, ToolObserved
+from thundersync.events import ActionGenerated, EventBase, GroupOpened, Id, PromptSubmitted, StopReason, ToolObserved
 from thundersync.generation.base import GenerationRequest, Generator, SamplingParams
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
-from thundersync.scheduling import Admission
+from thundersync.scheduling import Admission, EpisodeFailures
 from thundersync.stages._tasks import Slots, task_group
 from thundersync.tools import ToolCallParser
 
@@ -85,6 +94,7 @@ class GenerateStage(Stage):
         concurrency: Annotated[int, msgspec.Meta(ge=1)] = 64
         seed: int = 0
         stop_token_ids: tuple[Annotated[int, msgspec.Meta(ge=0)], ...] = ()
+        max_context_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: the generator's max_seq_len, if any
 
     config: Config
 
@@ -97,12 +107,14 @@ class GenerateStage(Stage):
         tool_calls: ToolCallParser | None = None,
         policy: PolicyClock | None = None,
         admission: Admission | None = None,
+        failures: EpisodeFailures | None = None,
     ) -> None:
         super().__init__(config)
         self.generator = generator
         self.tool_calls = tool_calls
         self.policy = policy
         self.admission = admission
+        self.failures = failures
         self._batches: set[Id] = set()  # batch ids started in this run
         self._base_version = 0  # batch n of this run needs policy version base + n
         self._waiting: dict[tuple[Id, Id], _Waiter] = {}  # (group, trajectory) -> its pending tool call
@@ -190,6 +202,10 @@ class GenerateStage(Stage):
     async def _trajectory(self, prompt: PromptSubmitted, trajectory_id: int, outbox: Outbox) -> None:
         context = list(prompt.prompt_tokens)
         for turn in range(self.config.turns):
+            stop = self._stop_before(prompt.group_id, context)
+            if stop is not None:
+                await outbox.send(self._ending(prompt.group_id, trajectory_id, turn, stop))
+                return
             request = self._request(prompt.group_id, trajectory_id, turn, context)
             result = await self.generator.generate(request)
             if self.admission is not None:
@@ -209,17 +225,56 @@ class GenerateStage(Stage):
             waiter = self._waiting[(prompt.group_id, trajectory_id)] = _Waiter(turn)  # before the answer can come
             await outbox.send(action)
             observed = await waiter.wait()
+            if observed.stop_reason is not None:
+                await outbox.send(self._ending(prompt.group_id, trajectory_id, turn + 1, observed.stop_reason))
+                return
             context = context + result.token_ids + observed.token_ids  # a new list: requests keep theirs
 
+    def _max_context(self) -> int | None:
+        """The longest sequence the generator takes (prompt and new tokens), if known."""
+        if self.config.max_context_tokens:
+            return self.config.max_context_tokens
+        known = getattr(self.generator, "max_seq_len", None)
+        return known if isinstance(known, int) and not isinstance(known, bool) and known > 0 else None
+
+    def _stop_before(self, group_id: Id, context: list[int]) -> StopReason | None:
+        """Why the trajectory must end before its next action (None: it goes on)."""
+        if self.failures is not None and self.failures.dropped(group_id):
+            return "dropped"
+        limit = self._max_context()
+        if limit is not None and len(context) >= limit:
+            return "context"
+        return None
+
+    def _ending(self, group_id: Id, trajectory_id: int, turn: int, stop: StopReason) -> ActionGenerated:
+        """The empty final action that ends a trajectory early, saying why."""
+        return ActionGenerated(
+            group_id=group_id,
+            trajectory_id=trajectory_id,
+            turn=turn,
+            token_ids=[],
+            final=True,
+            policy_version=self._version(),
+            stop_reason=stop,
+        )
+
     def _calls_tool(self, turn: int, token_ids: list[int]) -> bool:
-        """Whether the action continues its trajectory through a tool (not on the last turn)."""
-        return turn < self.config.turns - 1 and self.tool_calls is not None and bool(self.tool_calls.parse(token_ids))
+        """Whether the action continues its trajectory through a tool (not on the last turn). A
+        parser that raises on the text counts as a call: tool-execute answers it with the error."""
+        if turn >= self.config.turns - 1 or self.tool_calls is None:
+            return False
+        try:
+            return bool(self.tool_calls.parse(token_ids))
+        except Exception:
+            return True
 
     def _request(self, group_id: Id, trajectory_id: int, turn: int, context: list[int]) -> GenerationRequest:
         key = f"{self.config.seed}/{group_id!r}/{trajectory_id}/{turn}".encode()
+        limit = self._max_context()
+        room = self.config.max_new_tokens if limit is None else min(self.config.max_new_tokens, limit - len(context))
         params = SamplingParams(
             temperature=self.config.temperature,
-            max_new_tokens=self.config.max_new_tokens,
+            max_new_tokens=room,
             stop_token_ids=tuple(self.config.stop_token_ids),
             seed=zlib.crc32(key),
         )

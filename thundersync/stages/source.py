@@ -19,13 +19,17 @@ and tool-execute add its actions' and observations' tokens, and the close stage 
 ``claims`` (a :class:`~thundersync.scheduling.RankClaims`, given by a data-parallel launch): the
 source emits only the groups this rank claims, one claim whenever it has room, after waiting for
 the batch's ``policy`` version (a rank that finished its groups early takes more of the next
-batch, instead of reserving them while others still work).
+batch, instead of reserving them while others still work). ``failures`` (an
+:class:`~thundersync.scheduling.EpisodeFailures`) under ``on_failure = "drop"``: after a batch's
+prompts the source waits until each of its groups closed; for each group dropped it submits a new
+one in the same batch (the next task of a seeded order of its tasks, a new group id), at most the
+policy's ``max_refills`` per batch. The next batch's prompts go once the batch is whole.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Annotated, ClassVar
 
 import msgspec
@@ -34,7 +38,7 @@ from thundersync.errors import ConfigError
 from thundersync.events import EventBase, Id, PromptSubmitted
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
-from thundersync.scheduling import Admission, RankClaims
+from thundersync.scheduling import Admission, EpisodeFailures, RankClaims
 from thundersync.tasks.data import Task, TaskSource
 
 __all__ = ["SourceStage"]
@@ -81,9 +85,13 @@ class SourceStage(Stage):
         admission: Admission | None = None,
         claims: RankClaims | None = None,
         policy: PolicyClock | None = None,
+        failures: EpisodeFailures | None = None,
     ) -> None:
         super().__init__(config)
         self.admission, self.claims, self.policy = admission, claims, policy
+        self.failures = failures if failures is not None and failures.drops else None
+        if self.failures is not None and claims is not None:
+            raise ConfigError("on_failure = 'drop' refills groups from one source; data parallel runs take 'zero'")
         if bool(config.prompts) == (tasks is not None):
             raise ConfigError(
                 "a source needs exactly one of prompts (token id lists in the file) and a tasks object "
@@ -155,6 +163,9 @@ class SourceStage(Stage):
         return out
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
+        if self.failures is not None:
+            await self._refilling(self.failures, outbox)
+            return
         if self.claims is None:
             for event in self.submissions():
                 await self._admit(event)
@@ -182,6 +193,44 @@ class SourceStage(Stage):
                     break
                 await self._admit(prompts[group_id])
                 await outbox.send(prompts[group_id])
+
+    async def _refilling(self, failures: EpisodeFailures, outbox: Outbox) -> None:
+        """Batch by batch: submit its prompts, then a new group for each one dropped, until it is whole."""
+        batches: dict[Id, list[PromptSubmitted]] = {}
+        for prompt in self.submissions():
+            batches.setdefault(prompt.batch_id, []).append(prompt)
+        refills = self._refill_tasks()
+        next_id = self._groups()
+        for batch_id, prompts in batches.items():
+            open_groups = set()
+            for prompt in prompts:
+                failures.submitted(prompt.group_id, batch_id)
+                open_groups.add(prompt.group_id)
+                await self._admit(prompt)
+                await outbox.send(prompt)
+            while open_groups:
+                for group_id, dropped in await failures.wait_settled(batch_id):
+                    open_groups.discard(group_id)
+                    if not dropped:
+                        continue
+                    failures.refilled(batch_id)  # raises past max_refills
+                    task = next(refills)
+                    refill = msgspec.structs.replace(
+                        prompts[0], group_id=next_id, prompt_tokens=list(task.prompt_ids), task=dict(task.fields)
+                    )
+                    next_id += 1
+                    failures.submitted(refill.group_id, batch_id)
+                    open_groups.add(refill.group_id)
+                    await self._admit(refill)
+                    await outbox.send(refill)
+
+    def _refill_tasks(self) -> Iterator[Task]:
+        """Tasks for refills: the task list over and over, each pass in a new seeded order."""
+        draw = random.Random(f"refill/{self.config.shuffle_seed}")
+        while True:
+            order = list(self._tasks)
+            draw.shuffle(order)
+            yield from order
 
     async def _admit(self, prompt: PromptSubmitted) -> None:
         if self.admission is not None:

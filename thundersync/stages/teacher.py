@@ -44,7 +44,8 @@ class TeacherStage(ContextStage):
         await slots.start(action, self._score, action, context.prompt + context.before, outbox)
 
     async def _score(self, action: ActionGenerated, context: list[int], outbox: Outbox) -> None:
-        logprobs = await self.teacher.logprobs(context, list(action.token_ids))
+        # an empty action (a trajectory ended early) has nothing to score: the teacher is not asked
+        logprobs = await self.teacher.logprobs(context, list(action.token_ids)) if action.token_ids else []
         if len(logprobs) != len(action.token_ids):
             raise PipelineError(
                 f"the teacher returned {len(logprobs)} log-probs for turn {action.turn} of "

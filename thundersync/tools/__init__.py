@@ -1,34 +1,78 @@
 """Tools for the agent loop: parse tool calls from generated text, run them in sandboxes.
 
-:mod:`~.base` (ToolCall, ToolResult, the ToolCallParser and ToolRunner protocols, ByteTokenizer),
-:mod:`~.qwen` (the default ``<tool_call>`` JSON format), :mod:`~.commands` (the ``calculator``,
-``python`` and ``shell`` tools), :mod:`~.sandboxed` (SandboxToolRunner over a SandboxPool). The
-``tool-execute`` stage (:mod:`thundersync.stages.tool_execute`) runs a ToolRunner; ``generate``
-asks a ToolCallParser whether an action calls a tool.
+:mod:`~.base` (ToolCall, ToolResult, the ToolCallParser, ToolRunner and TrajectoryToolRunner
+protocols, ByteTokenizer), :mod:`~.qwen` (the default ``<tool_call>`` JSON format),
+:mod:`~.commands` (the ``calculator``, ``python`` and ``shell`` tools), :mod:`~.coding` (``view``,
+``create``, ``replace``, ``search``, ``submit``), :mod:`~.workspace` (per-task environments),
+:mod:`~.sessions` (a sandbox per trajectory), :mod:`~.sandboxed` (SandboxToolRunner) and
+:mod:`~.factory` (``sandbox-tools``). The ``tool-execute`` stage
+(:mod:`thundersync.stages.tool_execute`) runs a ToolRunner; ``generate`` asks a ToolCallParser
+whether an action calls a tool.
 """
 
 from __future__ import annotations
 
-from thundersync.tools.base import ByteTokenizer, Tokenizer, ToolCall, ToolCallParser, ToolResult, ToolRunner
+from thundersync.tools.base import (
+    ByteTokenizer,
+    Tokenizer,
+    ToolCall,
+    ToolCallParser,
+    ToolResult,
+    ToolRunner,
+    TrajectoryToolRunner,
+    safe_repr,
+)
+from thundersync.tools.coding import (
+    CreateTool,
+    ReplaceTool,
+    SandboxTool,
+    SearchTool,
+    SubmitTool,
+    ToolOutput,
+    ViewTool,
+    coding_tools,
+)
 from thundersync.tools.commands import CalculatorTool, Command, PythonTool, ShellTool, Tool, default_tools
+from thundersync.tools.factory import ToolName, sandbox_tools
 from thundersync.tools.qwen import Qwen3ToolCallParser
-from thundersync.tools.sandboxed import MALFORMED_CALL_STATUS, SandboxToolRunner, sandbox_tools
+from thundersync.tools.sandboxed import MALFORMED_CALL_STATUS, SandboxToolRunner
+from thundersync.tools.sessions import SandboxSlots, Session, TrajectorySandboxes
+from thundersync.tools.workspace import TaskEnvironment, Workspaces, environment_of, task_name, tree_changes
 
 __all__ = [
     "MALFORMED_CALL_STATUS",
     "ByteTokenizer",
     "CalculatorTool",
     "Command",
+    "CreateTool",
     "PythonTool",
     "Qwen3ToolCallParser",
+    "ReplaceTool",
+    "SandboxSlots",
+    "SandboxTool",
     "SandboxToolRunner",
+    "SearchTool",
+    "Session",
     "ShellTool",
+    "SubmitTool",
+    "TaskEnvironment",
     "Tokenizer",
     "Tool",
     "ToolCall",
     "ToolCallParser",
+    "ToolName",
+    "ToolOutput",
     "ToolResult",
     "ToolRunner",
+    "TrajectorySandboxes",
+    "TrajectoryToolRunner",
+    "ViewTool",
+    "Workspaces",
+    "coding_tools",
     "default_tools",
+    "environment_of",
+    "safe_repr",
     "sandbox_tools",
+    "task_name",
+    "tree_changes",
 ]

@@ -13,15 +13,24 @@ tokenizers fit the protocol, and :class:`ByteTokenizer` is a tiny one for tests 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
 from thundersync.events import ActionGenerated
 from thundersync.sandboxes.output import Tokenizer
 
-__all__ = ["ByteTokenizer", "Tokenizer", "ToolCall", "ToolCallParser", "ToolResult", "ToolRunner"]
+__all__ = [
+    "ByteTokenizer",
+    "Tokenizer",
+    "ToolCall",
+    "ToolCallParser",
+    "ToolResult",
+    "ToolRunner",
+    "TrajectoryToolRunner",
+    "safe_repr",
+]
 
 
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
@@ -41,13 +50,17 @@ class ToolResult(msgspec.Struct, frozen=True, kw_only=True):
 
     ``exit_status`` is the tool process's exit status (``None``: killed before it exited),
     ``truncated`` says output was dropped to fit a bound, ``timed_out`` that a call hit its time
-    limit. tool-execute copies them into the ToolObserved it sends.
+    limit. tool-execute copies them into the ToolObserved it sends; ``malformed``, ``killed`` and
+    ``submitted`` tell it how the calls ended (for ``on_failure``, and to end the trajectory).
     """
 
     token_ids: list[int]
     exit_status: int | None = 0
     truncated: bool = False
     timed_out: bool = False
+    malformed: int = 0  # calls that never ran: malformed, unknown tool, bad arguments, over the bounds
+    killed: bool = False  # a call's process was killed (a timeout, too much output, a signal)
+    submitted: bool = False  # the model called a tool that ends its trajectory (``submit``)
 
 
 @runtime_checkable
@@ -74,6 +87,47 @@ class ToolRunner(Protocol):
     async def run(self, action: ActionGenerated) -> ToolResult:
         """Run the action's tool calls; the observation tokens continue the trajectory."""
         ...
+
+
+@runtime_checkable
+class TrajectoryToolRunner(Protocol):
+    """A runner whose tool calls keep state per trajectory (a sandbox held across its turns).
+
+    tool-execute gives it each action with its task's fields, and tells it when a trajectory's
+    last action went by; the close stage tells it when a trajectory closed. It gives back what it
+    holds for a trajectory at whichever of the two it was told to wait for (:meth:`release_at`).
+    """
+
+    async def run_turn(self, action: ActionGenerated, task: Mapping[str, Any]) -> ToolResult:
+        """Run the action's tool calls for its trajectory; the observation tokens continue it."""
+        ...
+
+    async def trajectory_ended(self, group_id: Hashable, trajectory_id: Hashable) -> None:
+        """The trajectory's final action went by (tool-execute)."""
+        ...
+
+    async def trajectory_closed(self, group_id: Hashable, trajectory_id: Hashable) -> None:
+        """The trajectory closed: its reward and backward are done (the close stage)."""
+        ...
+
+    def use_slots(self, slots: Any) -> None:
+        """Hold one of ``slots`` (an admission's sandbox slots) per trajectory holding a sandbox."""
+        ...
+
+    def release_at(self, when: Literal["end", "close"]) -> None:
+        """Give back a trajectory's resources at its final action (``"end"``, the default) or at its
+        close (``"close"``: a close stage holds the runner, so graders can use the sandbox)."""
+        ...
+
+
+def safe_repr(value: Any, limit: int = 120) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for values the model wrote: it never raises (a
+    deeply nested list or an int past Python's digit limit has no plain repr)."""
+    try:
+        text = repr(value)
+    except Exception:  # RecursionError, ValueError of huge ints...
+        return f"<a {type(value).__name__} too large to show>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class ByteTokenizer:

@@ -4,7 +4,9 @@ A tool checks its arguments and builds the command as an argv list; model output
 part of a shell string or an option. ``shell`` is the one tool that runs a shell, and it passes the
 model's command as a single argv element after ``sh -c --``; ``python`` sends the code on stdin;
 ``calculator`` accepts only arithmetic and passes it as the one argument of a fixed program.
-A bad argument raises ``ValueError`` with a message for the model. Each tool publishes its
+A bad argument raises ``ValueError`` with a message for the model. A tool whose ``runs_model_code``
+is true runs what the model wrote (a shell command, a program): the runner refuses it on the
+``local`` backend unless the file opts in as unsafe. Each tool publishes its
 ``schema`` (an OpenAI-style function description: name, description, JSON-schema parameters),
 which prompts give the model in its tokenizer's format (``apply_chat_template(..., tools=...)``).
 """
@@ -15,6 +17,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from thundersync.tools.base import safe_repr
 
 __all__ = ["CalculatorTool", "Command", "PythonTool", "ShellTool", "Tool", "default_tools", "function_schema"]
 
@@ -67,10 +71,10 @@ def function_schema(name: str, description: str, properties: Mapping[str, tuple[
 def _text(arguments: Mapping[str, Any], tool: str, key: str, limit: int) -> str:
     extra = sorted(set(arguments) - {key})
     if extra:
-        raise ValueError(f"{tool} takes only {key!r}; remove {', '.join(map(repr, extra))}")
+        raise ValueError(f"{tool} takes only {key!r}; remove {', '.join(safe_repr(name) for name in extra[:5])}")
     value = arguments.get(key)
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{tool} needs {key!r}, a non-empty string; got {value!r}")
+        raise ValueError(f"{tool} needs {key!r}, a non-empty string; got {safe_repr(value)}")
     if len(value) > limit:
         raise ValueError(f"{tool}'s {key!r} has {len(value)} characters; the limit is {limit}")
     return value
@@ -82,6 +86,7 @@ class ShellTool:
 
     name: str = "shell"
     max_chars: int = 4096
+    runs_model_code: bool = True  # the model's command runs: never on the local backend unless opted in
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -100,6 +105,7 @@ class PythonTool:
     name: str = "python"
     interpreter: str = "python3"
     max_chars: int = 16384
+    runs_model_code: bool = True
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -131,6 +137,7 @@ class CalculatorTool:
     name: str = "calculator"
     interpreter: str = "python3"
     max_chars: int = 256
+    runs_model_code: bool = False  # a fixed program; its argument is arithmetic only
 
     @property
     def schema(self) -> dict[str, Any]:

@@ -8,7 +8,8 @@ An action calls a tool by writing, anywhere in its text, one or more blocks of t
 
 The block holds one JSON object with a string ``name`` and an object ``arguments`` (whitespace
 around the JSON is ignored). A block that is not closed (the action hit its token limit) or whose
-JSON is bad is still a call, with :attr:`ToolCall.error` saying what was wrong. The answer to an
+JSON is bad (invalid, nested too deeply, a number past Python's digit limit) is still a call, with
+:attr:`ToolCall.error` saying what was wrong: no text the model writes makes parsing raise. The answer to an
 action's calls is one user turn of ``<tool_response>`` blocks, as Qwen3's chat template writes it
 after the action's own ``<|im_end|>`` (give generate that token id in ``stop_token_ids``)::
 
@@ -26,7 +27,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from thundersync.tools.base import ByteTokenizer, Tokenizer, ToolCall
+from thundersync.tools.base import ByteTokenizer, Tokenizer, ToolCall, safe_repr
 
 __all__ = ["Qwen3ToolCallParser"]
 
@@ -41,14 +42,24 @@ def _call(block: str, closed: bool) -> ToolCall:
         value: Any = json.loads(block)
     except json.JSONDecodeError as error:
         return ToolCall(error=f"the {_OPEN} block is not valid JSON: {error}")
+    except RecursionError:
+        return ToolCall(error=f"the {_OPEN} block's JSON is nested too deeply to read")
+    except Exception as error:  # a number past Python's digit limit, or anything else json raises
+        return ToolCall(error=f"the {_OPEN} block's JSON cannot be read: {type(error).__name__}: {_clip(str(error))}")
     if not isinstance(value, dict):
         return ToolCall(error=f'the {_OPEN} block must hold a JSON object {{"name": ..., "arguments": {{...}}}}')
     name, arguments = value.get("name"), value.get("arguments")
     if not isinstance(name, str) or not name:
-        return ToolCall(error=f'the tool call has no "name" string; got {name!r}')
+        return ToolCall(error=f'the tool call has no "name" string; got {safe_repr(name)}')
     if not isinstance(arguments, dict):
-        return ToolCall(name=name, error=f'the call of {name!r} needs an "arguments" object; got {arguments!r}')
+        return ToolCall(
+            name=name, error=f'the call of {safe_repr(name)} needs an "arguments" object; got {safe_repr(arguments)}'
+        )
     return ToolCall(name=name, arguments=arguments)
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class Qwen3ToolCallParser:
@@ -66,7 +77,8 @@ class Qwen3ToolCallParser:
 
     @staticmethod
     def parse_text(text: str) -> list[ToolCall]:
-        """The calls in ``text``, in order."""
+        """The calls in ``text``, in order; whatever the text, a malformed call is a call with an
+        ``error``, never an exception."""
         return [_call(m[1], m[0].endswith(_CLOSE)) for m in _BLOCK.finditer(text)]
 
     def observation(self, responses: Sequence[str]) -> str:

@@ -50,6 +50,9 @@ KEYS = {
     "tool_errors",
     "logprob_mismatch",
     "audit_rel_error",
+    "episode_failures",
+    "groups_dropped",
+    "truncated",
 }
 
 
@@ -173,6 +176,9 @@ def test_times_are_measured_from_the_batchs_first_group_and_the_previous_step() 
         "logprob_mismatch": 0.5,
         "audit_rel_error": 3e-7,
         "reverse_kl": None,
+        "episode_failures": 0,
+        "groups_dropped": 0,
+        "truncated": 0,
     }
     clock.now = 110.5
     nothing = steps.observe(StepDone(batch_id=1, policy_version=8))

@@ -28,8 +28,11 @@ from thundersync.app.factories import generators, models, scheduling, training, 
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.tasks import AnswerReward, ArithmeticTasks, FunctionReward, JsonlTasks, sandbox_check_reward
 from thundersync.tasks.demonstrations import CalculatorDemonstrations
+from thundersync.tasks.grading import task_grader
 from thundersync.tasks.model_teacher import transformers_teacher
 from thundersync.tasks.openai_teacher import openai_teacher
+from thundersync.tasks.repo_tasks import RepoBugTasks, RepoFixDemonstrations
+from thundersync.tasks.swebench import SWEBenchTasks
 from thundersync.testing import (
     FakeScorer,
     FakeTeacher,
@@ -53,6 +56,7 @@ FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
     "streaming-trainer": training.trainer,
     "checkpointer": training.checkpointer,
     "admission": scheduling.admission,
+    "episode-failures": scheduling.episode_failures,
     "torch-generator": generators.torch_generator,
     "vllm-generator": generators.vllm_generator,
     "openai-generator": generators.openai_generator,
@@ -62,6 +66,10 @@ FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
     "jsonl-tasks": JsonlTasks,
     "arithmetic-tasks": ArithmeticTasks,
     "calculator-demonstrations": CalculatorDemonstrations,
+    "repo-bug-tasks": RepoBugTasks,
+    "repo-fix-demonstrations": RepoFixDemonstrations,
+    "swebench-tasks": SWEBenchTasks,
+    "task-grader": task_grader,
     "supervised-warmup": warmup.supervised_warmup,
     "function-reward": FunctionReward,
     "answer-reward": AnswerReward,

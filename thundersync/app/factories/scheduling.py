@@ -7,10 +7,18 @@
     max_groups = 8             # groups between their admission and their GroupClosed
     max_tokens = 65536         # the groups in flight: prompts x samples, then actions and observations
     gpu_memory_bytes = 60_000_000_000  # admit only while the device's allocated memory is under this
-    sandbox_slots = 4          # tool-execute: actions running their tool calls at once
+    sandbox_slots = 4          # trajectories holding a sandbox (per-trajectory runners), else tool calls at once
 
 The source, generate, tool-execute and close stages take it by name (``admission``); its decisions show in
 each step line of the metrics file (:mod:`thundersync.app.metrics.step_metrics`).
+
+And the ``episode-failures`` factory: what a run does when an agent episode fails::
+
+    [objects.failures]         # every stage that takes `failures` gets it by this name
+    factory = "episode-failures"
+    on_failure = "drop"        # "fail" (default), "zero": reward 0 and keep, "drop": drop the group, refill it
+    tool_outcomes = ["timeout"]  # the model's own calls that also count as failures ("timeout", "crash", "malformed")
+    max_refills = 8            # per batch, past which the run fails
 """
 
 from __future__ import annotations
@@ -19,9 +27,9 @@ from typing import Annotated
 
 import msgspec
 
-from thundersync.scheduling import Admission
+from thundersync.scheduling import Admission, EpisodeFailures, OnFailure, ToolOutcome
 
-__all__ = ["admission"]
+__all__ = ["admission", "episode_failures"]
 
 _Positive = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -34,7 +42,18 @@ def admission(
     sandbox_slots: _Positive | None = None,
 ) -> Admission:
     """``admission``: an :class:`~thundersync.scheduling.Admission` with these bounds (unset:
-    unbounded); ``sandbox_slots`` bounds the tool-execute stage's actions running tools at once."""
+    unbounded); ``sandbox_slots`` bounds the trajectories holding a sandbox (the tool-execute stage's
+    actions running tools at once, for runners without a sandbox per trajectory)."""
     return Admission(
         max_groups=max_groups, max_tokens=max_tokens, gpu_memory_bytes=gpu_memory_bytes, sandbox_slots=sandbox_slots
     )
+
+
+def episode_failures(
+    *,
+    on_failure: OnFailure = "fail",
+    tool_outcomes: tuple[ToolOutcome, ...] = (),
+    max_refills: Annotated[int, msgspec.Meta(ge=0)] = 8,
+) -> EpisodeFailures:
+    """``episode-failures``: an :class:`~thundersync.scheduling.EpisodeFailures` (module docstring)."""
+    return EpisodeFailures(on_failure=on_failure, tool_outcomes=tool_outcomes, max_refills=max_refills)

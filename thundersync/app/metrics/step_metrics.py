@@ -25,6 +25,11 @@ Definitions (times in seconds, from the watcher's clock):
   over ``step_s``;
 - ``tool_calls``: the batch's ToolObserved; ``tool_errors``: those that timed out or whose
   process did not exit with status 0 (killed ones included);
+- ``episode_failures``: the batch's episodes that failed (a ToolObserved or a Rewarded with a
+  ``failure``: a sandbox that died, a setup or grading that failed, a listed tool outcome);
+  ``groups_dropped``: its groups dropped for a failure (``on_failure = "drop"``; the source
+  refilled them); ``truncated``: its trajectories ended because their next prompt would not fit
+  the generator's context (``stop_reason = "context"``);
 - ``grad_norm``, ``lr``, ``logprob_mismatch``, ``audit_rel_error``: as the step reported them
   (StepDone; ``audit_rel_error`` only on the trainer's audited steps, ``audit_every``);
 - ``reverse_kl`` (OPD): the mean over the batch's teacher-scored tokens of behaviour log-prob
@@ -52,6 +57,7 @@ from typing import Any, ClassVar
 from thundersync.events import (
     ActionGenerated,
     EventBase,
+    GroupClosed,
     GroupOpened,
     Id,
     PromptSubmitted,
@@ -82,6 +88,9 @@ class _Batch:
     kl_sum: float = 0.0  # over teacher-scored tokens: behaviour - teacher log-prob
     kl_tokens: int = 0
     groups: int = 0  # GroupOpened seen
+    failures: int = 0  # episodes that failed (ToolObserved or Rewarded with a failure)
+    dropped: int = 0  # groups dropped (GroupClosed.dropped)
+    truncated: int = 0  # trajectories ended for want of context (stop_reason "context")
     unpaired: dict[tuple[Id, Id, int], list[float]] = field(default_factory=dict)  # an action's scored
     # behaviour log-probs or its teacher's log-probs, whichever came first
 
@@ -113,6 +122,8 @@ class StepMetrics:
             return self._record(event, now)
         elif isinstance(event, (ActionGenerated, Rewarded, ToolObserved)):
             self._count(event, self._batch(event.group_id), now)
+        elif isinstance(event, GroupClosed) and event.dropped:
+            self._batch(event.group_id).dropped += 1
         if isinstance(event, (ActionGenerated, TeacherScored)):
             self._pair(event)
         return None
@@ -142,13 +153,16 @@ class StepMetrics:
     def _count(event: ActionGenerated | Rewarded | ToolObserved, batch: _Batch, now: float) -> None:
         if isinstance(event, ActionGenerated):
             batch.tokens += len(event.token_ids)
+            batch.truncated += event.stop_reason == "context"
             if event.final:
                 batch.last_final_s = now
         elif isinstance(event, Rewarded):
             batch.rewards.append(event.reward)
+            batch.failures += event.failure is not None
         else:
             batch.tool_calls += 1
             batch.tool_errors += event.timed_out or event.exit_status != 0
+            batch.failures += event.failure is not None
 
     def _record(self, done: StepDone, now: float) -> dict[str, Any]:
         batch = self._batches.pop(done.batch_id, _Batch())
@@ -164,6 +178,9 @@ class StepMetrics:
             batch.kl_sum,
             batch.kl_tokens,
             batch.groups,
+            batch.failures,
+            batch.dropped,
+            batch.truncated,
         )
         record = {
             "step": done.policy_version,
@@ -203,6 +220,9 @@ class RankShare:
     kl_sum: float
     kl_tokens: int
     groups: int
+    failures: int = 0
+    dropped: int = 0
+    truncated: int = 0
 
 
 def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, Any]:
@@ -216,6 +236,9 @@ def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, An
         sum(share.kl_sum for share in shares),
         sum(share.kl_tokens for share in shares),
         sum(share.groups for share in shares),
+        sum(share.failures for share in shares),
+        sum(share.dropped for share in shares),
+        sum(share.truncated for share in shares),
     )
     return _with_share(record, total) | {"groups_per_rank": [share.groups for share in shares]}
 
@@ -230,6 +253,9 @@ def _with_share(record: dict[str, Any], share: RankShare) -> dict[str, Any]:
         "tool_calls": share.tool_calls,
         "tool_errors": share.tool_errors,
         "reverse_kl": share.kl_sum / share.kl_tokens if share.kl_tokens else None,
+        "episode_failures": share.failures,
+        "groups_dropped": share.dropped,
+        "truncated": share.truncated,
     }
 
 
