@@ -10,6 +10,7 @@ runtime object it stands in for::
     FakeScorer           thundersync.stages.reward.Scorer: a reward computed from the tokens
     FakeTeacher          thundersync.stages.teacher.Teacher: teacher log-probs per token
     RecordingTrainer     thundersync.stages.step.Trainer: records each step it is asked for
+    FakeSandbox          thundersync.sandboxes.Sandbox: files in memory, scripted commands
 
 ``delay_s`` on each fake simulates latency (``anyio.sleep``); with 0 it still yields to the event
 loop once per call, like real I/O would.
@@ -19,20 +20,24 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Annotated, ClassVar
 
 import anyio
 import msgspec
 from anyio.lowlevel import checkpoint
 
+from thundersync.errors import UnsafePathError
 from thundersync.events import EVENT_TYPES, ActionGenerated, BatchReady, EventBase
 from thundersync.generation.base import GenerationRequest, GenerationResult
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
+from thundersync.sandboxes.base import ExecResult
 from thundersync.stages.step import StepResult
 from thundersync.tools import ByteTokenizer, Tokenizer, ToolCall, ToolResult
 
 __all__ = [
+    "FakeSandbox",
     "FakeScorer",
     "FakeTeacher",
     "RecordingTrainer",
@@ -236,3 +241,105 @@ class RecordingTrainer:
         await _pause(self.delay_s)
         self.steps.append(ready)
         return StepResult(grad_norm=float(ready.num_scored_tokens))
+
+
+Command = Callable[["FakeSandbox", list[str], "bytes | None"], ExecResult]
+
+
+class FakeSandbox:
+    """A sandbox whose working tree is a dict of files and whose commands are answered by
+    ``run(sandbox, argv, stdin)`` (default: exit 0, no output); ``reset()`` puts the files back to
+    ``files`` and returns ``reset_ok``. Each command takes ``delay_s`` (past its timeout it is
+    killed: ``timed_out``, no exit status). ``log`` records each call (``"exec sh -c ..."``, ``"reset"``,
+    ``"close"``). A path outside the tree, or one with no file, raises
+    :class:`~thundersync.errors.UnsafePathError` as the real backends do."""
+
+    made = 0
+
+    def __init__(
+        self,
+        *,
+        files: Mapping[str, bytes] | None = None,
+        run: Command | None = None,
+        reset_ok: bool = True,
+        workdir: str = "/work",
+        delay_s: float = 0.0,
+    ) -> None:
+        FakeSandbox.made += 1
+        self.name = f"fake-{FakeSandbox.made}"
+        self.workdir = workdir
+        self.seed = dict(files or {})
+        self.files = dict(self.seed)
+        self.run = run
+        self.reset_ok = reset_ok
+        self.delay_s = delay_s
+        self.log: list[str] = []
+        self.closed = False
+
+    @property
+    def tree(self) -> Path:
+        return Path("/nonexistent") / self.name
+
+    async def __aenter__(self) -> FakeSandbox:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @staticmethod
+    def _path(path: str | bytes) -> str:
+        text = path.decode() if isinstance(path, bytes) else path
+        parts = [p for p in text.split("/") if p not in ("", ".")]
+        if text.startswith("/") or ".." in parts or not parts:
+            raise UnsafePathError(f"path {path!r} must be relative to the working tree, without '..'")
+        return "/".join(parts)
+
+    async def exec(
+        self,
+        cmd: Sequence[str] | str,
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        self.log.append("exec " + " ".join(argv))
+        if timeout is not None and self.delay_s > timeout:
+            await anyio.sleep(timeout)
+            return ExecResult(exit_code=None, stdout="", stderr="", timed_out=True)
+        await _pause(self.delay_s)
+        return self.run(self, argv, stdin) if self.run is not None else ExecResult(exit_code=0, stdout="", stderr="")
+
+    async def write_file(self, path: str | bytes, data: bytes) -> None:
+        self.files[self._path(path)] = bytes(data)
+
+    async def read_file(self, path: str | bytes) -> bytes:
+        key = self._path(path)
+        if key not in self.files:
+            raise UnsafePathError(f"cannot use {key!r} in the working tree: No such file or directory")
+        return self.files[key]
+
+    async def copy_in(self, src: Path, dest: str | bytes) -> None:
+        root, base = Path(src), self._path(dest)
+        if root.is_file():
+            self.files[base] = root.read_bytes()
+            return
+        for path in root.rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                self.files[f"{base}/{path.relative_to(root).as_posix()}"] = path.read_bytes()
+
+    async def copy_out(self, src: str | bytes, dest: Path) -> None:
+        for name, data in self.files.items():
+            target = Path(dest) / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+
+    async def reset(self) -> bool:
+        self.log.append("reset")
+        self.files = dict(self.seed)
+        await checkpoint()
+        return self.reset_ok
+
+    async def close(self) -> None:
+        self.log.append("close")
+        self.closed = True

@@ -293,3 +293,33 @@ def test_a_completion_for_a_turn_past_the_final_one_raises(grpo: Tracker) -> Non
         match="teacher scores of turn 3 was reported for trajectory 'a' of group 'g', which ended at turn 0",
     ):
         grpo.complete(Need.TEACHER, "g", "a", 3)
+
+
+def test_a_dropped_group_leaves_its_batch_which_waits_for_a_refill() -> None:
+    t = Tracker(needs=[Need.REWARD])
+    t.open_group("a", [0], batch_id=0, groups_in_batch=2)
+    t.open_group("b", [0], batch_id=0, groups_in_batch=2)
+    assert t.batch_state(0) is BatchState.SEALED
+    t.drop_group("b")
+    t.add_turn("a", 0, 0, final=True)
+    assert t.complete(Need.REWARD, "a", 0) == [
+        TrajectoryClosed(group_id="a", trajectory_id=0),
+        GroupClosed(group_id="a", num_trajectories=1),
+    ]
+    t.add_turn("b", 0, 0, final=True)
+    assert t.complete(Need.REWARD, "b", 0) == [
+        TrajectoryClosed(group_id="b", trajectory_id=0),
+        GroupClosed(group_id="b", num_trajectories=1, dropped=True),
+    ]
+    assert t.batch_state(0) is BatchState.OPEN  # one group short again: no BatchReady
+    t.drop_group("c")  # dropped before it opened: marked when it opens
+    t.open_group("c", [0], batch_id=0, groups_in_batch=2)
+    t.add_turn("c", 0, 0, final=True)
+    assert GroupClosed(group_id="c", num_trajectories=1, dropped=True) in t.complete(Need.REWARD, "c", 0)
+    t.open_group("d", [0], batch_id=0, groups_in_batch=2)
+    t.add_turn("d", 0, 0, final=True)
+    assert t.complete(Need.REWARD, "d", 0)[-1] == BatchReady(
+        batch_id=0, num_groups=2, num_trajectories=2, num_scored_tokens=0
+    )
+    with pytest.raises(TrackerError, match=r"group 'a' was dropped after it closed"):
+        t.drop_group("a")

@@ -151,3 +151,27 @@ def test_invalid_settings_name_the_field() -> None:
         Admission(max_groups=0)
     with pytest.raises(ConfigError, match="invalid admission settings: .*unknown field `max_group`"):
         Admission(max_group=3)
+
+
+async def test_a_sandbox_slot_is_held_by_a_trajectory_until_it_is_released() -> None:
+    admission = Admission(sandbox_slots=2)
+    await admission.hold_sandbox_slot(("g", 0))
+    await admission.hold_sandbox_slot(("g", 1))
+    with pytest.raises(ConfigError, match=r"\('g', 0\) already holds a sandbox slot; release it first"):
+        await admission.hold_sandbox_slot(("g", 0))
+    with anyio.move_on_after(0.05) as waited:
+        await admission.hold_sandbox_slot(("g", 2))
+    assert waited.cancelled_caught and admission.stats().sandbox_holders == 2
+    admission.release_sandbox_slot(("g", 0))
+    admission.release_sandbox_slot(("g", 0))  # a second release gives back nothing
+    with anyio.fail_after(1):
+        await admission.hold_sandbox_slot(("g", 2))
+    stats = admission.stats(reset_peaks=True)
+    assert (stats.sandbox_holders, stats.peak_sandbox_holders) == (2, 2)
+
+
+async def test_without_a_bound_sandbox_slots_are_counted_but_never_wait() -> None:
+    admission = Admission()
+    for t in range(50):
+        await admission.hold_sandbox_slot(t)
+    assert admission.stats().sandbox_holders == 50

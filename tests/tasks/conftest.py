@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tests.stages.conftest import RunStage, _run_stage
+from tests.tools.conftest import local_runner
+
+__all__ = ["local_runner"]  # the tool tests' fixture: a runner over local sandboxes
 
 
 @pytest.fixture

@@ -62,10 +62,10 @@ def passed_tests(output: str) -> set[str]:
     """The test ids that pytest's report (``-rA`` summary lines or ``-v`` lines) says passed; a test
     reported both passing and failing counts as failing."""
     status: dict[str, str] = {}
-    for word, test in _SUMMARY.findall(output):
-        status[test] = word if status.get(test, word) in _PASSING else status[test]
-    for test, word in _VERBOSE.findall(output):
-        status[test] = word if status.get(test, word) in _PASSING else status[test]
+    reports = [(test, word) for word, test in _SUMMARY.findall(output)] + _VERBOSE.findall(output)
+    for test, word in reports:
+        if status.get(test, "PASSED") in _PASSING:  # a failure, once reported, stays
+            status[test] = word
     return {test for test, word in status.items() if word in _PASSING}
 
 

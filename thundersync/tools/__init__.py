@@ -32,7 +32,15 @@ from thundersync.tools.coding import (
     ViewTool,
     coding_tools,
 )
-from thundersync.tools.commands import CalculatorTool, Command, PythonTool, ShellTool, Tool, default_tools
+from thundersync.tools.commands import (
+    CalculatorTool,
+    Command,
+    PythonTool,
+    ShellTool,
+    Tool,
+    default_tools,
+    function_schema,
+)
 from thundersync.tools.factory import ToolName, sandbox_tools
 from thundersync.tools.qwen import Qwen3ToolCallParser
 from thundersync.tools.sandboxed import MALFORMED_CALL_STATUS, SandboxToolRunner
@@ -71,6 +79,7 @@ __all__ = [
     "coding_tools",
     "default_tools",
     "environment_of",
+    "function_schema",
     "safe_repr",
     "sandbox_tools",
     "task_name",

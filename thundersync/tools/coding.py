@@ -147,17 +147,18 @@ class ViewTool:
         _only(arguments, self.name, {"path", "start", "end"})
         path = tree_path(sandbox, _string(arguments, self.name, "path", 4096))
         start = _line(arguments, self.name, "start", 1)
-        end = _line(arguments, self.name, "end", start + self.max_lines - 1)
+        end = _line(arguments, self.name, "end", 10**9)
         if end < start:
             raise ValueError(f"view's end ({end}) is before its start ({start})")
         lines = (await _read(sandbox, path)).decode("utf-8", errors="replace").splitlines()
         if lines and start > len(lines):
             raise ValueError(f"{path!r} has {len(lines)} lines; start {start} is past its end")
-        last = min(end, len(lines), start + self.max_lines - 1)
+        wanted = min(end, len(lines))
+        last = min(wanted, start + self.max_lines - 1)
         shown = [f"{n}\t{_clip(lines[n - 1], self.max_line_chars)}" for n in range(start, last + 1)]
-        cut = last < min(end, len(lines))
+        cut = last < wanted
         if cut:
-            shown.append(f"[lines {last + 1}-{min(end, len(lines))} not shown: at most {self.max_lines} at once]")
+            shown.append(f"[lines {last + 1}-{wanted} not shown: at most {self.max_lines} at once]")
         return ToolOutput(text="\n".join(shown) or "(empty file)", truncated=cut)
 
 

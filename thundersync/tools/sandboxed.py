@@ -150,17 +150,19 @@ class SandboxToolRunner:
 
     def _make(self, key: Hashable) -> Sandbox:
         sandbox, images = self._factory
-        if key == "" and sandbox is not None:
+        if key == self.image and sandbox is not None:
             return sandbox()
         assert images is not None
-        return images(str(key) or self.image)
+        return images(str(key))
 
     async def __aenter__(self) -> SandboxToolRunner:
         """Open the pools (warm sandboxes start here), or join the context that opened them."""
         if self._sessions is None:
-            warm: dict[Hashable, int] | None = {"": self._warm} if self._warm else None
+            warm: dict[Hashable, int] | None = {self.image: self._warm} if self._warm else None
             pools = SandboxPools(self._make, max_size=self._max_sandboxes, warm=warm)
-            sessions = TrajectorySandboxes(pools, Workspaces(), default_image="", images=self._factory[1] is not None)
+            sessions = TrajectorySandboxes(
+                pools, Workspaces(), default_image=self.image, images=self._factory[1] is not None
+            )
             sessions.slots = self._slots
             await sessions.workspaces.__aenter__()
             try:
@@ -230,8 +232,8 @@ class SandboxToolRunner:
             raise EpisodeError(task=label, trajectory=trajectory, tool="setup", cause=str(error)) from None
         outcomes = await self._outcomes(calls, key, env, label)
         result = _combined(outcomes)
-        text = self._bounded(self._observation([o.text for o in outcomes]))
-        return msgspec.structs.replace(result, token_ids=list(self.tokenizer.encode(text)))
+        ids = self._bounded_ids(self._bounded(self._observation([o.text for o in outcomes])))
+        return msgspec.structs.replace(result, token_ids=ids)
 
     def _parse(self, token_ids: Sequence[int]) -> list[ToolCall]:
         try:
@@ -248,12 +250,24 @@ class SandboxToolRunner:
             return "\n".join(responses)
 
     def _bounded(self, text: str) -> str:
+        """``text`` cut to ``max_observation_bytes`` (head and tail, a marker between)."""
         data = text.encode("utf-8")
-        if len(data) > self.max_observation_bytes:
-            half = self.max_observation_bytes // 2
-            cut = len(data) - 2 * half
-            text = (data[:half] + f"\n...[{cut} bytes cut]...\n".encode() + data[-half:]).decode("utf-8", "replace")
-        return truncate_tokens(text, self.tokenizer, self.max_observation_tokens)
+        if len(data) <= self.max_observation_bytes:
+            return text
+        half = self.max_observation_bytes // 2
+        cut = len(data) - 2 * half
+        return (data[:half] + f"\n...[{cut} bytes cut]...\n".encode() + data[-half:]).decode("utf-8", "replace")
+
+    def _bounded_ids(self, text: str) -> list[int]:
+        """The observation's token ids, at most ``max_observation_tokens`` of them, marker included
+        (head and tail ids kept: the chat template's closing tokens survive)."""
+        ids = list(self.tokenizer.encode(text))
+        limit = self.max_observation_tokens
+        if len(ids) <= limit:
+            return ids
+        marker = list(self.tokenizer.encode(f"\n[... {len(ids) - limit} tokens cut ...]\n"))[:limit]
+        keep = limit - len(marker)
+        return ids[: keep // 2] + marker + ids[len(ids) - (keep - keep // 2) :]
 
     async def _outcomes(
         self, calls: Sequence[ToolCall], key: tuple[Hashable, Hashable], env: TaskEnvironment | None, label: str
