@@ -9,8 +9,8 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from thundersync.errors import SandboxError
-from thundersync.sandboxes import Sandbox, SandboxPool, trees
+from thundersync.errors import ConfigError, SandboxError
+from thundersync.sandboxes import Sandbox, SandboxPool, SandboxPools, trees
 
 pytestmark = pytest.mark.anyio
 
@@ -124,3 +124,50 @@ async def test_cancelling_an_exec_mid_run_kills_it_and_leaves_nothing(
         result = await sandbox.exec("ps -o args", timeout=10)
         assert "sleep 30" not in result.stdout, result.stdout
     await host_clean()
+
+
+async def test_pools_keyed_by_image_reuse_only_a_sandbox_of_the_same_image() -> None:
+    made: list[tuple[str, FakeSandbox]] = []
+    log: list[str] = []
+
+    def make(image: object) -> FakeSandbox:
+        made.append((str(image), FakeSandbox(log)))
+        return made[-1][1]
+
+    async with SandboxPools(make, max_size=4) as pools:
+        a = await pools.take("a:1")
+        await pools.put_back("a:1", a)
+        b = await pools.take("b:1")
+        assert b is not a and [image for image, _ in made] == ["a:1", "b:1"]
+        await pools.put_back("b:1", b)
+        assert await pools.take("a:1") is a and pools.stats.reused == 1
+
+
+async def test_warm_sandboxes_start_on_entry_and_a_discarded_one_is_replaced() -> None:
+    log: list[str] = []
+    outcomes = iter([False, True, True, True])
+
+    def make(image: object) -> FakeSandbox:
+        return FakeSandbox(log, next(outcomes))
+
+    async with SandboxPools(make, max_size=3, warm={"img": 2}) as pools:
+        assert pools.stats.created == 2 and pools.stats.idle == 2
+        first = await pools.take("img")
+        await pools.put_back("img", first)  # its reset fails: closed, and a new one keeps the key warm
+        assert pools.stats.discarded == 1 and pools.stats.created == 3 and pools.stats.idle == 2
+    assert log.count("made") == 3 and sum(entry.startswith("closed") for entry in log) == 3
+
+
+async def test_at_most_max_idle_sandboxes_wait_idle_the_oldest_is_closed() -> None:
+    log: list[str] = []
+    async with SandboxPools(lambda image: FakeSandbox(log), max_size=3, max_idle=1) as pools:  # type: ignore[arg-type,return-value]
+        first, second = await pools.take("a"), await pools.take("b")
+        await pools.put_back("a", first)
+        await pools.put_back("b", second)
+        assert pools.stats.idle == 1 and log[-1] == f"closed {first.name}"
+        assert await pools.take("b") is second
+
+
+def test_warm_counts_must_fit_the_pool() -> None:
+    with pytest.raises(ConfigError, match=r"the warm sandboxes \(3\) must fit max_size and max_idle"):
+        SandboxPools(lambda image: FakeSandbox([]), max_size=2, warm={"a": 3})  # type: ignore[arg-type,return-value]

@@ -184,3 +184,67 @@ async def test_admission_sandbox_slots_count_trajectories_holding_a_sandbox() ->
             await second_started.wait()
         assert admission.stats().sandbox_holders == 1 and admission.stats().waits_by_reason["sandbox_slots"] == 1
     assert admission.stats().sandbox_holders == 0  # leaving the runner gives back every sandbox
+
+
+class HalfCallTools:
+    """Odd trajectories call a tool on their first two turns; even ones answer at once."""
+
+    async def generate(self, request: Any) -> Any:
+        from thundersync.generation.base import GenerationResult
+
+        group, trajectory = str(request.session_id).split("/")
+        turn = self.turns.get(request.session_id, 0)
+        self.turns[request.session_id] = turn + 1
+        calls = int(trajectory) % 2 == 1 and turn < 2
+        text = f"<tool_call>{json.dumps(create(f'f{turn}', 'x'))}</tool_call>" if calls else "done"
+        await anyio.sleep(0.001)
+        ids = TOKENS.encode(text)
+        return GenerationResult(token_ids=ids, logprobs=[-1.0] * len(ids), finish_reason="stop", prompt_len=0)
+
+    def __init__(self) -> None:
+        self.turns: dict[Any, int] = {}
+
+
+async def test_many_trajectories_over_few_sandboxes_slots_and_grading_slots_never_deadlock() -> None:
+    from thundersync.pipeline import Graph, run_graph
+    from thundersync.stages.close import CloseStage
+    from thundersync.stages.generate import GenerateStage
+    from thundersync.stages.reward import RewardStage
+    from thundersync.stages.source import SourceStage
+    from thundersync.stages.tool_execute import ToolExecuteStage
+    from thundersync.tasks import Task, TaskGrader
+    from thundersync.tools import Qwen3ToolCallParser
+
+    class Tasks:
+        def tasks(self) -> list[Task]:
+            return [Task(prompt_ids=[1, 2], fields={"environment": {"grade": "true"}}) for _ in range(4)]
+
+    admission = Admission(sandbox_slots=2)
+    made: list[FakeSandbox] = []
+    tools = runner(made, max_sandboxes=2, grade_sandboxes=1)
+    source = SourceStage(SourceStage.Config(samples=6), tasks=Tasks(), admission=admission)
+    graph = (
+        Graph()
+        .add("source", source)
+        .add(
+            "generate",
+            GenerateStage(GenerateStage.Config(turns=3), generator=HalfCallTools(), tool_calls=Qwen3ToolCallParser()),
+            reads=["source"],
+            feedback=["tool-execute"],
+        )
+        .add(
+            "tool-execute",
+            ToolExecuteStage(ToolExecuteStage.Config(concurrency=1), tools=tools, admission=admission),
+            reads=["generate"],
+        )
+        .add(
+            "reward",
+            RewardStage(RewardStage.Config(concurrency=1), scorer=TaskGrader(tools=tools)),
+            reads=["generate", "tool-execute"],
+        )
+        .add("close", CloseStage(tools=tools, admission=admission), reads=["generate", "reward"], output=True)
+    )
+    with anyio.fail_after(30):
+        stats = await run_graph(graph)
+    assert stats is not None and admission.stats().sandbox_holders == 0
+    assert len(made) <= 3  # two for the trajectories, one for grading the ones that used none

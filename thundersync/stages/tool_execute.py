@@ -23,7 +23,10 @@ went by (it gives the sandbox back then, unless a close stage holds it: then at 
 Optional: ``admission`` (an :class:`~thundersync.scheduling.Admission`, the source's). With a
 per-trajectory runner, each trajectory holds one of its ``sandbox_slots`` from its sandbox's
 acquisition to its release (the runner holds it); with another runner, each action's calls hold
-one while they run. Each observation's tokens are reserved for its group before it is sent
+one while they run. A per-trajectory runner's actions are not bounded by ``concurrency``: the
+runner's sandboxes bound them (one action at a time per sandbox), and an action waiting for its
+first sandbox must never hold a slot that a trajectory holding one needs for its next call (that
+trajectory's release is what it waits for). Each observation's tokens are reserved for its group before it is sent
 (``max_tokens``); the waits show in the step metrics. The reservation runs after the call has
 given back its ``concurrency`` slot: a group that waits for room is never the oldest, and the
 oldest group's tool calls must still find a slot free, or its close would never free the room.
@@ -101,6 +104,10 @@ class ToolExecuteStage(Stage):
                         self._ended(event.group_id)
                         if isinstance(self.tools, TrajectoryToolRunner):
                             await answers.start(event, self.tools.trajectory_ended, event.group_id, event.trajectory_id)
+                    elif isinstance(self.tools, TrajectoryToolRunner):
+                        # never behind a concurrency slot: an action waiting for its first sandbox must not
+                        # hold up the next call of a trajectory that holds one (whose release it waits for)
+                        await answers.start(event, self._execute, event, answers, outbox)
                     else:
                         await calls.start(event, self._execute, event, answers, outbox)
 

@@ -8,11 +8,14 @@ For each trajectory, after its last turn, the grader reads its task's
 :class:`~thundersync.tools.TaskEnvironment` and runs ``environment.grade``:
 
 - ``grade_in = "own"`` (default): in the trajectory's own sandbox, as the agent left it (a
-  trajectory that never called a tool gets its sandbox now, its content placed and set up);
+  trajectory that never used a sandbox is graded in a fresh one, its content placed and set up);
 - ``grade_in = "fresh"``: in a fresh sandbox of the same image, its content placed and set up,
   into which the trajectory's changes are copied (every file of its working tree that differs
   from the placed content, ``.git`` excluded; deleted files deleted): the agent's processes and
   files outside the tree do not follow it. Its own sandbox is given back first.
+
+Fresh sandboxes come from the runner's grading pools, never from the trajectories' own: a
+trajectory holding a sandbox waits for its reward, so a grader waiting for one would wait for itself.
 
 ``test_patch`` (a unified diff from the task file) is applied before the command: the files it
 touches are taken as placed (or as the sandbox has them, when the image holds the repository),
@@ -117,13 +120,15 @@ class TaskGrader:
         try:
             key = (group_id, trajectory_id)
             own = mode == "own"
-            result = await (self._own(env, key, label) if own else self._fresh(env, key, label, where))
+            result = await (self._own(env, key, label, where) if own else self._fresh(env, key, label, where))
         except (SandboxError, ConfigError, OSError, subprocess.SubprocessError) as error:
             raise failed(f"{type(error).__name__}: {error}") from error
         return await self._reward(env, result, task, failed)
 
-    async def _own(self, env: TaskEnvironment, key: tuple[Id, Id], label: str) -> ExecResult:
-        session = await self.tools.sessions.get(key, env, task=label)
+    async def _own(self, env: TaskEnvironment, key: tuple[Id, Id], label: str, where: str) -> ExecResult:
+        session = self.tools.sessions.peek(key)
+        if session is None:  # it never used a sandbox: graded on its task as placed
+            return await self._in_fresh(env, {}, [], label, where)
         return await self._grade(session.sandbox, env)
 
     async def _fresh(self, env: TaskEnvironment, key: tuple[Id, Id], label: str, where: str) -> ExecResult:
@@ -137,6 +142,13 @@ class TaskGrader:
                 await own.sandbox.copy_out(".", Path(tmp) / "tree")
                 changed, deleted = await anyio.to_thread.run_sync(tree_changes, baseline, Path(tmp) / "tree")
         await sessions.release(key)  # its sandbox goes back before a fresh one is taken
+        return await self._in_fresh(env, changed, deleted, label, where)
+
+    async def _in_fresh(
+        self, env: TaskEnvironment, changed: dict[str, bytes], deleted: list[str], label: str, where: str
+    ) -> ExecResult:
+        """Grade in a fresh sandbox (from the grading pools) with these changes applied."""
+        sessions = self.tools.sessions
         image, sandbox = await sessions.fresh(env, task=label, trajectory=where)
         try:
             for path, data in changed.items():
@@ -145,7 +157,7 @@ class TaskGrader:
                 await sandbox.exec(["rm", "-rf", "--", *deleted], timeout=60)
             return await self._grade(sandbox, env)
         finally:
-            await sessions.pools.put_back(image, sandbox)
+            await sessions.grading.put_back(image, sandbox)
 
     async def _grade(self, sandbox: Sandbox, env: TaskEnvironment) -> ExecResult:
         if env.test_patch:

@@ -99,7 +99,8 @@ class SandboxToolRunner:
 
     ``sandbox`` makes a not-yet-started sandbox of the runner's own image (``image``, its name);
     ``images`` (optional) makes one of any image a task names. At most ``max_sandboxes`` run at
-    once; ``warm`` of the runner's image start on entry. ``tools`` defaults to ``calculator``,
+    once; ``warm`` of the runner's image start on entry; graders take fresh sandboxes from pools of
+    their own (``grade_sandboxes``, default ``max_sandboxes``), never from the trajectories'. ``tools`` defaults to ``calculator``,
     ``python`` and ``shell``; :mod:`~thundersync.tools.coding` has the coding tools.
     """
 
@@ -114,6 +115,7 @@ class SandboxToolRunner:
         tools: Iterable[Tool | SandboxTool] | None = None,
         max_sandboxes: int = 4,
         warm: int = 0,
+        grade_sandboxes: int | None = None,
         timeout_s: float = 10.0,
         truncate_tokens: int = 256,
         max_calls: int = 8,
@@ -141,6 +143,7 @@ class SandboxToolRunner:
         self.allow_unsafe_local = False  # and whether the file accepted model code on the local backend
         self._factory = (sandbox, images)
         self._max_sandboxes, self._warm = max_sandboxes, warm
+        self._grade_sandboxes = grade_sandboxes if grade_sandboxes is not None else max_sandboxes
         self._release_at: Literal["end", "close"] = "end"
         self._slots: SandboxSlots | None = None
         self._sessions: TrajectorySandboxes | None = None
@@ -160,8 +163,9 @@ class SandboxToolRunner:
         if self._sessions is None:
             warm: dict[Hashable, int] | None = {self.image: self._warm} if self._warm else None
             pools = SandboxPools(self._make, max_size=self._max_sandboxes, warm=warm)
+            grading = SandboxPools(self._make, max_size=max(1, self._grade_sandboxes))
             sessions = TrajectorySandboxes(
-                pools, Workspaces(), default_image=self.image, images=self._factory[1] is not None
+                pools, Workspaces(), default_image=self.image, images=self._factory[1] is not None, grading=grading
             )
             sessions.slots = self._slots
             await sessions.workspaces.__aenter__()
@@ -182,6 +186,7 @@ class SandboxToolRunner:
                 try:
                     await sessions.aclose()
                     await sessions.pools.aclose()
+                    await sessions.grading.aclose()
                 finally:
                     await sessions.workspaces.__aexit__(None, None, None)
 

@@ -59,9 +59,16 @@ class TrajectorySandboxes:
     """The sandboxes held by open trajectories; see the module docstring."""
 
     def __init__(
-        self, pools: SandboxPools, workspaces: Workspaces, *, default_image: str = "", images: bool = True
+        self,
+        pools: SandboxPools,
+        workspaces: Workspaces,
+        *,
+        default_image: str = "",
+        images: bool = True,
+        grading: SandboxPools | None = None,
     ) -> None:
         self.pools, self.workspaces = pools, workspaces
+        self.grading = grading if grading is not None else pools
         self.default_image = default_image
         self.images = images  # whether a task may name its own image
         self.slots: SandboxSlots | None = None
@@ -96,14 +103,16 @@ class TrajectorySandboxes:
             return session
 
     async def fresh(self, env: TaskEnvironment | None, *, task: str, trajectory: str) -> tuple[str, Sandbox]:
-        """A sandbox of ``env``'s image with its content placed and set up, held by nobody:
-        give it back with ``pools.put_back(image, sandbox)``."""
+        """A sandbox of ``env``'s image from the ``grading`` pools, its content placed and set up,
+        held by no trajectory: give it back with ``grading.put_back(image, sandbox)``. Graders take
+        these, never the trajectories' own pools: a trajectory holding a sandbox waits for its
+        reward, so a grader that waited for one of those would wait for itself."""
         image = self._image(env, task, trajectory)
-        sandbox = await self._take(image, task, trajectory)
+        sandbox = await self._take(image, task, trajectory, self.grading)
         try:
             await self._prepare(sandbox, env, task, trajectory)
         except BaseException:
-            await self.pools.put_back(image, sandbox)
+            await self.grading.put_back(image, sandbox)
             raise
         return image, sandbox
 
@@ -151,9 +160,9 @@ class TrajectorySandboxes:
             raise
         return session
 
-    async def _take(self, image: str, task: str, trajectory: str) -> Sandbox:
+    async def _take(self, image: str, task: str, trajectory: str, pools: SandboxPools | None = None) -> Sandbox:
         try:
-            return await self.pools.take(image)
+            return await (pools or self.pools).take(image)
         except SandboxError as error:
             raise EpisodeError(task=task, trajectory=trajectory, tool="sandbox", cause=str(error)) from error
 
