@@ -192,7 +192,7 @@ class HalfCallTools:
     async def generate(self, request: Any) -> Any:
         from thundersync.generation.base import GenerationResult
 
-        group, trajectory = str(request.session_id).split("/")
+        trajectory = str(request.session_id).split("/")[1]
         turn = self.turns.get(request.session_id, 0)
         self.turns[request.session_id] = turn + 1
         calls = int(trajectory) % 2 == 1 and turn < 2
