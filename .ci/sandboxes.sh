@@ -9,6 +9,7 @@
 #      firewall), on a short socket path, and `podman system service` (Docker-compatible API,
 #      containers without a network by default); an EXIT trap removes their containers, stops
 #      both by pid and removes everything
+#   5. examples/agent_repo_image.sh: the coding-agent example's image (busybox + the host's python3)
 #
 # Exports DOCKER_HOST, THUNDERSYNC_TEST_PODMAN_HOST, UDOCKER_DIR, UDOCKER_TARBALL,
 # UDOCKER_USE_PROOT_EXECUTABLE, THUNDERSYNC_TEST_IMAGE and THUNDERSYNC_REQUIRE_SANDBOXES=1
@@ -94,6 +95,10 @@ DOCKER_HOST=$THUNDERSYNC_TEST_PODMAN_HOST docker version --format 'podman {{.Ser
     || { cat "$TS_SB_DIR/podman.log"; false; }
 docker import --change 'WORKDIR /work' --change 'CMD ["/bin/sh"]' \
     "$TS_SB_DIR/rootfs.tar" "$THUNDERSYNC_TEST_IMAGE" >/dev/null
+
+# The coding-agent example's image (busybox + the host's python3) in Docker, Podman and uDocker:
+# examples/agent_repo.toml runs as a docker test on it.
+bash examples/agent_repo_image.sh
 
 export THUNDERSYNC_REQUIRE_SANDBOXES=1
 echo "sandboxes ready in $((SECONDS - _ts_sb_start))s: DOCKER_HOST=$DOCKER_HOST UDOCKER_DIR=$UDOCKER_DIR"

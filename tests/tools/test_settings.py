@@ -45,3 +45,15 @@ def test_the_factory_needs_an_image_for_container_backends() -> None:
 def test_scripted_replies_need_a_reply() -> None:
     with pytest.raises(ValueError, match=r"^ScriptedReplies needs at least one reply$"):
         ScriptedReplies(replies=[])
+
+
+def test_the_local_backend_is_refused_for_tools_that_run_model_text_unless_the_file_opts_in() -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"the local backend runs host processes \(no isolation\), and the tools \['shell', 'search'\] run what "
+        r"the model writes; .* allow_unsafe_local_sandbox = true",
+    ):
+        sandbox_tools(backend="local", tools=("view", "shell", "search", "submit"))
+    assert sandbox_tools(backend="local", tools=("calculator", "view", "replace", "submit")).backend == "local"
+    opted = sandbox_tools(backend="local", tools=("shell",), allow_unsafe_local_sandbox=True)
+    assert opted.allow_unsafe_local and [t.name for t in opted.tools.values()] == ["shell"]

@@ -2,8 +2,8 @@
 
 Consumes: GroupOpened (its task's fields), ActionGenerated (a final action calls no tool: it only
 ends its trajectory). Produces: ToolObserved. Waits for: the ``tools`` runner (a sandbox, a
-process); with an ``admission``, a sandbox slot and room for the observation's tokens. Unblocked
-by: generate sending an action that calls a tool, close releasing a group or a sandbox.
+process); with an ``admission``, a sandbox slot and room for the observation's tokens.
+Unblocked by: generate sending an action that calls a tool, close releasing a group or a sandbox.
 
 This is the design's tool stage: generate -> tool-execute -> generate until a trajectory ends.
 Generate declares the edge back from here as feedback (``feedback = ["tool-execute"]``), continues

@@ -189,7 +189,7 @@ def test_openai_generator_validates_at_construction(monkeypatch: pytest.MonkeyPa
 def test_sandbox_tools_take_a_tokenizer_reference() -> None:
     spec = loads(
         '[objects.tok]\nfactory = "tokenizer"\nbuiltin = "bytes"\n[objects.tools]\nfactory = "sandbox-tools"\n'
-        'backend = "local"\ntokenizer = { object = "tok" }\n[objects.parser]\nfactory = "qwen3-tool-calls"\n'
+        'backend = "local"\ntools = ["calculator"]\ntokenizer = { object = "tok" }\n[objects.parser]\nfactory = "qwen3-tool-calls"\n'
         'tokenizer = { object = "tok" }\n[stages.source]\ntype = "source"\nprompts = [[1]]\n'
     )
     built = build_objects(spec)

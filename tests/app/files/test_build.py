@@ -60,8 +60,9 @@ def test_stage_capacity_overrides_the_run_default() -> None:
         (
             '[objects.scorer]\nfactory = "test-fake-teacher"\n[stages.r]\ntype = "reward"\nreads = ["source"]\n',
             DefinitionError,
-            r"^stages\.r: the reward stage's scorer is a FakeTeacher, which has neither score\(prompt_ids, "
-            r"completion_ids\) nor score_task\(prompt_ids, completion_ids, task\)$",
+            r"^stages\.r: the reward stage's scorer is a FakeTeacher, which has none of score\(prompt_ids, "
+            r"completion_ids\), score_task\(prompt_ids, completion_ids, task\) and score_trajectory\(group_id, "
+            r"trajectory_id, prompt_ids, completion_ids, task\)$",
         ),
         (
             '[stages.r]\ntype = "reward"\nreads = ["source"]\nobjects = {scorer = "s2"}\n',
@@ -71,7 +72,7 @@ def test_stage_capacity_overrides_the_run_default() -> None:
         (
             '[stages.r]\ntype = "reward"\nreads = ["source"]\nobjects = {scorr = "s2"}\n',
             DefinitionError,
-            r"^stages\.r\.objects\.scorr: a 'reward' stage takes no runtime object 'scorr'; it takes: scorer$",
+            r"^stages\.r\.objects\.scorr: a 'reward' stage takes no runtime object 'scorr'; it takes: scorer, failures$",
         ),
         (
             '[objects.scorer]\nfactory = "test-fake-scorer"\n[stages.r]\ntype = "reward"\nreads = ["gen2"]\n',
