@@ -141,11 +141,11 @@ def test_pytests_report_says_which_tests_passed() -> None:
     report = "\n".join(
         [
             "a.py::test_x PASSED    [ 33%]",
-            "a.py::test_y FAILED    [ 66%]",
+            "a.py::test_y PASSED    [ 66%]",  # passed in its own line, failed in the summary: failing wins
             "PASSED a.py::test_z",
             "FAILED a.py::test_w - AssertionError: boom",
             "XFAIL a.py::test_v - reason",
-            "PASSED a.py::test_y",  # reported failing above: failing wins
+            "FAILED a.py::test_y - teardown",
             "ERROR a.py::test_u - fixture",
         ]
     )
