@@ -135,7 +135,31 @@ class TimedGrader(TaskGrader):
             self.spent[(group_id, trajectory_id)] = self.ended[(group_id, trajectory_id)] - start
 
 
+def episode_graph(tasks: RepoBugTasks, solver: Solver, runner: TimedRunner, grader: TimedGrader, slots: int) -> Graph:
+    """source -> generate -> tool-execute -> reward -> close, ``slots`` trajectories at once."""
+    admission = Admission(sandbox_slots=slots)
+    generate = GenerateStage(
+        GenerateStage.Config(turns=5, max_new_tokens=128, concurrency=slots),
+        generator=solver,
+        tool_calls=Qwen3ToolCallParser(),
+    )
+    tools = ToolExecuteStage(ToolExecuteStage.Config(concurrency=slots), tools=runner, admission=admission)  # type: ignore[arg-type]
+    return (
+        Graph()
+        .add("source", SourceStage(SourceStage.Config(samples=1), tasks=tasks, admission=admission))
+        .add("generate", generate, reads=["source"], feedback=["tool-execute"])
+        .add("tool-execute", tools, reads=["generate"])
+        .add(
+            "reward",
+            RewardStage(RewardStage.Config(concurrency=slots), scorer=grader),
+            reads=["generate", "tool-execute"],
+        )
+        .add("close", CloseStage(tools=runner, admission=admission), reads=["generate", "reward"], output=True)  # type: ignore[arg-type]
+    )
+
+
 async def measure(backend: str, image: str | None, slots: int, episodes: int, token_s: float) -> list[Any]:
+    """One row of the table: ``episodes`` episodes over ``slots`` warm sandboxes of ``backend``."""
     tasks = RepoBugTasks(count=episodes, seed=0)
     solver = Solver({TOKENS.decode(t.prompt_ids): (t.fields["bug"], t.fields["fix"]) for t in tasks.tasks()}, token_s)
     raw = sandbox_tools(
@@ -146,70 +170,28 @@ async def measure(backend: str, image: str | None, slots: int, episodes: int, to
         warm=slots,
         allow_unsafe_local_sandbox=backend == "local",
     )
-    runner = TimedRunner(raw)
-    grader = TimedGrader(tools=raw)
+    runner, grader = TimedRunner(raw), TimedGrader(tools=raw)
     grader.spent, grader.ended = {}, {}
-    admission = Admission(sandbox_slots=slots)
-    graph = (
-        Graph()
-        .add("source", SourceStage(SourceStage.Config(samples=1), tasks=tasks, admission=admission))
-        .add(
-            "generate",
-            GenerateStage(
-                GenerateStage.Config(turns=5, max_new_tokens=128, concurrency=slots),
-                generator=solver,
-                tool_calls=Qwen3ToolCallParser(),
-            ),
-            reads=["source"],
-            feedback=["tool-execute"],
-        )
-        .add(
-            "tool-execute",
-            ToolExecuteStage(ToolExecuteStage.Config(concurrency=slots), tools=runner, admission=admission),
-            reads=["generate"],
-        )  # type: ignore[arg-type]
-        .add(
-            "reward",
-            RewardStage(RewardStage.Config(concurrency=slots), scorer=grader),
-            reads=["generate", "tool-execute"],
-        )
-        .add("close", CloseStage(tools=runner, admission=admission), reads=["generate", "reward"], output=True)  # type: ignore[arg-type]
-    )
+    graph = episode_graph(tasks, solver, runner, grader, slots)
     async with raw:  # the warm pool starts before the clock
-        stats_before = raw.sessions.pools.stats
+        before = raw.sessions.pools.stats
         start = time.perf_counter()
         await run_graph(graph)
         wall = time.perf_counter() - start
         pool = raw.sessions.pools.stats
-    shares: dict[str, list[float]] = defaultdict(list)
-    for group_id in range(episodes):
-        key = (group_id, 0)
-        session = f"{group_id!r}/0"
-        episode = grader.ended[key] - solver.started[session]
-        shares["gen"].append(solver.spent[session] / episode)
-        shares["tool"].append(runner.spent[key] / episode)
-        shares["grade"].append(grader.spent[key] / episode)
-        shares["episode_s"].append(episode)
-        shares["tool_s"].append(runner.spent[key])
-    takes = pool.takes - stats_before.takes
-    take_ms = 1000 * (pool.take_s - stats_before.take_s) / max(takes, 1)
+    keys = [(group_id, 0) for group_id in range(episodes)]
+    episode = {k: grader.ended[k] - solver.started[f"{k[0]!r}/0"] for k in keys}
+    mean = {
+        "gen": statistics.fmean(solver.spent[f"{k[0]!r}/0"] / episode[k] for k in keys),
+        "tool": statistics.fmean(runner.spent[k] / episode[k] for k in keys),
+        "grade": statistics.fmean(grader.spent[k] / episode[k] for k in keys),
+    }
+    take_ms = 1000 * (pool.take_s - before.take_s) / max(pool.takes - before.takes, 1)
     reset_ms = 1000 * pool.reset_s / max(pool.resets, 1)
-    mean = {name: statistics.fmean(values) for name, values in shares.items()}
-    load = os.getloadavg()[0]
-    return [
-        backend,
-        slots,
-        episodes / wall,
-        mean["episode_s"],
-        100 * mean["gen"],
-        100 * mean["tool"],
-        1000 * mean["tool_s"],
-        100 * mean["grade"],
-        take_ms,
-        reset_ms,
-        pool.created,
-        load,
-    ]
+    tool_ms = 1000 * statistics.fmean(runner.spent[k] for k in keys)
+    row = [backend, slots, episodes / wall, statistics.fmean(episode.values())]
+    row += [100 * mean["gen"], 100 * mean["tool"], tool_ms, 100 * mean["grade"], take_ms, reset_ms]
+    return [*row, pool.created, os.getloadavg()[0]]
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import pytest
 
 from tests.stages.test_episode_failures import CALL, TOKENS, FailingTools, RecordingObjective, graph, run
+from thundersync.app.metrics.step_metrics import StepMetrics
 from thundersync.errors import ConfigError
 from thundersync.events import ActionGenerated, EventBase, Rewarded, ToolObserved
 from thundersync.generation.base import GenerationRequest, GenerationResult
@@ -53,6 +54,9 @@ async def test_a_trajectory_whose_next_prompt_would_not_fit_ends_with_stop_reaso
     assert len(ends) == 4 and all(a.stop_reason == "context" and a.token_ids == [] for a in ends)
     assert [a.turn for a in ends] == [2] * 4 and generator.asked == [64] * 4 + [55] * 4  # only what still fits
     assert len([e for e in events if isinstance(e, Rewarded)]) == 4  # ended, scored, closed: the run goes on
+    metrics = StepMetrics()
+    (step,) = [record for e in events if (record := metrics.observe(e)) is not None]
+    assert step["truncated"] == 4  # and the step line counts them
 
 
 async def test_the_context_bound_can_come_from_the_config_for_generators_that_do_not_say() -> None:

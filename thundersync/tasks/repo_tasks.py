@@ -11,6 +11,10 @@ and the prompt names the buggy expression but not the right one::
 
     Fix ops.py: f(a, b) returns a - b, which fails test_ops.py. Then submit.
 
+With ``tools`` (the ``sandbox-tools`` runner) the prompt also publishes the tools' schemas in the
+tokenizer's chat format (:func:`~thundersync.tools.tool_prompt`); the shipped example leaves them
+out (its tiny model's context is short, and its warm-up teaches the calls).
+
 Grading runs ``python3 -B test_ops.py`` in the trajectory's own sandbox after its last turn: the
 reward is 1 when it passes (``all_pass``). The operators are drawn from ``+ - *`` (the bug and the
 fix differ) and the numbers from 2-9, so what the test shows sits at fixed places: a small model
@@ -44,6 +48,7 @@ from thundersync.errors import ConfigError
 from thundersync.sandboxes.output import Tokenizer
 from thundersync.tasks.data import Task, TaskSource
 from thundersync.tasks.demonstrations import Demonstration
+from thundersync.tools import SandboxToolRunner, tool_prompt
 from thundersync.tools.base import ByteTokenizer
 from thundersync.tools.qwen import Qwen3ToolCallParser
 
@@ -59,12 +64,19 @@ class RepoBugTasks:
     PROMPT = "Fix ops.py: f(a, b) returns {bug}, which fails test_ops.py. Then submit."
 
     def __init__(
-        self, *, count: _Positive = 64, seed: int = 0, grade_timeout_s: float = 30.0, tokenizer: Tokenizer | None = None
+        self,
+        *,
+        count: _Positive = 64,
+        seed: int = 0,
+        grade_timeout_s: float = 30.0,
+        tokenizer: Tokenizer | None = None,
+        tools: SandboxToolRunner | None = None,
     ) -> None:
         if count < 1:
             raise ConfigError(f"repo-bug-tasks needs count >= 1, got {count}")
         self.count, self.seed, self.grade_timeout_s = count, seed, grade_timeout_s
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.schemas = tools.schemas if tools is not None else None
 
     def tasks(self) -> list[Task]:
         draw = random.Random(self.seed)
@@ -88,7 +100,10 @@ class RepoBugTasks:
         }
         prompt = self.PROMPT.format(bug=f"a {bug} b")
         fields: dict[str, Any] = {"id": f"ops-{self.seed}-{index}", "bug": bug, "fix": fix, "environment": environment}
-        return Task(prompt_ids=list(self.tokenizer.encode(prompt)), fields=fields)
+        ids = (
+            self.tokenizer.encode(prompt) if self.schemas is None else tool_prompt(prompt, self.schemas, self.tokenizer)
+        )
+        return Task(prompt_ids=list(ids), fields=fields)
 
 
 def call(name: str, arguments: dict[str, str]) -> str:

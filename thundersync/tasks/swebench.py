@@ -16,6 +16,10 @@ Each becomes a :class:`~thundersync.tasks.Task` whose prompt is the problem stat
   PASS_TO_PASS, shell-quoted); the reward ``all_pass`` is SWE-bench's "resolved" (every named test
   passes), ``fraction`` the share of them that pass.
 
+With ``tools`` (the ``sandbox-tools`` runner), the prompt publishes the tools' schemas in the
+tokenizer's chat format (:func:`~thundersync.tools.tool_prompt`; ``system`` is an optional system
+message); without it, the prompt is the text alone.
+
 Nothing is downloaded at run time. Prepare once, on a machine with network:
 ``git clone https://github.com/<owner>/<name> repos/<owner>__<name>`` for each repository (the
 base commits must be in the clone), and the images in the local engine (``docker load`` of images
@@ -36,6 +40,7 @@ import msgspec
 from thundersync.errors import ConfigError
 from thundersync.sandboxes.output import Tokenizer
 from thundersync.tasks.data import Task
+from thundersync.tools import SandboxToolRunner, tool_prompt
 from thundersync.tools.base import ByteTokenizer
 
 __all__ = ["SWEBenchTasks"]
@@ -65,6 +70,8 @@ class SWEBenchTasks:
         grade_timeout_s: float = 1800.0,
         prompt: str = PROMPT,
         tokenizer: Tokenizer | None = None,
+        tools: SandboxToolRunner | None = None,
+        system: str | None = None,
         limit: int | None = None,
     ) -> None:
         if "{tests}" not in test_command:
@@ -73,6 +80,7 @@ class SWEBenchTasks:
         self.test_command, self.setup, self.reward = test_command, list(setup or []), reward
         self.grade_in, self.grade_timeout_s, self.prompt = grade_in, grade_timeout_s, prompt
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.schemas, self.system = (tools.schemas if tools is not None else None), system
         self._tasks = [self._task(where, record) for where, record in self._records()][:limit]
         if not self._tasks:
             raise ConfigError(f"{self.path}: no instances; give a JSONL file of SWE-bench instances")
@@ -124,7 +132,9 @@ class SWEBenchTasks:
             problem_statement=record["problem_statement"], repo=repo, instance_id=record["instance_id"]
         )
         fields = {"instance_id": record["instance_id"], "repo": repo, "environment": environment}
-        return Task(prompt_ids=list(self.tokenizer.encode(prompt)), fields=fields)
+        if self.schemas is None:
+            return Task(prompt_ids=list(self.tokenizer.encode(prompt)), fields=fields)
+        return Task(prompt_ids=tool_prompt(prompt, self.schemas, self.tokenizer, system=self.system), fields=fields)
 
     def _image(self, where: str, record: dict[str, Any]) -> str:
         if isinstance(record.get("image_name"), str) and record["image_name"]:

@@ -4,10 +4,10 @@
 protocols, ByteTokenizer), :mod:`~.qwen` (the default ``<tool_call>`` JSON format),
 :mod:`~.commands` (the ``calculator``, ``python`` and ``shell`` tools), :mod:`~.coding` (``view``,
 ``create``, ``replace``, ``search``, ``submit``), :mod:`~.workspace` (per-task environments),
-:mod:`~.sessions` (a sandbox per trajectory), :mod:`~.sandboxed` (SandboxToolRunner) and
-:mod:`~.factory` (``sandbox-tools``). The ``tool-execute`` stage
-(:mod:`thundersync.stages.tool_execute`) runs a ToolRunner; ``generate`` asks a ToolCallParser
-whether an action calls a tool.
+:mod:`~.sessions` (a sandbox per trajectory), :mod:`~.sandboxed` (SandboxToolRunner),
+:mod:`~.prompts` (prompts that publish the tools' schemas) and :mod:`~.factory`
+(``sandbox-tools``). The ``tool-execute`` stage (:mod:`thundersync.stages.tool_execute`) runs a
+ToolRunner; ``generate`` asks a ToolCallParser whether an action calls a tool.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from thundersync.tools.commands import (
     function_schema,
 )
 from thundersync.tools.factory import ToolName, sandbox_tools
+from thundersync.tools.prompts import qwen3_tool_prompt, tool_prompt
 from thundersync.tools.qwen import Qwen3ToolCallParser
 from thundersync.tools.sandboxed import MALFORMED_CALL_STATUS, SandboxToolRunner
 from thundersync.tools.sessions import SandboxSlots, Session, TrajectorySandboxes
@@ -80,8 +81,10 @@ __all__ = [
     "default_tools",
     "environment_of",
     "function_schema",
+    "qwen3_tool_prompt",
     "safe_repr",
     "sandbox_tools",
     "task_name",
+    "tool_prompt",
     "tree_changes",
 ]

@@ -197,6 +197,12 @@ class SandboxToolRunner:
             raise SandboxError("the SandboxToolRunner is not open: use 'async with runner' (tool-execute does)")
         return self._sessions
 
+    @property
+    def schemas(self) -> list[dict[str, Any]]:
+        """The tools' schemas, in the runner's order: what a prompt publishes to the model
+        (:func:`~thundersync.tools.prompts.tool_prompt`)."""
+        return [tool.schema for tool in self.tools.values()]
+
     def use_slots(self, slots: SandboxSlots | None) -> None:
         """Hold one of ``slots`` for each trajectory from its sandbox's acquisition to its release."""
         self._slots = slots
