@@ -25,6 +25,7 @@ import msgspec
 import torch
 from torch import nn
 
+from thundersync._config import build_config
 from thundersync._device import upload
 from thundersync.acceleration import Acceleration
 from thundersync.engine import inputs
@@ -32,7 +33,6 @@ from thundersync.engine._guard import ParameterGuard, check_deterministic
 from thundersync.engine._streams import JobStream
 from thundersync.engine._worker import Worker
 from thundersync.engine.executor import PackExecutor
-from thundersync.engine.inputs import build_config
 from thundersync.engine.sinks import FlatAccumulator, GradCapture, ParamLayout, UnscaledSum
 from thundersync.errors import ConfigError, UnsafeStepError
 from thundersync.model.anatomy import DecoderAnatomy, decoder_anatomy, unwrap_peft

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
+from thundersync._config import build_config
 from thundersync.engine import inputs
 from thundersync.engine.groups import Group, OpenGroups, trajectory_name
 from thundersync.engine.mismatch import LogprobMismatch
@@ -110,7 +111,7 @@ class RewardLinearBackward:
     signal: Signal = "reward"
 
     def __init__(self, run: StreamingRun, config: Config | None = None, /, **options: Any) -> None:
-        self.config = inputs.build_config(RewardLinearBackward.Config, config, options, "RewardLinearBackward")
+        self.config = build_config(RewardLinearBackward.Config, config, options, "RewardLinearBackward")
         self.run = run
         self._groups: OpenGroups[_Pending, Branch] = OpenGroups(run, new_trajectory=Branch)
         # THUNDERSYNC_GRPO_CLOSE_TRACE and THUNDERSYNC_GRPO_PROFILE_*: diagnostics of the close packs

@@ -50,6 +50,7 @@ __all__ = [
     "decode_sample_reference",
     "linear_config",
     "tuned_linear_configs",
+    "use_linear_configs",
 ]
 
 _KERNEL = "decode_layer"
@@ -85,11 +86,24 @@ def linear_config(n: int, k: int, rows: int, norm: bool, silu_mul: bool = False)
     return LinearConfig(32, 512, 4, 1) if norm else LinearConfig(16, 128, 4, 4)
 
 
+_configs_path: list[str] = []  # the file in use, once set or read
+
+
+def use_linear_configs(path: str) -> None:
+    """Take :func:`decode_linear`'s tuned launch configurations from the JSON file ``path`` from now
+    on ("": none; a generator does this with its ``Acceleration.decode_linear_configs``)."""
+    if path:
+        _read_configs(path)  # a bad file fails here, naming it
+    _configs_path[:] = [path]
+
+
 def tuned_linear_configs() -> dict[str, LinearConfig]:
-    """The configurations of the file ``THUNDERSYNC_DECODE_LINEAR_CONFIGS`` names (none when unset);
-    ConfigError, saying what is wrong, for a file that is not one."""
-    path = os.environ.get("THUNDERSYNC_DECODE_LINEAR_CONFIGS", "")
-    return _read_configs(path) if path else {}
+    """The configurations of the file in use (:func:`use_linear_configs`; until it is called, the one
+    ``THUNDERSYNC_DECODE_LINEAR_CONFIGS`` names, read once; none when unset); ConfigError, saying
+    what is wrong, for a file that is not one."""
+    if not _configs_path:
+        _configs_path.append(os.environ.get("THUNDERSYNC_DECODE_LINEAR_CONFIGS", ""))
+    return _read_configs(_configs_path[0]) if _configs_path[0] else {}
 
 
 @functools.cache

@@ -52,7 +52,7 @@ def test_the_example_file_starts_with_the_command_that_runs_it() -> None:
             r"^run\.progres: unknown field; valid fields: metrics, tensorboard, progress, capacity, timeout_s, steps, device$",
         ),
         ('[run]\nprogress = "yes"\n[stages]\n', r"^run\.progress: Invalid enum value 'yes'$"),
-        ("x = 1\n[stages]\n", r"^x: unknown field; valid fields: run, objects, stages$"),
+        ("x = 1\n[stages]\n", r"^x: unknown field; valid fields: run, objects, stages, acceleration$"),
         ("run = {}\n", r"^stages: missing required field$"),
         (
             '[objects.g]\nfactory = "test-scripted-generatr"\n[stages]\n',

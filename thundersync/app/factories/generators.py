@@ -40,6 +40,7 @@ from typing import Annotated, Any
 import msgspec
 from torch import nn
 
+from thundersync.acceleration import Acceleration
 from thundersync.errors import ConfigError
 from thundersync.generation._publish import PublishHook, PublishRoute
 from thundersync.generation.base import LogprobMode
@@ -53,24 +54,24 @@ _Positive = Annotated[int, msgspec.Meta(ge=1)]
 _NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0)]
 
 
+_GENERATOR = TorchGenerator.Config()
+
+
 def torch_generator(
     *,
     model: nn.Module,
-    max_batch: _Positive = 64,
-    max_seq_len: Annotated[int, msgspec.Meta(ge=2)] = 4096,
-    prefill_tokens: _Positive = 8192,
-    cuda_graphs: bool | None = None,
-    seed: int = 0,
+    max_batch: _Positive = _GENERATOR.max_batch,
+    max_seq_len: Annotated[int, msgspec.Meta(ge=2)] = _GENERATOR.max_seq_len,
+    prefill_tokens: _Positive = _GENERATOR.prefill_tokens,
+    cuda_graphs: bool | None = _GENERATOR.cuda_graphs,
+    seed: int = _GENERATOR.seed,
+    acceleration: Acceleration | None = None,
 ) -> TorchGenerator:
-    """``torch-generator``: a :class:`~thundersync.generation.TorchGenerator` sharing the learner's weights."""
-    return TorchGenerator(
-        model,
-        max_batch=max_batch,
-        max_seq_len=max_seq_len,
-        prefill_tokens=prefill_tokens,
-        cuda_graphs=cuda_graphs,
-        seed=seed,
-    )
+    """``torch-generator``: a :class:`~thundersync.generation.TorchGenerator` sharing the learner's
+    weights (its defaults are :class:`TorchGenerator.Config`'s); ``acceleration``: the file's
+    ``[acceleration]`` unless the table gives one."""
+    options = {"max_batch": max_batch, "max_seq_len": max_seq_len, "prefill_tokens": prefill_tokens}
+    return TorchGenerator(model, acceleration=acceleration, cuda_graphs=cuda_graphs, seed=seed, **options)
 
 
 def vllm_generator(

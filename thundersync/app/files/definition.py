@@ -47,6 +47,7 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 
 from thundersync._device import check_device
+from thundersync.acceleration import Acceleration
 from thundersync.app.factories.registry import ALL_FACTORIES
 from thundersync.app.files._schema import (
     GRAPH_FIELDS,
@@ -130,17 +131,21 @@ class StageSpec(msgspec.Struct, frozen=True):
 
 
 class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True):
-    """A whole pipeline: stages by name (in order), runtime objects by name, run settings."""
+    """A whole pipeline: stages by name (in order), runtime objects by name, run settings, and how
+    the run, the generator and the teacher compute (``[acceleration]``: every object whose factory
+    takes an ``acceleration`` gets it, resolved once, when its table gives none)."""
 
     stages: dict[str, StageSpec]
     objects: dict[str, ObjectSpec] = {}
     run: RunSettings = RunSettings()
+    acceleration: Acceleration = Acceleration()
 
 
 class _File(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stages: dict[str, Any]  # each a table; checked per entry so errors name it
     objects: dict[str, Any] = {}
     run: RunSettings = RunSettings()
+    acceleration: Acceleration = Acceleration()
 
 
 # --- reading files -----------------------------------------------------------------------------
@@ -176,14 +181,18 @@ def loads(text: str, overrides: Sequence[str] = ()) -> PipelineSpec:
             "need only a few levels, so flatten the deepest value"
         )
     apply_overrides(raw, overrides)
-    top = convert(
-        raw, _File, "", fields={"": ["run", "objects", "stages"], ".run": list(RunSettings.__struct_fields__)}
-    )
+    fields = {
+        "": ["run", "objects", "stages", "acceleration"],
+        ".run": list(RunSettings.__struct_fields__),
+        ".acceleration": list(Acceleration.__struct_fields__),
+    }
+    top = convert(raw, _File, "", fields=fields)
     _check_device("run.device", top.run.device)
     return PipelineSpec(
         stages={name: _stage(name, table) for name, table in top.stages.items()},
         objects={name: _object(name, table) for name, table in top.objects.items()},
         run=top.run,
+        acceleration=top.acceleration,
     )
 
 
