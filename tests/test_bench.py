@@ -75,7 +75,10 @@ def test_interference_bench_runs_a_load_in_a_thread_and_in_a_process_and_refuses
         cwd=ROOT,
         timeout=60,
     )
-    assert done.returncode == 2 and "'process:gemm:0' is not thread:KIND, process:KIND[:PERCENT] or green[-split]:KIND:SMS" in done.stderr
+    assert (
+        done.returncode == 2
+        and "'process:gemm:0' is not thread:KIND, process:KIND[:PERCENT] or green[-split]:KIND:SMS" in done.stderr
+    )
 
 
 @pytest.mark.timeout(300)
