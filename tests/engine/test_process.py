@@ -18,6 +18,7 @@ import torch
 import thundersync
 from tests.engine.tiny_models import tiny_qwen3, with_lora
 from thundersync.engine.process import ModelProcess, rebuilt
+from thundersync.engine.process.messages import Failed, Message, Stop
 from thundersync.errors import ConfigError, StreamingError, UnknownIdError, UnsafeStepError
 from thundersync.events import BatchReady
 from thundersync.stages.step import StepResult
@@ -206,10 +207,13 @@ def test_a_streaming_trainer_over_a_learner_process_audits_and_reports_as_in_one
 
 
 def test_a_child_failure_whose_type_needs_more_than_a_message_comes_back_as_a_streaming_error() -> None:
-    error = rebuilt(("MissingExtraError", "no vllm", "Traceback ..."))
+    error = rebuilt(Failed(type="MissingExtraError", message="no vllm", traceback="Traceback ...", in_batch=True))
     assert type(error) is StreamingError and str(error) == "MissingExtraError: no vllm"
     assert error.__notes__ == ["in the learner process:\nTraceback ..."]
-    assert type(rebuilt(("UnsafeStepError", "pending: g", ""))) is UnsafeStepError
+    assert (
+        type(rebuilt(Failed(type="UnsafeStepError", message="pending: g", traceback="", in_batch=True)))
+        is UnsafeStepError
+    )
 
 
 def test_a_peft_model_is_rebuilt_in_the_child_and_its_adapter_gets_the_one_process_gradient() -> None:
@@ -244,7 +248,7 @@ def test_the_child_gets_the_environment_it_is_given_and_the_parent_keeps_its_own
     env = {"THUNDERSYNC_PROBE_SET": "child", "THUNDERSYNC_PROBE_KEPT": "child too"}
     child = ModelProcess(tiny_qwen3(torch.float32, seed=1), _serve_environment, list(env), env=env)
     try:
-        assert child.receive("environment") == [env]
+        assert child.receive(Environment).values == env
     finally:
         child.close()
     assert os.environ["THUNDERSYNC_PROBE_KEPT"] == "parent" and "THUNDERSYNC_PROBE_SET" not in os.environ
@@ -254,9 +258,13 @@ def test_the_child_gets_the_environment_it_is_given_and_the_parent_keeps_its_own
         thundersync.LearnerProcess(thundersync.StreamingRun(tiny_qwen3(torch.float32, seed=1)), GRPO, env={"A=B": "1"})
 
 
+class Environment(Message, frozen=True):
+    values: dict[str, str | None]
+
+
 async def _serve_environment(model: torch.nn.Module, commands: Any, answers: Any, names: list[str]) -> None:
-    answers.put(("environment", {name: os.environ.get(name) for name in names}))
-    assert commands.get() == ("stop",)
+    answers.put(Environment(values={name: os.environ.get(name) for name in names}))
+    assert isinstance(commands.get(), Stop)
 
 
 @pytest.mark.gpu
