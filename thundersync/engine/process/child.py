@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 import anyio.to_thread
@@ -43,7 +43,7 @@ from thundersync.errors import StreamingError
 if TYPE_CHECKING:
     from thundersync.engine.run import StreamingRun
 
-__all__ = ["Objective", "ObjectiveServer", "serve_objective", "unknown_message"]
+__all__ = ["HANDLERS", "Objective", "ObjectiveServer", "serve_objective", "unknown_message"]
 
 Objective = Callable[[Any], Any]  # StreamingRun -> a streaming objective (module-level, picklable)
 
@@ -97,27 +97,14 @@ class ObjectiveServer:
         assert [v.shape for v in self.views] == [p.shape for p in run.layout.params], "the parent's layout differs"
         self.failure: Failed | None = None  # the batch's first failure, until Discard
         self.stopped = False
-        self.handlers: Mapping[type[Any], Callable[[Any], None]] = {
-            Stop: self.stop,
-            Begin: self.begin,
-            OpenGroup: self.open_group,
-            AppendTurn: self.append_turn,
-            CloseTrajectory: self.close_trajectory,
-            CloseGroup: self.close_group,
-            KeepBatch: self.keep_batch,
-            AssertSafe: self.assert_safe,
-            Discard: self.discard,
-            TakeMismatch: self.take_mismatch,
-            DenseGradient: self.dense_gradient,
-        }
 
     def handle(self, message: object) -> None:
         """Run ``message``'s handler; a message without one is an error naming it (the child's
         main reports it to the parent, whose next wait raises it)."""
-        handler = self.handlers.get(type(message))
+        handler = HANDLERS.get(type(message))
         if handler is None:
-            raise StreamingError(unknown_message(message, self.handlers))
-        handler(message)
+            raise StreamingError(unknown_message(message))
+        handler(self, message)
 
     # --- the mechanism's stop; the batch's start --------------------------------------------------
 
@@ -225,8 +212,25 @@ class ObjectiveServer:
         )
 
 
-def unknown_message(message: object, handlers: Mapping[type[Any], object]) -> str:
+HANDLERS: Final[Mapping[type[Any], Callable[[ObjectiveServer, Any], None]]] = {
+    Stop: ObjectiveServer.stop,
+    Begin: ObjectiveServer.begin,
+    OpenGroup: ObjectiveServer.open_group,
+    AppendTurn: ObjectiveServer.append_turn,
+    CloseTrajectory: ObjectiveServer.close_trajectory,
+    CloseGroup: ObjectiveServer.close_group,
+    KeepBatch: ObjectiveServer.keep_batch,
+    AssertSafe: ObjectiveServer.assert_safe,
+    Discard: ObjectiveServer.discard,
+    TakeMismatch: ObjectiveServer.take_mismatch,
+    DenseGradient: ObjectiveServer.dense_gradient,
+}
+"""The handler of every command that the child's loop serves: all of :data:`~.messages.Command`
+but :class:`~.messages.Seen`, which the start's proof reads (:mod:`~.sharing`)."""
+
+
+def unknown_message(message: object) -> str:
     """The error for a message that no handler takes: what it is, and what the child serves."""
-    served = ", ".join(sorted(kind.__name__ for kind in handlers))
+    served = ", ".join(sorted(kind.__name__ for kind in HANDLERS))
     hint = "" if isinstance(message, COMMAND_TYPES) else " (not a Command of thundersync.engine.process.messages)"
     return f"the learner process got {message!r}{hint}, which it does not serve; it serves {served}"
