@@ -375,7 +375,7 @@ def test_the_start_envelope_carries_the_tensors_through_torchs_pickler_without_a
     received.tensors["w"][0] = 5.0
     assert weight[0] == 5.0, "the tensor was copied, not shared"
     with pytest.raises(AttributeError):
-        start.threads = 1  # type: ignore[misc]
+        start.threads = 1  # type: ignore[misc]  # frozen: the assignment must fail
 
 
 def test_the_childs_handler_table_covers_every_command_but_the_proofs() -> None:
