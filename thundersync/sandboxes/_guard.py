@@ -10,9 +10,9 @@ the cgroups, sets the limits, makes ``--root`` the root of its mount namespace (
 host path mounted at its path inside, then ``pivot_root`` and the host's tree detached, as
 bubblewrap does: nothing else of the host is left to name), covers each ``--hide`` directory with an
 empty read-only tmpfs (the local backend's ``/proc``: no process's memory to open), empties the capability bounding set,
-loads the filters and ``exec``s CMD with the environment given. Only the standard library is used
-(libseccomp through ctypes), so it starts in milliseconds; one file, so that it starts without the
-package: hence past 300 lines.
+loads the filters and ``exec``s CMD with the environment given. Only a few standard modules are
+imported (libseccomp goes through ctypes), so it starts in milliseconds; one file, so that it starts
+without the package: hence past 300 lines.
 
 The filters (``--no-inet``) take only the native ABI's calls: every call made through another
 entry (i386's ``int $0x80``, x32's numbers) fails with ENOSYS, the architecture checked before the
@@ -30,14 +30,12 @@ its user namespace, holds no capability and gains none at exec.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import resource
 import stat
 import sys
 from collections.abc import Iterator
-from typing import NamedTuple
 
 __all__: list[str] = []
 
@@ -90,10 +88,12 @@ _RLIMITS = {
 }
 
 
-class _Abi(NamedTuple):
-    audit_arch: int  # AUDIT_ARCH_* of the native entry (seccomp_data.arch)
-    x32_bit: bool  # whether __X32_SYSCALL_BIT numbers enter through it
-    pivot_root: int  # pivot_root's number (glibc has no wrapper)
+class _Abi:
+    """The native system-call entry: its ``AUDIT_ARCH_*`` (``seccomp_data.arch``), whether
+    ``__X32_SYSCALL_BIT`` numbers enter through it, and ``pivot_root``'s number (glibc has no wrapper)."""
+
+    def __init__(self, audit_arch: int, x32_bit: bool, pivot_root: int) -> None:
+        self.audit_arch, self.x32_bit, self.pivot_root = audit_arch, x32_bit, pivot_root
 
 
 _NATIVE = {"x86_64": _Abi(0xC000003E, True, 155), "aarch64": _Abi(0xC00000B7, False, 41)}
@@ -119,8 +119,12 @@ class _ArgCmp(ctypes.Structure):
 
 
 def _libseccomp() -> ctypes.CDLL:
-    name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
-    lib = ctypes.CDLL(name, use_errno=True)
+    try:
+        lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)  # the soname, as the loader's cache has it
+    except OSError:
+        from ctypes import util  # slow (it imports subprocess and runs ldconfig): only where the soname differs
+
+        lib = ctypes.CDLL(util.find_library("seccomp") or "libseccomp.so", use_errno=True)
     lib.seccomp_init.restype = ctypes.c_void_p
     lib.seccomp_init.argtypes = [ctypes.c_uint32]
     lib.seccomp_attr_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
