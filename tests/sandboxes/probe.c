@@ -13,6 +13,7 @@
  *                           rename, unlink, chmod, mkdir, symlink, openat, chdir; one line "ABI CALL ok|denied N" each
  *   probe mem -             open /proc/PID/mem (x86_64 and i386 open) of every process it can name but itself
  *   probe userns -          unshare(CLONE_NEWUSER), clone(CLONE_NEWUSER), clone3(CLONE_NEWUSER), i386 unshare
+ *   probe fds -             every open descriptor past stderr, as "fd N" (none: "fds none")
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -190,6 +191,13 @@ int main(int argc, char **argv) {
     }
     if (!strcmp(what, "mem")) return memory();
     if (!strcmp(what, "userns")) return userns();
+    if (!strcmp(what, "fds")) {
+        int open = 0;
+        for (int fd = 3; fd < 4096; fd++)
+            if (fcntl(fd, F_GETFD) >= 0) { printf("fd %d\n", fd); open++; }
+        if (!open) printf("fds none\n");
+        return open ? 3 : 1;
+    }
     if (!strcmp(what, "fchmodat2")) return report(syscall(452, AT_FDCWD, arg, 0600, 0));
     fprintf(stderr, "probe: unknown %s\n", what);
     return 2;

@@ -212,7 +212,7 @@ def test_the_root_holds_only_the_container_and_its_binds(rootfs: Path, canary: P
     options = ["--no-inet", "--drop-caps", "--root", str(rootfs), "--bind", str(tree), "/work"]
     options += ["--bind", "/dev/null", "/dev/null", "--chdir", "/work", "--clear-env", "--env", "PATH=/bin"]
     script = f"ls /; pwd; cat f; echo x > /dev/null && echo null; ls {canary} 2>&1; /probe escape {canary} x86_64"
-    done = namespaced(*options, command=["/bin/sh", "-c", script])
+    done = namespaced(*options, command=["sh", "-c", script])  # found on the jail's PATH
     lines = done.stdout.splitlines()
     assert lines[:5] == ["bin", "dev", "probe", "work", "/work"], (lines, done.stderr)
     assert lines[5:7] == ["from the tree", "null"] and "No such file or directory" in lines[7], lines
@@ -225,3 +225,24 @@ def test_a_hidden_directory_is_empty_and_read_only(tmp_path: Path) -> None:
     code = "import os; print(os.listdir('/proc'));\ntry: open('/proc/x', 'w')\nexcept OSError as e: print(e.errno)"
     done = namespaced("--hide", "/proc", command=[sys.executable, "-I", "-c", code])
     assert done.stdout == f"[]\n{errno.EROFS}\n", done.stderr
+
+
+def test_a_mount_point_is_made_once_even_when_another_exec_made_it_first(tmp_path: Path) -> None:
+    from thundersync.sandboxes import _guard
+
+    top = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for directory, name in ((True, "d"), (False, "f")):
+            _guard._make(top, name, directory=directory)
+            _guard._make(top, name, directory=directory)  # a sibling exec's guard, a moment later
+            os.close(_guard._entry(top, name, directory=directory))
+        (tmp_path / "link").symlink_to(tmp_path / "d")
+        (tmp_path / "file").write_text("x")
+        for name in ("link", "file"):  # anything of the wrong type is replaced, never followed
+            fd = _guard._entry(top, name, directory=True)
+            assert os.path.samestat(os.fstat(fd), os.stat(tmp_path / name, follow_symlinks=False))
+            os.close(fd)
+        assert (tmp_path / "link").is_dir() and not (tmp_path / "link").is_symlink()
+        assert sorted(os.listdir(tmp_path)) == ["d", "f", "file", "link"] and os.listdir(tmp_path / "d") == []
+    finally:
+        os.close(top)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+import anyio
 import pytest
 
 from thundersync.events import ActionGenerated
@@ -78,6 +79,11 @@ async def test_no_other_processs_memory_opens_through_proc(sandbox: Sandbox, bac
         assert lines[0] == "proc absent"
 
 
+async def test_a_command_holds_no_descriptor_of_the_host_side(sandbox: Sandbox, probe: Path) -> None:
+    """A descriptor of a host directory would lead back out of a new root (``openat(fd, "..")``)."""
+    assert await run_probe(sandbox, probe, "fds", "-") == ["fds none"]
+
+
 async def test_a_command_cannot_make_a_user_namespace(sandbox: Sandbox, backend: str, probe: Path) -> None:
     """A new user namespace would hand the command every capability in it (mount, a procfs...)."""
     if backend == "podman":
@@ -91,6 +97,19 @@ async def test_a_command_cannot_make_a_user_namespace(sandbox: Sandbox, backend:
     ], lines
     if backend in ("udocker", "local"):
         assert lines[2] == f"x86_64 clone3 denied {ENOSYS}"  # so that libc falls back to clone
+
+
+async def test_commands_started_together_in_a_new_sandbox_all_run(new_sandbox: Callable[..., Sandbox]) -> None:
+    """Each uDocker command makes its mount points in the fresh container: at once, they race."""
+    results: list[int | None] = []
+
+    async def run(sandbox: Sandbox) -> None:
+        results.append((await sandbox.exec("echo ok > /dev/null && ls /tmp")).exit_code)
+
+    async with new_sandbox() as sandbox, anyio.create_task_group() as tasks:
+        for _ in range(6):
+            tasks.start_soon(run, sandbox)
+    assert results == [0] * 6
 
 
 class _WithProbe:

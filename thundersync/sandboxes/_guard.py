@@ -35,6 +35,7 @@ import os
 import resource
 import stat
 import sys
+import warnings  # noqa: F401  os.get_exec_path imports it, and the host's library is gone by then
 from collections.abc import Iterator
 
 __all__: list[str] = []
@@ -300,20 +301,27 @@ def _entry(parent: int, name: str, *, directory: bool) -> int:
         try:
             fd = os.open(name, os.O_PATH | os.O_NOFOLLOW, dir_fd=parent)
         except FileNotFoundError:
-            if directory:
-                os.mkdir(name, 0o755, dir_fd=parent)
-            else:
-                os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=parent))
+            _make(parent, name, directory=directory)
             continue
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode) == directory and not stat.S_ISLNK(mode):
             return fd
         os.close(fd)
-        if stat.S_ISDIR(mode):
-            os.rmdir(name, dir_fd=parent)
-        else:
-            os.unlink(name, dir_fd=parent)
+        try:
+            os.rmdir(name, dir_fd=parent) if stat.S_ISDIR(mode) else os.unlink(name, dir_fd=parent)
+        except FileNotFoundError:
+            continue  # removed meanwhile (another exec of the sandbox making the same mount point)
     raise OSError(errno.EAGAIN, f"{name!r} kept changing while it was made a mount point")
+
+
+def _make(parent: int, name: str, *, directory: bool) -> None:
+    try:
+        if directory:
+            os.mkdir(name, 0o755, dir_fd=parent)
+        else:
+            os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=parent))
+    except FileExistsError:
+        return  # made meanwhile: checked on the next round
 
 
 # -- the command line -----------------------------------------------------------------------------
