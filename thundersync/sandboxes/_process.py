@@ -66,7 +66,7 @@ def unshare_available() -> str | None:
         if exe is None:
             reason: str | None = "the 'unshare' command (util-linux) is not installed"
         else:
-            done = subprocess.run([exe, *_UNSHARE, "true"], capture_output=True, text=True, check=False)
+            done = subprocess.run([exe, *_UNSHARE, "--", "true"], capture_output=True, text=True, check=False)
             reason = None if done.returncode == 0 else f"unshare {' '.join(_UNSHARE)} failed: {done.stderr.strip()}"
         _probe_cache["unshare"] = reason
     return _probe_cache["unshare"]
