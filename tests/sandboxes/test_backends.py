@@ -70,7 +70,8 @@ async def test_an_output_flood_is_killed_at_the_hard_cap_in_bounded_memory(new_s
             tracemalloc.stop()
         assert result.killed_for_output and not result.timed_out and result.exit_code is None
         assert limits.output_cap_bytes < result.stdout_total + result.stderr_total < limits.output_cap_bytes + 2**20
-        assert len(result.stdout) < 4096 + 100 and result.stdout_elided == result.stdout_total - 4096
+        # which stream reaches the cap first is the scheduler's choice (under load stdout may not have started)
+        assert len(result.stdout) < 4096 + 100 and result.stdout_elided == max(0, result.stdout_total - 4096)
         assert peak < 8 * 2**20, f"reading {result.stdout_total + result.stderr_total} bytes peaked at {peak} bytes"
         assert (await sandbox.exec("echo alive")).stdout == "alive\n"
 

@@ -36,7 +36,7 @@ from thundersync.sandboxes._common import TreeSandbox
 from thundersync.sandboxes._validate import check_image, check_workdir
 from thundersync.sandboxes.base import ExecResult, SandboxLimits
 
-__all__ = ["UDockerSandbox", "udocker_bin", "udocker_env"]
+__all__ = ["UDockerSandbox", "image_env", "udocker_bin", "udocker_env"]
 
 _CONTAINER_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$", re.M)
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
