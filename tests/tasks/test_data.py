@@ -21,7 +21,7 @@ def _jsonl(tmp_path: Path, *lines: str) -> Path:
 def test_text_and_id_prompts_keep_their_other_keys_as_fields(tmp_path: Path) -> None:
     path = _jsonl(tmp_path, '{"prompt": "2+3?", "answer": "5"}', "", '{"prompt_ids": [7, 8], "answer": "12", "n": [1]}')
     assert JsonlTasks(str(path)).tasks() == [
-        Task(prompt_ids=list(b"2+3?"), fields={"answer": "5"}),
+        Task(prompt_ids=list(b"2+3?"), fields={"prompt": "2+3?", "answer": "5"}),  # the text, for an agent app
         Task(prompt_ids=[7, 8], fields={"answer": "12", "n": [1]}),
     ]
 
@@ -31,9 +31,10 @@ def test_text_and_id_prompts_keep_their_other_keys_as_fields(tmp_path: Path) -> 
     [
         (
             '{"answer": "5"}',
-            r"tasks\.jsonl:2: a task needs exactly one of 'prompt' \(text\) and 'prompt_ids', got neither",
+            r"tasks\.jsonl:2: a task needs exactly one of 'prompt' \(text\), 'messages' \(a chat\) and 'prompt_ids', "
+            "got neither",
         ),
-        ('{"prompt": "a", "prompt_ids": [1]}', r"tasks\.jsonl:2: .* got both"),
+        ('{"prompt": "a", "prompt_ids": [1]}', r"tasks\.jsonl:2: .* got 'prompt' and 'prompt_ids'"),
         ('{"prompt": "a",', r"tasks\.jsonl:2: not valid JSON \("),
         ("[1, 2]", r"tasks\.jsonl:2: a task line must be a JSON object, got list"),
         (
