@@ -22,6 +22,7 @@ from thundersync.agents.app import AgentApp, AppEpisode, FunctionApp, load_app_f
 from thundersync.agents.endpoint import EndpointSettings, PolicyEndpoint
 from thundersync.agents.episode import Emit, EpisodeRecorder, GroupPrompt, Turn
 from thundersync.agents.serving import EpisodeRoutes, LocalServer, openai_client
+from thundersync.agents.verifiers_env import VerifiersEnvironment
 
 __all__ = [
     "AgentApp",
@@ -35,6 +36,7 @@ __all__ = [
     "LocalServer",
     "PolicyEndpoint",
     "Turn",
+    "VerifiersEnvironment",
     "load_app_function",
     "openai_client",
 ]

@@ -18,6 +18,7 @@ returns None and a reward stage scores the trajectories.
 Runtime objects: ``app`` (an :class:`~thundersync.agents.AgentApp`), ``generator``, ``chat`` (a
 :class:`~thundersync.tools.ChatTemplate`: needed for chat completions; its end-of-turn token
 stops generation), ``tokenizer`` (completions' text; default ``chat``), ``policy``, ``admission``.
+An app that is also an async context manager (a verifiers environment) is entered for the run.
 An app that raises, or whose request the endpoint refused, fails the run naming its trajectory.
 """
 
@@ -119,6 +120,8 @@ class AgentAppStage(Stage):
         )
         routes = EpisodeRoutes(endpoint)
         async with AsyncExitStack() as stack:
+            if hasattr(self.app, "__aenter__") and hasattr(self.app, "__aexit__"):
+                await stack.enter_async_context(self.app)  # type: ignore[arg-type]  # an app that holds resources
             server = (
                 await stack.enter_async_context(LocalServer(routes, host=self.config.host, port=self.config.port))
                 if self._http()

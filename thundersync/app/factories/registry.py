@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from thundersync.agents import FunctionApp
+from thundersync.agents import FunctionApp, VerifiersEnvironment
 from thundersync.app.factories import chat, generators, models, scheduling, training, warmup
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.tasks import AnswerReward, ArithmeticTasks, FunctionReward, JsonlTasks, sandbox_check_reward
@@ -68,6 +68,7 @@ FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
     "chat-tool-calls": chat.chat_tool_calls,
     "chat-sandbox-tools": chat.chat_sandbox_tools,
     "function-app": FunctionApp,
+    "verifiers-environment": VerifiersEnvironment,
     "arithmetic-tasks": ArithmeticTasks,
     "calculator-demonstrations": CalculatorDemonstrations,
     "supervised-warmup": warmup.supervised_warmup,
