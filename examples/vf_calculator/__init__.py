@@ -74,7 +74,9 @@ class ToolLoop(vf.Harness):
                 message = reply.choices[0].message
                 messages.append(message)
                 for call in message.tool_calls or []:
-                    messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(call.function.arguments)})
+                    messages.append(
+                        {"role": "tool", "tool_call_id": call.id, "content": calculate(call.function.arguments)}
+                    )
                 if not message.tool_calls:
                     break
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")

@@ -251,3 +251,41 @@ def test_an_app_in_another_process_talks_to_the_local_http_endpoint() -> None:
     actions = [e for e in out if isinstance(e, ActionGenerated)]
     assert [a.token_ids for a in actions] == [template.encode(ANSWER)] * 2 and all(a.final for a in actions)
     assert [e.reward for e in out if isinstance(e, Rewarded)] == [1.0, 1.0]
+
+
+def test_the_admission_counts_every_action_and_observation_and_versions_are_the_policys() -> None:
+    from thundersync.pipeline.policy import PolicyClock
+    from thundersync.scheduling import Admission
+
+    template = chat("qwen3", tools=False)
+    admission, policy = Admission(max_tokens=10**6), PolicyClock(version=3)
+    stage = AgentAppStage(
+        app=CalculatorAgent(),
+        generator=ScriptedReplies(replies=[CALL, ANSWER], tokenizer=template),
+        chat=template,
+        admission=admission,
+        policy=policy,
+    )
+    source = SourceStage(
+        SourceStage.Config(samples=2, groups_per_batch=1), tasks=_Tasks({"messages": QUESTION}), admission=admission
+    )
+    graph = Graph().add("source", source).add("app", stage, reads=["source"], output=True)
+
+    async def run() -> list[EventBase]:
+        async with Pipeline(graph) as pipeline:
+            await pipeline.close()
+            return [event async for event in pipeline.results()]
+
+    out = anyio.run(run)
+    sampled = sum(len(e.token_ids) for e in out if isinstance(e, (ActionGenerated, ToolObserved)))
+    assert admission.stats().tokens_in_flight == 2 * 1 + sampled  # the source's prompt (1 token) x 2, then all
+    assert {e.policy_version for e in out if isinstance(e, (ActionGenerated, GroupOpened))} == {3}
+
+
+def test_a_stage_without_a_runnable_app_or_a_way_to_read_text_is_refused() -> None:
+    from thundersync.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"the agent-app stage's app is a int, which has no async run"):
+        AgentAppStage(app=3, generator=ScriptedReplies(replies=["x"]), chat=chat("qwen3"))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"needs a chat object .* or a tokenizer"):
+        AgentAppStage(app=Silent(), generator=ScriptedReplies(replies=["x"]))

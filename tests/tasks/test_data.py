@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,28 @@ def test_a_source_needs_prompts_or_tasks_not_both() -> None:
         SourceStage(SourceStage.Config())
     with pytest.raises(ConfigError, match=r"exactly one of prompts .* got both"):
         SourceStage(SourceStage.Config(prompts=[[1]]), tasks=ArithmeticTasks(count=1))
+
+
+def test_a_messages_record_is_rendered_with_the_chat_template_and_kept(tmp_path: Path) -> None:
+    from tests.tools.chat_helpers import chat
+
+    template = chat("qwen3")
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]
+    path = _jsonl(tmp_path, json.dumps({"messages": conversation, "answer": "5"}), '{"prompt": "7*8?"}')
+    first, second = JsonlTasks(str(path), chat=template).tasks()
+    assert first == Task(prompt_ids=template.prompt_ids(conversation), fields={"messages": conversation, "answer": "5"})
+    assert second.prompt_ids == template.prompt_ids([{"role": "user", "content": "7*8?"}])  # text: one user message
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"messages": [{"role": "user", "content": "hi"}]}', r"a 'messages' prompt is rendered with a chat template"),
+        ('{"messages": []}', r"'messages' must be a non-empty list of chat messages"),
+        ('{"messages": [{"content": "hi"}]}', r"messages\[0\] must be an object with a 'role' and a 'content'"),
+        ('{"messages": [{"role": "user", "content": 3}]}', r"messages\[0\].content must be text, got 3"),
+    ],
+)
+def test_a_bad_messages_record_names_its_line(tmp_path: Path, line: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=r"tasks\.jsonl:1: " + message):
+        JsonlTasks(str(_jsonl(tmp_path, line)))

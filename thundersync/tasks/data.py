@@ -130,12 +130,13 @@ def record_task(record: Mapping[str, Any], where: str, *, tokenizer: Tokenizer, 
         if chat is None:
             return Task(prompt_ids=list(tokenizer.encode(text)), fields=fields)
         return Task(prompt_ids=_rendered(where, chat, [{"role": "user", "content": text}]), fields=fields)
+    messages = checked_messages(where, record[key])
     if chat is None:
         raise ConfigError(
             f"{where}: a 'messages' prompt is rendered with a chat template, and this task source has none; "
             'give it chat = { object = "NAME" } (a chat-template object)'
         )
-    return Task(prompt_ids=_rendered(where, chat, checked_messages(where, record[key])), fields=fields)
+    return Task(prompt_ids=_rendered(where, chat, messages), fields=fields)
 
 
 def _rendered(where: str, chat: ChatTemplate, messages: list[dict[str, Any]]) -> list[int]:

@@ -42,9 +42,15 @@ def test_pass_at_k_is_the_chance_that_k_of_the_n_samples_hold_a_pass() -> None:
 
 
 def test_an_eval_record_averages_rewards_and_passes_over_the_tasks() -> None:
-    record = eval_record({"a": [1.0, 0.0], "b": [0.0, 0.0], "c": [1.0, 1.0]}, k=2, pass_threshold=1.0, tokens=9, seconds=2)
+    record = eval_record(
+        {"a": [1.0, 0.0], "b": [0.0, 0.0], "c": [1.0, 1.0]}, k=2, pass_threshold=1.0, tokens=9, seconds=2
+    )
     assert record["eval_reward_mean"] == 0.5 and record["eval_pass_at_1"] == 0.5
-    assert record["eval_pass_at_k"] == 2 / 3 and (record["eval_k"], record["eval_tasks"], record["eval_samples"]) == (2, 3, 2)
+    assert record["eval_pass_at_k"] == 2 / 3 and (record["eval_k"], record["eval_tasks"], record["eval_samples"]) == (
+        2,
+        3,
+        2,
+    )
     assert record["eval_tokens"] == 9 and record["eval_s"] == 2
 
 
@@ -97,7 +103,9 @@ def test_thundersync_eval_on_a_checkpoint_repeats_the_runs_last_evaluation(
     assert _run(file, tmp_path / "run.jsonl") == 0
     (last,) = _lines(tmp_path / "run.jsonl", "eval")
     capsys.readouterr()
-    assert main(["eval", str(file), "--checkpoint", str(tmp_path / "run"), "--metrics", str(tmp_path / "eval.jsonl")]) == 0
+    assert (
+        main(["eval", str(file), "--checkpoint", str(tmp_path / "run"), "--metrics", str(tmp_path / "eval.jsonl")]) == 0
+    )
     (alone,) = _lines(tmp_path / "eval.jsonl", "eval")
     assert alone["step"] == last["step"] == 3
     assert {k: v for k, v in alone.items() if k not in ("t", "eval_s")} == {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,7 +83,10 @@ def test_an_offline_run_needs_no_network_and_holds_the_steps_and_the_config(tmp_
     argv += ["--set", f'run.wandb = {{ mode = "offline", dir = "{tmp_path}", project = "distinct-project" }}']
     assert main(argv) == 0
     (log,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    data = log.read_bytes()
+    for _ in range(100):  # wandb's service writes the offline file after finish() returns
+        if b"reward_mean" in (data := log.read_bytes()):
+            break
+        time.sleep(0.1)
     steps = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if s["event"] == "step"] == [1, 2]
     for key in (b"reward_mean", b"grad_norm", b"tokens_per_s", b"distinct-project", b"test-scripted-generator"):
