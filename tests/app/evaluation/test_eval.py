@@ -143,3 +143,54 @@ def test_check_validates_the_eval_table(tmp_path: Path, evaluation: str, message
 
 def test_check_accepts_a_valid_eval_table(tmp_path: Path) -> None:
     _checked(tmp_path, 'tasks = "heldout"\nevery = 2\nsamples = 4\nk = 2\nscorer = "scorer"')
+
+
+class _Counting:
+    """Stands for an Evaluation: records the steps it ran at."""
+
+    def __init__(self, every: int, at_end: bool) -> None:
+        from thundersync.app.files.definition import EvalSettings
+
+        self.settings = EvalSettings(tasks="t", every=every, at_end=at_end)
+        self.steps: list[int] = []
+
+    async def run(self, step: int) -> dict[str, Any]:
+        self.steps.append(step)
+        return {"step": step}
+
+
+@pytest.mark.parametrize(
+    ("every", "at_end", "last", "expected"),
+    [(2, True, 4, [2, 4]), (2, True, 5, [2, 4, 5]), (0, True, 3, [3]), (3, False, 7, [3, 6]), (0, False, 2, [])],
+)
+def test_the_hook_evaluates_every_n_steps_and_once_at_the_end(
+    every: int, at_end: bool, last: int, expected: list[int]
+) -> None:
+    import anyio
+
+    from thundersync.app.evaluation import EvalHook
+
+    evaluation, written = _Counting(every, at_end), []
+
+    async def steps() -> None:
+        hook = EvalHook(evaluation, written.append)  # type: ignore[arg-type]
+        for step in range(1, last + 1):
+            await hook.stepped(step, step - 1)
+        await hook.finished(last)
+
+    anyio.run(steps)
+    assert evaluation.steps == expected and [r["step"] for r in written] == expected
+
+
+@pytest.mark.slow
+def test_an_agent_app_file_evaluates_through_a_copy_of_its_app_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("openai")
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    monkeypatch.chdir(tmp_path)
+    argv = ["run", "examples/openai_agent.toml", "--no-progress", "--metrics", "m.jsonl", "--set", "run.steps=2"]
+    assert main([*argv, "--set", "stages.app.max_new_tokens=8"]) == 0
+    (record,) = _lines(tmp_path / "m.jsonl", "eval")
+    assert record["step"] == 2 and record["eval_tasks"] == 4 and record["eval_samples"] == 2
+    assert record["eval_tokens"] > 0 and record["eval_reward_mean"] is not None  # the app's own rewards
