@@ -4,7 +4,7 @@ Every module under thundersync/ is parsed with ``ast``; every import of a thunde
 edge (top-level and function-local, ``import``, ``from ... import`` and relative forms). The layers,
 top to bottom, as docs/ARCHITECTURE.md states them:
 
-    app -> stages -> pipeline (runtime) -> tasks -> grpo, opd, generation, scheduling, tools -> engine
+    app -> stages -> pipeline (runtime) -> agents -> tasks -> grpo, opd, generation, scheduling, tools -> engine
         -> model -> kernels, sandboxes -> events, acceleration, _config, _device, _compile -> errors, _logging
 
 A module may import its own package and any lower layer. Packages that share a layer are siblings
@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("app",),
     ("stages",),
     ("pipeline",),
+    ("agents",),
     ("tasks",),
     ("grpo", "opd", "generation", "scheduling", "tools"),
     ("engine",),

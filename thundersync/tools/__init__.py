@@ -1,7 +1,9 @@
 """Tools for the agent loop: parse tool calls from generated text, run them in sandboxes.
 
 :mod:`~.base` (ToolCall, ToolResult, the ToolCallParser and ToolRunner protocols, ByteTokenizer),
-:mod:`~.qwen` (the default ``<tool_call>`` JSON format), :mod:`~.commands` (the ``calculator``,
+:mod:`~.qwen` (the default ``<tool_call>`` JSON format), :mod:`~.json_calls` (Llama-3-style JSON
+calls), :mod:`~.chat_template` (prompts and observations through the tokenizer's chat template),
+:mod:`~.chat_tokenizers` (chat tokenizers built in code), :mod:`~.commands` (the ``calculator``,
 ``python`` and ``shell`` tools), :mod:`~.sandboxed` (SandboxToolRunner over a SandboxPool). The
 ``tool-execute`` stage (:mod:`thundersync.stages.tool_execute`) runs a ToolRunner; ``generate``
 asks a ToolCallParser whether an action calls a tool.
@@ -10,7 +12,10 @@ asks a ToolCallParser whether an action calls a tool.
 from __future__ import annotations
 
 from thundersync.tools.base import ByteTokenizer, Tokenizer, ToolCall, ToolCallParser, ToolResult, ToolRunner
+from thundersync.tools.chat_template import ChatTemplate, ChatTemplateToolCalls
+from thundersync.tools.chat_tokenizers import chat_tokenizer
 from thundersync.tools.commands import CalculatorTool, Command, PythonTool, ShellTool, Tool, default_tools
+from thundersync.tools.json_calls import JsonToolCallParser
 from thundersync.tools.qwen import Qwen3ToolCallParser
 from thundersync.tools.sandboxed import MALFORMED_CALL_STATUS, SandboxToolRunner, sandbox_tools
 
@@ -18,7 +23,10 @@ __all__ = [
     "MALFORMED_CALL_STATUS",
     "ByteTokenizer",
     "CalculatorTool",
+    "ChatTemplate",
+    "ChatTemplateToolCalls",
     "Command",
+    "JsonToolCallParser",
     "PythonTool",
     "Qwen3ToolCallParser",
     "SandboxToolRunner",
@@ -29,6 +37,7 @@ __all__ = [
     "ToolCallParser",
     "ToolResult",
     "ToolRunner",
+    "chat_tokenizer",
     "default_tools",
     "sandbox_tools",
 ]
