@@ -22,8 +22,8 @@ ab() {  # ab NAME SECONDS COMMAND...: the command on the old tree, then on this 
 }
 ab grpo 160 python3 bench/engine.py --repeat 1 --skip eager compiled pack_tokens
 ab opd 150 python3 bench/engine_opd.py --repeat 1 --forms graphs
-ab generate 150 python3 bench/generate.py
-ab overlap 240 python3 bench/overlap.py --rows grpo,opd
+ab generate 130 python3 bench/generate.py ${GENERATE_ARGS:-}
+ab overlap 170 python3 bench/overlap.py --rows ${OVERLAP_ROWS:-grpo,opd}
 if [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" green "* ]]; then
     PYTHONPATH=/tmp/site:$PWD timeout 150 python3 bench/green_contexts.py > "$out/green.log" 2>&1
     grep '^|' "$out/green.log"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import itertools
 import threading
 import weakref
@@ -146,7 +147,10 @@ class GraphCache(Generic[K, E]):
         shared: collections.Counter[str] | None = None,
         prefix: str = "",
     ) -> None:
-        self.name, self.pool_fraction, self.fail_off, self.on_reset = name, pool_fraction, fail_off, on_reset
+        self.name, self.pool_fraction, self.fail_off = name, pool_fraction, fail_off
+        # weakly: an owner whose method this is (PackGraphs) then dies by reference counting, with
+        # its pool, as soon as its model does, not at the next garbage collection
+        self._on_reset = weakref.WeakMethod(on_reset) if inspect.ismethod(on_reset) else on_reset
         self._params = ParamsKey(model) if model is not None else None
         self._key: tuple[tuple[int, bool], ...] | None = None
         self.entries: dict[K, E] = {}
@@ -213,8 +217,9 @@ class GraphCache(Generic[K, E]):
 
     def _reset(self, key: tuple[tuple[int, bool], ...] | None) -> None:
         self.entries, self.pool, self._key = {}, torch.cuda.graph_pool_handle(), key
-        if self.on_reset is not None:
-            self.on_reset()
+        on_reset = self._on_reset() if isinstance(self._on_reset, weakref.WeakMethod) else self._on_reset
+        if on_reset is not None:
+            on_reset()
 
 
 _snapshot_lock = threading.Lock()
