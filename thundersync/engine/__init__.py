@@ -12,8 +12,7 @@ at the API boundary). On CUDA a pack replays its layers as CUDA graphs (``_graph
 
 from __future__ import annotations
 
-from thundersync.engine.accel._layer_graphs import graph_counts, reset_graph_counts
-from thundersync.engine.accel._pack_graphs import release_graphs
+from thundersync.engine.accel import graph_counts, release_graphs, reset_graph_counts
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.objective import StreamingObjective
 from thundersync.engine.run import StreamingRun

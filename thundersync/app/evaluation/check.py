@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from thundersync.app.files._schema import factory_returns
 from thundersync.app.files.definition import PipelineSpec
-from thundersync.app.files.object_graph import check_fits, runtime_class
+from thundersync.app.files.object_graph import check_fits, factory_returns, runtime_class
 from thundersync.errors import DefinitionError
 from thundersync.stages.agent_app import AgentAppStage
 from thundersync.stages.reward import Scorer, TaskScorer

@@ -23,7 +23,7 @@
 Each is a thin wrapper over the class of :mod:`thundersync.generation` with the same arguments.
 A trainer given the generator (``streaming-trainer``'s ``generator``) publishes each new policy
 to it after the optimizer step: vLLM in-process syncs the weights, an OpenAI server takes them by
-its ``publish`` route (:mod:`thundersync.generation._publish`), the torch generator shares them.
+its ``publish`` route (:mod:`thundersync.generation.publish`), the torch generator shares them.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from torch import nn
 
 from thundersync.acceleration import Acceleration
 from thundersync.errors import ConfigError
-from thundersync.generation._publish import PublishHook, PublishRoute
 from thundersync.generation.base import LogprobMode
 from thundersync.generation.openai_generator import OpenAIGenerator
+from thundersync.generation.publish import PublishHook, PublishRoute
 from thundersync.generation.torch_generator import TorchGenerator
 from thundersync.generation.vllm_generator import VLLMGenerator
 

@@ -10,11 +10,9 @@ queues pickle every message; those of the unions also round-trip through msgspec
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Annotated, Any, Final, TypeAlias
 
 import msgspec
-
-from thundersync.events import Id
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +46,9 @@ __all__ = [
     "Value",
     "Written",
 ]
+
+Id: TypeAlias = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | str
+"""A group or trajectory id on the wire (as the events carry them)."""
 
 Serve: TypeAlias = Callable[..., Awaitable[None]]
 """``serve(model, commands, answers, *args)``: the child's loop, a module-level function (it pickles by name)."""
