@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import anyio
+import anyio.abc
 from anyio.abc import ByteReceiveStream, Process
 
 from thundersync.errors import SandboxUnavailable
@@ -197,38 +198,7 @@ async def _run(
         )
     timed_out = False
     try:
-
-        async def pump(stream: ByteReceiveStream | None, which: int) -> None:
-            if stream is None:
-                return
-            async for chunk in stream:
-                out.feed(which, chunk)
-                if out.over_cap:
-                    over_cap.set()
-                    return
-
-        async def feed_stdin() -> None:
-            if stdin is not None and process.stdin is not None:
-                async with process.stdin:
-                    # the command may exit or close its stdin without reading it all
-                    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                        await process.stdin.send(stdin)
-
-        async def watch() -> None:
-            await over_cap.wait()
-            tasks.cancel_scope.cancel()
-
-        with anyio.move_on_after(timeout) as scope:
-            async with anyio.create_task_group() as tasks:
-                tasks.start_soon(watch)
-                async with anyio.create_task_group() as pumps:
-                    pumps.start_soon(pump, process.stdout, 1)
-                    pumps.start_soon(pump, process.stderr, 2)
-                    pumps.start_soon(feed_stdin)
-                tasks.cancel_scope.cancel()  # both streams ended: stop the watcher
-            if not over_cap.is_set():
-                await process.wait()
-        timed_out = scope.cancelled_caught and not over_cap.is_set()
+        timed_out = await _collect(process, out, stdin, timeout, over_cap)
     finally:
         with anyio.CancelScope(shield=True):
             must_kill = process.returncode is None or timed_out or over_cap.is_set()
@@ -241,3 +211,42 @@ async def _run(
     killed = timed_out or over_cap.is_set()
     code = None if killed else process.returncode
     return make_result(out, code, timed_out=timed_out, killed_for_output=over_cap.is_set(), started=started)
+
+
+async def _collect(
+    process: anyio.abc.Process, out: OutputCollector, stdin: bytes | None, timeout: float, over_cap: anyio.Event
+) -> bool:
+    """Feed ``stdin``, read both streams into ``out`` until they end (then wait for the process),
+    the output passes its cap (``over_cap`` set) or ``timeout`` passes; whether it timed out."""
+
+    async def pump(stream: ByteReceiveStream | None, which: int) -> None:
+        if stream is None:
+            return
+        async for chunk in stream:
+            out.feed(which, chunk)
+            if out.over_cap:
+                over_cap.set()
+                return
+
+    async def feed_stdin() -> None:
+        if stdin is not None and process.stdin is not None:
+            async with process.stdin:
+                # the command may exit or close its stdin without reading it all
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    await process.stdin.send(stdin)
+
+    async def watch() -> None:
+        await over_cap.wait()
+        tasks.cancel_scope.cancel()
+
+    with anyio.move_on_after(timeout) as scope:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(watch)
+            async with anyio.create_task_group() as pumps:
+                pumps.start_soon(pump, process.stdout, 1)
+                pumps.start_soon(pump, process.stderr, 2)
+                pumps.start_soon(feed_stdin)
+            tasks.cancel_scope.cancel()  # both streams ended: stop the watcher
+        if not over_cap.is_set():
+            await process.wait()
+    return scope.cancelled_caught and not over_cap.is_set()
