@@ -165,7 +165,8 @@ class KernelError(ThunderSyncError):
 
 
 class KernelUnavailable(KernelError):
-    """A kernel was required (e.g. ``THUNDERSYNC_FA4=require``) but cannot run on this device."""
+    """A kernel was required (e.g. ``Acceleration.fa4 = "require"``, ``THUNDERSYNC_FA4=require``) but
+    cannot run on this device."""
 
 
 # --- rollout generation ------------------------------------------------------------------------

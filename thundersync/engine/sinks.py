@@ -175,8 +175,9 @@ class GradSum:
     may add the head's gradient into ``total`` themselves (:meth:`grad_into`). Against a
     :class:`GradCapture` this saves, per pack, the zeroing of a parameter-sized scratch, the
     graph's copy of its gradients, their add into the scratch and the scratch's add into the
-    accumulator (on the H200: ~4.2 ms of a 0.6B model's pack, against one add of ~2 ms). Any
-    other pack (``summed=False``) goes through ``scratch`` and one add, as with a GradCapture.
+    accumulator (their cost: bench/RESULTS.md, section "2026-12-04 — A K/V state as one tensor:
+    OPD's host time (seventeenth session)"). Any other pack (``summed=False``) goes through
+    ``scratch`` and one add, as with a GradCapture.
     """
 
     def __init__(self, total: FlatAccumulator, scratch: GradCapture) -> None:

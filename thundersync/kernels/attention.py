@@ -233,9 +233,10 @@ def _fa4_allowed(cap: Capability | None) -> bool:
 
 def _preference(prefix: int, chunk: int) -> tuple[str, ...]:
     """``varlen`` first: one flash call with no wasted work and no per-shape plan. Then split where
-    it measured at least as fast as one masked call on the H200 (bench/RESULTS.md): no prefix (one
-    causal flash call) or prefix * chunk >= 4096 * 1024; below that the split form's extra
-    launches cost more than the masked call's wasted work."""
+    it measured at least as fast as one masked call (bench/RESULTS.md, section "2026-11-29 —
+    Kernels: first run of the day"): no prefix (one causal flash call) or prefix * chunk >= 4096 *
+    1024; below that the split form's extra launches cost more than the masked call's wasted
+    work."""
     if prefix == 0 or prefix * chunk >= SPLIT_MIN_WORK:
         return ("varlen", "sdpa_split", "sdpa_masked", "flex")
     return ("varlen", "sdpa_masked", "sdpa_split", "flex")

@@ -3,12 +3,14 @@
 """Log-probs of whole sequences without gradients (an OPD teacher's scoring): one packed forward,
 replayed from CUDA graphs.
 
-An eager forward of a 28-layer model launches ~1,400 kernels: ~27 ms of host time on the H200
-machine for ~8 ms of device work (``bench/teacher_cost.py``), and beside a generator and a learner
-in one process each of those launches also waits for the GIL. Here the sequences of a call are
-packed into one run of rows (no padding between them; each attends causally to its own tokens)
-and the forward, embedding to final norm, replays as one CUDA graph per bucket of (rows R, a
-power of two or three quarters of one; sequence slots S, S + 1 a power of two):
+An eager forward launches every layer's kernels one by one, several times more host time than
+device work (``bench/teacher_cost.py``; bench/RESULTS.md, section "2026-12-02 — Where the streamed
+step's time goes: a host timeline, a priority stream, the teacher (sixth session)"), and beside a
+generator and a learner in one process each of those launches also waits for the GIL. Here the
+sequences of a call are packed into one run of rows (no padding between them; each attends
+causally to its own tokens) and the forward, embedding to final norm, replays as one CUDA graph
+per bucket of (rows R, a power of two or three quarters of one; sequence slots S, S + 1 a power of
+two):
 
     static inputs   [ids R | positions R | cu S + 1 | scored rows R | targets R]   (one pinned copy)
     graph           hidden = norm(decoder_forward(ids, positions)), attention packed over cu

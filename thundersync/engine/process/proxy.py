@@ -3,7 +3,9 @@ runs in a child over this process's parameters.
 
 Invariant: the update is the one-process update, bit for bit. The calls travel as
 :mod:`~.messages` to :mod:`~.child`, over the mechanism of :mod:`~.sharing`. What it costs and
-what it hides: bench/RESULTS.md ("Overlap", "MPS").
+what it hides: bench/RESULTS.md, sections "2026-12-02 — The learner process as a library
+objective; a green-context engine stream (seventh session)" and "2026-12-04 — Two processes on one
+GPU under MPS; a balanced workload that is balanced (fifteenth session)".
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ class LearnerProcess:
     GPU the two processes' kernels take turns in time slices unless an MPS daemon runs
     (``nvidia-cuda-mps-control -d`` before either process starts); under MPS,
     ``env={"CUDA_MPS_CLIENT_PRIORITY": "1"}`` puts the learner's kernels behind the generator's
-    (bench/RESULTS.md, "MPS").
+    (bench/RESULTS.md, section "2026-12-04 — Two processes on one GPU under MPS; a balanced workload
+    that is balanced (fifteenth session)").
 
     ``device`` (e.g. ``"cuda:1"``) runs the learner on a device of its own. The child keeps a copy
     of the parameters there and copies the trainable ones from the parent's at every batch's first
