@@ -1,10 +1,12 @@
 # Sourced by .ci/run (as root, on a fresh Debian 12 machine): sets up the container engines that
 # the `docker`-marked sandbox tests use, so that they run for real instead of skipping.
 #
-#   1. apt: docker.io (dockerd + containerd + runc), podman, proot, busybox-static, libseccomp2, and gcc +
-#      libc6-dev (the tests build a static probe, tests/sandboxes/probe.c, to run inside sandboxes)
+#   1. apt: docker.io (dockerd + containerd + runc), podman, busybox-static, libseccomp2 (the process
+#      sandboxes' guard loads it), and gcc + libc6-dev (the tests build a static probe,
+#      tests/sandboxes/probe.c, to run inside sandboxes)
 #   2. an offline busybox rootfs (no registry is reachable), imported into Docker, Podman, uDocker
-#   3. uDocker set up offline (UDOCKER_TARBALL empty, a proot wrapper that drops `-k <release>`)
+#   3. uDocker set up offline (UDOCKER_TARBALL empty; it only stores images and makes containers:
+#      the library runs their commands itself, so neither PRoot nor runc is needed for it)
 #   4. dockerd with networking switched off (never the default setup: it rewrites the host
 #      firewall), on a short socket path, and `podman system service` (Docker-compatible API,
 #      containers without a network by default); an EXIT trap removes their containers, stops
@@ -12,13 +14,13 @@
 #   5. examples/agent_repo_image.sh: the coding-agent example's image (busybox + the host's python3)
 #
 # Exports DOCKER_HOST, THUNDERSYNC_TEST_PODMAN_HOST, UDOCKER_DIR, UDOCKER_TARBALL,
-# UDOCKER_USE_PROOT_EXECUTABLE, THUNDERSYNC_TEST_IMAGE and THUNDERSYNC_REQUIRE_SANDBOXES=1
+# THUNDERSYNC_TEST_IMAGE and THUNDERSYNC_REQUIRE_SANDBOXES=1
 # (missing engines then fail the tests instead of skipping them).
 
 _ts_sb_start=$SECONDS
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq --no-install-recommends docker.io podman proot busybox-static libseccomp2 gcc libc6-dev >/dev/null
+apt-get install -y -qq --no-install-recommends docker.io podman busybox-static libseccomp2 gcc libc6-dev >/dev/null
 
 TS_SB_DIR=$(mktemp -d /tmp/tssb.XXXXXX)   # short: unix socket paths are limited to 107 bytes
 chmod 700 "$TS_SB_DIR"
@@ -55,11 +57,6 @@ tar -C "$_ts_rootfs" -cf "$TS_SB_DIR/rootfs.tar" .
 
 # -- uDocker, offline ---------------------------------------------------------------------------
 export UDOCKER_DIR="$TS_SB_DIR/udocker" UDOCKER_TARBALL=""
-# Debian's proot 5.1.0 fails with `-k <release>` on this kernel: the library writes a wrapper that
-# drops that pair of arguments (the same one it uses when UDOCKER_USE_PROOT_EXECUTABLE is unset).
-UDOCKER_USE_PROOT_EXECUTABLE="$(THUNDERSYNC_DOCKER_SEED_DIR="$TS_SB_DIR/wrapper" python -c \
-    'from thundersync.sandboxes.udocker import proot_wrapper; print(proot_wrapper())')"
-export UDOCKER_USE_PROOT_EXECUTABLE
 udocker --allow-root import "$TS_SB_DIR/rootfs.tar" "$THUNDERSYNC_TEST_IMAGE" >/dev/null
 
 # -- dockerd without any network setup ----------------------------------------------------------

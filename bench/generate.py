@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import header, markdown_table
+from thundersync.acceleration import Acceleration
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many
 
 
@@ -218,7 +219,9 @@ def run_host_only(live: int) -> tuple[float, float, int]:
     config = Qwen3Config(num_hidden_layers=28, vocab_size=512, tie_word_embeddings=True, **shape)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).eval()
-    generator = TorchGenerator(model, max_batch=max(live, 2), max_seq_len=600, cuda_graphs=False, fuse_projections=True)
+    generator = TorchGenerator(
+        model, max_batch=max(live, 2), max_seq_len=600, cuda_graphs=False, acceleration=Acceleration(decode_fuse="on")
+    )
     batcher = generator._batcher  # bench-only: no device work, time each batcher step
     assert batcher.fixed is not None
 

@@ -105,6 +105,7 @@ from bench.engine_opd import OPDGroup, OPDTrajectory, opd_dense
 from thundersync.engine import graph_counts
 from thundersync.engine._worker import Worker
 from thundersync.engine.process import ModelProcess
+from thundersync.engine.process.messages import Message, Stop
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator
 from thundersync.generation._batcher import ContinuousBatcher
 from thundersync.model.scoring import PackedScorer
@@ -527,8 +528,8 @@ async def measure_in_child(
     release_cache()  # the child allocates from the driver, not from this process's cache
     child = ModelProcess(model, serve_learner, tiny, env=CHILD_ENV)
     try:
-        child.send("row", row, plan, finished)
-        (learner_s,) = child.receive("ready")
+        child.send(ServeRow(row=row, plan=plan, finished=finished))
+        learner_s = child.receive(Warmed).learner_s
         dense_seconds(model, plan[:1], finished, teacher)
         dense_s = dense_seconds(model, plan, finished, teacher)
         release_cache()  # the dense pass's cached blocks
@@ -545,13 +546,13 @@ async def streamed_in_child(
     """(seconds of the step, seconds to the last trajectory, the trajectories in finish order)."""
 
     async def feed(item: Finished) -> None:
-        child.send("feed", item)
+        child.send(Feed(item=item))
 
     start = time.perf_counter()
-    child.send("begin")
+    child.send(BeginBatch())
     last, done = await rollout(generator, plan, feed)
-    child.send("end")
-    child.receive("ended")
+    child.send(EndBatch())
+    child.receive(Ended)
     return time.perf_counter() - start, last, done
 
 
@@ -583,8 +584,8 @@ async def gradient_check(
     row: str, model: torch.nn.Module, child: ModelProcess, plan: Batch, done: list[Finished], teacher: Any
 ) -> str:
     """The child's streamed gradient against this process's over the same trajectories, same order."""
-    child.send("gradient")
-    (got,) = child.receive("gradient")
+    child.send(SendGradient())
+    got = child.receive(Gradient).digest
     await learner_alone(Learner(make_objective(row, thundersync.StreamingRun(model)), plan, teacher), done)
     want = GradientDigest.of(model)
     model.zero_grad(set_to_none=True)
@@ -595,42 +596,80 @@ async def gradient_check(
     )
 
 
-async def serve_learner(model: torch.nn.Module, commands: Any, answers: Any, tiny: bool) -> None:
-    """The learner process's loop over the parent's commands (each answered where it says):
+class ServeRow(Message, frozen=True):
+    """Make and warm the row's learner (OPD: the teacher once), time it alone over ``finished``;
+    answered :class:`Warmed`."""
 
-    ``("row", row, plan, finished)``: make and warm the row's learner (OPD: the teacher once),
-    time it alone over ``finished``, answer ``("ready", seconds)``; ``("begin",)``,
-    ``("feed", (group, index, tokens))``: stream the batch; ``("end",)``: ``assert_safe_to_step()``,
-    synchronize, answer ``("ended",)``; ``("gradient",)``: answer the batch's ``GradientDigest``;
-    ``("stop",)``: return.
-    """
+    row: str
+    plan: Batch
+    finished: list[Finished]
+
+
+class BeginBatch(Message, frozen=True):
+    """Stream a batch: the learner's ``begin()``."""
+
+
+class Feed(Message, frozen=True):
+    """A finished trajectory (group, index, tokens) for the learner."""
+
+    item: Finished
+
+
+class EndBatch(Message, frozen=True):
+    """``assert_safe_to_step()``, synchronize; answered :class:`Ended`."""
+
+
+class SendGradient(Message, frozen=True):
+    """Answered :class:`Gradient`: the batch's :class:`GradientDigest`."""
+
+
+class Warmed(Message, frozen=True):
+    """The row's learner is warm; it took ``learner_s`` alone."""
+
+    learner_s: float
+
+
+class Ended(Message, frozen=True):
+    """The batch's gradient is in the child's ``.grad``."""
+
+
+class Gradient(Message, frozen=True):
+    """The child's gradient, in brief."""
+
+    digest: GradientDigest
+
+
+async def serve_learner(model: torch.nn.Module, commands: Any, answers: Any, tiny: bool) -> None:
+    """The learner process's loop over the parent's commands (each answered where it says) until
+    :class:`~thundersync.engine.process.messages.Stop`."""
     teacher: PackedScorer | None = None
     learner: Learner | None = None
     while True:
-        kind, *payload = await anyio.to_thread.run_sync(commands.get)
-        if kind == "row":
-            row, plan, finished = payload
-            if _objective_kind(row) == "opd" and teacher is None:
-                parameter = next(model.parameters())
-                teacher = make_teacher(tiny, parameter.device, parameter.dtype)
-            learner = await warmed_learner(
-                row, model, plan, finished, teacher if _objective_kind(row) == "opd" else None
-            )
-            answers.put(("ready", await learner_alone(learner, finished)))
-        elif kind == "stop":
-            return
-        elif kind == "gradient":
-            answers.put(("gradient", GradientDigest.of(model)))
-        else:
-            assert learner is not None, f"{kind!r} before any row"
-            if kind == "begin":
+        command = await anyio.to_thread.run_sync(commands.get)
+        match command:
+            case ServeRow(row=row, plan=plan, finished=finished):
+                if _objective_kind(row) == "opd" and teacher is None:
+                    parameter = next(model.parameters())
+                    teacher = make_teacher(tiny, parameter.device, parameter.dtype)
+                learner = await warmed_learner(
+                    row, model, plan, finished, teacher if _objective_kind(row) == "opd" else None
+                )
+                answers.put(Warmed(learner_s=await learner_alone(learner, finished)))
+            case Stop():
+                return
+            case SendGradient():
+                answers.put(Gradient(digest=GradientDigest.of(model)))
+            case BeginBatch() | Feed() | EndBatch() if learner is None:
+                raise AssertionError(f"{command!r} before any row")
+            case BeginBatch():
                 learner.begin()
-            elif kind == "feed":
-                await learner.feed(payload[0])
-            else:
-                assert kind == "end", f"unknown command {kind!r}"
+            case Feed(item=item):
+                await learner.feed(item)
+            case EndBatch():
                 learner.end()
-                answers.put(("ended",))
+                answers.put(Ended())
+            case _:
+                raise AssertionError(f"unknown command {command!r}")
 
 
 def workloads(tiny: bool, balanced: Workload | None = None) -> dict[str, Workload]:

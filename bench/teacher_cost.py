@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import header, markdown_table
 from bench.engine import padded_logprobs
 from bench.overlap import make_teacher
+from thundersync.acceleration import Acceleration
 from thundersync.model.scoring import PackedScorer
 
 
@@ -44,7 +45,7 @@ def main() -> None:
     tiny = parser.parse_args().tiny
     device = torch.device("cpu" if tiny else "cuda")
     model = make_teacher(tiny, device, torch.float32 if tiny else torch.bfloat16).anatomy.model
-    eager = PackedScorer(model, graphs=False)
+    eager = PackedScorer(model, acceleration=Acceleration(scorer_graphs="off"))
     graphed = None if tiny else PackedScorer(model)
     prompt = list(range(100, 112 if tiny else 612))
     rows = []

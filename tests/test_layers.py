@@ -4,12 +4,15 @@ Every module under thundersync/ is parsed with ``ast``; every import of a thunde
 edge (top-level and function-local, ``import``, ``from ... import`` and relative forms). The layers,
 top to bottom, as docs/ARCHITECTURE.md states them:
 
-    app -> stages -> pipeline (runtime) -> tasks -> grpo, opd, generation, scheduling, tools -> engine
-        -> model -> kernels, sandboxes -> events, _device, _compile -> errors, _logging
+    app -> stages -> pipeline (runtime) -> agents -> tasks -> grpo, opd, generation, scheduling, tools -> engine
+        -> model -> kernels, sandboxes -> events, acceleration, _config, _device, _compile -> errors, _logging
 
 A module may import its own package and any lower layer. Packages that share a layer are siblings
 and do not import each other (grpo does not import opd). ``testing`` may import anything but
-``app``; ``thundersync/__init__.py`` (the lazy public API) and ``__main__.py`` are exempt.
+``app``; ``thundersync/__init__.py`` (the lazy public API) and ``__main__.py`` are exempt. No
+module imports another package's private (``_name``) module, and the rooms say what they reach: the
+pipeline runtime only events and errors; the engine no sandboxes, tools or events; the model room
+neither the engine nor generation, which share it.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("app",),
     ("stages",),
     ("pipeline",),
+    ("agents",),
     ("tasks",),
     ("grpo", "opd", "generation", "scheduling", "tools"),
     ("engine",),
     ("model",),
     ("kernels", "sandboxes"),
-    ("events", "_device", "_compile"),
+    ("events", "acceleration", "_config", "_device", "_compile"),
     ("errors", "_logging"),
 )
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
@@ -150,7 +154,47 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def private_imports(edges: dict[str, set[str]]) -> list[str]:
+    """``a -> b`` for every import of a private (``_name``) module from outside the package that
+    holds it (``thundersync.engine.accel._fused`` is for modules under ``thundersync.engine.accel``)."""
+    found = []
+    for source, targets in sorted(edges.items()):
+        for target in sorted(targets):
+            parts = target.split(".")
+            private = [i for i, part in enumerate(parts) if part.startswith("_") and not part.startswith("__")]
+            if not private:
+                continue
+            owner = ".".join(parts[: private[0]])
+            if source != owner and not source.startswith(owner + "."):
+                found.append(f"{source} -> {target}")
+    return found
+
+
+def reaches(edges: dict[str, set[str]], package: str) -> set[str]:
+    """The units (top-level packages and modules) that the modules of ``package`` import."""
+    return {
+        _unit(target)
+        for source, targets in edges.items()
+        if source not in EXEMPT and _unit(source) == package
+        for target in targets
+        if _unit(target) != package
+    }
+
+
 # --- the package -------------------------------------------------------------------------------
+
+
+def test_no_module_imports_another_packages_private_module() -> None:
+    found = private_imports(imports())
+    assert not found, "imports of private modules from outside their package:\n  " + "\n  ".join(found)
+
+
+def test_the_runtime_the_engine_and_the_model_import_only_what_their_room_allows() -> None:
+    edges = imports()
+    assert reaches(edges, "pipeline") <= {"events", "errors", "_logging"}
+    assert not reaches(edges, "engine") & {"sandboxes", "tools", "events", "generation", "pipeline", "stages"}
+    assert not reaches(edges, "model") & {"engine", "generation"}
+    assert not reaches(edges, "generation") & {"engine"}  # generation and the engine share the model room
 
 
 def test_no_module_imports_a_higher_layer_or_a_sibling() -> None:
@@ -205,6 +249,19 @@ def test_the_checker_names_upward_sibling_and_testing_edges() -> None:
         "thundersync.grpo.objective -> thundersync.opd.stream (layer grpo imports its sibling opd)",
         "thundersync.pipeline.definition -> thundersync.stages.generate (layer pipeline imports higher layer stages)",
         "thundersync.testing -> thundersync.app.cli (testing imports the application layer app)",
+    ]
+
+
+def test_the_checker_names_imports_of_private_modules_from_outside_their_package() -> None:
+    edges = {
+        "thundersync.engine.executor": {"thundersync.engine.accel._fused", "thundersync.engine.accel"},
+        "thundersync.engine.accel._pack_graphs": {"thundersync.engine.accel._fused"},
+        "thundersync.engine.run": {"thundersync.engine._worker", "thundersync._config"},
+        "thundersync.grpo.stream": {"thundersync.engine._worker"},
+    }
+    assert private_imports(edges) == [
+        "thundersync.engine.executor -> thundersync.engine.accel._fused",
+        "thundersync.grpo.stream -> thundersync.engine._worker",
     ]
 
 

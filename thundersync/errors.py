@@ -25,6 +25,7 @@ keep working.
     ├── EpisodeError                        an agent episode failed: names task, trajectory, tool, cause
     ├── GenerationError                     rollout generation backends
     │   └── BackendCapabilityError          a backend cannot do what was asked (e.g. token ids)
+    ├── AgentAppError                       an agent app's request or episode that cannot be trained on as sampled
     └── SandboxError                        agent tool sandboxes
         ├── SandboxUnavailable              no backend/engine/image can be used
         ├── UnsafePathError                 a scratch/seed directory or path fails a safety check
@@ -37,6 +38,7 @@ Messages say what happened, with the offending values, and what to do about it.
 from __future__ import annotations
 
 __all__ = [
+    "AgentAppError",
     "BackendCapabilityError",
     "ConfigError",
     "DefinitionError",
@@ -165,7 +167,8 @@ class KernelError(ThunderSyncError):
 
 
 class KernelUnavailable(KernelError):
-    """A kernel was required (e.g. ``THUNDERSYNC_FA4=require``) but cannot run on this device."""
+    """A kernel was required (e.g. ``Acceleration.fa4 = "require"``, ``THUNDERSYNC_FA4=require``) but
+    cannot run on this device."""
 
 
 # --- rollout generation ------------------------------------------------------------------------
@@ -195,6 +198,17 @@ class BackendCapabilityError(GenerationError):
 
 
 # --- sandboxes ---------------------------------------------------------------------------------
+
+
+class AgentAppError(ThunderSyncError):
+    """An agent app (code written against an OpenAI client) asked for something that cannot be
+    trained on exactly as sampled (a conversation that does not continue the last one, an option
+    the endpoint does not serve), or its episode failed; ``status`` is the HTTP status the
+    endpoint answers with."""
+
+    def __init__(self, message: str, *, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class SandboxError(ThunderSyncError):

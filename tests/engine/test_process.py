@@ -8,16 +8,23 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import pickle
+import queue
 import random
+import typing
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 import torch
 
 import thundersync
 from tests.engine.tiny_models import tiny_qwen3, with_lora
-from thundersync.engine.process import ModelProcess, rebuilt
+from thundersync.engine.process import ModelProcess, messages, rebuilt
+from thundersync.engine.process.child import HANDLERS, ObjectiveServer
+from thundersync.engine.process.messages import Failed, Message, Stop
 from thundersync.errors import ConfigError, StreamingError, UnknownIdError, UnsafeStepError
 from thundersync.events import BatchReady
 from thundersync.stages.step import StepResult
@@ -206,10 +213,13 @@ def test_a_streaming_trainer_over_a_learner_process_audits_and_reports_as_in_one
 
 
 def test_a_child_failure_whose_type_needs_more_than_a_message_comes_back_as_a_streaming_error() -> None:
-    error = rebuilt(("MissingExtraError", "no vllm", "Traceback ..."))
+    error = rebuilt(Failed(type="MissingExtraError", message="no vllm", traceback="Traceback ...", in_batch=True))
     assert type(error) is StreamingError and str(error) == "MissingExtraError: no vllm"
     assert error.__notes__ == ["in the learner process:\nTraceback ..."]
-    assert type(rebuilt(("UnsafeStepError", "pending: g", ""))) is UnsafeStepError
+    assert (
+        type(rebuilt(Failed(type="UnsafeStepError", message="pending: g", traceback="", in_batch=True)))
+        is UnsafeStepError
+    )
 
 
 def test_a_peft_model_is_rebuilt_in_the_child_and_its_adapter_gets_the_one_process_gradient() -> None:
@@ -244,7 +254,7 @@ def test_the_child_gets_the_environment_it_is_given_and_the_parent_keeps_its_own
     env = {"THUNDERSYNC_PROBE_SET": "child", "THUNDERSYNC_PROBE_KEPT": "child too"}
     child = ModelProcess(tiny_qwen3(torch.float32, seed=1), _serve_environment, list(env), env=env)
     try:
-        assert child.receive("environment") == [env]
+        assert child.receive(Environment).values == env
     finally:
         child.close()
     assert os.environ["THUNDERSYNC_PROBE_KEPT"] == "parent" and "THUNDERSYNC_PROBE_SET" not in os.environ
@@ -254,9 +264,13 @@ def test_the_child_gets_the_environment_it_is_given_and_the_parent_keeps_its_own
         thundersync.LearnerProcess(thundersync.StreamingRun(tiny_qwen3(torch.float32, seed=1)), GRPO, env={"A=B": "1"})
 
 
+class Environment(Message, frozen=True):
+    values: dict[str, str | None]
+
+
 async def _serve_environment(model: torch.nn.Module, commands: Any, answers: Any, names: list[str]) -> None:
-    answers.put(("environment", {name: os.environ.get(name) for name in names}))
-    assert commands.get() == ("stop",)
+    answers.put(Environment(values={name: os.environ.get(name) for name in names}))
+    assert isinstance(commands.get(), Stop)
 
 
 @pytest.mark.gpu
@@ -294,3 +308,107 @@ def test_on_cuda_the_child_computes_over_the_parents_memory_as_one_process_would
         learner.assert_safe_to_step()
     for p, g in zip(run.params, want, strict=True):
         torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
+
+
+# --- the messages --------------------------------------------------------------------------------
+
+SAMPLES: list[messages.Message] = [
+    messages.Seen(),
+    messages.Stop(),
+    messages.Begin(held=[True, False]),
+    messages.OpenGroup(group_id=3, prompt_tokens=[1, 2, 3]),
+    messages.AppendTurn(group_id="g", trajectory_id=0, tokens=[4, 5], scored=[True, False]),
+    messages.AppendTurn(
+        group_id=1, trajectory_id="t", tokens=[6], scored=[True], teacher_logprobs=[-0.5], behaviour_logprobs=[-1.25]
+    ),
+    messages.CloseTrajectory(group_id=3, trajectory_id=1, reward=0.25),
+    messages.CloseTrajectory(group_id=3, trajectory_id=2),
+    messages.CloseGroup(group_id=3),
+    messages.KeepBatch(keep=False),
+    messages.AssertSafe(),
+    messages.Discard(),
+    messages.TakeMismatch(),
+    messages.DenseGradient(),
+    messages.Written(name="model.embed_tokens.weight", value=4.0),
+    messages.Restored(),
+    messages.Crashed(traceback="Traceback ..."),
+    messages.Ready(signal="reward"),
+    messages.Done(),
+    messages.Value(value=0.125),
+    messages.Value(value=None),
+    messages.Safe(held=[True, True, False]),
+    messages.Failed(type="UnknownIdError", message="no group 8", traceback="Traceback ...", in_batch=True),
+]
+
+
+def test_every_message_type_has_a_sample_and_belongs_to_one_union() -> None:
+    assert {type(m) for m in SAMPLES} == {*messages.COMMAND_TYPES, *messages.ANSWER_TYPES}
+    assert not set(messages.COMMAND_TYPES) & set(messages.ANSWER_TYPES)
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips_through_pickle_and_msgspec_and_is_frozen(message: messages.Message) -> None:
+    union = messages.Command if isinstance(message, messages.COMMAND_TYPES) else messages.Answer
+    assert pickle.loads(pickle.dumps(message)) == message
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=union) == message
+    assert msgspec.json.decode(msgspec.json.encode(message), type=union) == message
+    assert msgspec.json.encode(message).startswith(b'{"kind":"' + type(message).__name__.encode())
+    assert type(message).__struct_config__.frozen
+    for field in message.__struct_fields__:
+        with pytest.raises(AttributeError):
+            setattr(message, field, None)
+
+
+def test_the_start_envelope_carries_the_tensors_through_torchs_pickler_without_a_copy() -> None:
+    weight = torch.zeros(4)
+    start = messages.Start(
+        build=dict,
+        tensors={"w": weight},
+        frozen=frozenset({"w"}),
+        serve=_never_served,
+        args=(1,),
+        threads=2,
+        device=None,
+    )
+    received = pickle.loads(ForkingPickler.dumps(start))  # what a torch.multiprocessing queue does
+    assert received.frozen == frozenset({"w"}) and received.args == (1,) and received.serve is _never_served
+    received.tensors["w"][0] = 5.0
+    assert weight[0] == 5.0, "the tensor was copied, not shared"
+    with pytest.raises(AttributeError):
+        start.threads = 1  # type: ignore[misc]  # frozen: the assignment must fail
+
+
+def test_the_childs_handler_table_covers_every_command_but_the_proofs() -> None:
+    assert set(HANDLERS) == set(messages.COMMAND_TYPES) - {messages.Seen}  # Seen: read by the start's proof
+    for kind, handler in HANDLERS.items():  # each handler takes the message it is the handler of
+        assert typing.get_type_hints(handler)["message"] is kind, (kind, handler)
+
+
+def test_a_message_the_child_does_not_serve_is_an_error_naming_it() -> None:
+    run = thundersync.StreamingRun(tiny_qwen3(torch.float32, seed=1))
+    grads = [torch.zeros(stop - start) for start, stop in run.layout.spans]
+    answers: queue.Queue[messages.Message] = queue.Queue()
+    server = ObjectiveServer(run, GRPO(run), grads, answers)
+    with pytest.raises(StreamingError, match=r"got \('call', 'open_group'\) \(not a Command of .*it serves AppendTurn"):
+        server.handle(("call", "open_group"))
+    with pytest.raises(StreamingError, match=r"got Ready\(signal='reward'\) \(not a Command"):
+        server.handle(messages.Ready(signal="reward"))  # an answer
+    with pytest.raises(StreamingError, match=r"got Seen\(\), which it does not serve"):
+        server.handle(messages.Seen())  # the start's proof's, over by now
+    server.handle(messages.Discard())  # a served command is answered
+    assert answers.get_nowait() == messages.Done()
+
+
+@pytest.mark.timeout(120)
+def test_a_garbled_message_to_the_learner_process_comes_back_as_an_error_and_a_dead_child_is_reported() -> None:
+    run = thundersync.StreamingRun(tiny_qwen3(torch.float32, seed=1))
+    with thundersync.LearnerProcess(run, GRPO) as learner:
+        learner._child.commands.put("garbage")  # not a message: the child's loop cannot serve it
+        with pytest.raises(StreamingError, match=r"(?s)waited for Safe or Failed.*got 'garbage' \(not a Command"):
+            learner.assert_safe_to_step()
+        with pytest.raises(StreamingError, match=r"exited \(code 1\) before answering Done or Failed"):
+            learner.discard()
+    with thundersync.LearnerProcess(run, GRPO) as learner:
+        learner._child.process.kill()
+        with pytest.raises(StreamingError, match=r"exited \(code -9\) before answering Safe or Failed"):
+            learner.assert_safe_to_step()

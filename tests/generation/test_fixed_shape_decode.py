@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import torch
 
+from thundersync.acceleration import Acceleration
 from thundersync.errors import ConfigError
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many
 from thundersync.generation._decode_math import DecodeMath
@@ -247,18 +248,18 @@ def test_a_decode_step_that_fails_to_compile_runs_eagerly_counted_and_logged(mak
 
 
 @pytest.mark.filterwarnings(COMPILE_WARNING)
-def test_the_decode_compile_switch_is_read_from_the_environment(make_qwen3, monkeypatch) -> None:
+def test_the_decode_forms_come_from_the_acceleration_the_environment_overriding_auto(make_qwen3, monkeypatch) -> None:
     model = make_qwen3()
-    monkeypatch.setenv("THUNDERSYNC_DECODE_COMPILE", "on")
-    monkeypatch.setenv("THUNDERSYNC_DECODE_FUSE", "on")
-    math = TorchGenerator(model, max_batch=2, max_seq_len=48)._batcher.decode_math
+    forms = Acceleration(decode_compile="on", decode_fuse="on")
+    math = TorchGenerator(model, max_batch=2, max_seq_len=48, acceleration=forms)._batcher.decode_math
     assert math is not None and math.compile and math.fused is not None
-    monkeypatch.setenv("THUNDERSYNC_DECODE_COMPILE", "off")
-    monkeypatch.setenv("THUNDERSYNC_DECODE_FUSE", "auto")  # auto: on with CUDA graphs
-    assert TorchGenerator(model, max_batch=2, max_seq_len=48)._batcher.decode_math is None
-    stacked = TorchGenerator(model, max_batch=2, max_seq_len=48, fuse_projections=True)
+    auto = Acceleration(decode_compile="off")  # fuse auto: on with CUDA graphs, off here
+    assert TorchGenerator(model, max_batch=2, max_seq_len=48, acceleration=auto)._batcher.decode_math is None
+    stacked = TorchGenerator(model, max_batch=2, max_seq_len=48, acceleration=Acceleration(decode_fuse="on"))
     assert stacked._batcher.decode_math.fused is not None and stacked.stacked_weight_bytes > 0
     assert TorchGenerator(model, max_batch=2, max_seq_len=48).stacked_weight_bytes == 0
+    monkeypatch.setenv("THUNDERSYNC_DECODE_FUSE", "on")  # the environment overrides a field left auto
+    assert TorchGenerator(model, max_batch=2, max_seq_len=48).stacked_weight_bytes > 0
     monkeypatch.setenv("THUNDERSYNC_DECODE_FUSE", "yes")
     with pytest.raises(ConfigError, match="THUNDERSYNC_DECODE_FUSE must be auto, on or off, got 'yes'"):
         TorchGenerator(model, max_batch=2, max_seq_len=48)
@@ -328,12 +329,13 @@ def test_cuda_graph_decode_matches_transformers_and_eager(make_qwen3, compile_de
     torch.backends.cuda.matmul.allow_tf32 = False
     model = make_qwen3().cuda()
     params = SamplingParams(temperature=0.0, max_new_tokens=9)
-    graphs = TorchGenerator(model, max_batch=4, max_seq_len=300, compile_decode=compile_decode)
+    forms = Acceleration(decode_compile="on" if compile_decode else "off")
+    graphs = TorchGenerator(model, max_batch=4, max_seq_len=300, acceleration=forms)
     assert graphs._batcher.run_fixed is not None
     captured = scenario(graphs, params)
     eager = scenario(TorchGenerator(model, max_batch=4, max_seq_len=300, cuda_graphs=False), params)
     assert_same_results(eager, captured)
-    seeded = ragged(TorchGenerator(model, max_batch=8, max_seq_len=300, compile_decode=compile_decode))
+    seeded = ragged(TorchGenerator(model, max_batch=8, max_seq_len=300, acceleration=forms))
     assert_same_results(ragged(TorchGenerator(model, max_batch=8, max_seq_len=300, cuda_graphs=False)), seeded)
     assert graphs._batcher.decode_math.fused is not None  # stacked projections: on with CUDA graphs
     assert graphs._batcher.decode_math.failures == []
@@ -368,22 +370,22 @@ def test_a_decode_step_whose_compile_call_raises_runs_eagerly(make_qwen3, monkey
     assert_same_results(ragged(TorchGenerator(model, max_batch=8, max_seq_len=48), count=3), results)
 
 
-def test_a_priority_stream_needs_cuda(make_qwen3, monkeypatch) -> None:
+def test_a_priority_stream_needs_cuda(make_qwen3) -> None:
     model = make_qwen3()
     assert TorchGenerator(model, max_batch=2, max_seq_len=48)._batcher.stream is None  # auto: off on the CPU
-    with pytest.raises(ConfigError, match="priority_stream=True needs the model on a CUDA device, it is on cpu"):
-        TorchGenerator(model, max_batch=2, max_seq_len=48, priority_stream=True)
-    monkeypatch.setenv("THUNDERSYNC_DECODE_PRIORITY", "high")
-    with pytest.raises(ConfigError, match="THUNDERSYNC_DECODE_PRIORITY must be auto, on or off, got 'high'"):
-        TorchGenerator(model, max_batch=2, max_seq_len=48)
+    with pytest.raises(ConfigError, match="decode_priority = on needs the model on a CUDA device, it is on cpu"):
+        TorchGenerator(model, max_batch=2, max_seq_len=48, acceleration=Acceleration(decode_priority="on"))
+    with pytest.raises(ConfigError, match="Acceleration.decode_priority must be auto, on or off, got 'high'"):
+        Acceleration(decode_priority="high")  # type: ignore[arg-type]
 
 
 @pytest.mark.gpu
 def test_the_priority_stream_decodes_like_the_current_one_and_sees_writes_queued_before_generate(make_qwen3) -> None:
     model = make_qwen3().cuda()
-    own = TorchGenerator(model, max_batch=4, max_seq_len=64, compile_decode=False)
+    own = TorchGenerator(model, max_batch=4, max_seq_len=64, acceleration=Acceleration(decode_compile="off"))
     assert own._batcher.stream is not None and own._batcher.stream.priority < 0  # auto: on with CUDA
-    current = TorchGenerator(model, max_batch=4, max_seq_len=64, compile_decode=False, priority_stream=False)
+    forms = Acceleration(decode_compile="off", decode_priority="off")
+    current = TorchGenerator(model, max_batch=4, max_seq_len=64, acceleration=forms)
     before = ragged(own, count=4)
     assert_same_results(ragged(current, count=4), before)
     # a weight write queued on the current stream behind ~0.1 s of device sleep: requests submitted
@@ -423,7 +425,7 @@ def test_slot_changes_swaps_and_prefill_inputs_do_not_wait_for_the_step_in_fligh
     from thundersync.generation import _batcher
 
     model = make_qwen3().cuda()
-    generator = TorchGenerator(model, max_batch=4, max_seq_len=64, compile_decode=False)
+    generator = TorchGenerator(model, max_batch=4, max_seq_len=64, acceleration=Acceleration(decode_compile="off"))
     batcher = generator._batcher
     calls = {"flush": 0, "compact": 0, "pack_prefill": 0}
 

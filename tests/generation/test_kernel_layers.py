@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.generation.test_fixed_shape_decode import assert_same_results, fixed_shape, ragged
+from thundersync.acceleration import Acceleration
 from thundersync.errors import ConfigError
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many
 from thundersync.generation._decode_math import DecodeMath
@@ -21,6 +22,7 @@ from thundersync.generation._sampling import RowParams, sample, sample_kernels
 from thundersync.model.anatomy import decoder_anatomy
 
 BF16 = torch.bfloat16
+KERNELS = Acceleration(decode_kernels="on")
 
 
 def test_an_fp32_model_and_a_peft_model_do_not_qualify_and_say_why(make_qwen3) -> None:
@@ -53,13 +55,9 @@ def test_interleaved_gate_up_stacks_decode_like_the_modules_and_follow_their_upd
     assert torch.equal(blocks[:, 0].reshape(gate.shape), gate) and torch.equal(blocks[:, 1].reshape(up.shape), up)
 
 
-def test_decode_kernels_on_without_cuda_is_a_config_error_and_auto_leaves_them_off(make_qwen3, monkeypatch) -> None:
+def test_decode_kernels_on_without_cuda_is_a_config_error_and_auto_leaves_them_off(make_qwen3) -> None:
     with pytest.raises(ConfigError, match="cannot decode through them: .*CUDA"):
-        TorchGenerator(make_qwen3().to(BF16), max_batch=2, max_seq_len=32, decode_kernels=True)
-    monkeypatch.setenv("THUNDERSYNC_DECODE_KERNELS", "on")
-    with pytest.raises(ConfigError, match="cannot decode through them"):
-        TorchGenerator(make_qwen3().to(BF16), max_batch=2, max_seq_len=32)
-    monkeypatch.setenv("THUNDERSYNC_DECODE_KERNELS", "auto")
+        TorchGenerator(make_qwen3().to(BF16), max_batch=2, max_seq_len=32, acceleration=KERNELS)
     generator = TorchGenerator(make_qwen3().to(BF16), max_batch=2, max_seq_len=32, cuda_graphs=False)
     assert generator._batcher.decode_math is None
 
@@ -181,7 +179,9 @@ def test_a_bf16_generator_samples_through_the_kernels_in_cuda_graphs_as_the_mode
     ours = _worst_logprob_error(generator, exact, requests)
     assert generator._batcher.run_fixed.captured >= 3
     torch_layers = _worst_logprob_error(
-        TorchGenerator(model, max_batch=8, max_seq_len=300, decode_kernels=False), exact, requests
+        TorchGenerator(model, max_batch=8, max_seq_len=300, acceleration=Acceleration(decode_kernels="off")),
+        exact,
+        requests,
     )
     assert ours <= 2 * torch_layers + 0.02  # a wrong kernel is off by whole nats
 
@@ -201,20 +201,22 @@ def test_a_bad_launch_configurations_file_is_a_config_error_at_construction(
 ) -> None:
     path = tmp_path / "configs.json"
     path.write_text(content)
-    monkeypatch.setenv("THUNDERSYNC_DECODE_LINEAR_CONFIGS", str(path))
+    forms = Acceleration(decode_kernels="on", decode_linear_configs=str(path))
     with pytest.raises(ConfigError, match=f"THUNDERSYNC_DECODE_LINEAR_CONFIGS=.*{message}"):
-        TorchGenerator(make_qwen3().to(BF16), max_batch=2, max_seq_len=32, decode_kernels=True)
+        TorchGenerator(make_qwen3().to(BF16), max_batch=2, max_seq_len=32, acceleration=forms)
 
 
-def test_a_launch_configurations_file_overrides_the_defaults_for_its_shapes(monkeypatch, tmp_path) -> None:
-    from thundersync.kernels.decode import LinearConfig, linear_config
+def test_a_launch_configurations_file_overrides_the_defaults_for_its_shapes(tmp_path) -> None:
+    from thundersync.kernels.decode import LinearConfig, linear_config, use_linear_configs
 
     path = tmp_path / "configs.json"
     path.write_text('{"16,4096,1024": [64, 256, 8, 3]}')
-    monkeypatch.setenv("THUNDERSYNC_DECODE_LINEAR_CONFIGS", str(path))
-    assert linear_config(4096, 1024, 9, norm=True) == LinearConfig(64, 256, 8, 3)
-    assert linear_config(4096, 1024, 40, norm=True) == LinearConfig(32, 256, 4, 2)  # 64-row programs: not listed
-    monkeypatch.delenv("THUNDERSYNC_DECODE_LINEAR_CONFIGS")
+    use_linear_configs(str(path))
+    try:
+        assert linear_config(4096, 1024, 9, norm=True) == LinearConfig(64, 256, 8, 3)
+        assert linear_config(4096, 1024, 40, norm=True) == LinearConfig(32, 256, 4, 2)  # 64-row programs: not listed
+    finally:
+        use_linear_configs("")
     assert linear_config(4096, 1024, 9, norm=True) == LinearConfig(32, 512, 4, 1)
 
 

@@ -10,17 +10,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thundersync import kernels
+from thundersync.acceleration import Acceleration
 from thundersync.errors import ConfigError, KernelUnavailable
 from thundersync.kernels import probe
 
 
 @pytest.fixture(autouse=True)
 def _fresh_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.delenv("THUNDERSYNC_FA4", raising=False)
     monkeypatch.delenv("THUNDERSYNC_OPERATOR_PROFILE_RANGES", raising=False)
+    kernels.set_fa4_mode("auto")
     kernels.clear_capabilities()
     kernels.reset_attention_path_counts()
     yield
+    kernels.set_fa4_mode("auto")
     kernels.clear_capabilities()
     kernels.reset_attention_path_counts()
 
@@ -61,42 +63,42 @@ def test_a_probe_runs_its_trial_once_and_caches_a_failure_with_the_reason() -> N
     assert probe.probe("demo", device, torch.float32, "rows", lambda: None).ok
 
 
-def test_fa4_switch_rejects_unknown_values_naming_the_choices(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("THUNDERSYNC_FA4", "yes")
-    with pytest.raises(ConfigError, match=r"THUNDERSYNC_FA4='yes' is not one of: auto, require, off"):
-        kernels.chunk_attention(*_attention_inputs())
+def test_fa4_switch_rejects_unknown_values_naming_the_choices() -> None:
+    with pytest.raises(ConfigError, match=r"the FA4 mode must be one of auto, require, off, got 'yes'"):
+        kernels.set_fa4_mode("yes")
+    with pytest.raises(ConfigError, match=r"THUNDERSYNC_FA4 must be auto, require or off, got 'yes'"):
+        Acceleration().resolved({"THUNDERSYNC_FA4": "yes"})
 
 
-def test_fa4_require_raises_with_the_reason_when_fa4_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("THUNDERSYNC_FA4", "require")
+def test_fa4_require_raises_with_the_reason_when_fa4_cannot_run() -> None:
+    kernels.set_fa4_mode("require")
     with pytest.raises(
         KernelUnavailable,
-        match=r"THUNDERSYNC_FA4=require, but FlashAttention 4 cannot run on cpu float32 "
+        match=r"fa4 = require .*, but FlashAttention 4 cannot run on cpu float32 "
         r"\(head_dim=8,groups=2\): the fa4 path runs on CUDA devices only",
     ):
         kernels.chunk_attention(*_attention_inputs())
     assert kernels.attention_path_counts() == {}
 
 
-def test_fa4_require_governs_packed_calls_too(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fa4_require_governs_packed_calls_too() -> None:
     q, k, v = _packed_case([2, 3], [1, 4], torch.float32)
     layout = kernels.PackedLayout([2, 3], [3, 7], torch.device("cpu"))
-    monkeypatch.setenv("THUNDERSYNC_FA4", "require")
+    kernels.set_fa4_mode("require")
     with pytest.raises(
         KernelUnavailable,
-        match=r"THUNDERSYNC_FA4=require, but FlashAttention 4 cannot run on cpu float32 "
-        r"\(head_dim=8,groups=2\)",
+        match=r"fa4 = require .*, but FlashAttention 4 cannot run on cpu float32 \(head_dim=8,groups=2\)",
     ):
         kernels.packed_chunk_attention(q, k, v, layout)
-    monkeypatch.setenv("THUNDERSYNC_FA4", "off")
+    kernels.set_fa4_mode("off")
     kernels.packed_chunk_attention(q, k, v, layout)
     assert kernels.attention_path_counts() == {"reference": 2}
     with pytest.raises(KernelUnavailable, match=r"attention path 'fa4' cannot run on cpu float32"):
         kernels.packed_chunk_attention(q, k, v, layout, path="fa4")
 
 
-def test_fa4_off_never_considers_fa4(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("THUNDERSYNC_FA4", "off")
+def test_fa4_off_never_considers_fa4() -> None:
+    kernels.set_fa4_mode("off")
     kernels.chunk_attention(*_attention_inputs())
     assert not any(c.kernel == "chunk_attention.fa4" for c in kernels.kernel_capabilities())
     assert kernels.attention_path_counts() == {"reference": 1}

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.engine.tiny_models import tiny_qwen3
+from thundersync.acceleration import Acceleration
 from thundersync.errors import ConfigError
 from thundersync.model.scoring import PackedScorer, _hidden, bucket_rows_of, split
 
@@ -107,7 +108,7 @@ def test_bad_requests_and_settings_are_refused_with_the_value() -> None:
     with pytest.raises(ConfigError, match="max_rows must be a power of two >= 128, got 100"):
         PackedScorer(model, max_rows=100)
     with pytest.raises(ConfigError, match="scorer graphs need the model on a CUDA device, it is on cpu"):
-        PackedScorer(model, graphs=True)
+        PackedScorer(model, acceleration=Acceleration(scorer_graphs="on"))
     assert PackedScorer(model).logprobs([], []) == []
 
 
@@ -115,7 +116,7 @@ def test_bad_requests_and_settings_are_refused_with_the_value() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_captured_buckets_score_like_the_eager_packs(dtype: torch.dtype) -> None:
     model = tiny_qwen3(dtype, layers=3).cuda()
-    graphed, eager = PackedScorer(model), PackedScorer(model, graphs=False)
+    graphed, eager = PackedScorer(model), PackedScorer(model, acceleration=Acceleration(scorer_graphs="off"))
     assert graphed.graphs
     for seed in range(6):  # a few buckets, each replayed with other inputs
         sequences, scored = random_calls(seed)

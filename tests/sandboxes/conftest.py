@@ -11,6 +11,8 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
+import shutil
+import subprocess
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -79,6 +81,24 @@ def require(backend: str) -> None:
     if os.environ.get("THUNDERSYNC_REQUIRE_SANDBOXES") == "1":
         pytest.fail(message + " (THUNDERSYNC_REQUIRE_SANDBOXES=1)")
     pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``probe.c`` built static (needs gcc and libc6-dev; CI's .ci/sandboxes.sh installs both)."""
+    gcc = shutil.which("gcc")
+    out = tmp_path_factory.mktemp("probe") / "probe"
+    if gcc is None:
+        pytest.skip("gcc is not installed: apt-get install gcc libc6-dev")
+    done = subprocess.run(
+        [gcc, "-static", "-O1", "-o", str(out), str(Path(__file__).with_name("probe.c"))],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot build a static probe: {done.stderr.strip()[-300:]}")
+    return out
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import anyio
@@ -10,12 +11,21 @@ import pytest
 from thundersync.sandboxes import docker, udocker
 
 
-def test_a_users_proot_tmp_dir_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("UDOCKER_USE_PROOT_EXECUTABLE", "/usr/bin/proot")
-    monkeypatch.setenv("PROOT_TMP_DIR", str(tmp_path / "mine"))
-    assert udocker.udocker_env(tmp_path / "private")["PROOT_TMP_DIR"] == str(tmp_path / "mine")
-    monkeypatch.delenv("PROOT_TMP_DIR")
-    assert udocker.udocker_env(tmp_path / "private")["PROOT_TMP_DIR"] == str(tmp_path / "private")
+def test_udocker_is_run_with_an_allow_listed_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UDOCKER_DIR", str(tmp_path / "store"))
+    monkeypatch.setenv("API_TOKEN", "secret")
+    env = udocker.udocker_env(tmp_path / "private")
+    assert env["UDOCKER_DIR"] == str(tmp_path / "store") and env["UDOCKER_TARBALL"] == ""
+    assert env["HOME"] == env["TMPDIR"] == str(tmp_path / "private") and "API_TOKEN" not in env
+
+
+def test_a_udocker_command_sees_the_images_environment_then_roots(tmp_path: Path) -> None:
+    config = tmp_path / "container.json"
+    config.write_text(json.dumps({"config": {"Env": ["PATH=/opt/bin:/bin", "LANG=C.UTF-8", "=x", "no-equals", 3]}}))
+    env = udocker.image_env(config)
+    assert env == {"PATH": "/opt/bin:/bin", "LANG": "C.UTF-8", "HOME": "/root", "USER": "root", "LOGNAME": "root"}
+    config.write_text("not json")
+    assert udocker.image_env(config)["PATH"] == "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def fake_cli(tmp_path: Path, answer: str) -> Path:

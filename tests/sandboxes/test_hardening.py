@@ -7,8 +7,6 @@ what a hostile tool would run, without needing anything in the image.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,28 +20,10 @@ pytestmark = pytest.mark.anyio
 ENOSYS, EPERM = 38, 1
 
 
-@pytest.fixture(scope="session")
-def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``probe.c`` built static (needs gcc and libc6-dev; CI's .ci/sandboxes.sh installs both)."""
-    gcc = shutil.which("gcc")
-    out = tmp_path_factory.mktemp("probe") / "probe"
-    if gcc is None:
-        pytest.skip("gcc is not installed: apt-get install gcc libc6-dev")
-    done = subprocess.run(
-        [gcc, "-static", "-O1", "-o", str(out), str(Path(__file__).with_name("probe.c"))],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot build a static probe: {done.stderr.strip()[-300:]}")
-    return out
-
-
 async def run_probe(sandbox: Sandbox, probe: Path, *args: str) -> str:
     await sandbox.copy_in(probe, "probe")
     result = await sandbox.exec(["./probe", *args], timeout=30)
-    assert result.exit_code in (0, 1), result
+    assert result.exit_code in (0, 1, 3), result
     return result.stdout.strip()
 
 
@@ -56,14 +36,14 @@ async def test_openat2_and_the_other_untranslated_calls_do_not_reach_host_files(
         assert await run_probe(sandbox, probe, "openat2", str(secret)) != "ok host secret"  # not in its mounts
         return
     assert await run_probe(sandbox, probe, "openat2", str(secret)) == f"denied {ENOSYS}"
-    for call in ("open_tree", "handle"):  # ENOSYS from the filter, or ENOENT where PRoot translated the path
+    for call in ("open_tree", "handle"):  # ENOSYS from the filter, or ENOENT: not in the sandbox's root
         assert (await run_probe(sandbox, probe, call, str(secret))).startswith("denied")
 
 
 async def test_system_calls_newer_than_proots_fail_closed(
     sandbox: Sandbox, backend: str, probe: Path, tmp_path: Path
 ) -> None:
-    """fchmodat2 (Linux 6.6) takes a path PRoot 5.1 would pass through untranslated."""
+    """fchmodat2 (Linux 6.6) is newer than the filter's review: it fails closed."""
     secret = tmp_path / "host-secret"
     secret.write_text("host secret\n")
     secret.chmod(0o644)
@@ -73,16 +53,16 @@ async def test_system_calls_newer_than_proots_fail_closed(
         assert result == f"denied {ENOSYS}"
 
 
-async def test_the_tracer_and_udocker_are_out_of_the_commands_reach(
+async def test_a_process_sandbox_command_holds_no_capability_and_reaches_no_other_process(
     sandbox: Sandbox, backend: str, probe: Path
 ) -> None:
-    """uDocker (pid 1 of the exec's namespace) and PRoot share the command's uid: no process of the
-    namespace may be ptraced, written with process_vm_writev or opened through /proc/PID/mem
-    (PRoot's bindings live in its memory), and no capability is left to mount a procfs."""
-    if backend != "udocker":
-        pytest.skip("only uDocker runs the command beside its tracer")
+    """The command is uid 0 of its user namespace: it holds no capability (none to mount a procfs
+    with), and no process of its namespace may be ptraced, written with process_vm_writev or opened
+    through /proc/PID/mem."""
+    if backend in ("docker", "podman"):
+        pytest.skip("containers: test_pid_1_of_a_container_is_out_of_the_sandbox_users_reach")
     assert await run_probe(sandbox, probe, "status", "-") == "nnp 1 seccomp 2 capeff 0 capbnd 0"
-    for pid in range(1, 6):  # uDocker, PRoot and the command's own shell among them
+    for pid in range(1, 6):
         for call in ("ptrace", "vmwrite", "memwrite"):
             assert (await run_probe(sandbox, probe, call, str(pid))).startswith("denied"), (call, pid)
 
@@ -264,13 +244,12 @@ async def test_the_memory_limit_holds_for_all_processes_together(new_sandbox: Ca
 
 
 async def test_a_tree_1100_directories_deep_is_copied_reset_and_closed(
-    new_sandbox: Callable[..., Sandbox], backend: str, tmp_path: Path, host_clean: Callable[[], object]
+    new_sandbox: Callable[..., Sandbox], tmp_path: Path, host_clean: Callable[[], object]
 ) -> None:
     async with new_sandbox() as sandbox:
-        if backend != "udocker":  # PRoot resolves each of 1,100 components through ptrace: minutes
-            deep = "p=.; i=0; while [ $i -lt 1100 ]; do p=$p/d; i=$((i+1)); done; mkdir -p $p && echo x > $p/f"
-            made = await sandbox.exec(deep)
-            assert made.exit_code == 0, made
+        deep = "p=.; i=0; while [ $i -lt 1100 ]; do p=$p/d; i=$((i+1)); done; mkdir -p $p && echo x > $p/f"
+        made = await sandbox.exec(deep)
+        assert made.exit_code == 0, made
         await sandbox.write_file("e/" * 1100 + "f", b"from the host")
         await sandbox.copy_out(".", tmp_path / "out")
         assert trees.tree_digest(tmp_path / "out") == trees.tree_digest(sandbox.tree)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ def _jsonl(tmp_path: Path, *lines: str) -> Path:
 def test_text_and_id_prompts_keep_their_other_keys_as_fields(tmp_path: Path) -> None:
     path = _jsonl(tmp_path, '{"prompt": "2+3?", "answer": "5"}', "", '{"prompt_ids": [7, 8], "answer": "12", "n": [1]}')
     assert JsonlTasks(str(path)).tasks() == [
-        Task(prompt_ids=list(b"2+3?"), fields={"answer": "5"}),
+        Task(prompt_ids=list(b"2+3?"), fields={"prompt": "2+3?", "answer": "5"}),  # the text, for an agent app
         Task(prompt_ids=[7, 8], fields={"answer": "12", "n": [1]}),
     ]
 
@@ -31,9 +32,10 @@ def test_text_and_id_prompts_keep_their_other_keys_as_fields(tmp_path: Path) -> 
     [
         (
             '{"answer": "5"}',
-            r"tasks\.jsonl:2: a task needs exactly one of 'prompt' \(text\) and 'prompt_ids', got neither",
+            r"tasks\.jsonl:2: a task needs exactly one of 'prompt' \(text\), 'messages' \(a chat\) and 'prompt_ids', "
+            "got neither",
         ),
-        ('{"prompt": "a", "prompt_ids": [1]}', r"tasks\.jsonl:2: .* got both"),
+        ('{"prompt": "a", "prompt_ids": [1]}', r"tasks\.jsonl:2: .* got 'prompt' and 'prompt_ids'"),
         ('{"prompt": "a",', r"tasks\.jsonl:2: not valid JSON \("),
         ("[1, 2]", r"tasks\.jsonl:2: a task line must be a JSON object, got list"),
         (
@@ -97,3 +99,28 @@ def test_a_source_needs_prompts_or_tasks_not_both() -> None:
         SourceStage(SourceStage.Config())
     with pytest.raises(ConfigError, match=r"exactly one of prompts .* got both"):
         SourceStage(SourceStage.Config(prompts=[[1]]), tasks=ArithmeticTasks(count=1))
+
+
+def test_a_messages_record_is_rendered_with_the_chat_template_and_kept(tmp_path: Path) -> None:
+    from tests.tools.chat_helpers import chat
+
+    template = chat("qwen3")
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]
+    path = _jsonl(tmp_path, json.dumps({"messages": conversation, "answer": "5"}), '{"prompt": "7*8?"}')
+    first, second = JsonlTasks(str(path), chat=template).tasks()
+    assert first == Task(prompt_ids=template.prompt_ids(conversation), fields={"messages": conversation, "answer": "5"})
+    assert second.prompt_ids == template.prompt_ids([{"role": "user", "content": "7*8?"}])  # text: one user message
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"messages": [{"role": "user", "content": "hi"}]}', r"a 'messages' prompt is rendered with a chat template"),
+        ('{"messages": []}', r"'messages' must be a non-empty list of chat messages"),
+        ('{"messages": [{"content": "hi"}]}', r"messages\[0\] must be an object with a 'role' and a 'content'"),
+        ('{"messages": [{"role": "user", "content": 3}]}', r"messages\[0\].content must be text, got 3"),
+    ],
+)
+def test_a_bad_messages_record_names_its_line(tmp_path: Path, line: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=r"tasks\.jsonl:1: " + message):
+        JsonlTasks(str(_jsonl(tmp_path, line)))

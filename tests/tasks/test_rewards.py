@@ -134,5 +134,5 @@ async def test_the_reward_stage_hands_the_task_fields_to_a_task_scorer(run_stage
 def test_the_reward_stage_refuses_an_object_that_scores_nothing() -> None:
     from thundersync.stages.reward import RewardStage
 
-    with pytest.raises(ConfigError, match=r"the reward stage's scorer is a int, which has neither score"):
+    with pytest.raises(ConfigError, match=r"the reward stage's scorer is a int, which has none of score\("):
         RewardStage(scorer=3)  # type: ignore[arg-type]  # the wrong type is the point

@@ -16,16 +16,19 @@ The top layer of the package: it imports the stages (``thundersync.stages``) and
       models        the ``model`` and ``tokenizer`` factories
       training      streaming-run, grpo, opd, optimizer, lr-schedule, streaming-trainer, checkpointer
       generators    torch-generator, vllm-generator, openai-generator
+      chat          chat-template, chat-tool-calls, chat-sandbox-tools
       scheduling    admission: a bound on the groups in flight
       warmup        supervised-warmup: the model trained on demonstrations before RL
     cli/          the ``thundersync`` command (also ``python -m thundersync``)
-      command       ``thundersync check`` / ``run`` / ``plot``
+      command       ``thundersync check`` / ``run`` / ``plot`` / ``eval``
       distributed   a data-parallel launch (torchrun): ranks, shares, rank 0 alone writes files
       progress      the live progress line that ``thundersync run`` draws on stderr, and its summary line
     metrics/      what a run writes about itself
       jsonl         JsonlMetrics: per-step metrics, lifecycle events and per-stage statistics as JSON lines
       step_metrics  one ``step`` record per optimizer step, from the run's events
       tensorboard   the step records as TensorBoard scalars (``[run] tensorboard``)
+      wandb         the step and eval records as W&B metrics (``[run.wandb]``)
+    evaluation/   ``[eval]``: held-out evaluation runs after optimizer steps, and ``thundersync eval``
     checkpoints/  checkpoints
       checkpoint    Checkpointer: atomic checkpoints every N steps and at the end; bitwise resume
 

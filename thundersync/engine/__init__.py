@@ -1,19 +1,19 @@
-"""Streaming backward execution: the model adapter, the causal segment forest and the run.
+"""Streaming backward execution: the causal segment forest and the run, over the model room.
 
-``anatomy`` finds the decoder's submodules and ``adapter`` runs them over packed chunks after a
-detached prefix state; ``forest`` is the segment core that objectives build on (its docstring
-shows the API); :class:`StreamingRun` owns the parameters, accumulators and worker of a batch.
-What the objectives share: ``objective`` (the contract both implement), ``groups`` (which groups
-and trajectories are open), ``packing`` (which queued work shares a pass), ``inputs`` (validation
-at the API boundary). On CUDA a pack replays its layers as CUDA graphs (``_graphed``);
+:mod:`thundersync.model` runs the decoder's submodules over packed chunks after a detached prefix
+state (``anatomy``, ``decoder``, ``packed``); ``forest`` is the segment core that objectives build
+on (its docstring shows the API); :class:`StreamingRun` owns the parameters, sinks, executor and
+worker of a batch. What the objectives share: ``objective`` (the contract both implement),
+``groups`` (which groups and trajectories are open), ``packing`` (which queued work shares a
+pass), ``inputs`` (validation at the API boundary), ``sinks`` (where a gradient goes),
+``mismatch``. On CUDA the executor replays a pack as CUDA graphs (``accel``);
 :func:`graph_counts` says how many packs did and why the others ran eagerly;
 :func:`release_graphs` frees a model's graphs.
 """
 
 from __future__ import annotations
 
-from thundersync.engine.accel._layer_graphs import graph_counts, reset_graph_counts
-from thundersync.engine.accel._pack_graphs import release_graphs
+from thundersync.engine.accel import graph_counts, release_graphs, reset_graph_counts
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.objective import StreamingObjective
 from thundersync.engine.run import StreamingRun

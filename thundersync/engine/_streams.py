@@ -4,10 +4,10 @@ On CUDA every :class:`~thundersync.engine.run.StreamingRun` launches its jobs on
 stream of its device (one per device and process, shared by the runs), so the learner's kernels
 can run beside a generator's on the default stream. One stream, not one per run: the caching
 allocator keeps freed blocks per stream, so a run on a new stream finds none of the blocks its
-predecessors cached and takes its memory from ``cudaMalloc`` again (measured on the H200: ~2,000
-``cudaMalloc`` per OPD batch of a new run, ~30 GB more reserved per batch until an allocation
-failed and the allocator released everything; 0.46 s of host time in ``cudaMalloc`` and
-``cudaFree`` in the profiled batch that did). Ordering:
+predecessors cached and takes its memory from ``cudaMalloc`` again, reserving more with every
+batch until an allocation fails (bench/RESULTS.md, section "2026-12-02 — Where a streamed OPD
+batch's time goes; one engine stream per device; replays without the parameters as inputs
+(eleventh session)"). Ordering:
 
 - at each submit, an event is recorded on the caller's current stream, and the job's stream waits
   for it before launching: whatever the caller enqueued before the submit (a job's inputs, the

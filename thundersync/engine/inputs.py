@@ -9,34 +9,18 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Hashable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Hashable
+from typing import Any
 
-import msgspec
 import torch
 
 from thundersync.errors import ConfigError
 
-__all__ = ["LOGPROB_LIMIT", "build_config", "check_id", "logprobs", "reward_value", "scored_flags", "token_ids"]
+__all__ = ["LOGPROB_LIMIT", "check_id", "logprobs", "reward_value", "scored_flags", "token_ids"]
 
 LOGPROB_LIMIT = 1e4
 """Log-probs must lie within +-LOGPROB_LIMIT: a probability of e^-10000 is zero in every float
 format, and larger magnitudes overflow the fp32 products of the loss."""
-
-C = TypeVar("C", bound=msgspec.Struct)
-
-
-def build_config(cls: type[C], config: C | None, fields: Mapping[str, Any], owner: str) -> C:
-    """``config`` or a ``cls`` built from keyword ``fields``, validated (types, bounds, unknown names)."""
-    if config is not None and fields:
-        raise ConfigError(f"{owner} takes a {owner}.Config or keyword options, not both (got {sorted(fields)})")
-    if config is not None and not isinstance(config, cls):
-        raise ConfigError(f"{owner} takes a {owner}.Config, got {type(config).__name__}")
-    values = msgspec.structs.asdict(config) if config is not None else dict(fields)
-    try:
-        return msgspec.convert(values, cls)
-    except msgspec.ValidationError as error:
-        raise ConfigError(f"invalid {owner} option: {error} (got {values!r})") from None
 
 
 def check_id(value: object, what: str) -> Hashable:

@@ -25,6 +25,7 @@ import msgspec
 import torch
 from torch import nn
 
+from thundersync._config import build_config
 from thundersync._device import upload
 from thundersync.acceleration import Acceleration
 from thundersync.engine import inputs
@@ -32,8 +33,8 @@ from thundersync.engine._guard import ParameterGuard, check_deterministic
 from thundersync.engine._streams import JobStream
 from thundersync.engine._worker import Worker
 from thundersync.engine.executor import PackExecutor
-from thundersync.engine.inputs import build_config
-from thundersync.engine.sinks import FlatAccumulator, GradCapture, ParamLayout, UnscaledSum
+from thundersync.engine.sinks import FlatAccumulator, GradCapture, GradSum, ParamLayout
+from thundersync.engine.unscaled import UnscaledSum
 from thundersync.errors import ConfigError, UnsafeStepError
 from thundersync.model.anatomy import DecoderAnatomy, decoder_anatomy, unwrap_peft
 
@@ -127,7 +128,7 @@ class StreamingRun:
     def unscaled_sum(self) -> UnscaledSum:
         """A sink for a batch's unscaled gradient (OPD's): ``p.grad`` directly for fp32/fp64
         parameters, an fp32 sum (the graph totals drained into it) for 16-bit ones."""
-        return UnscaledSum(self)
+        return UnscaledSum(self.params, self.executor, lambda: GradSum(self.new_accumulator(), self.capture))
 
     @property
     def total(self) -> FlatAccumulator:

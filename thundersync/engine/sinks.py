@@ -1,7 +1,7 @@
 """Where a gradient goes: the sinks a backward sends parameter gradients to, and the accumulators.
 
 Objectives never write a gradient anywhere themselves: GRPO asks the run for its scratch
-(``run.capture``) and accumulators (``run.new_accumulator()``), OPD for an :class:`UnscaledSum`
+(``run.capture``) and accumulators (``run.new_accumulator()``), OPD for an :class:`~thundersync.engine.unscaled.UnscaledSum`
 (``run.unscaled_sum()``); the forest's backward takes the sink.
 
 :class:`ParamLayout` lays every trainable parameter out in one flat vector. A
@@ -23,19 +23,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from thundersync.kernels.dtypes import accumulate_dtype
 from thundersync.kernels.layer import add_widened
 
-if TYPE_CHECKING:
-    from thundersync.engine.forest import Segment, SegmentPack
-    from thundersync.engine.run import StreamingRun
-    from thundersync.model.packed import KVStack
-
-__all__ = ["FlatAccumulator", "GradCapture", "GradSum", "ParamLayout", "UnscaledSum", "accumulate_dtype"]
+__all__ = ["FlatAccumulator", "GradCapture", "GradSum", "ParamLayout", "accumulate_dtype"]
 
 
 class ParamLayout:
@@ -181,8 +175,9 @@ class GradSum:
     may add the head's gradient into ``total`` themselves (:meth:`grad_into`). Against a
     :class:`GradCapture` this saves, per pack, the zeroing of a parameter-sized scratch, the
     graph's copy of its gradients, their add into the scratch and the scratch's add into the
-    accumulator (on the H200: ~4.2 ms of a 0.6B model's pack, against one add of ~2 ms). Any
-    other pack (``summed=False``) goes through ``scratch`` and one add, as with a GradCapture.
+    accumulator (their cost: bench/RESULTS.md, section "2026-12-04 — A K/V state as one tensor:
+    OPD's host time (seventeenth session)"). Any other pack (``summed=False``) goes through
+    ``scratch`` and one add, as with a GradCapture.
     """
 
     def __init__(self, total: FlatAccumulator, scratch: GradCapture) -> None:
@@ -214,107 +209,3 @@ class GradSum:
         finally:
             for p, grad in zip(params, saved):
                 p.grad = grad
-
-
-class UnscaledSum:
-    """A batch's unscaled parameter gradient (OPD's), summed pack by pack, divided once at the end.
-
-    fp32/fp64 parameters: straight into ``p.grad`` (earlier contents set aside at the batch's
-    start and added back at its end). Lower precision: an fp32 accumulator (:class:`GradSum`;
-    packs the executor replays from CUDA graphs add theirs to the model's graph totals, drained
-    into it once the batch's work is done), added into ``p.grad`` at the end. Ask the run for one
-    (:meth:`~thundersync.engine.run.StreamingRun.unscaled_sum`).
-    """
-
-    def __init__(self, run: StreamingRun) -> None:
-        self.run = run
-        self.direct = all(p.dtype in (torch.float32, torch.float64) for p in run.params)
-        self._earlier: dict[torch.nn.Parameter, torch.Tensor] = {}
-        self._sum: GradSum | None = None  # the batch's fp32 accumulator and its sink (lower precision)
-        self._open = False
-
-    @property
-    def accumulate(self) -> bool:
-        """Whether packs are forwarded for a :class:`GradSum` (``SegmentPack.forward(accumulate=...)``)."""
-        return not self.direct
-
-    def begin_batch(self) -> None:
-        """At the batch's first group (its parameters claimed): set earlier ``.grad`` aside, or
-        zero what a batch abandoned without ``discard()`` may have left in the graph totals (its
-        run was collected, so its claims ended and nothing else streams into them now)."""
-        if self._open:
-            return
-        self._open = True
-        if not self.direct:
-            self.run.executor.clear_totals()
-        else:
-            for p in self.run.params:
-                if p.grad is not None:
-                    self._earlier[p] = p.grad
-                    p.grad = None
-
-    def head_grad_into(self, p: torch.nn.Parameter) -> torch.Tensor | None:
-        """Where the head's log-probabilities add its gradient themselves (lower precision: the
-        accumulator's part, see :meth:`GradSum.grad_into`), or None: through autograd."""
-        if self.direct:
-            return None
-        return self._summed().grad_into(p)
-
-    def _summed(self) -> GradSum:
-        if self._sum is None:
-            self._sum = GradSum(self.run.new_accumulator(), self.run.capture)
-        return self._sum
-
-    def backward(
-        self,
-        pack: SegmentPack,
-        objective: torch.Tensor | None,
-        adjoints: Sequence[KVStack | None] | None,
-    ) -> dict[Segment, KVStack]:
-        """``pack.backward`` with the parameter gradients sent where they belong."""
-        if self.direct:
-            return pack.backward(objective, adjoints, params=self.run.params, sink=None)
-        return pack.backward(objective, adjoints, params=self.run.params, sink=self._summed())
-
-    def abandon(self) -> None:
-        """Drop the batch's gradients: ``p.grad`` gets back what it held before the batch."""
-        if self.direct and self._open:
-            for p in self.run.params:
-                p.grad = self._earlier.pop(p, None)
-        self._earlier.clear()
-        if not self.direct:
-            self.run.executor.clear_totals()
-        self._sum = None
-        self._open = False
-
-    def gradients(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
-        """(parameter, the batch's unnormalized gradient so far) for every parameter."""
-        if self.direct:
-            return [(p, p.grad) for p in self.run.params]
-        self._drain()
-        return self._sum.total.per_parameter() if self._sum is not None else []
-
-    def _drain(self) -> None:
-        """Move what the graphed packs added to the model's graph totals into the accumulator
-        (after the batch's work: the caller has joined the engine's stream)."""
-        if self._sum is not None:
-            self.run.executor.drain_totals(self._sum.total)
-
-    def finish_batch(self, n: float) -> None:
-        """Divide the batch's gradient by ``n`` once and hand it to ``p.grad``."""
-        if self.direct:
-            for p in self.run.params:
-                if p.grad is not None and n != 1.0:
-                    p.grad.div_(n)
-                earlier = self._earlier.pop(p, None)
-                if earlier is not None:
-                    if p.grad is not None:
-                        earlier.add_(p.grad)
-                    p.grad = earlier
-        elif self._sum is not None:
-            self._drain()
-            if n != 1.0:
-                self._sum.total.acc.div_(n)
-            self._sum.total.add_into_grads()
-            self._sum = None
-        self._open = False

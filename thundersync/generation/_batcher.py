@@ -148,13 +148,14 @@ class ContinuousBatcher:
         event.record(torch.cuda.current_stream(self.anatomy.device))
         return event
 
-    def use_fixed_step(self, *, capture: bool, math: DecodeMath | None = None) -> None:
+    def use_fixed_step(self, *, capture: bool, math: DecodeMath | None = None, pool_fraction: float = 1.0) -> None:
         """Decode the live slots with device-resident state (:mod:`._fixed_step`), CUDA graphs if
-        ``capture``, the per-layer math and sampling of ``math`` if given (else eager)."""
+        ``capture`` (bounded by ``pool_fraction``, :class:`~thundersync.model.graphs.GraphCache`),
+        the per-layer math and sampling of ``math`` if given (else eager)."""
         self.decode_math = math
         sample_fn = math.sample if math is not None else sample
         self.fixed = FixedStep(self.decode_fixed, self.cache.slots, self.anatomy.device, sample_fn)
-        self.run_fixed = CapturedStep(self.fixed) if capture else self.fixed
+        self.run_fixed = CapturedStep(self.fixed, pool_fraction) if capture else self.fixed
         cuda = self.anatomy.device.type == "cuda"
         # two host buffers: a step's rows are copied into one while the other's are still unread
         self._host_out = [torch.zeros(self.cache.slots, 2, dtype=torch.float64, pin_memory=cuda) for _ in range(2)]

@@ -16,7 +16,7 @@ parked session's cache stays intact. A row's result does not depend on the other
 through the rounding of the batch's matrix products.
 
 :class:`CapturedStep` records the step as CUDA graphs, one per (batch bucket, key-length bucket,
-whether any row uses top-k/top-p), all in one memory pool.
+whether any row uses top-k/top-p), in a :class:`~thundersync.model.graphs.GraphCache`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from thundersync.generation._host import device_tensor
 from thundersync.generation._sampling import RowParams, SampleOutput, sample
 from thundersync.generation.base import SamplingParams
-from thundersync.model.graphs import capture_graph, warm_up_stream
+from thundersync.model.graphs import GraphCache, capture_graph, warm_up_stream
 
 __all__ = ["CapturedStep", "FixedStep", "batch_buckets"]
 
@@ -142,19 +142,19 @@ class FixedStep:
 class CapturedStep:
     """Replays a :class:`FixedStep` from CUDA graphs captured on first use of each shape."""
 
-    def __init__(self, step: FixedStep) -> None:
+    def __init__(self, step: FixedStep, pool_fraction: float = 1.0) -> None:
         self.step = step
-        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
-        self._pool = torch.cuda.graph_pool_handle()
+        self.cache: GraphCache[tuple[int, int, bool], torch.cuda.CUDAGraph] = GraphCache(
+            "decode step", pool_fraction=pool_fraction
+        )
 
     def __call__(self, bucket: int, key_len: int, filtered: bool) -> torch.Tensor:
-        key = (bucket, key_len, filtered)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(*key)
-        self._graphs[key].replay()
+        graph = self.cache.get((bucket, key_len, filtered), lambda pool: self._capture(bucket, key_len, filtered, pool))
+        assert graph is not None  # a failed capture raises (the cache is not fail_off)
+        graph.replay()
         return self.step.out[:bucket]
 
-    def _capture(self, bucket: int, key_len: int, filtered: bool) -> torch.cuda.CUDAGraph:
+    def _capture(self, bucket: int, key_len: int, filtered: bool, pool: object) -> torch.cuda.CUDAGraph:
         # Warm up on a side stream (lazy initialisations and torch.compile must not be captured),
         # then restore the state the warm-up advanced. Its cache writes land at or after each
         # slot's first free position, which the replay rewrites.
@@ -165,7 +165,7 @@ class CapturedStep:
                 self.step(bucket, key_len, filtered)
         graph = torch.cuda.CUDAGraph()
         # (thread-local: the engine's worker keeps launching backward work meanwhile)
-        with capture_graph(graph, self._pool):
+        with capture_graph(graph, pool):
             self.step(bucket, key_len, filtered)
         for tensor, value in zip(state, saved, strict=True):
             tensor.copy_(value)
@@ -174,4 +174,4 @@ class CapturedStep:
     @property
     def captured(self) -> int:
         """How many (batch bucket, key length, filtered) shapes have a graph."""
-        return len(self._graphs)
+        return len(self.cache.entries)

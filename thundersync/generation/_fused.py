@@ -187,8 +187,9 @@ def fused_attention_output(
     The residual adds are written ``(x.float() + y.float()).to(x.dtype)``: the same values (torch
     adds 16-bit tensors in fp32 and rounds once), but inductor then fuses the add into the next
     norm instead of folding it into the product as cuBLAS's ``addmm``, which copies the residual
-    first (for one row on the H200: 11.4 us per o-projection plus the copy, against 8.7 us for
-    the plain product; bench/RESULTS.md)."""
+    first, slower than the plain product for one row (bench/RESULTS.md, section "2026-12-02 —
+    Where a decode step's time goes; pinned slot changes; the sampler's scan; the residual adds
+    (seventh session)")."""
     o_proj: torch.Tensor = parts.o_proj(a)
     x = _residual(x, o_proj)
     gate, up = split_gate_up(F.linear(apply_norm(parts.post_norm, x), gate_up_weight), interleave)

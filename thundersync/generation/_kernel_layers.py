@@ -124,7 +124,8 @@ class KernelLayers:
     @classmethod
     def build(cls, anatomy: DecoderAnatomy) -> tuple[KernelLayers | None, str]:
         """The kernel layers of ``anatomy`` (their stacked weights in :attr:`fused`), or None and why
-        not. ConfigError for a ``THUNDERSYNC_DECODE_LINEAR_CONFIGS`` file that is not one."""
+        not. ConfigError for a launch-configurations file (``Acceleration.decode_linear_configs``,
+        ``THUNDERSYNC_DECODE_LINEAR_CONFIGS``) that is not one."""
         tuned_linear_configs()
         fused = FusedWeights(anatomy, interleave=GATE_UP_INTERLEAVE)
         why = _why_not(anatomy, fused)

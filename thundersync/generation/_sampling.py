@@ -95,8 +95,10 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
     The sums are taken block by block: the blocks' masses, their running sum, the block that
     holds the draw, then the running sum inside it. A running sum along a whole [R, V] row is one
-    thread block's serial walk in torch's scan kernel for R > 1 (232 us at R = 8, V = 151,936 on
-    the H200, where R = 1 takes a 4 us device-wide scan); these are short rows."""
+    thread block's serial walk in torch's scan kernel for R > 1, far slower than the device-wide
+    scan of one row (bench/RESULTS.md, section "2026-12-02 — Where a decode step's time goes;
+    pinned slot changes; the sampler's scan; the residual adds (seventh session)"); these are
+    short rows."""
     rows, vocab = probs.shape
     blocks = -(-vocab // _BLOCK)
     padded = torch.nn.functional.pad(probs, (0, blocks * _BLOCK - vocab)).view(rows, blocks, _BLOCK)

@@ -18,7 +18,7 @@ exponential backoff, ``min(max_backoff, backoff * 2**attempt)`` seconds times a 
 
 The server does not share the learner's weights: :meth:`OpenAIGenerator.publish` hands it each new
 policy, through vLLM's LoRA-adapter route, its dev-mode in-place reload, or a hook
-(``publish=``; :mod:`thundersync.generation._publish` says what each needs of the server).
+(``publish=``; :mod:`thundersync.generation.publish` says what each needs of the server).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import anyio
 
 from thundersync._logging import get_logger
 from thundersync.errors import BackendCapabilityError, ConfigError, GenerationError, MissingExtraError
-from thundersync.generation._publish import Publisher, PublishHook, PublishRoute
 from thundersync.generation.base import GenerationRequest, GenerationResult, LogprobMode
+from thundersync.generation.publish import Publisher, PublishHook, PublishRoute
 
 if TYPE_CHECKING:
     from torch import nn

@@ -37,20 +37,23 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import anyio.to_thread
+import msgspec
 from torch import nn
 
-from thundersync._compile import switch, switch_mode
+from thundersync._config import build_config
 from thundersync._logging import get_logger
+from thundersync.acceleration import Acceleration
 from thundersync.errors import ConfigError, GenerationError
 from thundersync.generation._batcher import ContinuousBatcher, Ticket
 from thundersync.generation._decode_math import DecodeMath
 from thundersync.generation._fused import FusedWeights
 from thundersync.generation._kernel_layers import KernelLayers
 from thundersync.generation.base import GenerationRequest, GenerationResult
+from thundersync.kernels.decode import use_linear_configs
 
 __all__ = ["TorchGenerator"]
 
@@ -62,23 +65,24 @@ _VISIT_SECONDS = 0.05  # the longest run of batcher steps in one worker-thread v
 class TorchGenerator:
     """Generate with ``model`` (a transformers Qwen3/Qwen2/Llama causal LM, peft-wrapped or not).
 
-    ``max_batch`` sequences (running or parked) fit in the KV cache at once, each up to
-    ``max_seq_len`` tokens (prompt included). ``prefill_tokens`` bounds the prompt tokens prefilled
-    in one step (a single longer prompt is prefilled alone). ``cuda_graphs`` defaults to "on when
-    the model is on CUDA". The decode step decodes only the live sequences, padded to a power of
-    two. ``compile_decode`` runs its per-layer math and sampling through ``torch.compile``
-    (:mod:`._decode_math`; eager where compiling fails); ``fuse_projections`` multiplies by stacked
+    Options (:class:`TorchGenerator.Config`, or the same names as keywords): ``max_batch``
+    sequences (running or parked) fit in the KV cache at once, each up to ``max_seq_len`` tokens
+    (prompt included). ``prefill_tokens`` bounds the prompt tokens prefilled in one step (a single
+    longer prompt is prefilled alone). ``cuda_graphs`` defaults to "on when the model is on CUDA".
+    ``seed`` seeds the per-request seeds of requests that do not set one.
+
+    The decode step decodes only the live sequences, padded to a power of two. How it runs is
+    ``acceleration``'s (:class:`~thundersync.acceleration.Acceleration`, resolved once here):
+    ``decode_compile`` runs its per-layer math and sampling through ``torch.compile``
+    (:mod:`._decode_math`; eager where compiling fails); ``decode_fuse`` multiplies by stacked
     q/k/v and gate/up weights (:mod:`._fused`: a copy of about two thirds of the layers' weights,
-    refreshed when they change); ``decode_kernels`` runs each layer of the step through seven
-    kernels, five of them fused Triton kernels (:mod:`._kernel_layers`; ``auto`` uses them where
-    the model qualifies and they pass their probe, ``on`` raises ConfigError saying why when they
-    cannot).
-    Each defaults to its environment variable, ``THUNDERSYNC_DECODE_COMPILE``,
-    ``THUNDERSYNC_DECODE_FUSE`` or ``THUNDERSYNC_DECODE_KERNELS``: ``auto`` (on with CUDA graphs),
-    ``on`` or ``off``. ``priority_stream`` (``THUNDERSYNC_DECODE_PRIORITY``, ``auto``: on CUDA) runs
-    every step on a high-priority CUDA stream of the generator's own, so a learner's kernels on
-    other streams yield the GPU to the decode step; a request waits only for its submitter's stream
-    as of its ``generate`` call. ``seed`` seeds the per-request seeds of requests that do not set one.
+    refreshed when they change); ``decode_kernels`` runs each layer through seven kernels, five of
+    them fused Triton kernels (:mod:`._kernel_layers`; ``auto`` uses them where the model
+    qualifies and they pass their probe, ``on`` raises ConfigError saying why when they cannot);
+    each ``auto`` is on with CUDA graphs. ``decode_priority`` (``auto``: on CUDA) runs every step
+    on a high-priority CUDA stream of the generator's own, so a learner's kernels on other
+    streams yield the GPU to the decode step; a request waits only for its submitter's stream as
+    of its ``generate`` call.
 
     No background task: one of the concurrent ``await generate(...)`` calls drives the batcher
     (in a worker thread, so the event loop stays responsive; a visit to the thread runs steps until
@@ -89,59 +93,64 @@ class TorchGenerator:
         >>> result = await generator.generate(GenerationRequest(prompt_ids=[1, 2, 3]))  # doctest: +SKIP
     """
 
+    class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+        """What a pipeline file can set about the generator (the model is a runtime object)."""
+
+        max_batch: Annotated[int, msgspec.Meta(ge=1)] = 64
+        max_seq_len: Annotated[int, msgspec.Meta(ge=2)] = 4096
+        prefill_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
+        cuda_graphs: bool | None = None
+        seed: int = 0
+
     def __init__(
         self,
         model: nn.Module,
+        config: Config | None = None,
+        /,
         *,
-        max_batch: int = 64,
-        max_seq_len: int = 4096,
-        prefill_tokens: int = 8192,
-        cuda_graphs: bool | None = None,
-        compile_decode: bool | None = None,
-        fuse_projections: bool | None = None,
-        decode_kernels: bool | None = None,
-        priority_stream: bool | None = None,
-        seed: int = 0,
+        acceleration: Acceleration | None = None,
+        **options: Any,
     ) -> None:
-        if max_batch < 1 or max_seq_len < 2 or prefill_tokens < 1:
-            raise ConfigError(
-                f"need max_batch >= 1, max_seq_len >= 2 and prefill_tokens >= 1; got "
-                f"max_batch={max_batch}, max_seq_len={max_seq_len}, prefill_tokens={prefill_tokens}"
-            )
+        self.config = cfg = build_config(TorchGenerator.Config, config, options, "TorchGenerator")
+        self.acceleration = acc = (acceleration or Acceleration()).resolved()
         self._batcher = ContinuousBatcher(
-            model, slots=max_batch, capacity=max_seq_len, prefill_tokens=prefill_tokens, key_bucket=128
+            model, slots=cfg.max_batch, capacity=cfg.max_seq_len, prefill_tokens=cfg.prefill_tokens, key_bucket=128
         )
-        self.max_seq_len = max_seq_len  # what generate's trajectories must fit (prompt and new tokens)
+        self.max_seq_len = cfg.max_seq_len  # what generate's trajectories must fit (prompt and new tokens)
         device = self._batcher.anatomy.device
-        if cuda_graphs is None:
-            cuda_graphs = device.type == "cuda"
+        cuda_graphs = device.type == "cuda" if cfg.cuda_graphs is None else cfg.cuda_graphs
         if cuda_graphs and device.type != "cuda":
             raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, it is on {device}")
-        compile_decode = switch("THUNDERSYNC_DECODE_COMPILE", compile_decode, auto=cuda_graphs)
-        fuse_projections = switch("THUNDERSYNC_DECODE_FUSE", fuse_projections, auto=cuda_graphs)
-        kernels_mode = switch_mode("THUNDERSYNC_DECODE_KERNELS", decode_kernels)
-        use_kernels = kernels_mode == "on" or (kernels_mode == "auto" and cuda_graphs)
-        if cuda_graphs or compile_decode or fuse_projections or use_kernels:
-            anatomy = self._batcher.anatomy
-            kernels = None
-            if use_kernels:
-                kernels, why = KernelLayers.build(anatomy)
-                if kernels is None and kernels_mode == "on":
-                    raise ConfigError(f"decode_kernels is on but the model cannot decode through them: {why}")
-                if kernels is None:
-                    _log.info("decode kernels not used", why=why)
-            fused = kernels.fused if kernels is not None else FusedWeights(anatomy) if fuse_projections else None
-            math = DecodeMath(compile=compile_decode, fused=fused, kernels=kernels)
-            self._batcher.use_fixed_step(capture=cuda_graphs, math=math)
-        if switch("THUNDERSYNC_DECODE_PRIORITY", priority_stream, auto=device.type == "cuda"):
+        self._decode_math(acc, cuda_graphs)
+        if acc.on("decode_priority", auto=device.type == "cuda"):
             if device.type != "cuda":
-                raise ConfigError(f"priority_stream=True needs the model on a CUDA device, it is on {device}")
+                raise ConfigError(f"decode_priority = on needs the model on a CUDA device, it is on {device}")
             self._batcher.use_stream()
-        self._seeds = random.Random(seed)
+        self._seeds = random.Random(cfg.seed)
         self._driver: Ticket | None = None  # the request whose task steps the batcher now
         self._wakes: dict[Ticket, anyio.Event] = {}  # waiting requests
         self._changes: deque[Callable[[], None]] = deque()  # batcher changes queued for the driver
         self._sessions: set[int | str] = set()  # sessions with a request in flight
+
+    def _decode_math(self, acc: Acceleration, cuda_graphs: bool) -> None:
+        """The decode step's forms, as ``acc`` says (each ``auto``: with CUDA graphs)."""
+        compile_decode = acc.on("decode_compile", auto=cuda_graphs)
+        fuse_projections = acc.on("decode_fuse", auto=cuda_graphs)
+        use_kernels = acc.on("decode_kernels", auto=cuda_graphs)
+        if not (cuda_graphs or compile_decode or fuse_projections or use_kernels):
+            return
+        use_linear_configs(acc.decode_linear_configs)
+        anatomy = self._batcher.anatomy
+        kernels = None
+        if use_kernels:
+            kernels, why = KernelLayers.build(anatomy)
+            if kernels is None and acc.decode_kernels == "on":
+                raise ConfigError(f"decode_kernels is on but the model cannot decode through them: {why}")
+            if kernels is None:
+                _log.info("decode kernels not used", why=why)
+        fused = kernels.fused if kernels is not None else FusedWeights(anatomy) if fuse_projections else None
+        math = DecodeMath(compile=compile_decode, fused=fused, kernels=kernels)
+        self._batcher.use_fixed_step(capture=cuda_graphs, math=math, pool_fraction=acc.pool_fraction)
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate a continuation of ``request.prompt_ids`` (see the class docstring).
@@ -245,9 +254,11 @@ class TorchGenerator:
     def _steps(self, driver: Ticket) -> None:
         """Batcher steps, in the worker thread, until one finishes a request, a change is queued
         for the batcher or ``_VISIT_SECONDS`` have passed. A round trip between the event loop and
-        the thread costs host time and GIL hand-overs at every step otherwise (~0.2 ms per step on
-        a CPU core, more than the batcher's own bookkeeping). An error fails every request in
-        flight, the driver's included, so each of them raises GenerationError from it."""
+        the thread costs host time and GIL hand-overs at every step otherwise, more than the
+        batcher's own bookkeeping (bench/RESULTS.md, section "2026-12-02 — Fused decode-layer
+        kernels (eighth session): 546 -> 288 kernels, batch 1 3.92 -> 3.19 ms, long tail 6.61 ->
+        6.16 s"). An error fails every request in flight, the driver's included, so each of them
+        raises GenerationError from it."""
         deadline = time.monotonic() + _VISIT_SECONDS
         try:
             while not driver.done and not self._changes and time.monotonic() < deadline:

@@ -29,14 +29,15 @@ weight at the close, are decided on the caller's thread. Without ``stream_early`
 inline worker, where the caller is the worker and there is nothing to overlap) the decision
 depends only on the calls, so the result is bitwise reproducible. With it, the decision reads
 the worker's state, so it depends on timing: the math is the same linear identity, only the
-float summation order differs. Measured in fp32 on the tiny test model with the worker busy or
-idle at random: at most 3.5e-7 relative to the fp64 dense gradient (3.6e-7 without it), and at
-most 3.2e-7 between the two (tests/grpo/test_stream.py). No rule that reads only the calls can
-know when the worker is free, so this is not made deterministic: the cost is that two runs of
-one batch agree to rounding, not bitwise (``stream_early=False`` when bitwise matters).
-It is off by default because the H200 overlap benchmark measured it slower in one process
-(bench/RESULTS.md, "Streaming early"): small early packs cost host time that the generator's
-thread then waits for under the GIL (streamed step 14.48 s against 11.93 s with it off).
+float summation order differs: in fp32, with the worker busy or idle at random, both forms agree
+with the fp64 dense gradient and with each other to fp32 rounding (tests/grpo/test_stream.py
+measures it). No rule that reads only the calls can know when the worker is free, so this is not
+made deterministic: the cost is that two runs of one batch agree to rounding, not bitwise
+(``stream_early=False`` when bitwise matters).
+It is off by default because the overlap benchmark measured it slower in one process
+(bench/RESULTS.md, section "2026-12-01 — Streaming early (`stream_early`), measured against the
+wait-for-close packing"): small early packs cost host time that the generator's thread then waits
+for under the GIL.
 
 Which groups and trajectories are open or closed is kept by
 :class:`~thundersync.engine.groups.OpenGroups`; this module keeps only GRPO's payloads: per group
@@ -59,6 +60,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
+from thundersync._config import build_config
 from thundersync.engine import inputs
 from thundersync.engine.groups import Group, OpenGroups, trajectory_name
 from thundersync.engine.mismatch import LogprobMismatch
@@ -110,7 +112,7 @@ class RewardLinearBackward:
     signal: Signal = "reward"
 
     def __init__(self, run: StreamingRun, config: Config | None = None, /, **options: Any) -> None:
-        self.config = inputs.build_config(RewardLinearBackward.Config, config, options, "RewardLinearBackward")
+        self.config = build_config(RewardLinearBackward.Config, config, options, "RewardLinearBackward")
         self.run = run
         self._groups: OpenGroups[_Pending, Branch] = OpenGroups(run, new_trajectory=Branch)
         # THUNDERSYNC_GRPO_CLOSE_TRACE and THUNDERSYNC_GRPO_PROFILE_*: diagnostics of the close packs

@@ -10,8 +10,8 @@
   (the engine's pack graphs);
 - :mod:`~thundersync.kernels.decode`: the decode step's fused layer kernels.
 
-On CPU every function runs its pure-torch reference. ``THUNDERSYNC_FA4`` and
-``THUNDERSYNC_OPERATOR_PROFILE_RANGES`` are described in ``thundersync.kernels._env``.
+On CPU every function runs its pure-torch reference. :func:`set_fa4_mode` sets whether the
+streaming attention may use FlashAttention 4 (a run does it from ``Acceleration.fa4``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from thundersync.kernels.attention import (
     chunk_attention,
     packed_chunk_attention,
     reset_attention_path_counts,
+    set_fa4_mode,
 )
 from thundersync.kernels.logprobs import linear_logprobs
 from thundersync.kernels.probe import Capability, clear_capabilities, kernel_capabilities
@@ -38,4 +39,5 @@ __all__ = [
     "linear_logprobs",
     "packed_chunk_attention",
     "reset_attention_path_counts",
+    "set_fa4_mode",
 ]

@@ -76,8 +76,9 @@ class _VarlenAttention(torch.autograd.Function):
 def _pair_heads(t: torch.Tensor) -> torch.Tensor:
     """[M, H, D] -> [M, 2H, D], each head twice in a row: the backward's keys and values for two
     query heads per key head. Flash attention's own grouped backward computes each query head's
-    dk and dv apart, then sums each pair with a strided reduction (~13 us a call at a 0.6B model's
-    lone-action pack on the H200, twice per layer); given the heads repeated, it writes those
+    dk and dv apart, then sums each pair with a strided reduction, twice per layer (their share of
+    a lone action's pack: bench/RESULTS.md, section "2026-12-04 — Every weight's gradient straight
+    into the OPD graph totals (nineteenth session)"); given the heads repeated, it writes those
     per-head gradients itself and :func:`_pair_sums` adds them in one elementwise pass. The sums
     are the same roundings (one add of two values)."""
     return t[:, :, None].expand(t.shape[0], t.shape[1], 2, t.shape[2]).reshape(t.shape[0], 2 * t.shape[1], t.shape[2])

@@ -17,7 +17,8 @@ is two scalings (2 matrix products in all instead of 4). When W needs a gradient
 recomputes each chunk's logits and forms dz once for both dh and dW. dW is summed in fp32 (for
 16-bit inputs) and returned in W's dtype, or, given ``grad_into`` (fp32, W's shape), added there
 and not returned: a caller that sums gradients in fp32 anyway saves the [V, H] zero fill, the cast
-to W's dtype and its own add of the result (~0.7 ms per pack for Qwen3's head on the H200).
+to W's dtype and its own add of the result (bench/RESULTS.md, section "2026-12-04 — What a lone
+OPD action waits for: the GPU's work (eighteenth session)").
 
 A ``RowOps`` backend supplies the two per-row passes over a chunk of logits (torch or Triton).
 """

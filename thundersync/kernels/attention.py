@@ -9,7 +9,7 @@ repeated in memory. ``packed_chunk_attention`` does the same for several chunks 
 token-major row (one call per layer for a whole pack of the engine). Paths on CUDA (FA4 first when
 allowed, then in the order of ``_preference``):
 
-- ``fa4``: FlashAttention 4 (``flash_attn.cute``), governed by ``THUNDERSYNC_FA4`` (auto/require/off);
+- ``fa4``: FlashAttention 4 (``flash_attn.cute``), governed by the FA4 mode (``Acceleration.fa4``: auto/require/off);
 - ``varlen``: torch's flash-attention operator over variable-length sequences (one call for a
   whole pack; no execution plan per shape, unlike cuDNN, which SDPA picks on Hopper). FA4 and
   ``varlen`` serve a pack in one call; the other paths loop over its chunks;
@@ -143,7 +143,7 @@ def packed_chunk_attention(
     Chunk c's queries (rows ``layout.cu[0, c]`` onwards) see its keys (rows ``layout.cu[1, c]``
     onwards: its prefix, then the chunk), causally bottom-right aligned. Returns [N, Hq, D] in q's
     dtype, differentiable in q, k and v. By default one call serves the pack: FA4's when
-    ``THUNDERSYNC_FA4`` allows it and it passed its probe, else ``varlen``'s when that passed;
+    the FA4 mode allows it and it passed its probe, else ``varlen``'s when that passed;
     otherwise each chunk runs through :func:`chunk_attention`. ``path`` forces a path as there.
     """
     _check_packed(q, k, v, layout)
@@ -219,23 +219,24 @@ def _choose(q: torch.Tensor, k_chunk: torch.Tensor, prefix: int, chunk: int) -> 
 
 
 def _fa4_allowed(cap: Capability | None) -> bool:
-    """Whether FA4 serves a call (``cap``: its probe outcome, ``None`` under THUNDERSYNC_FA4=off);
+    """Whether FA4 serves a call (``cap``: its probe outcome, ``None`` under fa4 = off);
     raises under ``require`` when it cannot."""
     if cap is None or cap.ok:
         return cap is not None
     if fa4_mode() == "require":
         raise KernelUnavailable(
-            f"THUNDERSYNC_FA4=require, but FlashAttention 4 cannot run on {cap.device} {cap.dtype} "
-            f"({cap.shape_class}): {cap.why}; install flash-attn-4 on a supported GPU or set THUNDERSYNC_FA4=auto"
+            f"fa4 = require (Acceleration.fa4 or THUNDERSYNC_FA4), but FlashAttention 4 cannot run on {cap.device} "
+            f"{cap.dtype} ({cap.shape_class}): {cap.why}; install flash-attn-4 on a supported GPU or set it to auto"
         )
     return False
 
 
 def _preference(prefix: int, chunk: int) -> tuple[str, ...]:
     """``varlen`` first: one flash call with no wasted work and no per-shape plan. Then split where
-    it measured at least as fast as one masked call on the H200 (bench/RESULTS.md): no prefix (one
-    causal flash call) or prefix * chunk >= 4096 * 1024; below that the split form's extra
-    launches cost more than the masked call's wasted work."""
+    it measured at least as fast as one masked call (bench/RESULTS.md, section "2026-11-29 —
+    Kernels: first run of the day"): no prefix (one causal flash call) or prefix * chunk >= 4096 *
+    1024; below that the split form's extra launches cost more than the masked call's wasted
+    work."""
     if prefix == 0 or prefix * chunk >= SPLIT_MIN_WORK:
         return ("varlen", "sdpa_split", "sdpa_masked", "flex")
     return ("varlen", "sdpa_masked", "sdpa_split", "flex")

@@ -50,6 +50,7 @@ __all__ = [
     "decode_sample_reference",
     "linear_config",
     "tuned_linear_configs",
+    "use_linear_configs",
 ]
 
 _KERNEL = "decode_layer"
@@ -67,13 +68,17 @@ class LinearConfig:
 
 
 def linear_config(n: int, k: int, rows: int, norm: bool, silu_mul: bool = False) -> LinearConfig:
-    """The launch parameters of an [rows, k] x [k, n] product: from the JSON file named by
-    ``THUNDERSYNC_DECODE_LINEAR_CONFIGS`` when it lists ("block_m,n,k": [block_n, block_k, warps,
-    stages], as ``bench/decode_layer.py --sweep --configs-out`` writes it), else the fastest of a
-    sweep on the H200 at Qwen3-0.6B's shapes (bench/RESULTS.md): one row in registers, whole 1,024
-    inputs per step over eight warps; on tensor cores with the norm, whose operand is computed in
-    registers and stalls every loop step on its loads, few long steps; without, short steps
-    pipelined four (three) deep."""
+    """The launch parameters of an [rows, k] x [k, n] product: from the JSON file in use
+    (:func:`tuned_linear_configs`: ``Acceleration.decode_linear_configs`` /
+    ``THUNDERSYNC_DECODE_LINEAR_CONFIGS``) when it lists ("block_m,n,k": [block_n, block_k, warps,
+    stages], as ``bench/decode_layer.py --sweep --configs-out`` writes it), else the fastest of the
+    sweeps at Qwen3-0.6B's shapes (bench/RESULTS.md, sections "2026-12-02 — Fused decode-layer
+    kernels (eighth session): 546 -> 288 kernels, batch 1 3.92 -> 3.19 ms, long tail 6.61 -> 6.16 s"
+    and "2026-12-02 — The host-time changes measured, and the sampler in two kernels (ninth session):
+    batch-1 step 1.30 ms, long tail 4.92 s"): one row in registers, whole 1,024 inputs per step
+    over eight warps; on tensor cores with the norm, whose operand is computed in registers and
+    stalls every loop step on its loads, few long steps; without, short steps pipelined four
+    (three) deep."""
     size = block_m(rows, silu_mul)
     tuned = tuned_linear_configs().get(f"{size},{n},{k}")
     if tuned is not None:
@@ -85,11 +90,24 @@ def linear_config(n: int, k: int, rows: int, norm: bool, silu_mul: bool = False)
     return LinearConfig(32, 512, 4, 1) if norm else LinearConfig(16, 128, 4, 4)
 
 
+_configs_path: list[str] = []  # the file in use, once set or read
+
+
+def use_linear_configs(path: str) -> None:
+    """Take :func:`decode_linear`'s tuned launch configurations from the JSON file ``path`` from now
+    on ("": none; a generator does this with its ``Acceleration.decode_linear_configs``)."""
+    if path:
+        _read_configs(path)  # a bad file fails here, naming it
+    _configs_path[:] = [path]
+
+
 def tuned_linear_configs() -> dict[str, LinearConfig]:
-    """The configurations of the file ``THUNDERSYNC_DECODE_LINEAR_CONFIGS`` names (none when unset);
-    ConfigError, saying what is wrong, for a file that is not one."""
-    path = os.environ.get("THUNDERSYNC_DECODE_LINEAR_CONFIGS", "")
-    return _read_configs(path) if path else {}
+    """The configurations of the file in use (:func:`use_linear_configs`; until it is called, the one
+    ``THUNDERSYNC_DECODE_LINEAR_CONFIGS`` names, read once; none when unset); ConfigError, saying
+    what is wrong, for a file that is not one."""
+    if not _configs_path:
+        _configs_path.append(os.environ.get("THUNDERSYNC_DECODE_LINEAR_CONFIGS", ""))
+    return _read_configs(_configs_path[0]) if _configs_path[0] else {}
 
 
 @functools.cache
@@ -124,9 +142,9 @@ def block_m(rows: int, silu_mul: bool = False) -> int:
     """The rows one program of :func:`decode_linear` covers: 1 for a single row (its products and
     sums in registers: no tensor-core tile of 16 rows staged through shared memory), else 16, 32 or
     64. The gate/up product with its activation stays on tensor cores at one row too. Measured
-    per product on the H200 (bench/RESULTS.md): registers won at one row for the q/k/v, o and down
-    products (6.3 / 5.8 / 7.7 against 8.0 / 6.7 / 8.9 us), lost for gate/up (11.1 against 9.4 us)
-    and lost 2-5x at four rows."""
+    per product (bench/RESULTS.md, section "2026-12-02 — The host-time changes measured, and the
+    sampler in two kernels (ninth session): batch-1 step 1.30 ms, long tail 4.92 s"): registers
+    won at one row for the q/k/v, o and down products, lost for gate/up and lost at four rows."""
     if rows == 1 and not silu_mul:
         return 1
     return min(64, max(16, 1 << (rows - 1).bit_length()))

@@ -3,10 +3,11 @@
 """A training layer's row-wise parts as fused kernels, forward and backward, with their eager references.
 
 Between its matrix products a decoder layer runs norms, the per-head norms and rotary embedding,
-the MLP's activation and their backwards as eager ops: about seventy of the ~120 kernels a layer
-launches in a pack's forward and backward (bench/RESULTS.md, "What a small pack launches"). Three
-autograd functions take each of these parts to one kernel forward and one (plus a reduction of the
-weight's gradient) backward::
+the MLP's activation and their backwards as eager ops: most of the kernels a layer launches in a
+pack's forward and backward (bench/RESULTS.md, section "2026-12-02 — What a small pack launches,
+what an action waits for; OPD packs kept to the graphs' buckets, tried and reverted (twelfth
+session)"). Three autograd functions take each of these parts to one kernel forward and one (plus
+a reduction of the weight's gradient) backward::
 
     y = rms_norm(x, w, eps)                    w * rmsnorm(x), as transformers' RMSNorm
     q = heads_norm_rope(t, w, cos, sin', eps)  per-head RMS norm (w, or none) then the rotary embedding
@@ -20,8 +21,9 @@ cast back in the eager form; a sum by atomic index adds in its backward) to one 
 whose backward sums the adjoints of a row that several keys read in a fixed order (the readers
 that :func:`key_readers` lists), so its result does not depend on timing either. Gradients of a
 16-bit model are summed into fp32 with :func:`add_widened`: torch's ``acc.add_(grad)`` across
-dtypes runs a kernel that casts element by element (~1.8 TB/s on the H200, 3.4 ms of a 0.6B
-model's pack), where one that reads 16 bytes at a time runs near the memory's bandwidth.
+dtypes runs a kernel that casts element by element, well below the memory's bandwidth
+(bench/RESULTS.md, section "2026-12-04 — What a lone OPD action waits for: the GPU's work
+(eighteenth session)"), where one that reads 16 bytes at a time runs near it.
 
 Each forward rounds where the eager form rounds, so it returns the eager values up to the order
 of fp32 sums; a backward keeps its intermediates in fp32 (see ``_layer_triton``). The

@@ -21,8 +21,9 @@ it) is a :class:`LayerMath` of callables; :data:`EAGER`, this module's functions
 and the generator's decode step passes compiled or stacked-weight forms of the same functions.
 
 Two parts take fewer kernels than their modules launch, with the same arithmetic (each eager op
-costs a fixed 20-60 µs of host time on the H200 machine, which a small pack or a decode step pays
-many times per layer): transformers' RMSNorm, ``weight * rmsnorm_fp32(x).to(dtype)`` with both
+costs a fixed host time, which a small pack or a decode step pays many times per layer:
+bench/RESULTS.md, section "2026-11-29 — Streaming engine, OPD: first run of the day (before OPD
+jobs packed)"): transformers' RMSNorm, ``weight * rmsnorm_fp32(x).to(dtype)`` with both
 roundings, becomes ``F.rms_norm`` and a multiply (:func:`apply_norm`; 2 kernels instead of 7-8),
 and the rotary embedding ``x cos + rotate_half(x) sin`` becomes
 ``addcmul(x cos, roll(x, D/2), sin')`` with ``sin' = (-sin[:D/2], sin[D/2:])``

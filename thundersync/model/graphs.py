@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import itertools
 import threading
 import weakref
@@ -47,9 +48,11 @@ torch.nn.modules.module.register_module_module_registration_hook(_on_registratio
 
 class ParamsKey:
     """``(data pointer, requires_grad)`` of every parameter of a model, the key under which its CUDA
-    graphs stay valid. Walking the module tree for it cost 0.46 ms per pack (28 layers); the walk's
-    list is kept until any module in the process registers a parameter or a submodule (a
-    parameter replaced by assignment, an adapter added: torch's global registration hooks),
+    graphs stay valid. Walking the module tree for it at every pack costs host time
+    (bench/RESULTS.md, section "2026-12-02 — Where a streamed pack's time goes beside a rollout;
+    captures that stall every thread; the compiled math in the pack graphs (tenth session)"), so
+    the walk's list is kept until any module in the process registers a parameter or a submodule
+    (a parameter replaced by assignment, an adapter added: torch's global registration hooks),
     while pointers and flags are read on every call (``.data`` swapped, a parameter frozen)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -78,8 +81,10 @@ def warm_up_stream() -> Iterator[None]:
     waits for it, also when the block raises. That matters after a failed warm-up or capture: the
     buffers its kernels read are freed as the error unwinds, and the caching allocator hands their
     memory to the current stream at once, so without the wait a fallback's kernels could overwrite
-    indices the side stream's kernels are still reading (measured: a device-side assert in a gather
-    after a capture ran out of memory)."""
+    indices the side stream's kernels are still reading (seen: a device-side assert in a gather
+    after a capture ran out of memory; bench/RESULTS.md, section "2026-12-02 — The host-time changes
+    measured, and the sampler in two kernels (ninth session): batch-1 step 1.30 ms, long tail
+    4.92 s")."""
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
     side.wait_stream(torch.cuda.current_stream())
     try:
@@ -98,13 +103,14 @@ def capture_graph(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[Non
     ``torch.cuda.graph`` does the same after a device-wide synchronize, ``empty_cache()`` and the
     pinned host cache's release. Beside a rollout that costs every thread: the synchronize waits
     for every stream, and the released blocks of every stream's pool come back only through
-    ``cudaMalloc`` (measured on the H200 after a few captures beside a rollout: 558 calls in 0.6 s,
-    100 ms of the engine's host time, stalling the generator's copies behind them). The captured
-    work does not run, and the capture stream first waits for the current stream, so whatever the
-    block reads was written before it: the synchronize is never needed. The cache is emptied only
+    ``cudaMalloc``, which stalls the generator's copies behind them (bench/RESULTS.md, section
+    "2026-12-02 — Where a streamed pack's time goes beside a rollout; captures that stall every
+    thread; the compiled math in the pack graphs (tenth session)"). The captured work does not
+    run, and the capture stream first waits for the current stream, so whatever the block reads
+    was written before it: the synchronize is never needed. The cache is emptied only
     when less than a quarter of the device is free: the capture allocates from its own pool, which
-    cannot take the blocks the other pools keep cached, and on the H200 a capture beside 57 GB of
-    such blocks ran out of memory.
+    cannot take the blocks the other pools keep cached, and a capture beside many such blocks ran
+    out of memory (same section).
     """
     free, total = torch.cuda.mem_get_info()
     if free < total // 4:
@@ -146,7 +152,10 @@ class GraphCache(Generic[K, E]):
         shared: collections.Counter[str] | None = None,
         prefix: str = "",
     ) -> None:
-        self.name, self.pool_fraction, self.fail_off, self.on_reset = name, pool_fraction, fail_off, on_reset
+        self.name, self.pool_fraction, self.fail_off = name, pool_fraction, fail_off
+        # weakly: an owner whose method this is (PackGraphs) then dies by reference counting, with
+        # its pool, as soon as its model does, not at the next garbage collection
+        self._on_reset = weakref.WeakMethod(on_reset) if inspect.ismethod(on_reset) else on_reset
         self._params = ParamsKey(model) if model is not None else None
         self._key: tuple[tuple[int, bool], ...] | None = None
         self.entries: dict[K, E] = {}
@@ -213,8 +222,9 @@ class GraphCache(Generic[K, E]):
 
     def _reset(self, key: tuple[tuple[int, bool], ...] | None) -> None:
         self.entries, self.pool, self._key = {}, torch.cuda.graph_pool_handle(), key
-        if self.on_reset is not None:
-            self.on_reset()
+        on_reset = self._on_reset() if isinstance(self._on_reset, weakref.WeakMethod) else self._on_reset
+        if on_reset is not None:
+            on_reset()
 
 
 _snapshot_lock = threading.Lock()

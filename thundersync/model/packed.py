@@ -6,8 +6,8 @@ exactly what attention consumes), every layer's in one tensor (a :data:`KVStack`
 detached proxy that requires grad, so the backward of the chunk stops there and leaves the
 prefix's adjoint in ``proxy.grad``. One tensor, not a list per layer, because the engine moves
 states, proxies and adjoints whole: a 28-layer model's per-layer lists cost 56 launches for every
-cast, copy, split or add (on the H200 machine a streamed OPD pack of 16 actions spent ~27 ms
-splitting and adding its ancestors' adjoints, bench/RESULTS.md, 2026-12-04).
+cast, copy, split or add (what that cost a streamed OPD batch: bench/RESULTS.md, section
+"2026-12-04 — A K/V state as one tensor: OPD's host time (seventeenth session)").
 
 Several chunks are *packed*: their tokens are concatenated into one row, so every projection,
 norm and MLP of the decoder layers (:func:`~thundersync.model.decoder.decoder_forward`) runs once
@@ -203,8 +203,9 @@ def _gather_index(spans: list[tuple[int, int]]) -> torch.Tensor:
 
 def span_rows(spans: Sequence[tuple[int, int]]) -> np.ndarray:
     """The rows of ``spans`` concatenated (int64): a step function of the spans' shifts, summed up
-    (a few serial numpy ops however many spans: a host op costs ~1 us there, ~5-20 us through
-    torch's CPU dispatch on the H200 machine, where a pack's layout takes a few dozen of them)."""
+    (a few serial numpy ops however many spans: a numpy op costs a fraction of one through torch's
+    CPU dispatch, and a pack's layout takes a few dozen of them; bench/RESULTS.md, section
+    "2026-12-04 — Fewer host steps around a lone OPD action's replays (twentieth session)")."""
     bounds = np.array(spans, dtype=np.int64).reshape(-1, 2)
     lengths = bounds[:, 1] - bounds[:, 0]
     starts = np.cumsum(lengths) - lengths  # each span's first position in the index

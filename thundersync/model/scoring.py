@@ -3,12 +3,14 @@
 """Log-probs of whole sequences without gradients (an OPD teacher's scoring): one packed forward,
 replayed from CUDA graphs.
 
-An eager forward of a 28-layer model launches ~1,400 kernels: ~27 ms of host time on the H200
-machine for ~8 ms of device work (``bench/teacher_cost.py``), and beside a generator and a learner
-in one process each of those launches also waits for the GIL. Here the sequences of a call are
-packed into one run of rows (no padding between them; each attends causally to its own tokens)
-and the forward, embedding to final norm, replays as one CUDA graph per bucket of (rows R, a
-power of two or three quarters of one; sequence slots S, S + 1 a power of two):
+An eager forward launches every layer's kernels one by one, several times more host time than
+device work (``bench/teacher_cost.py``; bench/RESULTS.md, section "2026-12-02 — Where the streamed
+step's time goes: a host timeline, a priority stream, the teacher (sixth session)"), and beside a
+generator and a learner in one process each of those launches also waits for the GIL. Here the
+sequences of a call are packed into one run of rows (no padding between them; each attends
+causally to its own tokens) and the forward, embedding to final norm, replays as one CUDA graph
+per bucket of (rows R, a power of two or three quarters of one; sequence slots S, S + 1 a power of
+two):
 
     static inputs   [ids R | positions R | cu S + 1 | scored rows R | targets R]   (one pinned copy)
     graph           hidden = norm(decoder_forward(ids, positions)), attention packed over cu
@@ -16,35 +18,30 @@ power of two or three quarters of one; sequence slots S, S + 1 a power of two):
 
 The padding rows (R - N) form one more sequence that attends to itself; unused slots are empty.
 A call longer than the largest bucket is split into several; a sequence longer than it, and every
-call on the CPU or with the graphs off, runs the same function eagerly at its own shape. A model
-whose forward cannot be captured runs eagerly from then on (logged once). Parameters that moved
-(``.to()``, a new ``.data``) drop the captures; in-place updates are read by the next replay.
-
-``THUNDERSYNC_SCORER_GRAPHS``: ``auto`` (default: on when the model is on CUDA), ``on``, ``off``.
+call on the CPU or with the graphs off (``Acceleration.scorer_graphs``), runs the same function
+eagerly at its own shape. The captures live in a :class:`~thundersync.model.graphs.GraphCache`: a
+model whose forward cannot be captured runs eagerly from then on (logged once); parameters that
+moved (``.to()``, a new ``.data``) drop the captures; in-place updates are read by the next replay.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from thundersync._compile import switch
-from thundersync._logging import get_logger
+from thundersync.acceleration import Acceleration
 from thundersync.errors import ConfigError
 from thundersync.kernels.attention import MAX_PACKED_CHUNKS, packed_attention
 from thundersync.kernels.logprobs import linear_logprobs
 from thundersync.model.anatomy import DecoderAnatomy, decoder_anatomy
 from thundersync.model.decoder import apply_norm, decoder_forward
-from thundersync.model.graphs import ParamsKey, capture_graph, power_of_two, warm_up_stream
+from thundersync.model.graphs import GraphCache, capture_graph, power_of_two, warm_up_stream
 
 __all__ = ["PackedScorer"]
-
-_log = get_logger(__name__)
 
 _MIN_ROWS = 128
 _WARMUP = 2
@@ -124,23 +121,25 @@ class _Bucket:
 
 class PackedScorer:
     """``logprobs(sequences, scored)`` of a transformers Qwen3/Qwen2/Llama causal LM (see the module
-    docstring); ``graphs`` defaults to ``THUNDERSYNC_SCORER_GRAPHS``. Thread-safe: calls run one at
-    a time. ``counts`` says how calls ran: ``replayed``, ``captured``, ``eager``, ``too_long``."""
+    docstring); CUDA graphs as ``acceleration.scorer_graphs`` says (resolved once here; ``auto``:
+    on CUDA). Thread-safe: calls run one at a time. ``counts`` says how calls ran: ``replayed``,
+    ``captured``, ``eager``, ``too_long``, ``capture_failed``, ``evicted``."""
 
-    def __init__(self, model: nn.Module, *, graphs: bool | None = None, max_rows: int = 16384) -> None:
+    def __init__(self, model: nn.Module, *, acceleration: Acceleration | None = None, max_rows: int = 16384) -> None:
         self.anatomy = decoder_anatomy(model)
         cuda = self.anatomy.device.type == "cuda"
-        self.graphs = switch("THUNDERSYNC_SCORER_GRAPHS", graphs, auto=cuda)
+        acc = (acceleration or Acceleration()).resolved()
+        self.graphs = acc.on("scorer_graphs", auto=cuda)
         if self.graphs and not cuda:
             raise ConfigError(f"scorer graphs need the model on a CUDA device, it is on {self.anatomy.device}")
         if max_rows < _MIN_ROWS or max_rows & (max_rows - 1):
             raise ConfigError(f"max_rows must be a power of two >= {_MIN_ROWS}, got {max_rows}")
         self.max_rows = max_rows
-        self.counts: Counter[str] = Counter()
-        self._buckets: dict[tuple[int, int], _Bucket] = {}  # by (rows, inputs' length)
-        self._pool: Any = None
-        self._key: tuple[tuple[int, bool], ...] = ()
-        self._params_key = ParamsKey(self.anatomy.model)
+        # by (rows, inputs' length)
+        self.cache: GraphCache[tuple[int, int], _Bucket] = GraphCache(
+            "scorer", self.anatomy.model, pool_fraction=acc.pool_fraction, fail_off=True
+        )
+        self.counts = self.cache.counts
         self._lock = threading.Lock()
 
     def logprobs(self, sequences: Sequence[Sequence[int]], scored: Sequence[int]) -> list[list[float]]:
@@ -192,38 +191,32 @@ class PackedScorer:
         """The hidden states of the packed call (a bucket's, or eager), the scored rows and their
         targets on the device."""
         m, bucket_rows = len(rows), bucket_rows_of(len(ids))
-        if self.graphs and bucket_rows <= self.max_rows:
+        graphs = self.graphs and not self.cache.failed
+        if graphs and bucket_rows <= self.max_rows:
             bucket = self._bucket(bucket_rows, layout(ids, positions, starts, rows, targets, bucket_rows))
             if bucket is not None:
-                self.counts["replayed"] += 1
+                self.cache.count("replayed")
                 return bucket.hidden, bucket.scored[:m], bucket.targets[:m]
-        self.counts["eager" if not self.graphs else "too_long"] += 1
+        self.cache.count("eager" if not graphs else "too_long")
         device = self.anatomy.device
         io = torch.cat([positions, starts])
         return _hidden(self.anatomy, ids.to(device), io.to(device)), rows.to(device), targets.to(device)
 
     def _bucket(self, rows: int, inputs: torch.Tensor) -> _Bucket | None:
         """The bucket's graph replayed over ``inputs`` (captured first if new), or None when
-        capturing failed (the graphs are off from then on)."""
-        key = self._params_key()
-        if key != self._key:
-            self._buckets, self._pool, self._key = {}, torch.cuda.graph_pool_handle(), key
-        shape = (rows, len(inputs))  # rows and slots
-        bucket = self._buckets.get(shape)
+        capturing failed (the graphs are off from then on: eager computes the same)."""
+
+        def capture(pool: Any) -> _Bucket:
+            bucket = _Bucket(self.anatomy, inputs, rows)
+            bucket.load(inputs)
+            bucket.capture(pool)
+            return bucket
+
+        fresh = (rows, len(inputs)) not in self.cache.entries or not self.cache.current()
+        bucket = self.cache.get((rows, len(inputs)), capture)  # (rows and slots)
         if bucket is None:
-            try:
-                bucket = _Bucket(self.anatomy, inputs, rows)
-                bucket.load(inputs)
-                bucket.capture(self._pool)
-            except Exception as error:  # a model whose forward cannot be captured: eager computes the same
-                self.graphs = False
-                _log.warning(
-                    "scorer_capture_failed", rows=rows, inputs=len(inputs), error=repr(error), fallback="eager"
-                )
-                return None
-            self.counts["captured"] += 1
-            self._buckets[shape] = bucket
-        else:
+            return None
+        if not fresh:
             bucket.load(inputs)
         bucket.graph.replay()
         return bucket

@@ -18,7 +18,7 @@ from thundersync.engine import forest
 from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.mismatch import LogprobMismatch
 from thundersync.engine.run import StreamingRun
-from thundersync.engine.sinks import UnscaledSum
+from thundersync.engine.unscaled import UnscaledSum
 from thundersync.opd.loss import surrogate_sum
 
 __all__ = [

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
+from thundersync._config import build_config
 from thundersync.engine import inputs
 from thundersync.engine.groups import Group, OpenGroups, Trajectory, trajectory_name
 from thundersync.engine.mismatch import LogprobMismatch
@@ -77,7 +78,7 @@ class OPDStream:
     signal: Signal = "teacher"
 
     def __init__(self, run: StreamingRun, config: Config | None = None, /, **options: Any) -> None:
-        self.config = inputs.build_config(OPDStream.Config, config, options, "OPDStream")
+        self.config = build_config(OPDStream.Config, config, options, "OPDStream")
         self.run = run
         self._sink = run.unscaled_sum()
         self._groups: OpenGroups[PromptState, TurnChain] = OpenGroups(run, new_trajectory=TurnChain)

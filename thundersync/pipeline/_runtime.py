@@ -25,16 +25,12 @@ from thundersync.pipeline._stats import (
     StageStatistics,
 )
 from thundersync.pipeline.graph import INPUT, Graph, Node
+from thundersync.pipeline.stage import EVENT_ATTRIBUTE
 
-__all__ = ["EVENT_ATTRIBUTE", "RESULTS", "GraphRuntime", "feedback_name"]
+__all__ = ["RESULTS", "GraphRuntime", "feedback_name"]
 
 RESULTS = "(results)"
 """The name under which the results channel of a Pipeline appears in the statistics."""
-
-EVENT_ATTRIBUTE = "thundersync_event"
-"""An exception raised while handling an event in a stage's own task may carry that event under
-this attribute (``stages._tasks.Slots`` sets it); ``StageFailed`` names it instead of the event
-the stage's inbox returned last."""
 
 
 def feedback_name(stage: str) -> str:

@@ -28,7 +28,12 @@ import msgspec
 
 from thundersync.events import EventBase
 
-__all__ = ["Inbox", "Outbox", "Stage"]
+__all__ = ["EVENT_ATTRIBUTE", "Inbox", "Outbox", "Stage"]
+
+EVENT_ATTRIBUTE = "thundersync_event"
+"""An exception raised while handling an event in a stage's own task may carry that event under
+this attribute (``stages._tasks.Slots`` sets it); ``StageFailed`` names it instead of the event
+the stage's inbox returned last."""
 
 
 @runtime_checkable

@@ -2,9 +2,12 @@
 
 :func:`scrub_env` also lives here: what of the host's environment a process sandbox may see.
 
-Each value ends up in a directory name, an Engine API URL or a CLI command line (udocker, PRoot),
-so each is checked before anything is made, and refused with a :class:`ConfigError` that says what
-was wrong and what is accepted.
+Each value ends up in a directory name, an Engine API URL or a command line (udocker, unshare, the
+guard, ``sh``), so each is checked before anything is made, and refused with a :class:`ConfigError`
+that says what was wrong and what is accepted. A word a CLI would read as its own option (a leading
+``-``) or drop (an empty one) never reaches a CLI where it would be parsed: the program word is
+refused, a command string goes to ``sh -c`` after ``--``, and the other words follow an end of
+options (``--``) or sit where no option is parsed (see ``_process`` and the Docker backend).
 """
 
 from __future__ import annotations
@@ -84,9 +87,10 @@ def check_env(env: Mapping[str, str] | None) -> dict[str, str]:
 
 
 def check_argv(cmd: Sequence[str] | str) -> list[str]:
-    """The argv of ``cmd`` (a string runs under ``/bin/sh -c``); refuses what a CLI could take for an option."""
+    """The argv of ``cmd`` (a string runs under ``/bin/sh -c --``); refuses a program word that is
+    empty or starts with ``-``."""
     if isinstance(cmd, str):
-        argv = ["/bin/sh", "-c", cmd]
+        argv = ["/bin/sh", "-c", "--", cmd]
     else:
         argv = list(cmd)
     if not argv:
@@ -94,10 +98,10 @@ def check_argv(cmd: Sequence[str] | str) -> list[str]:
     for word in argv:
         if not isinstance(word, str) or "\0" in word:
             raise ConfigError(f"every word of a command must be a str without NUL characters, got {word!r}")
-    if argv[0].startswith("-"):
+    if argv[0] == "" or argv[0].startswith("-"):
         raise ConfigError(
-            f"a command may not start with {argv[0]!r}: the container tools would read it as one of their "
-            f"options; name the program by its path (e.g. './{argv[0]}')"
+            f"a command may not start with {argv[0]!r}: name the program by its path (e.g. './{argv[0]}'); "
+            f"a command line would drop an empty word or read a leading '-' as an option"
         )
     return argv
 

@@ -1,8 +1,10 @@
 """The local backend: a plain host process in a private directory. NOT an isolation boundary.
 
 Commands run in the working tree (a private scratch directory) with the host's filesystem
-visible, under rlimits, pids and memory cgroups when they can be made (see :mod:`._cgroup`), no network (``unshare --net`` plus the
-seccomp socket filter) and a pid namespace whose teardown kills every process on timeout. Use it
+visible (but no ``/proc``), under rlimits, pids and memory cgroups when they can be made (see
+:mod:`._cgroup`), no network (``unshare --net`` plus the seccomp socket filter), the guard's filter
+(native system calls only, no new user namespace, see ``_guard``) and a pid namespace whose
+teardown kills every process on timeout. Use it
 for tests and trusted tools only; it is chosen only when asked for by name, and it warns.
 """
 
@@ -90,9 +92,10 @@ class LocalSandbox(TreeSandbox):
         return await _process.run_guarded(
             argv,
             cwd=self.tree,
-            env=self._env(env),
+            env=self._env(env),  # the command's alone: unshare and the guard see none of it
             limits=self.limits,
             timeout=timeout,
             stdin=stdin,
             cgroup=self._cgroup,
+            hide=("/proc",),  # no process memory to open through it, not even its own shell's
         )

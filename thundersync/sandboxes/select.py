@@ -41,13 +41,12 @@ async def docker_problem() -> str | None:
 
 
 def udocker_problem() -> str | None:
-    """None if uDocker can run sandboxes here (udocker, PRoot, namespaces), else why not."""
+    """None if uDocker can run sandboxes here (udocker, namespaces), else why not."""
     from thundersync.sandboxes import _process
-    from thundersync.sandboxes.udocker import proot_wrapper, udocker_bin
+    from thundersync.sandboxes.udocker import udocker_bin
 
     try:
         udocker_bin()
-        proot_wrapper()
     except SandboxUnavailable as error:
         return str(error)
     return _process.unshare_available()

@@ -1,30 +1,26 @@
-"""The uDocker backend (rootless): PRoot containers driven as guarded subprocesses.
+"""The uDocker backend (rootless): uDocker's containers, each command confined by the kernel.
 
-Each sandbox is one ``udocker create``-d container, re-created on reset (commands may write
-anywhere in its root filesystem, a plain host directory, whose growth counts with /tmp against
-``tmp_bytes``). Every command is a ``udocker run`` with ``--nosysdirs`` (only a few /dev nodes are
-bound: no /proc, see below), private ``/tmp`` and ``/dev/shm`` (bounded by ``tmp_bytes``, checked
-after each command), the working tree bound at ``workdir`` and ``-w workdir`` always, run by
-:func:`_process.run_guarded` (user + network + pid namespaces, the seccomp filter that also closes
-the calls PRoot does not translate, rlimits, the sandbox's cgroups). The environment given to uDocker is built from an allow-list, so secrets
-and NCCL_* never reach it. A command may not start with ``-`` (PRoot would read it as an option).
+uDocker keeps the images and makes each sandbox's container (``udocker create``; re-created on
+reset): a root filesystem that is a plain host directory, which commands may write anywhere in (its
+growth counts with /tmp against ``tmp_bytes``). A command does not run through ``udocker run`` and
+PRoot's path translation: :func:`_process.run_guarded` runs it in new user, mount, network, pid,
+IPC and UTS namespaces whose root is the container's root filesystem (``pivot_root``; the host's
+tree is detached), with only the declared binds: the working tree at ``workdir`` (always the
+starting directory), private ``/tmp`` and ``/dev/shm`` (bounded by ``tmp_bytes``, checked after
+each command) and a few ``/dev`` nodes. No ``/proc``. The seccomp filter, rlimits, dropped
+capabilities and the sandbox's cgroups are the guard's (see ``_guard``). So what a command can
+name is the container's files and those binds, whatever system call it makes, through whatever
+entry: there is no translation to get around. Its environment is the image's (``Env``), then
+``PATH``, ``HOME``, ``USER`` and ``LOGNAME`` for root where the image sets none, then the caller's.
 
-Offline set-up: ``UDOCKER_TARBALL`` is set empty (no tools download) and PRoot is Debian's,
-through a wrapper that drops ``-k <release>`` (proot 5.1.0 fails with it on recent kernels).
-
-The tracer is out of the command's reach. The command runs beside uDocker and PRoot, as their uid,
-and a process may ptrace, or read and write through ``/proc/PID/mem``, any dumpable process of its
-own uid: a command that rewrote PRoot's path bindings in its memory would see the host's files.
-So the command gets no ``/proc``, the guard's filter denies ``PTRACE_ATTACH``/``PTRACE_SEIZE`` and
-``process_vm_readv``/``writev`` (PRoot traces its own children and reads them with ``PEEKDATA``),
-and the guard drops every capability, so that nothing can mount a procfs of its own. (Making
-PRoot undumpable instead breaks it: its children inherit that until their first ``execve``, which
-PRoot must read to translate.)
+Offline set-up: ``UDOCKER_TARBALL`` is set empty (no tools download); uDocker's own execution
+engines (PRoot, runc...) are never started.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -34,30 +30,23 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 
-from thundersync.errors import SandboxUnavailable
+from thundersync.errors import ConfigError, SandboxUnavailable
 from thundersync.sandboxes import _cgroup, _process, trees
 from thundersync.sandboxes._common import TreeSandbox
 from thundersync.sandboxes._validate import check_image, check_workdir
 from thundersync.sandboxes.base import ExecResult, SandboxLimits
 
-__all__ = ["UDockerSandbox", "proot_wrapper", "udocker_bin", "udocker_env"]
+__all__ = ["UDockerSandbox", "image_env", "udocker_bin", "udocker_env"]
 
-_WRAPPER = """#!/bin/sh
-# Written by thundersync: run {proot} without uDocker's `-k <release>` pair of arguments (the
-# first one only: the command's own arguments, after it, are passed as they are).
-state=0
-for a in "$@"; do
-    shift
-    case "$state$a" in
-        0-k) state=1; continue ;;
-        1*) state=2; continue ;;
-    esac
-    set -- "$@" "$a"
-done
-exec {proot} "$@"
-"""
 _CONTAINER_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$", re.M)
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+_ROOT_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "USER": "root",
+    "LOGNAME": "root",
+}
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _seeds = trees.SeedCache()
 
 
@@ -75,40 +64,25 @@ def udocker_bin() -> str:
     return found
 
 
-def proot_wrapper() -> str:
-    """``$UDOCKER_USE_PROOT_EXECUTABLE``, else a wrapper around the host's ``proot`` (written once)."""
-    given = os.environ.get("UDOCKER_USE_PROOT_EXECUTABLE")
-    if given:
-        return given
-    proot = shutil.which("proot")
-    if proot is None:
-        raise SandboxUnavailable(
-            "uDocker runs offline with the host's PRoot, which is not installed: apt-get install proot "
-            "(or set UDOCKER_USE_PROOT_EXECUTABLE)"
-        )
-    path = trees.seed_root() / "proot-wrapper"
-    text = _WRAPPER.format(proot=proot)
-    if not path.exists() or path.read_text() != text:
-        tmp = path.with_suffix(f".{os.getpid()}")
-        tmp.write_text(text)
-        tmp.chmod(0o700)
-        tmp.replace(path)
-    return str(path)
-
-
 def udocker_env(private: Path) -> dict[str, str]:
-    """The allow-listed environment for uDocker; ``private`` holds its temporary files.
-
-    A ``PROOT_TMP_DIR`` of the user's is kept (PRoot's own files go there), else it is ``private``.
-    """
+    """The allow-listed environment of the ``udocker`` CLI; ``private`` holds its temporary files."""
     env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "UDOCKER_DIR") if k in os.environ}
-    env.update(
-        HOME=str(private),
-        TMPDIR=str(private),
-        PROOT_TMP_DIR=os.environ.get("PROOT_TMP_DIR") or str(private),
-        UDOCKER_TARBALL="",
-        UDOCKER_USE_PROOT_EXECUTABLE=proot_wrapper(),
-    )
+    env.update(HOME=str(private), TMPDIR=str(private), UDOCKER_TARBALL="")
+    return env
+
+
+def image_env(config: Path) -> dict[str, str]:
+    """The environment of a container's commands before the caller's: the image's ``Env`` (from
+    uDocker's ``container.json``; entries that are no ``NAME=value`` are skipped), then root's."""
+    env = dict(_ROOT_ENV)
+    try:
+        declared = json.loads(config.read_bytes()).get("config", {}).get("Env") or []
+    except (OSError, ValueError, AttributeError):
+        declared = []
+    for entry in declared if isinstance(declared, list) else []:
+        key, _, value = entry.partition("=") if isinstance(entry, str) else ("", "", "")
+        if _ENV_KEY.fullmatch(key) and "\0" not in value:
+            env[key] = value
     return env
 
 
@@ -121,11 +95,16 @@ class UDockerSandbox(TreeSandbox):
         self, image: str, *, name: str | None = None, limits: SandboxLimits | None = None, workdir: str = "/work"
     ) -> None:
         super().__init__(name=name, limits=limits, workdir=check_workdir(workdir))
+        if workdir.strip("/") == "":
+            raise ConfigError(
+                f"invalid workdir {workdir!r} for uDocker: the working tree cannot be the root filesystem, e.g. '/work'"
+            )
         self.image = check_image(image)
         self._bin = udocker_bin()
         self._cgroup: _cgroup.SandboxCgroup | None = None
         self._created = False
         self._root_bytes = 0  # the root filesystem's size when created (what writes grow it from)
+        self._env: dict[str, str] = {}
 
     async def _udocker(self, *args: str) -> str:
         done = await anyio.run_process(
@@ -149,6 +128,7 @@ class UDockerSandbox(TreeSandbox):
                     await self._udocker("rm", "-f", made)
                 raise
             self._root_bytes = await anyio.to_thread.run_sync(trees.tree_usage, self._root())
+            self._env = image_env(self._udocker_dir() / "containers" / self.name / "container.json")
 
     def _root(self) -> Path:
         """The container's root filesystem (a host directory its commands may write anywhere in)."""
@@ -225,24 +205,19 @@ class UDockerSandbox(TreeSandbox):
         return super()._over_limit()
 
     async def _exec(self, argv: list[str], *, timeout: float, env: dict[str, str], stdin: bytes | None) -> ExecResult:
-        binds = [
-            f"{self.tree}:{self.workdir}",
-            f"{self._private('tmp')}:/tmp",
-            f"{self._private('shm')}:/dev/shm",
-            *_DEVICES,
-        ]
-        udocker = [self._bin, "--allow-root", "--quiet", "run", "--nobanner", "--nosysdirs"]
-        options = [
-            *(f"--volume={b}" for b in binds),
-            f"--workdir={self.workdir}",
-            *(f"--env={k}={v}" for k, v in env.items()),
-        ]
+        binds = (
+            (self._private("tmp"), "/tmp"),
+            (self._private("shm"), "/dev/shm"),
+            *((Path(device), device) for device in _DEVICES),
+            (self.tree, self.workdir),  # last: a workdir under /tmp lands in the private /tmp
+        )
         return await _process.run_guarded(
-            [*udocker, *options, self.name, *argv],
+            argv,
             cwd=self.scratch,
-            env=udocker_env(self._private("home")),
+            env={**self._env, **env},
             limits=self.limits,
             timeout=timeout,
             stdin=stdin,
             cgroup=self._cgroup,
+            jail=_process.Jail(self._root(), binds, self.workdir),
         )

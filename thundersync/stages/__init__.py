@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Final
 
 from thundersync.pipeline.stage import Stage
+from thundersync.stages.agent_app import AgentAppStage
 from thundersync.stages.backward import BackwardStage
 from thundersync.stages.close import CloseStage
 from thundersync.stages.generate import GenerateStage
@@ -24,6 +25,7 @@ __all__ = ["REGISTRY"]
 REGISTRY: Final[dict[str, type[Stage]]] = {
     "source": SourceStage,
     "generate": GenerateStage,
+    "agent-app": AgentAppStage,
     "tool-execute": ToolExecuteStage,
     "reward": RewardStage,
     "teacher-score": TeacherStage,

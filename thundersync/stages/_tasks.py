@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from thundersync.pipeline._runtime import EVENT_ATTRIBUTE
+from thundersync.pipeline.stage import EVENT_ATTRIBUTE
 
 __all__ = ["Slots", "task_group"]
 

@@ -23,8 +23,9 @@ objective's calls in each trajectory's own order, whatever order the edges deliv
 BackwardDone means the work is in the objective's queue, not that it ran (see
 :class:`~thundersync.events.BackwardDone`); the step stage's
 :class:`~thundersync.stages.step.StreamingTrainer` waits for the queue in ``assert_safe_to_step``
-before the optimizer steps, so the update is the full-batch one. The objective's calls run in a
-worker thread, one at a time, so a CPU backward never blocks the event loop.
+before the optimizer steps, so the update is the full-batch one. The objective's calls go through
+the stage's :class:`~thundersync.stages.feed.ObjectiveFeed` (a worker thread, one call at a time,
+so a CPU backward never blocks the event loop).
 
 What the stage keeps, and why: only the reorder buffers that the objective cannot hold for it,
 per open trajectory (turns waiting for earlier turns or for their signal, teacher scores that
@@ -49,12 +50,8 @@ the step (the objective refuses to step with a group still open).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, ClassVar
-
-import anyio
 
 from thundersync.errors import ConfigError, PipelineError
 from thundersync.events import (
@@ -70,6 +67,7 @@ from thundersync.events import (
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
 from thundersync.scheduling import EpisodeFailures
 from thundersync.stages._objective import require_objective
+from thundersync.stages.feed import ObjectiveFeed
 
 if TYPE_CHECKING:
     from thundersync.engine.objective import StreamingObjective
@@ -122,6 +120,7 @@ class BackwardStage(Stage):
                 "cannot drop a group (OPD's actions are in the gradient as they come); use on_failure = 'zero'"
             )
         self.objective, self.failures = objective, failures
+        self.feed = ObjectiveFeed(objective)
         self._groups: dict[Id, dict[Id, _Reorder]] = {}  # group -> its open trajectories
 
     @property
@@ -135,7 +134,7 @@ class BackwardStage(Stage):
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
         if self._groups:  # an earlier run of the graph failed mid-batch: its partial batch is dropped
-            await self._call(self.objective.discard)
+            await self.feed.discard()
             self._groups.clear()
         async for event in inbox:
             for done in await self.handle(event):
@@ -169,7 +168,7 @@ class BackwardStage(Stage):
         if event.group_id in self._groups:
             raise PipelineError(f"group {event.group_id!r} was opened twice")
         self._groups[event.group_id] = {t: _Reorder() for t in event.trajectory_ids}
-        await self._call(partial(self.objective.open_group, event.group_id, list(event.prompt_tokens)))
+        await self.feed.open_group(event.group_id, event.prompt_tokens)
 
     def _trajectory(self, group_id: Id, trajectory_id: Id, kind: str) -> _Reorder:
         group = self._groups.get(group_id)
@@ -229,35 +228,24 @@ class BackwardStage(Stage):
         return done
 
     async def _append(self, group_id: Id, trajectory_id: Id, turn: Turn, teacher: list[float] | None) -> None:
-        tokens = list(turn.token_ids)
         if isinstance(turn, ToolObserved):
-            await self._call(
-                partial(self.objective.append_turn, group_id, trajectory_id, tokens, [False] * len(tokens))
-            )
+            await self.feed.append_observation(group_id, trajectory_id, turn.token_ids)
             return
-        scored = list(turn.scored) if turn.scored else [True] * len(tokens)
+        scored = list(turn.scored) if turn.scored else [True] * len(turn.token_ids)
         behaviour = [b for b, keep in zip(turn.behaviour_logprobs, scored) if keep] or None
-        append = partial(
-            self.objective.append_turn, group_id, trajectory_id, tokens, scored, behaviour_logprobs=behaviour
+        await self.feed.append_action(
+            group_id, trajectory_id, turn.token_ids, scored, behaviour_logprobs=behaviour, teacher_logprobs=teacher
         )
-        if not self._rewarded:
-            append = partial(append, teacher_logprobs=teacher)
-        await self._call(append)
 
     async def _close(self, group_id: Id, trajectory_id: Id, reward: float | None) -> list[BackwardDone]:
-        close = partial(self.objective.close_trajectory, group_id, trajectory_id)
-        await self._call(partial(close, reward=reward) if self._rewarded else close)
+        await self.feed.close_trajectory(group_id, trajectory_id, reward if self._rewarded else None)
         group = self._groups[group_id]
         del group[trajectory_id]
         if group:
             return []
         del self._groups[group_id]
         if self.failures is not None and self.failures.dropped(group_id):
-            await self._call(partial(self.objective.drop_group, group_id))  # type: ignore[attr-defined]
+            await self.feed.drop_group(group_id)
         else:
-            await self._call(partial(self.objective.close_group, group_id))
+            await self.feed.close_group(group_id)
         return [BackwardDone(group_id=group_id)]
-
-    @staticmethod
-    async def _call(fn: Callable[[], None]) -> None:
-        await anyio.to_thread.run_sync(fn)

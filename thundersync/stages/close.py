@@ -47,8 +47,7 @@ from thundersync.events import (
     TeacherScored,
     TrajectoryClosed,
 )
-from thundersync.pipeline._runtime import EVENT_ATTRIBUTE
-from thundersync.pipeline.stage import Inbox, Outbox, Stage
+from thundersync.pipeline.stage import EVENT_ATTRIBUTE, Inbox, Outbox, Stage
 from thundersync.pipeline.tracker import Need, Tracker
 from thundersync.scheduling import Admission, EpisodeFailures, RankClaims
 from thundersync.stages._tasks import task_group

@@ -6,8 +6,10 @@ Unblocked by: generate taking prompts from its inbox, close releasing groups, st
 the policy.
 
 The tasks are the file's ``prompts`` (token ids, no fields) or a ``tasks`` runtime object, any
-:class:`~thundersync.tasks.TaskSource` (a JSONL file, the built-in arithmetic tasks), whose fields
-travel on ``PromptSubmitted.task`` to the reward.
+:class:`~thundersync.tasks.TaskSource` (a JSONL file, a dataset, the built-in arithmetic tasks)
+or :class:`~thundersync.tasks.TaskStream` (a streaming dataset: read one batch at a time, in a
+worker thread, shuffled by the stream itself), whose fields travel on ``PromptSubmitted.task`` to
+the reward.
 
 Its data position is the set of batches already consumed (stepped on): a checkpoint records
 them and :meth:`SourceStage.skip_batches` makes a resumed source continue after them, with the
@@ -28,10 +30,12 @@ policy's ``max_refills`` per batch. The next batch's prompts go once the batch i
 
 from __future__ import annotations
 
+import itertools
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Annotated, ClassVar
 
+import anyio
 import msgspec
 
 from thundersync.errors import ConfigError
@@ -39,7 +43,7 @@ from thundersync.events import EventBase, Id, PromptSubmitted
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
 from thundersync.scheduling import Admission, EpisodeFailures, RankClaims
-from thundersync.tasks.data import Task, TaskSource
+from thundersync.tasks.data import Task, TaskSource, TaskStream
 
 __all__ = ["SourceStage"]
 
@@ -50,7 +54,8 @@ class SourceStage(Stage):
     """Submit the tasks ``repeat`` times (epochs), ``groups_per_batch`` groups per batch.
 
     Each epoch is the task list, shuffled when ``shuffle_seed`` is set (a new order per epoch,
-    the same orders on every run with that seed). Group ids count up from 0 over all epochs;
+    the same orders on every run with that seed); a task stream gives each epoch's tasks itself,
+    shuffled by the seed and the epoch, and needs ``groups_per_batch >= 1``. Group ids count up from 0 over all epochs;
     batch ``b`` holds groups ``b * groups_per_batch ... (b + 1) * groups_per_batch - 1`` (the
     last batch may be smaller; ``groups_per_batch = 0`` puts every group in batch 0). Each prompt
     says how many groups its batch has, so close can seal a batch without waiting for the end of
@@ -81,7 +86,7 @@ class SourceStage(Stage):
         config: Config,
         /,
         *,
-        tasks: TaskSource | None = None,
+        tasks: TaskSource | TaskStream | None = None,
         admission: Admission | None = None,
         claims: RankClaims | None = None,
         policy: PolicyClock | None = None,
@@ -95,11 +100,27 @@ class SourceStage(Stage):
         if bool(config.prompts) == (tasks is not None):
             raise ConfigError(
                 "a source needs exactly one of prompts (token id lists in the file) and a tasks object "
-                f"(a JSONL file, the arithmetic tasks); got {'both' if tasks is not None else 'neither'}"
+                f"(a JSONL file, a dataset, the arithmetic tasks); got {'both' if tasks is not None else 'neither'}"
             )
-        self._tasks = tasks.tasks() if tasks is not None else [Task(prompt_ids=list(p)) for p in config.prompts]
-        if not self._tasks:
-            raise ConfigError("the source's tasks object listed no task; give it at least one")
+        self._stream = tasks if isinstance(tasks, TaskStream) and not isinstance(tasks, TaskSource) else None
+        if self.failures is not None and self._stream is not None:
+            raise ConfigError(
+                "on_failure = 'drop' refills dropped groups from a listed task source, not a task stream "
+                "(a streaming dataset); use on_failure = 'zero' or a dataset that is not streamed"
+            )
+        self._tasks: list[Task] = []
+        if self._stream is None:
+            listed = (
+                tasks.tasks() if isinstance(tasks, TaskSource) else [Task(prompt_ids=list(p)) for p in config.prompts]
+            )
+            if not listed:
+                raise ConfigError("the source's tasks object listed no task; give it at least one")
+            self._tasks = listed
+        elif config.groups_per_batch == 0:
+            raise ConfigError(
+                "a source over a task stream (a streaming dataset) cannot put every group in one batch: "
+                "its length is not known in advance; set groups_per_batch >= 1"
+            )
         self.skipped: frozenset[Id] = frozenset()
 
     def limit_batches(self, batches: int) -> None:
@@ -114,77 +135,111 @@ class SourceStage(Stage):
         self.skipped = frozenset(batch_ids)
 
     @property
-    def num_batches(self) -> int:
-        """How many batches this source emits in all, skipped ones included."""
-        return -(-self._groups() // self.groups_per_batch)
+    def num_batches(self) -> int | None:
+        """How many batches this source emits in all, skipped ones included (None: a task stream
+        without a batch limit, whose length shows only as it is read)."""
+        groups = self._groups()
+        return None if groups is None else -(-groups // self.groups_per_batch)
 
     @property
     def groups_per_batch(self) -> int:
         """How many groups a full batch holds (with ``groups_per_batch = 0``: all of them)."""
         return self.config.groups_per_batch or len(self._tasks) * self.config.repeat
 
-    def _groups(self) -> int:
-        """How many groups this source emits in all, skipped ones included."""
-        if self.batch_limit is None:
-            return len(self._tasks) * self.config.repeat
-        return self.batch_limit * self.groups_per_batch
+    def _groups(self) -> int | None:
+        """How many groups this source emits in all, skipped ones included (None: not known)."""
+        if self.batch_limit is not None:
+            return self.batch_limit * self.groups_per_batch
+        return None if self._stream is not None else len(self._tasks) * self.config.repeat
 
-    def _ordered(self) -> list[Task]:
-        """Every group's task in submission order, epoch after epoch."""
+    def _ordered(self) -> Iterator[Task]:
+        """Every group's task in submission order, epoch after epoch, read lazily."""
         shuffler = None if self.config.shuffle_seed is None else random.Random(self.config.shuffle_seed)
-        groups = self._groups()
-        out: list[Task] = []
-        while len(out) < groups:
-            epoch = list(self._tasks)
-            if shuffler is not None:
-                shuffler.shuffle(epoch)
-            out += epoch
-        return out[:groups]
+        limit, count = self._groups(), 0
+        for epoch in itertools.count():
+            if self.batch_limit is None and epoch >= self.config.repeat:
+                return
+            before = count
+            for task in self._epoch(epoch, shuffler):
+                if limit is not None and count >= limit:
+                    return
+                yield task
+                count += 1
+            if count == before:
+                raise ConfigError(f"the source's task stream yielded no task in epoch {epoch}; it needs at least one")
 
-    def submissions(self) -> list[PromptSubmitted]:
-        """Every prompt this source emits, in order (none of the skipped batches)."""
-        tasks = self._ordered()
+    def _epoch(self, epoch: int, shuffler: random.Random | None) -> Iterator[Task]:
+        if self._stream is not None:
+            return self._stream.stream(epoch, self.config.shuffle_seed)
+        tasks = list(self._tasks)
+        if shuffler is not None:
+            shuffler.shuffle(tasks)
+        return iter(tasks)
+
+    def batches(self) -> Iterator[list[PromptSubmitted]]:
+        """The prompts of each batch this source emits, in order, read lazily (skipped batches
+        are read and dropped)."""
         per_batch = self.groups_per_batch
-        out = []
-        for index, task in enumerate(tasks):
-            batch = index // per_batch
+        tasks = self._ordered()
+        for batch in itertools.count():
+            chunk = list(itertools.islice(tasks, per_batch))
+            if not chunk:
+                return
             if batch in self.skipped:
                 continue
-            out.append(
+            yield [
                 PromptSubmitted(
-                    group_id=index,
+                    group_id=batch * per_batch + offset,
                     prompt_tokens=list(task.prompt_ids),
                     num_trajectories=self.config.samples,
                     batch_id=batch,
-                    groups_in_batch=min(per_batch, len(tasks) - batch * per_batch),
+                    groups_in_batch=len(chunk),
                     task=dict(task.fields),
                 )
-            )
-        return out
+                for offset, task in enumerate(chunk)
+            ]
+
+    def submissions(self) -> list[PromptSubmitted]:
+        """Every prompt this source emits, in order (none of the skipped batches)."""
+        return [prompt for batch in self.batches() for prompt in batch]
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
+        batches = self._read_batches()
         if self.failures is not None:
-            await self._refilling(self.failures, outbox)
+            await self._refilling(self.failures, batches, outbox)
             return
         if self.claims is None:
-            for event in self.submissions():
-                await self._admit(event)
-                await outbox.send(event)
+            async for batch in batches:
+                for event in batch:
+                    await self._admit(event)
+                    await outbox.send(event)
             return
         try:
-            await self._claim_batches(self.claims, outbox)
+            await self._claim_batches(self.claims, batches, outbox)
         finally:
             self.claims.end()
 
-    async def _claim_batches(self, claims: RankClaims, outbox: Outbox) -> None:
+    async def _read_batches(self) -> AsyncIterator[list[PromptSubmitted]]:
+        """:meth:`batches`; a stream's are read in a worker thread (a dataset reads files)."""
+        batches = self.batches()
+        while True:
+            batch = next(batches, None) if self._stream is None else await anyio.to_thread.run_sync(next, batches, None)
+            if batch is None:
+                return
+            yield batch
+
+    async def _claim_batches(
+        self, claims: RankClaims, batches: AsyncIterator[list[PromptSubmitted]], outbox: Outbox
+    ) -> None:
         """Emit the groups this rank claims, batch by batch, each batch on its policy."""
         base = 0 if self.policy is None else self.policy.version
-        batches: dict[Id, dict[Id, PromptSubmitted]] = {}
-        for prompt in self.submissions():
-            batches.setdefault(prompt.batch_id, {})[prompt.group_id] = prompt
-        for n, (batch_id, prompts) in enumerate(batches.items()):
+        n = 0
+        async for batch in batches:
+            prompts = {prompt.group_id: prompt for prompt in batch}
+            batch_id = batch[0].batch_id
             if self.policy is not None:
                 await self.policy.wait_for(base + n)
+            n += 1
             while True:
                 if self.admission is not None:
                     await self.admission.wait_for_room()
@@ -194,14 +249,14 @@ class SourceStage(Stage):
                 await self._admit(prompts[group_id])
                 await outbox.send(prompts[group_id])
 
-    async def _refilling(self, failures: EpisodeFailures, outbox: Outbox) -> None:
+    async def _refilling(
+        self, failures: EpisodeFailures, batches: AsyncIterator[list[PromptSubmitted]], outbox: Outbox
+    ) -> None:
         """Batch by batch: submit its prompts, then a new group for each one dropped, until it is whole."""
-        batches: dict[Id, list[PromptSubmitted]] = {}
-        for prompt in self.submissions():
-            batches.setdefault(prompt.batch_id, []).append(prompt)
         refills = self._refill_tasks()
-        next_id = self._groups()
-        for batch_id, prompts in batches.items():
+        next_id = self._groups() or 0  # listed tasks only (checked in __init__): the count is known
+        async for prompts in batches:
+            batch_id = prompts[0].batch_id
             open_groups = set()
             for prompt in prompts:
                 failures.submitted(prompt.group_id, batch_id)

@@ -3,22 +3,30 @@
 A :class:`Task` is what a source submits for one group: the prompt's token ids and the task's
 fields (``{"answer": "42"}``, ``{"check": "python -m pytest -q"}``), which travel on
 ``PromptSubmitted.task`` and ``GroupOpened.task`` to the reward. A :class:`TaskSource` is any
-object with a ``tasks()`` method; the ``source`` stage takes one as its ``tasks`` runtime object
-and does the shuffling, epochs and batching (:class:`~thundersync.stages.source.SourceStage`).
+object with a ``tasks()`` method, a :class:`TaskStream` one that reads its tasks lazily, epoch by
+epoch (a large or streaming dataset); the ``source`` stage takes either as its ``tasks`` runtime
+object and does the batching (:class:`~thundersync.stages.source.SourceStage`).
 
-:class:`JsonlTasks` reads a JSONL file, one task per line::
+:func:`record_task` turns one record (a JSONL line, a dataset row) into a task; it holds exactly
+one prompt key, every other key is a task field::
 
-    {"prompt": "What is 2 + 3?", "answer": "5"}
-    {"prompt_ids": [101, 7, 9], "answer": "12"}
+    {"prompt": "What is 2 + 3?", "answer": "5"}                          # text
+    {"messages": [{"role": "user", "content": "What is 2 + 3?"}]}        # a chat, rendered by the template
+    {"prompt_ids": [101, 7, 9], "answer": "12"}                          # token ids, used as they are
 
-``prompt`` (text, encoded with the tokenizer) or ``prompt_ids`` (token ids), not both; every other
-key is a task field. Blank lines are skipped. A bad file fails when the object is built
-(at the start of ``thundersync run``; ``check`` builds nothing), naming the file, the line and what
-is wrong.
+With a :class:`~thundersync.tools.chat_template.ChatTemplate` (``chat``), a text prompt is one
+user message and both are rendered with the template (its tools' schemas, the generation prompt);
+without one, text is encoded with the tokenizer and a ``messages`` prompt is refused. The prompt's
+text or messages stay in the fields (``prompt`` / ``messages``: what an agent app sends).
+
+:class:`JsonlTasks` reads a JSONL file, one record per line; blank lines are skipped. A bad file
+fails when the object is built (at the start of ``thundersync run``; ``check`` builds nothing),
+naming the file, the line and what is wrong.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -27,8 +35,12 @@ import msgspec
 from thundersync.errors import ConfigError
 from thundersync.sandboxes.output import Tokenizer
 from thundersync.tools.base import ByteTokenizer
+from thundersync.tools.chat_template import ChatTemplate
 
-__all__ = ["JsonlTasks", "Task", "TaskSource"]
+__all__ = ["PROMPT_KEYS", "JsonlTasks", "Task", "TaskSource", "TaskStream", "checked_ids", "record_task"]
+
+PROMPT_KEYS = ("prompt", "messages", "prompt_ids")
+"""The keys of a record that hold its prompt (exactly one of them)."""
 
 _MAX_TOKEN_ID = 2**31
 
@@ -49,14 +61,26 @@ class TaskSource(Protocol):
         ...
 
 
-class JsonlTasks:
-    """The tasks of the JSONL file at ``path``; text prompts are encoded with ``tokenizer``
-    (default: :class:`~thundersync.tools.base.ByteTokenizer`, the byte-level tokenizer of the
-    shipped tasks; give a model's own tokenizer when training a real model)."""
+@runtime_checkable
+class TaskStream(Protocol):
+    """Tasks read lazily, epoch by epoch, in the stream's own (seeded) order: a dataset too large
+    to list, or a streaming one. The source stage pulls one batch of tasks at a time."""
 
-    def __init__(self, path: str, *, tokenizer: Tokenizer | None = None) -> None:
+    def stream(self, epoch: int, shuffle_seed: int | None) -> Iterator[Task]:
+        """The tasks of epoch ``epoch`` (from 0), shuffled by ``shuffle_seed`` (None: in order)."""
+        ...
+
+
+class JsonlTasks:
+    """The tasks of the JSONL file at ``path`` (one record per line, :func:`record_task`); text
+    prompts are encoded with ``tokenizer`` (default: :class:`~thundersync.tools.base.ByteTokenizer`,
+    the byte-level tokenizer of the shipped tasks; give a model's own tokenizer when training a
+    real model), or rendered with ``chat`` when one is given."""
+
+    def __init__(self, path: str, *, tokenizer: Tokenizer | None = None, chat: ChatTemplate | None = None) -> None:
         self.path = Path(path)
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.chat = chat
         self._tasks = self._read()
 
     def tasks(self) -> list[Task]:
@@ -84,21 +108,62 @@ class JsonlTasks:
             raise ConfigError(f"{where}: not valid JSON ({error})") from None
         if not isinstance(record, dict):
             raise ConfigError(f"{where}: a task line must be a JSON object, got {type(record).__name__}")
-        fields = dict(record)
-        text, ids = fields.pop("prompt", None), fields.pop("prompt_ids", None)
-        if (text is None) == (ids is None):
-            given = "both" if text is not None else "neither"
-            raise ConfigError(f"{where}: a task needs exactly one of 'prompt' (text) and 'prompt_ids', got {given}")
-        prompt_ids = self._encode(where, text) if text is not None else _checked_ids(where, ids)
-        return Task(prompt_ids=prompt_ids, fields=fields)
+        return record_task(record, where, tokenizer=self.tokenizer, chat=self.chat)
 
-    def _encode(self, where: str, text: Any) -> list[int]:
+
+def record_task(record: Mapping[str, Any], where: str, *, tokenizer: Tokenizer, chat: ChatTemplate | None) -> Task:
+    """The task of ``record`` (module docstring); ``where`` (``file:line``, ``row 3``) starts every error."""
+    given = [key for key in PROMPT_KEYS if record.get(key) is not None]
+    if len(given) != 1:
+        raise ConfigError(
+            f"{where}: a task needs exactly one of 'prompt' (text), 'messages' (a chat) and 'prompt_ids', got "
+            f"{' and '.join(map(repr, given)) if given else 'neither'}"
+        )
+    key = given[0]
+    fields = {k: v for k, v in record.items() if k != "prompt_ids"}
+    if key == "prompt_ids":
+        return Task(prompt_ids=checked_ids(where, record[key]), fields=fields)
+    if key == "prompt":
+        text = record[key]
         if not isinstance(text, str) or not text:
-            raise ConfigError(f"{where}: 'prompt' must be non-empty text, got {text!r}")
-        return list(self.tokenizer.encode(text))
+            raise ConfigError(f"{where}: 'prompt' must be non-empty text, got {_short(text)}")
+        if chat is None:
+            return Task(prompt_ids=list(tokenizer.encode(text)), fields=fields)
+        return Task(prompt_ids=_rendered(where, chat, [{"role": "user", "content": text}]), fields=fields)
+    messages = checked_messages(where, record[key])
+    if chat is None:
+        raise ConfigError(
+            f"{where}: a 'messages' prompt is rendered with a chat template, and this task source has none; "
+            'give it chat = { object = "NAME" } (a chat-template object)'
+        )
+    return Task(prompt_ids=_rendered(where, chat, messages), fields=fields)
 
 
-def _checked_ids(where: str, ids: Any) -> list[int]:
+def _rendered(where: str, chat: ChatTemplate, messages: list[dict[str, Any]]) -> list[int]:
+    try:
+        return chat.prompt_ids(messages)
+    except ConfigError as error:
+        raise ConfigError(f"{where}: {error}") from None
+
+
+def checked_messages(where: str, value: Any) -> list[dict[str, Any]]:
+    """``value`` as chat messages: a non-empty list of objects with a string ``role`` and string
+    ``content`` (an assistant message with ``tool_calls`` may have none)."""
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{where}: 'messages' must be a non-empty list of chat messages, got {_short(value)}")
+    for index, message in enumerate(value):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise ConfigError(
+                f"{where}: messages[{index}] must be an object with a 'role' and a 'content', got {_short(message)}"
+            )
+        content = message.get("content")
+        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+            raise ConfigError(f"{where}: messages[{index}].content must be text, got {_short(content)}")
+    return [dict(message) for message in value]
+
+
+def checked_ids(where: str, ids: Any) -> list[int]:
+    """``ids`` as a non-empty list of token ids in [0, 2**31)."""
     valid = isinstance(ids, list) and all(
         isinstance(i, int) and not isinstance(i, bool) and 0 <= i < _MAX_TOKEN_ID for i in ids
     )

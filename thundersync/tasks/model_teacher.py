@@ -29,6 +29,7 @@ import anyio
 import msgspec
 
 from thundersync._device import resolve_device
+from thundersync.acceleration import Acceleration
 from thundersync.errors import ConfigError
 
 if TYPE_CHECKING:  # torch loads when the teacher first scores, so building the teacher stays cheap
@@ -61,6 +62,7 @@ class TransformersTeacher:
         max_batch: int = 16,
         max_wait_s: float = 0.002,
         pad_id: int = 0,
+        acceleration: Acceleration | None = None,
     ) -> None:
         if max_batch < 1 or max_wait_s < 0:
             raise ConfigError(f"max_batch must be >= 1 and max_wait_s >= 0, got {max_batch} and {max_wait_s}")
@@ -72,6 +74,7 @@ class TransformersTeacher:
         else:
             self._load = model
         self.device = device
+        self.acceleration = acceleration  # how its packed scorer runs (resolved when it is built)
         self.max_batch, self.max_wait_s, self.pad_id = max_batch, max_wait_s, pad_id
         self.batches: list[int] = []  # the size of every forward pass so far (how well requests batch)
         self._pending: list[_Request] = []
@@ -147,7 +150,7 @@ class TransformersTeacher:
             from thundersync.model.scoring import PackedScorer
 
             try:
-                self._scorer = PackedScorer(self.model)
+                self._scorer = PackedScorer(self.model, acceleration=self.acceleration)
             except ConfigError:  # not a layout the engine knows: transformers' own forward
                 self._scorer = False
         return self._scorer or None
@@ -188,12 +191,13 @@ def transformers_teacher(
     dtype: Literal["float32", "bfloat16", "float16"] = "float32",
     max_batch: _Positive = 16,
     max_wait_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.002,
+    acceleration: Acceleration | None = None,
 ) -> TransformersTeacher:
     """The ``transformers-teacher`` factory: the causal LM saved at ``path`` (a local directory,
     loaded offline with ``from_pretrained`` on first use) on ``device`` (``cpu``, ``cuda``, ``cuda:N``,
     ``auto``; a file's ``[run] device`` when its table gives none) in ``dtype``. ``path`` may
     also be a training run's checkpoint directory (``runs/agent_grpo``): its newest checkpoint is
-    the teacher."""
+    the teacher. ``acceleration``: how it scores (a file's ``[acceleration]`` when not given)."""
     path = str(_model_directory(Path(path)))
 
     def load() -> nn.Module:
@@ -205,7 +209,9 @@ def transformers_teacher(
         )
         return model
 
-    return TransformersTeacher(load, device=resolve_device(device), max_batch=max_batch, max_wait_s=max_wait_s)
+    return TransformersTeacher(
+        load, device=resolve_device(device), max_batch=max_batch, max_wait_s=max_wait_s, acceleration=acceleration
+    )
 
 
 def _model_directory(path: Path) -> Path:

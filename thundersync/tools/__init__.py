@@ -2,6 +2,8 @@
 
 :mod:`~.base` (ToolCall, ToolResult, the ToolCallParser, ToolRunner and TrajectoryToolRunner
 protocols, ByteTokenizer), :mod:`~.qwen` (the default ``<tool_call>`` JSON format),
+:mod:`~.json_calls` (Llama-3-style JSON calls), :mod:`~.chat_template` (prompts and observations
+through the tokenizer's chat template), :mod:`~.chat_tokenizers` (chat tokenizers built in code),
 :mod:`~.commands` (the ``calculator``, ``python`` and ``shell`` tools), :mod:`~.coding` (``view``,
 ``create``, ``replace``, ``search``, ``submit``), :mod:`~.workspace` (per-task environments),
 :mod:`~.sessions` (a sandbox per trajectory), :mod:`~.sandboxed` (SandboxToolRunner),
@@ -22,6 +24,8 @@ from thundersync.tools.base import (
     TrajectoryToolRunner,
     safe_repr,
 )
+from thundersync.tools.chat_template import ChatTemplate, ChatTemplateToolCalls
+from thundersync.tools.chat_tokenizers import chat_tokenizer
 from thundersync.tools.coding import (
     CreateTool,
     ReplaceTool,
@@ -42,6 +46,7 @@ from thundersync.tools.commands import (
     function_schema,
 )
 from thundersync.tools.factory import ToolName, sandbox_tools
+from thundersync.tools.json_calls import JsonToolCallParser
 from thundersync.tools.prompts import qwen3_tool_prompt, tool_prompt
 from thundersync.tools.qwen import Qwen3ToolCallParser
 from thundersync.tools.sandboxed import MALFORMED_CALL_STATUS, SandboxToolRunner
@@ -52,8 +57,11 @@ __all__ = [
     "MALFORMED_CALL_STATUS",
     "ByteTokenizer",
     "CalculatorTool",
+    "ChatTemplate",
+    "ChatTemplateToolCalls",
     "Command",
     "CreateTool",
+    "JsonToolCallParser",
     "PythonTool",
     "Qwen3ToolCallParser",
     "ReplaceTool",
@@ -77,6 +85,7 @@ __all__ = [
     "TrajectoryToolRunner",
     "ViewTool",
     "Workspaces",
+    "chat_tokenizer",
     "coding_tools",
     "default_tools",
     "environment_of",

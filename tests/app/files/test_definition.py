@@ -33,7 +33,7 @@ def test_the_example_file_starts_with_the_command_that_runs_it() -> None:
         ),
         (
             '[stages.reward]\ntype = "rewrd"\n',
-            r"^stages\.reward\.type: unknown stage type 'rewrd'; known: source, generate, tool-execute, reward, teacher-score, teacher, backward, close, step$",
+            r"^stages\.reward\.type: unknown stage type 'rewrd'; known: source, generate, agent-app, tool-execute, reward, teacher-score, teacher, backward, close, step$",
         ),
         ("[stages.reward]\nconcurrency = 1\n", r"^stages\.reward\.type: missing required field \(one of: source, "),
         (
@@ -49,10 +49,10 @@ def test_the_example_file_starts_with_the_command_that_runs_it() -> None:
         ),
         (
             '[run]\nprogres = "on"\n[stages]\n',
-            r"^run\.progres: unknown field; valid fields: metrics, tensorboard, progress, capacity, timeout_s, steps, device$",
+            r"^run\.progres: unknown field; valid fields: metrics, tensorboard, wandb, progress, capacity, timeout_s, steps, device$",
         ),
         ('[run]\nprogress = "yes"\n[stages]\n', r"^run\.progress: Invalid enum value 'yes'$"),
-        ("x = 1\n[stages]\n", r"^x: unknown field; valid fields: run, objects, stages$"),
+        ("x = 1\n[stages]\n", r"^x: unknown field; valid fields: run, objects, stages, acceleration, eval$"),
         ("run = {}\n", r"^stages: missing required field$"),
         (
             '[objects.g]\nfactory = "test-scripted-generatr"\n[stages]\n',

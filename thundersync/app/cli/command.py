@@ -8,6 +8,7 @@
     thundersync run FILE --metrics out.jsonl --progress  # metrics as JSON lines, a live stderr line
     thundersync run FILE --resume runs/a                 # continue from the newest checkpoint in runs/a
     thundersync plot out.jsonl [--out curves.png]        # reward and step-time curves (needs [plot])
+    thundersync eval FILE --checkpoint runs/a            # the file's [eval] on a checkpoint, alone
     torchrun --nproc-per-node 2 -m thundersync run FILE  # data parallel: one rank per GPU (or CPU process)
 
 Exit status: 0 on success, 1 when the run failed, 2 when the file, the command line or the
@@ -31,16 +32,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
+import msgspec
 import structlog
 
 from thundersync.app.cli._cli_run import run_pipeline
 from thundersync.app.cli._terminal import configure_logging, printable
 from thundersync.app.cli.distributed import Launch, attach, balance, launch, rank_label
+from thundersync.app.evaluation import Evaluation, attach_evaluation, evaluate_alone
 from thundersync.app.files.build import build_graph, build_objects
 from thundersync.app.files.check import check_pipeline, check_run_settings
 from thundersync.app.files.definition import PipelineSpec, load
-from thundersync.app.metrics.jsonl import JsonlMetrics
+from thundersync.app.metrics.jsonl import JsonlMetrics, RecordSink
 from thundersync.app.metrics.tensorboard import TensorBoardSteps
+from thundersync.app.metrics.wandb import WandbSteps
 from thundersync.errors import ConfigError, DefinitionError, GraphError, ThunderSyncError
 from thundersync.pipeline.graph import Graph
 
@@ -55,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check", help="validate a pipeline file without running it")
     run = commands.add_parser("run", help="run a pipeline file to completion")
     plot = commands.add_parser("plot", help="draw a run's reward and step-time curves to a PNG")
-    for sub in (check, run):
+    evaluate = commands.add_parser("eval", help="run a pipeline file's [eval] once, on a checkpoint")
+    for sub in (check, run, evaluate):
         sub.add_argument("file", type=Path, metavar="FILE", help="the pipeline definition (TOML)")
         sub.add_argument(
             "--set",
@@ -67,8 +72,13 @@ def _parser() -> argparse.ArgumentParser:
         )
     plot.add_argument("file", type=Path, metavar="METRICS", help="a metrics file written by thundersync run")
     plot.add_argument("--out", type=Path, metavar="PNG", help="where to write the PNG (default: beside METRICS)")
-    for sub in (check, run, plot):
+    for sub in (check, run, plot, evaluate):
         sub.add_argument("-v", "--verbose", action="store_true", help="tracebacks and info-level logs")
+    evaluate.add_argument(
+        "--checkpoint", type=Path, metavar="DIR", help="evaluate this checkpoint (or the newest one in DIR)"
+    )
+    evaluate.add_argument("--metrics", type=Path, metavar="PATH", help="write the eval line to this new file")
+    evaluate.add_argument("--overwrite", action="store_true", help="replace the metrics file if it exists")
     run.add_argument(
         "--metrics",
         type=Path,
@@ -140,11 +150,16 @@ def _prepare(
 
 @contextmanager
 def _metrics(
-    path: str | Path | None, *, overwrite: bool, tensorboard: TensorBoardSteps | None, **started: object
+    path: str | Path | None,
+    *,
+    overwrite: bool,
+    tensorboard: TensorBoardSteps | None,
+    sinks: Sequence[RecordSink] = (),
+    **started: object,
 ) -> Iterator[JsonlMetrics]:
-    """The metrics sink (and its TensorBoard writer), open, with its ``run_started`` line written: a
+    """The metrics sink (and its TensorBoard and W&B writers), open, with its ``run_started`` line written: a
     path that cannot take that line (``/proc/version``...) is refused before anything runs (exit 2)."""
-    with JsonlMetrics(path, overwrite=overwrite, tensorboard=tensorboard) as sink:
+    with JsonlMetrics(path, overwrite=overwrite, tensorboard=tensorboard, sinks=sinks) as sink:
         try:
             sink.write("run_started", **started)
         except OSError as error:
@@ -204,9 +219,13 @@ def _run_rank(path: Path, args: argparse.Namespace, ranks: Launch | None) -> int
     show = writes and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
     log = structlog.get_logger("thundersync.cli")
     stages = [node.name for node in graph]
+    sinks = [WandbSteps(settings.wandb, config=msgspec.to_builtins(spec))] if writes and settings.wandb else []
     with _metrics(
-        metrics_path, overwrite=args.overwrite, tensorboard=tensorboard, file=str(path), stages=stages
+        metrics_path, overwrite=args.overwrite, tensorboard=tensorboard, sinks=sinks, file=str(path), stages=stages
     ) as metrics:
+        if writes and spec.eval is not None:  # rank 0 alone evaluates, after the steps its [eval] names
+            evaluation = Evaluation(spec.eval, objects, graph)
+            attach_evaluation(graph, evaluation, lambda record: metrics.write("eval", **record))
         log.info("run started", file=str(path), stages=len(graph))
         try:
             stats = anyio.run(
@@ -246,6 +265,36 @@ def _say_where_to_resume(objects: dict[str, object]) -> None:
                 )
 
 
+def _eval(path: Path, args: argparse.Namespace) -> int:
+    """``thundersync eval``: the file's ``[eval]`` once, on the weights of ``--checkpoint``."""
+    spec, objects, graph = _prepare(path, args.overrides)
+    if spec.eval is None:
+        raise DefinitionError(
+            f'{path}: the file has no [eval] table; add one (tasks = "NAME", samples = N) to evaluate'
+        )
+    step = 0 if args.checkpoint is None else _resume(objects, args.checkpoint)
+    try:
+        evaluation = Evaluation(spec.eval, objects, graph)
+    except ConfigError as error:
+        raise type(error)(f"{path}: {error}") from None
+    metrics_path = args.metrics if args.metrics is not None else spec.run.metrics
+    with _metrics(metrics_path, overwrite=args.overwrite, tensorboard=None, file=str(path), command="eval") as metrics:
+        record = anyio.run(evaluate_alone, evaluation, objects, step)
+        metrics.write("eval", **record)
+    shown = ", ".join(f"{key} {record[key]:.4g}" for key in _EVAL_SHOWN if record.get(key) is not None)
+    sys.stdout.write(
+        printable(
+            f"{path}: step {step}: {shown} (k = {record['eval_k']}; {record['eval_tasks']} tasks x "
+            f"{record['eval_samples']} samples in {record['eval_s']:.1f} s)"
+        )
+        + "\n"
+    )
+    return EXIT_OK
+
+
+_EVAL_SHOWN = ("eval_reward_mean", "eval_pass_at_1", "eval_pass_at_k")
+
+
 def _plot(path: Path, out: Path | None) -> int:
     from thundersync.app.cli._plot import plot_metrics
 
@@ -259,6 +308,8 @@ def _command(args: argparse.Namespace) -> int:
         return _check(args.file, args.overrides)
     if args.command == "plot":
         return _plot(args.file, args.out)
+    if args.command == "eval":
+        return _eval(args.file, args)
     return _run(args.file, args)
 
 

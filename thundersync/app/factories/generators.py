@@ -23,7 +23,7 @@
 Each is a thin wrapper over the class of :mod:`thundersync.generation` with the same arguments.
 A trainer given the generator (``streaming-trainer``'s ``generator``) publishes each new policy
 to it after the optimizer step: vLLM in-process syncs the weights, an OpenAI server takes them by
-its ``publish`` route (:mod:`thundersync.generation._publish`), the torch generator shares them.
+its ``publish`` route (:mod:`thundersync.generation.publish`), the torch generator shares them.
 """
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ from typing import Annotated, Any
 import msgspec
 from torch import nn
 
+from thundersync.acceleration import Acceleration
 from thundersync.errors import ConfigError
-from thundersync.generation._publish import PublishHook, PublishRoute
 from thundersync.generation.base import LogprobMode
 from thundersync.generation.openai_generator import OpenAIGenerator
+from thundersync.generation.publish import PublishHook, PublishRoute
 from thundersync.generation.torch_generator import TorchGenerator
 from thundersync.generation.vllm_generator import VLLMGenerator
 
@@ -53,24 +54,24 @@ _Positive = Annotated[int, msgspec.Meta(ge=1)]
 _NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0)]
 
 
+_GENERATOR = TorchGenerator.Config()
+
+
 def torch_generator(
     *,
     model: nn.Module,
-    max_batch: _Positive = 64,
-    max_seq_len: Annotated[int, msgspec.Meta(ge=2)] = 4096,
-    prefill_tokens: _Positive = 8192,
-    cuda_graphs: bool | None = None,
-    seed: int = 0,
+    max_batch: _Positive = _GENERATOR.max_batch,
+    max_seq_len: Annotated[int, msgspec.Meta(ge=2)] = _GENERATOR.max_seq_len,
+    prefill_tokens: _Positive = _GENERATOR.prefill_tokens,
+    cuda_graphs: bool | None = _GENERATOR.cuda_graphs,
+    seed: int = _GENERATOR.seed,
+    acceleration: Acceleration | None = None,
 ) -> TorchGenerator:
-    """``torch-generator``: a :class:`~thundersync.generation.TorchGenerator` sharing the learner's weights."""
-    return TorchGenerator(
-        model,
-        max_batch=max_batch,
-        max_seq_len=max_seq_len,
-        prefill_tokens=prefill_tokens,
-        cuda_graphs=cuda_graphs,
-        seed=seed,
-    )
+    """``torch-generator``: a :class:`~thundersync.generation.TorchGenerator` sharing the learner's
+    weights (its defaults are :class:`TorchGenerator.Config`'s); ``acceleration``: the file's
+    ``[acceleration]`` unless the table gives one."""
+    options = {"max_batch": max_batch, "max_seq_len": max_seq_len, "prefill_tokens": prefill_tokens}
+    return TorchGenerator(model, acceleration=acceleration, cuda_graphs=cuda_graphs, seed=seed, **options)
 
 
 def vllm_generator(

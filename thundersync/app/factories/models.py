@@ -13,7 +13,8 @@
 
     [objects.tokenizer]
     factory = "tokenizer"
-    builtin = "bytes"                  # or: path = "models/qwen3" (a local transformers tokenizer)
+    builtin = "bytes"                  # or "qwen3-chat" / "llama3-chat" (byte-level, a chat template),
+                                       # or: path = "models/qwen3" (a local transformers tokenizer)
 
 Nothing is downloaded: ``path`` is read with ``local_files_only=True``. transformers and peft are
 imported when a factory is called, never by ``thundersync check``.
@@ -30,6 +31,7 @@ from torch import nn
 
 from thundersync._device import resolve_device
 from thundersync.errors import ConfigError
+from thundersync.tools import chat_tokenizer
 from thundersync.tools.base import ByteTokenizer, Tokenizer
 
 __all__ = ["model", "tokenizer"]
@@ -120,18 +122,25 @@ def _with_lora(base: nn.Module, fields: dict[str, Any]) -> nn.Module:
     return wrapped
 
 
-def tokenizer(*, path: str | None = None, builtin: Literal["bytes"] | None = None) -> Tokenizer:
+def tokenizer(
+    *, path: str | None = None, builtin: Literal["bytes", "qwen3-chat", "llama3-chat"] | None = None
+) -> Tokenizer:
     """A tokenizer: a transformers tokenizer from the local directory ``path`` (offline), or
     ``builtin = "bytes"``: :class:`~thundersync.tools.base.ByteTokenizer`, made in code, whose
     ids 0-255 are the bytes of UTF-8 text. A model used with it needs ``vocab_size >= 256``
-    (ids above 255 decode to nothing, so a larger vocabulary is fine: e.g. 300)."""
+    (ids above 255 decode to nothing, so a larger vocabulary is fine: e.g. 300).
+    ``"qwen3-chat"`` / ``"llama3-chat"``: the same 256 bytes as a transformers tokenizer with
+    the style's special tokens and chat template (:func:`~thundersync.tools.chat_tokenizer`; ids
+    256 and up are the special tokens, so ``vocab_size >= 264`` covers both)."""
     if (path is None) == (builtin is None):
         raise ConfigError(
             'give the tokenizer either path (a local tokenizer directory) or builtin = "bytes", not '
             f"{'both' if path is not None else 'neither'}"
         )
-    if builtin is not None:
+    if builtin == "bytes":
         return ByteTokenizer()
+    if builtin is not None:
+        return cast(Tokenizer, chat_tokenizer("qwen3" if builtin == "qwen3-chat" else "llama3"))
     from transformers import AutoTokenizer
 
     try:

@@ -15,8 +15,9 @@ Adding a factory is one line: a callable whose keyword arguments have annotated 
 of plain data types are validated like the rest of the file; the others (a model, an optimizer...)
 are references to other objects (``model = { object = "model" }``), built first. A factory may be
 expensive (it loads weights): ``thundersync check`` never calls one (:mod:`thundersync.app.files.check`).
-The real factories live in :mod:`~thundersync.app.factories.models`, :mod:`~thundersync.app.factories.training` and
-:mod:`~thundersync.app.factories.generators`; the warm-up in :mod:`~thundersync.app.factories.warmup`.
+The real factories live in :mod:`~thundersync.app.factories.models`, :mod:`~thundersync.app.factories.training`,
+:mod:`~thundersync.app.factories.generators` and :mod:`~thundersync.app.factories.chat`; the warm-up in
+:mod:`~thundersync.app.factories.warmup`.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from thundersync.app.factories import generators, models, scheduling, training, warmup
+from thundersync.agents import FunctionApp, VerifiersEnvironment
+from thundersync.app.factories import chat, generators, models, scheduling, training, warmup
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.tasks import AnswerReward, ArithmeticTasks, FunctionReward, JsonlTasks, sandbox_check_reward
 from thundersync.tasks.demonstrations import CalculatorDemonstrations
 from thundersync.tasks.grading import task_grader
+from thundersync.tasks.hf_dataset import dataset_tasks
 from thundersync.tasks.model_teacher import transformers_teacher
 from thundersync.tasks.openai_teacher import openai_teacher
 from thundersync.tasks.repo_tasks import RepoBugTasks, RepoFixDemonstrations
@@ -64,6 +67,12 @@ FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
     "qwen3-tool-calls": Qwen3ToolCallParser,
     "sandbox-tools": sandbox_tools,
     "jsonl-tasks": JsonlTasks,
+    "dataset": dataset_tasks,
+    "chat-template": chat.chat_template,
+    "chat-tool-calls": chat.chat_tool_calls,
+    "chat-sandbox-tools": chat.chat_sandbox_tools,
+    "function-app": FunctionApp,
+    "verifiers-environment": VerifiersEnvironment,
     "arithmetic-tasks": ArithmeticTasks,
     "calculator-demonstrations": CalculatorDemonstrations,
     "repo-bug-tasks": RepoBugTasks,

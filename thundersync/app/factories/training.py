@@ -51,6 +51,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from thundersync._logging import get_logger
+from thundersync.acceleration import Acceleration
 from thundersync.app.checkpoints.checkpoint import Checkpointer, RandomSource
 from thundersync.engine import StreamingObjective, StreamingRun
 from thundersync.engine.objective import Signal
@@ -84,20 +85,31 @@ _NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 _log = get_logger(__name__)
 
 
+_RUN = StreamingRun.Config()
+_GRPO = RewardLinearBackward.Config()  # the objectives' defaults, written once in their Configs
+_OPD = OPDStream.Config()
+
+
 def streaming_run(
-    *, model: nn.Module, source_offload_device: str | None = None, background: bool | None = None
+    *,
+    model: nn.Module,
+    source_offload_device: str | None = _RUN.source_offload_device,
+    background: bool | None = _RUN.background,
+    acceleration: Acceleration | None = None,
 ) -> StreamingRun:
-    """``streaming-run``: a :class:`~thundersync.engine.StreamingRun` over the model's trainable parameters."""
-    return StreamingRun(model, source_offload_device=source_offload_device, background=background)
+    """``streaming-run``: a :class:`~thundersync.engine.StreamingRun` over the model's trainable
+    parameters; ``acceleration``: the file's ``[acceleration]`` unless the table gives one."""
+    config = StreamingRun.Config(source_offload_device=source_offload_device, background=background)
+    return StreamingRun(model, config, acceleration=acceleration)
 
 
 def grpo(
     *,
     run: StreamingRun,
-    estimator: Estimator = "grpo",
-    eps: Annotated[float, msgspec.Meta(ge=0)] = 1e-6,
-    pack_tokens: _NonNegative = 8192,
-    stream_early: bool = False,
+    estimator: Estimator = _GRPO.estimator,
+    eps: Annotated[float, msgspec.Meta(ge=0)] = _GRPO.eps,
+    pack_tokens: _NonNegative = _GRPO.pack_tokens,
+    stream_early: bool = _GRPO.stream_early,
     process: bool = False,
     process_env: dict[str, str] | None = None,
     process_device: str = "",
@@ -114,8 +126,8 @@ def grpo(
 def opd(
     *,
     run: StreamingRun,
-    normalization: Normalization = "token_mean",
-    pack_tokens: _NonNegative = 8192,
+    normalization: Normalization = _OPD.normalization,
+    pack_tokens: _NonNegative = _OPD.pack_tokens,
     process: bool = False,
     process_env: dict[str, str] | None = None,
     process_device: str = "",

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from thundersync._device import resolve_device
 from thundersync.app.checkpoints.checkpoint import Checkpointer
 from thundersync.app.factories.registry import ALL_FACTORIES
@@ -35,25 +37,32 @@ __all__ = ["assemble_graph", "build_graph", "build_objects"]
 def build_objects(spec: PipelineSpec, /, **given: Any) -> dict[str, Any]:
     """The runtime objects of ``spec`` by name: ``given`` ones, else built by their factory, each
     after the objects it references (:func:`~thundersync.app.files.object_graph.build_order`). A factory
-    that takes a ``device`` gets ``run.device`` when the object's table gives none."""
+    that takes a ``device`` gets ``run.device``, one that takes an ``acceleration`` gets the file's
+    ``[acceleration]`` (resolved once, here), when the object's table gives none."""
     objects = dict(given)
     order = build_order(spec, given)
-    if any(_takes_run_device(spec.objects[name]) for name in order):
+    if any(_takes(spec.objects[name], "device") for name in order):
         try:
             resolve_device(spec.run.device)  # once, naming run.device, before any object is built
         except ConfigError as error:
             raise DefinitionError(f"run.device: {error}") from None
+    try:
+        acceleration = msgspec.to_builtins(spec.acceleration.resolved())
+    except ConfigError as error:
+        raise DefinitionError(f"acceleration: {error}") from None
     for name in order:
         obj = spec.objects[name]
-        if _takes_run_device(obj):
-            obj = ObjectSpec(obj.factory, {**obj.args, "device": spec.run.device}, obj.refs)
+        filled = {"device": spec.run.device, "acceleration": acceleration}
+        extra = {key: value for key, value in filled.items() if _takes(obj, key)}
+        if extra:
+            obj = ObjectSpec(obj.factory, {**obj.args, **extra}, obj.refs)
         objects[name] = _build_object(name, obj, objects)
     return objects
 
 
-def _takes_run_device(obj: ObjectSpec) -> bool:
-    """Whether the object's factory takes a ``device`` that its table does not give."""
-    return "device" in factory_params(obj.factory) and "device" not in obj.args
+def _takes(obj: ObjectSpec, param: str) -> bool:
+    """Whether the object's factory takes ``param`` and its table does not give it."""
+    return param in factory_params(obj.factory) and param not in obj.args
 
 
 def _build_object(name: str, obj: ObjectSpec, built: dict[str, Any]) -> Any:

@@ -11,7 +11,9 @@ calling a factory (no model is loaded, no sandbox started, no server contacted):
 - the stage graph's wiring, over stand-in stages whose runtime objects are :class:`Unbuilt`
   placeholders: undeclared cycles, reads without common event types, stages that would wait
   forever, a policy clock nobody publishes to;
-- ``[run]``: the tensorboard package is installed when ``tensorboard`` is set (``device`` was
+- ``[eval]``: its tasks, stage and scorer exist and fit, ``k <= samples``, something scores
+  (:mod:`thundersync.app.evaluation.check`);
+- ``[run]``: the tensorboard package is installed when ``tensorboard`` is set, wandb when ``[run.wandb]`` is (``device`` was
   checked when the file was loaded; CUDA's presence is checked at ``run``);
 - options that the file passes on to a library: an ``optimizer``'s ``name`` is a ``torch.optim``
   class that takes its options (and ``maximize`` suits the objective), a ``vllm-generator``'s
@@ -28,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from thundersync._logging import get_logger
+from thundersync.app.evaluation.check import check_eval
 from thundersync.app.factories import generators, training
 from thundersync.app.factories.registry import ALL_FACTORIES
 from thundersync.app.files._schema import factory_params, factory_returns
@@ -35,6 +38,7 @@ from thundersync.app.files.build import assemble_graph, stage_class
 from thundersync.app.files.definition import PipelineSpec, StageSpec
 from thundersync.app.files.object_graph import build_order, check_fits
 from thundersync.app.metrics.tensorboard import require_tensorboard
+from thundersync.app.metrics.wandb import require_wandb
 from thundersync.errors import ConfigError, DefinitionError
 from thundersync.pipeline.graph import Graph
 from thundersync.pipeline.stage import Stage
@@ -69,6 +73,7 @@ def check_pipeline(spec: PipelineSpec) -> Graph:
     of stand-in stages (its nodes name the stages and their reads, nothing more: never run it)."""
     check_run_settings(spec)
     build_order(spec)
+    check_eval(spec)
     _check_options(spec)
     _check_schedules(spec)
     placeholders = {name: Unbuilt(name, obj.factory) for name, obj in spec.objects.items()}
@@ -77,10 +82,13 @@ def check_pipeline(spec: PipelineSpec) -> Graph:
 
 
 def check_run_settings(spec: PipelineSpec, *, data_parallel: bool = False) -> None:
-    """What ``[run]`` needs besides its schema: the tensorboard package for ``tensorboard``, and
-    under a data-parallel launch a ``device`` without a GPU index (each rank takes its own)."""
+    """What ``[run]`` needs besides its schema: the tensorboard package for ``tensorboard``, the
+    wandb package for ``[run.wandb]``, and under a data-parallel launch a ``device`` without a GPU
+    index (each rank takes its own)."""
     if spec.run.tensorboard is not None:
         require_tensorboard()
+    if spec.run.wandb is not None:
+        require_wandb()
     if data_parallel and spec.run.device.startswith("cuda:"):
         raise DefinitionError(
             f"run.device: {spec.run.device!r} would put every rank of a data-parallel launch on one GPU; "

@@ -19,6 +19,9 @@ A file has three kinds of tables; its first comment is the command that runs it:
     reads = ["generate", "tool-execute"]
     concurrency = 8
 
+An optional fourth, ``[eval]`` (:class:`EvalSettings`), evaluates the policy on a held-out set
+every N steps and at the end (:mod:`thundersync.app.evaluation`).
+
 A stage that closes a loop names the loop's edge back to it in ``feedback`` instead of ``reads``
 (``feedback = ["tool-execute"]`` on the generate stage of an agent loop); any other cycle fails
 with a path-qualified error naming it.
@@ -47,6 +50,7 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 
 from thundersync._device import check_device
+from thundersync.acceleration import Acceleration
 from thundersync.app.factories.registry import ALL_FACTORIES
 from thundersync.app.files._schema import (
     GRAPH_FIELDS,
@@ -58,6 +62,7 @@ from thundersync.app.files._schema import (
     takes_extra_options,
 )
 from thundersync.app.files.overrides import apply_overrides
+from thundersync.app.metrics.wandb import WandbSettings
 from thundersync.errors import ConfigError, DefinitionError
 from thundersync.pipeline.graph import DEFAULT_CAPACITY
 from thundersync.pipeline.stage import Stage
@@ -65,6 +70,7 @@ from thundersync.stages import REGISTRY
 
 __all__ = [
     "MAX_NESTING",
+    "EvalSettings",
     "ObjectSpec",
     "PipelineSpec",
     "RunSettings",
@@ -91,16 +97,42 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     ``repeat``; None: the source's ``repeat`` epochs decide); ``device``: the device of every
     object whose factory takes a ``device`` and whose table gives none (``cpu``, ``cuda``,
     ``cuda:N``, or ``auto``: the GPU when there is one); ``tensorboard``: a directory for
-    TensorBoard scalars of each step line (:mod:`thundersync.app.metrics.tensorboard`; None: none).
+    TensorBoard scalars of each step line (:mod:`thundersync.app.metrics.tensorboard`; None: none);
+    ``wandb``: a W&B run of the same records (``[run.wandb]``: :mod:`thundersync.app.metrics.wandb`).
     """
 
     metrics: str | None = None
     tensorboard: str | None = None
+    wandb: WandbSettings | None = None
     progress: Literal["auto", "on", "off"] = "auto"
     capacity: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_CAPACITY
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     steps: Annotated[int, msgspec.Meta(ge=1)] | None = None
     device: str = "auto"
+
+
+class EvalSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """``[eval]``: evaluation runs on a held-out set (:mod:`thundersync.app.evaluation`).
+
+    ``tasks``: the name of the tasks object of the held-out set; ``every``: evaluate after every
+    N-th optimizer step (0: never during the run); ``at_end``: and after the last step;
+    ``samples``: samples per task (n of pass@k), ``k``: pass@k's k (default ``samples``);
+    ``temperature``: 0 is greedy; ``max_new_tokens``: per action (default: the rollout stage's);
+    ``pass_threshold``: a sample passes when its reward is at least this; ``stage``: the rollout
+    stage (``generate`` or ``agent-app``) whose generator, tools and app are used (default: the
+    file's only one); ``scorer``: the name of the reward object (default: the reward stage's).
+    """
+
+    tasks: str
+    every: Annotated[int, msgspec.Meta(ge=0)] = 0
+    at_end: bool = True
+    samples: Annotated[int, msgspec.Meta(ge=1)] = 1
+    k: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    pass_threshold: float = 1.0
+    stage: str | None = None
+    scorer: str | None = None
 
 
 class ObjectSpec(msgspec.Struct, frozen=True):
@@ -130,17 +162,23 @@ class StageSpec(msgspec.Struct, frozen=True):
 
 
 class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True):
-    """A whole pipeline: stages by name (in order), runtime objects by name, run settings."""
+    """A whole pipeline: stages by name (in order), runtime objects by name, run settings, and how
+    the run, the generator and the teacher compute (``[acceleration]``: every object whose factory
+    takes an ``acceleration`` gets it, resolved once, when its table gives none)."""
 
     stages: dict[str, StageSpec]
     objects: dict[str, ObjectSpec] = {}
     run: RunSettings = RunSettings()
+    acceleration: Acceleration = Acceleration()
+    eval: EvalSettings | None = None
 
 
 class _File(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stages: dict[str, Any]  # each a table; checked per entry so errors name it
     objects: dict[str, Any] = {}
     run: RunSettings = RunSettings()
+    acceleration: Acceleration = Acceleration()
+    eval: EvalSettings | None = None
 
 
 # --- reading files -----------------------------------------------------------------------------
@@ -176,14 +214,21 @@ def loads(text: str, overrides: Sequence[str] = ()) -> PipelineSpec:
             "need only a few levels, so flatten the deepest value"
         )
     apply_overrides(raw, overrides)
-    top = convert(
-        raw, _File, "", fields={"": ["run", "objects", "stages"], ".run": list(RunSettings.__struct_fields__)}
-    )
+    fields = {
+        "": ["run", "objects", "stages", "acceleration", "eval"],
+        ".run": list(RunSettings.__struct_fields__),
+        ".run.wandb": list(WandbSettings.__struct_fields__),
+        ".acceleration": list(Acceleration.__struct_fields__),
+        ".eval": list(EvalSettings.__struct_fields__),
+    }
+    top = convert(raw, _File, "", fields=fields)
     _check_device("run.device", top.run.device)
     return PipelineSpec(
         stages={name: _stage(name, table) for name, table in top.stages.items()},
         objects={name: _object(name, table) for name, table in top.objects.items()},
         run=top.run,
+        acceleration=top.acceleration,
+        eval=top.eval,
     )
 
 

@@ -35,7 +35,13 @@ from thundersync.app.files._schema import factory_returns, reference_params
 from thundersync.app.files.definition import ObjectSpec, PipelineSpec
 from thundersync.errors import DefinitionError
 
-__all__ = ["build_order", "check_references", "place_hint", "runtime_class"]
+__all__ = [
+    "build_order",
+    "check_references",
+    "factory_returns",
+    "place_hint",
+    "runtime_class",
+]
 
 
 def build_order(spec: PipelineSpec, given: Iterable[str] = ()) -> list[str]:

@@ -11,9 +11,11 @@ Every line is a JSON object with an ``event`` (``step``, an event's class name, 
     {"t":0.9,"event":"run_finished","status":"ok","elapsed_s":0.9}
 
 The ``step`` lines (one per optimizer step; :mod:`thundersync.app.metrics.step_metrics` defines each
-key) are what other tools read: ``thundersync plot`` draws them. Given ``tensorboard``
-(:class:`~thundersync.app.metrics.tensorboard.TensorBoardSteps`, ``[run] tensorboard``), the sink also
-hands each step record to it, opens it with itself and closes it with itself.
+key) are what other tools read: ``thundersync plot`` draws them; ``eval`` lines (``[eval]``:
+:mod:`thundersync.app.evaluation`) hold an evaluation run's ``eval_*`` keys at its ``step``. Given
+``tensorboard`` (:class:`~thundersync.app.metrics.tensorboard.TensorBoardSteps`, ``[run] tensorboard``)
+or other ``sinks`` (:class:`~thundersync.app.metrics.wandb.WandbSteps`, ``[run.wandb]``), the sink
+also hands each step and eval record to them, opens them with itself and closes them with itself.
 
 Lines reach the file as they are written (no buffer), so a crashed run leaves every line up to the crash.
 
@@ -30,10 +32,11 @@ import io
 import os
 import shlex
 import stat
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from time import perf_counter
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -42,7 +45,25 @@ from thundersync.errors import ConfigError
 from thundersync.events import EventBase
 from thundersync.pipeline.runner import RunStatistics
 
-__all__ = ["JsonlMetrics"]
+__all__ = ["JsonlMetrics", "RecordSink"]
+
+RECORDS = ("step", "eval")
+"""The events whose records go to TensorBoard and the other sinks too."""
+
+
+class RecordSink(Protocol):
+    """Where step and eval records also go: opened and closed with the metrics file."""
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> Any: ...
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        """Take one record (it has a ``step``)."""
+        ...
+
 
 _KINDS = (
     (stat.S_ISREG, "regular file"),
@@ -60,15 +81,22 @@ class JsonlMetrics:
     """Write metric records to ``path`` (``None``: a sink that drops everything).
 
     ``overwrite``: replace an existing regular file instead of refusing to open; ``tensorboard``:
-    where the step records also go (None: nowhere else).
+    where the step records also go (None: nowhere else); ``sinks``: other places they go.
     """
 
     def __init__(
-        self, path: str | Path | None, *, overwrite: bool = False, tensorboard: TensorBoardSteps | None = None
+        self,
+        path: str | Path | None,
+        *,
+        overwrite: bool = False,
+        tensorboard: TensorBoardSteps | None = None,
+        sinks: Sequence[RecordSink] = (),
     ) -> None:
         self.path = None if path is None else Path(path)
         self.overwrite = overwrite
         self.tensorboard = tensorboard
+        self.sinks: list[RecordSink] = [*([tensorboard] if tensorboard is not None else []), *sinks]
+        self._opened: list[RecordSink] = []
         self._file: io.FileIO | None = None
         self._encoder = msgspec.json.Encoder()
         self._start = perf_counter()
@@ -77,12 +105,14 @@ class JsonlMetrics:
     def __enter__(self) -> JsonlMetrics:
         if self.path is not None:
             self._file = _open_new(self.path, overwrite=self.overwrite)
-        if self.tensorboard is not None:
+        self._opened = []
+        for sink in self.sinks:
             try:
-                self.tensorboard.__enter__()
+                sink.__enter__()
             except BaseException:
                 self.__exit__(None, None, None)
                 raise
+            self._opened.append(sink)
         self._start = perf_counter()
         return self
 
@@ -90,17 +120,20 @@ class JsonlMetrics:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         try:
-            if self.tensorboard is not None:
-                self.tensorboard.__exit__(exc_type, exc, traceback)
+            for sink in reversed(self._opened):
+                sink.__exit__(exc_type, exc, traceback)
         finally:
+            self._opened = []
             if self._file is not None:
                 self._file.close()
                 self._file = None
 
     def write(self, event: str, **fields: Any) -> None:
-        """Write one record ``{"t": ..., "event": event, **fields}`` (a ``step`` record also to TensorBoard)."""
-        if event == "step" and self.tensorboard is not None:
-            self.tensorboard.add(fields)
+        """Write one record ``{"t": ..., "event": event, **fields}`` (a ``step`` or ``eval`` record also
+        to TensorBoard and the other sinks)."""
+        if event in RECORDS:
+            for sink in self.sinks:
+                sink.add(fields)
         if self._file is None:
             return
         record = {"t": round(perf_counter() - self._start, 6), "event": event, **fields}

@@ -1,12 +1,12 @@
 """The engine's layer math through ``torch.compile``: fewer kernels and far less host time per pack.
 
 A pack's forward and backward run every layer's norms, projections, per-head norms, rotary
-embedding, residual adds and MLP as eager ops: about 100 kernels per layer, each launched from
-Python or autograd at 7-30 µs of host time, so a small pack costs ~70-110 ms of host time for
-~10 ms of GPU work on the H200 (bench/RESULTS.md, "The fixed cost of a pack"). Compiled,
-a layer up to attention and a layer after it are one call each way (inductor fuses each run of
-elementwise work into one kernel; AOTAutograd compiles the backward with it). Attention, which
-joins each chunk's keys, stays eager.
+embedding, residual adds and MLP as eager ops, each launched from Python or autograd, so a small
+pack costs many times more host time than GPU work (bench/RESULTS.md, section
+"2026-11-29 — The fixed cost of a pack (`bench/engine_pack.py`)"). Compiled, a layer up to
+attention and a layer after it are one call each way (inductor fuses each run of elementwise work
+into one kernel; AOTAutograd compiles the backward with it). Attention, which joins each chunk's
+keys, stays eager.
 
 The token count N of a pack changes with every pack, so it is marked dynamic from the first call:
 one compiled artifact per function (forward and backward), shared by every layer (the functions
@@ -16,16 +16,17 @@ compiles everything for a model before its first pack, while it holds
 :data:`~thundersync._compile.COMPILE_LOCK` (AOTAutograd compiles a dynamic backward lazily, on
 autograd's thread, where the lock of each compiled call would not cover it).
 
-``THUNDERSYNC_ENGINE_COMPILE``: ``auto`` (default, off), ``on``, ``off``. On, the whole-pack CUDA
-graphs (:mod:`~thundersync.engine.accel._pack_graphs`) record the compiled math, so a replay launches
-the fused kernels without their Python wrappers; packs no bucket holds run the compiled math
-without graphs (the per-layer graphs of :mod:`~thundersync.engine.accel._layer_graphs` record the eager math
-only). Launched without graphs it measured slower on the H200 (bench/RESULTS.md, 2026-12-01): the
-compiled regions' Python wrappers cost about what the fused kernels save (a 64-token pack: 127 ms
-against 118 ms eager), streamed GRPO took 1.14 s against 0.91 s and streamed OPD beside the
-rollout 21.1 s against 15.4 s. Inside the pack graphs a pack of 256-2048 tokens took 14-19% less
-time than the eager math's graph, but a streamed OPD batch took 2.56x the dense time against 1.95x
-(2026-12-02, tenth session), so it stays off.
+``Acceleration.compile`` (``THUNDERSYNC_ENGINE_COMPILE``): ``auto`` (default, off), ``on``, ``off``.
+On, the whole-pack CUDA graphs (:mod:`~thundersync.engine.accel._pack_graphs`) record the compiled
+math, so a replay launches the fused kernels without their Python wrappers; packs no bucket holds
+run the compiled math without graphs (the per-layer graphs of
+:mod:`~thundersync.engine.accel._layer_graphs` record the eager math only). It stays off: launched
+without graphs, the compiled regions' Python wrappers cost about what the fused kernels save, and
+streamed GRPO and OPD were slower (bench/RESULTS.md, section "2026-12-01 — Fewer host ops per pack
+(fourth session): one key gather, CUDA-graphed layers"); inside the pack graphs one pack's graph
+is faster, but a streamed OPD batch was slower (section "2026-12-02 — Where a streamed pack's time
+goes beside a rollout; captures that stall every thread; the compiled math in the pack graphs
+(tenth session)").
 The compiled math computes the same functions up to rounding (fused elementwise kernels round
 intermediate values differently); :data:`failures` lists the functions that fell back to eager.
 """

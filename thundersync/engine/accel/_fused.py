@@ -1,11 +1,11 @@
-"""The engine's layer math through the fused training kernels: a third of the kernels of a pack.
+"""The engine's layer math through the fused training kernels: far fewer small kernels per pack.
 
-The eager math (:data:`~thundersync.model.decoder.EAGER`) launches ~120 kernels per layer in a
-pack's forward and backward, of which matrix products are ~21 and attention ~4; the rest is the
-norms', rotary's, activation's and residuals' elementwise work and its autograd (~3.7 µs each on
-the H200: a 64-token pack's 3,459 kernels take 12.7 ms, where its products take ~3 ms;
-bench/RESULTS.md, "What a small pack launches"). :data:`FUSED` computes the same layer with the
-kernels of :mod:`thundersync.kernels.layer`::
+Most of the kernels the eager math (:data:`~thundersync.model.decoder.EAGER`) launches in a pack's
+forward and backward are neither matrix products nor attention but the norms', rotary's,
+activation's and residuals' elementwise work and its autograd; each is short, so a small pack's
+time is their count (bench/RESULTS.md, section "2026-12-02 — What a small pack launches, what an
+action waits for; OPD packs kept to the graphs' buckets, tried and reverted (twelfth session)").
+:data:`FUSED` computes the same layer with the kernels of :mod:`thundersync.kernels.layer`::
 
     h = rms_norm(x, input_norm)                                   1 kernel; backward 1 + a reduction
     q, k = heads_norm_rope(q_proj(h), q_norm), (k_proj(h), k_norm) 1 each; backward 1 + a reduction
@@ -17,14 +17,14 @@ weights are read from the modules at each call (so the pack graphs' parameter al
 capture records). Values are the eager math's up to rounding (the forwards round where the eager
 ops round; the backwards keep fp32 intermediates). The pack graphs that record this math also
 gather each layer's keys and values with :func:`~thundersync.kernels.layer.gather_rows` (the
-attention is not part of a :class:`~thundersync.model.decoder.LayerMath`; ``_pack_graph._Body``
+attention is not part of a :class:`~thundersync.model.decoder.LayerMath`; ``_pack_graphs._Body``
 picks the gather by the math).
 
 A model qualifies (:func:`fused_math`) on CUDA in bf16/fp16, when every norm is a plain
 transformers RMSNorm of the model's dtype (per-head norms on both q and k, or on neither), every
 MLP is a ``down(silu(gate(x)) * up(x))`` class, the head dimension is a power of two, and the
-kernels pass their probe on the device. ``THUNDERSYNC_ENGINE_FUSED``: ``auto`` (default: on where
-the model qualifies), ``on`` (raise where it does not), ``off``.
+kernels pass their probe on the device. ``Acceleration.fused`` (``THUNDERSYNC_ENGINE_FUSED``):
+``auto`` (default: on where the model qualifies), ``on`` (raise where it does not), ``off``.
 """
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 # (torch.autograd.Function.apply is untyped in torch's stubs)
 """The engine's layers as CUDA graphs: a pack replays each layer's math instead of launching it op by op.
 
-A pack's forward and backward launch ~110 kernels per layer, each from Python or autograd at
-~10 µs of host time on the H200 machine, so a small pack costs ~120 ms of host time for ~10 ms of
-GPU work (bench/RESULTS.md, "The fixed cost of a pack"). Here each layer's two row-wise parts, up
-to attention and after it (:mod:`~thundersync.model.decoder`), are captured as CUDA graphs,
-forward and backward, for a bucket of rows; a pack pads its rows to the bucket and replays them::
+A pack's forward and backward launch each layer's kernels one by one from Python or autograd, so
+a small pack costs many times more host time than GPU work (bench/RESULTS.md, section
+"2026-11-29 — The fixed cost of a pack (`bench/engine_pack.py`)"). Here each layer's two row-wise
+parts, up to attention and after it (:mod:`~thundersync.model.decoder`), are captured as CUDA
+graphs, forward and backward, for a bucket of rows; a pack pads its rows to the bucket and
+replays them::
 
     x, cos, sin' = embed(tokens, positions), padded to B rows           (eager)
     layer i:  q, k, v = replay before_i(x, cos, sin')[:N]               (one graph; backward: one)

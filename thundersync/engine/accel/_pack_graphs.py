@@ -3,15 +3,16 @@
 """Whole packs as CUDA graphs: a pack's forward is one replay, its backward another, attention included.
 
 The per-layer graphs (:mod:`~thundersync.engine.accel._layer_graphs`) leave attention, its key gather and
-each part's autograd bookkeeping eager: ~60 host ops per layer, ~40 ms of host time per pack on
-the H200 machine. Here the whole pack, embedding to final norm, forward and backward, is captured
-for a bucket of shapes and a pack costs a few dozen host ops:
+each part's autograd bookkeeping eager, dozens of host ops per layer (bench/RESULTS.md, section
+"2026-12-01 — Whole packs as CUDA graphs (fifth session)"). Here the whole pack, embedding to
+final norm, forward and backward, is captured for a bucket of shapes and a pack costs a few dozen
+host ops:
 
     static inputs   io = [positions R | key index K | cu 2 x (C + 1) | readers K | starts P + R + 1]
                     (one host-to-device copy; readers and starts list the keys that read each row)
                     ids [R] (the tokens, copied on the device), prefix [L, 2, P, Hkv, D] (fp32)
     forward graph   x = decoder_forward(ids, positions)      each layer's attention:
-                        keys = cat(prefix[l], k, 0).index_select(index)   (as adapter._PackAttention;
+                        keys = cat(prefix[l], k, 0).index_select(index)   (as packed._PackAttention;
                             one kernel each way with the fused math: kernels.layer.gather_rows)
                         a = varlen flash attention over cu            (a masked SDPA off bf16/fp16)
                     -> hidden [R, H] (final norm), k_l, v_l [R, Hkv, D]
@@ -33,9 +34,10 @@ Gradients: :class:`_PackReplay` is one autograd node whose inputs are the pack's
 and the owner's :attr:`PackGraphs.anchor`, not the ~300 trainable parameters: its backward adds
 their gradients into their ``.grad`` itself (:func:`~thundersync.engine.accel._layer_graphs.write_grads`,
 one multi-tensor add), so autograd would only evaluate an ``AccumulateGrad`` node per parameter
-to be handed None (366 per pack, ~2.8 ms of host time under the profiler on the H200 machine; a
-single pack's wall time did not change, its kernels bound it). The anchor, a scalar leaf that
-requires grad, makes the outputs require grad where no proxy does (a prompt's pack); a backward
+to be handed None (host time, though not a small pack's wall time, which its kernels bound:
+bench/RESULTS.md, section "2026-12-02 — Where a streamed OPD batch's time goes; one engine stream
+per device; replays without the parameters as inputs (eleventh session)"). The anchor, a scalar
+leaf that requires grad, makes the outputs require grad where no proxy does (a prompt's pack); a backward
 restricted to ``inputs`` must list it, as ``SegmentPack.backward`` does. The graphs differentiate with respect to detached aliases of the parameters (see
 :class:`~thundersync.engine.accel._layer_graphs._Part`). The node's outputs are the pack's rows of the static
 buffers; those without gradient (a lone action's K/V) come as None, not materialized zeros
