@@ -45,8 +45,7 @@ async def test_a_file_and_a_background_process_planted_by_one_trajectory_are_gon
 ) -> None:
     async with runner(new_sandbox, 1) as tools:
         planted = output(await tools.run_turn(shell(PLANT, 0), {}))
-        # PRoot waits for every process it traces, so on uDocker the planting command runs until its timeout kills all
-        assert planted == "planted" or (backend == "udocker" and planted.startswith("planted\n[killed: timed out"))
+        assert planted == "planted"  # (uDocker and local end the background loop when the command returns)
         kept = output(await tools.run_turn(shell("cat planted; sleep 0.3; wc -l < beacon", 0, turn=1), {}))
         assert kept.startswith("secret")  # the trajectory keeps its files across turns
         if backend in ("docker", "podman"):  # and, in a container, its background processes
