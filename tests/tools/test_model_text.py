@@ -25,6 +25,7 @@ from thundersync.tools import (
     ToolCall,
     safe_repr,
 )
+from thundersync.tools.json_calls import split_json_calls
 
 pytestmark = pytest.mark.anyio
 TOKENS = ByteTokenizer()
@@ -151,3 +152,18 @@ async def test_text_with_a_nul_byte_in_a_command_is_an_error_observation() -> No
         result = await tools.run_turn(action({"name": "shell", "arguments": {"command": "echo a\u0000b"}}), {})
     (response,) = responses(result)
     assert response.startswith("error: ") and result.malformed == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('{"a": ' + "[" * 50_000 + "]" * 50_000 + "}", "nested too deeply"),
+        ('{"name": "shell", "parameters": {"command": ' + "9" * 5000 + "}}", "cannot be read: ValueError"),
+        ('{"name": ' + "[" * 900 + "]" * 900 + ', "parameters": {}}', 'has no "name" string'),
+        ('{"name": "shell", "parameters": ' + "[" * 900 + "]" * 900 + "}", 'needs a "parameters" object'),
+    ],
+    ids=["deep nesting", "huge integer", "deep name", "deep parameters"],
+)
+def test_llama_json_calls_the_model_writes_parse_to_a_call_with_an_error(text: str, says: str) -> None:
+    (call,) = split_json_calls(text)
+    assert call.error is not None and says in call.error and len(call.error) < 400

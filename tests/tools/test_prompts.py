@@ -107,3 +107,14 @@ def test_repo_bug_tasks_given_the_tools_publish_them_and_keep_their_fields() -> 
     for old, new in zip(plain, published, strict=True):
         assert new.fields == old.fields
         assert TOKENS.decode(new.prompt_ids) == qwen3_tool_prompt(TOKENS.decode(old.prompt_ids), runner().schemas)
+
+
+@pytest.mark.parametrize("style", ["qwen3", "llama3"])
+def test_a_chat_template_object_renders_the_prompt_as_it_renders_the_tool_turns(style: Any) -> None:
+    from thundersync.tools import ChatTemplate, chat_tokenizer
+
+    chat = ChatTemplate(chat_tokenizer(style))
+    ids = tool_prompt("Fix ops.py.", runner().schemas, chat, system="Be brief.")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Fix ops.py."}]
+    assert ids == chat.prompt_ids(messages, tools=runner().schemas)
+    assert "submit" in chat.decode(ids)

@@ -23,7 +23,7 @@ import msgspec
 
 from thundersync.errors import ConfigError
 from thundersync.sandboxes import NotIsolatedWarning, Sandbox, SandboxLimits, make_sandbox
-from thundersync.tools.base import Tokenizer
+from thundersync.tools.base import Tokenizer, ToolCallParser
 from thundersync.tools.coding import SandboxTool, coding_tools
 from thundersync.tools.commands import Tool, default_tools
 from thundersync.tools.sandboxed import SandboxToolRunner
@@ -53,10 +53,12 @@ def sandbox_tools(
     tree_bytes: _Positive = 256 * 2**20,
     allow_unsafe_local_sandbox: bool = False,
     tokenizer: Tokenizer | None = None,
+    parser: ToolCallParser | None = None,
 ) -> SandboxToolRunner:
     """A runner over ``backend`` sandboxes (see the module docstring); ``docker`` and ``udocker``
     need an ``image`` with what the tools run (``sh``, ``python3``, ``grep``). ``tokenizer`` (a
-    ``tokenizer`` object) defaults to :class:`~thundersync.tools.ByteTokenizer`."""
+    ``tokenizer`` object) defaults to :class:`~thundersync.tools.ByteTokenizer`, ``parser`` (not
+    settable in a file: ``chat-sandbox-tools`` gives its chat template's) to Qwen3's."""
     if backend != "local" and not image:
         raise ConfigError(f"the {backend} backend needs an image with sh and python3, e.g. image='python:3.12-slim'")
     available: dict[str, Tool | SandboxTool] = {**default_tools(), **coding_tools()}
@@ -81,6 +83,7 @@ def sandbox_tools(
         images=make if backend != "local" else None,
         image=image or "",
         tokenizer=tokenizer,
+        parser=parser,
         tools=chosen,
         max_sandboxes=max_sandboxes,
         warm=warm,

@@ -15,7 +15,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from thundersync.tools.base import ByteTokenizer, Tokenizer, ToolCall
+from thundersync.tools.base import ByteTokenizer, Tokenizer, ToolCall, safe_repr
 
 __all__ = ["JsonToolCallParser", "split_json_calls"]
 
@@ -28,9 +28,11 @@ def _call(value: Any) -> ToolCall:
     name = value.get("name")
     arguments = value.get("parameters", value.get("arguments"))
     if not isinstance(name, str) or not name:
-        return ToolCall(error=f'the tool call has no "name" string; got {name!r}')
+        return ToolCall(error=f'the tool call has no "name" string; got {safe_repr(name)}')
     if not isinstance(arguments, dict):
-        return ToolCall(name=name, error=f'the call of {name!r} needs a "parameters" object; got {arguments!r}')
+        return ToolCall(
+            name=name, error=f'the call of {safe_repr(name)} needs a "parameters" object; got {safe_repr(arguments)}'
+        )
     return ToolCall(name=name, arguments=arguments)
 
 
@@ -46,10 +48,14 @@ def split_json_calls(text: str) -> list[ToolCall]:
             value, at = decoder.raw_decode(text, at)
         except json.JSONDecodeError as error:
             return [*calls, ToolCall(error=f"the tool call is not valid JSON: {error}")]
+        except RecursionError:
+            return [*calls, ToolCall(error="the tool call's JSON is nested too deeply to read")]
+        except Exception as error:  # a number past Python's digit limit, or anything else json raises
+            return [*calls, ToolCall(error=f"the tool call's JSON cannot be read: {type(error).__name__}")]
         calls.append(_call(value))
         rest = text[at:].lstrip()
         if rest and not rest.startswith(";"):
-            return [*calls, ToolCall(error=f"calls must be separated by ';'; got {rest[:40]!r}")]
+            return [*calls, ToolCall(error=f"calls must be separated by ';'; got {safe_repr(rest[:40])}")]
         at = len(text) - len(rest.removeprefix(";").lstrip())
     return calls
 

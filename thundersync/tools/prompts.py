@@ -2,7 +2,9 @@
 
     ids = tool_prompt("Fix the failing test, then call submit.", runner.schemas, tokenizer)
 
-A tokenizer with a chat template (a transformers tokenizer of a chat model) renders the prompt
+A :class:`~thundersync.tools.ChatTemplate` (the ``chat-template`` object, which the runner's
+observations also go through) renders it with ``prompt_ids(messages, tools=schemas)``, so prompt
+and tool turns are one template's. A tokenizer with a chat template (a transformers tokenizer of a chat model) renders the prompt
 itself, as the model was trained to read it: ``apply_chat_template(messages, tools=schemas,
 add_generation_prompt=True)`` (its special tokens as the template writes them). A tokenizer without one
 (:class:`~thundersync.tools.ByteTokenizer`, a plain BPE) gets the prompt in Qwen3's format, the one
@@ -19,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from thundersync.tools.base import Tokenizer
+from thundersync.tools.chat_template import ChatTemplate
 
 __all__ = ["qwen3_tool_prompt", "tool_prompt"]
 
@@ -51,9 +54,11 @@ def tool_prompt(
 ) -> list[int]:
     """The prompt's token ids: ``text`` as the user's turn, the tools' ``schemas`` published as the
     tokenizer's chat template publishes them (see the module docstring)."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    if isinstance(tokenizer, ChatTemplate):
+        return tokenizer.prompt_ids(messages, tools=schemas)
     template = getattr(tokenizer, "apply_chat_template", None)
     if callable(template) and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         ids = template(messages, tools=[dict(s) for s in schemas], add_generation_prompt=True, return_dict=False)
         ids = ids["input_ids"] if isinstance(ids, Mapping) else ids  # older transformers: a BatchEncoding
         return [int(i) for i in ids]

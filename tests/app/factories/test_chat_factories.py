@@ -30,6 +30,7 @@ format = "{format}"
 factory = "chat-sandbox-tools"
 chat = {{ object = "chat" }}
 backend = "local"
+tools = ["calculator"]                  # (local runs no tool that runs model text unless the file opts in)
 format = "{format}"
 [stages.source]
 type = "source"
@@ -73,3 +74,15 @@ def test_an_app_function_is_loaded_from_a_module_or_a_file(tmp_path: Path) -> No
         load_app_function("nowhere.py:agent")
     with pytest.raises(ConfigError, match=r"is given as 'module:function' or 'file.py:function', got 'solve'"):
         load_app_function("solve")
+
+
+def test_chat_sandbox_tools_offer_the_coding_tools_and_refuse_local_for_model_text_unless_opted_in() -> None:
+    from thundersync.app.factories.chat import chat_sandbox_tools, chat_template
+    from thundersync.tools import chat_tokenizer
+
+    chat = chat_template(tokenizer=chat_tokenizer("qwen3"))
+    with pytest.raises(ConfigError, match=r"the local backend runs host processes \(no isolation\), and the tools"):
+        chat_sandbox_tools(chat=chat, backend="local", tools=("view", "shell"))
+    tools = chat_sandbox_tools(chat=chat, backend="docker", image="img:1", tools=("view", "replace", "submit"))
+    assert list(tools.tools) == ["view", "replace", "submit"] and tools.tokenizer is chat
+    assert tools.parser.observation(["ok"]) == chat.tool_observation(["ok"])

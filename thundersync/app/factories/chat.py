@@ -30,8 +30,6 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from thundersync.errors import ConfigError
-from thundersync.sandboxes import SandboxLimits, make_sandbox
 from thundersync.tools import (
     ChatTemplate,
     ChatTemplateToolCalls,
@@ -39,7 +37,9 @@ from thundersync.tools import (
     Qwen3ToolCallParser,
     SandboxToolRunner,
     default_tools,
+    sandbox_tools,
 )
+from thundersync.tools import ToolName as SandboxToolName
 from thundersync.tools.chat_template import ChatTokenizer
 
 __all__ = ["chat_sandbox_tools", "chat_template", "chat_tool_calls"]
@@ -72,23 +72,27 @@ def chat_sandbox_tools(
     backend: Literal["docker", "udocker", "local"],
     format: Literal["qwen3", "json"] = "qwen3",
     image: str | None = None,
-    tools: tuple[ToolName, ...] = ("calculator", "python", "shell"),
+    tools: tuple[SandboxToolName, ...] = ("calculator", "python", "shell"),
     max_sandboxes: _Positive = 4,
+    warm: _NonNegative = 0,
     timeout_s: _Seconds = 10.0,
     truncate_tokens: _NonNegative = 256,
     memory_bytes: _Positive = 512 * 2**20,
+    allow_unsafe_local_sandbox: bool = False,
 ) -> SandboxToolRunner:
-    """``sandbox-tools`` whose observations are ``chat``'s tool turns, encoded by ``chat`` (exact)."""
-    if backend != "local" and not image:
-        raise ConfigError(f"the {backend} backend needs an image with sh and python3, e.g. image='python:3.12-slim'")
-    limits = SandboxLimits(memory_bytes=memory_bytes, timeout_s=timeout_s)
-    available = default_tools()
-    return SandboxToolRunner(
-        lambda: make_sandbox(backend, image, limits=limits),
-        tokenizer=chat,
-        parser=chat_tool_calls(chat=chat, format=format),
-        tools=[available[name] for name in dict.fromkeys(tools)],
+    """``sandbox-tools`` (:func:`~thundersync.tools.sandbox_tools`: the coding tools too, a sandbox per
+    trajectory, ``local`` refused for tools that run model text unless the file opts in) whose
+    observations are ``chat``'s tool turns, encoded by ``chat`` (exact)."""
+    return sandbox_tools(
+        backend=backend,
+        image=image,
+        tools=tools,
         max_sandboxes=max_sandboxes,
+        warm=warm,
         timeout_s=timeout_s,
         truncate_tokens=truncate_tokens,
+        memory_bytes=memory_bytes,
+        allow_unsafe_local_sandbox=allow_unsafe_local_sandbox,
+        tokenizer=chat,
+        parser=chat_tool_calls(chat=chat, format=format),
     )
