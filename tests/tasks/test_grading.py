@@ -155,3 +155,11 @@ def test_pytests_report_says_which_tests_passed() -> None:
 def test_the_command_words_are_shell_quoted_for_ids_with_brackets() -> None:
     assert shlex.split(shlex.join(["t.py::test[a b]"])) == ["t.py::test[a b]"]
     assert json.loads(json.dumps(task()))  # the environment is plain JSON: it rides on the events
+
+
+async def test_a_grade_command_that_runs_past_its_own_timeout_is_a_failed_grade(local_runner: MakeRunner) -> None:
+    import anyio
+
+    hang = [*PYTHON, "-c", "import time; time.sleep(60)"]
+    with anyio.fail_after(20):  # the grade's own timeout (0.5 s), not the sandbox's default, ends it
+        assert await grade(local_runner, task(grade=hang, grade_timeout_s=0.5)) == 0.0
