@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -99,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace the metrics file and run.tensorboard's event files if they exist (never done silently)",
+        help="replace the metrics file and run.tensorboard's event files if they exist, and remove the "
+        "checkpoints an earlier run left in the checkpointer's directory (saying so; never done silently)",
     )
     run.add_argument(
         "--resume",
@@ -132,11 +133,16 @@ def _error(message: str, error: BaseException, verbose: bool, *, hint_verbose: b
 
 
 def _prepare(
-    path: Path, overrides: Sequence[str], ranks: Launch | None = None
+    path: Path,
+    overrides: Sequence[str],
+    ranks: Launch | None = None,
+    before_build: Callable[[PipelineSpec], None] | None = None,
 ) -> tuple[PipelineSpec, dict[str, object], Graph]:
     spec = load(path, overrides)
     try:
         check_run_settings(spec, data_parallel=ranks is not None)
+        if before_build is not None:
+            before_build(spec)
         objects = build_objects(spec)
         if ranks is not None:  # claims, and an admission when the file has none (its step lines show it)
             objects = {**objects, **attach(ranks, objects)}
@@ -205,11 +211,27 @@ def _run(path: Path, args: argparse.Namespace) -> int:
         return _run_rank(path, args, ranks)
 
 
+def _check_checkpoints(spec: PipelineSpec, args: argparse.Namespace) -> None:
+    """The checkpoint directories of the file's checkpointers, before anything is built
+    (:func:`thundersync.app.checkpoints.preflight`): refused, or cleared by ``--overwrite``, saying so."""
+    directories = [obj.args["directory"] for obj in spec.objects.values() if obj.factory == "checkpointer"]
+    if not directories:
+        return
+    from thundersync.app.checkpoints import preflight  # no torch
+
+    plans = [preflight(Path(d), resume=args.resume, overwrite=args.overwrite) for d in directories]
+    for plan in plans:
+        if plan.removes:
+            sys.stderr.write(f"thundersync: {rank_label()}{printable(plan.message)}\n")
+            plan.apply()
+
+
 def _run_rank(path: Path, args: argparse.Namespace, ranks: Launch | None) -> int:
-    spec, objects, graph = _prepare(path, args.overrides, ranks)
+    writes = ranks is None or ranks.writes_files
+    check = (lambda spec: _check_checkpoints(spec, args)) if writes else None  # rank 0 alone writes checkpoints
+    spec, objects, graph = _prepare(path, args.overrides, ranks, check)
     resumed = None if args.resume is None else _resume(objects, args.resume)
     settings = spec.run
-    writes = ranks is None or ranks.writes_files
     metrics_path = (args.metrics if args.metrics is not None else settings.metrics) if writes else None
     tensorboard = None
     if writes and settings.tensorboard is not None:
