@@ -21,7 +21,8 @@ Lines reach the file as they are written (no buffer), so a crashed run leaves ev
 
 The file is created new, in a directory that must already exist; an existing file is replaced
 only with ``overwrite=True`` (``thundersync run --overwrite``), and then only if it is a regular
-file: the sink never writes through a symbolic link (``O_NOFOLLOW``), into a device or a FIFO.
+file with no other hard link: the sink never writes through a symbolic link (``O_NOFOLLOW``),
+into a device or a FIFO, and never truncates a file that other names share (``st_nlink > 1``).
 Each refusal is a :class:`~thundersync.errors.ConfigError` that names the path and what to do.
 """
 
@@ -161,9 +162,15 @@ def _open_new(path: Path, *, overwrite: bool) -> io.FileIO:
     except OSError as error:
         raise _refusal(path, error) from None
     try:
-        kind = _kind(os.fstat(fd).st_mode)
+        status = os.fstat(fd)
+        kind = _kind(status.st_mode)
         if kind != "regular file":
             raise ConfigError(f"the metrics path {path} is a {kind}, not a regular file; {_HINT}")
+        if status.st_nlink > 1:  # truncating it would empty the file under its other names too
+            raise ConfigError(
+                f"the metrics file {path} has {status.st_nlink} hard links, and --overwrite would empty it under "
+                f"every other name too; {_HINT}, or remove this name first"
+            )
         os.set_blocking(fd, True)
         os.ftruncate(fd, 0)
     except OSError as error:
