@@ -189,7 +189,9 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+    """The error's message on one line (torch's span several), at most 300 characters."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _require_tied(model: nn.Module, state: dict[str, torch.Tensor], missing: list[str], directory: Path) -> None:
