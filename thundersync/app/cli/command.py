@@ -16,8 +16,11 @@ metrics path is invalid (for ``plot``: the metrics file is missing, malformed or
 lines), 130 when interrupted. Errors are one line on stderr; ``--verbose`` adds
 the traceback and info-level logs; under a data-parallel launch the line starts with the rank
 (:mod:`thundersync.app.cli.distributed`, where rank 0 alone writes files). The metrics file is created new in an existing directory;
-``--overwrite`` lets it replace an existing file (:mod:`thundersync.app.metrics.jsonl`), and the event
-files of an earlier run in ``run.tensorboard``'s directory (:mod:`thundersync.app.metrics.tensorboard`). Names from
+``--overwrite`` lets it replace an existing file (:mod:`thundersync.app.metrics.jsonl`), the event
+files of an earlier run in ``run.tensorboard``'s directory (:mod:`thundersync.app.metrics.tensorboard`),
+and the checkpoints an earlier run left in a checkpointer's directory, named in one stderr line
+(:func:`thundersync.app.checkpoints.preflight`, run before anything is built: without
+``--overwrite`` or ``--resume`` such a directory is refused). Names from
 the file reach the terminal escaped (``\x1b``, ``\n``). This is the only place that configures
 logging (structlog, to stderr); the library itself configures no handlers.
 """
