@@ -7,6 +7,7 @@ Runs examples/train_tiny_grpo.toml (two steps per source repeat), checkpointing 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,8 +72,22 @@ def test_a_plain_rerun_into_a_directory_with_checkpoints_is_refused_before_build
     capsys.readouterr()
     assert _run(tmp_path, 1, "b.jsonl") == 2
     assert capsys.readouterr().err == (
-        f"thundersync: invalid settings (ConfigError): {TINY}: the checkpoint directory {tmp_path / 'ckpt'} holds "
+        f"thundersync: invalid settings (ConfigError): the checkpoint directory {tmp_path / 'ckpt'} holds "
         "checkpoints of another run (steps 1, 2), which this run would mix with its own; continue that run with "
         f"--resume {tmp_path / 'ckpt'}, replace them with --overwrite, or give the checkpointer another directory\n"
     )
     assert not (tmp_path / "b.jsonl").exists() and _checkpoints(tmp_path) == before
+
+
+def test_the_outputs_are_checked_before_anything_is_built(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    other, metrics = tmp_path / "other.jsonl", tmp_path / "m.jsonl"
+    other.write_text("another run's lines\n")
+    os.link(other, metrics)
+    broken = ["--set", "objects.model.config.hidden_size=-1"]  # building the model would fail
+    assert _run(tmp_path, 1, "m.jsonl", "--overwrite", *broken) == 2
+    assert capsys.readouterr().err == (
+        f"thundersync: invalid settings (ConfigError): the metrics file {metrics} has 2 hard links, and --overwrite "
+        "would empty it under every other name too; give --metrics (or run.metrics) the path of a new file, or "
+        "remove this name first\n"
+    )
+    assert other.read_text() == "another run's lines\n"

@@ -145,14 +145,17 @@ def read_info(checkpoint: Path) -> CheckpointInfo:
     try:
         data = _read_regular(path)
         version = msgspec.json.decode(data, type=_Format).format
-        if version != FORMAT:
-            raise ConfigError(f"it has format {version!r}; this version of thundersync reads format {FORMAT}")
-        return msgspec.json.decode(data, type=CheckpointInfo)
+        if version == FORMAT:
+            return msgspec.json.decode(data, type=CheckpointInfo)
     except (ConfigError, msgspec.DecodeError) as error:
         raise ConfigError(
             f"the checkpoint {checkpoint} is not valid: {MARKER}: {_without_path(error, path)}; "
             "give a checkpoint written by thundersync's checkpointer"
         ) from None
+    raise ConfigError(
+        f"the checkpoint {checkpoint} has format {version!r} (another version of thundersync wrote it); "
+        f"this version reads format {FORMAT}: resume it with the version that wrote it, or move it away"
+    )
 
 
 def read_run(directory: Path) -> str | None:

@@ -45,7 +45,7 @@ from thundersync.app.evaluation import Evaluation, attach_evaluation, evaluate_a
 from thundersync.app.files.build import build_graph, build_objects
 from thundersync.app.files.check import check_pipeline, check_run_settings
 from thundersync.app.files.definition import PipelineSpec, load
-from thundersync.app.metrics.jsonl import JsonlMetrics, RecordSink
+from thundersync.app.metrics.jsonl import JsonlMetrics, RecordSink, check_metrics_path
 from thundersync.app.metrics.tensorboard import TensorBoardSteps
 from thundersync.app.metrics.wandb import WandbSteps
 from thundersync.errors import ConfigError, DefinitionError, GraphError, ThunderSyncError
@@ -144,8 +144,11 @@ def _prepare(
     spec = load(path, overrides)
     try:
         check_run_settings(spec, data_parallel=ranks is not None)
-        if before_build is not None:
-            before_build(spec)
+    except ConfigError as error:
+        raise type(error)(f"{path}: {error}") from None
+    if before_build is not None:  # its messages name their own paths
+        before_build(spec)
+    try:
         objects = build_objects(spec)
         if ranks is not None:  # claims, and an admission when the file has none (its step lines show it)
             objects = {**objects, **attach(ranks, objects)}
@@ -229,9 +232,16 @@ def _check_checkpoints(spec: PipelineSpec, args: argparse.Namespace) -> None:
             plan.apply()
 
 
+def _check_outputs(spec: PipelineSpec, args: argparse.Namespace) -> None:
+    """What the run will write, checked before anything is built: the metrics file, then the
+    checkpoint directories (which ``--overwrite`` may clear)."""
+    check_metrics_path(args.metrics if args.metrics is not None else spec.run.metrics, overwrite=args.overwrite)
+    _check_checkpoints(spec, args)
+
+
 def _run_rank(path: Path, args: argparse.Namespace, ranks: Launch | None) -> int:
     writes = ranks is None or ranks.writes_files
-    check = (lambda spec: _check_checkpoints(spec, args)) if writes else None  # rank 0 alone writes checkpoints
+    check = (lambda spec: _check_outputs(spec, args)) if writes else None  # rank 0 alone writes files
     spec, objects, graph = _prepare(path, args.overrides, ranks, check)
     resumed = None if args.resume is None else _resume(objects, args.resume)
     settings = spec.run
