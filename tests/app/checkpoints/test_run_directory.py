@@ -108,6 +108,15 @@ def test_resuming_an_older_checkpoint_of_the_run_needs_overwrite_to_drop_the_lat
     assert plan.run == saver.run and [path.name for path in plan.removes] == ["step-00000003"]
 
 
+def test_overwrite_never_removes_the_checkpoint_being_resumed(tmp_path: Path) -> None:
+    saver = _checkpointer(tmp_path)
+    saver.save(1)
+    (tmp_path / RUN_FILE).unlink()  # which run owns the directory is no longer known
+    with pytest.raises(ConfigError, match=rf"^--resume {tmp_path / 'step-00000001'}: {tmp_path} has no run.json"):
+        preflight(tmp_path, resume=tmp_path / "step-00000001", overwrite=True)
+    assert _steps(tmp_path) == [1]
+
+
 def test_retention_keeps_the_newest_and_every_kth_step(tmp_path: Path) -> None:
     saver = _checkpointer(tmp_path, keep_last=2, keep_every=3)
     for step in range(1, 8):

@@ -54,7 +54,7 @@ def test_an_overwrite_rerun_keeps_its_own_checkpoints_and_resume_continues_it(
     assert _run(tmp_path, 1, "new.jsonl", "--overwrite") == 0  # 2 steps: 1 and 2, higher ones of the old run gone
     err = capsys.readouterr().err
     assert (
-        f"thundersync: --overwrite: removing what an earlier run left in the checkpoint directory {tmp_path / 'ckpt'}: "
+        f"thundersync: --overwrite: removing from the checkpoint directory {tmp_path / 'ckpt'}: "
         "step-00000003, step-00000004, run.json\n"
     ) in err
     rerun = _checkpoints(tmp_path)

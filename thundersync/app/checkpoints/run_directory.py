@@ -50,7 +50,6 @@ __all__ = [
     "preflight",
     "read_info",
     "read_run",
-    "run_checkpoints",
     "scan",
     "write_run",
 ]
@@ -196,9 +195,6 @@ class DirectoryState:
     def of_run(self, run: str | None) -> list[Checkpoint]:
         return [c for c in self.checkpoints if c.info.run == run]
 
-    def foreign(self, run: str | None) -> list[Checkpoint]:
-        return [c for c in self.checkpoints if c.info.run != run]
-
 
 def scan(directory: Path) -> DirectoryState:
     """The run, checkpoints (validated), unmarked ``step-N`` entries and temporaries of ``directory``."""
@@ -216,11 +212,6 @@ def scan(directory: Path) -> DirectoryState:
                 state.unmarked.append(path)
     state.checkpoints.sort(key=lambda c: (c.step, c.path.name))
     return state
-
-
-def run_checkpoints(directory: Path, run: str) -> list[Checkpoint]:
-    """The complete checkpoints of ``run`` in ``directory``, oldest first."""
-    return scan(directory).of_run(run)
 
 
 def find_checkpoint(path: Path) -> Checkpoint:
@@ -271,7 +262,7 @@ class Preflight:
     @property
     def message(self) -> str:
         names = ", ".join(path.name for path in self.removes)
-        return f"--overwrite: removing what an earlier run left in the checkpoint directory {self.directory}: {names}"
+        return f"--overwrite: removing from the checkpoint directory {self.directory}: {names}"
 
     def apply(self) -> None:
         """Remove :attr:`removes` (checkpoints, ``run.json``, temporaries; never following a link)."""
@@ -317,8 +308,14 @@ def _continued(directory: Path, state: DirectoryState, resume: Path | None) -> C
         return None
     checkpoint = find_checkpoint(resume)
     inside = directory.is_dir() and os.path.samefile(checkpoint.path.parent, directory)
-    if not inside or state.run is None:
+    if not inside:
         return None
+    if state.run is None:
+        raise ConfigError(
+            f"--resume {resume}: {directory} has no {RUN_FILE} naming the run its checkpoints belong to; "
+            "copy the checkpoint to resume from elsewhere and resume from there, or give the checkpointer "
+            "another directory"
+        )
     if checkpoint.info.run != state.run:
         raise ConfigError(
             f"--resume {resume}: the checkpoint {checkpoint.path} is not of the run that owns {directory} "
