@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 from thundersync.errors import ConfigError
 from thundersync.events import ActionGenerated
@@ -16,7 +14,6 @@ from thundersync.sandboxes._process import unshare_available
 from thundersync.sandboxes.local import NotIsolatedWarning
 from thundersync.tasks import AnswerReward, ArithmeticTasks, CalculatorDemonstrations, Demonstration, Task
 from thundersync.tasks.demonstrations import estimate
-from thundersync.tasks.model_teacher import transformers_teacher
 from thundersync.tools import ByteTokenizer, Qwen3ToolCallParser, SandboxToolRunner
 
 END = 256
@@ -127,35 +124,3 @@ def test_a_calculator_demonstration_needs_an_expression_and_an_answer() -> None:
         r"1 flags, 0 written",
     ):
         Demonstration([1, 2], [False])
-
-
-def _save_checkpoint(directory: Path, model: torch.nn.Module, *, complete: bool = True) -> None:
-    model.save_pretrained(directory)
-    if complete:
-        (directory / "checkpoint.json").write_text(json.dumps({"format": 1, "step": 1}))
-
-
-def test_the_teacher_of_a_runs_checkpoint_directory_is_its_newest_complete_checkpoint(tmp_path: Path) -> None:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-    )
-    _save_checkpoint(tmp_path / "run" / "step-00000002", Qwen3ForCausalLM(config))
-    _save_checkpoint(tmp_path / "run" / "step-00000010", Qwen3ForCausalLM(config))
-    _save_checkpoint(tmp_path / "run" / "step-00000012", Qwen3ForCausalLM(config), complete=False)
-    teacher = transformers_teacher(path=str(tmp_path / "run"))
-    assert teacher._model is None  # nothing loaded yet
-    assert teacher.model.name_or_path == str(tmp_path / "run" / "step-00000010")
-    with pytest.raises(
-        ConfigError,
-        match=r"the teacher path '.*empty' is not a model directory \(no config\.json\) and "
-        r"holds no checkpoint .*train the teacher first \(thundersync run examples/agent_grpo\.toml",
-    ):
-        transformers_teacher(path=str(tmp_path / "empty"))

@@ -31,6 +31,7 @@ The top layer of the package: it imports the stages (``thundersync.stages``) and
     evaluation/   ``[eval]``: held-out evaluation runs after optimizer steps, and ``thundersync eval``
     checkpoints/  checkpoints
       checkpoint    Checkpointer: atomic checkpoints every N steps and at the end; bitwise resume
+      run_directory the run that owns a checkpoint directory; validated records; preflight
 
 Subpackages import each other only through public modules (no ``_name`` module of a sibling).
 """

@@ -19,7 +19,6 @@ building the object (at the start of ``thundersync run``) reads no weights.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,9 +194,9 @@ def transformers_teacher(
 ) -> TransformersTeacher:
     """The ``transformers-teacher`` factory: the causal LM saved at ``path`` (a local directory,
     loaded offline with ``from_pretrained`` on first use) on ``device`` (``cpu``, ``cuda``, ``cuda:N``,
-    ``auto``; a file's ``[run] device`` when its table gives none) in ``dtype``. ``path`` may
-    also be a training run's checkpoint directory (``runs/agent_grpo``): its newest checkpoint is
-    the teacher. ``acceleration``: how it scores (a file's ``[acceleration]`` when not given)."""
+    ``auto``; a file's ``[run] device`` when its table gives none) in ``dtype``. (The pipeline
+    files' factory of this name also takes a training run's checkpoint directory:
+    :func:`thundersync.app.checkpoints.run_directory.model_directory`.) ``acceleration``: how it scores (a file's ``[acceleration]`` when not given)."""
     path = str(_model_directory(Path(path)))
 
     def load() -> nn.Module:
@@ -215,22 +214,10 @@ def transformers_teacher(
 
 
 def _model_directory(path: Path) -> Path:
-    """``path`` if it holds a model, else its newest complete ``step-N`` checkpoint that holds one."""
-    if (path / "config.json").is_file():
-        return path
-    # thundersync.app.checkpoints.checkpoint's layout (the app layer sits above this one): step-N, complete once
-    # its checkpoint.json is written
-    found = [
-        (int(match[1]), child)
-        for child in (path.iterdir() if path.is_dir() else ())
-        if (match := re.fullmatch(r"step-(\d+)", child.name))
-        and (child / "checkpoint.json").is_file()
-        and (child / "config.json").is_file()
-    ]
-    if not found:
+    """``path``, when it holds a model (its ``config.json``)."""
+    if not (path / "config.json").is_file():
         raise ConfigError(
-            f"the teacher path {str(path)!r} is not a model directory (no config.json) and holds no checkpoint "
-            "of full weights (no step-N/checkpoint.json); save a model there, or train the teacher first "
-            "(thundersync run examples/agent_grpo.toml writes runs/agent_grpo)"
+            f"the teacher path {str(path)!r} is not a model directory (no config.json); save a model there "
+            "(a pipeline file's transformers-teacher also takes a training run's checkpoint directory)"
         )
-    return max(found)[1]
+    return path

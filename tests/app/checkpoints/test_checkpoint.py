@@ -20,8 +20,8 @@ from transformers import Qwen3ForCausalLM
 
 import thundersync
 from tests.engine.tiny_models import tiny_qwen3, with_lora
-from thundersync.app.checkpoints._checkpoint_files import MARKER, checkpoints
 from thundersync.app.checkpoints.checkpoint import STATE_FILE, Checkpointer
+from thundersync.app.checkpoints.run_directory import MARKER, RUN_FILE, scan
 from thundersync.errors import ConfigError
 from thundersync.events import StepDone
 from thundersync.pipeline.policy import PolicyClock
@@ -107,6 +107,11 @@ def _run(
     return checkpointer
 
 
+def checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints in ``directory`` as (step, path), oldest first."""
+    return [(c.step, c.path) for c in scan(directory).checkpoints]
+
+
 def _parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
@@ -154,7 +159,7 @@ def test_an_adapter_checkpoint_holds_the_adapter_alone_and_loads_with_peft(tmp_p
 def test_only_the_newest_checkpoints_are_kept_and_no_temporary_directory_remains(tmp_path: Path) -> None:
     _run(tiny_qwen3(seed=0), tmp_path, seed=5)
     assert [step for step, _ in checkpoints(tmp_path)] == [STEPS - 1, STEPS]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RUN_FILE, "step-00000003", "step-00000004"]
 
 
 def test_a_checkpoint_that_failed_half_way_is_never_resumed_from(tmp_path: Path) -> None:
@@ -163,7 +168,7 @@ def test_a_checkpoint_that_failed_half_way_is_never_resumed_from(tmp_path: Path)
     checkpointer.optimizer.state_dict = _fail  # type: ignore[method-assign]  # a disk error mid-write
     with pytest.raises(OSError, match="disk full"):
         checkpointer.save(7)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RUN_FILE, "step-00000001"]
     (tmp_path / "step-00000009").mkdir()  # a directory without its marker is no checkpoint either
     assert Checkpointer(
         tmp_path, model=model, optimizer=torch.optim.SGD(model.parameters()), policy=PolicyClock()
@@ -197,9 +202,13 @@ def test_resuming_a_full_checkpoint_into_a_peft_model_is_refused(tmp_path: Path)
 def test_invalid_every_or_keep_is_refused(tmp_path: Path) -> None:
     model = tiny_qwen3(seed=0)
     with pytest.raises(
-        ConfigError, match=r"^need every >= 0 \(0: only at the end\) and keep >= 1, got every=0, keep=0$"
+        ConfigError,
+        match=r"^need every >= 0 \(0: only at the end\), keep_last >= 1 and keep_every >= 0 \(0: none\), got "
+        r"every=0, keep_last=0, keep_every=0$",
     ):
-        Checkpointer(tmp_path, model=model, optimizer=torch.optim.SGD(model.parameters()), policy=PolicyClock(), keep=0)
+        Checkpointer(
+            tmp_path, model=model, optimizer=torch.optim.SGD(model.parameters()), policy=PolicyClock(), keep_last=0
+        )
 
 
 def test_the_lr_scheduler_state_is_restored(tmp_path: Path) -> None:

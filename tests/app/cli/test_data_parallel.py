@@ -107,7 +107,7 @@ def _single_process(tmp: Path, per_batch: int, *extra: str, repeat: int = 2) -> 
         *_sets(tmp, repeat, *extra, per_batch=per_batch),
     ]
     assert main(argv) == 0
-    (last,) = (tmp / "ckpt").iterdir()
+    (last,) = (tmp / "ckpt").glob("step-*")
     return last
 
 
@@ -131,7 +131,7 @@ def test_two_ranks_from_the_command_line_reach_the_single_process_parameters(tmp
         assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-12), key
     assert [sum(r["groups_per_rank"]) for r in steps] == [3, 3, 2]
     assert sum(r["groups_per_rank"][1] for r in steps) > 0, "rank 1 took no group"
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000003"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["run.json", "step-00000003"]
 
 
 def test_two_ranks_resume_from_a_checkpoint_and_reach_the_uninterrupted_parameters(tmp_path: Path, tiny: Path) -> None:

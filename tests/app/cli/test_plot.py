@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import sys
@@ -74,6 +75,26 @@ def test_plot_writes_where_out_says(tmp_path: Path) -> None:
     out = tmp_path / "curves.png"
     assert main(["plot", str(_metrics(tmp_path)), "--out", str(out)]) == 0
     assert _png_size(out) == SIZE_PX and not (tmp_path / "metrics.png").exists()
+
+
+def test_plot_never_writes_through_a_link_or_into_a_hard_linked_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    metrics, target = _metrics(tmp_path), tmp_path / "target.png"
+    target.write_bytes(b"not yours")
+    link = tmp_path / "link.png"
+    link.symlink_to(target)
+    assert main(["plot", str(metrics), "--out", str(link)]) == 2
+    assert f"cannot write the plot {link}: " in capsys.readouterr().err
+    linked = tmp_path / "linked.png"
+    os.link(target, linked)
+    assert main(["plot", str(metrics), "--out", str(linked)]) == 2
+    assert capsys.readouterr().err == (
+        f"thundersync: invalid metrics file (ConfigError): cannot write the plot {linked}: it has 2 hard links; "
+        "give --out the path of a new file\n"
+    )
+    assert target.read_bytes() == b"not yours"
 
 
 def test_without_matplotlib_the_error_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

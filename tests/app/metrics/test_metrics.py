@@ -93,6 +93,22 @@ def test_a_symlink_is_never_written_through(tmp_path: Path, overwrite: bool) -> 
     assert target.read_text() == "not yours\n"
 
 
+def test_overwrite_never_truncates_a_file_with_other_hard_links(tmp_path: Path) -> None:
+    other, path = tmp_path / "results.jsonl", tmp_path / "m.jsonl"
+    other.write_text("another run's lines\n")
+    os.link(other, path)
+    with (
+        pytest.raises(
+            ConfigError,
+            match=rf"^the metrics file {path} has 2 hard links, and --overwrite would empty it under every other "
+            r"name too; give --metrics \(or run.metrics\) the path of a new file, or remove this name first$",
+        ),
+        JsonlMetrics(path, overwrite=True),
+    ):
+        pass
+    assert other.read_text() == "another run's lines\n"
+
+
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_a_fifo_or_a_directory_is_refused_without_blocking(tmp_path: Path, overwrite: bool) -> None:
     fifo = tmp_path / "fifo"

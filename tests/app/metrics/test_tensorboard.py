@@ -66,6 +66,21 @@ def test_a_directory_with_an_earlier_runs_events_needs_overwrite(
     assert "already holds 1 event file(s) of an earlier run" in capsys.readouterr().err
 
 
+def test_overwrite_removes_only_regular_event_files(tmp_path: Path) -> None:
+    board, outside = tmp_path / "tb", tmp_path / "outside"
+    board.mkdir()
+    outside.write_text("not an event file of this run\n")
+    (board / "events.out.tfevents.1.old").write_bytes(b"an earlier run's events")
+    (board / "events.out.tfevents.2.dir").mkdir()
+    (board / "events.out.tfevents.3.link").symlink_to(outside)
+    (board / "notes.txt").write_text("kept\n")
+    assert _run_fake(tmp_path, "--overwrite") == 0
+    left = sorted(path.name for path in board.iterdir())
+    assert "events.out.tfevents.1.old" not in left
+    assert {"events.out.tfevents.2.dir", "events.out.tfevents.3.link", "notes.txt"} <= set(left)
+    assert outside.read_text() == "not an event file of this run\n"
+
+
 def test_resume_adds_to_the_directory_from_the_checkpoints_step(tmp_path: Path) -> None:
     argv = ["run", str(TINY), "--no-progress", "--set", f'objects.checkpointer.directory="{tmp_path / "ckpt"}"']
     argv += ["--set", "stages.source.repeat=1", "--set", f'run.tensorboard="{tmp_path / "tb"}"']

@@ -5,65 +5,40 @@ a hidden temporary name in the same parent (``.step-NNNNNNNN.XXXX.tmp``), every 
 directory are fsynced, then it is renamed into place and the parent is fsynced: a reader sees a
 complete checkpoint or none. Its marker file :data:`MARKER` is written last, and only
 directories that hold it count as checkpoints, so even a crash between the fsync and the rename
-leaves nothing that :func:`find_checkpoint` would pick.
+leaves nothing that :func:`~thundersync.app.checkpoints.run_directory.find_checkpoint` would pick.
+A temporary left by a killed writer is removed at the run's next save (:func:`clean_temporaries`).
+An existing ``step-N`` is replaced only when it is a checkpoint of the same run, and retention
+(:func:`prune`) deletes only the run's own checkpoints: the ``keep_last`` newest and every
+``keep_every``-th step stay.
 
 The weights are the model's own ``save_pretrained`` output (safetensors): full weights for a
 transformers model, the adapter alone for a peft model. They load back with ``from_pretrained``
 (``PeftModel.from_pretrained`` for an adapter) and, bitwise, into a live model with
-:func:`load_weights`.
+:func:`load_weights`, which opens only regular files and turns every failure into one
+ConfigError naming the checkpoint and the file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Final
 
 import torch
 from torch import nn
 
+from thundersync.app.checkpoints.run_directory import MARKER, Checkpoint, open_regular, read_info, scan
 from thundersync.errors import ConfigError
 
-__all__ = ["MARKER", "checkpoints", "find_checkpoint", "is_adapter", "load_weights", "prune", "publish", "save_weights"]
-
-MARKER: Final = "checkpoint.json"
-"""The file that makes a directory a checkpoint; written last."""
-
-_NAME = re.compile(r"step-(\d+)")
+__all__ = ["clean_temporaries", "is_adapter", "load_weights", "prune", "publish", "retained", "save_weights"]
 
 
-def checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """The complete checkpoints in ``directory`` as (step, path), oldest first."""
-    if not directory.is_dir():
-        return []
-    found = []
-    for path in directory.iterdir():
-        match = _NAME.fullmatch(path.name)
-        if match and (path / MARKER).is_file():
-            found.append((int(match.group(1)), path))
-    return sorted(found)
-
-
-def find_checkpoint(path: Path) -> Path:
-    """``path`` if it is a checkpoint, else the newest checkpoint in it; ConfigError if none."""
-    if (path / MARKER).is_file():
-        return path
-    found = checkpoints(path)
-    if not found:
-        raise ConfigError(
-            f"no checkpoint to resume from in {path}: it holds no {MARKER} and no step-N directory "
-            f"with one; give a run's checkpoint directory or one of its step-N directories"
-        )
-    return found[-1][1]
-
-
-def publish(target: Path, fill: Callable[[Path], None]) -> None:
-    """Create the directory ``target`` atomically: ``fill`` writes it under a temporary name."""
+def publish(target: Path, fill: Callable[[Path], None], run: str) -> None:
+    """Create the directory ``target`` atomically: ``fill`` writes it under a temporary name. A
+    ``target`` already there is replaced only when it is a checkpoint of ``run``."""
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
     temporary = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent))
@@ -73,7 +48,8 @@ def publish(target: Path, fill: Callable[[Path], None]) -> None:
             if file.is_file():
                 _fsync(file)
         _fsync(temporary)
-        if target.exists():  # a checkpoint of the same step from an earlier run: replace it
+        if os.path.lexists(target):  # a checkpoint of the same step, from this run before a resume
+            _require_own(target, run)
             shutil.rmtree(target)
         temporary.rename(target)
         _fsync(parent)
@@ -82,10 +58,41 @@ def publish(target: Path, fill: Callable[[Path], None]) -> None:
         raise
 
 
-def prune(directory: Path, keep: int) -> None:
-    """Delete all but the ``keep`` newest checkpoints in ``directory``."""
-    for _, path in checkpoints(directory)[:-keep]:
-        shutil.rmtree(path)
+def _require_own(target: Path, run: str) -> None:
+    """ConfigError unless ``target`` is a checkpoint directory of ``run`` (never replace another's)."""
+    if os.path.islink(target) or not target.is_dir() or not os.path.lexists(target / MARKER):
+        raise ConfigError(
+            f"cannot save the checkpoint {target}: something not written by a checkpointer is in its place "
+            f"(no directory with a {MARKER}), and it is never replaced; move or delete it yourself"
+        )
+    if read_info(target).run != run:
+        raise ConfigError(
+            f"cannot save the checkpoint {target}: a checkpoint of another run is in its place and is never "
+            "replaced; give the checkpointer another directory, or start with --overwrite"
+        )
+
+
+def clean_temporaries(directory: Path) -> None:
+    """Remove the temporary directories a killed writer left in ``directory`` (``.step-N.*.tmp``)."""
+    for path in scan(directory).temporaries:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def retained(found: list[Checkpoint], keep_last: int, keep_every: int) -> list[Checkpoint]:
+    """Which of one run's checkpoints (oldest first) retention keeps: the ``keep_last`` newest (so
+    always the newest, the final one of a finished run) and each whose step is a multiple of
+    ``keep_every`` (0: none)."""
+    newest = found[-keep_last:]
+    return [c for c in found if c in newest or (keep_every and c.step % keep_every == 0)]
+
+
+def prune(directory: Path, run: str, keep_last: int, keep_every: int = 0) -> None:
+    """Delete the checkpoints of ``run`` in ``directory`` that retention does not keep; nothing else."""
+    found = scan(directory).of_run(run)
+    kept = retained(found, keep_last, keep_every)
+    for checkpoint in found:
+        if checkpoint not in kept:
+            shutil.rmtree(checkpoint.path)
 
 
 def _fsync(path: Path) -> None:
@@ -131,7 +138,33 @@ def _quiet_progress() -> Iterator[None]:
 
 
 def load_weights(model: nn.Module, directory: Path) -> None:
-    """Copy the weights saved in ``directory`` into ``model``, in place and bitwise."""
+    """Copy the weights saved in ``directory`` into ``model``, in place and bitwise; ConfigError
+    naming the checkpoint and the file for anything that does not read or fit."""
+    state = _read_weights(directory)
+    try:
+        if is_adapter(model):
+            from peft import set_peft_model_state_dict
+
+            loaded = set_peft_model_state_dict(model, state)
+            unexpected = list(getattr(loaded, "unexpected_keys", []))  # peft types it as an untyped namedtuple
+        else:
+            result = model.load_state_dict(state, strict=False)
+            unexpected = list(result.unexpected_keys)
+            _require_tied(model, state, list(result.missing_keys), directory)
+    except (RuntimeError, ValueError, KeyError) as error:  # shapes that do not fit, mostly
+        raise ConfigError(
+            f"the checkpoint {directory}: its weights do not fit the model: {_first_line(error)}; "
+            "resume with the model the checkpoint was written from"
+        ) from None
+    if unexpected:
+        raise ConfigError(
+            f"the checkpoint {directory} holds weights the model does not have ({', '.join(unexpected[:5])}); "
+            "resume with the model the checkpoint was written from"
+        )
+
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The tensors of every ``*.safetensors`` file of ``directory`` (regular files only)."""
     from safetensors.torch import load_file
 
     files = sorted(directory.glob("*.safetensors"))
@@ -139,21 +172,26 @@ def load_weights(model: nn.Module, directory: Path) -> None:
         raise ConfigError(f"the checkpoint {directory} holds no .safetensors weights; it is incomplete")
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(file))
-    if is_adapter(model):
-        from peft import set_peft_model_state_dict
+        try:
+            fd = open_regular(file)
+        except ConfigError as error:
+            raise ConfigError(f"the checkpoint {directory}: {error}; it is damaged") from None
+        try:
+            state.update(load_file(f"/dev/fd/{fd}"))  # the very file checked, mapped (no copy)
+        except Exception as error:  # safetensors raises its own SafetensorError, and OSError
+            raise ConfigError(
+                f"the checkpoint {directory}: {file.name} is not a readable safetensors file "
+                f"({_first_line(error)}); it is damaged or incomplete"
+            ) from None
+        finally:
+            os.close(fd)
+    return state
 
-        loaded = set_peft_model_state_dict(model, state)
-        unexpected = list(getattr(loaded, "unexpected_keys", []))  # peft types it as an untyped namedtuple
-    else:
-        result = model.load_state_dict(state, strict=False)
-        unexpected = list(result.unexpected_keys)
-        _require_tied(model, state, list(result.missing_keys), directory)
-    if unexpected:
-        raise ConfigError(
-            f"the checkpoint {directory} holds weights the model does not have ({', '.join(unexpected[:5])}); "
-            "resume with the model the checkpoint was written from"
-        )
+
+def _first_line(error: BaseException) -> str:
+    """The error's message on one line (torch's span several), at most 300 characters."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _require_tied(model: nn.Module, state: dict[str, torch.Tensor], missing: list[str], directory: Path) -> None:

@@ -8,18 +8,28 @@ are exactly those the next batch samples from. A checkpoint directory ``DIR/step
     adapter_model.safetensors, adapter_config.json    a peft model's adapter alone
     training_state.pt      optimizer and LR-scheduler state, RNG states (torch.save; loaded with
                            weights_only=True)
-    checkpoint.json        step, consumed batches (the data position), what the weights are;
-                           written last: a directory without it is not a checkpoint
+    checkpoint.json        run id, step, consumed batches (the data position), what the weights
+                           are; written last: a directory without it is not a checkpoint
 
 It loads back with ``AutoModelForCausalLM.from_pretrained(path)`` or
 ``PeftModel.from_pretrained(base, path)``. Directories are published atomically (see
-:mod:`thundersync.app.checkpoints._checkpoint_files`) and only the ``keep`` newest are kept.
+:mod:`thundersync.app.checkpoints._checkpoint_files`); of the run's own checkpoints the
+``keep_last`` newest (so always the final one) and those of every ``keep_every``-th step are kept.
+
+``DIR`` belongs to one run (:mod:`thundersync.app.checkpoints.run_directory`): the first save
+records a new run id in ``DIR/run.json`` and in each ``checkpoint.json``; a checkpointer refuses
+to save into a directory that holds another run's checkpoints (clear it first with
+``preflight(DIR, overwrite=True).apply()``, what ``thundersync run --overwrite`` does), and resuming
+a checkpoint of ``DIR``'s run continues that run (same id). It never deletes or replaces a
+checkpoint of another run, nor a ``step-N`` without its ``checkpoint.json``.
 
 :meth:`Checkpointer.resume` restores the weights, the optimizer and scheduler, the step (the
 ``policy`` clock's version, from which the step and generate stages count on), the RNG states
 (python ``random``, torch CPU, CUDA when present, and each named generator's ``get_rng_state``),
 and the data position (the ``source`` skips the consumed batches). Then a run stopped after step
-k and resumed performs the same steps as an uninterrupted one, to the bit.
+k and resumed performs the same steps as an uninterrupted one, to the bit. It validates first:
+``checkpoint.json`` against its schema, every file it opens a regular file; whatever does not
+read or fit is one ConfigError naming the checkpoint, the file and what is wrong.
 
 In a data-parallel run every rank holds the same weights and optimizer state, so only one rank
 writes (``writer``; default: rank 0 of the default process group, or the only process when
@@ -32,24 +42,35 @@ the whole state; on resume every rank loads the whole state and keeps its own pa
 
 from __future__ import annotations
 
-import json
+import os
 import random
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, Protocol, runtime_checkable
 
 import anyio.to_thread
+import msgspec
 import torch
 from torch import nn
 
 from thundersync.app.checkpoints._checkpoint_files import (
-    MARKER,
-    find_checkpoint,
+    clean_temporaries,
     is_adapter,
     load_weights,
     prune,
     publish,
     save_weights,
+)
+from thundersync.app.checkpoints.run_directory import (
+    FORMAT,
+    MARKER,
+    CheckpointInfo,
+    find_checkpoint,
+    new_run_id,
+    open_regular,
+    read_run,
+    scan,
+    write_run,
 )
 from thundersync.errors import ConfigError
 from thundersync.events import Id
@@ -57,9 +78,6 @@ from thundersync.pipeline.policy import PolicyClock
 from thundersync.stages.source import SourceStage
 
 __all__ = ["FORMAT", "STATE_FILE", "Checkpointer", "RandomSource"]
-
-FORMAT: Final = 1
-"""The version of the checkpoint layout, recorded in ``checkpoint.json``."""
 
 STATE_FILE: Final = "training_state.pt"
 
@@ -88,13 +106,15 @@ class _Stateful(Protocol):
 
 class Checkpointer:
     """Checkpoints of ``model`` and ``optimizer`` in ``directory``: every ``every`` steps (0: only
-    at the end) and when the stream ends, keeping the ``keep`` newest.
+    at the end) and when the stream ends, keeping the ``keep_last`` newest of this run and those
+    whose step is a multiple of ``keep_every`` (0: none).
 
     ``policy``: the clock the step stage publishes on (resume sets its version to the saved step).
     ``scheduler``: an LR scheduler (anything with ``state_dict``). ``rngs``: named objects with
     ``get_rng_state`` / ``set_rng_state`` (the generator). ``source``: the source stage whose
     consumed batches a resumed run skips. ``writer``: whether this process writes the files
     (default: see the module docstring); one that does not still records the data position.
+    ``run``: the id of the run owning ``directory`` (None until the first save or a resume of it).
     """
 
     def __init__(
@@ -105,17 +125,22 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         policy: PolicyClock,
         every: int = 0,
-        keep: int = 2,
+        keep_last: int = 2,
+        keep_every: int = 0,
         scheduler: _Stateful | None = None,
         rngs: Mapping[str, RandomSource] | None = None,
         source: SourceStage | None = None,
         writer: bool | None = None,
     ) -> None:
-        if every < 0 or keep < 1:
-            raise ConfigError(f"need every >= 0 (0: only at the end) and keep >= 1, got every={every}, keep={keep}")
+        if every < 0 or keep_last < 1 or keep_every < 0:
+            raise ConfigError(
+                "need every >= 0 (0: only at the end), keep_last >= 1 and keep_every >= 0 (0: none), got "
+                f"every={every}, keep_last={keep_last}, keep_every={keep_every}"
+            )
         self.directory = Path(directory)
         self.model, self.optimizer, self.policy, self.scheduler = model, optimizer, policy, scheduler
-        self.every, self.keep = every, keep
+        self.every, self.keep_last, self.keep_every = every, keep_last, keep_every
+        self.run: str | None = None
         self.rngs = dict(rngs or {})
         self.source = source
         self.writer = _first_rank() if writer is None else writer
@@ -145,22 +170,49 @@ class Checkpointer:
     def save(self, step: int) -> Path:
         """Write the checkpoint of ``step`` now; returns its directory. A sharded optimizer's state
         must be consolidated on this rank first (every rank: ``consolidate_state_dict(to=0)``)."""
+        run = self._claim()
         target = self.directory / f"step-{step:08d}"
-        publish(target, lambda path: self._fill(path, step))
-        prune(self.directory, self.keep)
+        clean_temporaries(self.directory)
+        publish(target, lambda path: self._fill(path, step, run), run)
+        prune(self.directory, run, self.keep_last, self.keep_every)
         self.saved_step = step
         return target
 
-    def _fill(self, path: Path, step: int) -> None:
+    def _claim(self) -> str:
+        """This run's id; at the first save, a new one recorded in ``run.json`` when the directory
+        holds no checkpoint (of any run)."""
+        owner = read_run(self.directory)
+        if self.run is not None:
+            if owner != self.run:
+                raise ConfigError(
+                    f"the checkpoint directory {self.directory} now belongs to another run (its run.json "
+                    f"names {owner}, not this run's {self.run}); two runs must not share a checkpoint directory"
+                )
+            return self.run
+        found = scan(self.directory).checkpoints
+        if found:
+            steps = ", ".join(str(c.step) for c in found)
+            raise ConfigError(
+                f"the checkpoint directory {self.directory} holds checkpoints of another run (steps {steps}), "
+                "which this run would mix with its own; resume that run (--resume), remove them first "
+                "(--overwrite; preflight(DIR, overwrite=True).apply() in Python), or give the checkpointer "
+                "another directory"
+            )
+        self.run = new_run_id()
+        write_run(self.directory, self.run)
+        return self.run
+
+    def _fill(self, path: Path, step: int, run: str) -> None:
         save_weights(self.model, path)
         torch.save(self._training_state(), path / STATE_FILE)
-        info = {
-            "format": FORMAT,
-            "step": step,
-            "weights": "adapter" if is_adapter(self.model) else "full",
-            "consumed_batches": self.consumed,
-        }
-        (path / MARKER).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
+        info = CheckpointInfo(
+            format=FORMAT,
+            run=run,
+            step=step,
+            weights="adapter" if is_adapter(self.model) else "full",
+            consumed_batches=self.consumed,
+        )
+        (path / MARKER).write_bytes(msgspec.json.format(msgspec.json.encode(info), indent=1) + b"\n")
 
     def _training_state(self) -> dict[str, Any]:
         return {
@@ -173,34 +225,54 @@ class Checkpointer:
         }
 
     def resume(self, path: str | Path) -> Path:
-        """Restore everything from the checkpoint ``path`` (or the newest one in it); returns it."""
+        """Restore everything from the checkpoint ``path`` (or the newest one of the run in it);
+        returns it. A checkpoint in this checkpointer's own directory continues that run."""
         checkpoint = find_checkpoint(Path(path))
-        info = json.loads((checkpoint / MARKER).read_text(encoding="utf-8"))
-        self._check_info(checkpoint, info)
-        load_weights(self.model, checkpoint)
-        self._restore(torch.load(checkpoint / STATE_FILE, weights_only=True), checkpoint)
-        self.consumed = list(info["consumed_batches"])
+        info = checkpoint.info
+        self._check_info(checkpoint.path, info)
+        load_weights(self.model, checkpoint.path)
+        self._restore(self._load_state(checkpoint.path), checkpoint.path)
+        self.consumed = list(info.consumed_batches)
         if self.source is not None:
             self.source.skip_batches(self.consumed)
-        step = int(info["step"])
-        if step > self.policy.version:
-            self.policy.publish(step)
-        self.saved_step = step
-        return checkpoint
+        if self.directory.is_dir() and os.path.samefile(checkpoint.path.parent, self.directory):
+            self.run = info.run
+        if info.step > self.policy.version:
+            self.policy.publish(info.step)
+        self.saved_step = info.step
+        return checkpoint.path
 
-    def _check_info(self, checkpoint: Path, info: dict[str, Any]) -> None:
-        if info.get("format") != FORMAT:
-            raise ConfigError(
-                f"the checkpoint {checkpoint} has format {info.get('format')!r}; this version reads {FORMAT}"
-            )
+    def _check_info(self, checkpoint: Path, info: CheckpointInfo) -> None:
         weights = "adapter" if is_adapter(self.model) else "full"
-        if info["weights"] != weights:
+        if info.weights != weights:
             raise ConfigError(
-                f"the checkpoint {checkpoint} holds {info['weights']} weights but the model takes {weights} "
+                f"the checkpoint {checkpoint} holds {info.weights} weights but the model takes {weights} "
                 "weights; resume with the model the checkpoint was written from"
             )
 
+    @staticmethod
+    def _load_state(checkpoint: Path) -> dict[str, Any]:
+        """``training_state.pt``, from a regular file, as a dict (ConfigError naming it otherwise)."""
+        try:
+            with os.fdopen(open_regular(checkpoint / STATE_FILE), "rb") as file:
+                state = torch.load(file, weights_only=True)
+        except ConfigError as error:
+            raise ConfigError(f"the checkpoint {checkpoint}: {error}; it is damaged") from None
+        except Exception as error:  # torch raises pickle, zip and runtime errors alike
+            raise _damaged(checkpoint, error) from None
+        if not isinstance(state, dict):
+            raise _damaged(checkpoint, TypeError(f"it holds a {type(state).__name__}, not a dict"))
+        return state
+
     def _restore(self, state: dict[str, Any], checkpoint: Path) -> None:
+        try:
+            self._restore_state(state, checkpoint)
+        except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as error:
+            if isinstance(error, ConfigError):
+                raise
+            raise _damaged(checkpoint, error) from None
+
+    def _restore_state(self, state: dict[str, Any], checkpoint: Path) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
             if state["scheduler"] is None:
@@ -215,6 +287,15 @@ class Checkpointer:
             raise ConfigError(f"the checkpoint {checkpoint} has no RNG state for {', '.join(missing)}")
         for name, source in self.rngs.items():
             source.set_rng_state(state["rngs"][name])
+
+
+def _damaged(checkpoint: Path, error: BaseException) -> ConfigError:
+    what = (str(error).strip().splitlines() or [""])[0]
+    what = f"{type(error).__name__}: {what}" if isinstance(error, KeyError) or not what else what
+    return ConfigError(
+        f"the checkpoint {checkpoint}: {STATE_FILE} does not restore this run's optimizer, scheduler and "
+        f"random states ({what}); resume with the objects the checkpoint was written from"
+    )
 
 
 def _first_rank() -> bool:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, BinaryIO, Final
 
 from thundersync.errors import ConfigError, MissingExtraError
 
@@ -60,12 +62,27 @@ def plot_metrics(path: Path, out: Path | None = None) -> Path:
     out = path.with_suffix(".png") if out is None else out
     figure = draw(steps, path.name)
     try:
-        figure.savefig(out, format="png")
+        with _open_png(out) as file:
+            figure.savefig(file, format="png")
     except OSError as error:
         raise ConfigError(
             f"cannot write the plot {out}: {error.strerror or error}; give --out a writable path"
         ) from None
     return out
+
+
+def _open_png(out: Path) -> BinaryIO:
+    """``out`` opened to be replaced: never through a link (``O_NOFOLLOW``), into a FIFO or device,
+    or when other hard links share the file (emptying it would empty them too)."""
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode) or status.st_nlink > 1:
+        os.close(fd)
+        what = "is not a regular file" if status.st_nlink <= 1 else f"has {status.st_nlink} hard links"
+        raise ConfigError(f"cannot write the plot {out}: it {what}; give --out the path of a new file")
+    os.set_blocking(fd, True)
+    os.ftruncate(fd, 0)
+    return os.fdopen(fd, "wb")
 
 
 def draw(steps: list[dict[str, Any]], title: str) -> Figure:

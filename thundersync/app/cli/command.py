@@ -16,8 +16,11 @@ metrics path is invalid (for ``plot``: the metrics file is missing, malformed or
 lines), 130 when interrupted. Errors are one line on stderr; ``--verbose`` adds
 the traceback and info-level logs; under a data-parallel launch the line starts with the rank
 (:mod:`thundersync.app.cli.distributed`, where rank 0 alone writes files). The metrics file is created new in an existing directory;
-``--overwrite`` lets it replace an existing file (:mod:`thundersync.app.metrics.jsonl`), and the event
-files of an earlier run in ``run.tensorboard``'s directory (:mod:`thundersync.app.metrics.tensorboard`). Names from
+``--overwrite`` lets it replace an existing file (:mod:`thundersync.app.metrics.jsonl`), the event
+files of an earlier run in ``run.tensorboard``'s directory (:mod:`thundersync.app.metrics.tensorboard`),
+and the checkpoints an earlier run left in a checkpointer's directory, named in one stderr line
+(:func:`thundersync.app.checkpoints.preflight`, run before anything is built: without
+``--overwrite`` or ``--resume`` such a directory is refused). Names from
 the file reach the terminal escaped (``\x1b``, ``\n``). This is the only place that configures
 logging (structlog, to stderr); the library itself configures no handlers.
 """
@@ -27,7 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,7 +45,7 @@ from thundersync.app.evaluation import Evaluation, attach_evaluation, evaluate_a
 from thundersync.app.files.build import build_graph, build_objects
 from thundersync.app.files.check import check_pipeline, check_run_settings
 from thundersync.app.files.definition import PipelineSpec, load
-from thundersync.app.metrics.jsonl import JsonlMetrics, RecordSink
+from thundersync.app.metrics.jsonl import JsonlMetrics, RecordSink, check_metrics_path
 from thundersync.app.metrics.tensorboard import TensorBoardSteps
 from thundersync.app.metrics.wandb import WandbSteps
 from thundersync.errors import ConfigError, DefinitionError, GraphError, ThunderSyncError
@@ -99,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace the metrics file and run.tensorboard's event files if they exist (never done silently)",
+        help="replace the metrics file and run.tensorboard's event files if they exist, and remove the "
+        "checkpoints an earlier run left in the checkpointer's directory (saying so; never done silently)",
     )
     run.add_argument(
         "--resume",
@@ -132,11 +136,19 @@ def _error(message: str, error: BaseException, verbose: bool, *, hint_verbose: b
 
 
 def _prepare(
-    path: Path, overrides: Sequence[str], ranks: Launch | None = None
+    path: Path,
+    overrides: Sequence[str],
+    ranks: Launch | None = None,
+    before_build: Callable[[PipelineSpec], None] | None = None,
 ) -> tuple[PipelineSpec, dict[str, object], Graph]:
     spec = load(path, overrides)
     try:
         check_run_settings(spec, data_parallel=ranks is not None)
+    except ConfigError as error:
+        raise type(error)(f"{path}: {error}") from None
+    if before_build is not None:  # its messages name their own paths
+        before_build(spec)
+    try:
         objects = build_objects(spec)
         if ranks is not None:  # claims, and an admission when the file has none (its step lines show it)
             objects = {**objects, **attach(ranks, objects)}
@@ -205,11 +217,34 @@ def _run(path: Path, args: argparse.Namespace) -> int:
         return _run_rank(path, args, ranks)
 
 
+def _check_checkpoints(spec: PipelineSpec, args: argparse.Namespace) -> None:
+    """The checkpoint directories of the file's checkpointers, before anything is built
+    (:func:`thundersync.app.checkpoints.preflight`): refused, or cleared by ``--overwrite``, saying so."""
+    directories = [obj.args["directory"] for obj in spec.objects.values() if obj.factory == "checkpointer"]
+    if not directories:
+        return
+    from thundersync.app.checkpoints import preflight  # no torch
+
+    plans = [preflight(Path(d), resume=args.resume, overwrite=args.overwrite) for d in directories]
+    for plan in plans:
+        if plan.removes:
+            sys.stderr.write(f"thundersync: {rank_label()}{printable(plan.message)}\n")
+            plan.apply()
+
+
+def _check_outputs(spec: PipelineSpec, args: argparse.Namespace) -> None:
+    """What the run will write, checked before anything is built: the metrics file, then the
+    checkpoint directories (which ``--overwrite`` may clear)."""
+    check_metrics_path(args.metrics if args.metrics is not None else spec.run.metrics, overwrite=args.overwrite)
+    _check_checkpoints(spec, args)
+
+
 def _run_rank(path: Path, args: argparse.Namespace, ranks: Launch | None) -> int:
-    spec, objects, graph = _prepare(path, args.overrides, ranks)
+    writes = ranks is None or ranks.writes_files
+    check = (lambda spec: _check_outputs(spec, args)) if writes else None  # rank 0 alone writes files
+    spec, objects, graph = _prepare(path, args.overrides, ranks, check)
     resumed = None if args.resume is None else _resume(objects, args.resume)
     settings = spec.run
-    writes = ranks is None or ranks.writes_files
     metrics_path = (args.metrics if args.metrics is not None else settings.metrics) if writes else None
     tensorboard = None
     if writes and settings.tensorboard is not None:

@@ -23,18 +23,22 @@ imported when a factory is called, never by ``thundersync check``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
 from torch import nn
 
 from thundersync._device import resolve_device
+from thundersync.app.checkpoints.run_directory import model_directory
 from thundersync.errors import ConfigError
+from thundersync.tasks import model_teacher
 from thundersync.tools import chat_tokenizer
 from thundersync.tools.base import ByteTokenizer, Tokenizer
 
-__all__ = ["model", "tokenizer"]
+__all__ = ["model", "tokenizer", "transformers_teacher"]
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -150,3 +154,12 @@ def tokenizer(
             f"cannot load a tokenizer from {path!r} (a local directory; nothing is downloaded): {error}"
         ) from None
     return cast(Tokenizer, loaded)  # encode/decode fit the protocol; transformers' stubs spell them wider
+
+
+@functools.wraps(model_teacher.transformers_teacher)  # the same fields in a pipeline file
+def transformers_teacher(*, path: str, **options: Any) -> model_teacher.TransformersTeacher:
+    """``transformers-teacher``: :func:`thundersync.tasks.model_teacher.transformers_teacher`, whose
+    ``path`` may also be a training run's checkpoint directory (``runs/agent_grpo``): the teacher is
+    then the newest checkpoint of full weights of the run that owns it (its ``run.json``), whatever
+    step that is (:func:`~thundersync.app.checkpoints.run_directory.model_directory`)."""
+    return model_teacher.transformers_teacher(path=str(model_directory(Path(path))), **options)

@@ -32,7 +32,6 @@ from thundersync.tasks import AnswerReward, ArithmeticTasks, FunctionReward, Jso
 from thundersync.tasks.demonstrations import CalculatorDemonstrations
 from thundersync.tasks.grading import task_grader
 from thundersync.tasks.hf_dataset import dataset_tasks
-from thundersync.tasks.model_teacher import transformers_teacher
 from thundersync.tasks.openai_teacher import openai_teacher
 from thundersync.tasks.repo_tasks import RepoBugTasks, RepoFixDemonstrations
 from thundersync.tasks.swebench import SWEBenchTasks
@@ -83,7 +82,7 @@ FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
     "function-reward": FunctionReward,
     "answer-reward": AnswerReward,
     "sandbox-check-reward": sandbox_check_reward,
-    "transformers-teacher": transformers_teacher,
+    "transformers-teacher": models.transformers_teacher,
     "openai-teacher": openai_teacher,
 }
 """Factories of real runtime objects, by the ``factory`` name a pipeline file gives them."""

@@ -338,7 +338,8 @@ def checkpointer(
     optimizer: torch.optim.Optimizer,
     policy: PolicyClock,
     every: _NonNegative = 0,
-    keep: Annotated[int, msgspec.Meta(ge=1)] = 2,
+    keep_last: Annotated[int, msgspec.Meta(ge=1)] = 2,
+    keep_every: _NonNegative = 0,
     schedule: LRScheduler | None = None,
     generator: RandomSource | None = None,
     rngs: dict[str, RandomSource] | None = None,
@@ -348,7 +349,9 @@ def checkpointer(
     random state is saved with it (a ``torch-generator``); ``rngs``: more objects with a random
     state, by name (``rngs = { teacher = { object = "teacher" } }``). Give it to the step stage
     (``objects = { checkpointer = "NAME" }``, or name the object ``checkpointer``); the graph's
-    source stage, when it has exactly one, is its data position."""
+    source stage, when it has exactly one, is its data position. Retention: of the run's own
+    checkpoints the ``keep_last`` newest (the final one always) and those whose step is a multiple
+    of ``keep_every`` (0: none) are kept."""
     if generator is not None and rngs is not None and "generator" in rngs:
         raise ConfigError(
             "generator and rngs.generator both name a random state 'generator'; give it once "
@@ -361,7 +364,8 @@ def checkpointer(
         optimizer=optimizer,
         policy=policy,
         every=every,
-        keep=keep,
+        keep_last=keep_last,
+        keep_every=keep_every,
         scheduler=schedule,
         rngs=rngs,
     )

@@ -21,7 +21,8 @@ Lines reach the file as they are written (no buffer), so a crashed run leaves ev
 
 The file is created new, in a directory that must already exist; an existing file is replaced
 only with ``overwrite=True`` (``thundersync run --overwrite``), and then only if it is a regular
-file: the sink never writes through a symbolic link (``O_NOFOLLOW``), into a device or a FIFO.
+file with no other hard link: the sink never writes through a symbolic link (``O_NOFOLLOW``),
+into a device or a FIFO, and never truncates a file that other names share (``st_nlink > 1``).
 Each refusal is a :class:`~thundersync.errors.ConfigError` that names the path and what to do.
 """
 
@@ -45,7 +46,7 @@ from thundersync.errors import ConfigError
 from thundersync.events import EventBase
 from thundersync.pipeline.runner import RunStatistics
 
-__all__ = ["JsonlMetrics", "RecordSink"]
+__all__ = ["JsonlMetrics", "RecordSink", "check_metrics_path"]
 
 RECORDS = ("step", "eval")
 """The events whose records go to TensorBoard and the other sinks too."""
@@ -161,9 +162,12 @@ def _open_new(path: Path, *, overwrite: bool) -> io.FileIO:
     except OSError as error:
         raise _refusal(path, error) from None
     try:
-        kind = _kind(os.fstat(fd).st_mode)
+        status = os.fstat(fd)
+        kind = _kind(status.st_mode)
         if kind != "regular file":
             raise ConfigError(f"the metrics path {path} is a {kind}, not a regular file; {_HINT}")
+        if status.st_nlink > 1:  # truncating it would empty the file under its other names too
+            raise _linked(path, status.st_nlink)
         os.set_blocking(fd, True)
         os.ftruncate(fd, 0)
     except OSError as error:
@@ -173,6 +177,35 @@ def _open_new(path: Path, *, overwrite: bool) -> io.FileIO:
         os.close(fd)
         raise
     return io.FileIO(fd, "wb")
+
+
+def check_metrics_path(path: str | Path | None, *, overwrite: bool) -> None:
+    """The refusals of :class:`JsonlMetrics` that need no file opened, callable before a run builds
+    anything: a link, device, FIFO or directory in place of ``path``, an existing file without
+    ``overwrite``, one with other hard links, a missing directory. Creates and truncates nothing."""
+    if path is None:
+        return
+    path = Path(path)
+    try:
+        status = os.lstat(path)
+    except FileNotFoundError:
+        if not path.parent.is_dir():
+            raise _refusal(path, FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))) from None
+        return
+    kind = _kind(status.st_mode)
+    if kind != "regular file":
+        raise ConfigError(f"the metrics path {path} is a {kind}, not a regular file; {_HINT}")
+    if not overwrite:
+        raise _refusal(path, FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST)))
+    if status.st_nlink > 1:
+        raise _linked(path, status.st_nlink)
+
+
+def _linked(path: Path, links: int) -> ConfigError:
+    return ConfigError(
+        f"the metrics file {path} has {links} hard links, and --overwrite would empty it under every other "
+        f"name too; {_HINT}, or remove this name first"
+    )
 
 
 def _refusal(path: Path, error: OSError) -> ConfigError:

@@ -10,7 +10,9 @@ event file is flushed after each step and closed when the run ends, whichever wa
 The directory is created when it does not exist. One that already holds event files
 (``events.out.tfevents.*``) is refused, since TensorBoard would draw the two runs as one, unless
 
-- ``overwrite`` (``thundersync run --overwrite``): those event files are deleted first;
+- ``overwrite`` (``thundersync run --overwrite``): those event files are deleted first (only
+  regular files named ``events.out.tfevents.*``: a directory, link or other file of that name is
+  left in place, as is every other file);
 - ``resume_step`` is given (``thundersync run --resume``): a new event file is added beside them,
   and TensorBoard hides what the earlier run wrote from step ``resume_step + 1`` on (its
   ``purge_step``), the steps the resumed run writes again. A resume never deletes anything.
@@ -20,6 +22,8 @@ The directory is created when it does not exist. One that already holds event fi
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -68,7 +72,7 @@ class TensorBoardSteps:
         """Refuse, or delete, the event files of an earlier run (not when resuming)."""
         if self.directory.exists() and not self.directory.is_dir():
             raise ConfigError(f"run.tensorboard = {str(self.directory)!r} is not a directory; give a directory")
-        old = sorted(self.directory.glob(EVENT_FILES)) if self.resume_step is None else []
+        old = _event_files(self.directory) if self.resume_step is None else []
         if old and not self.overwrite:
             raise ConfigError(
                 f"the TensorBoard directory {self.directory} already holds {len(old)} event file(s) of an earlier "
@@ -94,3 +98,8 @@ class TensorBoardSteps:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def _event_files(directory: Path) -> list[Path]:
+    """The regular files named like event files in ``directory`` (links are not followed)."""
+    return sorted(path for path in directory.glob(EVENT_FILES) if stat.S_ISREG(os.lstat(path).st_mode))
