@@ -57,6 +57,6 @@ async def test_the_source_waits_for_its_batchs_groups_to_settle() -> None:
         policy.settled("a", dropped=True)
     assert got == [[("a", True)]]
     policy.settled("stranger", dropped=False)  # not the source's: ignored
-    policy.refilled(0)
+    policy.refilled(0, "a")
     with pytest.raises(PipelineError, match=r"batch 0 dropped 2 groups, more than max_refills=1"):
-        policy.refilled(0)
+        policy.refilled(0, "a")

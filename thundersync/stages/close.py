@@ -26,7 +26,8 @@ step).
 a :class:`~thundersync.tools.TrajectoryToolRunner` keeps each trajectory's sandbox until its
 TrajectoryClosed, when this stage tells it to give the sandbox back (so a grader in the reward
 stage can still use it). ``failures`` (an :class:`~thundersync.scheduling.EpisodeFailures`): a
-group dropped under ``on_failure = "drop"`` closes with ``GroupClosed(dropped=True)`` and leaves
+group dropped under ``on_failure = "drop"`` closes with ``GroupClosed(dropped=True)`` (and
+``uninformative=True`` when dynamic sampling dropped it: its rewards were all equal) and leaves
 its batch, which waits for the source's refill; each GroupClosed settles its group for the source.
 """
 
@@ -34,6 +35,8 @@ from __future__ import annotations
 
 from contextlib import aclosing
 from typing import ClassVar, Literal
+
+import msgspec
 
 from thundersync.errors import ConfigError, TrackerError
 from thundersync.events import (
@@ -125,6 +128,9 @@ class CloseStage(Stage):
             self.tracker.drop_group(group_id)  # type: ignore[arg-type]
 
     async def _send(self, closure: EventBase, outbox: Outbox) -> None:
+        failures = self.failures
+        if isinstance(closure, GroupClosed) and failures is not None and failures.was_uninformative(closure.group_id):
+            closure = msgspec.structs.replace(closure, uninformative=True)
         if isinstance(closure, GroupClosed) and self.admission is not None:
             self.admission.release_group(closure.group_id)
         if isinstance(closure, GroupClosed) and self.failures is not None:

@@ -22,10 +22,13 @@ and tool-execute add its actions' and observations' tokens, and the close stage 
 source emits only the groups this rank claims, one claim whenever it has room, after waiting for
 the batch's ``policy`` version (a rank that finished its groups early takes more of the next
 batch, instead of reserving them while others still work). ``failures`` (an
-:class:`~thundersync.scheduling.EpisodeFailures`) under ``on_failure = "drop"``: after a batch's
+:class:`~thundersync.scheduling.EpisodeFailures`) under ``on_failure = "drop"`` or
+``dynamic_sampling``: after a batch's
 prompts the source waits until each of its groups closed; for each group dropped it submits a new
 one in the same batch (the next task of a seeded order of its tasks, a new group id), at most the
-policy's ``max_refills`` per batch. The next batch's prompts go once the batch is whole.
+policy's ``max_refills`` per batch for failed groups; a group dropped by dynamic sampling
+(``dynamic_sampling``: its rewards all equal) is refilled the same way, bounded by
+``max_oversample`` instead. The next batch's prompts go once the batch is whole.
 """
 
 from __future__ import annotations
@@ -268,7 +271,7 @@ class SourceStage(Stage):
                     open_groups.discard(group_id)
                     if not dropped:
                         continue
-                    failures.refilled(batch_id)  # raises past max_refills
+                    failures.refilled(batch_id, group_id)  # raises past max_refills
                     task = next(refills)
                     refill = msgspec.structs.replace(
                         prompts[0], group_id=next_id, prompt_tokens=list(task.prompt_ids), task=dict(task.fields)
