@@ -167,6 +167,8 @@ async def test_uninformative_groups_are_dropped_and_refilled_and_the_update_is_d
     batches = kept_groups(events)
     ready = [e for e in events if isinstance(e, BatchReady)]
     assert [(e.batch_id, e.num_groups) for e in ready] == [(0, 2), (1, 2)]
+    scored = [sum(sum(turn.scored) for t in g.trajectories for turn in t.turns) for g in batches[0] + batches[1]]
+    assert sum(e.num_scored_tokens for e in ready) == sum(scored)  # neither dropped groups nor filtered tokens
     for groups in batches.values():  # every kept group is informative: its rewards differ
         assert len(groups) == 2 and all(len({t.reward for t in g.trajectories}) > 1 for g in groups)
     dropped = [e for e in events if isinstance(e, GroupClosed) and e.dropped]

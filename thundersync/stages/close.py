@@ -172,7 +172,7 @@ class CloseStage(Stage):
                 num_scored=scored,
             )
         if isinstance(event, Rewarded) and Need.REWARD in needs:
-            return t.complete(Need.REWARD, event.group_id, event.trajectory_id)
+            return t.complete(Need.REWARD, event.group_id, event.trajectory_id, unscored=event.overlong == "filtered")
         if isinstance(event, TeacherScored) and Need.TEACHER in needs:
             return t.complete(Need.TEACHER, event.group_id, event.trajectory_id, event.turn)
         if isinstance(event, BackwardDone) and Need.BACKWARD in needs:
