@@ -275,3 +275,20 @@ def test_the_soft_overlong_penalty_is_dapo_equation_13() -> None:
         match=r'overlong = "penalty" needs 1 <= overlong_buffer <= max_tokens .* got overlong_buffer=0, max_tokens=8',
     ):
         RewardStage.Config(overlong="penalty", max_tokens=8)
+
+
+def test_dynamic_sampling_is_refused_where_groups_cannot_be_dropped_and_refilled() -> None:
+    class NoDrops:
+        signal = "reward"
+        run = None
+
+        def __getattr__(self, name: str) -> Any:
+            if name == "drop_group":
+                raise AttributeError(name)
+            return lambda *args, **kwargs: None
+
+    failures = EpisodeFailures(dynamic_sampling=True)
+    with pytest.raises(ConfigError, match=r"^dynamic_sampling drops groups from the objective, but NoDrops cannot"):
+        BackwardStage(objective=NoDrops(), failures=failures)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^dynamic_sampling refills groups from one source; data parallel runs"):
+        CloseStage(failures=failures, claims=object())  # type: ignore[arg-type]

@@ -95,6 +95,12 @@ class EpisodeFailures:
         then refills them."""
         return self.config.on_failure == "drop" or self.config.dynamic_sampling
 
+    @property
+    def dropping(self) -> str:
+        """What makes this policy drop groups, for messages (``on_failure = 'drop'``, ``dynamic_sampling``)."""
+        reasons = ["on_failure = 'drop'"] if self.config.on_failure == "drop" else []
+        return " and ".join(reasons + (["dynamic_sampling"] if self.config.dynamic_sampling else []))
+
     # -- failures ----------------------------------------------------------------------------
 
     def failed(self, group_id: Hashable, error: EpisodeError) -> Literal["zero", "drop"]:

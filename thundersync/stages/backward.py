@@ -120,8 +120,9 @@ class BackwardStage(Stage):
         require_objective(objective, "the backward stage")
         if failures is not None and failures.drops and not callable(getattr(objective, "drop_group", None)):
             raise ConfigError(
-                f"on_failure = 'drop' drops failed groups from the objective, but {type(objective).__name__} "
-                "cannot drop a group (OPD's actions are in the gradient as they come); use on_failure = 'zero'"
+                f"{failures.dropping} drops groups from the objective, but {type(objective).__name__} "
+                "cannot drop a group (OPD's actions are in the gradient as they come); use on_failure = 'zero' "
+                "and no dynamic_sampling"
             )
         self.objective, self.failures = objective, failures
         self.feed = ObjectiveFeed(objective)

@@ -90,7 +90,10 @@ class CloseStage(Stage):
         self.tracker = Tracker(Need(name) for name in self.config.wait_for)
         self.admission, self.claims, self.failures = admission, claims, failures
         if failures is not None and failures.drops and claims is not None:
-            raise ConfigError("on_failure = 'drop' refills groups from one source; data parallel runs take 'zero'")
+            raise ConfigError(
+                f"{failures.dropping} refills groups from one source; data parallel runs take "
+                "on_failure = 'zero' and no dynamic_sampling"
+            )
         self.tools = tools if isinstance(tools, TrajectoryToolRunner) else None
         if self.tools is not None:
             self.tools.release_at("close")  # the sandbox outlives the final action: graders use it

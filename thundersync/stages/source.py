@@ -99,7 +99,10 @@ class SourceStage(Stage):
         self.admission, self.claims, self.policy = admission, claims, policy
         self.failures = failures if failures is not None and failures.drops else None
         if self.failures is not None and claims is not None:
-            raise ConfigError("on_failure = 'drop' refills groups from one source; data parallel runs take 'zero'")
+            raise ConfigError(
+                f"{self.failures.dropping} refills groups from one source; data parallel runs take "
+                "on_failure = 'zero' and no dynamic_sampling"
+            )
         if bool(config.prompts) == (tasks is not None):
             raise ConfigError(
                 "a source needs exactly one of prompts (token id lists in the file) and a tasks object "
@@ -108,8 +111,9 @@ class SourceStage(Stage):
         self._stream = tasks if isinstance(tasks, TaskStream) and not isinstance(tasks, TaskSource) else None
         if self.failures is not None and self._stream is not None:
             raise ConfigError(
-                "on_failure = 'drop' refills dropped groups from a listed task source, not a task stream "
-                "(a streaming dataset); use on_failure = 'zero' or a dataset that is not streamed"
+                f"{self.failures.dropping} refills dropped groups from a listed task source, not a task "
+                "stream (a streaming dataset); use a dataset that is not streamed, or on_failure = 'zero' "
+                "and no dynamic_sampling"
             )
         self._tasks: list[Task] = []
         if self._stream is None:
