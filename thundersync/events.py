@@ -143,7 +143,8 @@ class ActionGenerated(EventBase, frozen=True):
     token) and ``scored`` which of them are trained on (empty: all). ``final`` marks the
     trajectory's last action. A trajectory that ends without a final answer (``stop_reason``: its
     next prompt would not fit, it submitted, its episode failed, its group was dropped) ends with an
-    empty final action. Produced by generate. Consumed by backward (appends the turn),
+    empty final action. ``truncated``: the action stopped at its length budget (``max_new_tokens``
+    or what still fit the context), not at a stop token. Produced by generate. Consumed by backward (appends the turn),
     close (declares the turn), teacher (scores every action) and reward (scores the trajectory
     at its final action).
     """
@@ -157,6 +158,7 @@ class ActionGenerated(EventBase, frozen=True):
     final: bool = False
     policy_version: NonNegInt = 0
     stop_reason: StopReason | None = None  # set on the empty final action that ends a trajectory early
+    truncated: bool = False  # the generator stopped at its length budget (finish_reason "length")
 
     def __post_init__(self) -> None:
         if self.behaviour_logprobs:
@@ -210,13 +212,18 @@ class Rewarded(EventBase, frozen=True):
     """A trajectory's scalar reward (GRPO).
 
     Produced by reward. Consumed by backward (closes the trajectory in the objective, which
-    queues its branch's backward) and by close when it waits for ``reward``.
+    queues its branch's backward) and by close when it waits for ``reward``. ``overlong`` (the
+    reward stage's ``overlong`` option): ``"filtered"``, the trajectory was cut at its length
+    budget and its tokens are not trained on (the backward stage appends them unscored; its reward
+    still counts in its group's advantages); ``"penalized"``, ``reward`` includes a negative soft
+    overlong penalty (:mod:`thundersync.stages.reward`).
     """
 
     group_id: Id
     trajectory_id: Id
     reward: float
     failure: str | None = None  # grading failed (the reward is then the failure policy's)
+    overlong: Literal["filtered", "penalized"] | None = None
 
     def __post_init__(self) -> None:
         _require_finite("reward", [self.reward])
@@ -261,7 +268,8 @@ class GroupClosed(EventBase, frozen=True):
 
     group_id: Id
     num_trajectories: NonNegInt = 0
-    dropped: bool = False  # an episode of it failed under on_failure = "drop": not in its batch
+    dropped: bool = False  # not in its batch: an episode of it failed (on_failure = "drop"), or uninformative
+    uninformative: bool = False  # dropped by dynamic sampling: every reward of it was equal
 
 
 class BatchReady(EventBase, frozen=True):

@@ -57,6 +57,27 @@ async def test_the_source_waits_for_its_batchs_groups_to_settle() -> None:
         policy.settled("a", dropped=True)
     assert got == [[("a", True)]]
     policy.settled("stranger", dropped=False)  # not the source's: ignored
-    policy.refilled(0)
+    policy.refilled(0, "a")
     with pytest.raises(PipelineError, match=r"batch 0 dropped 2 groups, more than max_refills=1"):
-        policy.refilled(0)
+        policy.refilled(0, "a")
+
+
+def test_dynamic_sampling_drops_uninformative_groups_up_to_max_oversample_per_batch_then_keeps_them() -> None:
+    policy = EpisodeFailures(dynamic_sampling=True, max_oversample=1, max_refills=0)
+    assert policy.drops and policy.dropping == "dynamic_sampling"
+    assert not policy.uninformative("unknown")  # not from a refilling source: nothing to refill it with
+    for group, batch in [("a", 0), ("b", 0), ("c", 1)]:
+        policy.submitted(group, batch)
+    assert policy.uninformative("a") and policy.dropped("a") and policy.was_uninformative("a")
+    assert not policy.uninformative("b") and not policy.dropped("b")  # batch 0 spent its max_oversample
+    assert policy.uninformative("c")  # the bound is per batch
+    policy.refilled(0, "a")  # an uninformative group's refill never counts toward max_refills
+    stats = policy.stats()
+    assert (stats.uninformative_dropped, stats.uninformative_kept, stats.dropped_groups, stats.refills) == (2, 1, 0, 0)
+    assert policy.dropped_since(0) == (["a", "c"], 2)
+    both = EpisodeFailures(on_failure="drop", dynamic_sampling=True)
+    both.submitted("g", 0)
+    both.failed("g", error())
+    assert not both.uninformative("g") and not both.was_uninformative("g")  # already dropped for its failure
+    assert both.dropping == "on_failure = 'drop' and dynamic_sampling"
+    assert not EpisodeFailures(on_failure="drop").uninformative("g")  # dynamic sampling off: never

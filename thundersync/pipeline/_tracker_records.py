@@ -81,6 +81,7 @@ class TrajectoryRecord:
     done: set[Key] = field(default_factory=set)
     num_tokens: int = 0
     num_scored: int = 0
+    unscored: bool = False  # its tokens are not trained on (an overlong trajectory filtered): num_scored 0
 
     def __post_init__(self) -> None:
         if Need.REWARD in self.needs:
@@ -110,7 +111,7 @@ class TrajectoryRecord:
             raise TrackerError(f"turn {turn} was added to {self.name} after turn {self.last_turn}; turns must increase")
         self.last_turn = turn
         self.num_tokens += num_tokens
-        self.num_scored += num_scored
+        self.num_scored += 0 if self.unscored else num_scored
         self.declared.update((need, turn) for need in (Need.BACKWARD, Need.TEACHER) if need in self.needs)
         if final:
             self.state = TrajectoryState.FINISHING

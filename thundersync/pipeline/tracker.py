@@ -131,12 +131,18 @@ class Tracker:
 
     # --- completions ---------------------------------------------------------------------------
 
-    def complete(self, need: Need, group_id: Id, trajectory_id: Id, turn: int | None = None) -> list[EventBase]:
-        """Record that a trajectory's dependency is done (``turn`` for backward and teacher only)."""
+    def complete(
+        self, need: Need, group_id: Id, trajectory_id: Id, turn: int | None = None, *, unscored: bool = False
+    ) -> list[EventBase]:
+        """Record that a trajectory's dependency is done (``turn`` for backward and teacher only);
+        ``unscored``: none of its tokens is trained on (an overlong trajectory filtered by its reward),
+        so it counts no scored token in its TrajectoryClosed and BatchReady."""
         if (need is Need.REWARD) != (turn is None):
             takes = "no turn" if need is Need.REWARD else "a turn"
             raise TrackerError(f"{need.value} takes {takes}, got turn={turn!r}")
         trajectory = self._trajectory(group_id, trajectory_id)
+        if unscored:
+            trajectory.unscored, trajectory.num_scored = True, 0
         trajectory.complete((need, turn))
         return self._advance(trajectory)
 

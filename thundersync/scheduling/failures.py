@@ -12,6 +12,14 @@ out, is killed (``crash``) or cannot run (``malformed``). Then, by ``on_failure`
   end at their next turn; the objective forgets the group, so the update is the one over the
   groups kept) and the source submits a new group in its place, at most ``max_refills`` per batch.
 
+The same drop-and-refill serves DAPO's dynamic sampling (``dynamic_sampling = true``, off by
+default): the reward stage reports each group whose rewards are all known and all equal
+(:meth:`EpisodeFailures.uninformative`: exact float equality, the case where every GRPO advantage
+is exactly zero), which is dropped and refilled the same way, at most ``max_oversample`` per batch;
+past that, such groups stay in their batch (they add exactly zero to the GRPO gradient) and the
+batch steps with its configured number of groups. These drops never fail a run and do not count
+toward ``max_refills``.
+
 In a pipeline file it is the ``failures`` object (``factory = "episode-failures"``), which every
 stage taking ``failures`` gets by name: tool-execute and reward report failures, generate ends
 trajectories, backward drops groups from the objective, close takes dropped groups out of their
@@ -41,8 +49,10 @@ class FailureStats(msgspec.Struct, kw_only=True):
     """Counters of an :class:`EpisodeFailures` (a snapshot)."""
 
     failures: int = 0
-    dropped_groups: int = 0
-    refills: int = 0
+    dropped_groups: int = 0  # for a failure
+    refills: int = 0  # of groups dropped for a failure
+    uninformative_dropped: int = 0  # dynamic sampling: all-equal groups dropped (and refilled)
+    uninformative_kept: int = 0  # dynamic sampling: all-equal groups kept, max_oversample spent
     by_tool: dict[str, int] = msgspec.field(default_factory=dict)
 
 
@@ -53,6 +63,8 @@ class EpisodeFailures:
         on_failure: OnFailure = "fail"
         tool_outcomes: tuple[ToolOutcome, ...] = ()
         max_refills: Annotated[int, msgspec.Meta(ge=0)] = 8
+        dynamic_sampling: bool = False
+        max_oversample: Annotated[int, msgspec.Meta(ge=0)] = 8
 
     def __init__(self, config: Config | None = None, /, **fields: Any) -> None:
         if config is not None and fields:
@@ -72,13 +84,22 @@ class EpisodeFailures:
         self._batch_of: dict[Hashable, Hashable] = {}
         self._settled: dict[Hashable, list[tuple[Hashable, bool]]] = {}  # batch -> (group, dropped)
         self._refills: dict[Hashable, int] = {}
+        self._uninformative: set[Hashable] = set()  # groups dropped by dynamic sampling
+        self._oversampled: dict[Hashable, int] = {}  # batch -> its groups dropped as uninformative
         self._changed = anyio.Event()
         self.last_failure: str | None = None
 
     @property
     def drops(self) -> bool:
-        """Whether a failure drops its group (the source then refills it)."""
-        return self.config.on_failure == "drop"
+        """Whether groups may be dropped (a failure under ``drop``, or dynamic sampling); the source
+        then refills them."""
+        return self.config.on_failure == "drop" or self.config.dynamic_sampling
+
+    @property
+    def dropping(self) -> str:
+        """What makes this policy drop groups, for messages (``on_failure = 'drop'``, ``dynamic_sampling``)."""
+        reasons = ["on_failure = 'drop'"] if self.config.on_failure == "drop" else []
+        return " and ".join(reasons + (["dynamic_sampling"] if self.config.dynamic_sampling else []))
 
     # -- failures ----------------------------------------------------------------------------
 
@@ -115,6 +136,28 @@ class EpisodeFailures:
     def dropped(self, group_id: Hashable) -> bool:
         return group_id in self._dropped_set
 
+    def uninformative(self, group_id: Hashable) -> bool:
+        """Every reward of ``group_id`` is known and all are equal: under ``dynamic_sampling`` drop
+        it (True) while its batch has dropped fewer than ``max_oversample`` such groups, else keep
+        it (False, counted as kept). A group already dropped, or one without dynamic sampling or
+        not from a refilling source, is left as it is (False)."""
+        batch = self._batch_of.get(group_id)
+        if not self.config.dynamic_sampling or batch is None or group_id in self._dropped_set:
+            return False
+        if self._oversampled.get(batch, 0) >= self.config.max_oversample:
+            self._stats.uninformative_kept += 1
+            return False
+        self._oversampled[batch] = self._oversampled.get(batch, 0) + 1
+        self._uninformative.add(group_id)
+        self._dropped_set.add(group_id)
+        self._dropped.append(group_id)
+        self._stats.uninformative_dropped += 1
+        return True
+
+    def was_uninformative(self, group_id: Hashable) -> bool:
+        """Whether ``group_id`` was dropped by dynamic sampling (not for a failure)."""
+        return group_id in self._uninformative
+
     def dropped_since(self, cursor: int) -> tuple[list[Hashable], int]:
         """The groups dropped after the first ``cursor`` drops, and the new cursor."""
         return self._dropped[cursor:], len(self._dropped)
@@ -140,8 +183,12 @@ class EpisodeFailures:
             await self._changed.wait()
         return self._settled.pop(batch_id)
 
-    def refilled(self, batch_id: Hashable) -> None:
-        """Count a refill of ``batch_id``; past ``max_refills`` the run fails."""
+    def refilled(self, batch_id: Hashable, group_id: Hashable) -> None:
+        """Count the refill of ``group_id``, dropped from ``batch_id``; past ``max_refills`` refills
+        of failed groups the run fails (an uninformative group's refill, already bounded by
+        ``max_oversample``, never does)."""
+        if group_id in self._uninformative:
+            return
         count = self._refills[batch_id] = self._refills.get(batch_id, 0) + 1
         self._stats.refills += 1
         if count > self.config.max_refills:

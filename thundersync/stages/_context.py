@@ -99,6 +99,7 @@ class ContextStage(Stage):
             async for event in inbox:
                 if isinstance(event, GroupOpened):
                     contexts.open(event)
+                    self.on_open(event)
                     continue
                 assert isinstance(event, (ActionGenerated, ToolObserved))
                 if isinstance(event, ActionGenerated):
@@ -109,6 +110,9 @@ class ContextStage(Stage):
                 contexts.append(event)
                 if isinstance(event, ActionGenerated) and event.final:
                     contexts.finish(event.group_id, event.trajectory_id)
+
+    def on_open(self, event: GroupOpened) -> None:
+        """A group opened (its GroupOpened); nothing by default."""
 
     async def on_action(self, action: ActionGenerated, context: Context, slots: Slots, outbox: Outbox) -> None:
         """Start the work for ``action`` in its ``context`` with ``await slots.start(action, fn, *args)``."""

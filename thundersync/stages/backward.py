@@ -37,7 +37,10 @@ close stage's tracker.
 With ``failures`` (an :class:`~thundersync.scheduling.EpisodeFailures`) under
 ``on_failure = "drop"``, a group that was dropped is not closed in the objective but dropped from
 it (``objective.drop_group``: GRPO forgets its accumulators, so the update is the one over the kept
-groups); its BackwardDone still follows. The empty final action of a trajectory that ended early
+groups); its BackwardDone still follows. A trajectory whose Rewarded says ``overlong =
+"filtered"`` (DAPO's overlong filtering, the reward stage's ``overlong`` option) has its actions
+appended with no token scored: it adds nothing to the gradient, while its reward still counts in
+its group's advantages. The empty final action of a trajectory that ended early
 is not appended (unless it is the trajectory's only turn).
 
 A run that fails mid-batch leaves the batch in the objective; the next run of the graph discards
@@ -85,6 +88,7 @@ class _Reorder:
     teacher: dict[int, list[float]] = field(default_factory=dict)  # scores by turn, before their action
     reward: float | None = None  # before the final action
     appended: bool = False  # a turn went into the objective
+    filtered: bool = False  # its Rewarded says overlong = "filtered": its actions go in unscored
 
     @property
     def complete(self) -> bool:
@@ -116,8 +120,9 @@ class BackwardStage(Stage):
         require_objective(objective, "the backward stage")
         if failures is not None and failures.drops and not callable(getattr(objective, "drop_group", None)):
             raise ConfigError(
-                f"on_failure = 'drop' drops failed groups from the objective, but {type(objective).__name__} "
-                "cannot drop a group (OPD's actions are in the gradient as they come); use on_failure = 'zero'"
+                f"{failures.dropping} drops groups from the objective, but {type(objective).__name__} "
+                "cannot drop a group (OPD's actions are in the gradient as they come); use on_failure = 'zero' "
+                "and no dynamic_sampling"
             )
         self.objective, self.failures = objective, failures
         self.feed = ObjectiveFeed(objective)
@@ -197,6 +202,7 @@ class BackwardStage(Stage):
             if trajectory.reward is not None:
                 raise PipelineError(f"the reward of {where} came twice ({trajectory.reward}, then {event.reward})")
             trajectory.reward = event.reward
+            trajectory.filtered = event.overlong == "filtered"
         elif trajectory.complete:
             raise PipelineError(f"turn {event.turn} of {where} came after its final action")
         else:
@@ -220,18 +226,22 @@ class BackwardStage(Stage):
             teacher = None if self._rewarded else trajectory.teacher.pop(turn.turn)
             action = trajectory.turns.popleft()
             if action.token_ids or not trajectory.appended:  # an early end's empty action adds nothing
-                await self._append(group_id, trajectory_id, action, teacher)
+                await self._append(group_id, trajectory_id, action, teacher, unscored=trajectory.filtered)
                 trajectory.appended = True
             done.append(BackwardDone(group_id=group_id, trajectory_id=trajectory_id, turn=turn.turn))
             if turn.final:
                 return done + await self._close(group_id, trajectory_id, trajectory.reward)
         return done
 
-    async def _append(self, group_id: Id, trajectory_id: Id, turn: Turn, teacher: list[float] | None) -> None:
+    async def _append(
+        self, group_id: Id, trajectory_id: Id, turn: Turn, teacher: list[float] | None, *, unscored: bool = False
+    ) -> None:
         if isinstance(turn, ToolObserved):
             await self.feed.append_observation(group_id, trajectory_id, turn.token_ids)
             return
         scored = list(turn.scored) if turn.scored else [True] * len(turn.token_ids)
+        if unscored:
+            scored = [False] * len(turn.token_ids)
         behaviour = [b for b, keep in zip(turn.behaviour_logprobs, scored) if keep] or None
         await self.feed.append_action(
             group_id, trajectory_id, turn.token_ids, scored, behaviour_logprobs=behaviour, teacher_logprobs=teacher

@@ -26,7 +26,8 @@ step).
 a :class:`~thundersync.tools.TrajectoryToolRunner` keeps each trajectory's sandbox until its
 TrajectoryClosed, when this stage tells it to give the sandbox back (so a grader in the reward
 stage can still use it). ``failures`` (an :class:`~thundersync.scheduling.EpisodeFailures`): a
-group dropped under ``on_failure = "drop"`` closes with ``GroupClosed(dropped=True)`` and leaves
+group dropped under ``on_failure = "drop"`` closes with ``GroupClosed(dropped=True)`` (and
+``uninformative=True`` when dynamic sampling dropped it: its rewards were all equal) and leaves
 its batch, which waits for the source's refill; each GroupClosed settles its group for the source.
 """
 
@@ -34,6 +35,8 @@ from __future__ import annotations
 
 from contextlib import aclosing
 from typing import ClassVar, Literal
+
+import msgspec
 
 from thundersync.errors import ConfigError, TrackerError
 from thundersync.events import (
@@ -87,7 +90,10 @@ class CloseStage(Stage):
         self.tracker = Tracker(Need(name) for name in self.config.wait_for)
         self.admission, self.claims, self.failures = admission, claims, failures
         if failures is not None and failures.drops and claims is not None:
-            raise ConfigError("on_failure = 'drop' refills groups from one source; data parallel runs take 'zero'")
+            raise ConfigError(
+                f"{failures.dropping} refills groups from one source; data parallel runs take "
+                "on_failure = 'zero' and no dynamic_sampling"
+            )
         self.tools = tools if isinstance(tools, TrajectoryToolRunner) else None
         if self.tools is not None:
             self.tools.release_at("close")  # the sandbox outlives the final action: graders use it
@@ -125,6 +131,9 @@ class CloseStage(Stage):
             self.tracker.drop_group(group_id)  # type: ignore[arg-type]
 
     async def _send(self, closure: EventBase, outbox: Outbox) -> None:
+        failures = self.failures
+        if isinstance(closure, GroupClosed) and failures is not None and failures.was_uninformative(closure.group_id):
+            closure = msgspec.structs.replace(closure, uninformative=True)
         if isinstance(closure, GroupClosed) and self.admission is not None:
             self.admission.release_group(closure.group_id)
         if isinstance(closure, GroupClosed) and self.failures is not None:
@@ -166,7 +175,7 @@ class CloseStage(Stage):
                 num_scored=scored,
             )
         if isinstance(event, Rewarded) and Need.REWARD in needs:
-            return t.complete(Need.REWARD, event.group_id, event.trajectory_id)
+            return t.complete(Need.REWARD, event.group_id, event.trajectory_id, unscored=event.overlong == "filtered")
         if isinstance(event, TeacherScored) and Need.TEACHER in needs:
             return t.complete(Need.TEACHER, event.group_id, event.trajectory_id, event.turn)
         if isinstance(event, BackwardDone) and Need.BACKWARD in needs:

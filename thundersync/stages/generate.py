@@ -34,7 +34,8 @@ ToolObserved), when its group was dropped (``failures``, an
 :class:`~thundersync.scheduling.EpisodeFailures` under ``on_failure = "drop"``), or when its next
 prompt would not fit the generator's context (``"context"``): ``max_context_tokens``, or the
 generator's own ``max_seq_len`` when it has one and the config gives 0. Each request asks for at
-most what still fits. A tool-call parser that raises on the model's text counts as a call, which
+most what still fits; an action cut at that budget (the generator's ``finish_reason = "length"``)
+says ``truncated``. A tool-call parser that raises on the model's text counts as a call, which
 tool-execute answers with an error observation: nothing the model writes fails the stage.
 """
 
@@ -218,6 +219,7 @@ class GenerateStage(Stage):
                 behaviour_logprobs=result.logprobs,
                 final=not self._calls_tool(turn, result.token_ids),
                 policy_version=self._version(),
+                truncated=result.finish_reason == "length",
             )
             if action.final:
                 await outbox.send(action)

@@ -22,10 +22,13 @@ and tool-execute add its actions' and observations' tokens, and the close stage 
 source emits only the groups this rank claims, one claim whenever it has room, after waiting for
 the batch's ``policy`` version (a rank that finished its groups early takes more of the next
 batch, instead of reserving them while others still work). ``failures`` (an
-:class:`~thundersync.scheduling.EpisodeFailures`) under ``on_failure = "drop"``: after a batch's
+:class:`~thundersync.scheduling.EpisodeFailures`) under ``on_failure = "drop"`` or
+``dynamic_sampling``: after a batch's
 prompts the source waits until each of its groups closed; for each group dropped it submits a new
 one in the same batch (the next task of a seeded order of its tasks, a new group id), at most the
-policy's ``max_refills`` per batch. The next batch's prompts go once the batch is whole.
+policy's ``max_refills`` per batch for failed groups; a group dropped by dynamic sampling
+(``dynamic_sampling``: its rewards all equal) is refilled the same way, bounded by
+``max_oversample`` instead. The next batch's prompts go once the batch is whole.
 """
 
 from __future__ import annotations
@@ -96,7 +99,10 @@ class SourceStage(Stage):
         self.admission, self.claims, self.policy = admission, claims, policy
         self.failures = failures if failures is not None and failures.drops else None
         if self.failures is not None and claims is not None:
-            raise ConfigError("on_failure = 'drop' refills groups from one source; data parallel runs take 'zero'")
+            raise ConfigError(
+                f"{self.failures.dropping} refills groups from one source; data parallel runs take "
+                "on_failure = 'zero' and no dynamic_sampling"
+            )
         if bool(config.prompts) == (tasks is not None):
             raise ConfigError(
                 "a source needs exactly one of prompts (token id lists in the file) and a tasks object "
@@ -105,8 +111,9 @@ class SourceStage(Stage):
         self._stream = tasks if isinstance(tasks, TaskStream) and not isinstance(tasks, TaskSource) else None
         if self.failures is not None and self._stream is not None:
             raise ConfigError(
-                "on_failure = 'drop' refills dropped groups from a listed task source, not a task stream "
-                "(a streaming dataset); use on_failure = 'zero' or a dataset that is not streamed"
+                f"{self.failures.dropping} refills dropped groups from a listed task source, not a task "
+                "stream (a streaming dataset); use a dataset that is not streamed, or on_failure = 'zero' "
+                "and no dynamic_sampling"
             )
         self._tasks: list[Task] = []
         if self._stream is None:
@@ -268,7 +275,7 @@ class SourceStage(Stage):
                     open_groups.discard(group_id)
                     if not dropped:
                         continue
-                    failures.refilled(batch_id)  # raises past max_refills
+                    failures.refilled(batch_id, group_id)  # raises past max_refills
                     task = next(refills)
                     refill = msgspec.structs.replace(
                         prompts[0], group_id=next_id, prompt_tokens=list(task.prompt_ids), task=dict(task.fields)

@@ -124,7 +124,8 @@ def test_an_invalid_file_exits_2_with_one_paragraph_and_no_traceback(
         err = capsys.readouterr().err
         assert err == (
             f"thundersync: invalid pipeline (DefinitionError): {bad}: stages.reward.factr: unknown "
-            "field; valid fields: reads, feedback, capacity, output, objects, concurrency\n"
+            "field; valid fields: reads, feedback, capacity, output, objects, concurrency, overlong, max_tokens, "
+            "overlong_buffer, overlong_penalty_factor\n"
         )
 
 

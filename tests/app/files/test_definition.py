@@ -29,7 +29,8 @@ def test_the_example_file_starts_with_the_command_that_runs_it() -> None:
     [
         (
             '[stages.reward]\ntype = "reward"\nfactr = 1\n',
-            r"^stages\.reward\.factr: unknown field; valid fields: reads, feedback, capacity, output, objects, concurrency$",
+            r"^stages\.reward\.factr: unknown field; valid fields: reads, feedback, capacity, output, objects, concurrency, overlong, max_tokens, "
+            r"overlong_buffer, overlong_penalty_factor$",
         ),
         (
             '[stages.reward]\ntype = "rewrd"\n',

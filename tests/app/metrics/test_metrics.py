@@ -41,6 +41,7 @@ def test_lines_are_written_and_flushed_as_they_come(tmp_path: Path) -> None:
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["event"] for r in records] == ["run_started", "GroupClosed", "stage_statistics"]
     want = {"t": 0, "event": "GroupClosed", "group_id": "g", "num_trajectories": 4, "dropped": False}
+    want |= {"uninformative": False}
     assert records[1] | {"t": 0} == want
     assert records[2]["name"] == "s" and records[2]["received"] == 3
     assert all(r["t"] >= 0 for r in records) and metrics.lines == 3

@@ -179,6 +179,10 @@ def test_times_are_measured_from_the_batchs_first_group_and_the_previous_step() 
         "episode_failures": 0,
         "groups_dropped": 0,
         "truncated": 0,
+        "groups_uninformative": 0,
+        "groups_refilled": 0,
+        "overlong_filtered": 0,
+        "overlong_penalized": 0,
     }
     clock.now = 110.5
     nothing = steps.observe(StepDone(batch_id=1, policy_version=8))

@@ -19,6 +19,8 @@ And the ``episode-failures`` factory: what a run does when an agent episode fail
     on_failure = "drop"        # "fail" (default), "zero": reward 0 and keep, "drop": drop the group, refill it
     tool_outcomes = ["timeout"]  # the model's own calls that also count as failures ("timeout", "crash", "malformed")
     max_refills = 8            # per batch, past which the run fails
+    dynamic_sampling = false   # true: DAPO's dynamic sampling, groups whose rewards are all equal are dropped, refilled
+    max_oversample = 8         # per batch: such groups dropped at most; past it they are kept (zero gradient)
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from thundersync.scheduling import Admission, EpisodeFailures, OnFailure, ToolOu
 __all__ = ["admission", "episode_failures"]
 
 _Positive = Annotated[int, msgspec.Meta(ge=1)]
+_FAILURES = EpisodeFailures.Config()  # the defaults, written once in the Config
 
 
 def admission(
@@ -53,7 +56,15 @@ def episode_failures(
     *,
     on_failure: OnFailure = "fail",
     tool_outcomes: tuple[ToolOutcome, ...] = (),
-    max_refills: Annotated[int, msgspec.Meta(ge=0)] = 8,
+    max_refills: Annotated[int, msgspec.Meta(ge=0)] = _FAILURES.max_refills,
+    dynamic_sampling: bool = _FAILURES.dynamic_sampling,
+    max_oversample: Annotated[int, msgspec.Meta(ge=0)] = _FAILURES.max_oversample,
 ) -> EpisodeFailures:
     """``episode-failures``: an :class:`~thundersync.scheduling.EpisodeFailures` (module docstring)."""
-    return EpisodeFailures(on_failure=on_failure, tool_outcomes=tool_outcomes, max_refills=max_refills)
+    return EpisodeFailures(
+        on_failure=on_failure,
+        tool_outcomes=tool_outcomes,
+        max_refills=max_refills,
+        dynamic_sampling=dynamic_sampling,
+        max_oversample=max_oversample,
+    )

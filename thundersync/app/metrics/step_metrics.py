@@ -28,7 +28,11 @@ Definitions (times in seconds, from the watcher's clock):
 - ``episode_failures``: the batch's episodes that failed (a ToolObserved or a Rewarded with a
   ``failure``: a sandbox that died, a setup or grading that failed, a listed tool outcome);
   ``groups_dropped``: its groups dropped for a failure (``on_failure = "drop"``; the source
-  refilled them); ``truncated``: its trajectories ended because their next prompt would not fit
+  refilled them); ``groups_uninformative``: its groups dropped by dynamic sampling because their
+  rewards were all equal (``GroupClosed.uninformative``); ``groups_refilled``: the groups opened
+  for the batch beyond its size (``GroupOpened.groups_in_batch``), each a refill of a dropped
+  group; ``overlong_filtered`` / ``overlong_penalized``: its trajectories whose Rewarded says
+  ``overlong = "filtered"`` / ``"penalized"`` (the reward stage's ``overlong``); ``truncated``: its trajectories ended because their next prompt would not fit
   the generator's context (``stop_reason = "context"``);
 - ``grad_norm``, ``lr``, ``logprob_mismatch``, ``audit_rel_error``: as the step reported them
   (StepDone; ``audit_rel_error`` only on the trainer's audited steps, ``audit_every``);
@@ -89,7 +93,11 @@ class _Batch:
     kl_tokens: int = 0
     groups: int = 0  # GroupOpened seen
     failures: int = 0  # episodes that failed (ToolObserved or Rewarded with a failure)
-    dropped: int = 0  # groups dropped (GroupClosed.dropped)
+    dropped: int = 0  # groups dropped for a failure (GroupClosed.dropped, not uninformative)
+    uninformative: int = 0  # groups dropped by dynamic sampling (GroupClosed.uninformative)
+    refilled: int = 0  # GroupOpened beyond the batch's groups_in_batch
+    filtered: int = 0  # Rewarded.overlong == "filtered"
+    penalized: int = 0  # Rewarded.overlong == "penalized"
     truncated: int = 0  # trajectories ended for want of context (stop_reason "context")
     unpaired: dict[tuple[Id, Id, int], list[float]] = field(default_factory=dict)  # an action's scored
     # behaviour log-probs or its teacher's log-probs, whichever came first
@@ -117,13 +125,16 @@ class StepMetrics:
                 batch.submitted_s = now
             if isinstance(event, GroupOpened):
                 batch.groups += 1
+                batch.refilled = max(batch.groups - event.groups_in_batch, 0) if event.groups_in_batch else 0
                 batch.started_s = now if batch.started_s is None else batch.started_s
         elif isinstance(event, StepDone):
             return self._record(event, now)
         elif isinstance(event, (ActionGenerated, Rewarded, ToolObserved)):
             self._count(event, self._batch(event.group_id), now)
         elif isinstance(event, GroupClosed) and event.dropped:
-            self._batch(event.group_id).dropped += 1
+            batch = self._batch(event.group_id)
+            batch.uninformative += event.uninformative
+            batch.dropped += not event.uninformative
         if isinstance(event, (ActionGenerated, TeacherScored)):
             self._pair(event)
         return None
@@ -159,6 +170,8 @@ class StepMetrics:
         elif isinstance(event, Rewarded):
             batch.rewards.append(event.reward)
             batch.failures += event.failure is not None
+            batch.filtered += event.overlong == "filtered"
+            batch.penalized += event.overlong == "penalized"
         else:
             batch.tool_calls += 1
             batch.tool_errors += event.timed_out or event.exit_status != 0
@@ -181,6 +194,10 @@ class StepMetrics:
             batch.failures,
             batch.dropped,
             batch.truncated,
+            batch.uninformative,
+            batch.refilled,
+            batch.filtered,
+            batch.penalized,
         )
         record = {
             "step": done.policy_version,
@@ -223,6 +240,10 @@ class RankShare:
     failures: int = 0
     dropped: int = 0
     truncated: int = 0
+    uninformative: int = 0
+    refilled: int = 0
+    filtered: int = 0
+    penalized: int = 0
 
 
 def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, Any]:
@@ -239,6 +260,10 @@ def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, An
         sum(share.failures for share in shares),
         sum(share.dropped for share in shares),
         sum(share.truncated for share in shares),
+        sum(share.uninformative for share in shares),
+        sum(share.refilled for share in shares),
+        sum(share.filtered for share in shares),
+        sum(share.penalized for share in shares),
     )
     return _with_share(record, total) | {"groups_per_rank": [share.groups for share in shares]}
 
@@ -256,6 +281,10 @@ def _with_share(record: dict[str, Any], share: RankShare) -> dict[str, Any]:
         "episode_failures": share.failures,
         "groups_dropped": share.dropped,
         "truncated": share.truncated,
+        "groups_uninformative": share.uninformative,
+        "groups_refilled": share.refilled,
+        "overlong_filtered": share.filtered,
+        "overlong_penalized": share.penalized,
     }
 
 
