@@ -96,7 +96,11 @@ def test_run_writes_one_metrics_line_per_lifecycle_event_and_stage(
     versions = [r["policy_version"] for r in records if r["event"] == "StepDone"]
     assert versions == list(range(1, 51)) == [r["step"] for r in records if r["event"] == "step"]
     err = capsys.readouterr().err  # not a terminal: no progress line, logs are quiet, one summary line
-    assert re.fullmatch(rf"thundersync: 50/50 steps in 0:00:\d\d, last reward \d\.\d{{3}}; metrics: {metrics}\n", err)
+    assert re.fullmatch(
+        rf"thundersync: 50/50 steps in 0:00:\d\d \(build 0:00:\d\d, steps 0:00:\d\d; total 0:00:\d\d\), "
+        rf"last reward \d\.\d{{3}}; metrics: {metrics}\n",
+        err,
+    )
 
 
 def test_run_shows_progress_when_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

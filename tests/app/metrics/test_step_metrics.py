@@ -109,7 +109,7 @@ def _expected(records: list[dict[str, Any]]) -> dict[object, dict[str, Any]]:
 def test_each_step_line_has_the_keys_and_the_values_of_its_batchs_events(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     with JsonlMetrics(path) as metrics:
-        anyio.run(lambda: run_pipeline(_graph(), {}, metrics, progress=None))
+        anyio.run(lambda: run_pipeline(_graph(), {}, metrics))
     records = [json.loads(line) for line in path.read_text().splitlines()]
     steps = [r for r in records if r["event"] == "step"]
     expected = _expected(records)
@@ -179,6 +179,8 @@ def test_times_are_measured_from_the_batchs_first_group_and_the_previous_step() 
         "episode_failures": 0,
         "groups_dropped": 0,
         "truncated": 0,
+        "groups_rewarded": 2,
+        "groups_without_signal": 2,  # one reward each: nothing to compare it with
     }
     clock.now = 110.5
     nothing = steps.observe(StepDone(batch_id=1, policy_version=8))

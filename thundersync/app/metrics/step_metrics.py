@@ -30,6 +30,9 @@ Definitions (times in seconds, from the watcher's clock):
   ``groups_dropped``: its groups dropped for a failure (``on_failure = "drop"``; the source
   refilled them); ``truncated``: its trajectories ended because their next prompt would not fit
   the generator's context (``stop_reason = "context"``);
+- ``groups_rewarded``: the batch's groups with at least one Rewarded; ``groups_without_signal``:
+  those whose rewards were all equal (each advantage is then 0: the group gives GRPO no gradient).
+  When every rewarded group of several steps in a row has none (:class:`NoSignal`), the run says so;
 - ``grad_norm``, ``lr``, ``logprob_mismatch``, ``audit_rel_error``: as the step reported them
   (StepDone; ``audit_rel_error`` only on the trainer's audited steps, ``audit_every``);
 - ``reverse_kl`` (OPD): the mean over the batch's teacher-scored tokens of behaviour log-prob
@@ -70,7 +73,7 @@ from thundersync.pipeline.graph import Graph
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
 from thundersync.scheduling import Admission, AdmissionStats
 
-__all__ = ["WATCHER", "RankShare", "StepMetrics", "merge_ranks", "watched"]
+__all__ = ["WATCHER", "NoSignal", "RankShare", "StepMetrics", "merge_ranks", "watched"]
 
 WATCHER = "step-metrics"
 """The name of the stage :func:`watched` adds (a graph that has it gets ``step-metrics-2``...)."""
@@ -91,6 +94,7 @@ class _Batch:
     failures: int = 0  # episodes that failed (ToolObserved or Rewarded with a failure)
     dropped: int = 0  # groups dropped (GroupClosed.dropped)
     truncated: int = 0  # trajectories ended for want of context (stop_reason "context")
+    group_rewards: dict[Id, list[float]] = field(default_factory=dict)
     unpaired: dict[tuple[Id, Id, int], list[float]] = field(default_factory=dict)  # an action's scored
     # behaviour log-probs or its teacher's log-probs, whichever came first
 
@@ -158,6 +162,7 @@ class StepMetrics:
                 batch.last_final_s = now
         elif isinstance(event, Rewarded):
             batch.rewards.append(event.reward)
+            batch.group_rewards.setdefault(event.group_id, []).append(event.reward)
             batch.failures += event.failure is not None
         else:
             batch.tool_calls += 1
@@ -181,6 +186,8 @@ class StepMetrics:
             batch.failures,
             batch.dropped,
             batch.truncated,
+            len(batch.group_rewards),
+            sum(len(set(rewards)) == 1 for rewards in batch.group_rewards.values()),
         )
         record = {
             "step": done.policy_version,
@@ -223,6 +230,8 @@ class RankShare:
     failures: int = 0
     dropped: int = 0
     truncated: int = 0
+    rewarded_groups: int = 0
+    flat_groups: int = 0  # rewarded groups whose rewards were all equal
 
 
 def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, Any]:
@@ -239,6 +248,8 @@ def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, An
         sum(share.failures for share in shares),
         sum(share.dropped for share in shares),
         sum(share.truncated for share in shares),
+        sum(share.rewarded_groups for share in shares),
+        sum(share.flat_groups for share in shares),
     )
     return _with_share(record, total) | {"groups_per_rank": [share.groups for share in shares]}
 
@@ -256,7 +267,36 @@ def _with_share(record: dict[str, Any], share: RankShare) -> dict[str, Any]:
         "episode_failures": share.failures,
         "groups_dropped": share.dropped,
         "truncated": share.truncated,
+        "groups_rewarded": share.rewarded_groups,
+        "groups_without_signal": share.flat_groups,
     }
+
+
+class NoSignal:
+    """Counts the steps in a row whose rewarded groups all had equal rewards (``groups_without_signal
+    == groups_rewarded > 0``); :meth:`observe` is true once per run, at the ``after``-th such step."""
+
+    def __init__(self, after: int = 3) -> None:
+        self.after = after
+        self.streak = 0
+        self._said = False
+
+    def observe(self, record: dict[str, Any]) -> bool:
+        """Take a step record; true when the run should now say that its rewards carry no signal."""
+        rewarded = record.get("groups_rewarded") or 0
+        flat = rewarded > 0 and record.get("groups_without_signal") == rewarded
+        self.streak = self.streak + 1 if flat else 0
+        if self.streak >= self.after and not self._said:
+            self._said = True
+            return True
+        return False
+
+    def message(self) -> str:
+        return (
+            f"no reward signal for {self.streak} steps in a row: in every group all rewards were equal "
+            "(groups_without_signal), so every advantage is 0 and GRPO gets no gradient from them; "
+            "check the reward and that the policy sometimes succeeds (a supervised warm-up, more samples per group)"
+        )
 
 
 class _Watch(Stage):
