@@ -305,3 +305,14 @@ def test_resume_without_a_checkpointer_exits_2_and_says_what_to_give(
         f"thundersync: invalid settings (ConfigError): --resume {tmp_path} needs a checkpointer among the "
         "file's objects, and there is none; give the step stage a Checkpointer, or run without --resume\n"
     )
+
+
+def test_a_run_whose_rewards_carry_no_signal_says_so_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    metrics = tmp_path / "m.jsonl"
+    # one sample per group: each group's one reward equals itself, so every advantage is 0
+    path = _small(tmp_path, extra="[run]\nsteps = 4\n")
+    assert main(["run", str(path), "--set", "stages.source.samples=1", "--metrics", str(metrics)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("no reward signal for 3 steps in a row") == 1, err
+    steps = [r for r in _records(metrics) if r["event"] == "step"]
+    assert [(s["groups_rewarded"], s["groups_without_signal"]) for s in steps] == [(1, 1)] * 4
