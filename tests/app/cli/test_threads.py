@@ -52,7 +52,12 @@ def _restore_logging() -> Iterator[None]:
 def test_the_default_leaves_a_core_to_the_rest_of_the_run_and_keeps_to_torchs_own(
     cores: int, torch_default: int, threads: int
 ) -> None:
-    assert default_threads(cores, torch_default) == threads
+    assert default_threads(cores, torch_default, omp="") == threads
+
+
+def test_a_thread_count_from_omp_num_threads_is_the_default() -> None:
+    assert default_threads(16, 1, omp="1") == 1  # torchrun's, for several processes per node
+    assert default_threads(2, 2, omp="2") == 2
 
 
 def test_threads_are_set_for_the_block_and_restored_after_it() -> None:
@@ -71,6 +76,6 @@ def test_a_run_uses_the_files_threads_or_the_default(
     path.write_text(SMALL)
     before = torch.get_num_threads()
     assert main(["run", str(path), "--verbose", *setting]) == 0
-    expected = 3 if setting else default_threads()
+    expected = 3 if setting else default_threads()  # the environment's OMP_NUM_THREADS, if any, included
     assert f"threads={expected}" in capsys.readouterr().err
     assert torch.get_num_threads() == before

@@ -7,8 +7,10 @@ event loop, the generator's host work and the sandboxes' processes, which run be
 each other at every operator: when other work holds a core, every operator waits for the slowest
 thread (``bench/RESULTS.md``, 2026-12-06: the warm-up of ``examples/agent_grpo.toml`` ran several
 times slower on a loaded 2-core machine with 2 threads than with 1). ``--set run.threads=N`` (or
-``threads = N`` in the file's ``[run]``) sets it; the command sets it before it builds the file's
-objects, for the whole run (warm-up, steps, evaluation), and sets torch's back after it.
+``threads = N`` in the file's ``[run]``) sets it. When ``OMP_NUM_THREADS`` is set (by the user, or
+by ``torchrun``, which sets it to 1 for several processes per node), the default is torch's count
+from it instead. The command sets the count before it builds the file's objects, for the whole
+run (warm-up, steps, evaluation), and sets torch's back after it.
 """
 
 from __future__ import annotations
@@ -29,11 +31,15 @@ def _available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def default_threads(cores: int | None = None, torch_default: int | None = None) -> int:
+def default_threads(cores: int | None = None, torch_default: int | None = None, *, omp: str | None = None) -> int:
     """One fewer than ``cores`` (None: the cores this process may run on), at least 1 and at most
-    ``torch_default`` (None: torch's default, as the process started with it)."""
+    ``torch_default`` (None: torch's default, as the process started with it); ``torch_default``
+    itself when ``omp`` (None: the environment's ``OMP_NUM_THREADS``) is set."""
     cores = _available_cores() if cores is None else cores
     torch_default = _TORCH_DEFAULT if torch_default is None else torch_default
+    omp = os.environ.get("OMP_NUM_THREADS") if omp is None else omp
+    if omp:  # the launcher or the user chose, and torch took it at start
+        return torch_default
     return max(1, min(cores - 1, torch_default))
 
 
