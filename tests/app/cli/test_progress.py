@@ -190,7 +190,8 @@ def test_warnings_and_logs_are_one_line_each_above_the_live_line() -> None:
     with warnings.catch_warnings(), screen.routing(verbose=False):
         warnings.simplefilter("always")
         progress.begin("warm-up", total=4)
-        warnings.warn("the local backend is not\x1b an isolation boundary", UserWarning, stacklevel=1)
+        for _ in range(3):  # each sandbox warns, the same words: shown once
+            warnings.warn("the local backend is not\x1b an isolation boundary", UserWarning, stacklevel=1)
         logging.getLogger("thundersync.test").warning("a library warning")
         structlog.get_logger("thundersync.cli").warning("a command warning")
     text = stream.getvalue()

@@ -9,7 +9,7 @@ A :class:`Screen` owns stderr while a command runs: the live progress line (redr
 terminal) and every other line written above it, so a log record or a warning never draws over the
 live line. Logs (structlog and :mod:`logging`) and warnings go through it (:func:`configure_logging`,
 :meth:`Screen.routing`); a warning is one line, ``thundersync: warning: Category: message``, without
-Python's echo of the source line that raised it.
+Python's echo of the source line that raised it, and each distinct one is shown once.
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ class Screen:
         self._drawn = False  # the live line is on screen (no newline after it)
         self._closed = False
         self._last_draw = float("-inf")
+        self._warned: set[str] = set()
 
     def changed(self, *, line: bool = False) -> None:
         """The progress changed: redraw the live line (rate-limited), or write it when ``line`` and not live."""
@@ -135,8 +136,14 @@ class Screen:
         file: TextIO | None = None,
         line: str | None = None,
     ) -> None:
-        """A :func:`warnings.showwarning`: one line, the category and the message, escaped."""
-        self.say(f"thundersync: warning: {category.__name__}: {printable(str(message))}")
+        """A :func:`warnings.showwarning`: one line, the category and the message, escaped; each
+        distinct one once (code that resets the warning filters per object would repeat it)."""
+        text = f"thundersync: warning: {category.__name__}: {printable(str(message))}"
+        with self._lock:
+            if text in self._warned:
+                return
+            self._warned.add(text)
+        self.say(text)
 
     @contextmanager
     def routing(self, verbose: bool) -> Iterator[Screen]:
