@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import warnings
@@ -15,9 +16,12 @@ import structlog
 import torch
 
 from tests.app.metrics.test_step_metrics import KEYS as STEP_KEYS
+from thundersync.app.cli._terminal import Screen
 from thundersync.app.cli.command import EXIT_INVALID, main
+from thundersync.app.cli.progress import Progress
 from thundersync.app.factories.models import model as build_model
 from thundersync.app.factories.warmup import supervised_warmup, warmup_loss
+from thundersync.app.phases import reporting
 from thundersync.errors import ConfigError
 from thundersync.sandboxes._process import unshare_available
 from thundersync.sandboxes.local import NotIsolatedWarning
@@ -64,14 +68,19 @@ def test_the_warmup_lowers_the_loss_of_the_written_tokens_and_is_seeded(capsys: 
     batch = demos.demonstrations()
     models = [build_model(config=SHAPES, seed=0) for _ in range(2)]
     before = warmup_loss(models[0], batch, torch.device("cpu")).item()
-    for built in models:
-        assert (
-            supervised_warmup(model=built, demonstrations=demos, steps=6, batch_size=4, lr=1e-2, log_every=3) is built
-        )
+    progress, shown = Progress(None), io.StringIO()
+    progress.display = Screen(shown, progress.line, live=False)
+    with reporting(progress):
+        for built in models:
+            warmed = supervised_warmup(model=built, demonstrations=demos, steps=6, batch_size=4, lr=1e-2, log_every=3)
+            assert warmed is built
     assert warmup_loss(models[0], batch, torch.device("cpu")).item() < before - 1.0
     assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
     assert not models[0].training and all(p.grad is None for p in models[0].parameters())
-    assert "warm-up step 3/6: loss" in capsys.readouterr().err
+    lines = shown.getvalue().splitlines()
+    assert len(lines) == 4 and lines[0].startswith("thundersync: warm-up 3/6 steps") and " loss " in lines[0]
+    assert lines[1].startswith("thundersync: warm-up 6/6 steps in ") and " ETA " not in lines[1]
+    assert capsys.readouterr().err == ""  # the library prints nothing by itself
 
 
 def test_the_warmup_needs_demonstrations_and_parameters_to_train() -> None:

@@ -96,7 +96,11 @@ def test_run_writes_one_metrics_line_per_lifecycle_event_and_stage(
     versions = [r["policy_version"] for r in records if r["event"] == "StepDone"]
     assert versions == list(range(1, 51)) == [r["step"] for r in records if r["event"] == "step"]
     err = capsys.readouterr().err  # not a terminal: no progress line, logs are quiet, one summary line
-    assert re.fullmatch(rf"thundersync: 50/50 steps in 0:00:\d\d, last reward \d\.\d{{3}}; metrics: {metrics}\n", err)
+    assert re.fullmatch(
+        rf"thundersync: 50/50 steps in 0:00:\d\d \(build 0:00:\d\d, steps 0:00:\d\d; total 0:00:\d\d\), "
+        rf"last reward \d\.\d{{3}}; metrics: {metrics}\n",
+        err,
+    )
 
 
 def test_run_shows_progress_when_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -302,3 +306,14 @@ def test_resume_without_a_checkpointer_exits_2_and_says_what_to_give(
         f"thundersync: invalid settings (ConfigError): --resume {tmp_path} needs a checkpointer among the "
         "file's objects, and there is none; give the step stage a Checkpointer, or run without --resume\n"
     )
+
+
+def test_a_run_whose_rewards_carry_no_signal_says_so_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    metrics = tmp_path / "m.jsonl"
+    # one sample per group: each group's one reward equals itself, so every advantage is 0
+    path = _small(tmp_path, extra="[run]\nsteps = 4\n")
+    assert main(["run", str(path), "--set", "stages.source.samples=1", "--metrics", str(metrics)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("no reward signal for 3 steps in a row") == 1, err
+    steps = [r for r in _records(metrics) if r["event"] == "step"]
+    assert [(s["groups_rewarded"], s["groups_without_signal"]) for s in steps] == [(1, 1)] * 4

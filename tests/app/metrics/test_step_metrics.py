@@ -13,7 +13,7 @@ import pytest
 
 from thundersync.app.cli._cli_run import run_pipeline
 from thundersync.app.metrics.jsonl import JsonlMetrics
-from thundersync.app.metrics.step_metrics import StepMetrics, watched
+from thundersync.app.metrics.step_metrics import NoSignal, StepMetrics, watched
 from thundersync.events import (
     ActionGenerated,
     BatchReady,
@@ -109,7 +109,7 @@ def _expected(records: list[dict[str, Any]]) -> dict[object, dict[str, Any]]:
 def test_each_step_line_has_the_keys_and_the_values_of_its_batchs_events(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     with JsonlMetrics(path) as metrics:
-        anyio.run(lambda: run_pipeline(_graph(), {}, metrics, progress=None))
+        anyio.run(lambda: run_pipeline(_graph(), {}, metrics))
     records = [json.loads(line) for line in path.read_text().splitlines()]
     steps = [r for r in records if r["event"] == "step"]
     expected = _expected(records)
@@ -183,6 +183,8 @@ def test_times_are_measured_from_the_batchs_first_group_and_the_previous_step() 
         "groups_refilled": 0,
         "overlong_filtered": 0,
         "overlong_penalized": 0,
+        "groups_rewarded": 2,
+        "groups_without_signal": 2,  # one reward each: nothing to compare it with
     }
     clock.now = 110.5
     nothing = steps.observe(StepDone(batch_id=1, policy_version=8))
@@ -212,3 +214,24 @@ def test_without_group_events_rollout_counts_from_the_first_prompt() -> None:
         steps.observe(event)
     record = steps.observe(StepDone(batch_id=0, policy_version=1))
     assert record is not None and record["rollout_s"] == 3.0
+
+
+def test_a_group_whose_rewards_are_all_equal_is_counted_without_signal() -> None:
+    steps = StepMetrics()
+    rewards = {0: [1.0, 1.0, 1.0], 1: [0.0, 1.0, 1.0], 2: [0.1, 0.1, 0.1]}
+    for group, values in rewards.items():
+        steps.observe(GroupOpened(group_id=group, prompt_tokens=[1], batch_id=0))
+        for trajectory, reward in enumerate(values):
+            steps.observe(Rewarded(group_id=group, trajectory_id=trajectory, reward=reward))
+    record = steps.observe(StepDone(batch_id=0, policy_version=1))
+    assert record is not None and (record["groups_rewarded"], record["groups_without_signal"]) == (3, 2)
+
+
+def test_the_run_is_told_once_when_several_steps_in_a_row_carry_no_signal() -> None:
+    said = NoSignal(after=3)
+    flat, mixed = {"groups_rewarded": 4, "groups_without_signal": 4}, {"groups_rewarded": 4, "groups_without_signal": 3}
+    opd = {"groups_rewarded": 0, "groups_without_signal": 0}  # no rewards at all is not "no signal"
+    seen = [said.observe(r) for r in (flat, flat, mixed, flat, flat, opd, flat, flat, flat)]
+    assert seen == [False] * 8 + [True]
+    assert said.message().startswith("no reward signal for 3 steps in a row: in every group all rewards were equal")
+    assert not any(said.observe(flat) for _ in range(5))  # once per run

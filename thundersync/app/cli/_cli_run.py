@@ -16,13 +16,15 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 import anyio
+import structlog
 
+from thundersync.app.cli._terminal import Screen
 from thundersync.app.cli.progress import Progress, show_progress
 from thundersync.app.metrics.jsonl import JsonlMetrics
-from thundersync.app.metrics.step_metrics import StepMetrics, merge_ranks, watched
+from thundersync.app.metrics.step_metrics import NoSignal, StepMetrics, merge_ranks, watched
 from thundersync.errors import PipelineError
 from thundersync.events import EventBase
 from thundersync.pipeline import Pipeline
@@ -36,25 +38,29 @@ if TYPE_CHECKING:
 
 __all__ = ["run_pipeline"]
 
+_log = structlog.get_logger("thundersync.cli")
+
 
 async def run_pipeline(
     graph: Graph,
     objects: Mapping[str, Any],
     metrics: JsonlMetrics,
     *,
-    progress: TextIO | None,
-    summary: TextIO | None = None,
+    screen: Screen | None = None,
+    shown: Progress | None = None,
     interval_s: float = 0.2,
     timeout_s: float | None = None,
     ranks: Launch | None = None,
 ) -> RunStatistics:
     """Run ``graph`` to completion, writing its output events and step records to ``metrics``.
 
-    ``progress`` is the stream for the live line (None: no progress display); ``summary`` the
-    stream for the line that ends a successful run (None: none); ``ranks``: this process's place in
-    a data-parallel launch (the summary names it). Returns the run's statistics.
+    ``screen``: where the live line (when it is live) and the line that ends a successful run go
+    (None: neither); ``shown``: the run's progress so far (its earlier phases; None: a new one);
+    ``ranks``: this process's place in a data-parallel launch (the summary names it). Returns the
+    run's statistics.
     """
-    shown = Progress(_total_steps(graph))
+    shown = Progress(None) if shown is None else shown
+    shown.total = _total_steps(graph)
     steps = StepMetrics(admission=_admission(objects))
 
     async def see(event: EventBase) -> None:
@@ -66,7 +72,10 @@ async def run_pipeline(
             record = merge_ranks(record, shares)
         metrics.write("step", **record)
         shown.update(record)
+        if no_signal.observe(record):
+            _log.warning(no_signal.message())
 
+    no_signal = NoSignal()
     pipeline = Pipeline(watched(graph, see))
     try:
         with anyio.fail_after(timeout_s):
@@ -74,7 +83,8 @@ async def run_pipeline(
                 for obj in objects.values():
                     if hasattr(obj, "__aenter__") and hasattr(obj, "__aexit__"):
                         await stack.enter_async_context(obj)
-                await _drive(pipeline, metrics, shown, progress, interval_s)
+                with shown.steps_phase():
+                    await _drive(pipeline, metrics, screen, interval_s)
     except TimeoutError:
         raise PipelineError(
             f"the run took longer than its timeout of {timeout_s} s (run.timeout_s / --timeout); it was cancelled"
@@ -83,25 +93,22 @@ async def run_pipeline(
         stats = _statistics(pipeline)
         if stats is not None:
             metrics.statistics(stats)
-    if summary is not None:  # a failed run ends with its one error line instead
+    if screen is not None:  # a failed run ends with its one error line instead
         where = None if metrics.path is None else str(metrics.path)
         board = None if metrics.tensorboard is None else str(metrics.tensorboard.directory)
         rank = None if ranks is None else (ranks.label, ranks.writes_files)
         line = shown.summary(metrics=where, checkpoints=_checkpoints(objects), rank=rank, tensorboard=board)
-        summary.write(line + "\n")
-        summary.flush()
+        screen.say(line)
     assert stats is not None
     return stats
 
 
-async def _drive(
-    pipeline: Pipeline, metrics: JsonlMetrics, shown: Progress, progress: TextIO | None, interval_s: float
-) -> None:
+async def _drive(pipeline: Pipeline, metrics: JsonlMetrics, screen: Screen | None, interval_s: float) -> None:
     async with pipeline:
         await pipeline.close()  # a file's graph is fed by its own sources
         async with anyio.create_task_group() as group:
-            if progress is not None:
-                group.start_soon(show_progress, shown, progress, interval_s)
+            if screen is not None and screen.live:
+                group.start_soon(show_progress, screen, interval_s)
             async for event in pipeline.results():
                 metrics.event(event)
             group.cancel_scope.cancel()

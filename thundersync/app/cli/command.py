@@ -39,8 +39,10 @@ import msgspec
 import structlog
 
 from thundersync.app.cli._cli_run import run_pipeline
-from thundersync.app.cli._terminal import configure_logging, printable
+from thundersync.app.cli._terminal import Screen, configure_logging, printable
 from thundersync.app.cli.distributed import Launch, attach, balance, launch, rank_label
+from thundersync.app.cli.progress import Progress
+from thundersync.app.cli.threads import use_threads
 from thundersync.app.evaluation import Evaluation, attach_evaluation, evaluate_alone
 from thundersync.app.files.build import build_graph, build_objects
 from thundersync.app.files.check import check_pipeline, check_run_settings
@@ -48,6 +50,7 @@ from thundersync.app.files.definition import PipelineSpec, load
 from thundersync.app.metrics.jsonl import JsonlMetrics, RecordSink, check_metrics_path
 from thundersync.app.metrics.tensorboard import TensorBoardSteps
 from thundersync.app.metrics.wandb import WandbSteps
+from thundersync.app.phases import reporting
 from thundersync.errors import ConfigError, DefinitionError, GraphError, ThunderSyncError
 from thundersync.pipeline.graph import Graph
 
@@ -142,6 +145,15 @@ def _prepare(
     before_build: Callable[[PipelineSpec], None] | None = None,
 ) -> tuple[PipelineSpec, dict[str, object], Graph]:
     spec = load(path, overrides)
+    return (spec, *_build(spec, path, ranks, before_build))
+
+
+def _build(
+    spec: PipelineSpec,
+    path: Path,
+    ranks: Launch | None,
+    before_build: Callable[[PipelineSpec], None] | None = None,
+) -> tuple[dict[str, object], Graph]:
     try:
         check_run_settings(spec, data_parallel=ranks is not None)
     except ConfigError as error:
@@ -157,7 +169,7 @@ def _prepare(
             balance(ranks, graph)
     except ConfigError as error:  # object and graph errors are not path-qualified by themselves
         raise type(error)(f"{path}: {error}") from None
-    return spec, objects, graph
+    return objects, graph
 
 
 @contextmanager
@@ -240,9 +252,24 @@ def _check_outputs(spec: PipelineSpec, args: argparse.Namespace) -> None:
 
 
 def _run_rank(path: Path, args: argparse.Namespace, ranks: Launch | None) -> int:
+    spec = load(path, args.overrides)
+    writes = ranks is None or ranks.writes_files
+    mode = args.progress or spec.run.progress
+    shown = Progress(None)
+    shown.display = screen = Screen(
+        sys.stderr, shown.line, live=writes and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
+    )
+    with screen.routing(args.verbose), reporting(shown), use_threads(spec.run.threads) as threads:
+        structlog.get_logger("thundersync.cli").info("torch CPU threads", threads=threads)
+        return _run_built(spec, path, args, ranks, screen, shown)
+
+
+def _run_built(
+    spec: PipelineSpec, path: Path, args: argparse.Namespace, ranks: Launch | None, screen: Screen, shown: Progress
+) -> int:
     writes = ranks is None or ranks.writes_files
     check = (lambda spec: _check_outputs(spec, args)) if writes else None  # rank 0 alone writes files
-    spec, objects, graph = _prepare(path, args.overrides, ranks, check)
+    objects, graph = _build(spec, path, ranks, check)
     resumed = None if args.resume is None else _resume(objects, args.resume)
     settings = spec.run
     metrics_path = (args.metrics if args.metrics is not None else settings.metrics) if writes else None
@@ -250,8 +277,6 @@ def _run_rank(path: Path, args: argparse.Namespace, ranks: Launch | None) -> int
     if writes and settings.tensorboard is not None:
         tensorboard = TensorBoardSteps(settings.tensorboard, overwrite=args.overwrite, resume_step=resumed)
     timeout_s = args.timeout if args.timeout is not None else settings.timeout_s
-    mode = args.progress or settings.progress
-    show = writes and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
     log = structlog.get_logger("thundersync.cli")
     stages = [node.name for node in graph]
     sinks = [WandbSteps(settings.wandb, config=msgspec.to_builtins(spec))] if writes and settings.wandb else []
@@ -268,8 +293,8 @@ def _run_rank(path: Path, args: argparse.Namespace, ranks: Launch | None) -> int
                     graph,
                     objects,
                     metrics,
-                    progress=sys.stderr if show else None,
-                    summary=sys.stderr,
+                    screen=screen,
+                    shown=shown,
                     timeout_s=timeout_s,
                     ranks=ranks,
                 )

@@ -19,7 +19,9 @@ observations are context), averaged over the batch's written tokens, with AdamW 
 decay) at a constant learning rate, the gradient norm clipped to ``max_grad_norm`` (a spike
 late in the warm-up would undo it). Batches are drawn without replacement from the
 demonstrations shuffled by ``seed``, so the warmed-up weights are a function of the file.
-Progress goes to stderr (one line every ``log_every`` steps and a last one). The warm-up runs when
+Its progress is a phase, ``warm-up`` (:mod:`thundersync.app.phases`): under ``thundersync run`` the live
+line shows its steps, rate, loss (every ``log_every`` steps) and ETA, and it ends with a line of its
+own; without a live line, a line every ``log_every`` steps and the last one. The warm-up runs when
 the object is built (``thundersync check`` builds nothing); on ``--resume`` it runs too, and the
 checkpoint's weights then replace its result.
 """
@@ -27,8 +29,6 @@ checkpoint's weights then replace its result.
 from __future__ import annotations
 
 import random
-import sys
-import time
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -36,6 +36,7 @@ import msgspec
 import torch
 from torch import nn
 
+from thundersync.app.phases import phase
 from thundersync.errors import ConfigError
 from thundersync.tasks.demonstrations import Demonstration, DemonstrationSource
 
@@ -57,7 +58,7 @@ def supervised_warmup(
 ) -> nn.Module:
     """``supervised-warmup``: ``model`` after ``steps`` AdamW steps of cross-entropy on the
     demonstrations' written tokens, clipped to ``max_grad_norm`` (None: no clipping), with
-    progress every ``log_every`` steps (see the module docstring); returned in eval mode."""
+    its loss shown every ``log_every`` steps (see the module docstring); returned in eval mode."""
     examples = demonstrations.demonstrations()
     if not examples:
         raise ConfigError("the warm-up's demonstrations object listed none; give it at least one task")
@@ -66,16 +67,18 @@ def supervised_warmup(
         raise ConfigError("the warm-up's model has no trainable parameter (requires_grad); nothing to warm up")
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     device = params[0].device
-    started = time.perf_counter()
-    for step, batch in zip(range(1, steps + 1), _batches(examples, batch_size, seed)):
-        loss = warmup_loss(model, batch, device)
-        optimizer.zero_grad(set_to_none=True)
-        torch.autograd.backward(loss)
-        if max_grad_norm is not None:
-            nn.utils.clip_grad_norm_(params, max_grad_norm)
-        optimizer.step()
-        if step % log_every == 0 or step == steps:
-            _report(step, steps, loss.item(), time.perf_counter() - started)
+    with phase("warm-up", total=steps, unit="steps", record=True) as advance:
+        for step, batch in zip(range(1, steps + 1), _batches(examples, batch_size, seed)):
+            loss = warmup_loss(model, batch, device)
+            optimizer.zero_grad(set_to_none=True)
+            torch.autograd.backward(loss)
+            if max_grad_norm is not None:
+                nn.utils.clip_grad_norm_(params, max_grad_norm)
+            optimizer.step()
+            if step % log_every == 0 or step == steps:  # .item() waits for the device: not every step
+                advance(step, line=step != steps, loss=f"{loss.item():.3f}")
+            else:
+                advance(step)
     optimizer.zero_grad(set_to_none=True)
     return model.eval()
 
@@ -106,8 +109,3 @@ def _batches(examples: list[Demonstration], size: int, seed: int) -> Iterator[li
                 draw.shuffle(order)
             batch.append(order.pop())
         yield batch
-
-
-def _report(step: int, steps: int, loss: float, elapsed_s: float) -> None:
-    sys.stderr.write(f"warm-up step {step}/{steps}: loss {loss:.3f}, {elapsed_s:.0f} s\n")
-    sys.stderr.flush()

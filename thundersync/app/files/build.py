@@ -23,6 +23,7 @@ from thundersync.app.factories.registry import ALL_FACTORIES
 from thundersync.app.files._schema import convert, factory_params, object_union, reference_params, runtime_params
 from thundersync.app.files.definition import ObjectSpec, PipelineSpec, StageSpec, is_reference
 from thundersync.app.files.object_graph import build_order, place_hint, runtime_class
+from thundersync.app.phases import phase
 from thundersync.errors import ConfigError, DefinitionError, GraphError
 from thundersync.pipeline.graph import INPUT, Graph
 from thundersync.pipeline.stage import Stage
@@ -50,13 +51,18 @@ def build_objects(spec: PipelineSpec, /, **given: Any) -> dict[str, Any]:
         acceleration = msgspec.to_builtins(spec.acceleration.resolved())
     except ConfigError as error:
         raise DefinitionError(f"acceleration: {error}") from None
-    for name in order:
-        obj = spec.objects[name]
-        filled = {"device": spec.run.device, "acceleration": acceleration}
-        extra = {key: value for key, value in filled.items() if _takes(obj, key)}
-        if extra:
-            obj = ObjectSpec(obj.factory, {**obj.args, **extra}, obj.refs)
-        objects[name] = _build_object(name, obj, objects)
+    if not order:  # all given (build_graph after build_objects): no build phase to show
+        return objects
+    with phase("build", total=len(order), unit="objects", even=False) as advance:
+        for done, name in enumerate(order):
+            advance(done, object=name)
+            obj = spec.objects[name]
+            filled = {"device": spec.run.device, "acceleration": acceleration}
+            extra = {key: value for key, value in filled.items() if _takes(obj, key)}
+            if extra:
+                obj = ObjectSpec(obj.factory, {**obj.args, **extra}, obj.refs)
+            objects[name] = _build_object(name, obj, objects)
+        advance(len(order), object="")
     return objects
 
 

@@ -98,7 +98,9 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     object whose factory takes a ``device`` and whose table gives none (``cpu``, ``cuda``,
     ``cuda:N``, or ``auto``: the GPU when there is one); ``tensorboard``: a directory for
     TensorBoard scalars of each step line (:mod:`thundersync.app.metrics.tensorboard`; None: none);
-    ``wandb``: a W&B run of the same records (``[run.wandb]``: :mod:`thundersync.app.metrics.wandb`).
+    ``wandb``: a W&B run of the same records (``[run.wandb]``: :mod:`thundersync.app.metrics.wandb`);
+    ``threads``: torch's CPU threads for the whole run (``torch.set_num_threads``; None: the
+    default of :mod:`thundersync.app.cli.threads`).
     """
 
     metrics: str | None = None
@@ -109,6 +111,7 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     steps: Annotated[int, msgspec.Meta(ge=1)] | None = None
     device: str = "auto"
+    threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 class EvalSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

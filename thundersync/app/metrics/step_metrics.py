@@ -34,6 +34,9 @@ Definitions (times in seconds, from the watcher's clock):
   group; ``overlong_filtered`` / ``overlong_penalized``: its trajectories whose Rewarded says
   ``overlong = "filtered"`` / ``"penalized"`` (the reward stage's ``overlong``); ``truncated``: its trajectories ended because their next prompt would not fit
   the generator's context (``stop_reason = "context"``);
+- ``groups_rewarded``: the batch's groups with at least one Rewarded; ``groups_without_signal``:
+  those whose rewards were all equal (each advantage is then 0: the group gives GRPO no gradient).
+  When every rewarded group of several steps in a row has none (:class:`NoSignal`), the run says so;
 - ``grad_norm``, ``lr``, ``logprob_mismatch``, ``audit_rel_error``: as the step reported them
   (StepDone; ``audit_rel_error`` only on the trainer's audited steps, ``audit_every``);
 - ``reverse_kl`` (OPD): the mean over the batch's teacher-scored tokens of behaviour log-prob
@@ -74,7 +77,7 @@ from thundersync.pipeline.graph import Graph
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
 from thundersync.scheduling import Admission, AdmissionStats
 
-__all__ = ["WATCHER", "RankShare", "StepMetrics", "merge_ranks", "watched"]
+__all__ = ["WATCHER", "NoSignal", "RankShare", "StepMetrics", "merge_ranks", "watched"]
 
 WATCHER = "step-metrics"
 """The name of the stage :func:`watched` adds (a graph that has it gets ``step-metrics-2``...)."""
@@ -99,6 +102,7 @@ class _Batch:
     filtered: int = 0  # Rewarded.overlong == "filtered"
     penalized: int = 0  # Rewarded.overlong == "penalized"
     truncated: int = 0  # trajectories ended for want of context (stop_reason "context")
+    group_rewards: dict[Id, list[float]] = field(default_factory=dict)
     unpaired: dict[tuple[Id, Id, int], list[float]] = field(default_factory=dict)  # an action's scored
     # behaviour log-probs or its teacher's log-probs, whichever came first
 
@@ -169,6 +173,7 @@ class StepMetrics:
                 batch.last_final_s = now
         elif isinstance(event, Rewarded):
             batch.rewards.append(event.reward)
+            batch.group_rewards.setdefault(event.group_id, []).append(event.reward)
             batch.failures += event.failure is not None
             batch.filtered += event.overlong == "filtered"
             batch.penalized += event.overlong == "penalized"
@@ -198,6 +203,8 @@ class StepMetrics:
             batch.refilled,
             batch.filtered,
             batch.penalized,
+            len(batch.group_rewards),
+            sum(len(set(rewards)) == 1 for rewards in batch.group_rewards.values()),
         )
         record = {
             "step": done.policy_version,
@@ -244,6 +251,8 @@ class RankShare:
     refilled: int = 0
     filtered: int = 0
     penalized: int = 0
+    rewarded_groups: int = 0
+    flat_groups: int = 0  # rewarded groups whose rewards were all equal
 
 
 def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, Any]:
@@ -264,6 +273,8 @@ def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, An
         sum(share.refilled for share in shares),
         sum(share.filtered for share in shares),
         sum(share.penalized for share in shares),
+        sum(share.rewarded_groups for share in shares),
+        sum(share.flat_groups for share in shares),
     )
     return _with_share(record, total) | {"groups_per_rank": [share.groups for share in shares]}
 
@@ -285,7 +296,36 @@ def _with_share(record: dict[str, Any], share: RankShare) -> dict[str, Any]:
         "groups_refilled": share.refilled,
         "overlong_filtered": share.filtered,
         "overlong_penalized": share.penalized,
+        "groups_rewarded": share.rewarded_groups,
+        "groups_without_signal": share.flat_groups,
     }
+
+
+class NoSignal:
+    """Counts the steps in a row whose rewarded groups all had equal rewards (``groups_without_signal
+    == groups_rewarded > 0``); :meth:`observe` is true once per run, at the ``after``-th such step."""
+
+    def __init__(self, after: int = 3) -> None:
+        self.after = after
+        self.streak = 0
+        self._said = False
+
+    def observe(self, record: dict[str, Any]) -> bool:
+        """Take a step record; true when the run should now say that its rewards carry no signal."""
+        rewarded = record.get("groups_rewarded") or 0
+        flat = rewarded > 0 and record.get("groups_without_signal") == rewarded
+        self.streak = self.streak + 1 if flat else 0
+        if self.streak >= self.after and not self._said:
+            self._said = True
+            return True
+        return False
+
+    def message(self) -> str:
+        return (
+            f"no reward signal for {self.streak} steps in a row: in every group all rewards were equal "
+            "(groups_without_signal), so every advantage is 0 and GRPO gets no gradient from them; "
+            "check the reward and that the policy sometimes succeeds (a supervised warm-up, more samples per group)"
+        )
 
 
 class _Watch(Stage):
