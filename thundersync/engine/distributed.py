@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from thundersync.engine.failures import Arrivals, report_failure
+from thundersync.engine.failures import Arrivals, introduce, report_failure
 from thundersync.engine.sinks import accumulate_dtype
 from thundersync.errors import ConfigError, DistributedError
 
@@ -69,8 +69,10 @@ class DataParallel:
         backend = dist.get_backend(group)
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.bytes_reduced = 0
-        if arrivals is None and self.store is not None:
-            arrivals = Arrivals(self.store, "collectives", rank=self.rank, world_size=self.world_size)
+        if self.store is not None:
+            introduce(self.store, self.rank)
+            if arrivals is None:
+                arrivals = Arrivals(self.store, "collectives", rank=self.rank, world_size=self.world_size)
         self.arrivals = arrivals
 
     def all_reduce_counts(self, counts: Sequence[int]) -> list[int]:

@@ -16,7 +16,15 @@ import os
 import socket
 from typing import Any
 
-__all__ = ["TIMEOUT_HINT", "Arrivals", "describe_failures", "describe_rank", "introduce", "report_failure"]
+__all__ = [
+    "TIMEOUT_HINT",
+    "Arrivals",
+    "describe_failures",
+    "describe_rank",
+    "introduce",
+    "report_failure",
+    "whereabouts",
+]
 
 _FAILED = "thundersync/failed/"
 _AT = "thundersync/at/"
@@ -42,12 +50,22 @@ def introduce(store: Any, rank: int) -> None:
 
 
 def describe_rank(store: Any, rank: int) -> str:
-    """``"rank 1 (host h, pid 123, still running)"``: what :func:`introduce` recorded, and whether
-    that process still runs when it is on this host; ``"rank 1"`` when nothing is known."""
-    try:
-        host, pid = store.get(f"{_WHO}{rank}").decode(errors="replace").rsplit(" ", 1)
+    """``"rank 1 (host h, pid 123, still running)"``: :func:`whereabouts` in brackets, or
+    ``"rank 1"`` when nothing is known."""
+    where = whereabouts(store, rank)
+    return f"rank {rank} ({where})" if where else f"rank {rank}"
+
+
+def whereabouts(store: Any, rank: int) -> str:
+    """``"host h, pid 123, still running"``: what :func:`introduce` recorded for ``rank``, and
+    whether that process still runs when it is on this host; ``""`` when nothing is known."""
+    key = f"{_WHO}{rank}"
+    try:  # check first: a store's get waits for a missing key
+        host, pid = store.get(key).decode(errors="replace").rsplit(" ", 1) if store.check([key]) else ("", "")
     except Exception:
-        return f"rank {rank}"
+        return ""
+    if not host:
+        return ""
     state = ""
     if host == socket.gethostname() and pid.isdigit():
         try:
@@ -57,7 +75,7 @@ def describe_rank(store: Any, rank: int) -> str:
             state = ", no longer running"
         except OSError:  # another user's process: it exists
             state = ", still running"
-    return f"rank {rank} (host {host}, pid {pid}{state})"
+    return f"host {host}, pid {pid}{state}"
 
 
 def describe_failures(store: Any, world_size: int, *, me: int) -> str:
