@@ -19,7 +19,7 @@ with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT
 - only rank 0 writes files: the metrics file, checkpoints (:class:`~thundersync.app.checkpoints.checkpoint.Checkpointer`
   asks the process group) and the progress display; every rank loads a ``--resume`` checkpoint;
 - a rank that fails writes its cause into the store before it stops, so the others' timeouts
-  name it; a rank that hangs (alive, it never reaches the next gradient reduction or step
+  name it; a rank that hangs (alive, it never reaches the trainer's next reduction or the step
   records' gather) is named by the others' timeouts too, with its host and pid
   (:class:`~thundersync.engine.failures.Arrivals`), in one line that says to raise
   ``THUNDERSYNC_DIST_TIMEOUT_S`` if the ranks are only slow; the launcher ends the others when one
