@@ -1,7 +1,9 @@
 """Test-only reward functions for data-parallel runs: one fails on one rank, on request; one is slow.
 
 ``THUNDERSYNC_TEST_FAIL_RANK`` names the rank that fails and ``THUNDERSYNC_TEST_FAIL_HOW`` how:
-``raise`` (a ValueError: the rank reports it and exits) or ``kill`` (SIGKILL: no word at all).
+``raise`` (a ValueError: the rank reports it and exits), ``kill`` (SIGKILL: no word at all) or
+``hang`` (the rank's next optimizer step sleeps, alive, for an hour: after the gradient reduction,
+so the other ranks next wait for it in the step records' gather).
 It fails on that rank's third call, so the run is under way (mid-batch) when it does.
 """
 
@@ -9,9 +11,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import anyio
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 _calls = 0
 
@@ -23,6 +27,9 @@ def even_tokens(prompt: list[int], completion: list[int], task: dict[str, Any]) 
     if os.environ.get("RANK") == os.environ.get("THUNDERSYNC_TEST_FAIL_RANK") and _calls == 3:
         if os.environ.get("THUNDERSYNC_TEST_FAIL_HOW") == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if os.environ.get("THUNDERSYNC_TEST_FAIL_HOW") == "hang":
+            register_optimizer_step_pre_hook(lambda *_: time.sleep(3600))
+            return 0.0
         raise ValueError(f"reward crashed on rank {os.environ['RANK']} (test)")
     return sum(1 for token in completion if token % 2 == 0) / max(len(completion), 1)
 

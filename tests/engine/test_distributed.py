@@ -258,6 +258,49 @@ def test_a_failed_rank_ends_the_others_with_a_message_naming_it(how: str) -> Non
         assert codes[1] == 7 and "no rank reported a cause" in survivor[2]
 
 
+def _hanging_rank(rank: int, world_size: int, port: int, out: Any) -> None:
+    """Rank 1 hangs (alive, no failure) instead of reducing; rank 0's reduction must name it."""
+    import os
+
+    from thundersync.engine.distributed import DataParallel
+    from thundersync.errors import DistributedError
+
+    store = _connect(rank, world_size, port)
+    dp = DataParallel(store=store, timeout_s=3)
+    model = tiny_qwen3(torch.float64)
+    if rank == 1:
+        out.put((rank, "pid", str(os.getpid())))
+        store.wait(["test/rank0-done"], datetime.timedelta(seconds=60))  # hangs past rank 0's timeout
+        dist.destroy_process_group()
+        return
+    started = time.monotonic()
+    try:
+        dp.all_reduce_gradients(list(model.parameters()))
+        out.put((rank, "finished", ""))
+    except DistributedError as error:
+        out.put((rank, "error", f"{error} [after {time.monotonic() - started:.1f} s]"))
+    store.set("test/rank0-done", b"1")
+    dist.destroy_process_group()
+
+
+def test_a_rank_that_hangs_ends_the_others_reduction_within_the_timeout_with_a_line_naming_it() -> None:
+    import socket
+
+    results, _, _ = _spawn(_hanging_rank, 2)
+    survivor = next(r for r in results if r[0] == 0)
+    (pid,) = [r[2] for r in results if r[0] == 1]
+    assert survivor[1] == "error", survivor
+    message, elapsed = survivor[2].rsplit(" [after ", 1)
+    assert float(elapsed.removesuffix(" s]")) < 10
+    assert message.startswith(
+        f"rank 0 of 2: rank 1 (host {socket.gethostname()}, pid {pid}, still running) did not reach the gradient "
+        "reduction ("
+    ), message
+    assert "within 3 s and reported no failure: hung, or slower than that" in message
+    assert "THUNDERSYNC_DIST_TIMEOUT_S" in message and "\n" not in message
+    assert "timed out!" not in message.lower(), "not gloo's own words"
+
+
 def _opd_batch(step: int, groups: int = 4) -> list[dict[str, Any]]:
     """Random OPD groups: turns with teacher log-probs for their scored tokens."""
     rng = random.Random(200 + step)

@@ -10,7 +10,11 @@ The endpoint answers the two OpenAI routes an agent app uses, for one episode at
   (:meth:`~thundersync.tools.ChatTemplate.observation_ids`): the prompt is never re-tokenized. The
   reply's ``content`` is the completion's text (its end-of-turn token and tool-call blocks
   removed), ``tool_calls`` the calls the parser found (each with its JSON ``arguments``); a
-  malformed call stays in ``content``.
+  malformed call stays in ``content``. Model text never fails a request: a parser that raises
+  on it, or a call whose arguments JSON cannot write (nested too deeply, not JSON values),
+  leaves the text as ``content``; whatever a later request repeats of the conversation (names,
+  arguments, content, however nested or large) is compared without raising, and a mismatch is
+  refused as any other (HTTP 400).
 - ``completions``: the prompt is text or token ids; a later prompt must extend the previous
   prompt and its completion (as text, or as ids), and only the new part is encoded.
 
@@ -24,7 +28,6 @@ endpoint's ``max_new_tokens``, the template's end-of-turn token as the stop toke
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import time
@@ -35,16 +38,19 @@ from typing import Any
 
 import msgspec
 
+from thundersync._logging import get_logger
 from thundersync.agents.episode import EpisodeRecorder, Turn
 from thundersync.errors import AgentAppError
 from thundersync.generation.base import GenerationRequest, GenerationResult, Generator, SamplingParams
 from thundersync.sandboxes.output import Tokenizer
-from thundersync.tools.base import ToolCall, ToolCallParser
+from thundersync.tools.base import ToolCall, ToolCallParser, safe_repr
 from thundersync.tools.chat_template import ChatTemplate
 from thundersync.tools.json_calls import JsonToolCallParser
 from thundersync.tools.qwen import Qwen3ToolCallParser
 
 __all__ = ["EndpointSettings", "PolicyEndpoint"]
+
+_log = get_logger(__name__)
 
 _CALL_BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|\Z)", re.DOTALL)
 
@@ -246,13 +252,29 @@ class PolicyEndpoint:
         if ids and ids[-1] in self.settings.stop_token_ids:
             ids = ids[:-1]
         text = self.tokenizer.decode(ids)
-        calls = [call for call in self.parser.parse(result.token_ids) if call.error is None]
+        calls = self._wire_calls(result.token_ids, turn)
         reply: dict[str, Any] = {"role": "assistant", "content": text}
         if calls:
             reply["content"] = _without_calls(text)
-            reply["tool_calls"] = [_wire_call(call, f"call_{turn}_{i}") for i, call in enumerate(calls)]
+            reply["tool_calls"] = calls
         reason = "tool_calls" if calls else "length" if result.finish_reason == "length" else "stop"
         return {**reply, "finish_reason": reason}
+
+    def _wire_calls(self, token_ids: Sequence[int], turn: int) -> list[dict[str, Any]]:
+        """The well-formed calls of a completion, as the reply's ``tool_calls``; a parser that
+        raises finds none, and a call whose arguments JSON cannot write is left out."""
+        try:
+            calls = [call for call in self.parser.parse(token_ids) if call.error is None]
+        except Exception as error:  # model text must not fail the request
+            _log.warning("tool-call parser failed; the reply is text", error=f"{type(error).__name__}: {error}"[:200])
+            return []
+        wired: list[dict[str, Any]] = []
+        for call in calls:
+            try:
+                wired.append(_wire_call(call, f"call_{turn}_{len(wired)}"))
+            except Exception:  # RecursionError, TypeError (not JSON values), ValueError (circular)
+                continue
+        return wired
 
     def _envelope(
         self, kind: str, prompt: list[int], result: GenerationResult, choice: dict[str, Any]
@@ -302,13 +324,14 @@ def _wire_call(call: ToolCall, call_id: str) -> dict[str, Any]:
 
 
 def _normal(message: Mapping[str, Any]) -> dict[str, Any]:
-    """A message as compared between requests: its role, text and calls (ids and None fields dropped)."""
-    out: dict[str, Any] = {"role": message.get("role"), "content": _content(message.get("content"))}
+    """A message as compared between requests: its role, text and calls (ids and None fields
+    dropped), every part a string, so that comparing never recurses into what the app sent."""
+    out: dict[str, Any] = {"role": _text(message.get("role")), "content": _content(message.get("content"))}
     calls = message.get("tool_calls") or []
-    out["tool_calls"] = [_call_key(call) for call in calls]
+    out["tool_calls"] = [_call_key(call) for call in calls] if isinstance(calls, list) else [_text(calls)]
     for key in ("name", "tool_call_id"):
         if message.get(key) is not None and message.get("role") == "tool":
-            out[key] = message[key]
+            out[key] = _text(message[key])
     return out
 
 
@@ -316,14 +339,23 @@ def _content(content: Any) -> str:
     if content is None:
         return ""
     if isinstance(content, Sequence) and not isinstance(content, str):  # content parts
-        return "".join(str(part.get("text", "")) for part in content if isinstance(part, Mapping))
-    return str(content)
+        return "".join(_text(part.get("text", "")) for part in content if isinstance(part, Mapping))
+    return _text(content)
 
 
-def _call_key(call: Any) -> tuple[str, Any]:
+def _text(value: Any) -> str:
+    """``value`` as a string, whatever it holds (a deeply nested list, an int past the digit limit)."""
+    return value if isinstance(value, str) else safe_repr(value, limit=1 << 20)
+
+
+def _call_key(call: Any) -> tuple[str, str]:
+    """A call's name and its arguments as canonical JSON (sorted keys), or as sent when they are
+    not JSON that can be read and written back (bad, nested too deeply, numbers past the digit limit)."""
     function = call.get("function", call) if isinstance(call, Mapping) else {}
     arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        with contextlib.suppress(json.JSONDecodeError):
-            arguments = json.loads(arguments)
-    return str(function.get("name")), arguments
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) else arguments
+        written = json.dumps(value, sort_keys=True)
+    except Exception:
+        written = _text(arguments)
+    return _text(function.get("name")), written

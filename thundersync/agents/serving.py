@@ -114,6 +114,8 @@ async def _read_json(receive: Receive) -> dict[str, Any] | tuple[int, dict[str, 
         body = json.loads(b"".join(chunks) or b"{}")
     except ValueError as error:
         return _error(400, f"the request body is not JSON: {error}")
+    except RecursionError:
+        return _error(400, "the request body's JSON is nested too deeply to read")
     return body if isinstance(body, dict) else _error(400, "the request body must be a JSON object")
 
 

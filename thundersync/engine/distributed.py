@@ -10,8 +10,11 @@ dtype (fp32, or fp64 for fp64 models), and every replica holds the same full-bat
 
 Every collective waits at most ``timeout_s`` and raises :class:`~thundersync.errors.DistributedError`
 naming this rank, what it was doing and, when the failing rank managed to say so, which rank failed
-and why (:meth:`DataParallel.report_failure` writes that into the store). A rank that dies without
-a word shows as a broken connection or a timeout, never a hang.
+and why (:meth:`DataParallel.report_failure` writes that into the store). A rank that hangs is
+named too: each rank marks in the store every collective it enters
+(:class:`~thundersync.engine.failures.Arrivals`), so a timeout names the ranks that never entered
+it, with their host and pid when :func:`~thundersync.engine.failures.introduce` recorded them. A
+rank that dies without a word shows as a broken connection or a timeout, never a hang.
 
     >>> dp = DataParallel(store=store)                              # doctest: +SKIP
     >>> objective.assert_safe_to_step()                             # local sums in p.grad
@@ -22,26 +25,26 @@ a word shows as a broken connection or a timeout, never a hang.
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from thundersync.engine.failures import describe_failures, report_failure
+from thundersync.engine.failures import Arrivals, introduce, report_failure
 from thundersync.engine.sinks import accumulate_dtype
 from thundersync.errors import ConfigError, DistributedError
 
 __all__ = ["DataParallel", "default_store"]
-
-_T = TypeVar("_T")
 
 
 class DataParallel:
     """Collectives of one data-parallel group (default: the whole world) with timeouts.
 
     ``store`` carries failure reports (and :class:`~thundersync.scheduling.GroupClaims`); by
-    default the default process group's own store.
+    default the default process group's own store. ``arrivals`` marks the collectives this rank
+    enters (default: its own, on ``store``); instances that share a process group share one.
     """
 
     def __init__(
@@ -51,6 +54,7 @@ class DataParallel:
         store: Any = None,
         bucket_bytes: int = 64 * 2**20,
         timeout_s: float = 300.0,
+        arrivals: Arrivals | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError(
@@ -65,6 +69,11 @@ class DataParallel:
         backend = dist.get_backend(group)
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.bytes_reduced = 0
+        if self.store is not None:
+            introduce(self.store, self.rank)
+            if arrivals is None:
+                arrivals = Arrivals(self.store, "collectives", rank=self.rank, world_size=self.world_size)
+        self.arrivals = arrivals
 
     def all_reduce_counts(self, counts: Sequence[int]) -> list[int]:
         """Element-wise sums of ``counts`` over the ranks (exact: int64)."""
@@ -99,8 +108,8 @@ class DataParallel:
         with torch.no_grad():
             for p in params:
                 value = p.detach().to(self.device)
-                work = dist.broadcast(value, src, group=self.group, async_op=True)
-                self._wait(work, f"the parameter broadcast from rank {src}")
+                what = f"the parameter broadcast from rank {src}"
+                self._collective(what, functools.partial(dist.broadcast, value, src, group=self.group, async_op=True))
                 if value.data_ptr() != p.data_ptr():
                     p.copy_(value)
 
@@ -125,24 +134,21 @@ class DataParallel:
         return buckets
 
     def _all_reduce(self, tensor: torch.Tensor, what: str) -> None:
-        self._run(what, lambda: self._wait(dist.all_reduce(tensor, group=self.group, async_op=True), what))
+        self._collective(what, lambda: dist.all_reduce(tensor, group=self.group, async_op=True))
 
-    def _wait(self, work: Any, what: str) -> None:
-        self._run(what, lambda: work.wait(self.timeout))
-
-    def _run(self, what: str, call: Callable[[], _T]) -> _T:
+    def _collective(self, what: str, start: Callable[[], Any]) -> None:
+        """Enter one collective (marked in the store), wait for it at most the timeout."""
+        if self.arrivals is not None:
+            self.arrivals.arrive()
         try:
-            return call()
-        except DistributedError:
-            raise
+            start().wait(self.timeout)
         except Exception as error:
-            raise DistributedError(
-                f"rank {self.rank} of {self.world_size}: {what} failed ({type(error).__name__}: "
-                f"{str(error).strip()[:500]}){self._failures()}"
-            ) from error
+            raise DistributedError(f"rank {self.rank} of {self.world_size}: {self._explain(what, error)}") from error
 
-    def _failures(self) -> str:
-        return "" if self.store is None else describe_failures(self.store, self.world_size, me=self.rank)
+    def _explain(self, what: str, error: Exception) -> str:
+        if self.arrivals is not None:
+            return self.arrivals.explain(what, self.timeout.total_seconds(), error)
+        return f"{what} failed ({type(error).__name__}: {' '.join(str(error).split())[:500]})"
 
 
 def default_store() -> Any:

@@ -2,17 +2,39 @@
 
 A rank about to stop writes why under ``thundersync/failed/{rank}``; a rank whose collective or
 wait failed reads the reports of the others, so its error names the rank that failed and the
-cause instead of only "timed out".
+cause instead of only "timed out". A rank that hangs (alive, but never reaching the next
+collective) reports nothing; :class:`Arrivals` finds it instead: each rank counts the collectives
+of one sequence it has entered, under ``thundersync/at/{sequence}/{rank}``, and a rank whose count
+is behind this rank's never reached the collective that timed out. :func:`introduce` records each
+rank's host and process id (``thundersync/who/{rank}``) so that the error can name them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 from typing import Any
 
-__all__ = ["describe_failures", "report_failure"]
+__all__ = [
+    "TIMEOUT_HINT",
+    "Arrivals",
+    "describe_failures",
+    "describe_rank",
+    "introduce",
+    "report_failure",
+    "whereabouts",
+]
 
 _FAILED = "thundersync/failed/"
+_AT = "thundersync/at/"
+_WHO = "thundersync/who/"
+
+TIMEOUT_HINT = (
+    "if the ranks are only slow, give them more time: THUNDERSYNC_DIST_TIMEOUT_S under `thundersync run` "
+    "(seconds, default 600), timeout_s= in code"
+)
+"""What to do about a wait that timed out because a rank was slow rather than stuck."""
 
 
 def report_failure(store: Any, rank: int, error: BaseException) -> None:
@@ -21,8 +43,111 @@ def report_failure(store: Any, rank: int, error: BaseException) -> None:
         store.set(f"{_FAILED}{rank}", f"{type(error).__name__}: {error}"[:2000])
 
 
+def introduce(store: Any, rank: int) -> None:
+    """Record this process's host and pid as ``rank``'s (best effort)."""
+    with contextlib.suppress(Exception):
+        store.set(f"{_WHO}{rank}", f"{socket.gethostname()} {os.getpid()}")
+
+
+def describe_rank(store: Any, rank: int) -> str:
+    """``"rank 1 (host h, pid 123, still running)"``: :func:`whereabouts` in brackets, or
+    ``"rank 1"`` when nothing is known."""
+    where = whereabouts(store, rank)
+    return f"rank {rank} ({where})" if where else f"rank {rank}"
+
+
+def whereabouts(store: Any, rank: int) -> str:
+    """``"host h, pid 123, still running"``: what :func:`introduce` recorded for ``rank``, and
+    whether that process still runs when it is on this host; ``""`` when nothing is known."""
+    key = f"{_WHO}{rank}"
+    try:  # check first: a store's get waits for a missing key
+        host, pid = store.get(key).decode(errors="replace").rsplit(" ", 1) if store.check([key]) else ("", "")
+    except Exception:
+        return ""
+    if not host:
+        return ""
+    state = ""
+    if host == socket.gethostname() and pid.isdigit():
+        try:
+            os.kill(int(pid), 0)
+            state = ", still running"
+        except ProcessLookupError:
+            state = ", no longer running"
+        except OSError:  # another user's process: it exists
+            state = ", still running"
+    return f"host {host}, pid {pid}{state}"
+
+
 def describe_failures(store: Any, world_size: int, *, me: int) -> str:
     """``"; rank 1: ValueError: ..."`` for every other rank that reported, or what is known."""
+    reports = _reports(store, world_size, me=me)
+    if reports is None:
+        return "; the store is unreachable too: a rank (or the host serving the store) has died"
+    if not reports:
+        return "; no rank reported a cause (one died or hung)"
+    return "; " + "; ".join(reports)
+
+
+class Arrivals:
+    """How far each rank got in one sequence of collectives that every rank enters in the same
+    order (the gradient reductions of a run, the step records' gathers), through ``store``.
+
+    Call :meth:`arrive` before each collective of the sequence; when one fails,
+    :meth:`explain` says which ranks never entered it (they hang, or are slower than the
+    timeout), or else why the ranks that reported a failure stopped.
+    """
+
+    def __init__(self, store: Any, sequence: str, *, rank: int, world_size: int) -> None:
+        self.store, self.sequence, self.rank, self.world_size = store, sequence, rank, world_size
+        self.count = 0  # collectives of the sequence this rank has entered
+
+    def arrive(self) -> None:
+        """This rank enters the next collective of the sequence (best effort: the store may be gone)."""
+        self.count += 1
+        with contextlib.suppress(Exception):
+            self.store.set(self._key(self.rank), str(self.count))
+
+    def missing(self) -> list[int] | None:
+        """The other ranks that have not entered this rank's latest collective (None: the store
+        cannot be read)."""
+        behind = []
+        try:
+            for rank in range(self.world_size):
+                key = self._key(rank)
+                count = int(self.store.get(key)) if self.store.check([key]) else 0
+                if rank != self.rank and count < self.count:
+                    behind.append(rank)
+        except Exception:
+            return None
+        return behind
+
+    def explain(self, what: str, timeout_s: float, error: BaseException) -> str:
+        """One line: why ``what`` (this rank's latest collective) failed with ``error``."""
+        reports = _reports(self.store, self.world_size, me=self.rank)
+        if reports:
+            return f"{what} failed: " + "; ".join(reports)
+        missing = self.missing() or []
+        if missing and _timed_out(error):
+            who = ", ".join(describe_rank(self.store, rank) for rank in missing)
+            return (
+                f"{who} did not reach {what} within {timeout_s:g} s and reported no failure: hung, or slower "
+                f"than that; {TIMEOUT_HINT}"
+            )
+        cause = " ".join(f"{type(error).__name__}: {error}".split())[:500]
+        return f"{what} failed ({cause}){describe_failures(self.store, self.world_size, me=self.rank)}"
+
+    def _key(self, rank: int) -> str:
+        return f"{_AT}{self.sequence}/{rank}"
+
+
+def _timed_out(error: BaseException) -> bool:
+    """Whether a collective's ``error`` is a timeout (gloo: "Operation timed out!", "Timed out
+    waiting ... for recv"; NCCL and the store: "timeout", "timed out")."""
+    text = f"{type(error).__name__} {error}".lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _reports(store: Any, world_size: int, *, me: int) -> list[str] | None:
     reports = []
     for rank in range(world_size):
         key = f"{_FAILED}{rank}"
@@ -30,7 +155,5 @@ def describe_failures(store: Any, world_size: int, *, me: int) -> str:
             if rank != me and store.check([key]):
                 reports.append(f"rank {rank}: {store.get(key).decode(errors='replace')}")
         except Exception:
-            return "; the store is unreachable too: a rank (or the host serving the store) has died"
-    if not reports:
-        return "; no rank reported a cause (one died or hung)"
-    return "; " + "; ".join(reports)
+            return None
+    return reports

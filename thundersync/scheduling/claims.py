@@ -97,11 +97,11 @@ class GroupClaims:
     def not_sealed(self, batch_id: Hashable) -> DistributedError:
         """The error of a batch not sealed within the timeout: who holds its unclosed groups, and why
         any rank that reported a failure stopped."""
-        from thundersync.engine.failures import describe_failures  # the engine package loads torch: only now
+        from thundersync.engine.failures import TIMEOUT_HINT, describe_failures  # loads torch: only now
 
         return DistributedError(
             f"rank {self.rank}: batch {batch_id!r} was not sealed within {self.timeout_s:g} s: "
-            f"{self._holders(batch_id)}{describe_failures(self.store, self.world_size, me=self.rank)}"
+            f"{self._holders(batch_id)}{describe_failures(self.store, self.world_size, me=self.rank)}; {TIMEOUT_HINT}"
         )
 
     def finish(self, batch_id: Hashable) -> None:
@@ -120,7 +120,10 @@ class GroupClaims:
             key = self._key(batch_id, f"owner/{index}")
             if self.store.check([key]):
                 holders.setdefault(self.store.get(key).decode(), []).append(index)
-        held = "; ".join(f"rank {rank} holds unclosed groups {indices}" for rank, indices in sorted(holders.items()))
+        held = "; ".join(
+            f"rank {rank} holds unclosed groups {indices}{_where(self.store, int(rank))}"
+            for rank, indices in sorted(holders.items())
+        )
         return f"{closed} groups closed" + (f"; {held}" if held else "")
 
     def _count(self, batch_id: Hashable, name: str) -> int:
@@ -128,3 +131,10 @@ class GroupClaims:
 
     def _key(self, batch_id: Hashable, name: str) -> str:
         return f"{self.prefix}/{batch_id}/{name}"
+
+
+def _where(store: Any, rank: int) -> str:
+    from thundersync.engine.failures import whereabouts
+
+    where = whereabouts(store, rank)
+    return f" ({where})" if where else ""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -229,6 +230,29 @@ def test_a_rank_that_fails_mid_run_ends_every_rank_with_an_error_naming_it(
     else:
         assert "rank      : 1 (local_rank: 1)" in done.stderr and "Signal 9 (SIGKILL)" in done.stderr
     assert not (tmp_path / "ckpt").exists(), "a failed run writes no final checkpoint"
+
+
+def test_a_rank_that_hangs_ends_the_run_within_the_timeout_with_one_line_naming_it(tmp_path: Path, tiny: Path) -> None:
+    """Rank 1 hangs in an optimizer step (after the gradient reduction: alive, it reports nothing);
+    rank 0's next collective or step records' gather ends within THUNDERSYNC_DIST_TIMEOUT_S with a
+    line naming rank 1's host and pid (the launcher's), not gloo's own timeout."""
+    reward = [
+        'objects.scorer.factory="function-reward"',
+        'objects.scorer.function="tests.app.rank_rewards:even_tokens"',
+    ]
+    env = {"THUNDERSYNC_TEST_FAIL_RANK": "1", "THUNDERSYNC_TEST_FAIL_HOW": "hang", "THUNDERSYNC_DIST_TIMEOUT_S": "8"}
+    started = time.monotonic()
+    done = _torchrun(tmp_path, *_sets(tmp_path, 2, *reward, "objects.scorer.text=false"), env=env, timeout=150)
+    assert time.monotonic() - started < 120
+    assert done.returncode != 0
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("thundersync: rank 0 of 2: run failed")]
+    (pid,) = re.findall(r"rank      : 1 \(local_rank: 1\)\n  exitcode  : -15 \(pid: (\d+)\)", done.stderr)
+    assert f"rank 1 (host {socket.gethostname()}, pid {pid}, still running) did not reach the " in line, line
+    assert (
+        "within 8 s and reported no failure: hung, or slower than that; if the ranks are only slow, give them " in line
+    )
+    assert "THUNDERSYNC_DIST_TIMEOUT_S under `thundersync run`" in line
+    assert "timed out" not in line.lower(), "not gloo's own words"
 
 
 @pytest.mark.gpu

@@ -68,7 +68,8 @@ async def run_pipeline(
         if record is None:
             return
         if ranks is not None and steps.share is not None:  # the whole batch's rewards, tokens...
-            shares = await anyio.to_thread.run_sync(ranks.gather, steps.share)
+            what = f"the gather of step {record.get('step')}'s records"
+            shares = await anyio.to_thread.run_sync(ranks.gather, steps.share, what)
             record = merge_ranks(record, shares)
         metrics.write("step", **record)
         shown.update(record)

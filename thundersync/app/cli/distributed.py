@@ -19,8 +19,11 @@ with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT
 - only rank 0 writes files: the metrics file, checkpoints (:class:`~thundersync.app.checkpoints.checkpoint.Checkpointer`
   asks the process group) and the progress display; every rank loads a ``--resume`` checkpoint;
 - a rank that fails writes its cause into the store before it stops, so the others' timeouts
-  name it; the launcher ends the others when one exits with an error. The process group is
-  destroyed when the run ends, whichever way.
+  name it; a rank that hangs (alive, it never reaches the trainer's next reduction or the step
+  records' gather) is named by the others' timeouts too, with its host and pid
+  (:class:`~thundersync.engine.failures.Arrivals`), in one line that says to raise
+  ``THUNDERSYNC_DIST_TIMEOUT_S`` if the ranks are only slow; the launcher ends the others when one
+  exits with an error. The process group is destroyed when the run ends, whichever way.
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from thundersync._logging import get_logger
-from thundersync.errors import ConfigError
+from thundersync.errors import ConfigError, DistributedError
 
 if TYPE_CHECKING:
+    from thundersync.engine.failures import Arrivals
     from thundersync.pipeline.graph import Graph
 
 __all__ = ["TIMEOUT_ENV", "Launch", "attach", "balance", "launch", "rank_label"]
@@ -56,6 +60,8 @@ class Launch:
     timeout_s: float
     store: Any  # the default process group's torch.distributed.Store
     metrics_group: Any = None  # a gloo group for the step records' gather (apart from the gradients')
+    gathers: Arrivals | None = None  # marks this rank's step records' gathers in the store
+    collectives: Arrivals | None = None  # marks the gradient reductions of every run of the file
 
     @property
     def writes_files(self) -> bool:
@@ -66,13 +72,22 @@ class Launch:
     def label(self) -> str:
         return f"rank {self.rank} of {self.world_size}"
 
-    def gather(self, obj: Any) -> list[Any]:
+    def gather(self, obj: Any, what: str = "the step records' gather") -> list[Any]:
         """Every rank's ``obj``, in rank order (a blocking collective of all ranks: call it from a
-        worker thread, each rank once per step record)."""
+        worker thread, each rank once per step record). Raises
+        :class:`~thundersync.errors.DistributedError` naming the ranks that did not come within
+        the timeout, or the cause a failed rank reported."""
         import torch.distributed as dist
 
         objs: list[Any] = [None] * self.world_size
-        dist.all_gather_object(objs, obj, group=self.metrics_group)
+        if self.gathers is not None:
+            self.gathers.arrive()
+        try:
+            dist.all_gather_object(objs, obj, group=self.metrics_group)
+        except Exception as error:
+            if self.gathers is None:
+                raise
+            raise DistributedError(f"{self.label}: {self.gathers.explain(what, self.timeout_s, error)}") from error
         return objs
 
 
@@ -93,7 +108,7 @@ def launch(environ: Mapping[str, str] = os.environ) -> Iterator[Launch | None]:
     import torch.distributed as dist
 
     from thundersync.engine.distributed import default_store
-    from thundersync.engine.failures import report_failure
+    from thundersync.engine.failures import Arrivals, introduce, report_failure
 
     rank, local_rank, timeout_s = _int(environ, "RANK", 0), _int(environ, "LOCAL_RANK", 0), _timeout(environ)
     cuda = torch.cuda.is_available()
@@ -104,8 +119,12 @@ def launch(environ: Mapping[str, str] = os.environ) -> Iterator[Launch | None]:
     # the step records travel on their own gloo group: their gather runs in a worker thread while
     # the trainer's collectives may run on another, and one group's calls must come in one order
     metrics_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    introduce(store, rank)
+    gathers, collectives = (
+        Arrivals(store, name, rank=rank, world_size=world_size) for name in ("gathers", "collectives")
+    )
     try:
-        yield Launch(rank, world_size, local_rank, timeout_s, store, metrics_group)
+        yield Launch(rank, world_size, local_rank, timeout_s, store, metrics_group, gathers, collectives)
     except BaseException as error:
         report_failure(store, rank, error)
         raise
@@ -123,7 +142,9 @@ def attach(launch: Launch, objects: Mapping[str, Any]) -> dict[str, Any]:
 
     for obj in objects.values():
         if isinstance(obj, StreamingRun):
-            obj.data_parallel = DataParallel(store=launch.store, timeout_s=launch.timeout_s)
+            obj.data_parallel = DataParallel(
+                store=launch.store, timeout_s=launch.timeout_s, arrivals=launch.collectives
+            )
             obj.data_parallel.broadcast_parameters(obj.params)
     claims = GroupClaims(launch.store, rank=launch.rank, world_size=launch.world_size, timeout_s=launch.timeout_s)
     given: dict[str, Any] = {"claims": RankClaims(claims)}
