@@ -98,7 +98,14 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     object whose factory takes a ``device`` and whose table gives none (``cpu``, ``cuda``,
     ``cuda:N``, or ``auto``: the GPU when there is one); ``tensorboard``: a directory for
     TensorBoard scalars of each step line (:mod:`thundersync.app.metrics.tensorboard`; None: none);
-    ``wandb``: a W&B run of the same records (``[run.wandb]``: :mod:`thundersync.app.metrics.wandb`).
+    ``wandb``: a W&B run of the same records (``[run.wandb]``: :mod:`thundersync.app.metrics.wandb`);
+    ``deterministic``: two runs of the same file, and a run resumed from a checkpoint against the
+    uninterrupted one, end with bitwise equal parameters and metrics on CPU (same machine, torch
+    build and thread count; no promise on CUDA), at the cost of the overlap: it reaches every
+    object whose factory takes ``deterministic`` (``streaming-run``: inline work; ``grpo``: no
+    ``stream_early``; ``torch-generator``: one request at a time, no cached prefixes;
+    ``transformers-teacher``: one request per forward) and every backward stage (``ordered``:
+    whole groups in opening order) (docs/decisions/070-fp64-throughout-and-deterministic-runs.md).
     """
 
     metrics: str | None = None
@@ -109,6 +116,7 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     steps: Annotated[int, msgspec.Meta(ge=1)] | None = None
     device: str = "auto"
+    deterministic: bool = False
 
 
 class EvalSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
