@@ -1,4 +1,5 @@
-"""Checkpoints: atomic saves every N steps and at the end of a run, and a bitwise resume.
+"""Checkpoints: atomic saves every N steps and at the end of a run, and a resume (bitwise on CPU
+under ``[run] deterministic``: :mod:`thundersync.app.checkpoints.checkpoint`).
 
 ``checkpoint`` holds the :class:`Checkpointer` that the step stage calls; ``_checkpoint_files`` the
 directory's layout (atomic publication, retention, weights).

@@ -1,0 +1,67 @@
+"""What ``[run] deterministic = true`` costs: wall time of a short training run with and without.
+
+    python bench/deterministic.py            # ~1 min on a 2-core CPU machine
+    python bench/deterministic.py --tiny     # one run each (checks the script)
+
+Runs ``examples/train_tiny_grpo.toml`` in process (``thundersync run`` through its ``main``), with
+``--set`` overrides making it a bigger batch (8 samples x 2 groups, 24 new tokens, 3 steps), each
+configuration ``--repeat`` times, interleaved, after one untimed warm-up of each. A run's time is
+its ``run_finished`` record's ``elapsed_s`` (the graph, not the imports). The table shows the
+median, the fastest, and the median's ratio to the default run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import header, markdown_table
+from thundersync.app.cli.command import main
+
+FILE = Path(__file__).resolve().parent.parent / "examples" / "train_tiny_grpo.toml"
+SHAPE = ("stages.source.samples=8", "stages.source.repeat=3", "stages.generate.max_new_tokens=24", "run.steps=3")
+CONFIGS = {"default": (), "deterministic": ("run.deterministic=true",)}
+
+
+def one_run(directory: Path, dtype: str, sets: tuple[str, ...]) -> float:
+    """The graph's seconds of one run (its run_finished record)."""
+    metrics = directory / "m.jsonl"
+    argv = ["run", str(FILE), "--metrics", str(metrics), "--no-progress", "--overwrite"]
+    for item in (*SHAPE, f'objects.model.dtype="{dtype}"', f'objects.checkpointer.directory="{directory}/ckpt"', *sets):
+        argv += ["--set", item]
+    assert main(argv) == 0
+    finished = [json.loads(line) for line in metrics.read_text().splitlines()][-1]
+    assert finished["event"] == "run_finished", finished
+    return float(finished["elapsed_s"])
+
+
+def main_bench() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--tiny", action="store_true", help="one run of each, no warm-up")
+    args = parser.parse_args()
+    repeat = 1 if args.tiny else args.repeat
+    times: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.tiny:
+            for sets in CONFIGS.values():
+                one_run(Path(tmp), args.dtype, sets)
+        for _ in range(repeat):
+            for name, sets in CONFIGS.items():
+                times[name].append(one_run(Path(tmp), args.dtype, sets))
+    base = statistics.median(times["default"])
+    rows = [[name, statistics.median(t), min(t), statistics.median(t) / base, len(t)] for name, t in times.items()]
+    print(header("python bench/deterministic.py " + " ".join(sys.argv[1:])))
+    print(f"{args.dtype}, overrides: {' '.join(SHAPE)}\n")
+    print(markdown_table(["run", "median s", "fastest s", "median / default", "runs"], rows))
+
+
+if __name__ == "__main__":
+    main_bench()
