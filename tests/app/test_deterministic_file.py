@@ -21,11 +21,32 @@ TINY = Path(__file__).resolve().parents[2] / "examples" / "train_tiny_grpo.toml"
 _TIMES = {"t", "step_s", "rollout_s", "learn_s", "tokens_per_s"}  # wall-clock fields
 
 
+def _opd_file(directory: Path) -> Path:
+    """The tiny file turned into OPD: a fake teacher scores every token, the teacher stage feeds backward."""
+    text = TINY.read_text()
+    for old, new in (
+        ('factory = "grpo"\nrun = { object = "run" }\nestimator = "grpo"', 'factory = "opd"\nrun = { object = "run" }'),
+        ("[objects.scorer]", '[objects.teacher]\nfactory = "test-fake-teacher"\n\n[objects.scorer]'),
+        (
+            '[stages.backward]\ntype = "backward"\nreads = ["generate", "reward"]',
+            '[stages.teacher]\ntype = "teacher-score"\nreads = ["generate"]\n\n'
+            '[stages.backward]\ntype = "backward"\nreads = ["generate", "teacher"]',
+        ),
+        ('wait_for = ["reward", "backward"]', 'wait_for = ["teacher", "reward", "backward"]'),
+        ('reads = ["generate", "reward", "backward"]', 'reads = ["generate", "teacher", "reward", "backward"]'),
+    ):
+        assert old in text, old
+        text = text.replace(old, new)
+    opd = directory / "tiny_opd.toml"
+    opd.write_text(text)
+    return opd
+
+
 def _run(
-    directory: Path, dtype: str, *sets: str, resume: bool = False, metrics: str = "m.jsonl"
+    directory: Path, dtype: str, *sets: str, resume: bool = False, metrics: str = "m.jsonl", file: Path = TINY
 ) -> list[dict[str, Any]]:
     directory.mkdir(parents=True, exist_ok=True)
-    argv = ["run", str(TINY), "--metrics", str(directory / metrics), "--no-progress", "--set", "run.deterministic=true"]
+    argv = ["run", str(file), "--metrics", str(directory / metrics), "--no-progress", "--set", "run.deterministic=true"]
     argv += [
         "--set",
         f'objects.checkpointer.directory="{directory / "ckpt"}"',
@@ -59,15 +80,16 @@ def _bitwise_equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_two_deterministic_runs_and_a_resumed_run_end_bitwise_equal(tmp_path: Path, dtype: str) -> None:
-    first = _run(tmp_path / "first", dtype)
-    second = _run(tmp_path / "second", dtype)
+@pytest.mark.parametrize(("objective", "dtype"), [("grpo", "float64"), ("grpo", "float32"), ("opd", "float64")])
+def test_two_deterministic_runs_and_a_resumed_run_end_bitwise_equal(tmp_path: Path, objective: str, dtype: str) -> None:
+    file = TINY if objective == "grpo" else _opd_file(tmp_path)
+    first = _run(tmp_path / "first", dtype, file=file)
+    second = _run(tmp_path / "second", dtype, file=file)
     assert [r["step"] for r in first] == [1, 2]
-    assert first == second  # grad norms, rewards, log-prob mismatch, tokens: every number but the clock's
+    assert first == second  # grad norms, rewards, log-prob mismatch, reverse KL, tokens: all but the clock's
     assert _bitwise_equal(_state(tmp_path / "first", 2), _state(tmp_path / "second", 2))
-    stopped = _run(tmp_path / "resumed", dtype, "run.steps=1")
-    resumed = _run(tmp_path / "resumed", dtype, resume=True, metrics="m2.jsonl")
+    stopped = _run(tmp_path / "resumed", dtype, "run.steps=1", file=file)
+    resumed = _run(tmp_path / "resumed", dtype, resume=True, metrics="m2.jsonl", file=file)
     assert stopped + resumed == first
     assert _bitwise_equal(_state(tmp_path / "resumed", 2), _state(tmp_path / "first", 2))
 
