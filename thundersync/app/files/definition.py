@@ -100,8 +100,8 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     TensorBoard scalars of each step line (:mod:`thundersync.app.metrics.tensorboard`; None: none);
     ``wandb``: a W&B run of the same records (``[run.wandb]``: :mod:`thundersync.app.metrics.wandb`);
     ``deterministic``: two runs of the same file, and a run resumed from a checkpoint against the
-    uninterrupted one, end with bitwise equal parameters and metrics on CPU (same machine, torch
-    build and thread count; no promise on CUDA), at the cost of the overlap: it reaches every
+    uninterrupted one, end with bitwise equal parameters and metrics on CPU in one process (same
+    machine, torch build and thread count; not data-parallel launches, no promise on CUDA), at the cost of the overlap: it reaches every
     object whose factory takes ``deterministic`` (``streaming-run``: inline work; ``grpo``: no
     ``stream_early``; ``torch-generator``: one request at a time, no cached prefixes;
     ``transformers-teacher``: one request per forward) and every backward stage (``ordered``:
