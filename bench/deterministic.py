@@ -6,8 +6,10 @@
 Runs ``examples/train_tiny_grpo.toml`` in process (``thundersync run`` through its ``main``), with
 ``--set`` overrides making it a bigger batch (8 samples x 2 groups, 24 new tokens, 3 steps), each
 configuration ``--repeat`` times, interleaved, after one untimed warm-up of each. A run's time is
-its ``run_finished`` record's ``elapsed_s`` (the graph, not the imports). The table shows the
-median, the fastest, and the median's ratio to the default run's.
+its ``run_finished`` record's ``elapsed_s`` (the graph, not the imports); ``rollout s`` and
+``learn s`` are the sums over its step records (the batch's generation; the step's wait for
+the queued backward work and the optimizer step). The table shows medians, the fastest run, and
+the median's ratio to the default run's.
 """
 
 from __future__ import annotations
@@ -29,16 +31,17 @@ SHAPE = ("stages.source.samples=8", "stages.source.repeat=3", "stages.generate.m
 CONFIGS = {"default": (), "deterministic": ("run.deterministic=true",)}
 
 
-def one_run(directory: Path, dtype: str, sets: tuple[str, ...]) -> float:
-    """The graph's seconds of one run (its run_finished record)."""
+def one_run(directory: Path, dtype: str, sets: tuple[str, ...]) -> tuple[float, float, float]:
+    """The graph's seconds of one run (its run_finished record), its rollout and learn seconds."""
     metrics = directory / "m.jsonl"
     argv = ["run", str(FILE), "--metrics", str(metrics), "--no-progress", "--overwrite"]
     for item in (*SHAPE, f'objects.model.dtype="{dtype}"', f'objects.checkpointer.directory="{directory}/ckpt"', *sets):
         argv += ["--set", item]
     assert main(argv) == 0
-    finished = [json.loads(line) for line in metrics.read_text().splitlines()][-1]
-    assert finished["event"] == "run_finished", finished
-    return float(finished["elapsed_s"])
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert records[-1]["event"] == "run_finished", records[-1]
+    steps = [r for r in records if r["event"] == "step"]
+    return float(records[-1]["elapsed_s"]), sum(r["rollout_s"] for r in steps), sum(r["learn_s"] for r in steps)
 
 
 def main_bench() -> None:
@@ -48,7 +51,7 @@ def main_bench() -> None:
     parser.add_argument("--tiny", action="store_true", help="one run of each, no warm-up")
     args = parser.parse_args()
     repeat = 1 if args.tiny else args.repeat
-    times: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in CONFIGS}
     with tempfile.TemporaryDirectory() as tmp:
         if not args.tiny:
             for sets in CONFIGS.values():
@@ -56,11 +59,15 @@ def main_bench() -> None:
         for _ in range(repeat):
             for name, sets in CONFIGS.items():
                 times[name].append(one_run(Path(tmp), args.dtype, sets))
-    base = statistics.median(times["default"])
-    rows = [[name, statistics.median(t), min(t), statistics.median(t) / base, len(t)] for name, t in times.items()]
+    base = statistics.median(t[0] for t in times["default"])
+    rows = []
+    for name, runs in times.items():
+        total, rollout, learn = (statistics.median(column) for column in zip(*runs, strict=True))
+        rows.append([name, total, min(t[0] for t in runs), total / base, rollout, learn, len(runs)])
     print(header("python bench/deterministic.py " + " ".join(sys.argv[1:])))
     print(f"{args.dtype}, overrides: {' '.join(SHAPE)}\n")
-    print(markdown_table(["run", "median s", "fastest s", "median / default", "runs"], rows))
+    columns = ["run", "median s", "fastest s", "median / default", "rollout s", "learn s", "runs"]
+    print(markdown_table(columns, rows))
 
 
 if __name__ == "__main__":
