@@ -54,6 +54,12 @@ def test_distributed_bench_runs_one_and_two_ranks_with_and_without_zero1() -> No
 
 
 @pytest.mark.timeout(300)
+def test_the_deterministic_bench_runs_both_configurations() -> None:
+    out = _run("deterministic.py")
+    assert "| default |" in out and "| deterministic |" in out
+
+
+@pytest.mark.timeout(300)
 def test_overlap_bench_runs_every_row() -> None:
     table = _run("overlap.py")
     rows = ("GRPO, pack_tokens=8192 (default)", "GRPO, pack_tokens=8192, stream_early=True")

@@ -6,6 +6,7 @@ import time
 
 import anyio
 import anyio.lowlevel
+import msgspec
 import pytest
 import torch
 from hypothesis import given, settings
@@ -208,6 +209,75 @@ def test_batch_neighbours_do_not_change_a_seeded_sequence(make_qwen3) -> None:
         prompt_ids=target.prompt_ids, params=SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=20, seed=43)
     )
     assert run(TorchGenerator(model, max_batch=1, max_seq_len=64), [different_seed])[0].token_ids != alone.token_ids
+
+
+def _fp64_reference(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of an fp64 ``model`` whose norms compute in fp64 and whose attention is sdpa (fp64 softmax)."""
+    import copy
+
+    from tests.engine.tiny_models import use_native_norms
+
+    reference = copy.deepcopy(model)
+    reference.config._attn_implementation = "sdpa"
+    use_native_norms(reference)
+    return reference
+
+
+def test_an_fp64_models_logprobs_are_fp64_and_independent_of_batch_neighbours(make_qwen3) -> None:
+    """An fp64 model generates in fp64 throughout (norms, attention softmax, logits, temperature):
+    a request's behaviour log-probs equal an fp64 teacher-forced reference to 1e-10 whether it runs
+    alone or prefilled and decoded beside others of other lengths (on main: fp32 steps, ~1e-8)."""
+    model = make_qwen3().double()
+    reference = _fp64_reference(model)
+    gen = torch.Generator().manual_seed(11)
+    requests = [
+        GenerationRequest(
+            prompt_ids=torch.randint(2, 320, (int(torch.randint(1, 30, (1,), generator=gen)),), generator=gen).tolist(),
+            params=SamplingParams(temperature=0.7 + 0.1 * i, max_new_tokens=10 + i, seed=100 + i, logprobs="sampling"),
+        )
+        for i in range(5)
+    ]
+    crowded = run(TorchGenerator(model, max_batch=5, max_seq_len=64), requests)
+    for request, together in zip(requests, crowded, strict=True):
+        (alone,) = run(TorchGenerator(model, max_batch=1, max_seq_len=64), [request])
+        assert together.token_ids == alone.token_ids
+        with torch.no_grad():
+            ids = torch.tensor([request.prompt_ids + alone.token_ids])
+            raw = reference(ids).logits[0, len(request.prompt_ids) - 1 : -1]
+        scaled = (raw / request.params.temperature).log_softmax(-1)
+        want = scaled.gather(-1, torch.tensor(alone.token_ids)[:, None])[:, 0]
+        for got in (alone, together):
+            err = float((torch.tensor(got.logprobs, dtype=torch.float64) - want).abs().max())
+            assert err < 1e-10, f"behaviour log-probs off the fp64 reference by {err:.3g}"
+
+
+def test_a_deterministic_generator_gives_each_request_the_bits_it_gets_alone(make_qwen3) -> None:
+    """``deterministic``: one request at a time, whole prompt prefilled, so tokens and log-probs
+    are bitwise those of the request alone, with neighbours queued and with a session's cached
+    prefix (fp32: without it they differ in the last bits)."""
+    model = make_qwen3()
+    gen = torch.Generator().manual_seed(5)
+    requests = [
+        GenerationRequest(
+            prompt_ids=torch.randint(2, 320, (int(torch.randint(1, 30, (1,), generator=gen)),), generator=gen).tolist(),
+            params=SamplingParams(temperature=0.9, top_k=3 * i, max_new_tokens=8 + i, seed=200 + i),
+        )
+        for i in range(5)
+    ]
+    crowded = run(TorchGenerator(model, max_batch=4, max_seq_len=64, deterministic=True), requests)
+    for request, together in zip(requests, crowded, strict=True):
+        (alone,) = run(TorchGenerator(model, max_batch=1, max_seq_len=64), [request])
+        assert (together.token_ids, together.logprobs) == (alone.token_ids, alone.logprobs)
+    generator = TorchGenerator(model, max_batch=2, max_seq_len=64, deterministic=True)
+    first = msgspec.structs.replace(requests[0], session_id="s")
+    (done,) = run(generator, [first])
+    longer = msgspec.structs.replace(requests[1], prompt_ids=first.prompt_ids + done.token_ids + [9], session_id="s")
+    (continued,) = run(generator, [longer])
+    (fresh,) = run(
+        TorchGenerator(model, max_batch=1, max_seq_len=64), [msgspec.structs.replace(longer, session_id=None)]
+    )
+    assert continued.cached_tokens == 0
+    assert (continued.token_ids, continued.logprobs) == (fresh.token_ids, fresh.logprobs)
 
 
 def test_lora_model_generates_like_transformers(make_qwen3) -> None:

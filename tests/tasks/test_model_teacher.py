@@ -96,6 +96,14 @@ async def test_the_factory_loads_a_saved_model_lazily(tmp_path: Path) -> None:
         transformers_teacher(path=str(tmp_path / "nothing"))
 
 
+def test_a_deterministic_teacher_scores_one_request_per_forward(tmp_path: Path) -> None:
+    tiny_qwen3(torch.float32).save_pretrained(tmp_path / "teacher")
+    assert transformers_teacher(path=str(tmp_path / "teacher")).max_batch == 16
+    assert transformers_teacher(path=str(tmp_path / "teacher"), deterministic=True).max_batch == 1
+    with pytest.raises(ConfigError, match=r"^max_batch = 4 scores requests that arrive together in one forward pass"):
+        transformers_teacher(path=str(tmp_path / "teacher"), max_batch=4, deterministic=True)
+
+
 @pytest.mark.gpu
 async def test_a_teacher_moved_to_its_own_device_scores_there() -> None:
     model = tiny_qwen3(torch.float32)

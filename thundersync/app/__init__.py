@@ -30,7 +30,7 @@ The top layer of the package: it imports the stages (``thundersync.stages``) and
       wandb         the step and eval records as W&B metrics (``[run.wandb]``)
     evaluation/   ``[eval]``: held-out evaluation runs after optimizer steps, and ``thundersync eval``
     checkpoints/  checkpoints
-      checkpoint    Checkpointer: atomic checkpoints every N steps and at the end; bitwise resume
+      checkpoint    Checkpointer: atomic checkpoints every N steps and at the end; resume
       run_directory the run that owns a checkpoint directory; validated records; preflight
 
 Subpackages import each other only through public modules (no ``_name`` module of a sibling).

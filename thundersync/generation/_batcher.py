@@ -115,8 +115,11 @@ StepFn = Callable[[int, int, bool], torch.Tensor]  # (bucket, key_len, filtered)
 class ContinuousBatcher:
     """Continuous batching over a fixed set of KV-cache slots (not thread-safe: one driver)."""
 
-    def __init__(self, model: nn.Module, *, slots: int, capacity: int, prefill_tokens: int, key_bucket: int) -> None:
+    def __init__(
+        self, model: nn.Module, *, slots: int, capacity: int, prefill_tokens: int, key_bucket: int, serial: bool = False
+    ) -> None:
         self.anatomy = decoder_anatomy(model)
+        self.serial = serial  # one request at a time, each prefilled whole (see _admit)
         self.cache = KVCache(self.anatomy, slots, capacity)
         self.slots = [_Slot(i) for i in range(slots)]
         self.waiting: deque[Ticket] = deque()
@@ -283,13 +286,18 @@ class ContinuousBatcher:
         return slot
 
     def _admit(self) -> list[tuple[_Slot, int]]:
-        """Move waiting tickets into slots; returns (slot, first uncached position) pairs."""
+        """Move waiting tickets into slots; returns (slot, first uncached position) pairs.
+
+        ``serial``: only when no sequence runs, one ticket, its whole prompt prefilled (no cached
+        prefix), so that its tokens and log-probs are computed as if it were the only request."""
         admitted: list[tuple[_Slot, int]] = []
+        if self.serial and any(s.ticket is not None for s in self.slots):
+            return admitted
         budget = self.prefill_tokens
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and not (self.serial and admitted):
             ticket = self.waiting[0]
             prompt, session = ticket.request.prompt_ids, ticket.request.session_id
-            held = self.sessions.get(session) if session is not None else None
+            held = self.sessions.get(session) if session is not None and not self.serial else None
             start = min(_common_prefix(held.cached, prompt), len(prompt) - 1) if held is not None else 0
             if admitted and len(prompt) - start > budget:
                 break  # the first admitted prompt may exceed the budget, later ones may not
@@ -426,7 +434,7 @@ class ContinuousBatcher:
         tickets = [_ticket(s) for s in slots]
         params = [t.request.params for t in tickets]
         row = RowParams(
-            temperature=device_tensor([p.temperature for p in params], torch.float32, device),
+            temperature=device_tensor([p.temperature for p in params], torch.float64, device),
             top_k=device_tensor([p.top_k for p in params], torch.long, device),
             top_p=device_tensor([p.top_p for p in params], torch.float32, device),
             seed=device_tensor([t.seed for t in tickets], torch.long, device),

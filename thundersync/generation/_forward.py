@@ -12,6 +12,8 @@ slot s attends to the cached keys of slot s at positions 0..p (its own key was j
 
     attn(q) = softmax(q K^T * scaling + mask) V,     mask = 0 where key_pos <= p, else -inf
 
+The softmax is computed in fp32 (fp64 for fp64 models, whose attention is fp64 throughout).
+
 Grouped-query attention is computed without copying keys: the G = heads / kv_heads query heads
 that share a key head are stacked along the query axis. Decoding (one query per row) takes a
 shorter path of three kernels (``baddbmm`` with the mask as bias, softmax, ``bmm``).
@@ -105,7 +107,7 @@ def _attend_rows(an: DecoderAnatomy, q: torch.Tensor, k: torch.Tensor, v: torch.
     key_pos = torch.arange(rows.key_len, device=q.device)
     visible = (key_pos[None, None, :] <= rows.positions[:, :, None]).repeat(1, groups, 1)  # [R, G*Q, L]
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    weights = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
+    weights = _softmax(scores, v.dtype)
     out = torch.matmul(weights, v)  # [R, Hkv, G*Q, D]
     out = out.view(r, an.num_kv_heads, groups, qlen, dim).permute(0, 3, 1, 2, 4).reshape(r * qlen, heads * dim)
     return out if rows.unpad_index is None else out[rows.unpad_index]
@@ -124,8 +126,10 @@ def _attend_decode(
 
 
 def _softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``scores.softmax(-1)`` computed in fp32 and given in ``dtype``: for 16-bit scores one kernel (it
-    accumulates in fp32 and rounds once), else through an fp32 result."""
+    """``scores.softmax(-1)`` given in ``dtype``: fp64 scores in fp64; else computed in fp32: for
+    16-bit scores one kernel (it accumulates in fp32 and rounds once), else through an fp32 result."""
+    if scores.dtype == torch.float64:
+        return scores.softmax(dim=-1).to(dtype)
     if scores.dtype in (torch.bfloat16, torch.float16) and dtype == scores.dtype:
         return scores.softmax(dim=-1)
     return scores.softmax(dim=-1, dtype=torch.float32).to(dtype)
@@ -176,6 +180,6 @@ def forward_hidden(
 
 
 def logits_of(an: DecoderAnatomy, hidden: torch.Tensor) -> torch.Tensor:
-    """fp32 logits [N, V] of hidden states [N, hidden] before the final norm."""
+    """Logits [N, V] of hidden states [N, hidden] before the final norm: fp32 (fp64 for fp64 models)."""
     logits: torch.Tensor = an.head(apply_norm(an.norm, hidden))
-    return logits.float()
+    return logits if logits.dtype == torch.float64 else logits.float()

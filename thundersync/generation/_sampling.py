@@ -1,9 +1,10 @@
 """Sampling on the device with counter-based random numbers.
 
 Every draw uses one uniform number ``u = U(seed, position)`` computed by hashing the request's seed
-and the absolute position of the token being sampled. A sequence's tokens therefore depend only on
-its own seed, context and weights: not on which other sequences share the batch, nor on whether
-its prefix was cached or recomputed.
+and the absolute position of the token being sampled. The random numbers of a sequence therefore
+depend only on its own seed, not on which other sequences share the batch, nor on whether its
+prefix was cached or recomputed; its logits can still differ in their last bits with those (see
+:mod:`thundersync.generation.torch_generator`).
 
 A token is drawn by inverting the CDF of the sampling distribution
 
@@ -58,7 +59,7 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
 class RowParams:
     """Per-row sampling parameters as device tensors of shape [R]."""
 
-    temperature: torch.Tensor  # float32
+    temperature: torch.Tensor  # float32 or float64 (cast to the logits' dtype before dividing)
     top_k: torch.Tensor  # int64, 0 = off
     top_p: torch.Tensor  # float32, 1 = off
     seed: torch.Tensor  # int64
@@ -69,7 +70,7 @@ class RowParams:
 @dataclass(frozen=True)
 class SampleOutput:
     tokens: torch.Tensor  # [R] int64
-    logprobs: torch.Tensor  # [R] float32, the behaviour log-probs
+    logprobs: torch.Tensor  # [R] float32 (float64 for fp64 logits), the behaviour log-probs
 
 
 def _filter(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -126,12 +127,15 @@ def sample(
 ) -> SampleOutput:
     """Draw one token per row of ``logits`` [R, V] for the tokens at ``positions`` [R].
 
+    The math is fp32, fp64 for fp64 ``logits`` (an fp64 model's): the temperature division, the
+    filters and both log-softmaxes.
+
     ``uniform`` is :func:`counter_uniform` or a compiled form of it (its ~30 integer operations
     are one kernel then)."""
-    logits = logits.float()
+    logits = logits if logits.dtype == torch.float64 else logits.float()
     model_logprobs = logits.log_softmax(dim=-1)
     greedy = params.temperature == 0.0
-    scaled = logits / torch.where(greedy, 1.0, params.temperature)[:, None]
+    scaled = logits / torch.where(greedy, 1.0, params.temperature).to(logits.dtype)[:, None]
     if params.filtered:
         scaled = _filter(scaled, params.top_k, params.top_p)
     sampling_logprobs = scaled.log_softmax(dim=-1)

@@ -14,9 +14,13 @@ instead of hundreds of kernel launches; the next step is launched before the las
 are read, so the device is not idle while the host handles them; its per-layer math is compiled
 and its projections stacked (:mod:`._decode_math`, :mod:`._fused`).
 
-Sampling is done on the device with counter-based random numbers (``_sampling``), so a request's
-tokens depend only on its seed, its context and the weights, never on its batch neighbours. The
-only other randomness is the generator's own seed source (a ``random.Random`` seeded by ``seed``)
+Sampling is done on the device with counter-based random numbers (``_sampling``), so the random
+number behind each of a request's draws depends only on its seed and the token's position, never
+on its batch neighbours. The logits it is drawn from may differ in their last bits with the shape
+of the batch (which rows share a matrix product, whether the prefix was cached): behaviour
+log-probs then differ at rounding level (fp32: ~1e-7; fp64: ~1e-16), and a draw that falls within
+that rounding of a boundary of the cumulative distribution can pick the neighbouring token.
+``deterministic`` (below) removes both on CPU. The only other randomness is the generator's own seed source (a ``random.Random`` seeded by ``seed``)
 that gives each request without a seed its seed: :meth:`TorchGenerator.get_rng_state` and
 :meth:`~TorchGenerator.set_rng_state` save and restore it, so a resumed run samples the same tokens.
 Behaviour log-probs follow :mod:`thundersync.generation.base`: by default the model's log-prob
@@ -69,7 +73,12 @@ class TorchGenerator:
     sequences (running or parked) fit in the KV cache at once, each up to ``max_seq_len`` tokens
     (prompt included). ``prefill_tokens`` bounds the prompt tokens prefilled in one step (a single
     longer prompt is prefilled alone). ``cuda_graphs`` defaults to "on when the model is on CUDA".
-    ``seed`` seeds the per-request seeds of requests that do not set one.
+    ``seed`` seeds the per-request seeds of requests that do not set one. ``deterministic``
+    serves one request at a time, its whole prompt prefilled (no cached prefix of its session),
+    so its tokens and log-probs are the same bits as when it runs alone, whatever else is queued
+    and whenever it came (on CPU; there is no bitwise promise on CUDA); without it a request's
+    tokens do not depend on its neighbours but its log-probs may differ in the last bits, since
+    the rows of one matrix product are summed in an order that can depend on the batch's shape.
 
     The decode step decodes only the live sequences, padded to a power of two. How it runs is
     ``acceleration``'s (:class:`~thundersync.acceleration.Acceleration`, resolved once here):
@@ -101,6 +110,7 @@ class TorchGenerator:
         prefill_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
         cuda_graphs: bool | None = None
         seed: int = 0
+        deterministic: bool = False
 
     def __init__(
         self,
@@ -114,7 +124,12 @@ class TorchGenerator:
         self.config = cfg = build_config(TorchGenerator.Config, config, options, "TorchGenerator")
         self.acceleration = acc = (acceleration or Acceleration()).resolved()
         self._batcher = ContinuousBatcher(
-            model, slots=cfg.max_batch, capacity=cfg.max_seq_len, prefill_tokens=cfg.prefill_tokens, key_bucket=128
+            model,
+            slots=cfg.max_batch,
+            capacity=cfg.max_seq_len,
+            prefill_tokens=cfg.prefill_tokens,
+            key_bucket=128,
+            serial=cfg.deterministic,
         )
         self.max_seq_len = cfg.max_seq_len  # what generate's trajectories must fit (prompt and new tokens)
         device = self._batcher.anatomy.device

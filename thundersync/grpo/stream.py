@@ -27,7 +27,9 @@ equal contributes exactly zero and its remaining work is skipped (work already r
 Timing. Which branches share a pack, and whether a branch goes through G1/G2 or with its final
 weight at the close, are decided on the caller's thread. Without ``stream_early`` (or with an
 inline worker, where the caller is the worker and there is nothing to overlap) the decision
-depends only on the calls, so the result is bitwise reproducible. With it, the decision reads
+depends only on the calls, so the same calls give the same bits. (The backward stage makes the
+calls in the order events arrive, unless it is ``ordered``: a pipeline file's ``[run]
+deterministic``.) With it, the decision reads
 the worker's state, so it depends on timing: the math is the same linear identity, only the
 float summation order differs: in fp32, with the worker busy or idle at random, both forms agree
 with the fp64 dense gradient and with each other to fp32 rounding (tests/grpo/test_stream.py

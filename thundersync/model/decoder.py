@@ -24,7 +24,8 @@ Two parts take fewer kernels than their modules launch, with the same arithmetic
 costs a fixed host time, which a small pack or a decode step pays many times per layer:
 bench/RESULTS.md, section "2026-11-29 — Streaming engine, OPD: first run of the day (before OPD
 jobs packed)"): transformers' RMSNorm, ``weight * rmsnorm_fp32(x).to(dtype)`` with both
-roundings, becomes ``F.rms_norm`` and a multiply (:func:`apply_norm`; 2 kernels instead of 7-8),
+roundings, becomes ``F.rms_norm`` and a multiply (:func:`apply_norm`; 2 kernels instead of 7-8;
+for an fp64 model in fp64, where the module itself would normalize in fp32),
 and the rotary embedding ``x cos + rotate_half(x) sin`` becomes
 ``addcmul(x cos, roll(x, D/2), sin')`` with ``sin' = (-sin[:D/2], sin[D/2:])``
 (:func:`rotary_tables`, :func:`apply_rotary`; 3 kernels instead of 6).
@@ -173,11 +174,15 @@ def is_silu_mlp(module: nn.Module) -> bool:
 
 
 def apply_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``; a plain transformers RMSNorm as ``F.rms_norm`` and a multiply (same roundings).
+    """``module(x)``; a plain transformers RMSNorm as ``F.rms_norm`` and a multiply.
 
-    fp64 inputs call the module: it normalizes in fp32, where ``F.rms_norm`` would use fp64.
+    For 16-bit and fp32 ``x`` this has the module's roundings (``F.rms_norm`` normalizes in fp32
+    and rounds once to ``x``'s dtype, as the module does). For fp64 ``x`` it computes in fp64
+    throughout, ``w * x * rsqrt(mean(x^2) + eps)``, where the module would cast ``x`` to fp32 and
+    back: an fp64 model normalizes in fp64 (docs/decisions/070-fp64-throughout-and-deterministic-runs.md).
+    Other norm classes are called as they are.
     """
-    if x.dtype == torch.float64 or not is_plain_rms_norm(module):
+    if not is_plain_rms_norm(module):
         return _call(module, x)
     return module.weight * F.rms_norm(x, (x.shape[-1],), None, module.variance_epsilon)
 

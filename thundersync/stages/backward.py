@@ -43,6 +43,15 @@ appended with no token scored: it adds nothing to the gradient, while its reward
 its group's advantages. The empty final action of a trajectory that ended early
 is not appended (unless it is the trajectory's only turn).
 
+With ``ordered = true`` (set by ``[run] deterministic = true``) the objective's calls do not follow
+arrival: each group is held until every trajectory of it is complete (its final action, and its
+reward or every action's teacher scores), and groups go in, one whole group at a time, in the
+order their GroupOpened came (generate sends them in its source's order): ``open_group``, then
+each trajectory in the order its GroupOpened lists them (its turns, then its close), then
+``close_group``. The calls, hence the packs and every sum's order, then depend on the events
+alone, not on when they came; the cost is that no backward overlaps its group's generation
+(bench/RESULTS.md, section "2026-12-06 — The cost of `deterministic`").
+
 A run that fails mid-batch leaves the batch in the objective; the next run of the graph discards
 it first (``objective.discard()``: ``p.grad`` goes back to what it was before the batch).
 Logical batches must not overlap: give generate and step one
@@ -99,6 +108,13 @@ class _Reorder:
 class BackwardStage(Stage):
     """Turn trajectory events into a streaming objective's calls; see the module docstring."""
 
+    class Config(Stage.Config, frozen=True):
+        """``ordered``: feed whole groups in a fixed order (module docstring), not as events arrive."""
+
+        ordered: bool = False
+
+    config: Config
+
     consumes: ClassVar[tuple[type[EventBase], ...]] = (
         GroupOpened,
         ActionGenerated,
@@ -110,7 +126,7 @@ class BackwardStage(Stage):
 
     def __init__(
         self,
-        config: Stage.Config | None = None,
+        config: Config | None = None,
         /,
         *,
         objective: StreamingObjective,
@@ -127,6 +143,7 @@ class BackwardStage(Stage):
         self.objective, self.failures = objective, failures
         self.feed = ObjectiveFeed(objective)
         self._groups: dict[Id, dict[Id, _Reorder]] = {}  # group -> its open trajectories
+        self._held: dict[Id, list[int]] = {}  # ordered: groups not yet in the objective -> their prompts
 
     @property
     def _rewarded(self) -> bool:
@@ -141,6 +158,7 @@ class BackwardStage(Stage):
         if self._groups:  # an earlier run of the graph failed mid-batch: its partial batch is dropped
             await self.feed.discard()
             self._groups.clear()
+            self._held.clear()
         async for event in inbox:
             for done in await self.handle(event):
                 await outbox.send(done)
@@ -161,8 +179,33 @@ class BackwardStage(Stage):
             return []  # the other objective's signal
         if isinstance(event, ActionGenerated | ToolObserved | Rewarded | TeacherScored):
             self._hold(event, self._trajectory(event.group_id, event.trajectory_id, type(event).__name__))
+            if self.config.ordered:
+                return await self._release()
             return await self._advance(event.group_id, event.trajectory_id)
         return []
+
+    async def _release(self) -> list[BackwardDone]:
+        """Ordered: feed the oldest held groups that are complete, each whole, in opening order."""
+        done: list[BackwardDone] = []
+        while self._held:
+            group_id, prompt = next(iter(self._held.items()))
+            trajectories = self._groups[group_id]
+            if not all(self._ready(trajectory) for trajectory in trajectories.values()):
+                break
+            del self._held[group_id]
+            await self.feed.open_group(group_id, prompt)
+            for trajectory_id in list(trajectories):  # the GroupOpened's order
+                done += await self._advance(group_id, trajectory_id)
+        return done
+
+    def _ready(self, trajectory: _Reorder) -> bool:
+        """Whether a trajectory holds everything it needs to go in whole (ordered mode)."""
+        if not trajectory.complete:
+            return False
+        if self._rewarded:
+            return trajectory.reward is not None
+        actions = [t.turn for t in trajectory.turns if isinstance(t, ActionGenerated)]
+        return all(turn in trajectory.teacher for turn in actions)
 
     async def _open(self, event: GroupOpened) -> None:
         if not event.trajectory_ids:
@@ -173,7 +216,10 @@ class BackwardStage(Stage):
         if event.group_id in self._groups:
             raise PipelineError(f"group {event.group_id!r} was opened twice")
         self._groups[event.group_id] = {t: _Reorder() for t in event.trajectory_ids}
-        await self.feed.open_group(event.group_id, event.prompt_tokens)
+        if self.config.ordered:
+            self._held[event.group_id] = list(event.prompt_tokens)
+        else:
+            await self.feed.open_group(event.group_id, event.prompt_tokens)
 
     def _trajectory(self, group_id: Id, trajectory_id: Id, kind: str) -> _Reorder:
         group = self._groups.get(group_id)

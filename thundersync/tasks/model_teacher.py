@@ -188,15 +188,26 @@ def transformers_teacher(
     path: str,
     device: str = "cpu",
     dtype: Literal["float32", "bfloat16", "float16"] = "float32",
-    max_batch: _Positive = 16,
+    max_batch: _Positive | None = None,
     max_wait_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.002,
     acceleration: Acceleration | None = None,
+    deterministic: bool = False,
 ) -> TransformersTeacher:
     """The ``transformers-teacher`` factory: the causal LM saved at ``path`` (a local directory,
     loaded offline with ``from_pretrained`` on first use) on ``device`` (``cpu``, ``cuda``, ``cuda:N``,
     ``auto``; a file's ``[run] device`` when its table gives none) in ``dtype``. (The pipeline
     files' factory of this name also takes a training run's checkpoint directory:
-    :func:`thundersync.app.checkpoints.run_directory.model_directory`.) ``acceleration``: how it scores (a file's ``[acceleration]`` when not given)."""
+    :func:`thundersync.app.checkpoints.run_directory.model_directory`.) ``acceleration``: how it
+    scores (a file's ``[acceleration]`` when not given). ``max_batch``: requests scored in one forward pass (default 16); ``deterministic`` (a file's
+    ``[run] deterministic`` when not given) scores each request alone (``max_batch`` 1), so its
+    log-probs do not depend on which requests arrived with it."""
+    if deterministic and max_batch not in (None, 1):
+        raise ConfigError(
+            f"max_batch = {max_batch} scores requests that arrive together in one forward pass, so a request's "
+            "log-probs depend on its neighbours, but the run is deterministic (run.deterministic = true); "
+            "drop max_batch or set run.deterministic = false"
+        )
+    batch = 1 if deterministic else max_batch or 16
     path = str(_model_directory(Path(path)))
 
     def load() -> nn.Module:
@@ -209,7 +220,7 @@ def transformers_teacher(
         return model
 
     return TransformersTeacher(
-        load, device=resolve_device(device), max_batch=max_batch, max_wait_s=max_wait_s, acceleration=acceleration
+        load, device=resolve_device(device), max_batch=batch, max_wait_s=max_wait_s, acceleration=acceleration
     )
 
 

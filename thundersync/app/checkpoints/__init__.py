@@ -1,4 +1,5 @@
-"""Checkpoints: atomic saves every N steps and at the end of a run, and a bitwise resume.
+"""Checkpoints: atomic saves every N steps and at the end of a run, and a resume (bitwise on CPU
+under ``[run] deterministic``: :mod:`thundersync.app.checkpoints.checkpoint`).
 
 ``checkpoint`` holds the :class:`Checkpointer` that the step stage calls; ``run_directory`` the
 run that owns a checkpoint directory and :func:`preflight`, the checks ``thundersync run`` makes

@@ -1,4 +1,4 @@
-"""`Checkpointer`: saves a training run every N steps and at its end, and resumes it bitwise.
+"""`Checkpointer`: saves a training run every N steps and at its end, and resumes it.
 
 Give one to the step stage (``StepStage(..., checkpointer=checkpointer)``): it is told of each
 step after the optimizer step and before the new policy is published, so the weights it saves
@@ -27,9 +27,14 @@ checkpoint of another run, nor a ``step-N`` without its ``checkpoint.json``.
 ``policy`` clock's version, from which the step and generate stages count on), the RNG states
 (python ``random``, torch CPU, CUDA when present, and each named generator's ``get_rng_state``),
 and the data position (the ``source`` skips the consumed batches). Then a run stopped after step
-k and resumed performs the same steps as an uninterrupted one, to the bit. It validates first:
-``checkpoint.json`` against its schema, every file it opens a regular file; whatever does not
-read or fit is one ConfigError naming the checkpoint, the file and what is wrong.
+k and resumed performs the same steps as an uninterrupted one: the same batches, seeds and
+weights to the bit. Its results are bitwise the uninterrupted run's where the run itself is
+reproducible to the bit: on CPU under a pipeline file's ``[run] deterministic = true``
+(tests/app/test_deterministic_file.py); otherwise they agree to the rounding that timing moves
+(which requests share a decode step, which branches share a pack), and there is no bitwise
+promise on CUDA. It validates first: ``checkpoint.json`` against its schema, every file it opens
+a regular file; whatever does not read or fit is one ConfigError naming the checkpoint, the file
+and what is wrong.
 
 In a data-parallel run every rank holds the same weights and optimizer state, so only one rank
 writes (``writer``; default: rank 0 of the default process group, or the only process when

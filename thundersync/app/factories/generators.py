@@ -66,11 +66,14 @@ def torch_generator(
     cuda_graphs: bool | None = _GENERATOR.cuda_graphs,
     seed: int = _GENERATOR.seed,
     acceleration: Acceleration | None = None,
+    deterministic: bool = _GENERATOR.deterministic,
 ) -> TorchGenerator:
     """``torch-generator``: a :class:`~thundersync.generation.TorchGenerator` sharing the learner's
     weights (its defaults are :class:`TorchGenerator.Config`'s); ``acceleration``: the file's
-    ``[acceleration]`` unless the table gives one."""
+    ``[acceleration]`` unless the table gives one; ``deterministic``: the file's
+    ``[run] deterministic`` unless the table gives one (one request at a time)."""
     options = {"max_batch": max_batch, "max_seq_len": max_seq_len, "prefill_tokens": prefill_tokens}
+    options["deterministic"] = deterministic
     return TorchGenerator(model, acceleration=acceleration, cuda_graphs=cuda_graphs, seed=seed, **options)
 
 

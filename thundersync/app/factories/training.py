@@ -96,9 +96,20 @@ def streaming_run(
     source_offload_device: str | None = _RUN.source_offload_device,
     background: bool | None = _RUN.background,
     acceleration: Acceleration | None = None,
+    deterministic: bool = False,
 ) -> StreamingRun:
     """``streaming-run``: a :class:`~thundersync.engine.StreamingRun` over the model's trainable
-    parameters; ``acceleration``: the file's ``[acceleration]`` unless the table gives one."""
+    parameters; ``acceleration``: the file's ``[acceleration]`` unless the table gives one;
+    ``deterministic`` (the file's ``[run] deterministic`` unless the table gives one): the work
+    runs inline, on the caller's thread (``background = false``), so each pack holds what the
+    calls alone decide."""
+    if deterministic and background:
+        raise ConfigError(
+            "background = true runs the engine's work on a worker thread, where which items share a pack "
+            "depends on timing, but the run is deterministic (run.deterministic = true); drop background "
+            "or set run.deterministic = false"
+        )
+    background = False if deterministic else background
     config = StreamingRun.Config(source_offload_device=source_offload_device, background=background)
     return StreamingRun(model, config, acceleration=acceleration)
 
@@ -113,10 +124,18 @@ def grpo(
     process: bool = False,
     process_env: dict[str, str] | None = None,
     process_device: str = "",
+    deterministic: bool = False,
 ) -> RewardLinearBackward | LearnerProcess:
     """``grpo``: a :class:`~thundersync.grpo.RewardLinearBackward` (GRPO-family objective) on ``run``;
     ``process = true`` computes it in a learner process of its own (:class:`~thundersync.LearnerProcess`),
-    with ``process_env`` in its environment, on ``process_device`` when given."""
+    with ``process_env`` in its environment, on ``process_device`` when given. ``deterministic``
+    (the file's ``[run] deterministic`` unless the table gives one) refuses ``stream_early``."""
+    if deterministic and stream_early:
+        raise ConfigError(
+            "stream_early = true packs branches by whether the engine's worker is idle, which depends on "
+            "timing, but the run is deterministic (run.deterministic = true); drop stream_early or set "
+            "run.deterministic = false"
+        )
     build = functools.partial(
         RewardLinearBackward, estimator=estimator, eps=eps, pack_tokens=pack_tokens, stream_early=stream_early
     )

@@ -28,6 +28,7 @@ from thundersync.errors import ConfigError, DefinitionError, GraphError
 from thundersync.pipeline.graph import INPUT, Graph
 from thundersync.pipeline.stage import Stage
 from thundersync.stages import REGISTRY
+from thundersync.stages.backward import BackwardStage
 from thundersync.stages.generate import GenerateStage
 from thundersync.stages.source import SourceStage
 from thundersync.stages.step import StepStage
@@ -39,7 +40,8 @@ def build_objects(spec: PipelineSpec, /, **given: Any) -> dict[str, Any]:
     """The runtime objects of ``spec`` by name: ``given`` ones, else built by their factory, each
     after the objects it references (:func:`~thundersync.app.files.object_graph.build_order`). A factory
     that takes a ``device`` gets ``run.device``, one that takes an ``acceleration`` gets the file's
-    ``[acceleration]`` (resolved once, here), when the object's table gives none."""
+    ``[acceleration]`` (resolved once, here), one that takes ``deterministic`` gets
+    ``run.deterministic``, when the object's table gives none."""
     objects = dict(given)
     order = build_order(spec, given)
     if any(_takes(spec.objects[name], "device") for name in order):
@@ -57,7 +59,7 @@ def build_objects(spec: PipelineSpec, /, **given: Any) -> dict[str, Any]:
         for done, name in enumerate(order):
             advance(done, object=name)
             obj = spec.objects[name]
-            filled = {"device": spec.run.device, "acceleration": acceleration}
+            filled = {"device": spec.run.device, "acceleration": acceleration, "deterministic": spec.run.deterministic}
             extra = {key: value for key, value in filled.items() if _takes(obj, key)}
             if extra:
                 obj = ObjectSpec(obj.factory, {**obj.args, **extra}, obj.refs)
@@ -125,7 +127,8 @@ def build_graph(spec: PipelineSpec, /, **objects: Any) -> Graph:
     source stage when there is exactly one (so that ``--resume`` skips the consumed batches).
     """
     built = build_objects(spec, **objects)
-    graph = assemble_graph(spec, {name: _make_stage(name, node, built) for name, node in spec.stages.items()})
+    stages = {name: _make_stage(name, node, built, spec.run.deterministic) for name, node in spec.stages.items()}
+    graph = assemble_graph(spec, stages)
     _attach_source(graph, built)
     return graph
 
@@ -239,9 +242,12 @@ def stage_class(name: str, node: StageSpec) -> tuple[type[Stage], dict[str, tupl
     return cls, params
 
 
-def _make_stage(name: str, node: StageSpec, objects: dict[str, Any]) -> Stage:
+def _make_stage(name: str, node: StageSpec, objects: dict[str, Any], deterministic: bool = False) -> Stage:
     prefix = f"stages.{name}"
     cls, params = stage_class(name, node)
+    if deterministic and issubclass(cls, BackwardStage):  # run.deterministic: whole groups, in order
+        config = node.config if isinstance(node.config, BackwardStage.Config) else BackwardStage.Config()
+        node = msgspec.structs.replace(node, config=msgspec.structs.replace(config, ordered=True))
     kwargs = {param: _bind(prefix, node, param, hint, required, objects) for param, (hint, required) in params.items()}
     try:
         return cls(node.config, **{k: v for k, v in kwargs.items() if v is not None})

@@ -101,6 +101,13 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     ``wandb``: a W&B run of the same records (``[run.wandb]``: :mod:`thundersync.app.metrics.wandb`);
     ``threads``: torch's CPU threads for the whole run (``torch.set_num_threads``; None: the
     default of :mod:`thundersync.app.cli.threads`).
+    ``deterministic``: two runs of the same file, and a run resumed from a checkpoint against the
+    uninterrupted one, end with bitwise equal parameters and metrics on CPU in one process (same
+    machine, torch build and thread count; not data-parallel launches, no promise on CUDA), at the cost of the overlap: it reaches every
+    object whose factory takes ``deterministic`` (``streaming-run``: inline work; ``grpo``: no
+    ``stream_early``; ``torch-generator``: one request at a time, no cached prefixes;
+    ``transformers-teacher``: one request per forward) and every backward stage (``ordered``:
+    whole groups in opening order) (docs/decisions/070-fp64-throughout-and-deterministic-runs.md).
     """
 
     metrics: str | None = None
@@ -112,6 +119,7 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     steps: Annotated[int, msgspec.Meta(ge=1)] | None = None
     device: str = "auto"
     threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    deterministic: bool = False
 
 
 class EvalSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
