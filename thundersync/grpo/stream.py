@@ -72,6 +72,7 @@ from thundersync.grpo import _jobs, dense
 from thundersync.grpo._jobs import Branch, GroupWork
 from thundersync.grpo._profile import CloseProfile
 from thundersync.grpo.estimators import Estimator, accumulator_coefficients, advantages, contributes
+from thundersync.grpo.losses import Loss, LossForm
 
 if TYPE_CHECKING:
     import torch
@@ -93,7 +94,10 @@ class RewardLinearBackward:
     """Streams GRPO-family gradients (``estimator``: "grpo", "dr_grpo" or "rloo") into ``run``.
 
     Options (:class:`RewardLinearBackward.Config`, or the same names as keywords): ``eps`` of the
-    GRPO advantage, ``estimator``, ``pack_tokens``: closed branches of an open group wait
+    GRPO advantage, ``estimator``, ``loss`` (the per-trajectory form, :mod:`thundersync.grpo.losses`:
+    ``"grpo"``, the default, or ``"tis"``, ``"ppo_decoupled"``, ``"gspo"``, which need every scored
+    token's behaviour log-prob) with its keys ``tis_cap``, ``clip_low``, ``clip_high``,
+    ``behaviour_cap``, ``pack_tokens``: closed branches of an open group wait
     until this many of their tokens are ready, then run packed (0: every branch runs alone, as
     soon as it closes), and ``stream_early``: on a background worker, a close that finds the
     worker idle submits every waiting branch at once. The result then depends on timing, but
@@ -108,6 +112,11 @@ class RewardLinearBackward:
         estimator: Estimator = "grpo"
         pack_tokens: Annotated[int, msgspec.Meta(ge=0)] = 8192
         stream_early: bool = False
+        loss: Loss = "grpo"
+        tis_cap: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+        clip_low: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.2
+        clip_high: Annotated[float, msgspec.Meta(ge=0)] = 0.2
+        behaviour_cap: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
     signal: Signal = "reward"
 
@@ -119,12 +128,24 @@ class RewardLinearBackward:
         self._profile = CloseProfile.from_env(run.layout.device)
         self._kept: list[dense.DenseGroup] | None = None  # closed groups' inputs, while auditing
         self._mismatch = LogprobMismatch()
+        config = self.config
+        self._form = (
+            None
+            if config.loss == "grpo"
+            else LossForm(
+                config.loss,
+                tis_cap=config.tis_cap,
+                clip_low=config.clip_low,
+                clip_high=config.clip_high,
+                behaviour_cap=config.behaviour_cap,
+            )
+        )
 
     def open_group(self, group_id: Hashable, prompt_tokens: Any) -> None:
         """Open a group; its prompt is forwarded once, shared by its trajectories (never before needed)."""
         prompt = self.run.prompt_ids(group_id, prompt_tokens)
         self.run.begin(self)
-        self._groups.open(group_id, prompt, _Pending(GroupWork(prompt, self._mismatch)))
+        self._groups.open(group_id, prompt, _Pending(GroupWork(prompt, self._mismatch, form=self._form)))
 
     def append_turn(
         self,
@@ -138,8 +159,10 @@ class RewardLinearBackward:
     ) -> None:
         """Append a turn (policy turn: some tokens scored; observation turn: none).
 
-        ``behaviour_logprobs`` (optional, one per scored token: the generator's) do not change the
-        gradient; they are compared with the learner's log-probs for :meth:`take_logprob_mismatch`.
+        ``behaviour_logprobs`` (one per scored token: the generator's) are compared with the
+        learner's log-probs for :meth:`take_logprob_mismatch`. With ``loss="grpo"`` they are
+        optional and do not change the gradient; the other loss forms weight by them and require
+        them on every turn with scored tokens.
         """
         if teacher_logprobs is not None:
             raise ConfigError(
@@ -149,6 +172,12 @@ class RewardLinearBackward:
         self._groups.get(group_id)  # an unknown group is reported before the turn's contents
         where = trajectory_name(group_id, trajectory_id)
         ids, flags = self.run.turn_ids(where, tokens, scored)
+        if self._form is not None and behaviour_logprobs is None and any(flags):
+            raise ConfigError(
+                f"loss={self.config.loss!r} weights every scored token by its behaviour log-prob, but the turn "
+                f"of {where} with {sum(flags)} scored tokens has none: pass behaviour_logprobs (the generator's "
+                "log-probs of the tokens it sampled), or use loss='grpo'"
+            )
         behaviour = inputs.logprobs(behaviour_logprobs, "behaviour_logprobs", sum(flags), where, required=False)
         _, trajectory = self._groups.append(group_id, trajectory_id, len(ids))
         trajectory.payload.add_turn(ids, flags, behaviour)
@@ -162,7 +191,7 @@ class RewardLinearBackward:
         if any(branch.scored):
             pending = group.payload
             pending.waiting.append(branch)
-            if sum(len(b) for b in pending.waiting) >= self.config.pack_tokens:
+            if self._linear and sum(len(b) for b in pending.waiting) >= self.config.pack_tokens:
                 self._submit_linear(group)
         if self._worker_idle():
             for waiting in self._groups:
@@ -177,7 +206,8 @@ class RewardLinearBackward:
         rewards = [b.reward for b in branches if b.reward is not None]
         if self._kept is not None:
             kept = [(b.tokens, b.scored, b.reward) for b in branches if b.reward is not None]
-            self._kept.append(dense.DenseGroup(pending.work.prompt, kept))
+            behaviour = [b.behaviour for b in branches if b.reward is not None] if self._form is not None else None
+            self._kept.append(dense.DenseGroup(pending.work.prompt, kept, behaviour))
         if not contributes(rewards, estimator):
             pending.work.cancelled = True  # every advantage is exactly zero: skip the queued work
             self.run.submit(f"release of group {group_id!r}", pending.work.release)
@@ -232,6 +262,8 @@ class RewardLinearBackward:
         if self._kept is not None:
             self._kept = []
         self._mismatch.reset()
+        if self._form is not None:
+            self._form.stats.reset()
 
     def keep_batch(self, keep: bool) -> None:
         """Keep the plain inputs (token ids, flags, rewards) of the groups that close from now on,
@@ -246,7 +278,7 @@ class RewardLinearBackward:
             raise ConfigError("no batch was kept for a dense gradient: call keep_batch(True) before its first group")
         groups, self._kept = self._kept, []
         model, config = self.run.anatomy.model, self.config
-        return dense.dense_gradient(model, self.run.params, groups, config.estimator, config.eps)
+        return dense.dense_gradient(model, self.run.params, groups, config.estimator, config.eps, self._form)
 
     def take_logprob_mismatch(self) -> float | None:
         """Mean |behaviour - learner| log-prob over the scored tokens forwarded since the last call
@@ -258,6 +290,20 @@ class RewardLinearBackward:
         """
         return self._mismatch.take(self.run.data_parallel)
 
+    def take_objective_stats(self) -> dict[str, float] | None:
+        """The importance weights' statistics since the last call (:class:`~thundersync.grpo.losses.ImportanceStats`:
+        ``is_mean``, ``is_max``, ``is_clip_fraction``, ``is_count``), then reset; None with
+        ``loss="grpo"`` or when no weight was computed. Call it after :meth:`assert_safe_to_step`.
+
+        Only forwarded trajectories count: a group whose rewards are all equal is never forwarded.
+        """
+        return None if self._form is None else self._form.stats.take(self.run.data_parallel)
+
+    @property
+    def _linear(self) -> bool:
+        """Whether closed branches may run before their group closes (through G1/G2)."""
+        return self._form is None or self._form.linear
+
     def retained_bytes(self) -> int:
         """Bytes of tensors held for open groups plus the run's scratch and total."""
         self.run.worker.join()
@@ -267,7 +313,7 @@ class RewardLinearBackward:
         """Whether waiting branches should go now (``stream_early``): a background worker with
         nothing running or queued."""
         worker = self.run.worker
-        return self.config.stream_early and worker.background and not worker.pending()
+        return self._linear and self.config.stream_early and worker.background and not worker.pending()
 
     def _ensure_prompt_state(self, group: Group[_Pending, Branch]) -> None:
         """Branches that run apart from the prompt read its K/V state: compute it once, first."""
