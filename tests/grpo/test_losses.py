@@ -74,18 +74,37 @@ def behaviour_logprobs(model: torch.nn.Module, plan: list[Group], seed: int) -> 
     return out, which
 
 
+def reference_logprobs(
+    model: torch.nn.Module, reference: torch.nn.Module | None, tokens: list[int], scored: list[bool]
+) -> torch.Tensor:
+    """The KL reference's log-probs: ``reference`` through its ordinary forward, or ``model``'s
+    base model (peft's disable_adapter) when none is given."""
+    with torch.no_grad():
+        if reference is not None:
+            return scored_logprobs(reference, tokens, scored)
+        with model.disable_adapter():  # type: ignore[operator]
+            return scored_logprobs(model, tokens, scored)
+
+
 def dense_loss(
-    model: torch.nn.Module, plan: list[Group], behaviour: list[list[torch.Tensor]], options: dict, estimator: str
+    model: torch.nn.Module,
+    plan: list[Group],
+    behaviour: list[list[torch.Tensor]],
+    options: dict,
+    estimator: str,
+    reference: torch.nn.Module | None = None,
 ) -> tuple[torch.Tensor, dict[str, float] | None]:
-    """The batch's loss (= -J) and its importance-weight statistics, written as the papers' code."""
+    """The batch's loss (= -J) and its statistics (importance weights, KL), written as the papers' code."""
     frozen = copy.deepcopy(model)
-    loss_name = options["loss"]
+    loss_name = options.get("loss", "grpo")
+    kl_coef = options.get("kl_coef", 0.0)
     total = []
     weights: list[torch.Tensor] = []
     clipped: list[torch.Tensor] = []
+    kls: list[torch.Tensor] = []
     for g, group in enumerate(plan):
         adv = advantages([t.reward for t in group.trajectories], estimator, EPS)
-        if len(set(t.reward for t in group.trajectories)) == 1:
+        if len(set(t.reward for t in group.trajectories)) == 1 and not kl_coef:
             continue  # every advantage is zero: nothing forwarded, nothing counted
         for i, a in enumerate(adv):
             tokens, scored = sequence(group, i)
@@ -95,11 +114,19 @@ def dense_loss(
             with torch.no_grad():
                 prox = scored_logprobs(frozen, tokens, scored)
             b = behaviour[g][i].to(lp.dtype)
-            if loss_name == "tis":  # Yao et al.: min(pi_fsdp / pi_vllm, C) * A * grad log pi
+            if kl_coef:  # Schulman's estimators of KL(pi || ref) from samples
+                ref = reference_logprobs(model, reference, tokens, scored)
+                log_ratio = ref - lp
+                k = -log_ratio if options.get("kl_estimator", "k3") == "k1" else log_ratio.exp() - 1 - log_ratio
+                total.append(kl_coef * k.sum())
+                kls.append(k.detach())
+            if loss_name == "grpo":
+                total.append(-(a * lp).sum())
+            elif loss_name == "tis":  # Yao et al.: min(pi_fsdp / pi_vllm, C) * A * grad log pi
                 ratio = torch.exp(prox - b)
-                total.append(-(torch.clamp(ratio, max=options["tis_cap"]) * a * lp).sum())
+                total.append(-(torch.clamp(ratio, max=options.get("tis_cap", 2.0)) * a * lp).sum())
                 weights.append(ratio)
-                clipped.append(ratio > options["tis_cap"])
+                clipped.append(ratio > options.get("tis_cap", 2.0))
             elif loss_name == "ppo_decoupled":  # AReaL's ppo_actor_loss_fn
                 ratio = torch.exp(lp - prox)
                 pg1 = -a * ratio
@@ -122,10 +149,14 @@ def dense_loss(
                 clipped.append((pg1.detach() < pg2.detach()).reshape(1))
     if not total:
         return torch.zeros((), dtype=torch.float64), None
-    w = torch.cat([x.detach().double() for x in weights])
-    c = torch.cat(clipped).double()
-    stats = {"is_mean": float(w.mean()), "is_max": float(w.max()), "is_clip_fraction": float(c.mean())}
-    return torch.stack(total).sum(), stats
+    stats = {}
+    if weights:
+        w = torch.cat([x.detach().double() for x in weights])
+        c = torch.cat(clipped).double()
+        stats = {"is_mean": float(w.mean()), "is_max": float(w.max()), "is_clip_fraction": float(c.mean())}
+    if kls:
+        stats["kl"] = float(torch.cat(kls).mean())
+    return torch.stack(total).sum(), stats or None
 
 
 def stream(
@@ -138,10 +169,11 @@ def stream(
     *,
     pack_tokens: int,
     background: bool,
+    reference: torch.nn.Module | None = None,
 ) -> dict[str, float] | None:
     run = thundersync.StreamingRun(model, background=background)
     grpo = thundersync.RewardLinearBackward(
-        run, eps=EPS, estimator=estimator, pack_tokens=pack_tokens, stream_early=True, **options
+        run, eps=EPS, estimator=estimator, pack_tokens=pack_tokens, stream_early=True, reference=reference, **options
     )
     done: dict[tuple[int, int], int] = {}
     for op in interleaving(plan, random.Random(seed)):
@@ -311,6 +343,45 @@ def test_decoupled_ppo_terms_with_a_moved_policy_equal_areal_form(
     if advantage != 0 and bool((binding & ~masked).any()):  # a clip that binds on a kept token
         (wrong,) = torch.autograd.grad(areal(lp, lo, hi, worst=False), lp)  # planted: min for max
         assert not torch.allclose(wrong, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["separate-reference", "lora-base-reference"])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    plan=st.lists(groups(), min_size=1, max_size=3),
+    loss=st.sampled_from(["grpo", "tis", "ppo_decoupled", "gspo"]),
+    kl=st.sampled_from([("k1", 0.3), ("k3", 0.05), ("k3", 1.0)]),
+    seed=st.integers(0, 2**16),
+    pack_tokens=st.sampled_from([0, 10_000]),
+)
+def test_kl_to_a_reference_streamed_equals_its_dense_definition_in_fp64(
+    lora: bool, plan: list[Group], loss: str, kl: tuple[str, float], seed: int, pack_tokens: int
+) -> None:
+    """KL(pi || ref) by k1 or k3, the reference a separate model or (LoRA) the base model with the
+    adapter disabled; groups whose rewards are all equal still contribute their KL."""
+    model, reference = case(lora, seed)
+    ref_model = None if lora else tiny_qwen3(torch.float64, seed=5)
+    options = {"loss": loss, "kl_estimator": kl[0], "kl_coef": kl[1], "clip_low": 0.05, "clip_high": 0.05}
+    behaviour, _ = behaviour_logprobs(model, plan, seed)
+    dense, want = dense_loss(reference, plan, behaviour, options, "grpo", ref_model)
+    if dense.requires_grad:
+        (-dense).backward()
+    got = stream(
+        model, plan, behaviour, options, "grpo", seed, pack_tokens=pack_tokens, background=True, reference=ref_model
+    )
+    assert relative_error(grads(model), grads(reference)) < 1e-10
+    if want is None:
+        assert got is None
+    else:
+        assert got is not None and got.keys() >= want.keys()
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-10, abs=1e-12), key
+
+
+def test_kl_without_an_adapter_or_a_reference_model_is_refused() -> None:
+    run = thundersync.StreamingRun(tiny_qwen3(torch.float64))
+    with pytest.raises(ConfigError, match="kl_coef > 0 needs a reference model"):
+        thundersync.RewardLinearBackward(run, kl_coef=0.1)
 
 
 def test_the_loss_forms_need_behaviour_logprobs() -> None:

@@ -56,7 +56,7 @@ def _terms(
         weights = advantages([reward for _, _, reward in group.trajectories], estimator, eps)
         behaviours = group.behaviour or [[] for _ in group.trajectories]
         for (tokens, scored, _), weight, behaviour in zip(group.trajectories, weights, behaviours):
-            if weight != 0.0 and any(scored):
+            if (weight != 0.0 or (form is not None and form.has_kl)) and any(scored):
                 if form is None:
                     yield partial(_weighted_score, model, group.prompt, tokens, scored, weight)
                 else:
@@ -75,7 +75,8 @@ def _form_term(
     """J_i of one trajectory under ``form`` (its statistics untouched)."""
     lp = next_token_logprobs(model, prompt + tokens)
     mask = torch.tensor(scored, dtype=torch.bool, device=lp.device)
-    return form.objective(lp[len(prompt) - 1 :][mask], behaviour, weight, record=False)
+    reference = form.reference_logprobs(prompt, [(tokens, scored)])[0] if form.has_kl else None
+    return form.objective(lp[len(prompt) - 1 :][mask], behaviour, weight, reference=reference, record=False)
 
 
 def _weighted_score(

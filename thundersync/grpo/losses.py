@@ -35,6 +35,14 @@ Forms (``loss``; per token t of the trajectory's scored tokens, n of them):
 
   The GSPO paper's clip range is far narrower than PPO's (3e-4 and 4e-4).
 
+KL to a reference model (``kl_coef`` > 0, any form, ``grpo`` included): ``J_i -= kl_coef * sum_t
+k(lp_t, ref_t)`` with ``ref_t`` the reference model's log-prob of the token, scored without
+gradients by the packed scorer (:class:`~thundersync.model.scoring.PackedScorer`, as an OPD
+teacher is) over the whole sequence, and the estimator ``kl_estimator`` (Schulman 2020,
+"Approximating KL divergence"): ``k1 = lp - ref``, ``k3 = exp(ref - lp) - (ref - lp) - 1`` (GRPO's,
+Shao et al. 2024). The term does not depend on the advantage, so with it on every branch waits for
+its group's close, and a group whose rewards are all equal still contributes its KL.
+
 Importance-weight statistics (:class:`ImportanceStats`): the raw weight before any truncation,
 per scored token (``tis``, ``ppo_decoupled``: ``exp(lp_t - b_t)``) or per trajectory (``gspo``:
 ``s``); its mean, its max, and the fraction clipped: ``tis``: weight above ``tis_cap``;
@@ -44,6 +52,7 @@ clip arm chosen with a zero gradient (``s A > clip(s) A``).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal, TypeAlias
 
 import torch
@@ -51,10 +60,24 @@ import torch
 if TYPE_CHECKING:
     from thundersync.engine.distributed import DataParallel
 
-__all__ = ["LOSSES", "ImportanceStats", "Loss", "LossForm", "gspo_term", "ppo_decoupled_terms", "tis_terms"]
+__all__ = [
+    "LOSSES",
+    "ImportanceStats",
+    "KLEstimator",
+    "Loss",
+    "LossForm",
+    "ReferenceScorer",
+    "gspo_term",
+    "kl_terms",
+    "ppo_decoupled_terms",
+    "tis_terms",
+]
 
 Loss: TypeAlias = Literal["grpo", "tis", "ppo_decoupled", "gspo"]
 LOSSES: tuple[Loss, ...] = ("grpo", "tis", "ppo_decoupled", "gspo")
+KLEstimator: TypeAlias = Literal["k1", "k3"]
+ReferenceScorer: TypeAlias = Callable[[Sequence[Sequence[int]], Sequence[int]], list[list[float]]]
+"""``(sequences, counts) -> log-probs of each sequence's last ``count`` tokens`` under the reference."""
 
 
 class ImportanceStats:
@@ -69,6 +92,15 @@ class ImportanceStats:
         self._max: torch.Tensor | None = None
         self._clipped: torch.Tensor | None = None
         self._count = 0
+        self._kl: torch.Tensor | None = None
+        self._kl_count = 0
+
+    def add_kl(self, values: torch.Tensor) -> None:
+        """Per-token KL estimates [k] (read detached, fp64)."""
+        if values.numel():
+            total = values.detach().to(torch.float64).sum()
+            self._kl = total if self._kl is None else self._kl + total
+            self._kl_count += values.numel()
 
     def add(self, weights: torch.Tensor, clipped: torch.Tensor) -> None:
         """``weights`` [k] (read detached, fp64) and ``clipped`` [k] bool of k weights."""
@@ -83,29 +115,35 @@ class ImportanceStats:
         self._count += weights.numel()
 
     def take(self, data_parallel: DataParallel | None = None) -> dict[str, float] | None:
-        """``{"is_mean", "is_max", "is_clip_fraction", "is_count"}`` since the last call (None:
-        no weight), then reset. Under data parallel the sums and counts are over every rank (a
-        collective); the max is this rank's own."""
+        """``{"is_mean", "is_max", "is_clip_fraction", "is_count"}`` of the weights and ``kl``
+        (mean per scored token of the KL estimate) since the last call, each where any was seen
+        (None: nothing), then reset. Under data parallel the sums and counts are over every rank
+        (collectives); the max is this rank's own."""
         total = 0.0 if self._sum is None else float(self._sum)
         top = None if self._max is None else float(self._max)
         clipped = 0.0 if self._clipped is None else float(self._clipped)
-        count = self._count
+        kl = 0.0 if self._kl is None else float(self._kl)
+        count, kl_count = self._count, self._kl_count
         self.reset()
         if data_parallel is not None:
             total, count = data_parallel.all_reduce_sum_and_count(total, count)
             clipped, _ = data_parallel.all_reduce_sum_and_count(clipped, 0)
-        if not count:
-            return None
-        return {
-            "is_mean": total / count,
-            "is_max": top if top is not None else float("nan"),
-            "is_clip_fraction": clipped / count,
-            "is_count": float(count),
-        }
+            kl, kl_count = data_parallel.all_reduce_sum_and_count(kl, kl_count)
+        out: dict[str, float] = {}
+        if count:
+            out |= {
+                "is_mean": total / count,
+                "is_max": top if top is not None else float("nan"),
+                "is_clip_fraction": clipped / count,
+                "is_count": float(count),
+            }
+        if kl_count:
+            out["kl"] = kl / kl_count
+        return out or None
 
     def reset(self) -> None:
-        self._sum = self._max = self._clipped = None
-        self._count = 0
+        self._sum = self._max = self._clipped = self._kl = None
+        self._count = self._kl_count = 0
 
 
 def tis_terms(
@@ -123,6 +161,14 @@ def gspo_term(
     ratio = torch.exp((lp - behaviour).mean()).reshape(1)
     plain, clipped = ratio * advantage, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantage
     return torch.minimum(plain, clipped), ratio, clipped.detach() < plain.detach()
+
+
+def kl_terms(lp: torch.Tensor, reference: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
+    """Per-token KL estimates [n]: k1 = lp - ref, k3 = exp(ref - lp) - (ref - lp) - 1."""
+    if estimator == "k1":
+        return lp - reference
+    delta = reference - lp
+    return torch.exp(delta) - delta - 1.0
 
 
 def ppo_decoupled_terms(
@@ -149,9 +195,21 @@ class LossForm:
     """The configured form (``loss`` and its keys) and the statistics of its weights."""
 
     def __init__(
-        self, loss: Loss, *, tis_cap: float, clip_low: float, clip_high: float, behaviour_cap: float | None
+        self,
+        loss: Loss,
+        *,
+        tis_cap: float,
+        clip_low: float,
+        clip_high: float,
+        behaviour_cap: float | None,
+        kl_coef: float = 0.0,
+        kl_estimator: KLEstimator = "k3",
+        reference: ReferenceScorer | None = None,
     ) -> None:
+        if kl_coef > 0 and reference is None:
+            raise ValueError("kl_coef > 0 needs a reference scorer")
         self.loss = loss
+        self.kl_coef, self.kl_estimator, self.reference = kl_coef, kl_estimator, reference
         self.tis_cap = tis_cap
         self.clip_low, self.clip_high = clip_low, clip_high
         self.behaviour_cap = behaviour_cap
@@ -160,15 +218,47 @@ class LossForm:
     @property
     def linear(self) -> bool:
         """Whether ``J_i`` is its advantage times a term free of rewards (the early G1/G2 path)."""
-        return self.loss in ("grpo", "tis")
+        return self.loss in ("grpo", "tis") and self.kl_coef == 0
+
+    @property
+    def has_kl(self) -> bool:
+        return self.kl_coef > 0
+
+    def reference_logprobs(
+        self, prompt: list[int], branches: Sequence[tuple[list[int], list[bool]]]
+    ) -> list[list[float]]:
+        """The reference's log-probs of each branch's scored tokens (``prompt + tokens`` scored whole)."""
+        assert self.reference is not None
+        scored = self.reference([prompt + tokens for tokens, _ in branches], [len(tokens) for tokens, _ in branches])
+        return [[x for x, s in zip(lps, flags) if s] for lps, (_, flags) in zip(scored, branches)]
 
     def objective(
-        self, lp: torch.Tensor, behaviour: list[float], advantage: float, *, record: bool = True
+        self,
+        lp: torch.Tensor,
+        behaviour: list[float],
+        advantage: float,
+        *,
+        reference: list[float] | None = None,
+        record: bool = True,
     ) -> torch.Tensor:
         """``J_i`` of one trajectory (module docstring): ``lp`` [n] with its graph, ``behaviour`` [n];
-        its weights go to :attr:`stats` when ``record``."""
-        b = torch.tensor(behaviour, dtype=lp.dtype, device=lp.device)
+        ``reference`` [n]: the reference's log-probs (with ``kl_coef`` > 0); its weights and KL go to
+        :attr:`stats` when ``record``."""
         stats = self.stats if record else ImportanceStats()
+        value = self._policy_term(lp, behaviour, advantage, stats)
+        if not self.has_kl:
+            return value
+        assert reference is not None
+        kl = kl_terms(lp, torch.tensor(reference, dtype=lp.dtype, device=lp.device), self.kl_estimator)
+        stats.add_kl(kl)
+        return value - self.kl_coef * kl.sum()
+
+    def _policy_term(
+        self, lp: torch.Tensor, behaviour: list[float], advantage: float, stats: ImportanceStats
+    ) -> torch.Tensor:
+        if self.loss == "grpo":
+            return lp.sum() * advantage
+        b = torch.tensor(behaviour, dtype=lp.dtype, device=lp.device)
         if self.loss == "tis":
             value, weight, clipped = tis_terms(lp, b, advantage, self.tis_cap)
         elif self.loss == "ppo_decoupled":
@@ -178,6 +268,6 @@ class LossForm:
         elif self.loss == "gspo":
             value, weight, clipped = gspo_term(lp, b, advantage, self.clip_low, self.clip_high)
         else:
-            raise AssertionError(f"the loss {self.loss!r} has no per-trajectory form")  # grpo takes the plain path
+            raise AssertionError(f"unknown loss {self.loss!r}")
         stats.add(weight, clipped)
         return value.sum()

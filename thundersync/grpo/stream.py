@@ -53,7 +53,7 @@ trajectory its :class:`~thundersync.grpo._jobs.Branch` (tokens, scored flags, re
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Annotated, Any
@@ -72,10 +72,12 @@ from thundersync.grpo import _jobs, dense
 from thundersync.grpo._jobs import Branch, GroupWork
 from thundersync.grpo._profile import CloseProfile
 from thundersync.grpo.estimators import Estimator, accumulator_coefficients, advantages, contributes
-from thundersync.grpo.losses import Loss, LossForm
+from thundersync.grpo.losses import KLEstimator, Loss, LossForm, ReferenceScorer
+from thundersync.model.scoring import PackedScorer
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
 __all__ = ["RewardLinearBackward"]
 
@@ -117,10 +119,14 @@ class RewardLinearBackward:
         clip_low: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.2
         clip_high: Annotated[float, msgspec.Meta(ge=0)] = 0.2
         behaviour_cap: Annotated[float, msgspec.Meta(gt=0)] | None = None
+        kl_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+        kl_estimator: KLEstimator = "k3"
 
     signal: Signal = "reward"
 
-    def __init__(self, run: StreamingRun, config: Config | None = None, /, **options: Any) -> None:
+    def __init__(
+        self, run: StreamingRun, config: Config | None = None, /, *, reference: nn.Module | None = None, **options: Any
+    ) -> None:
         self.config = build_config(RewardLinearBackward.Config, config, options, "RewardLinearBackward")
         self.run = run
         self._groups: OpenGroups[_Pending, Branch] = OpenGroups(run, new_trajectory=Branch)
@@ -131,13 +137,16 @@ class RewardLinearBackward:
         config = self.config
         self._form = (
             None
-            if config.loss == "grpo"
+            if config.loss == "grpo" and config.kl_coef == 0
             else LossForm(
                 config.loss,
                 tis_cap=config.tis_cap,
                 clip_low=config.clip_low,
                 clip_high=config.clip_high,
                 behaviour_cap=config.behaviour_cap,
+                kl_coef=config.kl_coef,
+                kl_estimator=config.kl_estimator,
+                reference=reference_scorer(run, reference) if config.kl_coef > 0 else None,
             )
         )
 
@@ -172,7 +181,7 @@ class RewardLinearBackward:
         self._groups.get(group_id)  # an unknown group is reported before the turn's contents
         where = trajectory_name(group_id, trajectory_id)
         ids, flags = self.run.turn_ids(where, tokens, scored)
-        if self._form is not None and behaviour_logprobs is None and any(flags):
+        if self.config.loss != "grpo" and behaviour_logprobs is None and any(flags):
             raise ConfigError(
                 f"loss={self.config.loss!r} weights every scored token by its behaviour log-prob, but the turn "
                 f"of {where} with {sum(flags)} scored tokens has none: pass behaviour_logprobs (the generator's "
@@ -208,7 +217,7 @@ class RewardLinearBackward:
             kept = [(b.tokens, b.scored, b.reward) for b in branches if b.reward is not None]
             behaviour = [b.behaviour for b in branches if b.reward is not None] if self._form is not None else None
             self._kept.append(dense.DenseGroup(pending.work.prompt, kept, behaviour))
-        if not contributes(rewards, estimator):
+        if not contributes(rewards, estimator) and not self.config.kl_coef:
             pending.work.cancelled = True  # every advantage is exactly zero: skip the queued work
             self.run.submit(f"release of group {group_id!r}", pending.work.release)
             return
@@ -340,3 +349,26 @@ class RewardLinearBackward:
                     f"backward of {len(pack)} branches of group {group.id!r} (reward {reward})",
                     partial(_jobs.backward_linear, self.run, pending.work, pack, reward - reference),
                 )
+
+
+def reference_scorer(run: StreamingRun, reference: nn.Module | None) -> ReferenceScorer:
+    """The KL term's reference log-probs: ``reference`` scored by a packed scorer, or, when none is
+    given and the run's model is a peft model, that model with its adapter disabled (peft's
+    ``disable_adapter``) for the duration of each scoring call, on the worker thread."""
+    if reference is not None:
+        return PackedScorer(reference).logprobs
+    model = run.anatomy.model
+    disable = getattr(model, "disable_adapter", None)
+    if not callable(disable):
+        raise ConfigError(
+            f"kl_coef > 0 needs a reference model: the run's model ({type(model).__name__}) has no adapter to "
+            "disable, so pass RewardLinearBackward(..., reference=a_frozen_model), or train a peft LoRA adapter "
+            "(its base model is then the reference), or set kl_coef = 0"
+        )
+    scorer = PackedScorer(model)
+
+    def score(sequences: Sequence[Sequence[int]], counts: Sequence[int]) -> list[list[float]]:
+        with disable():
+            return scorer.logprobs(sequences, counts)
+
+    return score
