@@ -378,6 +378,32 @@ def test_kl_to_a_reference_streamed_equals_its_dense_definition_in_fp64(
             assert got[key] == pytest.approx(value, rel=1e-10, abs=1e-12), key
 
 
+def test_a_planted_kl_error_is_caught_by_the_dense_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """k3 with the log-ratio's sign flipped (KL(ref || pi)'s estimator), or the adapter left on
+    (the learner as its own reference), moves the streamed gradient away from the dense one."""
+    plan = fixed_plan()
+    options = {"loss": "grpo", "kl_coef": 0.5, "kl_estimator": "k3"}
+    model, reference = case(True, 0)
+    behaviour, _ = behaviour_logprobs(model, plan, 0)
+    dense, _ = dense_loss(reference, plan, behaviour, options, "grpo")
+    (-dense).backward()
+    original = losses.kl_terms
+
+    def flipped(lp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
+        return original(ref, lp, "k3")
+
+    def adapter_on(lp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
+        return original(lp, lp.detach(), "k3")
+
+    for planted in (flipped, adapter_on, None):
+        for p in model.parameters():
+            p.grad = None
+        monkeypatch.setattr(losses, "kl_terms", planted or original)
+        stream(model, plan, behaviour, options, "grpo", 0, pack_tokens=0, background=False)
+        error = relative_error(grads(model), grads(reference))
+        assert error < 1e-10 if planted is None else error > 1e-3
+
+
 def test_kl_without_an_adapter_or_a_reference_model_is_refused() -> None:
     run = thundersync.StreamingRun(tiny_qwen3(torch.float64))
     with pytest.raises(ConfigError, match="kl_coef > 0 needs a reference model"):

@@ -65,7 +65,7 @@ from thundersync.generation.torch_generator import TorchGenerator
 from thundersync.generation.vllm_generator import VLLMGenerator
 from thundersync.grpo import RewardLinearBackward
 from thundersync.grpo.estimators import Estimator
-from thundersync.grpo.losses import Loss
+from thundersync.grpo.losses import KLEstimator, Loss
 from thundersync.opd import Normalization, OPDStream
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.stages.step import StepResult, StreamingTrainer
@@ -117,12 +117,15 @@ def grpo(
     clip_low: Annotated[float, msgspec.Meta(ge=0, lt=1)] = _GRPO.clip_low,
     clip_high: Annotated[float, msgspec.Meta(ge=0)] = _GRPO.clip_high,
     behaviour_cap: Annotated[float, msgspec.Meta(gt=0)] | None = _GRPO.behaviour_cap,
+    kl_coef: Annotated[float, msgspec.Meta(ge=0)] = _GRPO.kl_coef,
+    kl_estimator: KLEstimator = _GRPO.kl_estimator,
     process: bool = False,
     process_env: dict[str, str] | None = None,
     process_device: str = "",
 ) -> RewardLinearBackward | LearnerProcess:
     """``grpo``: a :class:`~thundersync.grpo.RewardLinearBackward` (GRPO-family objective) on ``run``,
-    with the per-trajectory ``loss`` form and its keys (:mod:`thundersync.grpo.losses`);
+    with the per-trajectory ``loss`` form and its keys, and ``kl_coef`` > 0 for a KL term to the
+    base model of a peft LoRA policy (the file has no separate reference model) (:mod:`thundersync.grpo.losses`);
     ``process = true`` computes it in a learner process of its own (:class:`~thundersync.LearnerProcess`),
     with ``process_env`` in its environment, on ``process_device`` when given (there the loss forms
     work, but the step does not report their importance-weight statistics)."""
@@ -137,6 +140,8 @@ def grpo(
         clip_low=clip_low,
         clip_high=clip_high,
         behaviour_cap=behaviour_cap,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
     )
     return _in_process(run, build, process, process_env, process_device)
 
