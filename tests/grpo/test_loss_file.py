@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.app.test_train_file import _run
+from tests.app.test_train_file import TINY, _run
+from thundersync.app.cli.command import main
 
 
 @pytest.mark.parametrize("loss", ["tis", "gspo"])
@@ -24,3 +25,24 @@ def test_a_file_trains_with_a_loss_form_and_its_steps_report_the_importance_weig
 def test_a_grpo_file_has_no_importance_weight_keys(tmp_path: Path) -> None:
     steps = [r for r in _run(tmp_path) if r["event"] == "step"]
     assert steps and not any(key.startswith("is_") for step in steps for key in step)
+
+
+def test_a_lora_file_trains_with_kl_to_its_base_model_and_reports_it(tmp_path: Path) -> None:
+    lora = 'objects.model.lora={ r = 4, lora_alpha = 8, target_modules = ["q_proj", "v_proj"], lora_dropout = 0.0 }'
+    steps = [
+        r
+        for r in _run(tmp_path, lora, "objects.objective.kl_coef=0.1", "objects.trainer.audit_every=1")
+        if r["event"] == "step"
+    ]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(math.isfinite(r["kl"]) and r["audit_rel_error"] < 1e-5 for r in steps)
+    assert steps[1]["kl"] != 0.0  # step 1 moved the adapter away from the base model
+
+
+def test_kl_in_a_file_without_lora_is_refused_with_what_to_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["run", str(TINY), "--metrics", str(tmp_path / "m.jsonl"), "--no-progress"]
+    assert main([*argv, "--set", "objects.objective.kl_coef=0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "kl_coef > 0 needs a reference model" in err and "lora = {...} in the model's table" in err

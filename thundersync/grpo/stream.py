@@ -363,7 +363,8 @@ def reference_scorer(run: StreamingRun, reference: nn.Module | None) -> Referenc
         raise ConfigError(
             f"kl_coef > 0 needs a reference model: the run's model ({type(model).__name__}) has no adapter to "
             "disable, so pass RewardLinearBackward(..., reference=a_frozen_model), or train a peft LoRA adapter "
-            "(its base model is then the reference), or set kl_coef = 0"
+            "(its base model is then the reference; in a pipeline file: lora = {...} in the model's table), "
+            "or set kl_coef = 0"
         )
     scorer = PackedScorer(model)
 
