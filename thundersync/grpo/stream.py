@@ -39,6 +39,13 @@ It is off by default because the overlap benchmark measured it slower in one pro
 wait-for-close packing"): small early packs cost host time that the generator's thread then waits
 for under the GIL.
 
+Loss forms (``loss``, :mod:`thundersync.grpo.losses`): ``tis``, ``ppo_decoupled`` and ``gspo``
+replace ``A_i * S_i`` by a term of the trajectory's own log-probs, behaviour log-probs and advantage,
+and ``kl_coef`` > 0 subtracts a KL term to a reference model. ``tis`` without KL keeps the G1/G2
+path (its term is ``A_i`` times a reward-free term); with any other form, or with KL, every branch
+waits for its group's close and runs with its final advantage. ``loss = "grpo"`` without KL is the
+path above, unchanged.
+
 Which groups and trajectories are open or closed is kept by
 :class:`~thundersync.engine.groups.OpenGroups`; this module keeps only GRPO's payloads: per group
 its :class:`~thundersync.grpo._jobs.GroupWork` and the closed branches waiting for a pack, per
