@@ -46,3 +46,10 @@ def test_kl_in_a_file_without_lora_is_refused_with_what_to_do(
     assert main([*argv, "--set", "objects.objective.kl_coef=0.1"]) == 2
     err = capsys.readouterr().err
     assert "kl_coef > 0 needs a reference model" in err and "lora = {...} in the model's table" in err
+
+
+def test_a_learner_process_trains_with_a_loss_form_without_reporting_its_statistics(tmp_path: Path) -> None:
+    sets = ('objects.objective.loss="gspo"', "objects.objective.process=true", "objects.trainer.audit_every=1")
+    steps = [r for r in _run(tmp_path, *sets) if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["audit_rel_error"] < 1e-5 and "is_mean" not in r for r in steps)
