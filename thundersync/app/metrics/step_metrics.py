@@ -34,8 +34,9 @@ Definitions (times in seconds, from the watcher's clock):
   (StepDone; ``audit_rel_error`` only on the trainer's audited steps, ``audit_every``);
 - ``is_mean``, ``is_max``, ``is_clip_fraction``, ``is_count``: with a GRPO loss form other than
   ``grpo`` (``loss`` of the objective), the statistics of the batch's importance weights (per
-  scored token for ``tis`` and ``ppo_decoupled``, per trajectory for ``gspo``; StepDone's
-  ``objective_stats``), absent otherwise and with a learner process (``process = true``);
+  scored token for ``tis`` and ``ppo_decoupled``, per trajectory for ``gspo``); ``kl``: with
+  ``kl_coef`` > 0, the mean KL estimate per scored token (StepDone's ``objective_stats``, see
+  :mod:`thundersync.grpo.losses`); absent otherwise and with a learner process (``process = true``);
 - ``reverse_kl`` (OPD): the mean over the batch's teacher-scored tokens of behaviour log-prob
   minus teacher log-prob, the sampled estimate of the policy's KL(policy || teacher) per token
   (``null`` when no teacher scored the batch);
