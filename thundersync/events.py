@@ -291,7 +291,9 @@ class StepDone(EventBase, frozen=True):
     step, ``lr`` the learning rate it used (first parameter group) and ``logprob_mismatch`` the
     mean |behaviour - learner| log-prob over the batch's scored tokens (``None``: not known);
     ``audit_rel_error`` the relative error of the streamed gradient against a dense recomputation
-    on audited steps (the trainer's ``audit_every``; ``None`` on other steps).
+    on audited steps (the trainer's ``audit_every``; ``None`` on other steps); ``objective_stats``
+    the objective's own statistics of the batch (a GRPO loss form's importance weights:
+    ``is_mean``, ``is_max``, ``is_clip_fraction``, ``is_count``; ``None``: none reported).
 
     Produced by step; no stage consumes it: it is a result of the graph for the application and
     the metrics file.
@@ -304,6 +306,7 @@ class StepDone(EventBase, frozen=True):
     lr: float | None = None
     logprob_mismatch: float | None = None
     audit_rel_error: float | None = None
+    objective_stats: dict[str, float] | None = None
 
 
 class PolicyPublished(EventBase, frozen=True):

@@ -19,6 +19,7 @@ from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.mismatch import LogprobMismatch
 from thundersync.engine.run import StreamingRun
 from thundersync.engine.sinks import FlatAccumulator
+from thundersync.grpo.losses import LossForm
 from thundersync.model.packed import KVStack
 
 __all__ = ["Branch", "GroupWork", "backward_final", "backward_linear", "close_group", "forward_prompt"]
@@ -49,10 +50,12 @@ class Branch:
 @dataclass(eq=False)
 class GroupWork:
     """A group's tensors (module docstring); ``cancelled`` once its rewards are all equal;
-    ``mismatch``: where its branches' forwards report their behaviour/learner log-prob gaps."""
+    ``mismatch``: where its branches' forwards report their behaviour/learner log-prob gaps;
+    ``form``: the loss form of :mod:`thundersync.grpo.losses` (None: plain GRPO, ``lp.sum() * A``)."""
 
     prompt: list[int]
     mismatch: LogprobMismatch = field(default_factory=LogprobMismatch)
+    form: LossForm | None = None
     root: Segment | None = None
     g1: FlatAccumulator | None = None
     g2: FlatAccumulator | None = None
@@ -104,7 +107,11 @@ def backward_linear(run: StreamingRun, work: GroupWork, branches: Sequence[Branc
     if work.cancelled or work.root is None:
         return
     pack, logprobs = _forward_branches(run, [work.root] * len(branches), branches, work.mismatch)
-    objective = torch.stack([lp.sum() for lp in logprobs]).sum()
+    if work.form is None:
+        objective = torch.stack([lp.sum() for lp in logprobs]).sum()
+    else:  # a linear form (no KL): J_i / A_i
+        terms = [work.form.objective(lp, b.behaviour, 1.0) for b, lp in zip(branches, logprobs)]
+        objective = torch.stack(terms).sum()
     adjoints = pack.backward(objective, params=run.params, sink=run.capture)
     if work.g2 is None:
         work.g1, work.g2 = run.new_accumulator(), run.new_accumulator()
@@ -124,13 +131,41 @@ def backward_final(run: StreamingRun, items: Sequence[tuple[GroupWork, Branch, f
         return
     roots, branches = [root for _, root, _, _ in live], [b for _, _, b, _ in live]
     pack, logprobs = _forward_branches(run, roots, branches, live[0][0].mismatch)
-    objective = torch.stack([lp.sum() * a for (_, _, _, a), lp in zip(live, logprobs)]).sum()
+    refs = _references([(w, b) for w, _, b, _ in live])
+    terms = [_term(w, b, lp, a, ref) for (w, _, b, a), lp, ref in zip(live, logprobs, refs)]
+    objective = torch.stack(terms).sum()
     adjoints = pack.backward(objective, params=run.params, sink=run.capture)
     run.total.add_scratch(run.capture)
     for work, root in {id(w): (w, root) for w, root, _, _ in live}.values():
         adjoint = adjoints.get(root)
         if adjoint is not None:
             work.final.add(adjoint)
+
+
+def _term(
+    work: GroupWork, branch: Branch, lp: torch.Tensor, advantage: float, reference: list[float] | None
+) -> torch.Tensor:
+    """J_i of one branch with its final advantage: ``lp.sum() * A`` for plain GRPO."""
+    if work.form is None:
+        return lp.sum() * advantage
+    return work.form.objective(lp, branch.behaviour, advantage, reference=reference)
+
+
+def _references(items: Sequence[tuple[GroupWork, Branch]]) -> list[list[float] | None]:
+    """The reference log-probs of each branch's scored tokens when its form has a KL term (one
+    packed scorer call per group of the pack), else None."""
+    out: list[list[float] | None] = [None] * len(items)
+    by_group: dict[int, list[int]] = {}
+    for index, (work, _) in enumerate(items):
+        if work.form is not None and work.form.has_kl:
+            by_group.setdefault(id(work), []).append(index)
+    for indices in by_group.values():
+        form, prompt = items[indices[0]][0].form, items[indices[0]][0].prompt
+        assert form is not None
+        scored = form.reference_logprobs(prompt, [(items[i][1].tokens, items[i][1].scored) for i in indices])
+        for i, values in zip(indices, scored):
+            out[i] = values
+    return out
 
 
 def _combined_adjoint(work: GroupWork, c1: float, c2: float) -> KVStack | None:
@@ -161,7 +196,8 @@ def close_group(
         return
     root = Segment(run.tensor(work.prompt))
     pack, logprobs = _forward_branches(run, [root] * len(last), [b for _, b, _ in last], work.mismatch, prompt=root)
-    terms = [lp.sum() * a for (_, _, a), lp in zip(last, logprobs)]
+    refs = _references([(work, b) for _, b, _ in last])
+    terms = [_term(work, b, lp, a, ref) for (_, b, a), lp, ref in zip(last, logprobs, refs)]
     objective = torch.stack(terms).sum() if terms else None
     kv_adjoints = [adjoint] + [None] * len(last)
     pack.backward(objective, kv_adjoints, params=run.params, sink=run.capture)

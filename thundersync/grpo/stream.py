@@ -41,6 +41,13 @@ It is off by default because the overlap benchmark measured it slower in one pro
 wait-for-close packing"): small early packs cost host time that the generator's thread then waits
 for under the GIL.
 
+Loss forms (``loss``, :mod:`thundersync.grpo.losses`): ``tis``, ``ppo_decoupled`` and ``gspo``
+replace ``A_i * S_i`` by a term of the trajectory's own log-probs, behaviour log-probs and advantage,
+and ``kl_coef`` > 0 subtracts a KL term to a reference model. ``tis`` without KL keeps the G1/G2
+path (its term is ``A_i`` times a reward-free term); with any other form, or with KL, every branch
+waits for its group's close and runs with its final advantage. ``loss = "grpo"`` without KL is the
+path above, unchanged.
+
 Which groups and trajectories are open or closed is kept by
 :class:`~thundersync.engine.groups.OpenGroups`; this module keeps only GRPO's payloads: per group
 its :class:`~thundersync.grpo._jobs.GroupWork` and the closed branches waiting for a pack, per
@@ -55,7 +62,7 @@ trajectory its :class:`~thundersync.grpo._jobs.Branch` (tokens, scored flags, re
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Annotated, Any
@@ -74,9 +81,12 @@ from thundersync.grpo import _jobs, dense
 from thundersync.grpo._jobs import Branch, GroupWork
 from thundersync.grpo._profile import CloseProfile
 from thundersync.grpo.estimators import Estimator, accumulator_coefficients, advantages, contributes
+from thundersync.grpo.losses import KLEstimator, Loss, LossForm, ReferenceScorer
+from thundersync.model.scoring import PackedScorer
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
 __all__ = ["RewardLinearBackward"]
 
@@ -95,7 +105,10 @@ class RewardLinearBackward:
     """Streams GRPO-family gradients (``estimator``: "grpo", "dr_grpo" or "rloo") into ``run``.
 
     Options (:class:`RewardLinearBackward.Config`, or the same names as keywords): ``eps`` of the
-    GRPO advantage, ``estimator``, ``pack_tokens``: closed branches of an open group wait
+    GRPO advantage, ``estimator``, ``loss`` (the per-trajectory form, :mod:`thundersync.grpo.losses`:
+    ``"grpo"``, the default, or ``"tis"``, ``"ppo_decoupled"``, ``"gspo"``, which need every scored
+    token's behaviour log-prob) with its keys ``tis_cap``, ``clip_low``, ``clip_high``,
+    ``behaviour_cap``, ``pack_tokens``: closed branches of an open group wait
     until this many of their tokens are ready, then run packed (0: every branch runs alone, as
     soon as it closes), and ``stream_early``: on a background worker, a close that finds the
     worker idle submits every waiting branch at once. The result then depends on timing, but
@@ -110,10 +123,19 @@ class RewardLinearBackward:
         estimator: Estimator = "grpo"
         pack_tokens: Annotated[int, msgspec.Meta(ge=0)] = 8192
         stream_early: bool = False
+        loss: Loss = "grpo"
+        tis_cap: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+        clip_low: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.2
+        clip_high: Annotated[float, msgspec.Meta(ge=0)] = 0.2
+        behaviour_cap: Annotated[float, msgspec.Meta(gt=0)] | None = None
+        kl_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+        kl_estimator: KLEstimator = "k3"
 
     signal: Signal = "reward"
 
-    def __init__(self, run: StreamingRun, config: Config | None = None, /, **options: Any) -> None:
+    def __init__(
+        self, run: StreamingRun, config: Config | None = None, /, *, reference: nn.Module | None = None, **options: Any
+    ) -> None:
         self.config = build_config(RewardLinearBackward.Config, config, options, "RewardLinearBackward")
         self.run = run
         self._groups: OpenGroups[_Pending, Branch] = OpenGroups(run, new_trajectory=Branch)
@@ -121,12 +143,27 @@ class RewardLinearBackward:
         self._profile = CloseProfile.from_env(run.layout.device)
         self._kept: list[dense.DenseGroup] | None = None  # closed groups' inputs, while auditing
         self._mismatch = LogprobMismatch()
+        config = self.config
+        self._form = (
+            None
+            if config.loss == "grpo" and config.kl_coef == 0
+            else LossForm(
+                config.loss,
+                tis_cap=config.tis_cap,
+                clip_low=config.clip_low,
+                clip_high=config.clip_high,
+                behaviour_cap=config.behaviour_cap,
+                kl_coef=config.kl_coef,
+                kl_estimator=config.kl_estimator,
+                reference=reference_scorer(run, reference) if config.kl_coef > 0 else None,
+            )
+        )
 
     def open_group(self, group_id: Hashable, prompt_tokens: Any) -> None:
         """Open a group; its prompt is forwarded once, shared by its trajectories (never before needed)."""
         prompt = self.run.prompt_ids(group_id, prompt_tokens)
         self.run.begin(self)
-        self._groups.open(group_id, prompt, _Pending(GroupWork(prompt, self._mismatch)))
+        self._groups.open(group_id, prompt, _Pending(GroupWork(prompt, self._mismatch, form=self._form)))
 
     def append_turn(
         self,
@@ -140,8 +177,10 @@ class RewardLinearBackward:
     ) -> None:
         """Append a turn (policy turn: some tokens scored; observation turn: none).
 
-        ``behaviour_logprobs`` (optional, one per scored token: the generator's) do not change the
-        gradient; they are compared with the learner's log-probs for :meth:`take_logprob_mismatch`.
+        ``behaviour_logprobs`` (one per scored token: the generator's) are compared with the
+        learner's log-probs for :meth:`take_logprob_mismatch`. With ``loss="grpo"`` they are
+        optional and do not change the gradient; the other loss forms weight by them and require
+        them on every turn with scored tokens.
         """
         if teacher_logprobs is not None:
             raise ConfigError(
@@ -151,6 +190,12 @@ class RewardLinearBackward:
         self._groups.get(group_id)  # an unknown group is reported before the turn's contents
         where = trajectory_name(group_id, trajectory_id)
         ids, flags = self.run.turn_ids(where, tokens, scored)
+        if self.config.loss != "grpo" and behaviour_logprobs is None and any(flags):
+            raise ConfigError(
+                f"loss={self.config.loss!r} weights every scored token by its behaviour log-prob, but the turn "
+                f"of {where} with {sum(flags)} scored tokens has none: pass behaviour_logprobs (the generator's "
+                "log-probs of the tokens it sampled), or use loss='grpo'"
+            )
         behaviour = inputs.logprobs(behaviour_logprobs, "behaviour_logprobs", sum(flags), where, required=False)
         _, trajectory = self._groups.append(group_id, trajectory_id, len(ids))
         trajectory.payload.add_turn(ids, flags, behaviour)
@@ -164,7 +209,7 @@ class RewardLinearBackward:
         if any(branch.scored):
             pending = group.payload
             pending.waiting.append(branch)
-            if sum(len(b) for b in pending.waiting) >= self.config.pack_tokens:
+            if self._linear and sum(len(b) for b in pending.waiting) >= self.config.pack_tokens:
                 self._submit_linear(group)
         if self._worker_idle():
             for waiting in self._groups:
@@ -179,8 +224,9 @@ class RewardLinearBackward:
         rewards = [b.reward for b in branches if b.reward is not None]
         if self._kept is not None:
             kept = [(b.tokens, b.scored, b.reward) for b in branches if b.reward is not None]
-            self._kept.append(dense.DenseGroup(pending.work.prompt, kept))
-        if not contributes(rewards, estimator):
+            behaviour = [b.behaviour for b in branches if b.reward is not None] if self._form is not None else None
+            self._kept.append(dense.DenseGroup(pending.work.prompt, kept, behaviour))
+        if not contributes(rewards, estimator) and not self.config.kl_coef:
             pending.work.cancelled = True  # every advantage is exactly zero: skip the queued work
             self.run.submit(f"release of group {group_id!r}", pending.work.release)
             return
@@ -234,6 +280,8 @@ class RewardLinearBackward:
         if self._kept is not None:
             self._kept = []
         self._mismatch.reset()
+        if self._form is not None:
+            self._form.stats.reset()
 
     def keep_batch(self, keep: bool) -> None:
         """Keep the plain inputs (token ids, flags, rewards) of the groups that close from now on,
@@ -248,7 +296,7 @@ class RewardLinearBackward:
             raise ConfigError("no batch was kept for a dense gradient: call keep_batch(True) before its first group")
         groups, self._kept = self._kept, []
         model, config = self.run.anatomy.model, self.config
-        return dense.dense_gradient(model, self.run.params, groups, config.estimator, config.eps)
+        return dense.dense_gradient(model, self.run.params, groups, config.estimator, config.eps, self._form)
 
     def take_logprob_mismatch(self) -> float | None:
         """Mean |behaviour - learner| log-prob over the scored tokens forwarded since the last call
@@ -260,6 +308,20 @@ class RewardLinearBackward:
         """
         return self._mismatch.take(self.run.data_parallel)
 
+    def take_objective_stats(self) -> dict[str, float] | None:
+        """The importance weights' statistics since the last call (:class:`~thundersync.grpo.losses.ImportanceStats`:
+        ``is_mean``, ``is_max``, ``is_clip_fraction``, ``is_count``), then reset; None with
+        ``loss="grpo"`` or when no weight was computed. Call it after :meth:`assert_safe_to_step`.
+
+        Only forwarded trajectories count: a group whose rewards are all equal is never forwarded.
+        """
+        return None if self._form is None else self._form.stats.take(self.run.data_parallel)
+
+    @property
+    def _linear(self) -> bool:
+        """Whether closed branches may run before their group closes (through G1/G2)."""
+        return self._form is None or self._form.linear
+
     def retained_bytes(self) -> int:
         """Bytes of tensors held for open groups plus the run's scratch and total."""
         self.run.worker.join()
@@ -269,7 +331,7 @@ class RewardLinearBackward:
         """Whether waiting branches should go now (``stream_early``): a background worker with
         nothing running or queued."""
         worker = self.run.worker
-        return self.config.stream_early and worker.background and not worker.pending()
+        return self._linear and self.config.stream_early and worker.background and not worker.pending()
 
     def _ensure_prompt_state(self, group: Group[_Pending, Branch]) -> None:
         """Branches that run apart from the prompt read its K/V state: compute it once, first."""
@@ -296,3 +358,27 @@ class RewardLinearBackward:
                     f"backward of {len(pack)} branches of group {group.id!r} (reward {reward})",
                     partial(_jobs.backward_linear, self.run, pending.work, pack, reward - reference),
                 )
+
+
+def reference_scorer(run: StreamingRun, reference: nn.Module | None) -> ReferenceScorer:
+    """The KL term's reference log-probs: ``reference`` scored by a packed scorer, or, when none is
+    given and the run's model is a peft model, that model with its adapter disabled (peft's
+    ``disable_adapter``) for the duration of each scoring call, on the worker thread."""
+    if reference is not None:
+        return PackedScorer(reference).logprobs
+    model = run.anatomy.model
+    disable = getattr(model, "disable_adapter", None)
+    if not callable(disable):
+        raise ConfigError(
+            f"kl_coef > 0 needs a reference model: the run's model ({type(model).__name__}) has no adapter to "
+            "disable, so pass RewardLinearBackward(..., reference=a_frozen_model), or train a peft LoRA adapter "
+            "(its base model is then the reference; in a pipeline file: lora = {...} in the model's table), "
+            "or set kl_coef = 0"
+        )
+    scorer = PackedScorer(model)
+
+    def score(sequences: Sequence[Sequence[int]], counts: Sequence[int]) -> list[list[float]]:
+        with disable():
+            return scorer.logprobs(sequences, counts)
+
+    return score

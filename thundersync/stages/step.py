@@ -50,7 +50,10 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     the engine's queued work plus the optimizer step; ``lr``: the learning rate of the step (first
     parameter group); ``logprob_mismatch``: mean |behaviour - learner| log-prob over the batch's
     scored tokens, ``None`` when the objective does not report it; ``audit_rel_error``:
-    ``||g_stream - g_dense|| / ||g_dense||`` on an audited step (``audit_every``), else ``None``.
+    ``||g_stream - g_dense|| / ||g_dense||`` on an audited step (``audit_every``), else ``None``;
+    ``objective_stats``: the objective's own statistics of the batch (the importance weights of a
+    staleness-correcting loss form: ``is_mean``, ``is_max``, ``is_clip_fraction``, ``is_count``),
+    ``None`` when it reports none.
     """
 
     grad_norm: float = 0.0
@@ -58,6 +61,7 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     lr: float | None = None
     logprob_mismatch: float | None = None
     audit_rel_error: float | None = None
+    objective_stats: dict[str, float] | None = None
 
 
 @runtime_checkable
@@ -78,6 +82,15 @@ class ReportsLogprobMismatch(Protocol):
 
         ``None`` when no scored token was seen.
         """
+        ...
+
+
+@runtime_checkable
+class ReportsObjectiveStats(Protocol):
+    """An objective with statistics of its own per batch (a GRPO loss form's importance weights)."""
+
+    def take_objective_stats(self) -> dict[str, float] | None:
+        """The statistics since the last call, then reset; ``None`` when there are none."""
         ...
 
 
@@ -181,9 +194,15 @@ class StreamingTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         objective = self.objective
         mismatch = objective.take_logprob_mismatch() if isinstance(objective, ReportsLogprobMismatch) else None
+        stats = objective.take_objective_stats() if isinstance(objective, ReportsObjectiveStats) else None
         self._keep_next_batch()
         return StepResult(
-            grad_norm=norm, learn_s=perf_counter() - start, lr=lr, logprob_mismatch=mismatch, audit_rel_error=audit
+            grad_norm=norm,
+            learn_s=perf_counter() - start,
+            lr=lr,
+            logprob_mismatch=mismatch,
+            audit_rel_error=audit,
+            objective_stats=stats,
         )
 
     def _keep_next_batch(self) -> None:
@@ -253,4 +272,5 @@ def _step_done(ready: BatchReady, version: int, result: StepResult) -> StepDone:
         lr=result.lr,
         logprob_mismatch=result.logprob_mismatch,
         audit_rel_error=result.audit_rel_error,
+        objective_stats=result.objective_stats,
     )

@@ -10,6 +10,7 @@ Each is a thin wrapper over the library's own classes; the references make the c
     factory = "grpo"
     run = { object = "run" }
     estimator = "grpo"
+    loss = "grpo"          # or "tis", "ppo_decoupled", "gspo": staleness-correcting forms (README)
     process = false        # true: computed in a learner process of its own (LearnerProcess)
     process_env = {}       # that process's extra environment, e.g. { CUDA_MPS_CLIENT_PRIORITY = "1" } under MPS
     process_device = ""    # e.g. "cuda:1": that process computes on its own copy of the parameters there
@@ -64,6 +65,7 @@ from thundersync.generation.torch_generator import TorchGenerator
 from thundersync.generation.vllm_generator import VLLMGenerator
 from thundersync.grpo import RewardLinearBackward
 from thundersync.grpo.estimators import Estimator
+from thundersync.grpo.losses import KLEstimator, Loss
 from thundersync.opd import Normalization, OPDStream
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.stages.step import StepResult, StreamingTrainer
@@ -121,15 +123,25 @@ def grpo(
     eps: Annotated[float, msgspec.Meta(ge=0)] = _GRPO.eps,
     pack_tokens: _NonNegative = _GRPO.pack_tokens,
     stream_early: bool = _GRPO.stream_early,
+    loss: Loss = _GRPO.loss,
+    tis_cap: Annotated[float, msgspec.Meta(gt=0)] = _GRPO.tis_cap,
+    clip_low: Annotated[float, msgspec.Meta(ge=0, lt=1)] = _GRPO.clip_low,
+    clip_high: Annotated[float, msgspec.Meta(ge=0)] = _GRPO.clip_high,
+    behaviour_cap: Annotated[float, msgspec.Meta(gt=0)] | None = _GRPO.behaviour_cap,
+    kl_coef: Annotated[float, msgspec.Meta(ge=0)] = _GRPO.kl_coef,
+    kl_estimator: KLEstimator = _GRPO.kl_estimator,
     process: bool = False,
     process_env: dict[str, str] | None = None,
     process_device: str = "",
     deterministic: bool = False,
 ) -> RewardLinearBackward | LearnerProcess:
-    """``grpo``: a :class:`~thundersync.grpo.RewardLinearBackward` (GRPO-family objective) on ``run``;
+    """``grpo``: a :class:`~thundersync.grpo.RewardLinearBackward` (GRPO-family objective) on ``run``,
+    with the per-trajectory ``loss`` form and its keys, and ``kl_coef`` > 0 for a KL term to the
+    base model of a peft LoRA policy (the file has no separate reference model) (:mod:`thundersync.grpo.losses`);
     ``process = true`` computes it in a learner process of its own (:class:`~thundersync.LearnerProcess`),
-    with ``process_env`` in its environment, on ``process_device`` when given. ``deterministic``
-    (the file's ``[run] deterministic`` unless the table gives one) refuses ``stream_early``."""
+    with ``process_env`` in its environment, on ``process_device`` when given (there the loss forms
+    work, but the step does not report their importance-weight statistics). ``deterministic`` (the
+    file's ``[run] deterministic`` unless the table gives one) refuses ``stream_early``."""
     if deterministic and stream_early:
         raise ConfigError(
             "stream_early = true packs branches by whether the engine's worker is idle, which depends on "
@@ -137,7 +149,18 @@ def grpo(
             "run.deterministic = false"
         )
     build = functools.partial(
-        RewardLinearBackward, estimator=estimator, eps=eps, pack_tokens=pack_tokens, stream_early=stream_early
+        RewardLinearBackward,
+        estimator=estimator,
+        eps=eps,
+        pack_tokens=pack_tokens,
+        stream_early=stream_early,
+        loss=loss,
+        tis_cap=tis_cap,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        behaviour_cap=behaviour_cap,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
     )
     return _in_process(run, build, process, process_env, process_device)
 

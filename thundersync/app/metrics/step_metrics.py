@@ -39,6 +39,11 @@ Definitions (times in seconds, from the watcher's clock):
   When every rewarded group of several steps in a row has none (:class:`NoSignal`), the run says so;
 - ``grad_norm``, ``lr``, ``logprob_mismatch``, ``audit_rel_error``: as the step reported them
   (StepDone; ``audit_rel_error`` only on the trainer's audited steps, ``audit_every``);
+- ``is_mean``, ``is_max``, ``is_clip_fraction``, ``is_count``: with a GRPO loss form other than
+  ``grpo`` (``loss`` of the objective), the statistics of the batch's importance weights (per
+  scored token for ``tis`` and ``ppo_decoupled``, per trajectory for ``gspo``); ``kl``: with
+  ``kl_coef`` > 0, the mean KL estimate per scored token (StepDone's ``objective_stats``, see
+  :mod:`thundersync.grpo.losses`); absent otherwise and with a learner process (``process = true``);
 - ``reverse_kl`` (OPD): the mean over the batch's teacher-scored tokens of behaviour log-prob
   minus teacher log-prob, the sampled estimate of the policy's KL(policy || teacher) per token
   (``null`` when no teacher scored the batch);
@@ -216,6 +221,7 @@ class StepMetrics:
             "lr": done.lr,
             "logprob_mismatch": done.logprob_mismatch,
             "audit_rel_error": done.audit_rel_error,
+            **(done.objective_stats or {}),
         }
         return _with_share(record, self.share) | self._admission_record()
 
