@@ -37,15 +37,27 @@ Subpackages import each other only through public modules (no ``_name`` module o
 
 from __future__ import annotations
 
-from thundersync.app.files import (
-    ObjectSpec,
-    PipelineSpec,
-    RunSettings,
-    StageSpec,
-    build_graph,
-    build_objects,
-    load,
-    loads,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from thundersync.app.files import (
+        ObjectSpec,
+        PipelineSpec,
+        RunSettings,
+        StageSpec,
+        build_graph,
+        build_objects,
+        load,
+        loads,
+    )
 
 __all__ = ["ObjectSpec", "PipelineSpec", "RunSettings", "StageSpec", "build_graph", "build_objects", "load", "loads"]
+
+
+def __getattr__(name: str) -> Any:
+    """The public names, imported on first use: importing a submodule (``thundersync.app.cli``...)
+    must not import the builder, which loads torch."""
+    if name in __all__:
+        return getattr(importlib.import_module("thundersync.app.files"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,7 +19,6 @@ building the object (at the start of ``thundersync run``) reads no weights.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ import msgspec
 from thundersync._device import resolve_device
 from thundersync.acceleration import Acceleration
 from thundersync.errors import ConfigError
+from thundersync.tasks.teacher_path import teacher_directory
 
 if TYPE_CHECKING:  # torch loads when the teacher first scores, so building the teacher stays cheap
     import torch
@@ -198,7 +198,7 @@ def transformers_teacher(
     ``auto``; a file's ``[run] device`` when its table gives none) in ``dtype``. ``path`` may
     also be a training run's checkpoint directory (``runs/agent_grpo``): its newest checkpoint is
     the teacher. ``acceleration``: how it scores (a file's ``[acceleration]`` when not given)."""
-    path = str(_model_directory(Path(path)))
+    path = str(teacher_directory(Path(path)))
 
     def load() -> nn.Module:
         import torch
@@ -212,25 +212,3 @@ def transformers_teacher(
     return TransformersTeacher(
         load, device=resolve_device(device), max_batch=max_batch, max_wait_s=max_wait_s, acceleration=acceleration
     )
-
-
-def _model_directory(path: Path) -> Path:
-    """``path`` if it holds a model, else its newest complete ``step-N`` checkpoint that holds one."""
-    if (path / "config.json").is_file():
-        return path
-    # thundersync.app.checkpoints.checkpoint's layout (the app layer sits above this one): step-N, complete once
-    # its checkpoint.json is written
-    found = [
-        (int(match[1]), child)
-        for child in (path.iterdir() if path.is_dir() else ())
-        if (match := re.fullmatch(r"step-(\d+)", child.name))
-        and (child / "checkpoint.json").is_file()
-        and (child / "config.json").is_file()
-    ]
-    if not found:
-        raise ConfigError(
-            f"the teacher path {str(path)!r} is not a model directory (no config.json) and holds no checkpoint "
-            "of full weights (no step-N/checkpoint.json); save a model there, or train the teacher first "
-            "(thundersync run examples/agent_grpo.toml writes runs/agent_grpo)"
-        )
-    return max(found)[1]

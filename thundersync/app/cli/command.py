@@ -25,28 +25,23 @@ logging (structlog, to stderr); the library itself configures no handlers.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import anyio
-import msgspec
-import structlog
-
-from thundersync.app.cli._cli_run import run_pipeline
-from thundersync.app.cli._terminal import configure_logging, printable
-from thundersync.app.cli.distributed import Launch, attach, balance, launch, rank_label
-from thundersync.app.evaluation import Evaluation, attach_evaluation, evaluate_alone
-from thundersync.app.files.build import build_graph, build_objects
-from thundersync.app.files.check import check_pipeline, check_run_settings
-from thundersync.app.files.definition import PipelineSpec, load
-from thundersync.app.metrics.jsonl import JsonlMetrics, RecordSink
-from thundersync.app.metrics.tensorboard import TensorBoardSteps
-from thundersync.app.metrics.wandb import WandbSteps
 from thundersync.errors import ConfigError, DefinitionError, GraphError, ThunderSyncError
-from thundersync.pipeline.graph import Graph
+
+if TYPE_CHECKING:  # the command imports what a command needs when it runs: --help and usage errors load no torch
+    from thundersync.app.cli.distributed import Launch
+    from thundersync.app.files.definition import PipelineSpec
+    from thundersync.app.files.preflight import Target
+    from thundersync.app.metrics.jsonl import JsonlMetrics, RecordSink
+    from thundersync.app.metrics.tensorboard import TensorBoardSteps
+    from thundersync.pipeline.graph import Graph
 
 __all__ = ["main"]
 
@@ -74,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", type=Path, metavar="PNG", help="where to write the PNG (default: beside METRICS)")
     for sub in (check, run, plot, evaluate):
         sub.add_argument("-v", "--verbose", action="store_true", help="tracebacks and info-level logs")
+    check.add_argument(
+        "--offline",
+        action="store_true",
+        help="skip the checks that ask a running container engine (daemon reachable, image present)",
+    )
     evaluate.add_argument(
         "--checkpoint", type=Path, metavar="DIR", help="evaluate this checkpoint (or the newest one in DIR)"
     )
@@ -125,27 +125,47 @@ def _seconds(text: str) -> float:
 
 
 def _error(message: str, error: BaseException, verbose: bool, *, hint_verbose: bool = True) -> None:
+    from thundersync.app.cli._terminal import printable
+    from thundersync.app.cli.distributed import rank_label
+
     if verbose:
         traceback.print_exception(error, file=sys.stderr)
     hint = " (run with --verbose for the traceback)" if hint_verbose and not verbose else ""
     sys.stderr.write(f"thundersync: {rank_label()}{message}: {printable(str(error))}{hint}\n")
 
 
-def _prepare(
-    path: Path, overrides: Sequence[str], ranks: Launch | None = None
-) -> tuple[PipelineSpec, dict[str, object], Graph]:
-    spec = load(path, overrides)
+def _load(path: Path, overrides: Sequence[str]) -> PipelineSpec:
+    from thundersync.app.files.definition import load
+
+    return load(path, overrides)
+
+
+def _qualified(path: Path, error: ConfigError) -> ConfigError:
+    """Object, graph and machine errors are not path-qualified by themselves."""
+    return type(error)(f"{path}: {error}")
+
+
+def _prepare(path: Path, spec: PipelineSpec, ranks: Launch | None = None) -> tuple[dict[str, object], Graph]:
+    from thundersync.app.cli.distributed import attach, balance
+    from thundersync.app.files.build import build_graph, build_objects
+
     try:
-        check_run_settings(spec, data_parallel=ranks is not None)
         objects = build_objects(spec)
         if ranks is not None:  # claims, and an admission when the file has none (its step lines show it)
             objects = {**objects, **attach(ranks, objects)}
         graph = build_graph(spec, **objects)
         if ranks is not None:
             balance(ranks, graph)
-    except ConfigError as error:  # object and graph errors are not path-qualified by themselves
-        raise type(error)(f"{path}: {error}") from None
-    return spec, objects, graph
+    except ConfigError as error:
+        raise _qualified(path, error) from None
+    return objects, graph
+
+
+def _preflight(path: Path, spec: PipelineSpec, target: Target) -> None:
+    """Every check that needs no built object (:mod:`thundersync.app.files.preflight`), before any is built."""
+    from thundersync.app.files.preflight import preflight
+
+    preflight(spec, target, file=path)
 
 
 @contextmanager
@@ -153,13 +173,16 @@ def _metrics(
     path: str | Path | None,
     *,
     overwrite: bool,
+    append: bool = False,
     tensorboard: TensorBoardSteps | None,
     sinks: Sequence[RecordSink] = (),
     **started: object,
 ) -> Iterator[JsonlMetrics]:
     """The metrics sink (and its TensorBoard and W&B writers), open, with its ``run_started`` line written: a
     path that cannot take that line (``/proc/version``...) is refused before anything runs (exit 2)."""
-    with JsonlMetrics(path, overwrite=overwrite, tensorboard=tensorboard, sinks=sinks) as sink:
+    from thundersync.app.metrics.jsonl import JsonlMetrics
+
+    with JsonlMetrics(path, overwrite=overwrite, append=append, tensorboard=tensorboard, sinks=sinks) as sink:
         try:
             sink.write("run_started", **started)
         except OSError as error:
@@ -170,12 +193,17 @@ def _metrics(
         yield sink
 
 
-def _check(path: Path, overrides: Sequence[str]) -> int:
-    spec = load(path, overrides)
+def _check(path: Path, args: argparse.Namespace) -> int:
+    from thundersync.app.cli._terminal import printable
+    from thundersync.app.files.check import check_pipeline
+    from thundersync.app.files.preflight import Target
+
+    spec = _load(path, args.overrides)
     try:
         graph = check_pipeline(spec)
-    except ConfigError as error:  # object and graph errors are not path-qualified by themselves
-        raise type(error)(f"{path}: {error}") from None
+    except ConfigError as error:
+        raise _qualified(path, error) from None
+    _preflight(path, spec, Target(offline=args.offline))
     lines = [f"{path}: ok, {len(graph)} stages, {len(spec.objects)} runtime objects"]
     for node in graph:
         reads = f"reads {', '.join(node.reads)}" if node.reads else "a source"
@@ -201,31 +229,41 @@ def _resume(objects: dict[str, object], directory: Path) -> int:
 
 
 def _run(path: Path, args: argparse.Namespace) -> int:
+    from thundersync.app.cli.distributed import launch
+    from thundersync.app.files.preflight import Target
+
+    spec = _load(path, args.overrides)
     with launch() as ranks:
-        return _run_rank(path, args, ranks)
+        writes = ranks is None or ranks.writes_files
+        target = Target(args.metrics, args.overwrite, args.resume, ranks is not None, writes)
+        _preflight(path, spec, target)
+        objects, graph = _prepare(path, spec, ranks)
+        resumed = None if args.resume is None else _resume(objects, args.resume)
+        return _run_graph(path, spec, objects, graph, args, ranks, resumed)
 
 
-def _run_rank(path: Path, args: argparse.Namespace, ranks: Launch | None) -> int:
-    spec, objects, graph = _prepare(path, args.overrides, ranks)
-    resumed = None if args.resume is None else _resume(objects, args.resume)
+def _run_graph(
+    path: Path,
+    spec: PipelineSpec,
+    objects: dict[str, object],
+    graph: Graph,
+    args: argparse.Namespace,
+    ranks: Launch | None,
+    resumed: int | None,
+) -> int:
+    import anyio
+    import structlog
+
+    from thundersync.app.cli._cli_run import run_pipeline
+
     settings = spec.run
     writes = ranks is None or ranks.writes_files
-    metrics_path = (args.metrics if args.metrics is not None else settings.metrics) if writes else None
-    tensorboard = None
-    if writes and settings.tensorboard is not None:
-        tensorboard = TensorBoardSteps(settings.tensorboard, overwrite=args.overwrite, resume_step=resumed)
     timeout_s = args.timeout if args.timeout is not None else settings.timeout_s
     mode = args.progress or settings.progress
     show = writes and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
     log = structlog.get_logger("thundersync.cli")
-    stages = [node.name for node in graph]
-    sinks = [WandbSteps(settings.wandb, config=msgspec.to_builtins(spec))] if writes and settings.wandb else []
-    with _metrics(
-        metrics_path, overwrite=args.overwrite, tensorboard=tensorboard, sinks=sinks, file=str(path), stages=stages
-    ) as metrics:
-        if writes and spec.eval is not None:  # rank 0 alone evaluates, after the steps its [eval] names
-            evaluation = Evaluation(spec.eval, objects, graph)
-            attach_evaluation(graph, evaluation, lambda record: metrics.write("eval", **record))
+    started = _saved_steps(objects)
+    with _open_metrics(path, spec, objects, graph, args, writes, resumed) as metrics:
         log.info("run started", file=str(path), stages=len(graph))
         try:
             stats = anyio.run(
@@ -242,36 +280,113 @@ def _run_rank(path: Path, args: argparse.Namespace, ranks: Launch | None) -> int
         except BaseException as error:
             metrics.write("run_finished", status="failed", error=f"{type(error).__name__}: {error}")
             if writes:
-                _say_where_to_resume(objects)
+                _say_where_to_resume(objects, started, args.argv)
             raise
         metrics.write("run_finished", status="ok", elapsed_s=stats.elapsed_s)
     log.info("run finished", file=str(path), elapsed_s=round(stats.elapsed_s, 3))
     return EXIT_OK
 
 
-def _say_where_to_resume(objects: dict[str, object]) -> None:
-    """After a run that stopped early: the newest checkpoint a checkpointer of this run saved or
-    resumed from, and how to continue from it."""
+@contextmanager
+def _open_metrics(
+    path: Path,
+    spec: PipelineSpec,
+    objects: dict[str, object],
+    graph: Graph,
+    args: argparse.Namespace,
+    writes: bool,
+    resumed: int | None,
+) -> Iterator[JsonlMetrics]:
+    """The run's metrics sink (rank 0's, or one that drops everything), its evaluation attached."""
+    import msgspec
+
+    from thundersync.app.evaluation import Evaluation, attach_evaluation
+    from thundersync.app.metrics.tensorboard import TensorBoardSteps
+    from thundersync.app.metrics.wandb import WandbSteps
+
+    settings = spec.run
+    metrics_path = (args.metrics if args.metrics is not None else settings.metrics) if writes else None
+    tensorboard = None
+    if writes and settings.tensorboard is not None:
+        tensorboard = TensorBoardSteps(settings.tensorboard, overwrite=args.overwrite, resume_step=resumed)
+    sinks = [WandbSteps(settings.wandb, config=msgspec.to_builtins(spec))] if writes and settings.wandb else []
+    stages = [node.name for node in graph]
+    with _metrics(
+        metrics_path,
+        overwrite=args.overwrite,
+        append=args.resume is not None,
+        tensorboard=tensorboard,
+        sinks=sinks,
+        file=str(path),
+        stages=stages,
+    ) as metrics:
+        if writes and spec.eval is not None:  # rank 0 alone evaluates, after the steps its [eval] names
+            evaluation = Evaluation(spec.eval, objects, graph)
+            attach_evaluation(graph, evaluation, lambda record: metrics.write("eval", **record))
+        yield metrics
+
+
+def _checkpointers(objects: dict[str, object]) -> list[object]:
     checkpoint = sys.modules.get("thundersync.app.checkpoints.checkpoint")  # not imported: no Checkpointer exists
     if checkpoint is None:
-        return
-    for obj in objects.values():
-        if isinstance(obj, checkpoint.Checkpointer) and obj.saved_step > 0:
-            saved = obj.directory / f"step-{obj.saved_step:08d}"
-            if (saved / checkpoint.MARKER).is_file():
-                sys.stderr.write(
-                    f"thundersync: {rank_label()}step {obj.saved_step} is checkpointed in {printable(str(saved))}; "
-                    f"to continue from it, run the same command with --resume {printable(str(obj.directory))}\n"
-                )
+        return []
+    return [obj for obj in objects.values() if isinstance(obj, checkpoint.Checkpointer)]
+
+
+def _saved_steps(objects: dict[str, object]) -> dict[int, int]:
+    """Each checkpointer's newest step when the run starts (resumed from, or 0)."""
+    return {id(obj): getattr(obj, "saved_step") for obj in _checkpointers(objects)}  # noqa: B009
+
+
+def _say_where_to_resume(objects: dict[str, object], started: dict[int, int], argv: Sequence[str]) -> None:
+    """After a run that stopped early, having checkpointed since it started: the newest checkpoint
+    and the command that continues from it (this one, with ``--resume DIR`` and without
+    ``--overwrite``: a resumed run adds to the metrics file and the TensorBoard directory). A run
+    that saved none says nothing: resuming would repeat what just failed."""
+    from thundersync.app.checkpoints.checkpoint import MARKER
+    from thundersync.app.cli._terminal import printable
+    from thundersync.app.cli.distributed import rank_label
+
+    for obj in _checkpointers(objects):
+        step, directory = getattr(obj, "saved_step"), getattr(obj, "directory")  # noqa: B009
+        saved = directory / f"step-{step:08d}"
+        if step > started.get(id(obj), 0) and (saved / MARKER).is_file():
+            command = shlex.join(["thundersync", *_without_resume(argv), "--resume", str(directory)])
+            sys.stderr.write(
+                f"thundersync: {rank_label()}step {step} is checkpointed in {printable(str(saved))}; "
+                f"to continue from it, run: {printable(command)}\n"
+            )
+
+
+def _without_resume(argv: Sequence[str]) -> list[str]:
+    """``argv`` without its ``--resume DIR`` and ``--overwrite`` options."""
+    kept: list[str] = []
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--resume":
+            skip = True
+        elif not (word.startswith("--resume=") or word == "--overwrite"):
+            kept.append(word)
+    return kept
 
 
 def _eval(path: Path, args: argparse.Namespace) -> int:
     """``thundersync eval``: the file's ``[eval]`` once, on the weights of ``--checkpoint``."""
-    spec, objects, graph = _prepare(path, args.overrides)
+    import anyio
+
+    from thundersync.app.cli._terminal import printable
+    from thundersync.app.evaluation import Evaluation, evaluate_alone
+    from thundersync.app.files.preflight import Target
+
+    spec = _load(path, args.overrides)
     if spec.eval is None:
         raise DefinitionError(
             f'{path}: the file has no [eval] table; add one (tasks = "NAME", samples = N) to evaluate'
         )
+    _preflight(path, spec, Target(args.metrics, args.overwrite, tensorboard=False))
+    objects, graph = _prepare(path, spec)
     step = 0 if args.checkpoint is None else _resume(objects, args.checkpoint)
     try:
         evaluation = Evaluation(spec.eval, objects, graph)
@@ -297,6 +412,7 @@ _EVAL_SHOWN = ("eval_reward_mean", "eval_pass_at_1", "eval_pass_at_k")
 
 def _plot(path: Path, out: Path | None) -> int:
     from thundersync.app.cli._plot import plot_metrics
+    from thundersync.app.cli._terminal import printable
 
     written = plot_metrics(path, out)
     sys.stdout.write(f"{printable(str(written))}\n")
@@ -305,7 +421,7 @@ def _plot(path: Path, out: Path | None) -> int:
 
 def _command(args: argparse.Namespace) -> int:
     if args.command == "check":
-        return _check(args.file, args.overrides)
+        return _check(args.file, args)
     if args.command == "plot":
         return _plot(args.file, args.out)
     if args.command == "eval":
@@ -315,7 +431,10 @@ def _command(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``thundersync`` command; returns the exit status."""
+    from thundersync.app.cli._terminal import configure_logging
+
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     configure_logging(args.verbose)
     try:
         return _command(args)

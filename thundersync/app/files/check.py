@@ -31,7 +31,6 @@ from typing import Any
 
 from thundersync._logging import get_logger
 from thundersync.app.evaluation.check import check_eval
-from thundersync.app.factories import generators, training
 from thundersync.app.factories.registry import ALL_FACTORIES
 from thundersync.app.files._schema import factory_params, factory_returns
 from thundersync.app.files.build import assemble_graph, stage_class
@@ -101,12 +100,16 @@ def _check_options(spec: PipelineSpec) -> None:
     for name, obj in spec.objects.items():
         try:
             if obj.factory == "optimizer":
+                from thundersync.app.factories import training  # torch.optim: only for files that name one
+
                 objective = spec.objects.get(obj.refs.get("objective", ""))
                 signal = None if objective is None else getattr(factory_returns(objective.factory), "signal", None)
                 own = factory_params(obj.factory)  # name, shard_state: the rest are the class's options
                 options = {k: v for k, v in obj.args.items() if k not in own}
                 training.optimizer_options(obj.args["name"], options, signal)
             elif obj.factory == "vllm-generator":
+                from thundersync.app.factories import generators
+
                 own = factory_params(obj.factory)
                 note = generators.check_vllm_options({k: v for k, v in obj.args.items() if k not in own})
                 if note is not None:

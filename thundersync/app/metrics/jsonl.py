@@ -20,9 +20,10 @@ also hands each step and eval record to them, opens them with itself and closes 
 Lines reach the file as they are written (no buffer), so a crashed run leaves every line up to the crash.
 
 The file is created new, in a directory that must already exist; an existing file is replaced
-only with ``overwrite=True`` (``thundersync run --overwrite``), and then only if it is a regular
-file: the sink never writes through a symbolic link (``O_NOFOLLOW``), into a device or a FIFO.
-Each refusal is a :class:`~thundersync.errors.ConfigError` that names the path and what to do.
+only with ``overwrite=True`` (``thundersync run --overwrite``), or added to with ``append=True``
+(``thundersync run --resume``), and then only if it is a regular file: the sink never writes through a symbolic link (``O_NOFOLLOW``), into a device or a FIFO.
+Each refusal is a :class:`~thundersync.errors.ConfigError` that names the path and what to do;
+:func:`check_metrics_path` finds it without touching the file.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from thundersync.errors import ConfigError
 from thundersync.events import EventBase
 from thundersync.pipeline.runner import RunStatistics
 
-__all__ = ["JsonlMetrics", "RecordSink"]
+__all__ = ["JsonlMetrics", "RecordSink", "check_metrics_path"]
 
 RECORDS = ("step", "eval")
 """The events whose records go to TensorBoard and the other sinks too."""
@@ -80,7 +81,8 @@ _HINT = "give --metrics (or run.metrics) the path of a new file"
 class JsonlMetrics:
     """Write metric records to ``path`` (``None``: a sink that drops everything).
 
-    ``overwrite``: replace an existing regular file instead of refusing to open; ``tensorboard``:
+    ``overwrite``: replace an existing regular file instead of refusing to open; ``append``: add to an
+    existing regular file (``thundersync run --resume``: the resumed run's lines follow the first's); ``tensorboard``:
     where the step records also go (None: nowhere else); ``sinks``: other places they go.
     """
 
@@ -89,11 +91,12 @@ class JsonlMetrics:
         path: str | Path | None,
         *,
         overwrite: bool = False,
+        append: bool = False,
         tensorboard: TensorBoardSteps | None = None,
         sinks: Sequence[RecordSink] = (),
     ) -> None:
         self.path = None if path is None else Path(path)
-        self.overwrite = overwrite
+        self.overwrite, self.append = overwrite, append
         self.tensorboard = tensorboard
         self.sinks: list[RecordSink] = [*([tensorboard] if tensorboard is not None else []), *sinks]
         self._opened: list[RecordSink] = []
@@ -104,7 +107,7 @@ class JsonlMetrics:
 
     def __enter__(self) -> JsonlMetrics:
         if self.path is not None:
-            self._file = _open_new(self.path, overwrite=self.overwrite)
+            self._file = _open_new(self.path, overwrite=self.overwrite, append=self.append)
         self._opened = []
         for sink in self.sinks:
             try:
@@ -153,11 +156,36 @@ class JsonlMetrics:
             self.write("stage_statistics", **msgspec.to_builtins(stage))
 
 
-def _open_new(path: Path, *, overwrite: bool) -> io.FileIO:
-    """``path`` opened for writing from its start, or a ConfigError saying why it may not be."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO must not block us
+def check_metrics_path(path: str | Path, *, overwrite: bool = False, append: bool = False) -> None:
+    """The ConfigError that opening ``path`` as the metrics file would raise, found without creating,
+    opening or changing anything (``thundersync check``, and ``run`` before it builds anything)."""
+    path = Path(path)
     try:
-        fd = os.open(path, flags if overwrite else flags | os.O_EXCL, 0o644)
+        kind: str | None = _kind(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        kind = None
+    except OSError as error:
+        raise _refusal(path, error) from None
+    if kind is None:
+        if not path.parent.is_dir():
+            raise _refusal(path, FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT)))
+        if not os.access(path.parent, os.W_OK | os.X_OK):
+            raise _refusal(path, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
+    elif kind != "regular file":
+        raise ConfigError(f"the metrics path {path} is a {kind}, not a regular file; {_HINT}")
+    elif not (overwrite or append):
+        raise _refusal(path, FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST)))
+    elif not os.access(path, os.W_OK):
+        raise _refusal(path, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
+
+
+def _open_new(path: Path, *, overwrite: bool, append: bool = False) -> io.FileIO:
+    """``path`` opened for writing from its start (at its end: ``append``), or a ConfigError saying
+    why it may not be."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO must not block us
+    flags |= os.O_APPEND if append else 0
+    try:
+        fd = os.open(path, flags if overwrite or append else flags | os.O_EXCL, 0o644)
     except OSError as error:
         raise _refusal(path, error) from None
     try:
@@ -165,7 +193,8 @@ def _open_new(path: Path, *, overwrite: bool) -> io.FileIO:
         if kind != "regular file":
             raise ConfigError(f"the metrics path {path} is a {kind}, not a regular file; {_HINT}")
         os.set_blocking(fd, True)
-        os.ftruncate(fd, 0)
+        if not append:
+            os.ftruncate(fd, 0)
     except OSError as error:
         os.close(fd)
         raise _refusal(path, error) from None
