@@ -343,14 +343,14 @@ def _say_where_to_resume(objects: dict[str, object], started: dict[int, int], ar
     and the command that continues from it (this one, with ``--resume DIR`` and without
     ``--overwrite``: a resumed run adds to the metrics file and the TensorBoard directory). A run
     that saved none says nothing: resuming would repeat what just failed."""
-    from thundersync.app.checkpoints.checkpoint import MARKER
     from thundersync.app.cli._terminal import printable
     from thundersync.app.cli.distributed import rank_label
 
+    marker = getattr(sys.modules.get("thundersync.app.checkpoints.checkpoint"), "MARKER", None)
     for obj in _checkpointers(objects):
         step, directory = getattr(obj, "saved_step"), getattr(obj, "directory")  # noqa: B009
         saved = directory / f"step-{step:08d}"
-        if step > started.get(id(obj), 0) and (saved / MARKER).is_file():
+        if step > started.get(id(obj), 0) and marker and (saved / marker).is_file():
             command = shlex.join(["thundersync", *_without_resume(argv), "--resume", str(directory)])
             sys.stderr.write(
                 f"thundersync: {rank_label()}step {step} is checkpointed in {printable(str(saved))}; "
