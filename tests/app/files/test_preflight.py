@@ -68,8 +68,8 @@ def _file(tmp_path: Path, *, run: str = "", objects: str = "", metrics: Path | N
     return path
 
 
-def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], message: str) -> None:
-    assert main(argv) == 2
+def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], message: str, status: int = 2) -> None:
+    assert main(argv) == status
     err = capsys.readouterr().err
     assert message in err, err
     assert err.count("\n") == 1
@@ -158,4 +158,33 @@ def test_a_factory_whose_extra_is_missing_fails_check_naming_the_pip_command(
         capsys,
         "objects.scorer (factory 'test-fake-scorer') needs the 'data' extra (module 'thundersync_no_such_module' "
         "is not installed): pip install 'thundersync[data]'",
+        status=1,  # as for every missing extra
     )
+
+
+def test_check_refuses_a_prompt_token_id_the_events_could_not_carry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _file(tmp_path)
+    _fails(
+        ["check", str(path), "--set", "stages.source.prompts=[[1, 2147483648]]"],
+        capsys,
+        "stages.source.prompts[0][1]: Expected `int` <= 2147483647",
+    )
+    _fails(
+        ["check", str(path), "--set", "stages.generate.stop_token_ids=[4294967296]"],
+        capsys,
+        "stages.generate.stop_token_ids[0]: Expected `int` <= 2147483647",
+    )
+
+
+def test_check_refuses_an_object_of_the_wrong_kind_for_a_stage_as_run_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    teacher = '[objects.teacher]\nfactory = "test-fake-teacher"\n'
+    path = _file(tmp_path, objects=teacher)
+    message = (
+        "stages.reward.objects.scorer: references 'teacher', a 'test-fake-teacher' object that makes a "
+        "FakeTeacher, but this field takes a Scorer or a TaskScorer or a TrajectoryScorer"
+    )
+    _fails(["check", str(path), "--set", 'stages.reward.objects={ scorer = "teacher" }'], capsys, message)

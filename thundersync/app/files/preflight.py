@@ -2,7 +2,8 @@
 
 :data:`CHECKS` is a list of small checks; each looks at the file (and the command's options) and the
 machine, builds nothing, and raises one :class:`~thundersync.errors.ConfigError` line: what, the
-value, what to do. ``thundersync run`` runs them all before it builds the first object (so a
+value, what to do (a missing optional dependency: a :class:`~thundersync.errors.MissingExtraError`,
+as everywhere). ``thundersync run`` runs them all before it builds the first object (so a
 metrics file that exists fails in a second, not after the warm-up), and ``thundersync check``
 runs the same ones; ``check --offline`` skips those that ask a running engine (``needs_engine``)::
 
@@ -123,8 +124,7 @@ def _extras(spec: PipelineSpec, target: Target) -> None:
     for name, obj in spec.objects.items():
         for extra, module in _needs(obj):
             if importlib.util.find_spec(module) is None:
-                missing = MissingExtraError(f"objects.{name} (factory {obj.factory!r})", extra, module)
-                raise ConfigError(str(missing))
+                raise MissingExtraError(f"objects.{name} (factory {obj.factory!r})", extra, module)
 
 
 def _devices(spec: PipelineSpec, target: Target) -> None:
