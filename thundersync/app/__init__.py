@@ -10,6 +10,8 @@ The top layer of the package: it imports the stages (``thundersync.stages``) and
       overrides     ``--set key.path=value``: command-line overrides of any field of a file
       object_graph  objects that reference objects (``{ object = "NAME" }``): order, cycles, types
       check         ``thundersync check``: the whole file validated without building any object
+      preflight     what a run needs from this machine, checked before anything is built (run and check)
+      trust         a file is code: the modules it would import, the environment variables it would read
       build         build_graph: a spec and its runtime objects -> a validated Graph
     factories/    the runtime objects a file can build by name (``factory = "policy-clock"``)
       registry      every factory name and its callable (real ones, and the ``test-*`` fakes)

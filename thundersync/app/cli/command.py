@@ -2,7 +2,8 @@
 
 ::
 
-    thundersync check examples/pipeline_fake.toml        # validate: schema, objects, graph wiring (builds nothing)
+    thundersync check examples/pipeline_fake.toml        # validate: schema, objects, graph wiring, this machine (builds nothing)
+    thundersync check --offline FILE                     # the same, without asking the Docker engine
     thundersync run FILE --set stages.source.samples=8   # override any field of the file (repeatable)
     thundersync run examples/pipeline_fake.toml          # run it to completion
     thundersync run FILE --metrics out.jsonl --progress  # metrics as JSON lines, a live stderr line
@@ -20,6 +21,12 @@ the traceback and info-level logs; under a data-parallel launch the line starts 
 files of an earlier run in ``run.tensorboard``'s directory (:mod:`thundersync.app.metrics.tensorboard`). Names from
 the file reach the terminal escaped (``\x1b``, ``\n``). This is the only place that configures
 logging (structlog, to stderr); the library itself configures no handlers.
+
+``run`` (and ``eval``) run :mod:`thundersync.app.files.preflight`'s checks before building any object;
+``check`` runs the same ones and lists what the file would import and read
+(:mod:`thundersync.app.files.trust`). A run that fails after writing a checkpoint prints the command
+that continues from it (``--resume``: the metrics file is added to). The module imports what a
+command needs when it runs it, so ``--help`` and usage errors load no torch.
 """
 
 from __future__ import annotations
@@ -51,8 +58,24 @@ EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="thundersync", description="Run ThunderSync pipeline definition files.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    check = commands.add_parser("check", help="validate a pipeline file without running it")
-    run = commands.add_parser("run", help="run a pipeline file to completion")
+    trust = (
+        "A pipeline file is code: it imports the modules it names (factories, 'module:function' values) and "
+        "reads the environment variables its *_env fields name; run only files you trust as you would trust "
+        "code (thundersync check FILE lists both)."
+    )
+    check = commands.add_parser(
+        "check",
+        help="validate a pipeline file without running it",
+        description="Validate a pipeline file as run would, building nothing: schema, objects, graph wiring, and "
+        "what the run needs from this machine (output paths, extras, devices, teacher, sandbox engine and image). "
+        + trust,
+    )
+    run = commands.add_parser(
+        "run",
+        help="run a pipeline file to completion",
+        description="Run a pipeline file to completion; what it needs from this machine is checked before "
+        "anything is built. " + trust,
+    )
     plot = commands.add_parser("plot", help="draw a run's reward and step-time curves to a PNG")
     evaluate = commands.add_parser("eval", help="run a pipeline file's [eval] once, on a checkpoint")
     for sub in (check, run, evaluate):
@@ -79,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--metrics", type=Path, metavar="PATH", help="write the eval line to this new file")
     evaluate.add_argument("--overwrite", action="store_true", help="replace the metrics file if it exists")
+    _run_options(run)
+    return parser
+
+
+def _run_options(run: argparse.ArgumentParser) -> None:
+    """The options of ``thundersync run``."""
     run.add_argument(
         "--metrics",
         type=Path,
@@ -110,7 +139,6 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--timeout", type=_seconds, metavar="SECONDS", help="fail the run after this long (overrides run.timeout_s)"
     )
-    return parser
 
 
 def _seconds(text: str) -> float:
@@ -197,6 +225,7 @@ def _check(path: Path, args: argparse.Namespace) -> int:
     from thundersync.app.cli._terminal import printable
     from thundersync.app.files.check import check_pipeline
     from thundersync.app.files.preflight import Target
+    from thundersync.app.files.trust import reach
 
     spec = _load(path, args.overrides)
     try:
@@ -208,6 +237,7 @@ def _check(path: Path, args: argparse.Namespace) -> int:
     for node in graph:
         reads = f"reads {', '.join(node.reads)}" if node.reads else "a source"
         lines.append(f"  {node.name}: type {spec.stages[node.name].type}, {reads}")
+    lines += reach(spec).lines()  # a file is code: what it would import and read
     sys.stdout.write("".join(printable(line) + "\n" for line in lines))
     return EXIT_OK
 
