@@ -344,7 +344,7 @@ def _open_metrics(
     with _metrics(
         metrics_path,
         overwrite=args.overwrite,
-        append=args.resume is not None,
+        append=args.resume is not None and not args.overwrite,  # --overwrite: replaced, as asked
         tensorboard=tensorboard,
         sinks=sinks,
         file=str(path),

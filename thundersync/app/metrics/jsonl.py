@@ -82,7 +82,8 @@ class JsonlMetrics:
     """Write metric records to ``path`` (``None``: a sink that drops everything).
 
     ``overwrite``: replace an existing regular file instead of refusing to open; ``append``: add to an
-    existing regular file (``thundersync run --resume``: the resumed run's lines follow the first's); ``tensorboard``:
+    existing regular file (``thundersync run --resume`` without ``--overwrite``: the resumed run's lines
+    follow the first's; ``overwrite`` wins over it); ``tensorboard``:
     where the step records also go (None: nowhere else); ``sinks``: other places they go.
     """
 
@@ -183,6 +184,7 @@ def _open_new(path: Path, *, overwrite: bool, append: bool = False) -> io.FileIO
     """``path`` opened for writing from its start (at its end: ``append``), or a ConfigError saying
     why it may not be."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO must not block us
+    append = append and not overwrite
     flags |= os.O_APPEND if append else 0
     try:
         fd = os.open(path, flags if overwrite or append else flags | os.O_EXCL, 0o644)
