@@ -112,17 +112,35 @@ class PipelineError(ThunderSyncError):
 
 
 class StageFailed(PipelineError):
-    """A stage raised while handling an event; the graph was cancelled.
+    """A stage raised while handling an event; the graph was cancelled. The message gives the cause
+    first, then the event by its short fields (``ActionGenerated(group_id=0, trajectory_id=1, turn=0,
+    ...)``: never its token ids).
 
     ``stage`` is the stage name, ``event`` the event it was handling (``None`` when it failed
     outside an event, e.g. a source), and ``__cause__`` the original exception.
     """
 
     def __init__(self, stage: str, event: object | None, cause: BaseException) -> None:
-        handling = f"while handling {_bounded_repr(event)}" if event is not None else "outside any event"
-        super().__init__(f"stage {stage!r} failed {handling}: {type(cause).__name__}: {cause}")
+        handling = f"while handling {_event_label(event)}" if event is not None else "outside any event"
+        super().__init__(f"stage {stage!r} failed: {type(cause).__name__}: {cause} ({handling})")
         self.stage = stage
         self.event = event
+
+
+def _event_label(event: object, limit: int = 160) -> str:
+    """An event by its class and its integer and text fields (ids, turn...), never its token lists: the cause
+    of a failure, not the event, is what its message is read for."""
+    fields = getattr(event, "__struct_fields__", None)
+    if fields is None:
+        return _bounded_repr(event, limit)
+    shown = []
+    for name in fields:
+        value = getattr(event, name, None)
+        if isinstance(value, (int, str)) and not isinstance(value, bool):  # ids, turn, step, version
+            text = repr(value)
+            shown.append(f"{name}={text if len(text) <= 40 else text[:37] + '...'}")
+    label = f"{type(event).__name__}({', '.join(shown)})"
+    return label if len(label) <= limit else label[: limit - 4] + "...)"
 
 
 def _bounded_repr(value: object, limit: int = 300) -> str:
@@ -182,10 +200,11 @@ class EpisodeError(ThunderSyncError):
     """An agent episode failed for a reason outside the model's text: its sandbox could not start or
     died, its task's setup or grading failed, a tool raised. The message names the task, the
     trajectory, the tool (or ``setup``, ``grader``) and the cause; ``on_failure`` (an
-    :class:`~thundersync.scheduling.EpisodeFailures`) decides whether it fails the run."""
+    :class:`~thundersync.scheduling.EpisodeFailures`) decides whether it fails the run. The
+    message is the cause first, then ``(episode failed: task ..., trajectory ..., tool ...)``."""
 
     def __init__(self, *, task: str, trajectory: str, tool: str, cause: str) -> None:
-        super().__init__(f"episode failed: task {task}, {trajectory}, tool {tool!r}: {cause}")
+        super().__init__(f"{cause} (episode failed: task {task}, {trajectory}, tool {tool!r})")
         self.task, self.trajectory, self.tool, self.cause = task, trajectory, tool, cause
 
 

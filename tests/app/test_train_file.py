@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,8 @@ def test_a_run_that_fails_after_a_checkpoint_says_how_to_continue_from_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fail_at: int
 ) -> None:
     """A failure at step 2 (after step 1 was checkpointed) names step 1's checkpoint and the
-    --resume that continues from it, which then runs step 2; a failure before any says nothing."""
+    command that continues from it, which then runs step 2 as given (its metrics lines follow the
+    first run's in the same file); a failure before any checkpoint says nothing."""
     from thundersync.app.checkpoints.checkpoint import Checkpointer
 
     real = Checkpointer.stepped
@@ -64,18 +66,46 @@ def test_a_run_that_fails_after_a_checkpoint_says_how_to_continue_from_it(
 
     monkeypatch.setattr(Checkpointer, "stepped", stepped)
     ckpt = tmp_path / "ckpt"
-    argv = ["run", str(TINY), "--metrics", str(tmp_path / "m.jsonl"), "--no-progress"]
+    argv = ["run", str(TINY), "--metrics", str(tmp_path / "m.jsonl"), "--no-progress", "--overwrite"]
     argv += ["--set", f'objects.checkpointer.directory="{ckpt}"', "--set", "objects.checkpointer.every=1"]
     assert main([*argv, "--set", "stages.source.repeat=1"]) == 1
     err = capsys.readouterr().err
-    assert err.endswith(f"injected at step {fail_at} (run with --verbose for the traceback)\n")
-    hint = f"step 1 is checkpointed in {ckpt / 'step-00000001'}; to continue from it, run the same command with --resume {ckpt}"
+    assert f"failed: RuntimeError: injected at step {fail_at} (while handling BatchReady(" in err
+    again = [word for word in argv if word != "--overwrite"] + [
+        "--set",
+        "stages.source.repeat=1",
+        "--resume",
+        str(ckpt),
+    ]
+    hint = f"step 1 is checkpointed in {ckpt / 'step-00000001'}; to continue from it, run: {shlex.join(['thundersync', *again])}\n"
     assert (hint in err) == (fail_at == 2), err
     if fail_at == 2:
         monkeypatch.setattr(Checkpointer, "stepped", real)
-        assert main([*argv, "--set", "stages.source.repeat=1", "--overwrite", "--resume", str(ckpt)]) == 0
-        steps = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in steps if r["event"] == "step"] == [2]
+        assert main(shlex.split(hint.split("run: ", 1)[1])[1:]) == 0
+        records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if r["event"] == "step"] == [1, 2]
+        assert [r["status"] for r in records if r["event"] == "run_finished"] == ["failed", "ok"]
+
+
+def test_a_resumed_run_that_fails_before_its_own_checkpoint_prints_no_resume_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Resuming again would repeat what just failed (a sandbox engine that is down...): no hint."""
+    from thundersync.app.checkpoints.checkpoint import Checkpointer
+
+    _run(tmp_path)
+
+    async def stepped(self: Checkpointer, step: int, batch_id: object) -> None:
+        raise RuntimeError(f"injected at step {step}")
+
+    monkeypatch.setattr(Checkpointer, "stepped", stepped)
+    capsys.readouterr()
+    ckpt = tmp_path / "ckpt"
+    argv = ["run", str(TINY), "--metrics", str(tmp_path / "m.jsonl"), "--no-progress", "--resume", str(ckpt)]
+    argv += ["--set", f'objects.checkpointer.directory="{ckpt}"', "--set", "stages.source.repeat=2"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "injected at step 3" in err and "checkpointed" not in err, err
 
 
 def test_a_learner_process_trains_the_file_as_one_process_does(tmp_path: Path) -> None:

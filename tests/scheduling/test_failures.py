@@ -18,7 +18,7 @@ def error(tool: str = "shell") -> EpisodeError:
 
 def test_fail_raises_the_episode_error_zero_keeps_and_drop_drops_the_group() -> None:
     with pytest.raises(
-        EpisodeError, match=r"^episode failed: task 't', trajectory 0 of group 'g', tool 'shell': it died$"
+        EpisodeError, match=r"^it died \(episode failed: task 't', trajectory 0 of group 'g', tool 'shell'\)$"
     ):
         EpisodeFailures().failed("g", error())
     zero = EpisodeFailures(on_failure="zero")

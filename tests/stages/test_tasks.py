@@ -40,8 +40,8 @@ async def test_concurrent_scorer_failures_name_the_first_value_error_and_its_eve
     stage = RewardStage(RewardStage.Config(concurrency=3), scorer=_AllFailTogether(3))
     with pytest.raises(
         StageFailed,
-        match=r"failed while handling ActionGenerated\(group_id=0, trajectory_id=0, .*\): "
-        r"ValueError: no <answer> in completion \[10\]$",
+        match=r"failed: ValueError: no <answer> in completion \[10\] "
+        r"\(while handling ActionGenerated\(group_id=0, trajectory_id=0, .*\)\)$",
     ) as info:
         await run_stage(stage, events)
     cause = info.value.__cause__

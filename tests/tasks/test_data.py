@@ -51,6 +51,15 @@ def test_a_bad_line_names_the_file_the_line_and_the_problem(tmp_path: Path, line
         JsonlTasks(str(_jsonl(tmp_path, '{"prompt": "ok"}', line)))
 
 
+@pytest.mark.parametrize("depth", [65, 200_000])
+def test_a_line_nested_too_deeply_names_the_file_the_line_and_the_limit(tmp_path: Path, depth: int) -> None:
+    line = '{"prompt": "a", "x": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+    with pytest.raises(ConfigError, match=r"tasks\.jsonl:2: the task nests objects and arrays more than 64 levels"):
+        JsonlTasks(str(_jsonl(tmp_path, '{"prompt": "ok"}', line)))
+    deep_enough = '{"prompt": "a", "x": ' + "[" * 63 + "]" * 63 + "}"  # 64 levels: accepted
+    assert len(JsonlTasks(str(_jsonl(tmp_path, deep_enough))).tasks()) == 1
+
+
 def test_a_missing_or_empty_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"cannot read the task file .*nope\.jsonl: No such file or directory"):
         JsonlTasks(str(tmp_path / "nope.jsonl"))

@@ -10,6 +10,8 @@ The top layer of the package: it imports the stages (``thundersync.stages``) and
       overrides     ``--set key.path=value``: command-line overrides of any field of a file
       object_graph  objects that reference objects (``{ object = "NAME" }``): order, cycles, types
       check         ``thundersync check``: the whole file validated without building any object
+      preflight     what a run needs from this machine, checked before anything is built (run and check)
+      trust         a file is code: the modules it would import, the environment variables it would read
       build         build_graph: a spec and its runtime objects -> a validated Graph
     factories/    the runtime objects a file can build by name (``factory = "policy-clock"``)
       registry      every factory name and its callable (real ones, and the ``test-*`` fakes)
@@ -38,15 +40,27 @@ Subpackages import each other only through public modules (no ``_name`` module o
 
 from __future__ import annotations
 
-from thundersync.app.files import (
-    ObjectSpec,
-    PipelineSpec,
-    RunSettings,
-    StageSpec,
-    build_graph,
-    build_objects,
-    load,
-    loads,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from thundersync.app.files import (
+        ObjectSpec,
+        PipelineSpec,
+        RunSettings,
+        StageSpec,
+        build_graph,
+        build_objects,
+        load,
+        loads,
+    )
 
 __all__ = ["ObjectSpec", "PipelineSpec", "RunSettings", "StageSpec", "build_graph", "build_objects", "load", "loads"]
+
+
+def __getattr__(name: str) -> Any:
+    """The public names, imported on first use: importing a submodule (``thundersync.app.cli``...)
+    must not import the builder, which loads torch."""
+    if name in __all__:
+        return getattr(importlib.import_module("thundersync.app.files"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

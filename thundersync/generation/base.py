@@ -23,12 +23,13 @@ Greedy decoding (``temperature=0``) draws from a point mass; its ``"sampling"`` 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Literal, Protocol, TypeAlias, runtime_checkable
+from typing import Literal, Protocol, TypeAlias, runtime_checkable
 
 import anyio
 import msgspec
 
 from thundersync.errors import ConfigError
+from thundersync.events import TokenId
 
 __all__ = [
     "FinishReason",
@@ -45,7 +46,7 @@ FinishReason: TypeAlias = Literal["stop", "length"]
 """``"stop"``: a stop token was generated (it is the last returned token); ``"length"``: the
 ``max_new_tokens`` budget or the backend's sequence capacity was reached."""
 
-_TokenId = Annotated[int, msgspec.Meta(ge=0)]
+_TokenId = TokenId  # [0, 2**31), as the events carry them
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -16,7 +16,15 @@ import anyio
 from thundersync.errors import ConfigError, SandboxUnavailable
 from thundersync.sandboxes.base import Sandbox, SandboxLimits
 
-__all__ = ["BackendName", "choose_backend", "docker_problem", "make_sandbox", "open_sandbox", "udocker_problem"]
+__all__ = [
+    "BackendName",
+    "choose_backend",
+    "docker_problem",
+    "image_problem",
+    "make_sandbox",
+    "open_sandbox",
+    "udocker_problem",
+]
 
 BackendName = Literal["auto", "docker", "udocker", "local"]
 _BACKENDS = ("auto", "docker", "udocker", "local")
@@ -36,6 +44,31 @@ async def docker_problem() -> str | None:
         return None
     except Exception as error:
         return f"the Docker daemon does not answer: {type(error).__name__}: {error}"
+    finally:
+        await client.close()
+
+
+async def image_problem(backend: str, image: str) -> str | None:
+    """None if ``backend`` (``docker`` or ``udocker``) has ``image`` here, else why not and what to do
+    (no registry is pulled from). For Docker, the daemon must answer (:func:`docker_problem`)."""
+    if backend == "udocker":
+        from thundersync.sandboxes.udocker import udocker_image
+
+        try:
+            udocker_image(image)
+        except SandboxUnavailable as error:
+            return str(error)
+        return None
+    from thundersync.sandboxes.docker import docker_client
+
+    client = docker_client()
+    try:
+        with anyio.fail_after(10):
+            await client.images.inspect(image)
+        return None
+    except Exception as error:
+        cause = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        return f"Docker has no image {image!r} ({cause}): build or import it first (no registry is pulled from)"
     finally:
         await client.close()
 

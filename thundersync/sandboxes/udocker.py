@@ -36,7 +36,7 @@ from thundersync.sandboxes._common import TreeSandbox
 from thundersync.sandboxes._validate import check_image, check_workdir
 from thundersync.sandboxes.base import ExecResult, SandboxLimits
 
-__all__ = ["UDockerSandbox", "image_env", "udocker_bin", "udocker_env"]
+__all__ = ["UDockerSandbox", "image_env", "udocker_bin", "udocker_dir", "udocker_env", "udocker_image"]
 
 _CONTAINER_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$", re.M)
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
@@ -62,6 +62,24 @@ def udocker_bin() -> str:
             f"'thundersync[sandbox]' (or set THUNDERSYNC_UDOCKER_BIN)"
         )
     return found
+
+
+def udocker_dir() -> Path:
+    """Where uDocker keeps its images and containers: ``$UDOCKER_DIR``, else ``~/.udocker``."""
+    return Path(os.environ.get("UDOCKER_DIR") or Path.home() / ".udocker")
+
+
+def udocker_image(image: str) -> Path:
+    """The directory of ``image`` in uDocker's repository; a SandboxUnavailable saying how to import
+    it when it is not there (no registry is pulled from)."""
+    name, tag = image.rsplit(":", 1) if ":" in image.rsplit("/", 1)[-1] else (image, "latest")
+    repo = udocker_dir() / "repos" / name / tag
+    if not repo.is_dir():
+        raise SandboxUnavailable(
+            f"uDocker has no image {image!r} in {repo.parent.parent}: import it with "
+            f"'udocker import ROOTFS.tar {image}' (no registry is used)"
+        )
+    return repo
 
 
 def udocker_env(private: Path) -> dict[str, str]:
@@ -140,16 +158,10 @@ class UDockerSandbox(TreeSandbox):
         return path
 
     def _udocker_dir(self) -> Path:
-        return Path(os.environ.get("UDOCKER_DIR") or Path.home() / ".udocker")
+        return udocker_dir()
 
     def _image_key(self) -> str:
-        name, tag = self.image.rsplit(":", 1) if ":" in self.image.rsplit("/", 1)[-1] else (self.image, "latest")
-        repo = self._udocker_dir() / "repos" / name / tag
-        if not repo.is_dir():
-            raise SandboxUnavailable(
-                f"uDocker has no image {self.image!r} in {repo.parent.parent}: import it with "
-                f"'udocker import ROOTFS.tar {self.image}' (no registry is used)"
-            )
+        repo = udocker_image(self.image)
         listing = "\n".join(sorted(os.listdir(repo)))
         return "udocker-" + hashlib.sha256(f"{self.image}\n{listing}".encode()).hexdigest()[:24]
 

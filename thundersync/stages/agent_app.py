@@ -42,7 +42,16 @@ from thundersync.agents import (
     openai_client,
 )
 from thundersync.errors import AgentAppError, ConfigError, PipelineError
-from thundersync.events import ActionGenerated, EventBase, GroupOpened, Id, PromptSubmitted, Rewarded, ToolObserved
+from thundersync.events import (
+    ActionGenerated,
+    EventBase,
+    GroupOpened,
+    Id,
+    PromptSubmitted,
+    Rewarded,
+    TokenId,
+    ToolObserved,
+)
 from thundersync.generation.base import Generator
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
@@ -65,7 +74,7 @@ class AgentAppStage(Stage):
         temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # when a request gives none
         concurrency: Annotated[int, msgspec.Meta(ge=1)] = 64
         seed: int = 0
-        stop_token_ids: tuple[Annotated[int, msgspec.Meta(ge=0)], ...] = ()  # besides the template's end of turn
+        stop_token_ids: tuple[TokenId, ...] = ()  # besides the template's end of turn
         tool_format: Literal["qwen3", "json"] = "qwen3"
         rewards: Literal["app", "stage"] = "app"
         serve: Literal["auto", "in-process", "http"] = "auto"

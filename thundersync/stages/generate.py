@@ -48,7 +48,16 @@ import anyio
 import msgspec
 
 from thundersync.errors import ConfigError, PipelineError
-from thundersync.events import ActionGenerated, EventBase, GroupOpened, Id, PromptSubmitted, StopReason, ToolObserved
+from thundersync.events import (
+    ActionGenerated,
+    EventBase,
+    GroupOpened,
+    Id,
+    PromptSubmitted,
+    StopReason,
+    TokenId,
+    ToolObserved,
+)
 from thundersync.generation.base import GenerationRequest, Generator, SamplingParams
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
@@ -94,7 +103,7 @@ class GenerateStage(Stage):
         turns: Annotated[int, msgspec.Meta(ge=1)] = 1
         concurrency: Annotated[int, msgspec.Meta(ge=1)] = 64
         seed: int = 0
-        stop_token_ids: tuple[Annotated[int, msgspec.Meta(ge=0)], ...] = ()
+        stop_token_ids: tuple[TokenId, ...] = ()
         max_context_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: the generator's max_seq_len, if any
 
     config: Config

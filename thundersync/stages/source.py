@@ -42,7 +42,7 @@ import anyio
 import msgspec
 
 from thundersync.errors import ConfigError
-from thundersync.events import EventBase, Id, PromptSubmitted
+from thundersync.events import EventBase, Id, PromptSubmitted, TokenId
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
 from thundersync.scheduling import Admission, EpisodeFailures, RankClaims
@@ -50,7 +50,7 @@ from thundersync.tasks.data import Task, TaskSource, TaskStream
 
 __all__ = ["SourceStage"]
 
-_TokenIds = list[Annotated[int, msgspec.Meta(ge=0)]]
+_TokenIds = list[TokenId]  # bounded like the events that will carry them: [0, 2**31)
 
 
 class SourceStage(Stage):

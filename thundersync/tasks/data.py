@@ -21,14 +21,15 @@ text or messages stay in the fields (``prompt`` / ``messages``: what an agent ap
 
 :class:`JsonlTasks` reads a JSONL file, one record per line; blank lines are skipped. A bad file
 fails when the object is built (at the start of ``thundersync run``; ``check`` builds nothing),
-naming the file, the line and what is wrong.
+naming the file, the line and what is wrong (a line that nests more than :data:`MAX_TASK_NESTING`
+levels too: never a RecursionError).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, runtime_checkable
 
 import msgspec
 
@@ -37,9 +38,23 @@ from thundersync.sandboxes.output import Tokenizer
 from thundersync.tools.base import ByteTokenizer
 from thundersync.tools.chat_template import ChatTemplate
 
-__all__ = ["PROMPT_KEYS", "JsonlTasks", "Task", "TaskSource", "TaskStream", "checked_ids", "record_task"]
+__all__ = [
+    "MAX_TASK_NESTING",
+    "PROMPT_KEYS",
+    "JsonlTasks",
+    "Task",
+    "TaskSource",
+    "TaskStream",
+    "checked_ids",
+    "nesting",
+    "record_task",
+]
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_ids")
+
+MAX_TASK_NESTING: Final = 64
+"""How deep a task line may nest objects and arrays (the line's object is level 1). Tasks need a
+few levels; the bound keeps a hostile line from exhausting the stack of whatever reads the task."""
 """The keys of a record that hold its prompt (exactly one of them)."""
 
 _MAX_TOKEN_ID = 2**31
@@ -106,6 +121,13 @@ class JsonlTasks:
             record = msgspec.json.decode(line)
         except msgspec.DecodeError as error:
             raise ConfigError(f"{where}: not valid JSON ({error})") from None
+        except RecursionError:  # msgspec recurses once per level
+            record = None
+        if record is None or nesting(record) > MAX_TASK_NESTING:
+            raise ConfigError(
+                f"{where}: the task nests objects and arrays more than {MAX_TASK_NESTING} levels deep; "
+                "tasks need only a few levels, so flatten the deepest value"
+            )
         if not isinstance(record, dict):
             raise ConfigError(f"{where}: a task line must be a JSON object, got {type(record).__name__}")
         return record_task(record, where, tokenizer=self.tokenizer, chat=self.chat)
@@ -160,6 +182,20 @@ def checked_messages(where: str, value: Any) -> list[dict[str, Any]]:
         if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
             raise ConfigError(f"{where}: messages[{index}].content must be text, got {_short(content)}")
     return [dict(message) for message in value]
+
+
+def nesting(value: Any) -> int:
+    """How many levels of objects (dicts) and arrays (lists) ``value`` nests, counted without recursion
+    (stops counting past :data:`MAX_TASK_NESTING`)."""
+    deepest = 0
+    pending = [(value, 1)]
+    while pending and deepest <= MAX_TASK_NESTING:
+        item, level = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            pending.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def checked_ids(where: str, ids: Any) -> list[int]:

@@ -45,6 +45,7 @@ from typing import Annotated, Any, Protocol, runtime_checkable
 import msgspec
 
 from thundersync.errors import ConfigError
+from thundersync.events import TokenId
 from thundersync.tasks.data import Task, TaskSource
 from thundersync.tools.base import ByteTokenizer, Tokenizer
 from thundersync.tools.qwen import Qwen3ToolCallParser
@@ -90,7 +91,7 @@ class CalculatorDemonstrations:
         self,
         *,
         tasks: TaskSource,
-        end_token_id: Annotated[int, msgspec.Meta(ge=0)],
+        end_token_id: TokenId,
         tokenizer: Tokenizer | None = None,
         direct_fraction: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0,
         seed: int = 0,

@@ -45,6 +45,7 @@ from typing import Annotated, Any
 import msgspec
 
 from thundersync.errors import ConfigError
+from thundersync.events import TokenId
 from thundersync.sandboxes.output import Tokenizer
 from thundersync.tasks.data import Task, TaskSource
 from thundersync.tasks.demonstrations import Demonstration
@@ -119,7 +120,7 @@ class RepoFixDemonstrations:
         self,
         *,
         tasks: TaskSource,
-        end_token_id: Annotated[int, msgspec.Meta(ge=0)],
+        end_token_id: TokenId,
         tokenizer: Tokenizer | None = None,
         direct_fraction: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0,
         seed: int = 0,

@@ -228,7 +228,7 @@ def test_check_escapes_control_characters_in_the_names_it_prints(
     )
     assert main(["check", str(path)]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[1:] == [
+    assert out.splitlines()[1:3] == [
         "  src\\x1b[31m: type source, a source",
         "  gen\\nfake: ok: type generate, reads src\\x1b[31m",
     ]

@@ -2,7 +2,8 @@
 
 ::
 
-    thundersync check examples/pipeline_fake.toml        # validate: schema, objects, graph wiring (builds nothing)
+    thundersync check examples/pipeline_fake.toml        # validate: schema, objects, graph wiring, this machine (builds nothing)
+    thundersync check --offline FILE                     # the same, without asking the Docker engine
     thundersync run FILE --set stages.source.samples=8   # override any field of the file (repeatable)
     thundersync run examples/pipeline_fake.toml          # run it to completion
     thundersync run FILE --metrics out.jsonl --progress  # metrics as JSON lines, a live stderr line
@@ -16,43 +17,40 @@ metrics path is invalid (for ``plot``: the metrics file is missing, malformed or
 lines), 130 when interrupted. Errors are one line on stderr; ``--verbose`` adds
 the traceback and info-level logs; under a data-parallel launch the line starts with the rank
 (:mod:`thundersync.app.cli.distributed`, where rank 0 alone writes files). The metrics file is created new in an existing directory;
-``--overwrite`` lets it replace an existing file (:mod:`thundersync.app.metrics.jsonl`), the event
-files of an earlier run in ``run.tensorboard``'s directory (:mod:`thundersync.app.metrics.tensorboard`),
-and the checkpoints an earlier run left in a checkpointer's directory, named in one stderr line
-(:func:`thundersync.app.checkpoints.preflight`, run before anything is built: without
-``--overwrite`` or ``--resume`` such a directory is refused). Names from
+``--overwrite`` lets it replace an existing file (:mod:`thundersync.app.metrics.jsonl`), and the event
+files of an earlier run in ``run.tensorboard``'s directory (:mod:`thundersync.app.metrics.tensorboard`). Names from
 the file reach the terminal escaped (``\x1b``, ``\n``). This is the only place that configures
 logging (structlog, to stderr); the library itself configures no handlers.
+
+``run`` (and ``eval``) run :mod:`thundersync.app.files.preflight`'s checks before building any object;
+``check`` runs the same ones and lists what the file would import and read
+(:mod:`thundersync.app.files.trust`). A run that fails after writing a checkpoint prints the command
+that continues from it (``--resume``: the metrics file is added to). The module imports what a
+command needs when it runs it, so ``--help`` and usage errors load no torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import anyio
-import msgspec
-import structlog
-
-from thundersync.app.cli._cli_run import run_pipeline
-from thundersync.app.cli._terminal import Screen, configure_logging, printable
-from thundersync.app.cli.distributed import Launch, attach, balance, launch, rank_label
-from thundersync.app.cli.progress import Progress
-from thundersync.app.cli.threads import use_threads
-from thundersync.app.evaluation import Evaluation, attach_evaluation, evaluate_alone
-from thundersync.app.files.build import build_graph, build_objects
-from thundersync.app.files.check import check_pipeline, check_run_settings
-from thundersync.app.files.definition import PipelineSpec, load
-from thundersync.app.metrics.jsonl import JsonlMetrics, RecordSink, check_metrics_path
-from thundersync.app.metrics.tensorboard import TensorBoardSteps
-from thundersync.app.metrics.wandb import WandbSteps
-from thundersync.app.phases import reporting
 from thundersync.errors import ConfigError, DefinitionError, GraphError, ThunderSyncError
-from thundersync.pipeline.graph import Graph
+
+if TYPE_CHECKING:  # the command imports what a command needs when it runs: --help and usage errors load no torch
+    from thundersync.app.cli._terminal import Screen
+    from thundersync.app.cli.distributed import Launch
+    from thundersync.app.cli.progress import Progress
+    from thundersync.app.files.definition import PipelineSpec
+    from thundersync.app.files.preflight import Target
+    from thundersync.app.metrics.jsonl import JsonlMetrics, RecordSink
+    from thundersync.app.metrics.tensorboard import TensorBoardSteps
+    from thundersync.pipeline.graph import Graph
 
 __all__ = ["main"]
 
@@ -62,8 +60,24 @@ EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="thundersync", description="Run ThunderSync pipeline definition files.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    check = commands.add_parser("check", help="validate a pipeline file without running it")
-    run = commands.add_parser("run", help="run a pipeline file to completion")
+    trust = (
+        "A pipeline file is code: it imports the modules it names (factories, 'module:function' values) and "
+        "reads the environment variables its *_env fields name; run only files you trust as you would trust "
+        "code (thundersync check FILE lists both)."
+    )
+    check = commands.add_parser(
+        "check",
+        help="validate a pipeline file without running it",
+        description="Validate a pipeline file as run would, building nothing: schema, objects, graph wiring, and "
+        "what the run needs from this machine (output paths, extras, devices, teacher, sandbox engine and image). "
+        + trust,
+    )
+    run = commands.add_parser(
+        "run",
+        help="run a pipeline file to completion",
+        description="Run a pipeline file to completion; what it needs from this machine is checked before "
+        "anything is built. " + trust,
+    )
     plot = commands.add_parser("plot", help="draw a run's reward and step-time curves to a PNG")
     evaluate = commands.add_parser("eval", help="run a pipeline file's [eval] once, on a checkpoint")
     for sub in (check, run, evaluate):
@@ -80,11 +94,22 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", type=Path, metavar="PNG", help="where to write the PNG (default: beside METRICS)")
     for sub in (check, run, plot, evaluate):
         sub.add_argument("-v", "--verbose", action="store_true", help="tracebacks and info-level logs")
+    check.add_argument(
+        "--offline",
+        action="store_true",
+        help="skip the checks that ask a running container engine (daemon reachable, image present)",
+    )
     evaluate.add_argument(
         "--checkpoint", type=Path, metavar="DIR", help="evaluate this checkpoint (or the newest one in DIR)"
     )
     evaluate.add_argument("--metrics", type=Path, metavar="PATH", help="write the eval line to this new file")
     evaluate.add_argument("--overwrite", action="store_true", help="replace the metrics file if it exists")
+    _run_options(run)
+    return parser
+
+
+def _run_options(run: argparse.ArgumentParser) -> None:
+    """The options of ``thundersync run``."""
     run.add_argument(
         "--metrics",
         type=Path,
@@ -117,7 +142,6 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--timeout", type=_seconds, metavar="SECONDS", help="fail the run after this long (overrides run.timeout_s)"
     )
-    return parser
 
 
 def _seconds(text: str) -> float:
@@ -132,34 +156,30 @@ def _seconds(text: str) -> float:
 
 
 def _error(message: str, error: BaseException, verbose: bool, *, hint_verbose: bool = True) -> None:
+    from thundersync.app.cli._terminal import printable
+    from thundersync.app.cli.distributed import rank_label
+
     if verbose:
         traceback.print_exception(error, file=sys.stderr)
     hint = " (run with --verbose for the traceback)" if hint_verbose and not verbose else ""
     sys.stderr.write(f"thundersync: {rank_label()}{message}: {printable(str(error))}{hint}\n")
 
 
-def _prepare(
-    path: Path,
-    overrides: Sequence[str],
-    ranks: Launch | None = None,
-    before_build: Callable[[PipelineSpec], None] | None = None,
-) -> tuple[PipelineSpec, dict[str, object], Graph]:
-    spec = load(path, overrides)
-    return (spec, *_build(spec, path, ranks, before_build))
+def _load(path: Path, overrides: Sequence[str]) -> PipelineSpec:
+    from thundersync.app.files.definition import load
+
+    return load(path, overrides)
 
 
-def _build(
-    spec: PipelineSpec,
-    path: Path,
-    ranks: Launch | None,
-    before_build: Callable[[PipelineSpec], None] | None = None,
-) -> tuple[dict[str, object], Graph]:
-    try:
-        check_run_settings(spec, data_parallel=ranks is not None)
-    except ConfigError as error:
-        raise type(error)(f"{path}: {error}") from None
-    if before_build is not None:  # its messages name their own paths
-        before_build(spec)
+def _qualified(path: Path, error: ConfigError) -> ConfigError:
+    """Object, graph and machine errors are not path-qualified by themselves."""
+    return type(error)(f"{path}: {error}")
+
+
+def _prepare(path: Path, spec: PipelineSpec, ranks: Launch | None = None) -> tuple[dict[str, object], Graph]:
+    from thundersync.app.cli.distributed import attach, balance
+    from thundersync.app.files.build import build_graph, build_objects
+
     try:
         objects = build_objects(spec)
         if ranks is not None:  # claims, and an admission when the file has none (its step lines show it)
@@ -167,9 +187,16 @@ def _build(
         graph = build_graph(spec, **objects)
         if ranks is not None:
             balance(ranks, graph)
-    except ConfigError as error:  # object and graph errors are not path-qualified by themselves
-        raise type(error)(f"{path}: {error}") from None
+    except ConfigError as error:
+        raise _qualified(path, error) from None
     return objects, graph
+
+
+def _preflight(path: Path, spec: PipelineSpec, target: Target) -> None:
+    """Every check that needs no built object (:mod:`thundersync.app.files.preflight`), before any is built."""
+    from thundersync.app.files.preflight import preflight
+
+    preflight(spec, target, file=path)
 
 
 @contextmanager
@@ -177,13 +204,16 @@ def _metrics(
     path: str | Path | None,
     *,
     overwrite: bool,
+    append: bool = False,
     tensorboard: TensorBoardSteps | None,
     sinks: Sequence[RecordSink] = (),
     **started: object,
 ) -> Iterator[JsonlMetrics]:
     """The metrics sink (and its TensorBoard and W&B writers), open, with its ``run_started`` line written: a
     path that cannot take that line (``/proc/version``...) is refused before anything runs (exit 2)."""
-    with JsonlMetrics(path, overwrite=overwrite, tensorboard=tensorboard, sinks=sinks) as sink:
+    from thundersync.app.metrics.jsonl import JsonlMetrics
+
+    with JsonlMetrics(path, overwrite=overwrite, append=append, tensorboard=tensorboard, sinks=sinks) as sink:
         try:
             sink.write("run_started", **started)
         except OSError as error:
@@ -194,16 +224,23 @@ def _metrics(
         yield sink
 
 
-def _check(path: Path, overrides: Sequence[str]) -> int:
-    spec = load(path, overrides)
+def _check(path: Path, args: argparse.Namespace) -> int:
+    from thundersync.app.cli._terminal import printable
+    from thundersync.app.files.check import check_pipeline
+    from thundersync.app.files.preflight import Target
+    from thundersync.app.files.trust import reach
+
+    spec = _load(path, args.overrides)
     try:
         graph = check_pipeline(spec)
-    except ConfigError as error:  # object and graph errors are not path-qualified by themselves
-        raise type(error)(f"{path}: {error}") from None
+    except ConfigError as error:
+        raise _qualified(path, error) from None
+    _preflight(path, spec, Target(offline=args.offline))
     lines = [f"{path}: ok, {len(graph)} stages, {len(spec.objects)} runtime objects"]
     for node in graph:
         reads = f"reads {', '.join(node.reads)}" if node.reads else "a source"
         lines.append(f"  {node.name}: type {spec.stages[node.name].type}, {reads}")
+    lines += reach(spec).lines()  # a file is code: what it would import and read
     sys.stdout.write("".join(printable(line) + "\n" for line in lines))
     return EXIT_OK
 
@@ -225,17 +262,29 @@ def _resume(objects: dict[str, object], directory: Path) -> int:
 
 
 def _run(path: Path, args: argparse.Namespace) -> int:
+    from thundersync.app.cli.distributed import launch
+    from thundersync.app.files.preflight import Target
+
+    spec = _load(path, args.overrides)
     with launch() as ranks:
-        return _run_rank(path, args, ranks)
+        writes = ranks is None or ranks.writes_files
+        target = Target(args.metrics, args.overwrite, args.resume, ranks is not None, writes)
+        _preflight(path, spec, target)
+        if writes:  # rank 0 alone writes files
+            _check_checkpoints(spec, args)
+        return _run_rank(path, spec, args, ranks)
 
 
 def _check_checkpoints(spec: PipelineSpec, args: argparse.Namespace) -> None:
-    """The checkpoint directories of the file's checkpointers, before anything is built
-    (:func:`thundersync.app.checkpoints.preflight`): refused, or cleared by ``--overwrite``, saying so."""
+    """The checkpoint directories of the file's checkpointers, after the other checks and before
+    anything is built (:func:`thundersync.app.checkpoints.preflight`): refused, or cleared by
+    ``--overwrite``, saying so. ``check`` does not run it: it is about ``run``'s options."""
     directories = [obj.args["directory"] for obj in spec.objects.values() if obj.factory == "checkpointer"]
     if not directories:
         return
     from thundersync.app.checkpoints import preflight  # no torch
+    from thundersync.app.cli._terminal import printable
+    from thundersync.app.cli.distributed import rank_label
 
     plans = [preflight(Path(d), resume=args.resume, overwrite=args.overwrite) for d in directories]
     for plan in plans:
@@ -244,15 +293,16 @@ def _check_checkpoints(spec: PipelineSpec, args: argparse.Namespace) -> None:
             plan.apply()
 
 
-def _check_outputs(spec: PipelineSpec, args: argparse.Namespace) -> None:
-    """What the run will write, checked before anything is built: the metrics file, then the
-    checkpoint directories (which ``--overwrite`` may clear)."""
-    check_metrics_path(args.metrics if args.metrics is not None else spec.run.metrics, overwrite=args.overwrite)
-    _check_checkpoints(spec, args)
+def _run_rank(path: Path, spec: PipelineSpec, args: argparse.Namespace, ranks: Launch | None) -> int:
+    """Build and run the file on this rank, with the progress display and torch's CPU threads set
+    for every phase (building, warm-up, steps)."""
+    import structlog
 
+    from thundersync.app.cli._terminal import Screen
+    from thundersync.app.cli.progress import Progress
+    from thundersync.app.cli.threads import use_threads
+    from thundersync.app.phases import reporting
 
-def _run_rank(path: Path, args: argparse.Namespace, ranks: Launch | None) -> int:
-    spec = load(path, args.overrides)
     writes = ranks is None or ranks.writes_files
     mode = args.progress or spec.run.progress
     shown = Progress(None)
@@ -261,31 +311,33 @@ def _run_rank(path: Path, args: argparse.Namespace, ranks: Launch | None) -> int
     )
     with screen.routing(args.verbose), reporting(shown), use_threads(spec.run.threads) as threads:
         structlog.get_logger("thundersync.cli").info("torch CPU threads", threads=threads)
-        return _run_built(spec, path, args, ranks, screen, shown)
+        objects, graph = _prepare(path, spec, ranks)
+        resumed = None if args.resume is None else _resume(objects, args.resume)
+        return _run_graph(path, spec, objects, graph, args, ranks, resumed, screen, shown)
 
 
-def _run_built(
-    spec: PipelineSpec, path: Path, args: argparse.Namespace, ranks: Launch | None, screen: Screen, shown: Progress
+def _run_graph(
+    path: Path,
+    spec: PipelineSpec,
+    objects: dict[str, object],
+    graph: Graph,
+    args: argparse.Namespace,
+    ranks: Launch | None,
+    resumed: int | None,
+    screen: Screen,
+    shown: Progress,
 ) -> int:
-    writes = ranks is None or ranks.writes_files
-    check = (lambda spec: _check_outputs(spec, args)) if writes else None  # rank 0 alone writes files
-    objects, graph = _build(spec, path, ranks, check)
-    resumed = None if args.resume is None else _resume(objects, args.resume)
+    import anyio
+    import structlog
+
+    from thundersync.app.cli._cli_run import run_pipeline
+
     settings = spec.run
-    metrics_path = (args.metrics if args.metrics is not None else settings.metrics) if writes else None
-    tensorboard = None
-    if writes and settings.tensorboard is not None:
-        tensorboard = TensorBoardSteps(settings.tensorboard, overwrite=args.overwrite, resume_step=resumed)
+    writes = ranks is None or ranks.writes_files
     timeout_s = args.timeout if args.timeout is not None else settings.timeout_s
     log = structlog.get_logger("thundersync.cli")
-    stages = [node.name for node in graph]
-    sinks = [WandbSteps(settings.wandb, config=msgspec.to_builtins(spec))] if writes and settings.wandb else []
-    with _metrics(
-        metrics_path, overwrite=args.overwrite, tensorboard=tensorboard, sinks=sinks, file=str(path), stages=stages
-    ) as metrics:
-        if writes and spec.eval is not None:  # rank 0 alone evaluates, after the steps its [eval] names
-            evaluation = Evaluation(spec.eval, objects, graph)
-            attach_evaluation(graph, evaluation, lambda record: metrics.write("eval", **record))
+    started = _saved_steps(objects)
+    with _open_metrics(path, spec, objects, graph, args, writes, resumed) as metrics:
         log.info("run started", file=str(path), stages=len(graph))
         try:
             stats = anyio.run(
@@ -302,36 +354,113 @@ def _run_built(
         except BaseException as error:
             metrics.write("run_finished", status="failed", error=f"{type(error).__name__}: {error}")
             if writes:
-                _say_where_to_resume(objects)
+                _say_where_to_resume(objects, started, args.argv)
             raise
         metrics.write("run_finished", status="ok", elapsed_s=stats.elapsed_s)
     log.info("run finished", file=str(path), elapsed_s=round(stats.elapsed_s, 3))
     return EXIT_OK
 
 
-def _say_where_to_resume(objects: dict[str, object]) -> None:
-    """After a run that stopped early: the newest checkpoint a checkpointer of this run saved or
-    resumed from, and how to continue from it."""
+@contextmanager
+def _open_metrics(
+    path: Path,
+    spec: PipelineSpec,
+    objects: dict[str, object],
+    graph: Graph,
+    args: argparse.Namespace,
+    writes: bool,
+    resumed: int | None,
+) -> Iterator[JsonlMetrics]:
+    """The run's metrics sink (rank 0's, or one that drops everything), its evaluation attached."""
+    import msgspec
+
+    from thundersync.app.evaluation import Evaluation, attach_evaluation
+    from thundersync.app.metrics.tensorboard import TensorBoardSteps
+    from thundersync.app.metrics.wandb import WandbSteps
+
+    settings = spec.run
+    metrics_path = (args.metrics if args.metrics is not None else settings.metrics) if writes else None
+    tensorboard = None
+    if writes and settings.tensorboard is not None:
+        tensorboard = TensorBoardSteps(settings.tensorboard, overwrite=args.overwrite, resume_step=resumed)
+    sinks = [WandbSteps(settings.wandb, config=msgspec.to_builtins(spec))] if writes and settings.wandb else []
+    stages = [node.name for node in graph]
+    with _metrics(
+        metrics_path,
+        overwrite=args.overwrite,
+        append=args.resume is not None and not args.overwrite,  # --overwrite: replaced, as asked
+        tensorboard=tensorboard,
+        sinks=sinks,
+        file=str(path),
+        stages=stages,
+    ) as metrics:
+        if writes and spec.eval is not None:  # rank 0 alone evaluates, after the steps its [eval] names
+            evaluation = Evaluation(spec.eval, objects, graph)
+            attach_evaluation(graph, evaluation, lambda record: metrics.write("eval", **record))
+        yield metrics
+
+
+def _checkpointers(objects: dict[str, object]) -> list[object]:
     checkpoint = sys.modules.get("thundersync.app.checkpoints.checkpoint")  # not imported: no Checkpointer exists
     if checkpoint is None:
-        return
-    for obj in objects.values():
-        if isinstance(obj, checkpoint.Checkpointer) and obj.saved_step > 0:
-            saved = obj.directory / f"step-{obj.saved_step:08d}"
-            if (saved / checkpoint.MARKER).is_file():
-                sys.stderr.write(
-                    f"thundersync: {rank_label()}step {obj.saved_step} is checkpointed in {printable(str(saved))}; "
-                    f"to continue from it, run the same command with --resume {printable(str(obj.directory))}\n"
-                )
+        return []
+    return [obj for obj in objects.values() if isinstance(obj, checkpoint.Checkpointer)]
+
+
+def _saved_steps(objects: dict[str, object]) -> dict[int, int]:
+    """Each checkpointer's newest step when the run starts (resumed from, or 0)."""
+    return {id(obj): getattr(obj, "saved_step") for obj in _checkpointers(objects)}  # noqa: B009
+
+
+def _say_where_to_resume(objects: dict[str, object], started: dict[int, int], argv: Sequence[str]) -> None:
+    """After a run that stopped early, having checkpointed since it started: the newest checkpoint
+    and the command that continues from it (this one, with ``--resume DIR`` and without
+    ``--overwrite``: a resumed run adds to the metrics file and the TensorBoard directory). A run
+    that saved none says nothing: resuming would repeat what just failed."""
+    from thundersync.app.cli._terminal import printable
+    from thundersync.app.cli.distributed import rank_label
+
+    marker = getattr(sys.modules.get("thundersync.app.checkpoints.checkpoint"), "MARKER", None)
+    for obj in _checkpointers(objects):
+        step, directory = getattr(obj, "saved_step"), getattr(obj, "directory")  # noqa: B009
+        saved = directory / f"step-{step:08d}"
+        if step > started.get(id(obj), 0) and marker and (saved / marker).is_file():
+            command = shlex.join(["thundersync", *_without_resume(argv), "--resume", str(directory)])
+            sys.stderr.write(
+                f"thundersync: {rank_label()}step {step} is checkpointed in {printable(str(saved))}; "
+                f"to continue from it, run: {printable(command)}\n"
+            )
+
+
+def _without_resume(argv: Sequence[str]) -> list[str]:
+    """``argv`` without its ``--resume DIR`` and ``--overwrite`` options."""
+    kept: list[str] = []
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--resume":
+            skip = True
+        elif not (word.startswith("--resume=") or word == "--overwrite"):
+            kept.append(word)
+    return kept
 
 
 def _eval(path: Path, args: argparse.Namespace) -> int:
     """``thundersync eval``: the file's ``[eval]`` once, on the weights of ``--checkpoint``."""
-    spec, objects, graph = _prepare(path, args.overrides)
+    import anyio
+
+    from thundersync.app.cli._terminal import printable
+    from thundersync.app.evaluation import Evaluation, evaluate_alone
+    from thundersync.app.files.preflight import Target
+
+    spec = _load(path, args.overrides)
     if spec.eval is None:
         raise DefinitionError(
             f'{path}: the file has no [eval] table; add one (tasks = "NAME", samples = N) to evaluate'
         )
+    _preflight(path, spec, Target(args.metrics, args.overwrite, tensorboard=False))
+    objects, graph = _prepare(path, spec)
     step = 0 if args.checkpoint is None else _resume(objects, args.checkpoint)
     try:
         evaluation = Evaluation(spec.eval, objects, graph)
@@ -357,6 +486,7 @@ _EVAL_SHOWN = ("eval_reward_mean", "eval_pass_at_1", "eval_pass_at_k")
 
 def _plot(path: Path, out: Path | None) -> int:
     from thundersync.app.cli._plot import plot_metrics
+    from thundersync.app.cli._terminal import printable
 
     written = plot_metrics(path, out)
     sys.stdout.write(f"{printable(str(written))}\n")
@@ -365,7 +495,7 @@ def _plot(path: Path, out: Path | None) -> int:
 
 def _command(args: argparse.Namespace) -> int:
     if args.command == "check":
-        return _check(args.file, args.overrides)
+        return _check(args.file, args)
     if args.command == "plot":
         return _plot(args.file, args.out)
     if args.command == "eval":
@@ -375,7 +505,10 @@ def _command(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``thundersync`` command; returns the exit status."""
+    from thundersync.app.cli._terminal import configure_logging
+
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     configure_logging(args.verbose)
     try:
         return _command(args)

@@ -128,10 +128,12 @@ def openai_generator(
     max_backoff: _NonNegativeSeconds = 8.0,
     publish: str | None = None,
     publish_dir: str | None = None,
+    allow_any_env: bool = False,
 ) -> OpenAIGenerator:
     """``openai-generator``: an :class:`~thundersync.generation.OpenAIGenerator` for the server at
     ``base_url`` (its root); the API key comes from the environment variable ``api_key_env`` (keys
-    do not belong in pipeline files). ``publish``: ``"lora"``, ``"reload"``, or a hook
+    do not belong in pipeline files), and it must look like a key's (``..._KEY``, ``..._TOKEN``,
+    ``..._SECRET``) unless ``allow_any_env`` (:func:`~thundersync.app.files.trust.check_key_variable`). ``publish``: ``"lora"``, ``"reload"``, or a hook
     ``"module:function"`` called as ``function(model, version, generator)`` (sync or async) for a
     server without a weight-update route; ``publish_dir``: a folder the server reads the policy from."""
     if not base_url.startswith(("http://", "https://")):
@@ -143,6 +145,9 @@ def openai_generator(
         )
     api_key = None
     if api_key_env is not None:
+        from thundersync.app.files.trust import check_key_variable
+
+        check_key_variable(api_key_env, allow_any=allow_any_env)
         api_key = os.environ.get(api_key_env)
         if not api_key:
             raise ConfigError(f"api_key_env names {api_key_env!r}, but that environment variable is not set")

@@ -22,11 +22,11 @@ The real factories live in :mod:`~thundersync.app.factories.models`, :mod:`~thun
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import importlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
 
 from thundersync.agents import FunctionApp, VerifiersEnvironment
-from thundersync.app.factories import chat, generators, models, scheduling, training, warmup
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.tasks import AnswerReward, ArithmeticTasks, FunctionReward, JsonlTasks, sandbox_check_reward
 from thundersync.tasks.demonstrations import CalculatorDemonstrations
@@ -45,60 +45,112 @@ from thundersync.testing import (
 )
 from thundersync.tools import Qwen3ToolCallParser, sandbox_tools
 
-__all__ = ["ALL_FACTORIES", "FACTORIES", "TEST_FACTORIES", "TEST_PREFIX"]
+__all__ = ["ALL_FACTORIES", "FACTORIES", "TEST_FACTORIES", "TEST_PREFIX", "Factories", "factory_module"]
 
-FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
-    "model": models.model,
-    "tokenizer": models.tokenizer,
-    "streaming-run": training.streaming_run,
-    "grpo": training.grpo,
-    "opd": training.opd,
-    "optimizer": training.optimizer,
-    "lr-schedule": training.lr_schedule,
-    "streaming-trainer": training.trainer,
-    "checkpointer": training.checkpointer,
-    "admission": scheduling.admission,
-    "episode-failures": scheduling.episode_failures,
-    "torch-generator": generators.torch_generator,
-    "vllm-generator": generators.vllm_generator,
-    "openai-generator": generators.openai_generator,
-    "policy-clock": PolicyClock,
-    "qwen3-tool-calls": Qwen3ToolCallParser,
-    "sandbox-tools": sandbox_tools,
-    "jsonl-tasks": JsonlTasks,
-    "dataset": dataset_tasks,
-    "chat-template": chat.chat_template,
-    "chat-tool-calls": chat.chat_tool_calls,
-    "chat-sandbox-tools": chat.chat_sandbox_tools,
-    "function-app": FunctionApp,
-    "verifiers-environment": VerifiersEnvironment,
-    "arithmetic-tasks": ArithmeticTasks,
-    "calculator-demonstrations": CalculatorDemonstrations,
-    "repo-bug-tasks": RepoBugTasks,
-    "repo-fix-demonstrations": RepoFixDemonstrations,
-    "swebench-tasks": SWEBenchTasks,
-    "task-grader": task_grader,
-    "supervised-warmup": warmup.supervised_warmup,
-    "function-reward": FunctionReward,
-    "answer-reward": AnswerReward,
-    "sandbox-check-reward": sandbox_check_reward,
-    "transformers-teacher": models.transformers_teacher,
-    "openai-teacher": openai_teacher,
-}
+_MODELS, _TRAINING, _GENERATORS = (
+    "thundersync.app.factories.models",
+    "thundersync.app.factories.training",
+    "thundersync.app.factories.generators",
+)
+_CHAT, _SCHEDULING, _WARMUP = (
+    "thundersync.app.factories.chat",
+    "thundersync.app.factories.scheduling",
+    "thundersync.app.factories.warmup",
+)
+
+
+class Factories(Mapping[str, Callable[..., Any]]):
+    """A literal name -> factory dict whose values may be ``(module, attribute)`` pairs, imported the
+    first time that factory is looked up: the factories of torch-backed objects stay unimported (and
+    torch with them) until a file names one, so ``thundersync check`` of a file without them, and
+    ``--help``, never load torch. Iterating the names imports nothing; iterating the values imports all."""
+
+    def __init__(self, entries: Mapping[str, Callable[..., Any] | tuple[str, str]]) -> None:
+        self._entries = dict(entries)
+
+    def __getitem__(self, name: str) -> Callable[..., Any]:
+        entry = self._entries[name]
+        if isinstance(entry, tuple):
+            module, attr = entry
+            entry = self._entries[name] = getattr(importlib.import_module(module), attr)
+        return entry
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def module(self, name: str) -> str:
+        """The module that defines factory ``name`` (imports nothing)."""
+        entry = self._entries[name]
+        return entry[0] if isinstance(entry, tuple) else str(entry.__module__)
+
+    def __or__(self, other: Factories) -> Factories:
+        return Factories({**self._entries, **other._entries})
+
+
+FACTORIES: Final = Factories(
+    {
+        "model": (_MODELS, "model"),
+        "tokenizer": (_MODELS, "tokenizer"),
+        "streaming-run": (_TRAINING, "streaming_run"),
+        "grpo": (_TRAINING, "grpo"),
+        "opd": (_TRAINING, "opd"),
+        "optimizer": (_TRAINING, "optimizer"),
+        "lr-schedule": (_TRAINING, "lr_schedule"),
+        "streaming-trainer": (_TRAINING, "trainer"),
+        "checkpointer": (_TRAINING, "checkpointer"),
+        "admission": (_SCHEDULING, "admission"),
+        "episode-failures": (_SCHEDULING, "episode_failures"),
+        "torch-generator": (_GENERATORS, "torch_generator"),
+        "vllm-generator": (_GENERATORS, "vllm_generator"),
+        "openai-generator": (_GENERATORS, "openai_generator"),
+        "policy-clock": PolicyClock,
+        "qwen3-tool-calls": Qwen3ToolCallParser,
+        "sandbox-tools": sandbox_tools,
+        "jsonl-tasks": JsonlTasks,
+        "dataset": dataset_tasks,
+        "chat-template": (_CHAT, "chat_template"),
+        "chat-tool-calls": (_CHAT, "chat_tool_calls"),
+        "chat-sandbox-tools": (_CHAT, "chat_sandbox_tools"),
+        "function-app": FunctionApp,
+        "verifiers-environment": VerifiersEnvironment,
+        "arithmetic-tasks": ArithmeticTasks,
+        "calculator-demonstrations": CalculatorDemonstrations,
+        "repo-bug-tasks": RepoBugTasks,
+        "repo-fix-demonstrations": RepoFixDemonstrations,
+        "swebench-tasks": SWEBenchTasks,
+        "task-grader": task_grader,
+        "supervised-warmup": (_WARMUP, "supervised_warmup"),
+        "function-reward": FunctionReward,
+        "answer-reward": AnswerReward,
+        "sandbox-check-reward": sandbox_check_reward,
+        "transformers-teacher": (_MODELS, "transformers_teacher"),
+        "openai-teacher": openai_teacher,
+    }
+)
 """Factories of real runtime objects, by the ``factory`` name a pipeline file gives them."""
 
 TEST_PREFIX: Final = "test-"
 """The prefix of every name in :data:`TEST_FACTORIES`."""
 
-TEST_FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {
-    "test-scripted-generator": ScriptedGenerator,
-    "test-scripted-replies": ScriptedReplies,
-    "test-scripted-tool": ScriptedTool,
-    "test-fake-scorer": FakeScorer,
-    "test-fake-teacher": FakeTeacher,
-    "test-recording-trainer": RecordingTrainer,
-}
+TEST_FACTORIES: Final = Factories(
+    {
+        "test-scripted-generator": ScriptedGenerator,
+        "test-scripted-replies": ScriptedReplies,
+        "test-scripted-tool": ScriptedTool,
+        "test-fake-scorer": FakeScorer,
+        "test-fake-teacher": FakeTeacher,
+        "test-recording-trainer": RecordingTrainer,
+    }
+)
 """The fakes of :mod:`thundersync.testing`, for files that run a graph without a model."""
 
-ALL_FACTORIES: Final[Mapping[str, Callable[..., Any]]] = {**FACTORIES, **TEST_FACTORIES}
+ALL_FACTORIES: Final = FACTORIES | TEST_FACTORIES
 """What a pipeline file may name: the real factories, then the test fakes."""
+
+
+def factory_module(name: str) -> str:
+    """The module that defines the factory ``name`` (a pipeline file that names it imports it)."""
+    return ALL_FACTORIES.module(name)

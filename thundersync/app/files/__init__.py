@@ -7,9 +7,13 @@ The map of the whole application is in :mod:`thundersync.app`.
 
 from __future__ import annotations
 
-from thundersync.app.files.build import build_graph, build_objects
-from thundersync.app.files.check import check_pipeline
-from thundersync.app.files.definition import ObjectSpec, PipelineSpec, RunSettings, StageSpec, load, loads
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from thundersync.app.files.build import build_graph, build_objects
+    from thundersync.app.files.check import check_pipeline
+    from thundersync.app.files.definition import ObjectSpec, PipelineSpec, RunSettings, StageSpec, load, loads
 
 __all__ = [
     "ObjectSpec",
@@ -22,3 +26,12 @@ __all__ = [
     "load",
     "loads",
 ]
+
+_HOMES = {"build_graph": "build", "build_objects": "build", "check_pipeline": "check"}
+
+
+def __getattr__(name: str) -> Any:
+    """The public names, imported on first use (the builder loads torch; reading a file does not)."""
+    if name in __all__:
+        return getattr(importlib.import_module(f"{__name__}.{_HOMES.get(name, 'definition')}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,6 +31,8 @@ __all__ = [
     "definition_error",
     "factory_params",
     "factory_returns",
+    "factory_struct",
+    "factory_table",
     "object_union",
     "reference_params",
     "runtime_params",
@@ -153,26 +155,40 @@ def factory_returns(factory: str) -> Any:
 
 
 @functools.cache
+def factory_struct(name: str) -> Any:
+    """The tagged Struct of one factory's table (tag field ``factory``): its keyword arguments.
+    Built from that factory alone, so decoding a table imports only the module of its factory."""
+    fields = [
+        (k, hint) if default is msgspec.NODEFAULT else (k, hint, default)
+        for k, (hint, default) in factory_params(name).items()
+    ]
+    return msgspec.defstruct(
+        "Factory_" + re.sub(r"\W", "_", name),
+        fields,
+        tag=name,
+        tag_field="factory",
+        kw_only=True,
+        frozen=True,
+        forbid_unknown_fields=not takes_extra_options(name),
+    )
+
+
+@functools.cache
 def object_union() -> Any:
-    """The tagged union of every registered factory (tag field ``factory``)."""
-    specs: list[Any] = []
-    for name in ALL_FACTORIES:
-        fields = [
-            (k, hint) if default is msgspec.NODEFAULT else (k, hint, default)
-            for k, (hint, default) in factory_params(name).items()
-        ]
-        specs.append(
-            msgspec.defstruct(
-                f"Factory{len(specs)}",
-                fields,
-                tag=name,
-                tag_field="factory",
-                kw_only=True,
-                frozen=True,
-                forbid_unknown_fields=not takes_extra_options(name),
-            )
-        )
-    return Union[tuple(specs)]  # noqa: UP007
+    """The tagged union of every registered factory (tag field ``factory``; imports every factory)."""
+    return Union[tuple(factory_struct(name) for name in ALL_FACTORIES)]  # noqa: UP007
+
+
+def factory_table(value: dict[str, Any], prefix: str, fields: list[str] | None = None) -> Any:
+    """``value`` (an object's table, with its ``factory``) decoded into its factory's Struct, or a
+    path-qualified DefinitionError; an unknown or missing factory is named without importing any."""
+    known = list(ALL_FACTORIES)
+    tag = value.get("factory")
+    if "factory" not in value:
+        raise DefinitionError(f"{prefix}.factory: missing required field (one of: {', '.join(known)})")
+    if not isinstance(tag, str) or tag not in ALL_FACTORIES:
+        raise DefinitionError(f"{prefix}.factory: unknown factory {tag!r}; known: {', '.join(known)}")
+    return convert(value, factory_struct(tag), prefix, kind="factory", known=known, fields=fields)
 
 
 def runtime_params(stage: type[Stage]) -> dict[str, tuple[Any, bool]]:

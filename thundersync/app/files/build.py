@@ -12,15 +12,15 @@ the stage::
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
 from thundersync._device import resolve_device
-from thundersync.app.checkpoints.checkpoint import Checkpointer
 from thundersync.app.factories.registry import ALL_FACTORIES
-from thundersync.app.files._schema import convert, factory_params, object_union, reference_params, runtime_params
+from thundersync.app.files._schema import factory_params, factory_table, reference_params, runtime_params
 from thundersync.app.files.definition import ObjectSpec, PipelineSpec, StageSpec, is_reference
 from thundersync.app.files.object_graph import build_order, place_hint, runtime_class
 from thundersync.app.phases import phase
@@ -77,14 +77,7 @@ def _build_object(name: str, obj: ObjectSpec, built: dict[str, Any]) -> Any:
     prefix = f"objects.{name}"
     params = reference_params(obj.factory)
     values = {k: v for k, v in obj.args.items() if k not in params}  # the rest hold nested references
-    node = convert(
-        {"factory": obj.factory, **values},
-        object_union(),
-        prefix,
-        kind="factory",
-        known=list(ALL_FACTORIES),
-        fields=["factory", *factory_params(obj.factory)],
-    )
+    node = factory_table({"factory": obj.factory, **values}, prefix, ["factory", *factory_params(obj.factory)])
     kwargs = {k: getattr(node, k) if k in node.__struct_fields__ else v for k, v in obj.args.items()}
     for place, target in obj.refs.items():
         expected = runtime_class(place_hint(params, place))
@@ -135,9 +128,13 @@ def build_graph(spec: PipelineSpec, /, **objects: Any) -> Graph:
 
 def _attach_source(graph: Graph, objects: Mapping[str, Any]) -> None:
     """Give checkpointers without a source the graph's only source stage (their data position)."""
+    # a Checkpointer exists only once its module is imported; importing it here would load torch for any file
+    checkpoint = sys.modules.get("thundersync.app.checkpoints.checkpoint")
+    if checkpoint is None:
+        return
     sources = [node.stage for node in graph if isinstance(node.stage, SourceStage)]
     for obj in objects.values():
-        if isinstance(obj, Checkpointer) and obj.source is None and len(sources) == 1:
+        if isinstance(obj, checkpoint.Checkpointer) and obj.source is None and len(sources) == 1:
             obj.source = sources[0]
 
 

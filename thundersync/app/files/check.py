@@ -15,6 +15,7 @@ calling a factory (no model is loaded, no sandbox started, no server contacted):
   (:mod:`thundersync.app.evaluation.check`);
 - ``[run]``: the tensorboard package is installed when ``tensorboard`` is set, wandb when ``[run.wandb]`` is (``device`` was
   checked when the file was loaded; CUDA's presence is checked at ``run``);
+- an ``openai-generator``'s ``api_key_env`` names a key's variable (:func:`~thundersync.app.files.trust.check_key_variable`);
 - options that the file passes on to a library: an ``optimizer``'s ``name`` is a ``torch.optim``
   class that takes its options (and ``maximize`` suits the objective), a ``vllm-generator``'s
   engine options are fields of vLLM's ``EngineArgs`` (when vLLM is importable here; otherwise a
@@ -31,12 +32,12 @@ from typing import Any
 
 from thundersync._logging import get_logger
 from thundersync.app.evaluation.check import check_eval
-from thundersync.app.factories import generators, training
 from thundersync.app.factories.registry import ALL_FACTORIES
 from thundersync.app.files._schema import factory_params, factory_returns
 from thundersync.app.files.build import assemble_graph, stage_class
 from thundersync.app.files.definition import PipelineSpec, StageSpec
 from thundersync.app.files.object_graph import build_order, check_fits
+from thundersync.app.files.trust import check_key_variable
 from thundersync.app.metrics.tensorboard import require_tensorboard
 from thundersync.app.metrics.wandb import require_wandb
 from thundersync.errors import ConfigError, DefinitionError
@@ -97,16 +98,23 @@ def check_run_settings(spec: PipelineSpec, *, data_parallel: bool = False) -> No
 
 
 def _check_options(spec: PipelineSpec) -> None:
-    """The options of optimizers and vLLM engines, checked against torch's and vLLM's own signatures."""
+    """The options of optimizers and vLLM engines, checked against torch's and vLLM's own signatures,
+    and the variable an openai-generator reads its key from."""
     for name, obj in spec.objects.items():
         try:
             if obj.factory == "optimizer":
+                from thundersync.app.factories import training  # torch.optim: only for files that name one
+
                 objective = spec.objects.get(obj.refs.get("objective", ""))
                 signal = None if objective is None else getattr(factory_returns(objective.factory), "signal", None)
                 own = factory_params(obj.factory)  # name, shard_state: the rest are the class's options
                 options = {k: v for k, v in obj.args.items() if k not in own}
                 training.optimizer_options(obj.args["name"], options, signal)
+            elif obj.factory == "openai-generator" and isinstance(obj.args.get("api_key_env"), str):
+                check_key_variable(obj.args["api_key_env"], allow_any=obj.args.get("allow_any_env") is True)
             elif obj.factory == "vllm-generator":
+                from thundersync.app.factories import generators
+
                 own = factory_params(obj.factory)
                 note = generators.check_vllm_options({k: v for k, v in obj.args.items() if k not in own})
                 if note is not None:

@@ -56,7 +56,7 @@ from thundersync.app.files._schema import (
     GRAPH_FIELDS,
     convert,
     factory_params,
-    object_union,
+    factory_table,
     reference_params,
     stage_union,
     takes_extra_options,
@@ -304,7 +304,7 @@ def _object(name: str, table: Any) -> ObjectSpec:
     nested = {key.split(".")[0].split("[")[0] for key in refs if key not in whole} & set(takes)
     values = {key: value for key, value in table.items() if key not in whole and key not in nested}
     fields = ["factory", *factory_params(factory), *takes] if factory in ALL_FACTORIES else None
-    node = convert(values, object_union(), prefix, kind="factory", known=list(ALL_FACTORIES), fields=fields)
+    node = factory_table(values, prefix, fields)
     assert factory is not None and fields is not None  # the tagged union accepted the factory
     _check_references(prefix, factory, {key: refs[key] for key in whole}, fields)
     if "device" in factory_params(factory) and "device" in values:

@@ -132,17 +132,30 @@ def _item_hint(hint: Any, *, mapping: bool) -> Any:
 
 
 def check_fits(path: str, hint: Any, factory: str, target: str) -> None:
-    """Refuse a reference to ``target`` (built by ``factory``) where ``hint`` wants another class."""
-    wanted, made = runtime_class(hint), runtime_class(factory_returns(factory))
-    try:
-        if wanted is None or made is None or issubclass(made, wanted) or issubclass(wanted, made):
-            return  # fits, or one side is unknown (checked again when it is built)
-    except TypeError:  # a protocol with data members supports only isinstance
-        return
+    """Refuse a reference to ``target`` (built by ``factory``) where ``hint`` wants another class (of
+    a union such as ``Scorer | TaskScorer``: none of its classes)."""
+    made, options = runtime_class(factory_returns(factory)), _runtime_classes(hint)
+    if made is None or not options:
+        return  # one side is unknown (checked again when it is built)
+    for wanted in options:
+        try:
+            if issubclass(made, wanted) or issubclass(wanted, made):
+                return
+        except TypeError:  # a protocol with data members supports only isinstance
+            return
     raise DefinitionError(
         f"{path}: references {target!r}, a {factory!r} object that makes a {made.__name__}, but this field "
-        f"takes a {wanted.__name__}; reference an object of that kind"
+        f"takes a {' or a '.join(wanted.__name__ for wanted in options)}; reference an object of that kind"
     )
+
+
+def _runtime_classes(hint: Any) -> list[type]:
+    """The classes one of which an object bound to ``hint`` must be (empty: not checkable)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        members = [runtime_class(arg) for arg in typing.get_args(hint) if arg is not type(None)]
+        return [] if any(member is None for member in members) else [m for m in members if m is not None]
+    found = runtime_class(hint)
+    return [] if found is None else [found]
 
 
 def runtime_class(hint: Any) -> type | None:

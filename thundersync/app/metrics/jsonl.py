@@ -20,10 +20,12 @@ also hands each step and eval record to them, opens them with itself and closes 
 Lines reach the file as they are written (no buffer), so a crashed run leaves every line up to the crash.
 
 The file is created new, in a directory that must already exist; an existing file is replaced
-only with ``overwrite=True`` (``thundersync run --overwrite``), and then only if it is a regular
-file with no other hard link: the sink never writes through a symbolic link (``O_NOFOLLOW``),
-into a device or a FIFO, and never truncates a file that other names share (``st_nlink > 1``).
-Each refusal is a :class:`~thundersync.errors.ConfigError` that names the path and what to do.
+only with ``overwrite=True`` (``thundersync run --overwrite``), or added to with ``append=True``
+(``thundersync run --resume``), and then only if it is a regular file with no other hard link: the
+sink never writes through a symbolic link (``O_NOFOLLOW``), into a device or a FIFO, and never
+truncates a file that other names share (``st_nlink > 1``). Each refusal is a
+:class:`~thundersync.errors.ConfigError` that names the path and what to do;
+:func:`check_metrics_path` finds it without touching the file.
 """
 
 from __future__ import annotations
@@ -81,7 +83,9 @@ _HINT = "give --metrics (or run.metrics) the path of a new file"
 class JsonlMetrics:
     """Write metric records to ``path`` (``None``: a sink that drops everything).
 
-    ``overwrite``: replace an existing regular file instead of refusing to open; ``tensorboard``:
+    ``overwrite``: replace an existing regular file instead of refusing to open; ``append``: add to an
+    existing regular file (``thundersync run --resume`` without ``--overwrite``: the resumed run's lines
+    follow the first's; ``overwrite`` wins over it); ``tensorboard``:
     where the step records also go (None: nowhere else); ``sinks``: other places they go.
     """
 
@@ -90,11 +94,12 @@ class JsonlMetrics:
         path: str | Path | None,
         *,
         overwrite: bool = False,
+        append: bool = False,
         tensorboard: TensorBoardSteps | None = None,
         sinks: Sequence[RecordSink] = (),
     ) -> None:
         self.path = None if path is None else Path(path)
-        self.overwrite = overwrite
+        self.overwrite, self.append = overwrite, append
         self.tensorboard = tensorboard
         self.sinks: list[RecordSink] = [*([tensorboard] if tensorboard is not None else []), *sinks]
         self._opened: list[RecordSink] = []
@@ -105,7 +110,7 @@ class JsonlMetrics:
 
     def __enter__(self) -> JsonlMetrics:
         if self.path is not None:
-            self._file = _open_new(self.path, overwrite=self.overwrite)
+            self._file = _open_new(self.path, overwrite=self.overwrite, append=self.append)
         self._opened = []
         for sink in self.sinks:
             try:
@@ -154,11 +159,14 @@ class JsonlMetrics:
             self.write("stage_statistics", **msgspec.to_builtins(stage))
 
 
-def _open_new(path: Path, *, overwrite: bool) -> io.FileIO:
-    """``path`` opened for writing from its start, or a ConfigError saying why it may not be."""
+def _open_new(path: Path, *, overwrite: bool, append: bool = False) -> io.FileIO:
+    """``path`` opened for writing from its start (at its end: ``append``), or a ConfigError saying
+    why it may not be."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO must not block us
+    append = append and not overwrite
+    flags |= os.O_APPEND if append else 0
     try:
-        fd = os.open(path, flags if overwrite else flags | os.O_EXCL, 0o644)
+        fd = os.open(path, flags if overwrite or append else flags | os.O_EXCL, 0o644)
     except OSError as error:
         raise _refusal(path, error) from None
     try:
@@ -169,7 +177,8 @@ def _open_new(path: Path, *, overwrite: bool) -> io.FileIO:
         if status.st_nlink > 1:  # truncating it would empty the file under its other names too
             raise _linked(path, status.st_nlink)
         os.set_blocking(fd, True)
-        os.ftruncate(fd, 0)
+        if not append:
+            os.ftruncate(fd, 0)
     except OSError as error:
         os.close(fd)
         raise _refusal(path, error) from None
@@ -179,10 +188,11 @@ def _open_new(path: Path, *, overwrite: bool) -> io.FileIO:
     return io.FileIO(fd, "wb")
 
 
-def check_metrics_path(path: str | Path | None, *, overwrite: bool) -> None:
+def check_metrics_path(path: str | Path | None, *, overwrite: bool = False, append: bool = False) -> None:
     """The refusals of :class:`JsonlMetrics` that need no file opened, callable before a run builds
-    anything: a link, device, FIFO or directory in place of ``path``, an existing file without
-    ``overwrite``, one with other hard links, a missing directory. Creates and truncates nothing."""
+    anything (``thundersync check``, and ``run`` before it builds anything): a link, device, FIFO or
+    directory in place of ``path``, an existing file without ``overwrite`` or ``append``, one with
+    other hard links, a missing or unwritable directory. Creates, opens and changes nothing."""
     if path is None:
         return
     path = Path(path)
@@ -191,14 +201,20 @@ def check_metrics_path(path: str | Path | None, *, overwrite: bool) -> None:
     except FileNotFoundError:
         if not path.parent.is_dir():
             raise _refusal(path, FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))) from None
+        if not os.access(path.parent, os.W_OK | os.X_OK):
+            raise _refusal(path, PermissionError(errno.EACCES, os.strerror(errno.EACCES))) from None
         return
+    except OSError as error:
+        raise _refusal(path, error) from None
     kind = _kind(status.st_mode)
     if kind != "regular file":
         raise ConfigError(f"the metrics path {path} is a {kind}, not a regular file; {_HINT}")
-    if not overwrite:
+    if not (overwrite or append):
         raise _refusal(path, FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST)))
     if status.st_nlink > 1:
         raise _linked(path, status.st_nlink)
+    if not os.access(path, os.W_OK):
+        raise _refusal(path, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
 
 
 def _linked(path: Path, links: int) -> ConfigError:

@@ -68,8 +68,9 @@ class TensorBoardSteps:
             ) from None
         return self
 
-    def _clear(self) -> None:
-        """Refuse, or delete, the event files of an earlier run (not when resuming)."""
+    def check(self) -> list[Path]:
+        """The ConfigError that opening would raise, found without changing anything (``thundersync
+        check``, and ``run`` before it builds anything); else the event files opening would delete."""
         if self.directory.exists() and not self.directory.is_dir():
             raise ConfigError(f"run.tensorboard = {str(self.directory)!r} is not a directory; give a directory")
         old = _event_files(self.directory) if self.resume_step is None else []
@@ -79,7 +80,11 @@ class TensorBoardSteps:
                 "run, which TensorBoard would draw as one run with this one; give run.tensorboard a new "
                 "directory, or delete them with --overwrite (--resume adds to them)"
             )
-        for path in old:
+        return old
+
+    def _clear(self) -> None:
+        """Refuse, or delete, the event files of an earlier run (not when resuming)."""
+        for path in self.check():
             path.unlink()
 
     def add(self, record: Mapping[str, Any]) -> None:
