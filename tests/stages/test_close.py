@@ -64,8 +64,8 @@ async def test_pending_work_at_the_end_of_the_input_fails_naming_it(run_stage: C
     events = [_opened(), _final(0), _final(1), Rewarded(group_id=0, trajectory_id=0, reward=1.0)]
     with pytest.raises(
         StageFailed,
-        match=r"stage 'stage' failed .*TrackerError: the input ended while work is "
-        r"still pending: batch 0: trajectory 1 of group 0 waits for reward$",
+        match=r"stage 'stage' failed: TrackerError: the input ended while work is "
+        r"still pending: batch 0: trajectory 1 of group 0 waits for reward \(while handling Rewarded\(",
     ) as info:
         await run_stage(CloseStage(), events)
     assert isinstance(info.value.__cause__, TrackerError)

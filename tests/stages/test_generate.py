@@ -169,7 +169,7 @@ async def test_waiting_for_the_policy_needs_batch_sizes(run_stage: Callable[...,
     stage = GenerateStage(generator=ScriptedGenerator(), policy=PolicyClock())
     with pytest.raises(
         StageFailed,
-        match=r"stage 'stage' failed .*prompts must say how many groups their batch "
+        match=r"stage 'stage' failed: .*prompts must say how many groups their batch "
         r"has; group 0 has groups_in_batch=0",
     ):
         await run_stage(stage, [_prompt(0, [1], size=0)])

@@ -123,8 +123,8 @@ async def test_a_setup_that_fails_is_an_episode_error_naming_task_trajectory_too
     async with runner(made, lambda: FakeSandbox(run=fail)) as tools:
         with pytest.raises(
             EpisodeError,
-            match=r"task 't-7', trajectory 2 of group 0, tool 'setup': setup command 'pip install nothing' "
-            r"exited with 3: no such package",
+            match=r"^setup command 'pip install nothing' exited with 3: no such package \(episode failed: "
+            r"task 't-7', trajectory 2 of group 0, tool 'setup'\)$",
         ):
             await tools.run_turn(action(view("x"), trajectory=2), task)
         assert len(tools.sessions) == 0 and made[0].log[-1] == "reset"  # given back, not held
@@ -135,7 +135,7 @@ async def test_a_sandbox_that_cannot_start_is_an_episode_error() -> None:
         raise SandboxUnavailable("the Docker daemon does not answer")
 
     async with runner([], broken) as tools:
-        with pytest.raises(EpisodeError, match=r"tool 'sandbox': the Docker daemon does not answer"):
+        with pytest.raises(EpisodeError, match=r"^the Docker daemon does not answer \(episode failed: .*tool 'sandbox'\)$"):
             await tools.run_turn(action(view("x")), {})
 
 

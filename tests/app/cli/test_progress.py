@@ -168,6 +168,7 @@ def test_without_a_live_line_a_phase_writes_the_lines_it_asks_for() -> None:
     progress.advance(4)
     progress.end()
     assert stream.getvalue() == (
+        "thundersync: warm-up 0/4 steps  elapsed 0:00:00\n"  # it started: a line from its first second
         "thundersync: warm-up 2/4 steps  0.5 steps/s  loss 0.500  elapsed 0:00:04  ETA 0:00:04\n"
         "thundersync: warm-up 4/4 steps in 0:00:08  0.5 steps/s  loss 0.500\n"
     )

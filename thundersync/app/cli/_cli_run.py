@@ -95,13 +95,17 @@ async def run_pipeline(
         if stats is not None:
             metrics.statistics(stats)
     if screen is not None:  # a failed run ends with its one error line instead
-        where = None if metrics.path is None else str(metrics.path)
-        board = None if metrics.tensorboard is None else str(metrics.tensorboard.directory)
-        rank = None if ranks is None else (ranks.label, ranks.writes_files)
-        line = shown.summary(metrics=where, checkpoints=_checkpoints(objects), rank=rank, tensorboard=board)
-        screen.say(line)
+        screen.say(_summary(shown, metrics, objects, ranks))
     assert stats is not None
     return stats
+
+
+def _summary(shown: Progress, metrics: JsonlMetrics, objects: Mapping[str, Any], ranks: Launch | None) -> str:
+    """The line that ends a successful run: its phases' times, where its files went, its rank."""
+    where = None if metrics.path is None else str(metrics.path)
+    board = None if metrics.tensorboard is None else str(metrics.tensorboard.directory)
+    rank = None if ranks is None else (ranks.label, ranks.writes_files)
+    return shown.summary(metrics=where, checkpoints=_checkpoints(objects), rank=rank, tensorboard=board)
 
 
 async def _drive(pipeline: Pipeline, metrics: JsonlMetrics, screen: Screen | None, interval_s: float) -> None:

@@ -100,7 +100,7 @@ class Progress:
         started = _Phase(name, total, unit, record, even, self._clock(), len(self._open))
         self.phases.append(started)
         self._open.append(started)
-        self._changed()
+        self._changed(line=record)  # without a live line, a recorded phase (the warm-up) says it started
 
     def advance(self, done: int, *, line: bool = False, **shown: str) -> None:
         """The open phase has ``done`` units done; ``shown``: values for its line."""
