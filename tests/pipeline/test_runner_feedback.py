@@ -119,6 +119,9 @@ class _Crash:
 
 async def test_a_failure_inside_the_loop_surfaces_as_one_stage_failed() -> None:
     graph, _ = _loop(groups=4, samples=3, tools=_Crash())
-    with anyio.fail_after(10), pytest.raises(StageFailed, match=r"stage 'tool' failed: .*tool broke on group 2") as info:
+    with (
+        anyio.fail_after(10),
+        pytest.raises(StageFailed, match=r"stage 'tool' failed: .*tool broke on group 2") as info,
+    ):
         await run_graph(graph)
     assert isinstance(info.value.__cause__, RuntimeError)

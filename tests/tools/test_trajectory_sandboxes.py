@@ -135,7 +135,9 @@ async def test_a_sandbox_that_cannot_start_is_an_episode_error() -> None:
         raise SandboxUnavailable("the Docker daemon does not answer")
 
     async with runner([], broken) as tools:
-        with pytest.raises(EpisodeError, match=r"^the Docker daemon does not answer \(episode failed: .*tool 'sandbox'\)$"):
+        with pytest.raises(
+            EpisodeError, match=r"^the Docker daemon does not answer \(episode failed: .*tool 'sandbox'\)$"
+        ):
             await tools.run_turn(action(view("x")), {})
 
 
