@@ -17,7 +17,7 @@ import thundersync
 from tests.engine.tiny_models import tiny_qwen3
 from tests.grpo.grpo_cases import Group, Trajectory, Turn, dense_objective, relative_error
 from thundersync.app.metrics.step_metrics import StepMetrics
-from thundersync.errors import ConfigError
+from thundersync.errors import ConfigError, StageFailed
 from thundersync.events import (
     ActionGenerated,
     BatchReady,
@@ -292,3 +292,17 @@ def test_dynamic_sampling_is_refused_where_groups_cannot_be_dropped_and_refilled
         BackwardStage(objective=NoDrops(), failures=failures)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"^dynamic_sampling refills groups from one source; data parallel runs"):
         CloseStage(failures=failures, claims=object())  # type: ignore[arg-type]
+
+
+async def test_dynamic_sampling_that_no_reward_stage_reports_fails_the_run_instead_of_doing_nothing() -> None:
+    failures = EpisodeFailures(dynamic_sampling=True)
+    source = SourceStage(SourceStage.Config(samples=3, groups_per_batch=2), tasks=Tasks([[1.0, 0.0, 1.0]] * 2), failures=failures)
+    source.limit_batches(1)
+    graph = Graph().add("source", source)
+    with (
+        anyio.fail_after(20),
+        pytest.raises(StageFailed, match=r"dynamic_sampling is on, but no reward stage reports its groups' rewards"),
+    ):
+        await run(graph)
+    RewardStage(scorer=TableScorer(), failures=failures)  # a reward stage that reports to it
+    assert failures.reward_stages == 1

@@ -88,6 +88,7 @@ class EpisodeFailures:
         self._oversampled: dict[Hashable, int] = {}  # batch -> its groups dropped as uninformative
         self._changed = anyio.Event()
         self.last_failure: str | None = None
+        self.reward_stages = 0  # reward stages that report uninformative groups here (dynamic sampling)
 
     @property
     def drops(self) -> bool:

@@ -134,6 +134,8 @@ class RewardStage(ContextStage):
                 "score_trajectory(group_id, trajectory_id, prompt_ids, completion_ids, task)"
             )
         self.scorer, self.failures = scorer, failures
+        if failures is not None:
+            failures.reward_stages += 1  # the source refuses dynamic sampling that no reward stage reports
         self._lengths: dict[tuple[Id, Id], _Length] = {}  # open trajectories' generated tokens so far
         self._rewards: dict[Id, tuple[int, list[float]]] = {}  # dynamic sampling: group -> (size, rewards)
 

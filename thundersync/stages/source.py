@@ -260,6 +260,13 @@ class SourceStage(Stage):
         self, failures: EpisodeFailures, batches: AsyncIterator[list[PromptSubmitted]], outbox: Outbox
     ) -> None:
         """Batch by batch: submit its prompts, then a new group for each one dropped, until it is whole."""
+        if failures.config.dynamic_sampling and not failures.reward_stages:
+            raise ConfigError(
+                "dynamic_sampling is on, but no reward stage reports its groups' rewards to this "
+                "EpisodeFailures, so no group would ever be dropped: give the reward stage the same "
+                "failures= (a pipeline file does), or turn dynamic_sampling off (an agent-app graph's "
+                "episodes bring their own rewards and cannot use it)"
+            )
         refills = self._refill_tasks()
         next_id = self._groups() or 0  # listed tasks only (checked in __init__): the count is known
         async for prompts in batches:
