@@ -296,7 +296,9 @@ def test_dynamic_sampling_is_refused_where_groups_cannot_be_dropped_and_refilled
 
 async def test_dynamic_sampling_that_no_reward_stage_reports_fails_the_run_instead_of_doing_nothing() -> None:
     failures = EpisodeFailures(dynamic_sampling=True)
-    source = SourceStage(SourceStage.Config(samples=3, groups_per_batch=2), tasks=Tasks([[1.0, 0.0, 1.0]] * 2), failures=failures)
+    source = SourceStage(
+        SourceStage.Config(samples=3, groups_per_batch=2), tasks=Tasks([[1.0, 0.0, 1.0]] * 2), failures=failures
+    )
     source.limit_batches(1)
     graph = Graph().add("source", source)
     with (
