@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from thundersync.errors import ConfigError
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator, generate_many
+from thundersync.model.anatomy import adapter_lock
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 
@@ -611,3 +612,32 @@ def test_the_weights_check_lists_the_parameters_once(make_qwen3, monkeypatch) ->
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight.add_(1.0)  # still noticed
     assert generator._batcher.weights.changed()
+
+
+def test_a_generator_steps_only_while_its_models_adapter_lock_is_free(make_qwen3) -> None:
+    """A GRPO KL reference scores the policy with its adapter switched off under the model's
+    adapter lock; a generator over the same module waits for it instead of sampling meanwhile."""
+    model = make_qwen3()
+    generator = TorchGenerator(model, max_batch=2, max_seq_len=64)
+    request = GenerationRequest(prompt_ids=[5, 9, 33], params=GREEDY)
+    lock = adapter_lock(model)
+
+    async def main() -> None:
+        results = []
+
+        async def generate() -> None:
+            results.append(await generator.generate(request))
+
+        lock.acquire()
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(generate)
+                await anyio.sleep(0.5)
+                assert not results  # its first step waits for the lock
+                lock.release()
+        finally:
+            if lock.locked():
+                lock.release()
+        assert len(results) == 1 and len(results[0].token_ids) == 12
+
+    anyio.run(main)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +24,9 @@ from tests.engine.tiny_models import tiny_qwen3, with_lora
 from tests.grpo.grpo_cases import Group, advantages, grads, groups, interleaving, relative_error
 from thundersync.errors import ConfigError
 from thundersync.grpo import losses
+from thundersync.grpo.stream import reference_scorer
+from thundersync.model.anatomy import adapter_lock
+from thundersync.model.scoring import PackedScorer
 
 EPS = 1e-6
 VERSIONS = 3
@@ -430,3 +434,22 @@ def test_grpo_reports_no_objective_stats() -> None:
     grpo.close_group("g")
     grpo.assert_safe_to_step()
     assert grpo.take_objective_stats() is None
+
+
+def test_the_lora_reference_is_scored_holding_the_models_adapter_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """peft's disable_adapter switches the adapter off for the whole module: the reference call holds
+    the model's adapter lock (a torch-generator over the same module steps only under it)."""
+    model, _ = case(True, 0)
+    run = thundersync.StreamingRun(model)
+    seen: list[tuple[bool, bool]] = []
+
+    def logprobs(self: Any, sequences: Any, counts: Any) -> list[list[float]]:
+        layer = next(m for m in model.modules() if hasattr(m, "lora_A"))
+        seen.append((adapter_lock(model).locked(), bool(layer.disable_adapters)))
+        return [[0.0] * count for count in counts]
+
+    monkeypatch.setattr(PackedScorer, "logprobs", logprobs)
+    score = reference_scorer(run, None)
+    assert score([[1, 2, 3]], [2]) == [[0.0, 0.0]]
+    assert seen == [(True, True)]
+    assert not adapter_lock(model).locked()

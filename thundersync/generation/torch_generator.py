@@ -58,6 +58,7 @@ from thundersync.generation._fused import FusedWeights
 from thundersync.generation._kernel_layers import KernelLayers
 from thundersync.generation.base import GenerationRequest, GenerationResult
 from thundersync.kernels.decode import use_linear_configs
+from thundersync.model.anatomy import adapter_lock
 
 __all__ = ["TorchGenerator"]
 
@@ -132,6 +133,7 @@ class TorchGenerator:
             serial=cfg.deterministic,
         )
         self.max_seq_len = cfg.max_seq_len  # what generate's trajectories must fit (prompt and new tokens)
+        self._adapter_lock = adapter_lock(model)  # a KL reference may switch the model's adapter off
         device = self._batcher.anatomy.device
         cuda_graphs = device.type == "cuda" if cfg.cuda_graphs is None else cfg.cuda_graphs
         if cuda_graphs and device.type != "cuda":
@@ -277,7 +279,9 @@ class TorchGenerator:
         deadline = time.monotonic() + _VISIT_SECONDS
         try:
             while not driver.done and not self._changes and time.monotonic() < deadline:
-                if self._batcher.step():
+                with self._adapter_lock:  # never while a KL reference scores with the adapter off
+                    finished = self._batcher.step()
+                if finished:
                     return  # the event loop wakes their requests
         except Exception as error:
             self._batcher.fail_all(error)

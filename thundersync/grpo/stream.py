@@ -82,6 +82,7 @@ from thundersync.grpo._jobs import Branch, GroupWork
 from thundersync.grpo._profile import CloseProfile
 from thundersync.grpo.estimators import Estimator, accumulator_coefficients, advantages, contributes
 from thundersync.grpo.losses import KLEstimator, Loss, LossForm, ReferenceScorer
+from thundersync.model.anatomy import adapter_lock
 from thundersync.model.scoring import PackedScorer
 
 if TYPE_CHECKING:
@@ -363,7 +364,9 @@ class RewardLinearBackward:
 def reference_scorer(run: StreamingRun, reference: nn.Module | None) -> ReferenceScorer:
     """The KL term's reference log-probs: ``reference`` scored by a packed scorer, or, when none is
     given and the run's model is a peft model, that model with its adapter disabled (peft's
-    ``disable_adapter``) for the duration of each scoring call, on the worker thread."""
+    ``disable_adapter``) for the duration of each scoring call, on the worker thread, holding the
+    model's :func:`~thundersync.model.anatomy.adapter_lock` (a torch-generator over the same module
+    steps only under it)."""
     if reference is not None:
         return PackedScorer(reference).logprobs
     model = run.anatomy.model
@@ -376,9 +379,10 @@ def reference_scorer(run: StreamingRun, reference: nn.Module | None) -> Referenc
             "or set kl_coef = 0"
         )
     scorer = PackedScorer(model)
+    lock = adapter_lock(model)  # a torch-generator over the same module waits for the call
 
     def score(sequences: Sequence[Sequence[int]], counts: Sequence[int]) -> list[list[float]]:
-        with disable():
+        with lock, disable():
             return scorer.logprobs(sequences, counts)
 
     return score

@@ -21,6 +21,8 @@ The per-layer math over these parts is :mod:`thundersync.model.decoder`.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +31,7 @@ from torch import nn
 
 from thundersync.errors import ConfigError
 
-__all__ = ["DecoderAnatomy", "LayerParts", "decoder_anatomy", "input_embedding_weight", "unwrap_peft"]
+__all__ = ["DecoderAnatomy", "LayerParts", "adapter_lock", "decoder_anatomy", "input_embedding_weight", "unwrap_peft"]
 
 _DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -86,6 +88,23 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     """The transformers model inside a peft ``PeftModel`` (the model itself otherwise)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
+
+
+_ADAPTER_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.Lock] = weakref.WeakKeyDictionary()
+_ADAPTER_LOCKS_GUARD = threading.Lock()
+
+
+def adapter_lock(model: nn.Module) -> threading.Lock:
+    """The one lock of ``model`` (a peft model, or any module) for work that must not see another
+    thread switch its adapter: peft's ``disable_adapter()`` turns the adapter off for the whole
+    module, so a GRPO KL reference scored that way (the policy, adapter off) holds it for the call,
+    and a :class:`~thundersync.generation.TorchGenerator` over the same module holds it for each
+    batcher step (it would otherwise sample from the base model meanwhile)."""
+    with _ADAPTER_LOCKS_GUARD:
+        lock = _ADAPTER_LOCKS.get(model)
+        if lock is None:
+            lock = _ADAPTER_LOCKS[model] = threading.Lock()
+        return lock
 
 
 def input_embedding_weight(causal_lm: nn.Module) -> torch.Tensor:
