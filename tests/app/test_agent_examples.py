@@ -78,8 +78,9 @@ def test_the_warmup_lowers_the_loss_of_the_written_tokens_and_is_seeded(capsys: 
     assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
     assert not models[0].training and all(p.grad is None for p in models[0].parameters())
     lines = shown.getvalue().splitlines()
-    assert len(lines) == 4 and lines[0].startswith("thundersync: warm-up 3/6 steps") and " loss " in lines[0]
-    assert lines[1].startswith("thundersync: warm-up 6/6 steps in ") and " ETA " not in lines[1]
+    assert len(lines) == 6 and lines[0] == "thundersync: warm-up 0/6 steps  elapsed 0:00:00"  # it started
+    assert lines[1].startswith("thundersync: warm-up 3/6 steps") and " loss " in lines[1]
+    assert lines[2].startswith("thundersync: warm-up 6/6 steps in ") and " ETA " not in lines[2]
     assert capsys.readouterr().err == ""  # the library prints nothing by itself
 
 
