@@ -453,3 +453,19 @@ def test_the_lora_reference_is_scored_holding_the_models_adapter_lock(monkeypatc
     assert score([[1, 2, 3]], [2]) == [[0.0, 0.0]]
     assert seen == [(True, True)]
     assert not adapter_lock(model).locked()
+
+
+@pytest.mark.parametrize("pack_tokens", [0, 10_000])
+def test_a_group_whose_rewards_turn_out_equal_counts_no_importance_weight(pack_tokens: int) -> None:
+    """tis streams a branch before its group closes (pack_tokens = 0): a group found all-equal at
+    its close contributes nothing, and its early branches' weights leave the statistics too."""
+    from tests.grpo.grpo_cases import Trajectory, Turn
+
+    plan = [Group(prompt=[0], trajectories=[Trajectory(turns=[Turn(tokens=[0], scored=[True])], reward=0.0)])]
+    model, reference = case(False, 0)
+    options = {"loss": "tis", "tis_cap": 1.05}
+    behaviour, _ = behaviour_logprobs(model, plan, 0)
+    _, want = dense_loss(reference, plan, behaviour, options, "grpo")
+    got = stream(model, plan, behaviour, options, "grpo", 0, pack_tokens=pack_tokens, background=False)
+    assert want is None and got is None
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())

@@ -19,7 +19,7 @@ from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.mismatch import LogprobMismatch
 from thundersync.engine.run import StreamingRun
 from thundersync.engine.sinks import FlatAccumulator
-from thundersync.grpo.losses import LossForm
+from thundersync.grpo.losses import ImportanceStats, LossForm
 from thundersync.model.packed import KVStack
 
 __all__ = ["Branch", "GroupWork", "backward_final", "backward_linear", "close_group", "forward_prompt"]
@@ -51,7 +51,9 @@ class Branch:
 class GroupWork:
     """A group's tensors (module docstring); ``cancelled`` once its rewards are all equal;
     ``mismatch``: where its branches' forwards report their behaviour/learner log-prob gaps;
-    ``form``: the loss form of :mod:`thundersync.grpo.losses` (None: plain GRPO, ``lp.sum() * A``)."""
+    ``form``: the loss form of :mod:`thundersync.grpo.losses` (None: plain GRPO, ``lp.sum() * A``);
+    ``early``: the importance weights of branches forwarded before the close, counted in the form's
+    statistics only when the group contributes (not when its rewards turn out all equal or it is dropped)."""
 
     prompt: list[int]
     mismatch: LogprobMismatch = field(default_factory=LogprobMismatch)
@@ -63,6 +65,7 @@ class GroupWork:
     l2: AdjointLedger = field(default_factory=AdjointLedger)
     final: AdjointLedger = field(default_factory=AdjointLedger)
     cancelled: bool = False
+    early: ImportanceStats = field(default_factory=ImportanceStats)  # the linear path's, counted at the close
 
     def nbytes(self) -> int:
         state = 0 if self.root is None or self.root.state is None else self.root.state.nbytes
@@ -110,7 +113,7 @@ def backward_linear(run: StreamingRun, work: GroupWork, branches: Sequence[Branc
     if work.form is None:
         objective = torch.stack([lp.sum() for lp in logprobs]).sum()
     else:  # a linear form (no KL): J_i / A_i
-        terms = [work.form.objective(lp, b.behaviour, 1.0) for b, lp in zip(branches, logprobs)]
+        terms = [work.form.objective(lp, b.behaviour, 1.0, into=work.early) for b, lp in zip(branches, logprobs)]
         objective = torch.stack(terms).sum()
     adjoints = pack.backward(objective, params=run.params, sink=run.capture)
     if work.g2 is None:
@@ -188,6 +191,8 @@ def close_group(
     if work.cancelled:
         work.release()
         return
+    if work.form is not None:  # its early branches' weights count now that the group contributes
+        work.form.stats.merge(work.early)
     if work.g1 is not None and work.g2 is not None:
         run.total.add_combination([(c1, work.g1), (c2, work.g2)])
     adjoint = _combined_adjoint(work, c1, c2)

@@ -141,6 +141,19 @@ class ImportanceStats:
             out["kl"] = kl / kl_count
         return out or None
 
+    def merge(self, other: ImportanceStats) -> None:
+        """Add ``other``'s weights and KL estimates to these."""
+        if other._sum is not None and other._max is not None and other._clipped is not None:
+            if self._sum is None or self._max is None or self._clipped is None:
+                self._sum, self._max, self._clipped = other._sum, other._max, other._clipped
+            else:
+                self._sum, self._clipped = self._sum + other._sum, self._clipped + other._clipped
+                self._max = torch.maximum(self._max, other._max)
+            self._count += other._count
+        if other._kl is not None:
+            self._kl = other._kl if self._kl is None else self._kl + other._kl
+            self._kl_count += other._kl_count
+
     def reset(self) -> None:
         self._sum = self._max = self._clipped = self._kl = None
         self._count = self._kl_count = 0
@@ -240,11 +253,13 @@ class LossForm:
         *,
         reference: list[float] | None = None,
         record: bool = True,
+        into: ImportanceStats | None = None,
     ) -> torch.Tensor:
         """``J_i`` of one trajectory (module docstring): ``lp`` [n] with its graph, ``behaviour`` [n];
         ``reference`` [n]: the reference's log-probs (with ``kl_coef`` > 0); its weights and KL go to
-        :attr:`stats` when ``record``."""
-        stats = self.stats if record else ImportanceStats()
+        :attr:`stats` when ``record`` (to ``into`` when given: a group's early branches, counted at its
+        close)."""
+        stats = (self.stats if into is None else into) if record else ImportanceStats()
         value = self._policy_term(lp, behaviour, advantage, stats)
         if not self.has_kl:
             return value
