@@ -5,7 +5,8 @@ edge (top-level and function-local, ``import``, ``from ... import`` and relative
 top to bottom, as docs/ARCHITECTURE.md states them:
 
     app -> stages -> pipeline (runtime) -> agents -> tasks -> grpo, opd, generation, scheduling, tools -> engine
-        -> model -> kernels, sandboxes -> events, acceleration, _config, _device, _compile -> errors, _logging
+        -> model -> kernels, sandboxes -> events, acceleration, _config, _device, _compile -> _green
+        -> errors, _logging
 
 A module may import its own package and any lower layer. Packages that share a layer are siblings
 and do not import each other (grpo does not import opd). ``testing`` may import anything but
@@ -34,6 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("model",),
     ("kernels", "sandboxes"),
     ("events", "acceleration", "_config", "_device", "_compile"),
+    ("_green",),
     ("errors", "_logging"),
 )
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}

@@ -18,6 +18,7 @@ from typing import Literal
 
 import msgspec
 
+from thundersync._green import SM_GROUP
 from thundersync.errors import ConfigError
 
 __all__ = ["ENVIRONMENT", "Acceleration", "Mode"]
@@ -38,6 +39,7 @@ ENVIRONMENT: dict[str, str] = {
     "scorer_graphs": "THUNDERSYNC_SCORER_GRAPHS",
     "fa4": "THUNDERSYNC_FA4",
     "graph_pool_fraction": "THUNDERSYNC_GRAPH_POOL_FRACTION",
+    "learner_sms": "THUNDERSYNC_LEARNER_SMS",
 }
 """The environment variable that overrides each field left at ``auto`` (or unset)."""
 
@@ -65,6 +67,16 @@ class Acceleration(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     imports and passes its probe; ``require``; ``off``). ``graph_pool_fraction``: the share of
     the device's memory that every CUDA-graph pool of the process may hold together (0: 0.4);
     past it a cache drops its captures before it captures again.
+
+    Placement: ``learner_sms``, the engine's work (every stream its jobs launch on, and every CUDA
+    graph it captures) on a CUDA green context of that many SMs of its device, made by the driver,
+    at CUDA's lowest stream priority; the decode and everything else keep the whole device's
+    other SMs and may also use the partition's idle ones (a partition reserves nothing against
+    ordinary streams). 0: off, the engine's side stream runs on every SM. A positive multiple of
+    8 (Hopper's SM group) that leaves at least 8 SMs; a machine without green contexts (no CUDA
+    device, no ``cuda.bindings``, a driver before 12.5) refuses it, naming what is missing
+    (:mod:`thundersync._green`). It also picks GRPO's default packing
+    (:class:`~thundersync.RewardLinearBackward`: each trajectory as it closes).
     """
 
     pack_graphs: Mode = "auto"
@@ -80,6 +92,7 @@ class Acceleration(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     scorer_graphs: Mode = "auto"
     fa4: Literal["auto", "require", "off"] = "auto"
     graph_pool_fraction: float = 0.0
+    learner_sms: int = 0
 
     def __post_init__(self) -> None:
         for name in ENVIRONMENT:
@@ -145,6 +158,9 @@ def _check(name: str, value: object, where: str, *, given: str | None = None) ->
         ok, want = isinstance(value, int | float) and 0.0 <= value <= 1.0, "a fraction of device memory in (0, 1]"
     elif name == "decode_linear_configs":
         ok, want = isinstance(value, str), "a path to a JSON file"
+    elif name == "learner_sms":
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0 and value % SM_GROUP == 0
+        want = f"0 (off) or a positive multiple of {SM_GROUP} SMs (a Hopper GPU splits its SMs in groups of {SM_GROUP})"
     else:
         ok, want = value in ("auto", "on", "off"), "auto, on or off"
     if not ok:

@@ -20,6 +20,12 @@ its stream and frees (the run's total, a ``.grad`` a job created) is only reused
 and every job first waits for the caller's stream as of its submit, so the reuse follows the use.
 On the CPU every call is a no-op: the ``JobStream`` of a CPU run has no stream.
 
+With ``sms`` (``Acceleration.learner_sms``) the side stream is the learner's stream of a green
+context of that many SMs (:func:`thundersync._green.partition`: made by the driver, lowest
+priority, kept for the process's life), one per (device, SMs) as the ordinary one is per device;
+every warm-up and capture the jobs make then runs on a stream of the same partition
+(:func:`thundersync._green.side_stream`), so the engine's graphs keep to its SMs too.
+
 A job's small host inputs go to the device through :func:`thundersync._device.upload`, which does
 not wait for the stream's queued work. CUDA-graph captures are :mod:`thundersync.model.graphs`'.
 """
@@ -32,16 +38,24 @@ from collections.abc import Iterator
 
 import torch
 
+from thundersync import _green
+
 __all__ = ["JobStream"]
 
 
 class JobStream:
     """The side stream of one run on ``device`` (none on the CPU, or with ``side=False``: the jobs
-    then launch on the caller's current stream, as a reference for the side stream's results)."""
+    then launch on the caller's current stream, as a reference for the side stream's results);
+    ``sms`` > 0: the stream of a green context of that many SMs (a ConfigError where the machine
+    has none, also on the CPU: the placement is never dropped silently)."""
 
-    def __init__(self, device: torch.device, *, side: bool = True) -> None:
+    def __init__(self, device: torch.device, *, side: bool = True, sms: int = 0) -> None:
         self.device = device
-        self.stream = _side_stream(device) if side and device.type == "cuda" else None
+        self.sms = sms
+        if sms:
+            self.stream: torch.cuda.Stream | None = _green.partition(device, sms).stream
+        else:
+            self.stream = _side_stream(device) if side and device.type == "cuda" else None
 
     def mark(self) -> torch.cuda.Event | None:
         """On the caller's thread, at a submit: an event after all the caller's work so far."""

@@ -98,7 +98,7 @@ class StreamingRun:
         self.accumulator_device = _device(self.config.source_offload_device) or self.layout.device
         background = self.config.background
         self.worker = Worker(background=self.layout.device.type == "cuda" if background is None else background)
-        self.streams = JobStream(self.layout.device)
+        self.streams = JobStream(self.layout.device, sms=self.executor.acceleration.learner_sms)
         positions = getattr(getattr(unwrap_peft(model), "config", None), "max_position_embeddings", None)
         self.max_positions = int(positions) if positions is not None else None
         self.guard = ParameterGuard(model, self.params)

@@ -7,7 +7,9 @@ invalidation when the parameters move (:class:`ParamsKey`), one user of the stat
 time, what a failed capture does, the counts, and the bound on the memory that every pool of the
 process holds together (past it, a cache drops its captures before it captures again). Captures
 warm up with :func:`warm_up_stream` and record with :func:`capture_graph` (thread-local mode:
-other threads keep launching meanwhile).
+other threads keep launching meanwhile), both on :func:`thundersync._green.side_stream`: a stream of
+the current stream's green context where it has one (a graph keeps to a partition's SMs only when
+captured on its stream), else a new ordinary stream.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from thundersync import _green
 from thundersync._logging import get_logger
 
 __all__ = ["GraphCache", "ParamsKey", "capture_graph", "graph_pool_bytes", "power_of_two", "warm_up_stream"]
@@ -85,7 +88,7 @@ def warm_up_stream() -> Iterator[None]:
     after a capture ran out of memory; bench/RESULTS.md, section "2026-12-02 — The host-time changes
     measured, and the sampler in two kernels (ninth session): batch-1 step 1.30 ms, long tail
     4.92 s")."""
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+    side = _green.side_stream()
     side.wait_stream(torch.cuda.current_stream())
     try:
         with torch.cuda.stream(side):
@@ -115,7 +118,7 @@ def capture_graph(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[Non
     free, total = torch.cuda.mem_get_info()
     if free < total // 4:
         torch.cuda.empty_cache()
-    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+    stream = _green.side_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         graph.capture_begin(pool, capture_error_mode="thread_local")

@@ -1,0 +1,191 @@
+"""CUDA green contexts: the learner's streams on a partition of a device's SMs (private).
+
+``Acceleration.learner_sms = N`` puts the engine's work on N SMs of its device, so that the
+generator's decode keeps the others. :func:`partition` asks the driver (NVIDIA's ``cuda.bindings``)
+to split the device's SMs into N and the rest, makes a green context of the N, and creates the
+learner's stream inside it with ``cuGreenCtxStreamCreate`` at CUDA's lowest priority; torch sees an
+ordinary external stream, so launches, events and the caching allocator work on it as on any
+other. A kernel keeps to the partition only when it is launched on a stream of the partition, and a
+CUDA graph only when it was *captured* on one (replayed there, a graph captured on an ordinary
+stream ran at the whole GPU's speed: bench/RESULTS.md, section "2026-12-05 — The engine
+restructure, before and after; green contexts probed"). So :func:`side_stream`, the stream that
+:mod:`thundersync.model.graphs` warms up and captures on, is a stream of the same partition when
+the current stream is one (thread-local capture mode, which the probe found to work beside other
+threads' launches), and a new ordinary stream otherwise.
+
+Lifetime: partitions, their contexts and streams are made once per (device, SMs) and kept until
+the process ends; nothing destroys them. Destroying a green context while a tensor used on its
+streams is alive aborts the process when that tensor is freed (seen in the probe), while a process
+that exits with its partitions alive exits cleanly (exit 0 in the probe).
+
+On Hopper the driver splits SMs in groups of 8, so ``N`` must be a multiple of 8 (checked for every
+device, so that a file valid on one GPU is valid on another) and leave at least 8 SMs to the rest.
+What is missing for a partition (no CUDA device, no ``cuda.bindings``, an older driver) is an error
+that names it: there is no silent fallback to the whole device.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from thundersync.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["SM_GROUP", "Partition", "check_sms", "missing", "partition", "partition_of", "side_stream"]
+
+SM_GROUP = 8
+"""The driver's granularity of an SM split on Hopper: a partition is a multiple of it."""
+
+_COMPANIONS = 16  # streams per partition for warm-ups and captures, handed out in turn (torch keeps 32)
+_MIN_DRIVER = 12050  # cuGreenCtxStreamCreate: CUDA 12.5
+
+
+def check_sms(value: object, where: str) -> None:
+    """``value`` is 0 (no partition) or a positive multiple of :data:`SM_GROUP`; else a
+    ConfigError naming ``where`` and the value."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0 and value % SM_GROUP == 0
+    if not ok:
+        raise ConfigError(
+            f"{where} must be 0 (the learner shares every SM) or a positive multiple of {SM_GROUP} "
+            f"(the driver splits a Hopper GPU's SMs in groups of {SM_GROUP}), got {value!r}"
+        )
+
+
+@dataclass(eq=False)
+class Partition:
+    """``sms`` SMs of ``device`` as a green context (``rest_sms`` left to everything else), with
+    the learner's ``stream`` and, made on demand, companion streams for warm-ups and captures."""
+
+    device: torch.device
+    sms: int
+    rest_sms: int
+    stream: torch.cuda.Stream
+    _context: Any
+    _companions: list[torch.cuda.Stream] = field(default_factory=list)
+    _turn: int = 0
+
+    def companion(self) -> torch.cuda.Stream:
+        """A stream of this partition other than :attr:`stream`, the next of a small pool."""
+        with _lock:
+            if len(self._companions) < _COMPANIONS:
+                self._companions.append(_new_stream(self._context, self.device))
+                return self._companions[-1]
+            self._turn = (self._turn + 1) % _COMPANIONS
+            return self._companions[self._turn]
+
+
+_lock = threading.Lock()
+_partitions: dict[tuple[int, int], Partition] = {}  # (device index, SMs) -> kept for the process's life
+_by_stream: dict[int, Partition] = {}  # every partition stream's handle -> its partition
+
+
+def missing(device: torch.device) -> str | None:
+    """What this machine lacks for a partition of ``device``'s SMs (None: nothing)."""
+    import torch
+
+    if device.type != "cuda":
+        return f"the learner's parameters are on {device}, and only a CUDA device's SMs can be partitioned"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    if torch.version.hip is not None:
+        return f"green contexts are NVIDIA's, and this torch is built for ROCm {torch.version.hip}"
+    try:
+        from cuda.bindings import driver
+    except ImportError as error:
+        return (
+            f"the driver API's Python bindings, which make the partition, do not import ({error}); install "
+            "NVIDIA's cuda-bindings for the machine's CUDA (pip install cuda-bindings)"
+        )
+    if not hasattr(driver, "cuGreenCtxStreamCreate"):
+        return "this cuda-bindings has no cuGreenCtxStreamCreate; install cuda-bindings 12.5 or later"
+    status, version = driver.cuDriverGetVersion()
+    if status != driver.CUresult.CUDA_SUCCESS or version < _MIN_DRIVER:
+        return f"green-context streams need a CUDA driver of 12.5 or later; this one reports {version}"
+    return None
+
+
+def partition(device: torch.device, sms: int) -> Partition:
+    """The partition of ``sms`` SMs of ``device``, made at the first call and kept (module docstring)."""
+    import torch
+
+    check_sms(sms, "learner_sms")
+    lacking = missing(device)
+    if lacking is not None:
+        raise ConfigError(f"learner_sms = {sms} needs a CUDA green context, but {lacking}; or set learner_sms = 0")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    with _lock:
+        made = _partitions.get((index, sms))
+        if made is None:
+            made = _partitions[(index, sms)] = _make(torch.device("cuda", index), sms)
+            _by_stream[made.stream.cuda_stream] = made
+        return made
+
+
+def partition_of(stream: torch.cuda.Stream) -> Partition | None:
+    """The partition whose stream ``stream`` is (None: an ordinary stream)."""
+    return _by_stream.get(stream.cuda_stream) if _by_stream else None
+
+
+def side_stream() -> torch.cuda.Stream:
+    """The stream a warm-up or a capture runs on: a companion of the current stream's partition
+    (so a graph keeps to the partition's SMs), else a new ordinary stream (torch's next pooled one)."""
+    import torch
+
+    current = partition_of(torch.cuda.current_stream())
+    if current is not None:
+        stream = current.companion()
+        with _lock:
+            _by_stream.setdefault(stream.cuda_stream, current)
+        return stream
+    return torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+
+
+def _driver(result: tuple[Any, ...], what: str) -> Any:
+    """The values of a driver call's ``result``; a ConfigError naming ``what`` and the CUDA error."""
+    from cuda.bindings import driver
+
+    error, *values = result
+    if error != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(error)
+        text = name.decode() if isinstance(name, bytes) else str(name)
+        raise ConfigError(f"making the learner's green context failed at {what}: {text}")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _make(device: torch.device, sms: int) -> Partition:
+    import torch
+    from cuda.bindings import driver
+
+    index = device.index or 0
+    total = torch.cuda.get_device_properties(index).multi_processor_count
+    if sms > total - SM_GROUP:
+        raise ConfigError(
+            f"learner_sms = {sms} leaves the rest of {device} ({total} SMs) fewer than {SM_GROUP} SMs; "
+            f"give at most {(total - SM_GROUP) // SM_GROUP * SM_GROUP}"
+        )
+    torch.zeros(1, device=device)  # the primary context exists and is current
+    dev = _driver(driver.cuDeviceGet(index), "cuDeviceGet")
+    whole = _driver(driver.cuDeviceGetDevResource(dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM), "SMs")
+    groups, _, rest = _driver(driver.cuDevSmResourceSplitByCount(1, whole, 0, sms), "the SM split")
+    got = int(groups[0].sm.smCount)
+    if got != sms:
+        raise ConfigError(f"learner_sms = {sms}: the driver split {got} SMs on {device}; give a multiple of its group")
+    desc = _driver(driver.cuDevResourceGenerateDesc([groups[0]], 1), "the resource descriptor")
+    flags = driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM
+    context = _driver(driver.cuGreenCtxCreate(desc, dev, flags), "cuGreenCtxCreate")
+    return Partition(device, sms, int(rest.sm.smCount), _new_stream(context, device), context)
+
+
+def _new_stream(context: Any, device: torch.device) -> torch.cuda.Stream:
+    """A non-blocking stream of the green context ``context``, at CUDA's lowest priority."""
+    import torch
+    from cuda.bindings import driver
+
+    lowest, _ = _driver(driver.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+    flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
+    raw = _driver(driver.cuGreenCtxStreamCreate(context, flags, lowest), "cuGreenCtxStreamCreate")
+    return torch.cuda.get_stream_from_external(int(raw), device)
