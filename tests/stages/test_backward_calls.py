@@ -183,3 +183,49 @@ def test_events_that_no_open_trajectory_can_take_are_refused(
     stage = BackwardStage(objective=cast(StreamingObjective, RecordingObjective("teacher")))
     with pytest.raises(StageFailed, match=message):
         anyio.run(run_stage, stage, events)
+
+
+class _HearsAllOpened(RecordingObjective):
+    def all_groups_opened(self) -> None:
+        self.calls.append(("all_groups_opened",))
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_the_objective_hears_when_every_group_of_a_batch_has_opened(run_stage: RunStage, ordered: bool) -> None:
+    """Once a batch's GroupOpened events reach its groups_in_batch, not before, once per batch; a
+    batch of unknown size (0) never; ordered (deterministic) feeding never."""
+
+    def opened(group: str, batch: int, size: int) -> GroupOpened:
+        return GroupOpened(group_id=group, prompt_tokens=[1], trajectory_ids=[0], batch_id=batch, groups_in_batch=size)
+
+    def done(group: str) -> list[EventBase]:
+        return [
+            ActionGenerated(group_id=group, trajectory_id=0, turn=0, token_ids=[3], final=True),
+            Rewarded(group_id=group, trajectory_id=0, reward=1.0),
+        ]
+
+    objective = _HearsAllOpened("reward")
+    events: list[EventBase] = [opened("a", 0, 2), *done("a"), opened("b", 0, 2), opened("c", 1, 0), *done("c")]
+    events += [*done("b"), opened("d", 2, 1), *done("d")]
+    stage = BackwardStage(BackwardStage.Config(ordered=ordered), objective=cast(StreamingObjective, objective))
+    anyio.run(run_stage, stage, events)
+    names = [c[0] if c[0] != "open_group" else f"open {c[1]}" for c in objective.calls if c[0] != "append_turn"]
+    if ordered:
+        assert "all_groups_opened" not in names
+        return
+    assert names == [
+        "open a",
+        "close_trajectory",
+        "close_group",
+        "open b",
+        "all_groups_opened",  # batch 0's second of two groups
+        "open c",  # batch 1: size unknown
+        "close_trajectory",
+        "close_group",
+        "close_trajectory",
+        "close_group",
+        "open d",
+        "all_groups_opened",  # batch 2: one group
+        "close_trajectory",
+        "close_group",
+    ]

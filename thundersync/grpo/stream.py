@@ -24,6 +24,16 @@ adjoint of all the others. At the group's close the total also receives c1 G1 + 
 (:func:`~thundersync.grpo.estimators.accumulator_coefficients`). A group whose rewards are all
 equal contributes exactly zero and its remaining work is skipped (work already run is wasted).
 
+When a branch starts. ``pack_tokens`` unset (the default) is chosen by placement
+(:func:`default_pack_tokens`): 0 where the learner has SMs or a GPU of its own, so each
+trajectory's backward starts as it closes; :data:`PACK_TOKENS_SHARED` (8192) where it shares the
+device with the rollout, so a group's closed branches wait for 8192 of their tokens or the
+group's close. Either way, once :meth:`RewardLinearBackward.all_groups_opened` says that the
+batch's last group has opened (``flush_when_all_opened``, on by default), every waiting branch is
+submitted and each later one at its close: no trajectory of the batch starts any more, and
+waiting would only move its work past the rollout's end. (With a batch that fits the generator's
+slots at once, the last group opens at the start, so every branch starts at its close.)
+
 Timing. Which branches share a pack, and whether a branch goes through G1/G2 or with its final
 weight at the close, are decided on the caller's thread. Without ``stream_early`` (or with an
 inline worker, where the caller is the worker and there is nothing to overlap) the decision
@@ -89,7 +99,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["RewardLinearBackward"]
+__all__ = ["PACK_TOKENS_SHARED", "RewardLinearBackward", "default_pack_tokens"]
 
 
 @dataclass(eq=False)
@@ -111,10 +121,20 @@ class RewardLinearBackward:
     token's behaviour log-prob) with its keys ``tis_cap``, ``clip_low``, ``clip_high``,
     ``behaviour_cap``, ``pack_tokens``: closed branches of an open group wait
     until this many of their tokens are ready, then run packed (0: every branch runs alone, as
-    soon as it closes), and ``stream_early``: on a background worker, a close that finds the
+    soon as it closes; unset: chosen by placement, :func:`default_pack_tokens`),
+    ``flush_when_all_opened``: once :meth:`all_groups_opened` says the batch's last group has
+    opened, every waiting branch is submitted and each later one at its close (the batch's
+    tail), and ``stream_early``: on a background worker, a close that finds the
     worker idle submits every waiting branch at once. The result then depends on timing, but
     only through float rounding: which branches share a pack, and G1/G2 accumulation against
     the close's direct weights, change the summation order, not the math (module docstring).
+
+    When a trajectory's backward starts (the losses whose branches wait for their group's close,
+    ``ppo_decoupled``, ``gspo`` or any ``kl_coef`` > 0, aside): at its close when ``pack_tokens``
+    is 0 (the default where the learner has SMs or a GPU of its own); else when its group's
+    closed branches reach ``pack_tokens`` tokens, at its group's close, or, with
+    ``flush_when_all_opened``, at its close once every group of the batch has opened, whichever
+    comes first (and with ``stream_early``, also at any close that finds the worker idle).
     """
 
     class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -122,8 +142,9 @@ class RewardLinearBackward:
 
         eps: Annotated[float, msgspec.Meta(ge=0)] = 1e-6
         estimator: Estimator = "grpo"
-        pack_tokens: Annotated[int, msgspec.Meta(ge=0)] = 8192
+        pack_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
         stream_early: bool = False
+        flush_when_all_opened: bool = True
         loss: Loss = "grpo"
         tis_cap: Annotated[float, msgspec.Meta(gt=0)] = 2.0
         clip_low: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.2
@@ -138,7 +159,11 @@ class RewardLinearBackward:
         self, run: StreamingRun, config: Config | None = None, /, *, reference: nn.Module | None = None, **options: Any
     ) -> None:
         self.config = build_config(RewardLinearBackward.Config, config, options, "RewardLinearBackward")
+        given = self.config.pack_tokens
+        self.pack_tokens: int = default_pack_tokens(run) if given is None else given
+        self.config = msgspec.structs.replace(self.config, pack_tokens=self.pack_tokens)
         self.run = run
+        self._draining = False  # the batch's last group has opened: closes submit at once
         self._groups: OpenGroups[_Pending, Branch] = OpenGroups(run, new_trajectory=Branch)
         # THUNDERSYNC_GRPO_CLOSE_TRACE and THUNDERSYNC_GRPO_PROFILE_*: diagnostics of the close packs
         self._profile = CloseProfile.from_env(run.layout.device)
@@ -163,6 +188,8 @@ class RewardLinearBackward:
     def open_group(self, group_id: Hashable, prompt_tokens: Any) -> None:
         """Open a group; its prompt is forwarded once, shared by its trajectories (never before needed)."""
         prompt = self.run.prompt_ids(group_id, prompt_tokens)
+        if not self.run.in_batch:
+            self._draining = False  # a new batch: its groups have not all opened
         self.run.begin(self)
         self._groups.open(group_id, prompt, _Pending(GroupWork(prompt, self._mismatch, form=self._form)))
 
@@ -210,7 +237,7 @@ class RewardLinearBackward:
         if any(branch.scored):
             pending = group.payload
             pending.waiting.append(branch)
-            if self._linear and sum(len(b) for b in pending.waiting) >= self.config.pack_tokens:
+            if self._linear and (self._draining or sum(len(b) for b in pending.waiting) >= self.pack_tokens):
                 self._submit_linear(group)
         if self._worker_idle():
             for waiting in self._groups:
@@ -233,7 +260,7 @@ class RewardLinearBackward:
             return
         weight = {id(b): a for b, a in zip(branches, advantages(rewards, estimator, eps))}
         items = [(pending.work, b, weight[id(b)]) for b in pending.waiting]
-        budget = max(self.config.pack_tokens - len(pending.work.prompt), 0)
+        budget = max(self.pack_tokens - len(pending.work.prompt), 0)
         packs = split(items, budget, lambda item: len(item[1])) if items else [[]]
         if len(packs) > 1:
             self._ensure_prompt_state(group)
@@ -252,6 +279,21 @@ class RewardLinearBackward:
             f"close of group {group_id!r} with {len(last)} branches",
             self._profile.wrap(group_id, len(packs) - 1, len(last), tokens, job),
         )
+
+    def all_groups_opened(self) -> None:
+        """Every group of the logical batch has opened: no trajectory of the batch starts after
+        this (the backward stage calls it when the batch's last GroupOpened arrives). With
+        ``flush_when_all_opened`` every closed branch waiting for a pack is submitted now, and
+        until the batch ends each branch at its close, so the work left after the batch's last
+        trajectory is its own branch and its group's close. The branches take the same G1/G2
+        path as a full pack's: only which branches share a pack changes, hence the summation
+        order, not the math."""
+        if not (self.config.flush_when_all_opened and self._linear):
+            return
+        self._draining = True
+        for group in self._groups:
+            if group.payload.waiting:
+                self._submit_linear(group)
 
     def drop_group(self, group_id: Hashable) -> None:
         """Drop a group whose trajectories are all closed (an episode of it failed): nothing of it
@@ -278,6 +320,7 @@ class RewardLinearBackward:
         """
         self._groups.clear()
         self.run.discard()
+        self._draining = False
         if self._kept is not None:
             self._kept = []
         self._mismatch.reset()
@@ -354,11 +397,28 @@ class RewardLinearBackward:
         pending.waiting = []
         reference = pending.reference = pending.reference if pending.reference is not None else next(iter(by_reward))
         for reward, branches in by_reward.items():
-            for pack in split(branches, self.config.pack_tokens, len):
+            for pack in split(branches, self.pack_tokens, len):
                 self.run.submit(
                     f"backward of {len(pack)} branches of group {group.id!r} (reward {reward})",
                     partial(_jobs.backward_linear, self.run, pending.work, pack, reward - reference),
                 )
+
+
+PACK_TOKENS_SHARED = 8192
+"""GRPO's ``pack_tokens`` where the learner shares its device's SMs with the rollout: fewer, larger
+packs, which cost the rollout less host time than one per trajectory (bench/RESULTS.md, section
+"2026-12-02 — Where the streamed step's time goes: a host timeline, a priority stream, the
+teacher (sixth session)": 66% of the learner hidden against 51% with ``pack_tokens = 0``)."""
+
+
+def default_pack_tokens(run: StreamingRun, *, own_device: bool = False) -> int:
+    """GRPO's ``pack_tokens`` when none is given, by where the learner computes: 0 (each
+    trajectory's backward starts as it closes) when it has compute of its own, a green context
+    (``run.streams.sms``: ``Acceleration.learner_sms``) or a device of its own (``own_device``:
+    a learner process on another GPU); else :data:`PACK_TOKENS_SHARED`. A generator outside this
+    process (vLLM, an OpenAI-compatible server) on another GPU is not known here: give
+    ``pack_tokens = 0`` for it."""
+    return 0 if own_device or run.streams.sms else PACK_TOKENS_SHARED
 
 
 def reference_scorer(run: StreamingRun, reference: nn.Module | None) -> ReferenceScorer:

@@ -19,6 +19,10 @@ objective's calls in each trajectory's own order, whatever order the edges deliv
   The BackwardDone of each of its action turns follows the close.
 - A group closes (its prompt backward is queued, then the group's BackwardDone) once every
   trajectory that its GroupOpened lists has closed.
+- When the GroupOpened events of a batch reach its ``groups_in_batch`` (the batch's last group
+  has opened: no trajectory of it starts after this), the objective hears it
+  (``all_groups_opened``, where it has one: GRPO then submits its waiting branches, and later
+  ones at their close). Not with ``ordered``, nor when ``groups_in_batch`` is 0 (unknown).
 
 BackwardDone means the work is in the objective's queue, not that it ran (see
 :class:`~thundersync.events.BackwardDone`); the step stage's
@@ -144,6 +148,7 @@ class BackwardStage(Stage):
         self.feed = ObjectiveFeed(objective)
         self._groups: dict[Id, dict[Id, _Reorder]] = {}  # group -> its open trajectories
         self._held: dict[Id, list[int]] = {}  # ordered: groups not yet in the objective -> their prompts
+        self._opened: dict[Id, int] = {}  # batch -> its groups opened so far, until all of them have
 
     @property
     def _rewarded(self) -> bool:
@@ -159,6 +164,7 @@ class BackwardStage(Stage):
             await self.feed.discard()
             self._groups.clear()
             self._held.clear()
+        self._opened.clear()
         async for event in inbox:
             for done in await self.handle(event):
                 await outbox.send(done)
@@ -220,6 +226,11 @@ class BackwardStage(Stage):
             self._held[event.group_id] = list(event.prompt_tokens)
         else:
             await self.feed.open_group(event.group_id, event.prompt_tokens)
+            if event.groups_in_batch:
+                opened = self._opened[event.batch_id] = self._opened.get(event.batch_id, 0) + 1
+                if opened >= event.groups_in_batch:
+                    del self._opened[event.batch_id]
+                    await self.feed.all_groups_opened()
 
     def _trajectory(self, group_id: Id, trajectory_id: Id, kind: str) -> _Reorder:
         group = self._groups.get(group_id)

@@ -64,6 +64,13 @@ class ObjectiveFeed:
         """Every trajectory of the group closed: the prompt's backward runs once."""
         await self._call(self.objective.close_group, group_id)
 
+    async def all_groups_opened(self) -> None:
+        """Every group of the logical batch has opened: an objective with ``all_groups_opened``
+        (GRPO's: the batch's tail then streams as it closes) hears it; others have nothing to do."""
+        call = getattr(self.objective, "all_groups_opened", None)
+        if callable(call):
+            await self._call(call)
+
     async def drop_group(self, group_id: Hashable) -> None:
         """The group failed under ``on_failure = "drop"``: it leaves the batch as if never opened
         (only objectives with ``drop_group``, GRPO's; the backward stage checks that up front)."""

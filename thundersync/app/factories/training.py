@@ -14,6 +14,8 @@ Each is a thin wrapper over the library's own classes; the references make the c
     process = false        # true: computed in a learner process of its own (LearnerProcess)
     process_env = {}       # that process's extra environment, e.g. { CUDA_MPS_CLIENT_PRIORITY = "1" } under MPS
     process_device = ""    # e.g. "cuda:1": that process computes on its own copy of the parameters there
+    # pack_tokens left out: 0 (each trajectory's backward at its close) with [acceleration] learner_sms
+    # or a process_device of its own, else 8192 (RewardLinearBackward.Config says when a backward starts)
 
     [objects.optimizer]    # any torch.optim class over run.params; GRPO maximizes the reward
     factory = "optimizer"
@@ -66,6 +68,7 @@ from thundersync.generation.vllm_generator import VLLMGenerator
 from thundersync.grpo import RewardLinearBackward
 from thundersync.grpo.estimators import Estimator
 from thundersync.grpo.losses import KLEstimator, Loss
+from thundersync.grpo.stream import default_pack_tokens
 from thundersync.opd import Normalization, OPDStream
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.stages.step import StepResult, StreamingTrainer
@@ -121,8 +124,9 @@ def grpo(
     run: StreamingRun,
     estimator: Estimator = _GRPO.estimator,
     eps: Annotated[float, msgspec.Meta(ge=0)] = _GRPO.eps,
-    pack_tokens: _NonNegative = _GRPO.pack_tokens,
+    pack_tokens: _NonNegative | None = _GRPO.pack_tokens,
     stream_early: bool = _GRPO.stream_early,
+    flush_when_all_opened: bool = _GRPO.flush_when_all_opened,
     loss: Loss = _GRPO.loss,
     tis_cap: Annotated[float, msgspec.Meta(gt=0)] = _GRPO.tis_cap,
     clip_low: Annotated[float, msgspec.Meta(ge=0, lt=1)] = _GRPO.clip_low,
@@ -141,19 +145,25 @@ def grpo(
     ``process = true`` computes it in a learner process of its own (:class:`~thundersync.LearnerProcess`),
     with ``process_env`` in its environment, on ``process_device`` when given (there the loss forms
     work, but the step does not report their importance-weight statistics). ``deterministic`` (the
-    file's ``[run] deterministic`` unless the table gives one) refuses ``stream_early``."""
+    file's ``[run] deterministic`` unless the table gives one) refuses ``stream_early``.
+    ``pack_tokens`` left out is chosen by placement (:func:`~thundersync.grpo.stream.default_pack_tokens`):
+    0, each trajectory's backward at its close, with ``[acceleration] learner_sms`` or a
+    ``process_device`` other than the run's device; else 8192."""
     if deterministic and stream_early:
         raise ConfigError(
             "stream_early = true packs branches by whether the engine's worker is idle, which depends on "
             "timing, but the run is deterministic (run.deterministic = true); drop stream_early or set "
             "run.deterministic = false"
         )
+    if pack_tokens is None and process and process_device and _device_of(process_device) != run.layout.device:
+        pack_tokens = default_pack_tokens(run, own_device=True)  # the child's run cannot know it has a GPU of its own
     build = functools.partial(
         RewardLinearBackward,
         estimator=estimator,
         eps=eps,
         pack_tokens=pack_tokens,
         stream_early=stream_early,
+        flush_when_all_opened=flush_when_all_opened,
         loss=loss,
         tis_cap=tis_cap,
         clip_low=clip_low,
@@ -182,6 +192,17 @@ def opd(
 
 
 _Objective = TypeVar("_Objective", RewardLinearBackward, OPDStream)
+
+
+def _device_of(name: str) -> torch.device:
+    """``name`` as a torch device, ``cuda`` as the current CUDA device (a ConfigError naming it)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"process_device {name!r} is not a torch device; give e.g. 'cuda:1'") from None
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _in_process(

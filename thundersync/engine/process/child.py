@@ -55,6 +55,7 @@ async def serve_objective(
     objective: Objective,
     config: Any,
     grads: list[torch.Tensor],
+    acceleration: Any = None,
     *,
     refresh: Callable[[], None] | None = None,
 ) -> None:
@@ -62,7 +63,7 @@ async def serve_objective(
     :class:`~.messages.Ready`, then hand each command to its handler until :class:`~.messages.Stop`."""
     from thundersync.engine.run import StreamingRun
 
-    run = StreamingRun(model, config)
+    run = StreamingRun(model, config, acceleration=acceleration)
     server = ObjectiveServer(run, objective(run), grads, answers, refresh=refresh)
     answers.put(Ready(signal=server.target.signal))
     while not server.stopped:

@@ -121,7 +121,10 @@ class LearnerProcess:
             for g, flat in enumerate(self._grads)
             for p, view in zip(layout.groups[g][1], layout.views(flat, g), strict=True)
         ]
-        self._child = ModelProcess(model, serve_objective, objective, run.config, self._grads, env=env, device=device)
+        acceleration = run.executor.acceleration  # the child's run takes the same forms and placement
+        self._child = ModelProcess(
+            model, serve_objective, objective, run.config, self._grads, acceleration, env=env, device=device
+        )
         weakref.finalize(self, self._child.close)  # the child ends with this object, or at exit
         self.signal = self._child.receive(Ready).signal  # "reward" (GRPO) or "teacher" (OPD)
         self._in_batch = False
