@@ -84,6 +84,7 @@ import gc
 import gzip
 import math
 import random
+import re
 import shutil
 import statistics
 import sys
@@ -108,6 +109,7 @@ from thundersync.engine.process import ModelProcess
 from thundersync.engine.process.messages import Message, Stop
 from thundersync.generation import GenerationRequest, SamplingParams, TorchGenerator
 from thundersync.generation._batcher import ContinuousBatcher
+from thundersync.grpo.stream import default_pack_tokens
 from thundersync.model.scoring import PackedScorer
 
 Finished = tuple[int, int, list[int]]  # (group, trajectory, generated token ids)
@@ -317,6 +319,11 @@ class Learner:
         self.remaining = [len(group.trajectories) for group in self.plan]
         for g, group in enumerate(self.plan):
             self.objective.open_group(g, group.prompt)
+        # The rollout starts every trajectory at once (its slots hold the batch), so the batch's
+        # last group opens here, as the backward stage would tell the objective in a pipeline.
+        all_opened = getattr(self.objective, "all_groups_opened", None)
+        if callable(all_opened):
+            all_opened()
 
     async def feed(self, finished: Finished) -> None:
         g, i, tokens = finished
@@ -435,7 +442,7 @@ class Measured:
         learner_s, step_s, last_s = self.learner_s, self.step_s, self.last_s
         sync_s = rollout_s + learner_s
         return [
-            _ROW_NAMES[self.row],
+            row_name(self.row),
             rollout_s,
             learner_s,
             self.dense_s,
@@ -447,6 +454,7 @@ class Measured:
             (last_s - rollout_s) / learner_s,
             sync_s / max(rollout_s, learner_s),
             step_s - last_s,
+            f"{(step_s - last_s) / learner_s:.0%}",
             self.tokens / sync_s,
             self.tokens / step_s,
         ]
@@ -465,6 +473,7 @@ COLUMNS = [
     "price",
     "ceiling",
     "tail s",
+    "tail / learner",
     "sync tok/s",
     "streamed tok/s",
 ]
@@ -476,7 +485,8 @@ async def warmed_learner(
     """The row's objective on a new ``StreamingRun``, warmed on the whole batch once (probes, the
     allocator, and the CUDA graphs of every row bucket the batch's packs need), so that the measured
     passes include no capture."""
-    objective = make_objective(row, thundersync.StreamingRun(model))
+    acceleration = thundersync.Acceleration(learner_sms=_green_sms(row))
+    objective = make_objective(row, thundersync.StreamingRun(model, acceleration=acceleration))
     await learner_alone(Learner(objective, plan, teacher), finished)
     return Learner(objective, plan, teacher)
 
@@ -510,7 +520,7 @@ async def measure_in_process(
     if isinstance(learner.objective, thundersync.LearnerProcess):
         learner.objective.close()
     tokens = sum(len(t) for _, _, t in finished)
-    timeline = f"{_ROW_NAMES[row]}: {timeline} (learner alone: {learner.alone})"
+    timeline = f"{row_name(row)}: {timeline} (learner alone: {learner.alone})"
     return Measured(row, learner_s, dense_s, step_s, last_s, tokens), timeline
 
 
@@ -591,7 +601,7 @@ async def gradient_check(
     model.zero_grad(set_to_none=True)
     checked, norm = got.errors(want)
     return (
-        f"{_ROW_NAMES[row]}: {CHECKED} rel. error {checked:.3g}; "
+        f"{row_name(row)}: {CHECKED} rel. error {checked:.3g}; "
         f"gradient norm {got.norm:.6g} (child) vs {want.norm:.6g} (one process), rel. {norm:.3g}"
     )
 
@@ -781,7 +791,24 @@ _LEARNER_PROCESS = "-proc"  # the objective a thundersync.LearnerProcess, the te
 _SECOND_DEVICE = "-gpu2"  # a LearnerProcess on cuda:1, its own copy of the parameters (CPU: a private copy)
 
 
+_GREEN = re.compile(r"-green([0-9]+)$")  # in-process rows: the learner on a green context of N SMs
+
+
+def _green_sms(row: str) -> int:
+    """The SMs of the row's learner partition (0: none)."""
+    match = _GREEN.search(row)
+    return int(match.group(1)) if match else 0
+
+
+def row_name(row: str) -> str:
+    """The row's name in the table."""
+    sms = _green_sms(row)
+    base = _ROW_NAMES[_GREEN.sub("", row)]
+    return f"{base}, learner on {sms} SMs (green context)" if sms else base
+
+
 def _objective_kind(row: str) -> str:
+    row = _GREEN.sub("", row)
     for suffix in (_IN_CHILD, _EAGER, _COMPILED, _UNFUSED, _LEARNER_PROCESS, _SECOND_DEVICE):
         row = row.removesuffix(suffix)
     return row
@@ -796,11 +823,16 @@ def make_objective(row: str, run: thundersync.StreamingRun) -> Any:
     if kind == "opd":
         build: Any = thundersync.OPDStream
     else:
-        pack_tokens = {"grpo-pack0": 0, "grpo-pack2048": 2048}.get(kind, 8192)
+        pack_tokens = {"grpo-pack0": 0, "grpo-pack2048": 2048, "grpo-early": 8192}.get(kind)  # None: by placement
         build = functools.partial(
-            thundersync.RewardLinearBackward, pack_tokens=pack_tokens, stream_early=kind == "grpo-early"
+            thundersync.RewardLinearBackward,
+            pack_tokens=pack_tokens,
+            stream_early=kind == "grpo-early",
+            flush_when_all_opened=kind != "grpo-noflush",
         )
     if row.endswith(_SECOND_DEVICE):
+        if kind != "opd" and build.keywords["pack_tokens"] is None:  # its own GPU, as the grpo factory decides
+            build = functools.partial(build, pack_tokens=default_pack_tokens(run, own_device=True))
         device = "cuda:1" if run.layout.device.type == "cuda" else "cpu"
         return thundersync.LearnerProcess(run, build, env=CHILD_ENV, device=device)
     if not row.endswith(_LEARNER_PROCESS):
@@ -821,13 +853,14 @@ def make_teacher(tiny: bool, device: torch.device, dtype: torch.dtype) -> Packed
 
 
 _ROW_NAMES = {
-    "grpo": "GRPO, pack_tokens=8192 (default)",
+    "grpo": "GRPO, default packing (pack_tokens by placement, tail flushed)",
+    "grpo-noflush": "GRPO, default packing, no tail flush",
     "grpo-early": "GRPO, pack_tokens=8192, stream_early=True",
     "grpo-pack0": "GRPO, pack_tokens=0",
     "grpo-pack2048": "GRPO, pack_tokens=2048 (packs the whole-pack graphs hold)",
     "opd": "OPD (teacher on the same device)",
     "balanced": "balanced GRPO (learner ~ rollout)",
-    "grpo-eager": "GRPO, pack_tokens=8192, eager (no graphs)",
+    "grpo-eager": "GRPO, default packing, eager (no graphs)",
     "opd-eager": "OPD, eager (no graphs)",
     "opd-compiled": "OPD, pack graphs of the compiled layers",
     "grpo-unfused": "GRPO, pack graphs of the eager layer math (THUNDERSYNC_ENGINE_FUSED=off)",
@@ -848,11 +881,38 @@ _ROW_NAMES = {
 }
 
 
+def check_green_rows(parser: argparse.ArgumentParser, rows: list[str], cuda: bool) -> None:
+    """Refuse -greenN rows that cannot run here: N not a multiple of 8, a row in another process,
+    or no green context on this machine (the library's own message says what is missing)."""
+    green = [row for row in rows if _green_sms(row)]
+    if not green:
+        return
+    for row in green:
+        if _GREEN.sub("", row).endswith((_IN_CHILD, _LEARNER_PROCESS, _SECOND_DEVICE)):
+            parser.error(
+                f"row {row}: -greenN places this process's engine; the learner of this row is in another process"
+            )
+        if _green_sms(row) % 8:
+            parser.error(f"row {row}: a green context's SMs are a multiple of 8 on Hopper, got {_green_sms(row)}")
+    from thundersync._green import missing
+
+    lacking = missing(torch.device("cuda" if cuda else "cpu"))
+    if lacking is not None:
+        parser.error(f"row(s) {', '.join(green)} need a CUDA green context, but {lacking}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model and batch on CPU (seconds)")
     parser.add_argument(
         "--rows", default="grpo,grpo-early,opd,grpo-pack0,balanced", help=f"comma-separated, of {', '.join(_ROW_NAMES)}"
+    )
+    parser.add_argument(
+        "--learner-sms",
+        default="",
+        metavar="N,N,...",
+        help="add a grpo-greenN row for each N: the learner's streams and graphs on a green context of N SMs "
+        "(a multiple of 8); any in-process row takes the suffix -greenN",
     )
     parser.add_argument(
         "--balanced",
@@ -899,15 +959,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    args.rows = args.rows.split(",")
+    args.rows = args.rows.split(",") + [f"grpo-green{n}" for n in filter(None, args.learner_sms.split(","))]
     if args.trace is not None:
         if args.gpu_window is None:
             parser.error("--trace records the --gpu-window: give both")
         args.trace.mkdir(parents=True, exist_ok=True)
-    unknown = [row for row in args.rows if row not in _ROW_NAMES]
+    unknown = [row for row in args.rows if _GREEN.sub("", row) not in _ROW_NAMES]
     if unknown:
-        parser.error(f"unknown row(s) {', '.join(unknown)}; the rows are {', '.join(_ROW_NAMES)}")
+        parser.error(f"unknown row(s) {', '.join(unknown)}; the rows are {', '.join(_ROW_NAMES)} (and -greenN of each)")
     cuda = torch.cuda.is_available() and not args.tiny
+    check_green_rows(parser, args.rows, cuda)
     second = [row for row in args.rows if row.endswith(_SECOND_DEVICE)]
     if cuda and second and torch.cuda.device_count() < 2:
         parser.error(
