@@ -3,6 +3,7 @@
     python bench/overlap.py                  # H200: bf16 Qwen3-0.6B-shaped random model, 8 x 8, long tail
     python bench/overlap.py --tiny           # CPU, tiny model, seconds (checks the script)
     python bench/overlap.py --rows grpo,opd  # a subset of the rows
+    python bench/overlap.py --rows grpo,grpo-noflush --learner-sms 64,80,96,112   # the learner on green contexts
     python bench/overlap.py --rows opd --gpu-window 3 0.5   # and the CUDA streams' activity 3..3.5 s into the streamed run
     python bench/overlap.py --rows opd --gpu-window 3 0.5 --trace traces   # and every thread's ops as a Chrome trace
 
@@ -33,10 +34,15 @@ Columns, each measured in the same run:
   sync / streamed; ``rollout slowdown``: the streamed run's time to its last trajectory over the
   rollout alone; ``price``: that slowdown in seconds per second of the learner's work,
   (time to the last trajectory - rollout) / learner (``bench/interference.py`` measures it for
-  synthetic loads); ``tail``: from the last trajectory to the end of the step; tokens/s: generated
+  synthetic loads); ``tail``: from the last trajectory to the end of the step, and ``tail /
+  learner``, that over the learner alone (issue 44's target: at most 10%); tokens/s: generated
   tokens over the step's time.
 
-Rows: GRPO with the default packing (branches wait for 8192 tokens or their group's close), with
+Rows: GRPO with the default packing (``grpo``: ``pack_tokens`` by placement, 8192 here and 0 on a
+green context, and the tail flushed: the bench opens every group before the rollout, whose slots
+start every trajectory at once, then tells the objective ``all_groups_opened()`` as the backward
+stage would, so from there each trajectory's backward starts at its close), the same without the
+flush (``grpo-noflush``: branches wait for 8192 tokens or their group's close), with
 ``stream_early=True`` (``grpo-early``: a close that finds the worker idle submits what waits),
 with ``pack_tokens=2048`` (``grpo-pack2048``: packs the whole-pack graphs hold) and with
 ``pack_tokens=0``, OPD, and a balanced GRPO workload whose streamed learner costs about as much as
@@ -47,6 +53,12 @@ The streamed learner shares a group's prompt, so it needs far more trajectories 
 rollout than the dense one to be comparable: on the H200 this learner is 3.0 s against a 5.1 s
 rollout. The ``ceiling`` column is the best a step can do, (rollout + learner) / max(rollout,
 learner).
+
+The ``-greenN`` rows (any in-process row, e.g. ``grpo-green64``; ``--learner-sms 64,96`` adds
+``grpo-green64`` and ``grpo-green96``) run the row with ``Acceleration(learner_sms=N)``: the
+engine's streams and the graphs it captures on a CUDA green context of N SMs (a multiple of 8), so
+GRPO's default packing is ``pack_tokens = 0``; the generator keeps its own high-priority stream on
+the whole device. They need a GPU and driver with green contexts and ``cuda.bindings``.
 
 The ``-proc`` rows (``grpo-proc``, ``opd-proc``) are the in-process rows with the objective a
 ``thundersync.LearnerProcess`` (the library's learner process: the engine's work in a child over
@@ -103,6 +115,7 @@ import thundersync
 from bench._common import engine_layers, header, markdown_table, release_engine_graphs
 from bench.engine import Batch, Group, Trajectory, dense, make_model
 from bench.engine_opd import OPDGroup, OPDTrajectory, opd_dense
+from thundersync.acceleration import Acceleration
 from thundersync.engine import graph_counts
 from thundersync.engine._worker import Worker
 from thundersync.engine.process import ModelProcess
@@ -485,7 +498,7 @@ async def warmed_learner(
     """The row's objective on a new ``StreamingRun``, warmed on the whole batch once (probes, the
     allocator, and the CUDA graphs of every row bucket the batch's packs need), so that the measured
     passes include no capture."""
-    acceleration = thundersync.Acceleration(learner_sms=_green_sms(row))
+    acceleration = Acceleration(learner_sms=_green_sms(row))
     objective = make_objective(row, thundersync.StreamingRun(model, acceleration=acceleration))
     await learner_alone(Learner(objective, plan, teacher), finished)
     return Learner(objective, plan, teacher)
@@ -905,7 +918,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model and batch on CPU (seconds)")
     parser.add_argument(
-        "--rows", default="grpo,grpo-early,opd,grpo-pack0,balanced", help=f"comma-separated, of {', '.join(_ROW_NAMES)}"
+        "--rows",
+        default="grpo,grpo-noflush,grpo-early,opd,grpo-pack0,balanced",
+        help=f"comma-separated, of {', '.join(_ROW_NAMES)}",
     )
     parser.add_argument(
         "--learner-sms",

@@ -62,11 +62,40 @@ def test_the_deterministic_bench_runs_both_configurations() -> None:
 @pytest.mark.timeout(300)
 def test_overlap_bench_runs_every_row() -> None:
     table = _run("overlap.py")
-    rows = ("GRPO, pack_tokens=8192 (default)", "GRPO, pack_tokens=8192, stream_early=True")
-    for row in (*rows, "GRPO, pack_tokens=0", "OPD (teacher on the same device)"):
+    rows = (
+        "GRPO, default packing (pack_tokens by placement, tail flushed)",
+        "GRPO, pack_tokens=8192, stream_early=True",
+    )
+    for row in (
+        *rows,
+        "GRPO, default packing, no tail flush",
+        "GRPO, pack_tokens=0",
+        "OPD (teacher on the same device)",
+    ):
         assert f"| {row} |" in table
     assert "| balanced GRPO " in table and "| hidden | speed-up | rollout slowdown | price | ceiling |" in table
+    assert "| tail s | tail / learner |" in table
     assert "- OPD (teacher on the same device): engine " in table  # the streamed runs' host timeline
+
+
+def test_overlap_bench_refuses_green_rows_that_cannot_run_here_before_building_anything() -> None:
+    """-greenN rows (and --learner-sms) need a green context: on this CPU the library's reason is
+    printed; a size that is not a multiple of 8 and a row whose learner is in another process are
+    refused wherever the bench runs."""
+    cases = {
+        (
+            "--rows",
+            "grpo,grpo-green64",
+        ): "row(s) grpo-green64 need a CUDA green context, but the learner's parameters are on cpu",
+        ("--rows", "grpo", "--learner-sms", "64,60"): "row grpo-green60: a green context's SMs are a multiple of 8",
+        ("--rows", "grpo-proc-green64"): "row grpo-proc-green64: -greenN places this process's engine",
+        ("--rows", "grpo-green"): "unknown row(s) grpo-green;",
+    }
+    for args, message in cases.items():
+        done = subprocess.run(
+            [sys.executable, "bench/overlap.py", "--tiny", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+        )
+        assert done.returncode == 2 and message in done.stderr, (args, done.stderr[-1000:])
 
 
 @pytest.mark.timeout(300)

@@ -149,6 +149,23 @@ def one_process_two_batches(model: torch.nn.Module) -> list[list[torch.Tensor]]:
     return want
 
 
+def test_a_learner_process_hands_all_groups_opened_to_its_objective() -> None:
+    """The child's GRPO flushes its waiting branches as one process does (bitwise the same packs),
+    which sums otherwise than the same batch without the call."""
+    calls = batch_calls(2)
+    flushed = [*calls[:2], ("all_groups_opened", (), {}), *calls[2:]]
+    model = tiny_qwen3(torch.float32, seed=3).double()
+    want = one_process_step(copy.deepcopy(model), GRPO, flushed)
+    unflushed = one_process_step(copy.deepcopy(model), GRPO, calls)
+    assert not all(torch.equal(a, b) for a, b in zip(want, unflushed, strict=True))
+    run = thundersync.StreamingRun(model)
+    with thundersync.LearnerProcess(run, GRPO) as learner:
+        for name, args, kwargs in flushed:
+            getattr(learner, name)(*args, **kwargs)
+        learner.assert_safe_to_step()
+    assert all(torch.equal(p.grad, w) for p, w in zip(run.params, want, strict=True))
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_learner_on_a_device_of_its_own_copies_the_parameters_each_batch_and_gives_the_same_gradient(
     lora: bool,
@@ -324,6 +341,7 @@ SAMPLES: list[messages.Message] = [
     messages.CloseTrajectory(group_id=3, trajectory_id=1, reward=0.25),
     messages.CloseTrajectory(group_id=3, trajectory_id=2),
     messages.CloseGroup(group_id=3),
+    messages.AllGroupsOpened(),
     messages.KeepBatch(keep=False),
     messages.AssertSafe(),
     messages.Discard(),
@@ -389,7 +407,9 @@ def test_a_message_the_child_does_not_serve_is_an_error_naming_it() -> None:
     grads = [torch.zeros(stop - start) for start, stop in run.layout.spans]
     answers: queue.Queue[messages.Message] = queue.Queue()
     server = ObjectiveServer(run, GRPO(run), grads, answers)
-    with pytest.raises(StreamingError, match=r"got \('call', 'open_group'\) \(not a Command of .*it serves AppendTurn"):
+    with pytest.raises(
+        StreamingError, match=r"got \('call', 'open_group'\) \(not a Command of .*it serves AllGroupsOpened, AppendTurn"
+    ):
         server.handle(("call", "open_group"))
     with pytest.raises(StreamingError, match=r"got Ready\(signal='reward'\) \(not a Command"):
         server.handle(messages.Ready(signal="reward"))  # an answer

@@ -19,6 +19,7 @@ import torch
 
 from thundersync.engine.process.messages import (
     COMMAND_TYPES,
+    AllGroupsOpened,
     Answer,
     AppendTurn,
     AssertSafe,
@@ -143,6 +144,11 @@ class ObjectiveServer:
     def close_group(self, message: CloseGroup) -> None:
         self._call(lambda: self.target.close_group(message.group_id))
 
+    def all_groups_opened(self, message: AllGroupsOpened) -> None:
+        call = getattr(self.target, "all_groups_opened", None)
+        if callable(call):
+            self._call(call)
+
     def keep_batch(self, message: KeepBatch) -> None:
         self._call(lambda: self.target.keep_batch(message.keep))
 
@@ -220,6 +226,7 @@ HANDLERS: Final[Mapping[type[Any], Callable[[ObjectiveServer, Any], None]]] = {
     AppendTurn: ObjectiveServer.append_turn,
     CloseTrajectory: ObjectiveServer.close_trajectory,
     CloseGroup: ObjectiveServer.close_group,
+    AllGroupsOpened: ObjectiveServer.all_groups_opened,
     KeepBatch: ObjectiveServer.keep_batch,
     AssertSafe: ObjectiveServer.assert_safe,
     Discard: ObjectiveServer.discard,

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ANSWER_TYPES",
     "COMMAND_TYPES",
+    "AllGroupsOpened",
     "Answer",
     "AppendTurn",
     "AssertSafe",
@@ -150,6 +151,10 @@ class CloseGroup(Message, frozen=True):
     group_id: Id
 
 
+class AllGroupsOpened(Message, frozen=True):
+    """The objective's ``all_groups_opened()`` (where it has one: GRPO's)."""
+
+
 class KeepBatch(Message, frozen=True):
     """The objective's ``keep_batch(keep)``."""
 
@@ -220,6 +225,7 @@ Command: TypeAlias = (
     | AppendTurn
     | CloseTrajectory
     | CloseGroup
+    | AllGroupsOpened
     | KeepBatch
     | AssertSafe
     | Discard

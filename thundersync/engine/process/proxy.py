@@ -19,6 +19,7 @@ import torch
 
 from thundersync.engine.process.child import Objective, serve_objective
 from thundersync.engine.process.messages import (
+    AllGroupsOpened,
     AppendTurn,
     AssertSafe,
     Begin,
@@ -179,6 +180,10 @@ class LearnerProcess:
 
     def close_group(self, group_id: Any) -> None:
         self._child.send(CloseGroup(group_id=group_id))
+
+    def all_groups_opened(self) -> None:
+        """The child's objective's ``all_groups_opened()``, where it has one (GRPO's)."""
+        self._child.send(AllGroupsOpened())
 
     def assert_safe_to_step(self) -> None:
         """The child's ``assert_safe_to_step()`` (its batch's first failure, if any, raised here),
