@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -129,3 +130,21 @@ def test_a_flushed_tail_equals_the_dense_reference(
         grpo.all_groups_opened()
     grpo.assert_safe_to_step()
     assert relative_error(grads(model), grads(reference)) < tolerance
+
+
+def test_a_learner_process_on_another_device_gets_per_trajectory_packing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child's run cannot know that its GPU is its own: the factory decides, unless the file gives pack_tokens."""
+    built: list[dict[str, object]] = []
+
+    class FakeLearnerProcess:
+        def __init__(self, run: object, build: Any, **options: object) -> None:
+            built.append(dict(build.keywords))
+            self.pid, self.signal = 0, "reward"
+
+    monkeypatch.setattr(training, "LearnerProcess", FakeLearnerProcess)
+    run = thundersync.StreamingRun(tiny_qwen3())
+    training.grpo(run=run, process=True, process_device="cuda:1")
+    training.grpo(run=run, process=True, process_device="cuda:1", pack_tokens=8192)
+    training.grpo(run=run, process=True, process_device="cpu")  # the run's own device
+    training.grpo(run=run, process=True)
+    assert [b["pack_tokens"] for b in built] == [0, 8192, None, None]  # None: the child's run decides

@@ -107,7 +107,8 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     object whose factory takes ``deterministic`` (``streaming-run``: inline work; ``grpo``: no
     ``stream_early``; ``torch-generator``: one request at a time, no cached prefixes;
     ``transformers-teacher``: one request per forward) and every backward stage (``ordered``:
-    whole groups in opening order) (docs/decisions/070-fp64-throughout-and-deterministic-runs.md).
+    whole groups in opening order, without ``all_groups_opened``)
+    (docs/decisions/070-fp64-throughout-and-deterministic-runs.md).
     """
 
     metrics: str | None = None
