@@ -147,6 +147,19 @@ def test_a_cuda_device_this_machine_lacks_fails_check(tmp_path: Path, capsys: py
     _fails(["check", str(path)], capsys, f"{path}: run.device: device 'cuda:{count}', but torch {seen}")
 
 
+def test_a_learner_partition_this_machine_cannot_make_fails_check_and_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _file(tmp_path)
+    path.write_text(path.read_text() + "[acceleration]\nlearner_sms = 64\n")
+    monkeypatch.setattr("thundersync._green.missing", lambda device: "torch sees no CUDA device")
+    message = "acceleration.learner_sms: 64 puts the learner on a CUDA green context, but torch sees no CUDA device"
+    _fails(["check", str(path)], capsys, f"{path}: {message}")
+    _fails(["run", str(path)], capsys, message)
+    monkeypatch.setattr("thundersync._green.missing", lambda device: None)  # a machine that has them
+    assert main(["check", str(path)]) == 0
+
+
 def test_a_factory_whose_extra_is_missing_fails_check_naming_the_pip_command(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,6 +10,7 @@ runs the same ones; ``check --offline`` skips those that ask a running engine (`
     output paths      the metrics file (new, or --overwrite / --resume) and the TensorBoard directory
     extras            each object's optional dependencies: pip install 'thundersync[EXTRA]'
     devices           cuda asked for where torch sees none, cuda:N past the last GPU
+    placement         [acceleration] learner_sms where no CUDA green context can be made here
     teachers          a transformers-teacher's path holds a model or a run's checkpoint of one
     sandbox engines   docker: the daemon answers (needs_engine); udocker: the binary is there
     sandbox images    the image is there, locally (for docker: needs_engine; no registry is pulled from)
@@ -147,6 +148,24 @@ def _devices(spec: PipelineSpec, target: Target) -> None:
                 raise ConfigError(f"{path}: {error}") from None
 
 
+def _placement(spec: PipelineSpec, target: Target) -> None:
+    """``acceleration.learner_sms`` (or its environment variable): this machine can make a CUDA
+    green context (:func:`thundersync._green.missing` says what it lacks)."""
+    sms = spec.acceleration.resolved().learner_sms
+    if not sms:
+        return
+    import torch
+
+    from thundersync._green import missing
+
+    lacking = missing(torch.device("cuda"))
+    if lacking is not None:
+        raise ConfigError(
+            f"acceleration.learner_sms: {sms} puts the learner on a CUDA green context, but {lacking}; "
+            "set it to 0 (or leave it out), or run where green contexts are"
+        )
+
+
 # --- models --------------------------------------------------------------------------------------
 
 
@@ -217,6 +236,7 @@ CHECKS: Final[tuple[Check, ...]] = (
     Check("output paths", _outputs, of_file=False),
     Check("extras", _extras),
     Check("devices", _devices),
+    Check("placement", _placement),
     Check("teachers", _teachers),
     # checkpoint directories: ``run`` checks them after these (thundersync.app.checkpoints.preflight,
     # app.cli.command._check_checkpoints), since --overwrite then removes what an earlier run left
