@@ -39,10 +39,11 @@ Columns, each measured in the same run:
   tokens over the step's time.
 
 Rows: GRPO with the default packing (``grpo``: ``pack_tokens`` by placement, 8192 here and 0 on a
-green context, and the tail flushed: the bench opens every group before the rollout, whose slots
-start every trajectory at once, then tells the objective ``all_groups_opened()`` as the backward
-stage would, so from there each trajectory's backward starts at its close), the same without the
-flush (``grpo-noflush``: branches wait for 8192 tokens or their group's close), with
+green context, and ``tail_groups = 2``: the bench opens every group before the rollout, whose
+slots start every trajectory at once, then tells the objective ``all_groups_opened()`` as the
+backward stage would, so once only two groups are open each of their trajectories' backward starts
+at its close), the same without the tail (``grpo-noflush``, ``tail_groups = 0``: branches wait for
+8192 tokens or their group's close), with
 ``stream_early=True`` (``grpo-early``: a close that finds the worker idle submits what waits),
 with ``pack_tokens=2048`` (``grpo-pack2048``: packs the whole-pack graphs hold) and with
 ``pack_tokens=0``, OPD, and a balanced GRPO workload whose streamed learner costs about as much as
@@ -841,7 +842,7 @@ def make_objective(row: str, run: thundersync.StreamingRun) -> Any:
             thundersync.RewardLinearBackward,
             pack_tokens=pack_tokens,
             stream_early=kind == "grpo-early",
-            flush_when_all_opened=kind != "grpo-noflush",
+            tail_groups=0 if kind == "grpo-noflush" else 2,
         )
     if row.endswith(_SECOND_DEVICE):
         if kind != "opd" and build.keywords["pack_tokens"] is None:  # its own GPU, as the grpo factory decides
@@ -866,8 +867,8 @@ def make_teacher(tiny: bool, device: torch.device, dtype: torch.dtype) -> Packed
 
 
 _ROW_NAMES = {
-    "grpo": "GRPO, default packing (pack_tokens by placement, tail flushed)",
-    "grpo-noflush": "GRPO, default packing, no tail flush",
+    "grpo": "GRPO, default packing (pack_tokens by placement, tail_groups=2)",
+    "grpo-noflush": "GRPO, default packing, tail_groups=0",
     "grpo-early": "GRPO, pack_tokens=8192, stream_early=True",
     "grpo-pack0": "GRPO, pack_tokens=0",
     "grpo-pack2048": "GRPO, pack_tokens=2048 (packs the whole-pack graphs hold)",

@@ -58,11 +58,12 @@ def _submitted(run: thundersync.StreamingRun) -> list[str]:
     return labels
 
 
-@pytest.mark.parametrize("flush", [True, False])
-def test_once_every_group_has_opened_waiting_branches_go_and_later_ones_go_at_their_close(flush: bool) -> None:
+@pytest.mark.parametrize("tail_groups", [2, 0])
+def test_once_every_group_has_opened_waiting_branches_go_and_later_ones_go_at_their_close(tail_groups: int) -> None:
+    flush = tail_groups > 0
     run = thundersync.StreamingRun(tiny_qwen3())
     labels = _submitted(run)
-    grpo = thundersync.RewardLinearBackward(run, flush_when_all_opened=flush)  # pack_tokens 8192 here
+    grpo = thundersync.RewardLinearBackward(run, tail_groups=tail_groups)  # pack_tokens 8192 here
     for g in ("a", "b"):
         grpo.open_group(g, [1, 2, 3])
         for i in range(2):
@@ -90,6 +91,33 @@ def test_once_every_group_has_opened_waiting_branches_go_and_later_ones_go_at_th
     grpo.discard()
 
 
+def test_only_the_last_tail_groups_open_groups_stream_at_each_close() -> None:
+    """tail_groups = 1 with two groups open: nothing goes at the signal; when one group closes,
+    the other, now the batch's last, submits what waits and each later branch at its close."""
+    run = thundersync.StreamingRun(tiny_qwen3())
+    labels = _submitted(run)
+    grpo = thundersync.RewardLinearBackward(run, tail_groups=1)
+    for g in ("a", "b"):
+        grpo.open_group(g, [1, 2, 3])
+        for i in range(2):
+            grpo.append_turn(g, i, [4 + i, 5], [True, True])
+    grpo.all_groups_opened()
+    grpo.close_trajectory("b", 0, 1.0)
+    grpo.close_trajectory("a", 0, 1.0)
+    grpo.close_trajectory("a", 1, 0.0)
+    assert labels == []  # two groups open: no tail yet
+    grpo.close_group("a")
+    assert labels[-3:] == [
+        "close of group 'a' with 2 branches",
+        "prompt forward of group 'b'",
+        "backward of 1 branches of group 'b' (reward 1.0)",
+    ]
+    grpo.close_trajectory("b", 1, 0.0)
+    assert labels[-1] == "backward of 1 branches of group 'b' (reward 0.0)"
+    grpo.close_group("b")
+    grpo.assert_safe_to_step()
+
+
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float64, 1e-10), (torch.float32, 1e-5)], ids=["fp64", "fp32"])
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
@@ -99,6 +127,7 @@ def test_once_every_group_has_opened_waiting_branches_go_and_later_ones_go_at_th
     pack_tokens=st.sampled_from([12, 30, 10_000]),
     background=st.booleans(),
     at=st.integers(0, 60),
+    tail_groups=st.sampled_from([1, 2, 10]),
 )
 def test_a_flushed_tail_equals_the_dense_reference(
     dtype: torch.dtype,
@@ -109,6 +138,7 @@ def test_a_flushed_tail_equals_the_dense_reference(
     pack_tokens: int,
     background: bool,
     at: int,
+    tail_groups: int,
 ) -> None:
     """``all_groups_opened`` after the last group opened, ``at`` calls later (or at the end: then
     it finds everything closed), in a random interleaving: the gradient is the dense one."""
@@ -118,7 +148,9 @@ def test_a_flushed_tail_equals_the_dense_reference(
     prefill(reference, order_seed)
     dense_objective(reference, plan, estimator, EPS).backward()
     run = thundersync.StreamingRun(model, background=background)
-    grpo = thundersync.RewardLinearBackward(run, eps=EPS, estimator=estimator, pack_tokens=pack_tokens)
+    grpo = thundersync.RewardLinearBackward(
+        run, eps=EPS, estimator=estimator, pack_tokens=pack_tokens, tail_groups=tail_groups
+    )
     ops = list(interleaving(plan, random.Random(order_seed)))
     last_open = max(i for i, op in enumerate(ops) if op[0] == "open")
     flush_at = min(last_open + 1 + at, len(ops))

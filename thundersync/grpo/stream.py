@@ -29,10 +29,12 @@ When a branch starts. ``pack_tokens`` unset (the default) is chosen by placement
 trajectory's backward starts as it closes; :data:`PACK_TOKENS_SHARED` (8192) where it shares the
 device with the rollout, so a group's closed branches wait for 8192 of their tokens or the
 group's close. Either way, once :meth:`RewardLinearBackward.all_groups_opened` says that the
-batch's last group has opened (``flush_when_all_opened``, on by default), every waiting branch is
-submitted and each later one at its close: no trajectory of the batch starts any more, and
-waiting would only move its work past the rollout's end. (With a batch that fits the generator's
-slots at once, the last group opens at the start, so every branch starts at its close.)
+batch's last group has opened, the last ``tail_groups`` (default 2) groups still open stream each
+closed branch at its close (their waiting branches go at once): no trajectory of the batch starts
+any more, and waiting would only move the batch's last work past the rollout's end. The bound is
+memory: a group whose branches run before its close holds a G1/G2 pair, two fp32 gradient-sized
+accumulators, until it closes (``StreamingRun(source_offload_device="cpu")`` keeps them on the
+host); streaming every open group at once can hold one pair per group of the batch.
 
 Timing. Which branches share a pack, and whether a branch goes through G1/G2 or with its final
 weight at the close, are decided on the caller's thread. Without ``stream_early`` (or with an
@@ -122,9 +124,9 @@ class RewardLinearBackward:
     ``behaviour_cap``, ``pack_tokens``: closed branches of an open group wait
     until this many of their tokens are ready, then run packed (0: every branch runs alone, as
     soon as it closes; unset: chosen by placement, :func:`default_pack_tokens`),
-    ``flush_when_all_opened``: once :meth:`all_groups_opened` says the batch's last group has
-    opened, every waiting branch is submitted and each later one at its close (the batch's
-    tail), and ``stream_early``: on a background worker, a close that finds the
+    ``tail_groups``: once :meth:`all_groups_opened` says the batch's last group has opened, the
+    last this many open groups submit their waiting branches and each later one at its close
+    (the batch's tail; 0: off), and ``stream_early``: on a background worker, a close that finds the
     worker idle submits every waiting branch at once. The result then depends on timing, but
     only through float rounding: which branches share a pack, and G1/G2 accumulation against
     the close's direct weights, change the summation order, not the math (module docstring).
@@ -132,9 +134,9 @@ class RewardLinearBackward:
     When a trajectory's backward starts (the losses whose branches wait for their group's close,
     ``ppo_decoupled``, ``gspo`` or any ``kl_coef`` > 0, aside): at its close when ``pack_tokens``
     is 0 (the default where the learner has SMs or a GPU of its own); else when its group's
-    closed branches reach ``pack_tokens`` tokens, at its group's close, or, with
-    ``flush_when_all_opened``, at its close once every group of the batch has opened, whichever
-    comes first (and with ``stream_early``, also at any close that finds the worker idle).
+    closed branches reach ``pack_tokens`` tokens, at its group's close, or once every group of the
+    batch has opened and at most ``tail_groups`` groups are open, whichever comes first (and with
+    ``stream_early``, also at any close that finds the worker idle).
     """
 
     class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -144,7 +146,7 @@ class RewardLinearBackward:
         estimator: Estimator = "grpo"
         pack_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
         stream_early: bool = False
-        flush_when_all_opened: bool = True
+        tail_groups: Annotated[int, msgspec.Meta(ge=0)] = 2
         loss: Loss = "grpo"
         tis_cap: Annotated[float, msgspec.Meta(gt=0)] = 2.0
         clip_low: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.2
@@ -163,7 +165,7 @@ class RewardLinearBackward:
         self.pack_tokens: int = default_pack_tokens(run) if given is None else given
         self.config = msgspec.structs.replace(self.config, pack_tokens=self.pack_tokens)
         self.run = run
-        self._draining = False  # the batch's last group has opened: closes submit at once
+        self._draining = False  # the batch's last group has opened: its tail groups submit at each close
         self._groups: OpenGroups[_Pending, Branch] = OpenGroups(run, new_trajectory=Branch)
         # THUNDERSYNC_GRPO_CLOSE_TRACE and THUNDERSYNC_GRPO_PROFILE_*: diagnostics of the close packs
         self._profile = CloseProfile.from_env(run.layout.device)
@@ -237,7 +239,7 @@ class RewardLinearBackward:
         if any(branch.scored):
             pending = group.payload
             pending.waiting.append(branch)
-            if self._linear and (self._draining or sum(len(b) for b in pending.waiting) >= self.pack_tokens):
+            if self._linear and (self._in_tail() or sum(len(b) for b in pending.waiting) >= self.pack_tokens):
                 self._submit_linear(group)
         if self._worker_idle():
             for waiting in self._groups:
@@ -246,6 +248,10 @@ class RewardLinearBackward:
 
     def close_group(self, group_id: Hashable) -> None:
         """Close a group: every trajectory must be closed; its combined gradient joins the total."""
+        self._close_group(group_id)
+        self._flush_tail()  # one group fewer open: the tail may start here
+
+    def _close_group(self, group_id: Hashable) -> None:
         group = self._groups.close_group(group_id)
         pending, estimator, eps = group.payload, self.config.estimator, self.config.eps
         branches = [t.payload for t in group.trajectories.values()]
@@ -282,18 +288,26 @@ class RewardLinearBackward:
 
     def all_groups_opened(self) -> None:
         """Every group of the logical batch has opened: no trajectory of the batch starts after
-        this (the backward stage calls it when the batch's last GroupOpened arrives). With
-        ``flush_when_all_opened`` every closed branch waiting for a pack is submitted now, and
-        until the batch ends each branch at its close, so the work left after the batch's last
-        trajectory is its own branch and its group's close. The branches take the same G1/G2
-        path as a full pack's: only which branches share a pack changes, hence the summation
-        order, not the math."""
-        if not (self.config.flush_when_all_opened and self._linear):
-            return
+        this (the backward stage calls it when the batch's last GroupOpened arrives). From then
+        until the batch ends, while at most ``tail_groups`` groups are open, their closed
+        branches waiting for a pack are submitted and each later one at its close, so the work
+        left after the batch's last trajectory is its own branch and its group's close. The
+        branches take the same G1/G2 path as a full pack's: only which branches share a pack
+        changes, hence the summation order, not the math."""
         self._draining = True
-        for group in self._groups:
-            if group.payload.waiting:
-                self._submit_linear(group)
+        self._flush_tail()
+
+    def _in_tail(self) -> bool:
+        """Whether closed branches go at their close because the batch's tail has begun."""
+        tail = self.config.tail_groups
+        return self._draining and self._linear and tail > 0 and len(self._groups) <= tail
+
+    def _flush_tail(self) -> None:
+        """In the tail: submit every open group's waiting branches."""
+        if self._in_tail():
+            for group in self._groups:
+                if group.payload.waiting:
+                    self._submit_linear(group)
 
     def drop_group(self, group_id: Hashable) -> None:
         """Drop a group whose trajectories are all closed (an episode of it failed): nothing of it
@@ -308,6 +322,7 @@ class RewardLinearBackward:
         pending.waiting = []
         pending.work.cancelled = True
         self.run.submit(f"release of dropped group {group_id!r}", pending.work.release)
+        self._flush_tail()
 
     def assert_safe_to_step(self) -> None:
         """Raise :class:`~thundersync.errors.UnsafeStepError` naming pending work; else ``.grad`` is final."""

@@ -21,8 +21,9 @@ objective's calls in each trajectory's own order, whatever order the edges deliv
   trajectory that its GroupOpened lists has closed.
 - When the GroupOpened events of a batch reach its ``groups_in_batch`` (the batch's last group
   has opened: no trajectory of it starts after this), the objective hears it
-  (``all_groups_opened``, where it has one: GRPO then submits its waiting branches, and later
-  ones at their close). Not with ``ordered``, nor when ``groups_in_batch`` is 0 (unknown).
+  (``all_groups_opened``, where it has one: GRPO's last ``tail_groups`` open groups then stream
+  each closed trajectory at its close). Not with ``ordered``, nor when ``groups_in_batch`` is 0
+  (unknown).
 
 BackwardDone means the work is in the objective's queue, not that it ran (see
 :class:`~thundersync.events.BackwardDone`); the step stage's
