@@ -3,7 +3,7 @@
     python bench/overlap.py                  # H200: bf16 Qwen3-0.6B-shaped random model, 8 x 8, long tail
     python bench/overlap.py --tiny           # CPU, tiny model, seconds (checks the script)
     python bench/overlap.py --rows grpo,opd  # a subset of the rows
-    python bench/overlap.py --rows grpo,grpo-noflush --learner-sms 64,80,96,112   # the learner on green contexts
+    python bench/overlap.py --rows grpo,grpo-pack2048 --learner-sms 64,80,96,112   # the learner on green contexts
     python bench/overlap.py --rows opd --gpu-window 3 0.5   # and the CUDA streams' activity 3..3.5 s into the streamed run
     python bench/overlap.py --rows opd --gpu-window 3 0.5 --trace traces   # and every thread's ops as a Chrome trace
 
@@ -39,11 +39,11 @@ Columns, each measured in the same run:
   tokens over the step's time.
 
 Rows: GRPO with the default packing (``grpo``: ``pack_tokens`` by placement, 8192 here and 0 on a
-green context, and ``tail_groups = 2``: the bench opens every group before the rollout, whose
-slots start every trajectory at once, then tells the objective ``all_groups_opened()`` as the
+green context; ``tail_groups`` 0: branches wait for 8192 tokens or their group's close), the same
+with ``tail_groups = 2`` (``grpo-tail2``: the bench opens every group before the rollout, whose
+slots start every trajectory at once, and tells the objective ``all_groups_opened()`` then, as the
 backward stage would, so once only two groups are open each of their trajectories' backward starts
-at its close), the same without the tail (``grpo-noflush``, ``tail_groups = 0``: branches wait for
-8192 tokens or their group's close), with
+at its close), with
 ``stream_early=True`` (``grpo-early``: a close that finds the worker idle submits what waits),
 with ``pack_tokens=2048`` (``grpo-pack2048``: packs the whole-pack graphs hold) and with
 ``pack_tokens=0``, OPD, and a balanced GRPO workload whose streamed learner costs about as much as
@@ -842,7 +842,7 @@ def make_objective(row: str, run: thundersync.StreamingRun) -> Any:
             thundersync.RewardLinearBackward,
             pack_tokens=pack_tokens,
             stream_early=kind == "grpo-early",
-            tail_groups=0 if kind == "grpo-noflush" else 2,
+            tail_groups=2 if kind == "grpo-tail2" else 0,
         )
     if row.endswith(_SECOND_DEVICE):
         if kind != "opd" and build.keywords["pack_tokens"] is None:  # its own GPU, as the grpo factory decides
@@ -867,8 +867,8 @@ def make_teacher(tiny: bool, device: torch.device, dtype: torch.dtype) -> Packed
 
 
 _ROW_NAMES = {
-    "grpo": "GRPO, default packing (pack_tokens by placement, tail_groups=2)",
-    "grpo-noflush": "GRPO, default packing, tail_groups=0",
+    "grpo": "GRPO, default packing (pack_tokens by placement)",
+    "grpo-tail2": "GRPO, default packing, tail_groups=2",
     "grpo-early": "GRPO, pack_tokens=8192, stream_early=True",
     "grpo-pack0": "GRPO, pack_tokens=0",
     "grpo-pack2048": "GRPO, pack_tokens=2048 (packs the whole-pack graphs hold)",
@@ -920,7 +920,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny model and batch on CPU (seconds)")
     parser.add_argument(
         "--rows",
-        default="grpo,grpo-noflush,grpo-early,opd,grpo-pack0,balanced",
+        default="grpo,grpo-tail2,grpo-early,opd,grpo-pack0,balanced",
         help=f"comma-separated, of {', '.join(_ROW_NAMES)}",
     )
     parser.add_argument(

@@ -154,12 +154,13 @@ def test_a_learner_process_hands_all_groups_opened_to_its_objective() -> None:
     which sums otherwise than the same batch without the call."""
     calls = batch_calls(2)
     flushed = [*calls[:2], ("all_groups_opened", (), {}), *calls[2:]]
+    tail = functools.partial(thundersync.RewardLinearBackward, pack_tokens=64, tail_groups=2)
     model = tiny_qwen3(torch.float32, seed=3).double()
-    want = one_process_step(copy.deepcopy(model), GRPO, flushed)
-    unflushed = one_process_step(copy.deepcopy(model), GRPO, calls)
+    want = one_process_step(copy.deepcopy(model), tail, flushed)
+    unflushed = one_process_step(copy.deepcopy(model), tail, calls)
     assert not all(torch.equal(a, b) for a, b in zip(want, unflushed, strict=True))
     run = thundersync.StreamingRun(model)
-    with thundersync.LearnerProcess(run, GRPO) as learner:
+    with thundersync.LearnerProcess(run, tail) as learner:
         for name, args, kwargs in flushed:
             getattr(learner, name)(*args, **kwargs)
         learner.assert_safe_to_step()

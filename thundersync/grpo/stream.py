@@ -29,10 +29,11 @@ When a branch starts. ``pack_tokens`` unset (the default) is chosen by placement
 trajectory's backward starts as it closes; :data:`PACK_TOKENS_SHARED` (8192) where it shares the
 device with the rollout, so a group's closed branches wait for 8192 of their tokens or the
 group's close. Either way, once :meth:`RewardLinearBackward.all_groups_opened` says that the
-batch's last group has opened, the last ``tail_groups`` (default 2) groups still open stream each
-closed branch at its close (their waiting branches go at once): no trajectory of the batch starts
-any more, and waiting would only move the batch's last work past the rollout's end. The bound is
-memory: a group whose branches run before its close holds a G1/G2 pair, two fp32 gradient-sized
+batch's last group has opened, the last ``tail_groups`` groups still open (0, the default: none)
+stream each closed branch at its close (their waiting branches go at once): no trajectory of the
+batch starts any more. It is off by default because on the H200 streaming the last two groups
+lengthened the tail instead (bench/RESULTS.md, section "2026-12-06 — The learner on a green
+context in the library: gpu tests and a capture's confinement (issue 44)"). The bound is memory: a group whose branches run before its close holds a G1/G2 pair, two fp32 gradient-sized
 accumulators, until it closes (``StreamingRun(source_offload_device="cpu")`` keeps them on the
 host); streaming every open group at once can hold one pair per group of the batch.
 
@@ -126,7 +127,7 @@ class RewardLinearBackward:
     soon as it closes; unset: chosen by placement, :func:`default_pack_tokens`),
     ``tail_groups``: once :meth:`all_groups_opened` says the batch's last group has opened, the
     last this many open groups submit their waiting branches and each later one at its close
-    (the batch's tail; 0: off), and ``stream_early``: on a background worker, a close that finds the
+    (the batch's tail; 0, the default: off), and ``stream_early``: on a background worker, a close that finds the
     worker idle submits every waiting branch at once. The result then depends on timing, but
     only through float rounding: which branches share a pack, and G1/G2 accumulation against
     the close's direct weights, change the summation order, not the math (module docstring).
@@ -146,7 +147,7 @@ class RewardLinearBackward:
         estimator: Estimator = "grpo"
         pack_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
         stream_early: bool = False
-        tail_groups: Annotated[int, msgspec.Meta(ge=0)] = 2
+        tail_groups: Annotated[int, msgspec.Meta(ge=0)] = 0
         loss: Loss = "grpo"
         tis_cap: Annotated[float, msgspec.Meta(gt=0)] = 2.0
         clip_low: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.2
