@@ -70,7 +70,7 @@ def _sweep(*, wipe_tmp: bool = False, list_left: bool = False) -> str:
     """One script for one exec: kill every process of the sandbox user, empty /tmp and /dev/shm
     (``wipe_tmp``), list the processes still alive, then (``list_left``) every name left in /tmp
     and /dev/shm. It prints nothing exactly when the sandbox is clean; anything printed (or a
-    failure) sends the caller to the container's restart.
+    failure) sends the caller to its checked slow path (a restart of the container).
 
     A process SIGKILLed a moment ago may not have exited yet: while some are alive the kill is
     repeated, three times at most, a few ms apart (a ``sleep`` that cannot fork just goes by).
@@ -82,6 +82,8 @@ def _sweep(*, wipe_tmp: bool = False, list_left: bool = False) -> str:
     )
     parts.append('if [ -n "$alive" ]; then echo "alive:$alive"' + (f"; else {_LEFT}; fi" if list_left else "; fi"))
     return "; ".join([*parts, "true"])
+
+
 _seeds = trees.SeedCache()
 
 
