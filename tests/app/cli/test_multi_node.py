@@ -67,25 +67,30 @@ def _sets(tmp: Path, *extra: str) -> list[str]:
     return [arg for item in items for arg in ("--set", item)]
 
 
-def _two_nodes(tmp: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 150) -> list[Node]:
+def _two_nodes(tmp: Path, *args: str, envs: tuple[dict[str, str], ...] = ({}, {}), timeout: float = 150) -> list[Node]:
     """Two torchrun agents (``--nnodes 2 --nproc-per-node 1``) meeting at one c10d endpoint; each
-    runs the same command, as each node of a cluster would."""
+    runs the same command, as each node of a cluster would, with ``envs[n]`` added. Node 0 starts
+    first and serves the rendezvous store (its agent binds the endpoint's port before node 1 starts);
+    which node's rank is rank 0 is the rendezvous's choice."""
     port = _free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
     command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}"]
     command += ["--rdzv-conf", "join_timeout=60", "-m", "thundersync", "run", str(tmp / "tiny.toml")]
     command += ["--metrics", str(tmp / "m.jsonl"), "--no-progress", *args]
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "THUNDERSYNC_DIST_TIMEOUT_S": "60"}
-    environ.update(env or {})
     logs = [(tmp / f"node{n}.log").open("w") for n in range(2)]
-    procs = [subprocess.Popen(command, cwd=tmp, env=environ, stdout=log, stderr=log, text=True) for log in logs]
+    procs: list[subprocess.Popen[str]] = []
     ended: dict[int, float] = {}
-    deadline = time.monotonic() + timeout
     try:
+        for n, log in enumerate(logs):
+            procs.append(subprocess.Popen(command, cwd=tmp, env={**environ, **envs[n]}, stdout=log, stderr=log))
+            if n == 0:
+                _wait_listening(port, procs[0])
+        deadline = time.monotonic() + timeout
         while len(ended) < 2 and time.monotonic() < deadline:
-            for n, proc in enumerate(procs):
-                if n not in ended and proc.poll() is not None:
-                    ended[n] = time.monotonic()
+            ended.update(
+                (n, time.monotonic()) for n, proc in enumerate(procs) if n not in ended and proc.poll() is not None
+            )
             time.sleep(0.05)
     finally:
         for proc in procs:
@@ -94,8 +99,20 @@ def _two_nodes(tmp: Path, *args: str, env: dict[str, str] | None = None, timeout
                 proc.wait()
         for log in logs:
             log.close()
-    assert len(ended) == 2, f"a node was still running after {timeout} s: " + (tmp / "node0.log").read_text()[-2000:]
-    return [Node(proc.returncode, ended[n], (tmp / f"node{n}.log").read_text()) for n, proc in enumerate(procs)]
+    texts = [(tmp / f"node{n}.log").read_text() for n in range(2)]
+    assert len(ended) == 2, f"a node still ran after {timeout} s: " + "\n----\n".join(t[-2000:] for t in texts)
+    return [Node(proc.returncode, ended[n], texts[n]) for n, proc in enumerate(procs)]
+
+
+def _wait_listening(port: int, agent: subprocess.Popen[str]) -> None:
+    """Until the first agent serves the rendezvous store on ``port`` (it binds it at start)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and agent.poll() is None:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"the first agent did not serve 127.0.0.1:{port} within 60 s (exit code {agent.poll()})")
 
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -130,3 +147,65 @@ def test_two_nodes_through_a_c10d_rendezvous_reach_the_single_process_parameters
     steps = [r for r in steps if r["event"] == "step"]
     assert [sum(r["groups_per_rank"]) for r in steps] == [3, 3, 2]
     assert sum(r["groups_per_rank"][1] for r in steps) > 0, "the second node took no group"
+
+
+def _failing(how: str, tmp: Path) -> dict[str, str]:
+    """The environment of the node whose rank fails mid-batch (``tests/app/rank_rewards.py``)."""
+    mark = str(tmp / "failed-at")
+    return {"THUNDERSYNC_TEST_FAIL_RANK": "any", "THUNDERSYNC_TEST_FAIL_HOW": how, "THUNDERSYNC_TEST_FAIL_MARK": mark}
+
+
+def _agent_summary(node: Node) -> tuple[int, str, str]:
+    """The failed worker's rank, exit code and pid in torchrun's own summary on that node."""
+    (found,) = re.findall(r"rank      : (\d) \(local_rank: 0\)\n  exitcode  : (-?\d+) \(pid: (\d+)\)", node.stderr)
+    return int(found[0]), found[1], found[2]
+
+
+def _failure_line(node: Node) -> str:
+    (line,) = [line for line in node.stderr.splitlines() if re.match(r"thundersync: rank \d of 2: run failed", line)]
+    return line
+
+
+def test_a_rank_killed_mid_batch_on_one_node_ends_the_other_node_with_a_line_naming_it(
+    tmp_path: Path, tiny: Path
+) -> None:
+    """SIGKILL on node 1's rank: its agent ends (torchrun's summary names the rank and pid); node
+    0's rank ends within THUNDERSYNC_DIST_TIMEOUT_S of the kill (plus start-up-free margin), its
+    line naming the dead rank's host and pid."""
+    env = {"THUNDERSYNC_DIST_TIMEOUT_S": "10"}
+    survivor, killed = _two_nodes(
+        tmp_path, *_sets(tmp_path, *FAILING_REWARD), envs=(env, env | _failing("kill", tmp_path))
+    )
+    failed_at = float((tmp_path / "failed-at").read_text())
+    assert survivor.returncode != 0 and killed.returncode != 0
+    rank, code, pid = _agent_summary(killed)
+    assert code == "-9", killed.stderr[-3000:]
+    line = _failure_line(survivor)
+    assert line.startswith(f"thundersync: rank {1 - rank} of 2: run failed"), line
+    assert f"rank {rank} holds unclosed groups" in line, line
+    assert f"(host {socket.gethostname()}, pid {pid}, no longer running)" in line, line
+    assert survivor.ended - failed_at < 10 + 30, f"node 0 ended {survivor.ended - failed_at:.1f} s after the kill"
+    assert not (tmp_path / "ckpt").exists(), "a failed run writes no final checkpoint"
+
+
+def test_a_rank_that_hangs_on_the_node_serving_the_store_ends_after_the_other_node_fails(
+    tmp_path: Path, tiny: Path
+) -> None:
+    """Node 0's rank hangs (alive, in an optimizer step). Node 1's rank ends within the timeout,
+    naming it; node 0's agent serves the store and never learns of it, so the hung rank's failure
+    watch ends it a timeout later, with a line naming node 1's failure; then its agent ends."""
+    env = {"THUNDERSYNC_DIST_TIMEOUT_S": "8"}
+    hung, other = _two_nodes(tmp_path, *_sets(tmp_path, *FAILING_REWARD), envs=(env | _failing("hang", tmp_path), env))
+    failed_at = float((tmp_path / "failed-at").read_text())
+    assert hung.returncode != 0 and other.returncode != 0
+    rank, code, pid = _agent_summary(hung)
+    assert code == "1", hung.stderr[-3000:]
+    line = _failure_line(other)
+    assert f"rank {rank} (host {socket.gethostname()}, pid {pid}, still running) did not reach the " in line, line
+    watch = [line for line in hung.stderr.splitlines() if line.startswith(f"thundersync: rank {rank} of 2: stopping")]
+    assert watch == [
+        f"thundersync: rank {rank} of 2: stopping this rank, which has not ended 8 s after another rank failed (it "
+        f"hangs, or waits for a rank that is gone): rank {1 - rank}: " + watch[0].split(f": rank {1 - rank}: ", 1)[1]
+    ], hung.stderr[-3000:]
+    assert "did not reach the " in watch[0], "the cause node 1's rank reported"
+    assert hung.ended - failed_at < 2 * 8 + 30, f"node 0 ended {hung.ended - failed_at:.1f} s after the hang"
