@@ -45,17 +45,28 @@ def _model(gpu: bool) -> Any:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    width = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16)
-    if not gpu:
-        width = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4)
-    heads = width["num_attention_heads"]
-    config = Qwen3Config(
-        vocab_size=32768 if gpu else VOCAB,
-        num_key_value_heads=heads // 2,
-        head_dim=64 if gpu else 32,
-        max_position_embeddings=4096,
-        **width,
-    )
+    if gpu:
+        config = Qwen3Config(
+            vocab_size=32768,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=64,
+            max_position_embeddings=4096,
+        )
+    else:
+        config = Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=4096,
+        )
     model = Qwen3ForCausalLM(config).eval()
     return model.to("cuda", torch.bfloat16) if gpu else model
 

@@ -79,7 +79,7 @@ def _two_nodes(tmp: Path, *args: str, envs: tuple[dict[str, str], ...] = ({}, {}
     command += ["--metrics", str(tmp / "m.jsonl"), "--no-progress", *args]
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "THUNDERSYNC_DIST_TIMEOUT_S": "60"}
     logs = [(tmp / f"node{n}.log").open("w") for n in range(2)]
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[subprocess.Popen[bytes]] = []
     ended: dict[int, float] = {}
     try:
         for n, log in enumerate(logs):
@@ -104,7 +104,7 @@ def _two_nodes(tmp: Path, *args: str, envs: tuple[dict[str, str], ...] = ({}, {}
     return [Node(proc.returncode, ended[n], texts[n]) for n, proc in enumerate(procs)]
 
 
-def _wait_listening(port: int, agent: subprocess.Popen[str]) -> None:
+def _wait_listening(port: int, agent: subprocess.Popen[bytes]) -> None:
     """Until the first agent serves the rendezvous store on ``port`` (it binds it at start)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and agent.poll() is None:
@@ -122,7 +122,7 @@ def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 def _relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     assert got.keys() == want.keys()
     num = sum(float((got[k] - want[k]).pow(2).sum()) for k in want) ** 0.5
-    return num / sum(float(w.pow(2).sum()) for w in want.values()) ** 0.5
+    return float(num / sum(float(w.pow(2).sum()) for w in want.values()) ** 0.5)
 
 
 def _rank_of(node: Node) -> int:
