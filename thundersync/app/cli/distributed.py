@@ -1,7 +1,10 @@
 """Data parallel from the command line: ``torchrun --nproc-per-node N -m thundersync run FILE``.
 
 A launcher (``torchrun``, ``python -m torch.distributed.run``) starts N copies of the command
-with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set. When
+with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set; on several
+nodes, one torchrun agent per node meets the others at a c10d rendezvous (``--nnodes``,
+``--rdzv-backend c10d``, ``--rdzv-endpoint``), which sets the same variables (``RANK`` global,
+``LOCAL_RANK`` within the node). When
 ``WORLD_SIZE`` is above 1, :func:`launch` makes each copy one rank of a data-parallel run:
 
 - it initialises the default process group: NCCL when CUDA is present (each rank on
