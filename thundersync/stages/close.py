@@ -87,7 +87,8 @@ class CloseStage(Stage):
         failures: EpisodeFailures | None = None,
     ) -> None:
         super().__init__(config)
-        self.tracker = Tracker(Need(name) for name in self.config.wait_for)
+        # with claims each group is a batch of its own and the claims seal the real batch, in any order
+        self.tracker = Tracker((Need(name) for name in self.config.wait_for), in_order=claims is None)
         self.admission, self.claims, self.failures = admission, claims, failures
         if failures is not None and failures.drops and claims is not None:
             raise ConfigError(
