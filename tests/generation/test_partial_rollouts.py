@@ -15,6 +15,7 @@ from thundersync.generation._batcher import ContinuousBatcher
 from thundersync.generation.base import allow_weight_changes
 from thundersync.testing import ScriptedGenerator
 
+
 def _fp64_reference(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of an fp64 model whose norms and attention softmax compute in fp64 (as the generator's do)."""
     from tests.engine.tiny_models import use_native_norms
@@ -49,7 +50,9 @@ def _greedy_across(old: torch.nn.Module, new: torch.nn.Module, prompt: list[int]
 
 
 @pytest.mark.parametrize("steps_before", [1, 3])
-def test_a_sequence_in_flight_goes_on_with_the_new_weights_over_its_old_keys_and_values(make_qwen3, steps_before) -> None:
+def test_a_sequence_in_flight_goes_on_with_the_new_weights_over_its_old_keys_and_values(
+    make_qwen3, steps_before
+) -> None:
     model = make_qwen3().double()
     old = copy.deepcopy(model)
     batcher = ContinuousBatcher(model, slots=2, capacity=64, prefill_tokens=64, key_bucket=16)
@@ -68,7 +71,12 @@ def test_a_sequence_in_flight_goes_on_with_the_new_weights_over_its_old_keys_and
     old, new = _fp64_reference(old), _fp64_reference(model)
     tokens, logprobs = _greedy_across(old, new, PROMPT, before, len(ticket.result.token_ids))
     assert ticket.result.token_ids == tokens
-    torch.testing.assert_close(torch.tensor(ticket.result.logprobs, dtype=torch.float64), torch.tensor(logprobs, dtype=torch.float64), atol=1e-10, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(ticket.result.logprobs, dtype=torch.float64),
+        torch.tensor(logprobs, dtype=torch.float64),
+        atol=1e-10,
+        rtol=0,
+    )
     only_old, _ = _greedy_across(old, old, PROMPT, 0, len(tokens))
     assert tokens != only_old  # the new weights did decode the tail
     full = PROMPT + ticket.result.token_ids  # the session's next turn: its stale prefix is prefilled again
@@ -96,8 +104,11 @@ class _PushedWeights:
 
 
 def test_a_generator_that_cannot_generate_across_weight_changes_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"generate generates up to max_staleness=2 policy versions ahead .*"
-                       r"\(_PushedWeights\) cannot generate while the weights change .* or set max_staleness = 0"):
+    with pytest.raises(
+        ConfigError,
+        match=r"generate generates up to max_staleness=2 policy versions ahead .*"
+        r"\(_PushedWeights\) cannot generate while the weights change .* or set max_staleness = 0",
+    ):
         allow_weight_changes(_PushedWeights(), 2, "generate")  # type: ignore[arg-type]  # no generate result: never called
 
 
@@ -107,4 +118,3 @@ def test_vllm_and_openai_generators_refuse_bounded_staleness() -> None:
 
     for cls in (OpenAIGenerator, VLLMGenerator):
         assert not hasattr(cls, "allow_weight_changes"), cls
-

@@ -33,9 +33,9 @@ from thundersync.events import TokenId
 
 __all__ = [
     "FinishReason",
+    "GeneratesAcrossWeightChanges",
     "GenerationRequest",
     "GenerationResult",
-    "GeneratesAcrossWeightChanges",
     "Generator",
     "LogprobMode",
     "SamplingParams",

@@ -46,7 +46,6 @@ from thundersync.events import (
     ActionGenerated,
     EventBase,
     GroupOpened,
-    Id,
     PromptSubmitted,
     Rewarded,
     TokenId,
