@@ -34,6 +34,11 @@ Definitions (times in seconds, from the watcher's clock):
   group; ``overlong_filtered`` / ``overlong_penalized``: its trajectories whose Rewarded says
   ``overlong = "filtered"`` / ``"penalized"`` (the reward stage's ``overlong``); ``truncated``: its trajectories ended because their next prompt would not fit
   the generator's context (``stop_reason = "context"``);
+- ``version_lag_mean`` / ``version_lag_max``: over the batch's trajectories, the lag of a trajectory
+  is the step's learner version (the version the optimizer step starts from: StepDone's
+  ``policy_version - 1``) minus its behaviour version (the ``policy_version`` its first action
+  started on: the oldest policy any of its tokens was sampled from). 0 under ``max_staleness = 0``;
+  at most ``max_staleness`` otherwise (``null`` when the batch has no action);
 - ``groups_rewarded``: the batch's groups with at least one Rewarded; ``groups_without_signal``:
   those whose rewards were all equal (each advantage is then 0: the group gives GRPO no gradient).
   When every rewarded group of several steps in a row has none (:class:`NoSignal`), the run says so;
@@ -108,6 +113,7 @@ class _Batch:
     penalized: int = 0  # Rewarded.overlong == "penalized"
     truncated: int = 0  # trajectories ended for want of context (stop_reason "context")
     group_rewards: dict[Id, list[float]] = field(default_factory=dict)
+    behaviour: dict[tuple[Id, Id], int] = field(default_factory=dict)  # trajectory -> its first action's version
     unpaired: dict[tuple[Id, Id, int], list[float]] = field(default_factory=dict)  # an action's scored
     # behaviour log-probs or its teacher's log-probs, whichever came first
 
@@ -172,6 +178,8 @@ class StepMetrics:
     @staticmethod
     def _count(event: ActionGenerated | Rewarded | ToolObserved, batch: _Batch, now: float) -> None:
         if isinstance(event, ActionGenerated):
+            key = (event.group_id, event.trajectory_id)
+            batch.behaviour[key] = min(batch.behaviour.get(key, event.policy_version), event.policy_version)
             batch.tokens += len(event.token_ids)
             batch.truncated += event.stop_reason == "context"
             if event.final:
@@ -210,6 +218,7 @@ class StepMetrics:
             batch.penalized,
             len(batch.group_rewards),
             sum(len(set(rewards)) == 1 for rewards in batch.group_rewards.values()),
+            [done.policy_version - 1 - version for version in batch.behaviour.values()],
         )
         record = {
             "step": done.policy_version,
@@ -259,6 +268,7 @@ class RankShare:
     penalized: int = 0
     rewarded_groups: int = 0
     flat_groups: int = 0  # rewarded groups whose rewards were all equal
+    lags: list[int] = field(default_factory=list)  # per trajectory: learner version - behaviour version
 
 
 def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, Any]:
@@ -281,6 +291,7 @@ def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, An
         sum(share.penalized for share in shares),
         sum(share.rewarded_groups for share in shares),
         sum(share.flat_groups for share in shares),
+        [lag for share in shares for lag in share.lags],
     )
     return _with_share(record, total) | {"groups_per_rank": [share.groups for share in shares]}
 
@@ -304,6 +315,8 @@ def _with_share(record: dict[str, Any], share: RankShare) -> dict[str, Any]:
         "overlong_penalized": share.penalized,
         "groups_rewarded": share.rewarded_groups,
         "groups_without_signal": share.flat_groups,
+        "version_lag_mean": statistics.fmean(share.lags) if share.lags else None,
+        "version_lag_max": max(share.lags) if share.lags else None,
     }
 
 
