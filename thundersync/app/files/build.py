@@ -231,7 +231,7 @@ def _check_staleness(spec: PipelineSpec, graph: Graph) -> None:
                 f"stages.{node.name}.objects.policy: the policy clock has max_staleness = {k}, so generate "
                 f"starts a batch before the step of the one before it, but the backward stage {node.name!r} "
                 "does not wait on that clock and would feed the next batch into the objective before the step; "
-                "give it the same clock (objects = { policy = \"<the clock's name>\" }), or set max_staleness = 0"
+                'give it the same clock (objects = { policy = "<the clock\'s name>" }), or set max_staleness = 0'
             )
         if isinstance(node.stage, CloseStage) and "backward" not in node.stage.config.wait_for:
             raise DefinitionError(
