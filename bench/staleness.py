@@ -120,16 +120,26 @@ def main_bench() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--warmup-steps", type=int, default=None, help="the warm-up's steps (default: the file's)")
     parser.add_argument("--tiny", action="store_true", help="2 steps each after a 5-step warm-up")
     args = parser.parse_args()
-    steps, warmup = (2, 5) if args.tiny else (args.steps, None)
+    steps, warmup = (2, 5) if args.tiny else (args.steps, args.warmup_steps)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in args.staleness:
             rows.append(row(k, one_run(Path(tmp), k, steps, warmup)))
     print(header(" ".join(["python", "bench/staleness.py", *sys.argv[1:]])))
-    columns = ["max_staleness", "steps", "step s (median)", "step s (mean)", "wall s", "generator idle s",
-               "version lag (mean)", "reward (last step)", "reward (mean)"]
+    columns = [
+        "max_staleness",
+        "steps",
+        "step s (median)",
+        "step s (mean)",
+        "wall s",
+        "generator idle s",
+        "version lag (mean)",
+        "reward (last step)",
+        "reward (mean)",
+    ]
     print(markdown_table(columns, rows))
 
 
