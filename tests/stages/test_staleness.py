@@ -250,3 +250,24 @@ def test_a_data_parallel_source_refuses_bounded_staleness() -> None:
     with pytest.raises(ConfigError, match=r"max_staleness=1, but this source claims groups across data-parallel"):
         SourceStage(config, claims=claims, policy=PolicyClock(max_staleness=1))
     SourceStage(config, claims=claims, policy=PolicyClock())
+
+
+class _StepLandsMidAction(ScriptedGenerator):
+    """While its first request is generated, the clock publishes the next version (a step landed)."""
+
+    def __init__(self, clock: PolicyClock) -> None:
+        super().__init__(vocab_size=VOCAB)
+        self.clock = clock
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if not self.requests:
+            self.clock.publish(self.clock.version + 1)
+        return await super().generate(request)
+
+
+def test_an_action_says_the_version_it_started_on_and_the_one_it_ended_on(run_stage: Any) -> None:
+    clock = PolicyClock(max_staleness=1)
+    stage = GenerateStage(GenerateStage.Config(concurrency=1), generator=_StepLandsMidAction(clock), policy=clock)
+    out = anyio.run(run_stage, stage, _prompts()[:1])
+    actions = [e for e in out if isinstance(e, ActionGenerated)]
+    assert [(a.policy_version, a.ended_policy_version) for a in actions] == [(0, 1), (1, None)]

@@ -20,7 +20,11 @@ fails); one that returns before answering fails generate, naming a trajectory le
 Runtime objects: ``generator`` (any :class:`~thundersync.generation.base.Generator`: token ids
 in, token ids and log-probs out), ``tool_calls`` (a :class:`~thundersync.tools.ToolCallParser`;
 without one every trajectory is a single action), ``policy`` (a
-:class:`~thundersync.pipeline.policy.PolicyClock`) and ``admission`` (an
+:class:`~thundersync.pipeline.policy.PolicyClock`; with its ``max_staleness >= 1`` the generator
+must keep generating while the optimizer changes the weights, ``allow_weight_changes()``, which a
+torch-generator has and a vLLM or server generator has not: the stage refuses those when it
+starts; each action says the version it started on and, when a step landed meanwhile, the one it
+ended on) and ``admission`` (an
 :class:`~thundersync.scheduling.Admission`, the source's): each action's tokens are reserved for
 its group once generated, before the action is sent, so ``max_tokens`` covers what groups hold,
 not only their prompts. Only a group that is not the oldest in flight waits for room, and that
