@@ -60,13 +60,6 @@ def test_the_deterministic_bench_runs_both_configurations() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_the_staleness_bench_runs_the_agent_example_at_each_max_staleness() -> None:
-    out = _run("staleness.py")
-    for k in (0, 1, 2):
-        assert re.search(rf"^\| {k} \| 2 \| ", out, re.MULTILINE), out
-
-
-@pytest.mark.timeout(300)
 def test_overlap_bench_runs_every_row() -> None:
     table = _run("overlap.py")
     rows = ("GRPO, pack_tokens=8192 (default)", "GRPO, pack_tokens=8192, stream_early=True")

@@ -71,3 +71,14 @@ def test_the_build_refuses_what_bounded_staleness_cannot_run_with() -> None:
         build_graph(load(TINY, [*k1, "run.deterministic=true"]))
     with pytest.raises(DefinitionError, match=r"objects.policy: policy-clock failed: max_staleness must be an integer"):
         build_graph(load(TINY, ["objects.policy.max_staleness=-1"]))
+
+
+def test_run_max_staleness_reaches_every_clock_whose_table_gives_none() -> None:
+    graph = build_graph(load(TINY, ["run.max_staleness=2"]))
+    assert graph["generate"].stage.policy.max_staleness == 2  # type: ignore[attr-defined]
+    assert graph["backward"].stage.policy is graph["generate"].stage.policy  # type: ignore[attr-defined]
+    own = build_graph(load(TINY, ["run.max_staleness=2", "objects.policy.max_staleness=1"]))
+    assert own["generate"].stage.policy.max_staleness == 1  # type: ignore[attr-defined]
+    assert build_graph(load(TINY))["generate"].stage.policy.max_staleness == 0  # type: ignore[attr-defined]
+    with pytest.raises(DefinitionError, match=r"run.max_staleness"):
+        load(TINY, ["run.max_staleness=-1"])

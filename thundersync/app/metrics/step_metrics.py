@@ -39,6 +39,12 @@ Definitions (times in seconds, from the watcher's clock):
   ``policy_version - 1``) minus its behaviour version (the ``policy_version`` its first action
   started on: the oldest policy any of its tokens was sampled from). 0 under ``max_staleness = 0``;
   at most ``max_staleness`` otherwise (``null`` when the batch has no action);
+- ``generator_idle_s``: the seconds since the previous step (the first: since the watcher started)
+  during which no trajectory waited for an action: a trajectory waits from its GroupOpened, and
+  from each ToolObserved that continues it, until its next ActionGenerated (as the generate stage
+  sends them; an agent-app stage announces an action only when the next request or the episode's
+  end shows it, so there it is a rough measure). With ``max_staleness = 0`` the generator idles
+  through each step and the batch's tail; with k >= 1 the next batch fills that time;
 - ``groups_rewarded``: the batch's groups with at least one Rewarded; ``groups_without_signal``:
   those whose rewards were all equal (each advantage is then 0: the group gives GRPO no gradient).
   When every rewarded group of several steps in a row has none (:class:`NoSignal`), the run says so;
@@ -128,11 +134,15 @@ class StepMetrics:
         self._last_step_s = clock()
         self._batch_of_group: dict[Id, Id] = {}
         self._batches: dict[Id, _Batch] = {}
+        self._awaiting: set[tuple[Id, Id]] = set()  # trajectories waiting for their next action
+        self._idle_since: float | None = self._last_step_s  # no trajectory waits since then
+        self._idle_s = 0.0  # since the previous step
         self.share: RankShare | None = None  # this rank's part of the last recorded batch
 
     def observe(self, event: EventBase) -> dict[str, Any] | None:
         """Take one event; returns the step record when ``event`` is a StepDone."""
         now = self._clock()
+        self._track_idle(event, now)
         if isinstance(event, (PromptSubmitted, GroupOpened)):
             self._batch_of_group[event.group_id] = event.batch_id
             batch = self._batches.setdefault(event.batch_id, _Batch())
@@ -153,6 +163,29 @@ class StepMetrics:
         if isinstance(event, (ActionGenerated, TeacherScored)):
             self._pair(event)
         return None
+
+    def _track_idle(self, event: EventBase, now: float) -> None:
+        """Count the time no trajectory waits for an action (``generator_idle_s``)."""
+        before = bool(self._awaiting)
+        if isinstance(event, GroupOpened):
+            self._awaiting.update((event.group_id, t) for t in event.trajectory_ids)
+        elif isinstance(event, ToolObserved):
+            self._awaiting.add((event.group_id, event.trajectory_id))
+        elif isinstance(event, ActionGenerated):
+            self._awaiting.discard((event.group_id, event.trajectory_id))
+        if before and not self._awaiting:
+            self._idle_since = now
+        elif not before and self._awaiting and self._idle_since is not None:
+            self._idle_s += now - self._idle_since
+            self._idle_since = None
+
+    def _take_idle(self, now: float) -> float:
+        """The idle seconds since the previous step; counting starts again at ``now``."""
+        if self._idle_since is not None:
+            self._idle_s += now - self._idle_since
+            self._idle_since = now
+        idle, self._idle_s = self._idle_s, 0.0
+        return idle
 
     def _pair(self, event: ActionGenerated | TeacherScored) -> None:
         """Add an action's per-token reverse KL once both its behaviour and teacher log-probs came."""
@@ -226,6 +259,7 @@ class StepMetrics:
             "step_s": step_s,
             "rollout_s": rollout_s,
             "learn_s": done.learn_s,
+            "generator_idle_s": self._take_idle(now),
             "grad_norm": done.grad_norm,
             "lr": done.lr,
             "logprob_mismatch": done.logprob_mismatch,
