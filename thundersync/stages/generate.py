@@ -4,8 +4,8 @@ Consumes: PromptSubmitted; ToolObserved on its feedback inbox. Produces: GroupOp
 trajectory ActionGenerated for each turn. Waits for: the ``generator``; between turns, the tool
 stage's ToolObserved; with a ``policy`` clock, before it starts batch ``n`` of the run, version
 ``n - max_staleness`` (:mod:`thundersync.pipeline.policy`; ``max_staleness = 0``: version ``n``,
-zero staleness); with an ``admission``, room for each action's tokens. Unblocked by: tool-execute answering an action, step publishing the policy, close
-releasing a group.
+zero staleness); with an ``admission``, room for each action's tokens. Unblocked by:
+tool-execute answering an action, step publishing the policy, close releasing a group.
 
 The agent loop is generate -> tool-execute -> generate: an action that calls a tool (the
 ``tool_calls`` parser finds a call in it, and it is not the last of ``turns``) is sent with
