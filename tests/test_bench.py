@@ -51,6 +51,23 @@ def test_pack_cost_bench_runs_every_form() -> None:
 def test_distributed_bench_runs_one_and_two_ranks_with_and_without_zero1() -> None:
     table = _run("distributed.py")
     assert "| 1 rank |" in table and "| 2 ranks |" in table and "| 2 ranks, ZeRO-1 |" in table
+    assert "| ranks | step (s) | tokens/s | groups per rank per step |" in table
+
+
+def test_the_distributed_bench_refuses_its_gpu_rows_below_two_cuda_devices() -> None:
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("the refusal needs fewer than 2 CUDA devices")
+    done = subprocess.run(
+        [sys.executable, "bench/distributed.py", "--tiny", "--gpu"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == f"--gpu needs 2 CUDA devices; this machine has {torch.cuda.device_count()}\n"
 
 
 @pytest.mark.timeout(300)
