@@ -1,0 +1,221 @@
+"""A sharded learner: FSDP2 (``fully_shard``) parameters and optimizer state under the streaming engine.
+
+:class:`ShardedDataParallel` is a :class:`~thundersync.engine.distributed.DataParallel` whose
+model is sharded over a 1-D device mesh of its ranks (``torch.distributed.fsdp.fully_shard``):
+between steps each rank keeps only its shard (``Shard(0)``: ``torch.chunk`` of dim 0) of every
+parameter as a DTensor, and the optimizer built over :meth:`ShardedDataParallel.parameters` holds
+only its shard's state. A logical batch runs on the gathered parameters:
+
+    gather (FSDP unshard)  ->  the batch streams into the full, local p.grad (the engine, unchanged)
+    -> reduce once: the summed gradient, reduce-scattered, becomes each shard's .grad (a DTensor)
+    -> reshard (the full parameters freed) -> clip (the norm over every rank's shard)
+    -> optimizer.step() on the shards -> stepped(): gather the new parameters for the next batch
+
+The gather happens once per logical batch, right after each step (every rank steps every batch,
+whereas a rank may claim no group of a batch), never per pack: decision 075 says why. The engine
+never calls a module's forward, so FSDP's own hooks (gather before a forward, reduce after a
+backward) never run: this module calls the gather and does the reduction itself, in the
+accumulation dtype (fp32, fp64 for fp64 models). Every collective waits at most the timeout and
+fails as :class:`DataParallel`'s do (the ranks that never came, or the cause one reported); FSDP's
+gather waits the process group's own timeout (under ``thundersync run``: THUNDERSYNC_DIST_TIMEOUT_S).
+
+    >>> sharded = ShardedDataParallel(model, timeout_s=600)      # doctest: +SKIP
+    >>> optimizer = torch.optim.AdamW(sharded.parameters())      # doctest: +SKIP
+    >>> run = StreamingRun(model, data_parallel=sharded)         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from thundersync.engine.distributed import DataParallel
+from thundersync.engine.sinks import accumulate_dtype
+from thundersync.errors import ConfigError
+
+__all__ = ["RankBytes", "ShardedDataParallel", "rank_bytes"]
+
+
+class ShardedDataParallel(DataParallel):
+    """Shards ``model`` (``fully_shard`` over the ranks of ``group``, default the world) and
+    gathers it for the first batch; a :class:`~thundersync.engine.StreamingRun` made afterwards
+    streams into the gathered parameters (``data_parallel=`` this object).
+
+    ``broadcast`` (default True): make every rank's weights rank 0's before sharding (the shards
+    must come from one model). A model already sharded (an ``FSDPModule``, e.g. per layer) is
+    taken as it is: every ``FSDPModule`` inside it is gathered and resharded together.
+    """
+
+    def __init__(self, model: nn.Module, group: Any = None, *, broadcast: bool = True, **options: Any) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        super().__init__(group, **options)
+        if broadcast:
+            self.broadcast_parameters(list(model.parameters()))
+        if not isinstance(model, FSDPModule):
+            fully_shard(model, mesh=self._mesh())
+        self.model = model
+        self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self.sharded = dict(model.named_parameters())  # name -> the DTensor parameter (the optimizer's)
+        self.gather()
+        gathered = dict(model.named_parameters())
+        self._shard_of = {id(gathered[name]): p for name, p in self.sharded.items()}
+        self._names = {id(gathered[name]): name for name in self.sharded}
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The sharded parameters (DTensors) in the model's order: give these to the optimizer."""
+        return list(self.sharded.values())
+
+    # --- the batch's boundaries ---------------------------------------------------------------
+
+    def gather(self) -> None:
+        """All-gather the full parameters into the model (FSDP's unshard), one collective per unit."""
+        for unit in self.units:
+            self._collective("the parameter gather", functools.partial(_unshard, unit))
+
+    def stepped(self) -> None:
+        """After ``optimizer.step()``: gather the new parameters for the next batch."""
+        self.gather()
+
+    def all_reduce_gradients(self, params: Sequence[nn.Parameter]) -> None:
+        """Reduce-scatter the ranks' full gradients (``p.grad`` of the gathered ``params``, a missing
+        one counting as zeros) into each shard's ``.grad``, drop the full ones, and reshard."""
+        for bucket in self._buckets(list(params)):
+            self._reduce_scatter(bucket, [self._shard(p) for p in bucket])
+        for p in params:
+            p.grad = None
+        for unit in self.units:
+            unit.reshard()
+
+    def clip_grad_norm(self, params: Sequence[nn.Parameter], max_norm: float) -> float:
+        """The total norm of the shards' gradients over every rank (what one process's
+        ``clip_grad_norm_`` computes), and their scaling by ``min(1, max_norm / (norm + 1e-6))``."""
+        grads = [_local(g) for g in (self._shard(p).grad for p in params) if g is not None]
+        dtype = accumulate_dtype(grads[0].dtype) if grads else torch.float64
+        squares = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for g in grads:
+            squares += torch.linalg.vector_norm(g.to(self.device, dtype)).to(torch.float64) ** 2
+        self._all_reduce(squares, "the gradient norm's reduction")
+        norm = math.sqrt(float(squares))
+        coefficient = min(1.0, max_norm / (norm + 1e-6))
+        for g in grads:
+            g.mul_(coefficient)
+        return norm
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _mesh(self) -> Any:
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        if self.group is None:
+            return init_device_mesh(self.device.type, (self.world_size,))
+        return DeviceMesh.from_group(self.group, self.device.type)
+
+    def _shard(self, p: nn.Parameter) -> nn.Parameter:
+        shard = self._shard_of.get(id(p))
+        if shard is None:
+            raise ConfigError(
+                f"a parameter of shape {tuple(p.shape)} is not one of the sharded model's gathered parameters; "
+                "make the StreamingRun after the ShardedDataParallel, over the same model"
+            )
+        return shard
+
+    def _reduce_scatter(self, bucket: list[nn.Parameter], shards: list[nn.Parameter]) -> None:
+        """One reduce-scatter of ``bucket``'s gradients, rank-major: [rank 0's rows of every
+        parameter, padded | rank 1's ... ]; each shard's rows become its ``.grad``."""
+        dtype = accumulate_dtype(bucket[0].dtype)
+        padded = [_padded_rows(p, self.world_size, self.device, dtype) for p in bucket]
+        flat = torch.cat([t.view(self.world_size, -1) for t in padded], dim=1).reshape(-1)
+        out = flat.new_empty(flat.numel() // self.world_size)
+        what = f"the gradient reduce-scatter ({flat.numel()} values)"
+        self._collective(what, lambda: dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True))
+        self.bytes_reduced += flat.numel() * flat.element_size()
+        offset = 0
+        for t, shard in zip(padded, shards):
+            size = t.numel() // self.world_size
+            local = _local(shard)
+            part = out[offset : offset + local.numel()].view(local.shape)
+            offset += size
+            shard.grad = _like_shard(shard, part.to(local.device, local.dtype, copy=True))
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """One rank's resting bytes: its parameters, their gradients (the size ``.grad`` takes, in
+    the parameters' dtype), and the optimizer's tensor state (the local shard of a DTensor)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+
+def rank_bytes(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer | None = None) -> RankBytes:
+    """The bytes this rank holds for ``params`` (counting only the local shard of a DTensor)
+    and ``optimizer``'s state (any optimizer whose ``.state`` maps parameters to tensors, ZeRO-1's
+    wrapped ``.optim`` included). Deterministic: sizes, not allocator statistics."""
+    local = [_local(p) for p in params]
+    parameters = sum(t.numel() * t.element_size() for t in local)
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's in .optim
+    states = [] if inner is None else list(inner.state.values())
+    state = sum(
+        _local(t).numel() * _local(t).element_size()
+        for s in states
+        for t in s.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
+    return RankBytes(parameters, parameters, state)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _unshard(unit: Any) -> _Waited:
+    return _Waited(unit.unshard(async_op=True))
+
+
+class _Waited:
+    """FSDP's unshard handle, waited like a collective's work (its own wait takes no timeout: the
+    process group's applies)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self.handle is not None:
+            self.handle.wait()
+        return True
+
+
+def _padded_rows(p: nn.Parameter, world_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``p.grad`` (zeros when missing) in ``dtype``, its dim 0 padded with zero rows to
+    ``world_size * ceil(rows / world_size)``: rank r's shard is rows [r * c, (r + 1) * c)."""
+    rows = p.shape[0] if p.dim() else 1
+    chunk = -(-rows // world_size)
+    out = torch.zeros((world_size * chunk, *p.shape[1:]), dtype=dtype, device=device)
+    if p.grad is not None:
+        out[:rows].copy_(p.grad.reshape(rows, *p.shape[1:]))
+    return out
+
+
+def _like_shard(shard: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor laid out as ``shard`` (same mesh, placements, global shape)."""
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(shard, DTensor) or isinstance(shard.data, DTensor)
+    spec: Any = shard
+    return DTensor.from_local(
+        local, spec.device_mesh, spec.placements, run_check=False, shape=shard.shape, stride=shard.stride()
+    )
