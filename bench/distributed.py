@@ -2,16 +2,22 @@
 
     python bench/distributed.py            # ~1 min on a 2-core CPU machine
     python bench/distributed.py --tiny     # a few seconds: the CI check that it still runs
+    python bench/distributed.py --sharded  # adds 2 ranks sharded (FSDP2) beside replicated
 
 Each configuration trains a small Qwen3 (fp32) for ``--steps`` optimizer steps (after one warm-up
 step) on the same batches: ``--groups`` prompt groups of ``--samples`` trajectories per step, with
 long-tailed response lengths. With 2 ranks, the groups are claimed at run time through the
 store, each rank streams its groups, the batch is sealed, gradients are all-reduced and the
-optimizer steps on every rank (AdamW, or ZeRO-1: ``ZeroRedundancyOptimizer`` over AdamW). Each
-rank uses ``cores / ranks`` threads, so both configurations use the whole machine.
+optimizer steps on every rank (AdamW, or ZeRO-1: ``ZeroRedundancyOptimizer`` over AdamW; with
+``--sharded``, a sharded learner too: ``ShardedDataParallel``, the gradient reduce-scattered into
+the shards, AdamW over them, the parameters gathered after each step). Each rank uses
+``cores / ranks`` threads, so every configuration uses the whole machine.
 
-Columns: median step time; groups each rank took (run-time claims); bytes all-reduced per step
-and rank; optimizer-state bytes held per rank. Prints the header and one markdown table.
+Columns: median step time; groups each rank took (run-time claims); bytes reduced per step and
+rank (all-reduced, or reduce-scattered's input); the bytes each rank holds between steps for its
+parameters, their gradients and the optimizer's state (``rank_bytes``: sizes, not allocator
+statistics; during a batch a sharded rank also holds the gathered parameters). Prints the header
+and one markdown table.
 """
 
 from __future__ import annotations
@@ -74,33 +80,29 @@ def _stream(grpo: Any, index: int, group: dict[str, Any]) -> None:
     grpo.close_group(index)
 
 
-def _state_bytes(optimizer: Any) -> int:
-    import torch
-
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer
-    return sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values() if torch.is_tensor(t))
-
-
-def _rank(rank: int, world: int, port: int, args: argparse.Namespace, zero: bool, out: Any) -> None:
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, mode: str, out: Any) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     import thundersync
     from thundersync.engine.distributed import DataParallel
+    from thundersync.engine.sharded import ShardedDataParallel, rank_bytes
     from thundersync.scheduling import GroupClaims
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(_model()))
+    model = _model()
+    dp = ShardedDataParallel(model, store=store) if mode == "sharded" else DataParallel(store=store)
+    grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model, data_parallel=dp))
     params = grpo.run.params
-    if zero:
+    stepped = dp.parameters() if isinstance(dp, ShardedDataParallel) else params
+    if mode == "zero1":
         optimizer: Any = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=1e-4, maximize=True)
     else:
-        optimizer = torch.optim.AdamW(params, lr=1e-4, maximize=True)
-    dp = DataParallel(store=store)
-    claims = GroupClaims(store, rank=rank, world_size=world, prefix=f"bench/{zero}")
+        optimizer = torch.optim.AdamW(stepped, lr=1e-4, maximize=True)
+    claims = GroupClaims(store, rank=rank, world_size=world, prefix=f"bench/{mode}")
     times, taken = [], []
     for step in range(args.steps + 1):
         batch = _batch(step, args.groups, args.samples)
@@ -118,21 +120,22 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, zero: bool
             dp.all_reduce_gradients(params)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        dp.stepped()
         claims.finish(step)
         if step:  # the first step warms up
             times.append(time.perf_counter() - start)
             taken.append(mine)
-    out.put((rank, statistics.median(times), taken, dp.bytes_reduced - before, _state_bytes(optimizer)))
+    out.put((rank, statistics.median(times), taken, dp.bytes_reduced - before, rank_bytes(stepped, optimizer)))
     dist.destroy_process_group()
 
 
-def _run(world: int, args: argparse.Namespace, zero: bool) -> list[Any]:
+def _run(world: int, args: argparse.Namespace, mode: str) -> list[Any]:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, store.port, args, zero, out)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, store.port, args, mode, out)) for r in range(world)]
     for p in procs:
         p.start()
     results = sorted(out.get(timeout=600) for _ in procs)
@@ -147,25 +150,31 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="2 groups of 2, one step: only checks that it runs")
+    parser.add_argument("--sharded", action="store_true", help="add 2 ranks sharded (FSDP2) beside replicated")
     args = parser.parse_args()
     if args.tiny:
         args.groups, args.samples, args.steps = 2, 2, 1
     print(header("python bench/distributed.py " + " ".join(sys.argv[1:])))
     rows = []
-    for world, zero in ((1, False), (2, False), (2, True)):
-        results = _run(world, args, zero)
-        step = max(r[1] for r in results)
+    runs = [(1, "replicated"), (2, "replicated"), (2, "zero1")] + ([(2, "sharded")] if args.sharded else [])
+    for world, mode in runs:
+        results = _run(world, args, mode)
+        held = [r[4] for r in results]
         rows.append(
             [
-                f"{world} rank{'s' if world > 1 else ''}" + (", ZeRO-1" if zero else ""),
-                step,
+                f"{world} rank{'s' if world > 1 else ''}"
+                + {"replicated": "", "zero1": ", ZeRO-1"}.get(mode, ", sharded"),
+                max(r[1] for r in results),
                 " / ".join(str(sum(r[2]) / len(r[2])) for r in results),
                 results[0][3] / 2**20,
-                " / ".join(f"{r[4] / 2**20:.2f}" for r in results),
+                *(" / ".join(f"{getattr(h, part) / 2**20:.2f}" for h in held) for part in _PARTS),
             ]
         )
-    columns = ["ranks", "step (s)", "groups per rank per step", "MiB reduced per rank", "optimizer MiB per rank"]
-    print(markdown_table(columns, rows))
+    columns = ["ranks", "step (s)", "groups per rank per step", "MiB reduced per rank"]
+    print(markdown_table(columns + [f"{part} MiB per rank" for part in _PARTS], rows))
+
+
+_PARTS = ("parameters", "gradients", "optimizer")
 
 
 if __name__ == "__main__":

@@ -135,7 +135,7 @@ class ShardedDataParallel(DataParallel):
         flat = torch.cat([t.view(self.world_size, -1) for t in padded], dim=1).reshape(-1)
         out = flat.new_empty(flat.numel() // self.world_size)
         what = f"the gradient reduce-scatter ({flat.numel()} values)"
-        self._collective(what, lambda: dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True))
+        self._collective(what, lambda: dist.reduce_scatter_single(out, flat, group=self.group, async_op=True))
         self.bytes_reduced += flat.numel() * flat.element_size()
         offset = 0
         for t, shard in zip(padded, shards):
