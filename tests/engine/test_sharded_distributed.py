@@ -190,3 +190,64 @@ def test_sharded_ranks_equal_one_process_for_grpo_and_opd_and_catch_planted_erro
         assert held.parameters <= 1.3 * whole / world_size, f"rank {rank}: {held} of {whole}"
         assert held.optimizer <= 2 * 1.3 * whole / world_size, f"rank {rank}: AdamW's two moments, {held}"
     assert sum(t["bytes"].parameters for t in by_rank.values()) == whole, "the shards hold every parameter once"
+
+
+def _lora_train(sharded_model: Any = None, store: Any = None, rank: int = 0, world_size: int = 1) -> Any:
+    """GRPO on a LoRA adapter over the tiny model (AdamW, clipping): one process, or one rank of a
+    sharded learner (the frozen base sharded too). Every parameter after each step."""
+    import anyio
+
+    import thundersync
+    from tests.engine.tiny_models import with_lora
+    from thundersync.engine.sharded import ShardedDataParallel, rank_bytes
+    from thundersync.events import BatchReady
+
+    model = with_lora(tiny_qwen3(torch.float64, seed=rank))
+    sharded = None if store is None else ShardedDataParallel(model, store=store, timeout_s=60)
+    run = thundersync.StreamingRun(model, data_parallel=sharded)
+    grpo = thundersync.RewardLinearBackward(run)
+    optimizer = _adamw(run.params if sharded is None else sharded.parameters())
+    trainer = thundersync.StreamingTrainer(grpo, optimizer, max_grad_norm=MAX_NORM)
+    claims = None if store is None else GroupClaims(store, rank=rank, world_size=world_size, prefix="lora")
+    snapshots, norms = [], []
+    for step in range(STEPS):
+        batch = _batch(step)
+        for index in _indices(claims, step, len(batch)):
+            _stream_group(grpo, index, batch[index])
+        norms.append(anyio.run(trainer.step, BatchReady(batch_id=step, num_groups=len(batch))).grad_norm)
+        snapshots.append(_snapshot(list(model.parameters())))  # the base too: it must not move
+        if claims is not None:
+            claims.finish(step)
+    held = None if sharded is None else rank_bytes(list(sharded.sharded.values()), optimizer)
+    return (snapshots, norms), held, len(run.params)
+
+
+def _indices(claims: GroupClaims | None, step: int, groups: int) -> Any:
+    """Every group of the batch, or (with ``claims``) the ones this rank claims, each closed after
+    the caller streamed it; the batch sealed at the end."""
+    if claims is None:
+        yield from range(groups)
+        return
+    while (index := claims.claim(step, groups)) is not None:
+        yield index
+        claims.close(step, index, groups)
+    claims.wait_sealed(step)
+
+
+def _lora_rank(rank: int, world_size: int, port: int, out: Any) -> None:
+    store = _connect(rank, world_size, port)
+    torch.set_num_threads(1)
+    out.put((rank, _dumps(_lora_train(store=store, rank=rank, world_size=world_size))))
+    dist.destroy_process_group()
+
+
+def test_a_lora_adapter_over_a_sharded_frozen_base_equals_one_process() -> None:
+    results, codes, _ = _spawn(_lora_rank, 2)
+    assert codes == [0, 0], f"rank exit codes {codes}"
+    want, _, adapters = _lora_train()
+    base = sum(p.numel() * p.element_size() for p in tiny_qwen3(torch.float64).parameters())
+    for rank, blob in results:
+        got, held, trained = torch.load(io.BytesIO(blob), weights_only=False)
+        assert trained == adapters and adapters < 30, "only the adapter is trained"
+        _check("lora", got, want, rank)
+        assert held.parameters < 0.6 * base and held.gradients < 0.2 * held.parameters, held

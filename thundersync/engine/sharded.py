@@ -70,8 +70,10 @@ class ShardedDataParallel(DataParallel):
         self._names = {id(gathered[name]): name for name in self.sharded}
 
     def parameters(self) -> list[nn.Parameter]:
-        """The sharded parameters (DTensors) in the model's order: give these to the optimizer."""
-        return list(self.sharded.values())
+        """The trainable sharded parameters (DTensors, ``requires_grad``) in the model's order: give
+        these to the optimizer (a frozen base, e.g. under a LoRA adapter, is sharded but not among
+        them)."""
+        return [p for p in self.sharded.values() if p.requires_grad]
 
     # --- the batch's boundaries ---------------------------------------------------------------
 
@@ -161,11 +163,13 @@ class RankBytes:
 
 
 def rank_bytes(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer | None = None) -> RankBytes:
-    """The bytes this rank holds for ``params`` (counting only the local shard of a DTensor)
-    and ``optimizer``'s state (any optimizer whose ``.state`` maps parameters to tensors, ZeRO-1's
-    wrapped ``.optim`` included). Deterministic: sizes, not allocator statistics."""
-    local = [_local(p) for p in params]
-    parameters = sum(t.numel() * t.element_size() for t in local)
+    """The bytes this rank holds for ``params`` (counting only the local shard of a DTensor;
+    gradients only for those that require one) and ``optimizer``'s state (any optimizer whose
+    ``.state`` maps parameters to tensors, ZeRO-1's wrapped ``.optim`` included). Deterministic:
+    sizes, not allocator statistics."""
+    local = [(_local(p), p.requires_grad) for p in params]
+    parameters = sum(t.numel() * t.element_size() for t, _ in local)
+    gradients = sum(t.numel() * t.element_size() for t, trained in local if trained)
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's in .optim
     states = [] if inner is None else list(inner.state.values())
     state = sum(
@@ -174,7 +178,7 @@ def rank_bytes(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer 
         for t in s.values()
         if isinstance(t, torch.Tensor) and t.dim() > 0
     )
-    return RankBytes(parameters, parameters, state)
+    return RankBytes(parameters, gradients, state)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
