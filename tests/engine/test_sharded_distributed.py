@@ -46,14 +46,15 @@ def _snapshot(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     return [p.detach().clone() for p in params]
 
 
-def _grpo_reference() -> tuple[list[list[torch.Tensor]], list[float]]:
-    """One process: GRPO, SGD with momentum, the norm clipped; the parameters after each step."""
+def _grpo_reference(make: Any = _sgd, steps: int = STEPS) -> tuple[list[list[torch.Tensor]], list[float]]:
+    """One process: GRPO, SGD with momentum (or ``make``'s optimizer), the norm clipped; the
+    parameters after each step."""
     import thundersync
 
     grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(tiny_qwen3(torch.float64)))
-    optimizer = _sgd(grpo.run.params)
+    optimizer = make(grpo.run.params)
     snapshots, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         for index, group in enumerate(_batch(step)):
             _stream_group(grpo, index, group)
         grpo.assert_safe_to_step()

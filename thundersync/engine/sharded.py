@@ -30,6 +30,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -110,6 +111,37 @@ class ShardedDataParallel(DataParallel):
         for g in grads:
             g.mul_(coefficient)
         return norm
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def save(self, path: str | Path, optimizer: torch.optim.Optimizer) -> None:
+        """Save the model's and ``optimizer``'s shards (every rank calls it, between steps) as a
+        ``torch.distributed.checkpoint`` directory at ``path``; :meth:`load` reads it on any
+        number of ranks. The parameters are gathered again afterwards."""
+        from torch.distributed.checkpoint import state_dict_saver
+
+        state_dict_saver.save(self._state(optimizer), checkpoint_id=str(path), process_group=self.group)
+        self.gather()  # the state dict left the model sharded
+
+    def load(self, path: str | Path, optimizer: torch.optim.Optimizer) -> None:
+        """Load what :meth:`save` wrote, on this run's ranks (their number may differ from the
+        saving run's: each rank reads its shards' rows), into the model and ``optimizer``; then
+        gather the parameters."""
+        from torch.distributed.checkpoint import state_dict_loader
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        state = self._state(optimizer)
+        state_dict_loader.load(state, checkpoint_id=str(path), process_group=self.group)
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, optimizer, state["optimizer"])
+        self.gather()
+
+    def _state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        for unit in self.units:
+            unit.reshard()
+        return {"model": get_model_state_dict(self.model), "optimizer": get_optimizer_state_dict(self.model, optimizer)}
 
     # --- helpers --------------------------------------------------------------------------------
 
