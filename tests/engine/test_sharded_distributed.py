@@ -78,6 +78,7 @@ def _grpo_rank(store: Any, rank: int, world_size: int, plant: str) -> tuple[list
     grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model, data_parallel=sharded))
     claims = GroupClaims(store, rank=rank, world_size=world_size, prefix=f"sharded/grpo/{plant}", timeout_s=60)
     snapshots, norms = [], []
+    addresses = [p.data_ptr() for p in grpo.run.params]
     for step in range(STEPS):
         batch = _batch(step)
         while (index := claims.claim(step, len(batch))) is not None:
@@ -93,6 +94,7 @@ def _grpo_rank(store: Any, rank: int, world_size: int, plant: str) -> tuple[list
         snapshots.append(_snapshot(grpo.run.params))
         claims.finish(step)
     assert isinstance(sharded, ShardedDataParallel)
+    assert [p.data_ptr() for p in grpo.run.params] == addresses, "the gathered parameters stay where they are"
     return snapshots, norms
 
 

@@ -2,22 +2,25 @@
 
 :class:`ShardedDataParallel` is a :class:`~thundersync.engine.distributed.DataParallel` whose
 model is sharded over a 1-D device mesh of its ranks (``torch.distributed.fsdp.fully_shard``):
-between steps each rank keeps only its shard (``Shard(0)``: ``torch.chunk`` of dim 0) of every
-parameter as a DTensor, and the optimizer built over :meth:`ShardedDataParallel.parameters` holds
-only its shard's state. A logical batch runs on the gathered parameters:
+each rank's optimizer, built over :meth:`ShardedDataParallel.parameters`, steps only its shard
+(``Shard(0)``: ``torch.chunk`` of dim 0) of every parameter, a DTensor, and holds only that
+shard's state and gradient. A logical batch runs on the gathered parameters:
 
-    gather (FSDP unshard)  ->  the batch streams into the full, local p.grad (the engine, unchanged)
+    the batch streams into the gathered parameters' full, local p.grad (the engine, unchanged)
     -> reduce once: the summed gradient, reduce-scattered, becomes each shard's .grad (a DTensor)
-    -> reshard (the full parameters freed) -> clip (the norm over every rank's shard)
-    -> optimizer.step() on the shards -> stepped(): gather the new parameters for the next batch
+    -> clip (the norm over every rank's shard) -> optimizer.step() on the shards
+    -> stepped(): the new shards all-gathered into the gathered parameters, in place
 
 The gather happens once per logical batch, right after each step (every rank steps every batch,
-whereas a rank may claim no group of a batch), never per pack: decision 075 says why. The engine
-never calls a module's forward, so FSDP's own hooks (gather before a forward, reduce after a
-backward) never run: this module calls the gather and does the reduction itself, in the
-accumulation dtype (fp32, fp64 for fp64 models). Every collective waits at most the timeout and
-fails as :class:`DataParallel`'s do (the ranks that never came, or the cause one reported); FSDP's
-gather waits the process group's own timeout (under ``thundersync run``: THUNDERSYNC_DIST_TIMEOUT_S).
+whereas a rank may claim no group of a batch), never per pack: decision 075 says why. FSDP gathers
+the parameters once, when this object is made; afterwards the gathered tensors stay where they are
+(their addresses too, which CUDA graphs of the packs and of a generator's decode step bake in) and
+each step's new values are all-gathered into them. The engine never calls a module's forward, so
+FSDP's own hooks (gather before a forward, reduce after a backward) never run: this module does
+the reduction itself, in the accumulation dtype (fp32, fp64 for fp64 models). Every collective
+waits at most the timeout and fails as :class:`DataParallel`'s do (the ranks that never came, or
+the cause one reported); FSDP's first gather and the checkpoints' collectives wait the process
+group's own timeout (under ``thundersync run``: THUNDERSYNC_DIST_TIMEOUT_S).
 
     >>> sharded = ShardedDataParallel(model, timeout_s=600)      # doctest: +SKIP
     >>> optimizer = torch.optim.AdamW(sharded.parameters())      # doctest: +SKIP
@@ -37,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from thundersync.engine.accel import release_graphs
 from thundersync.engine.distributed import DataParallel
 from thundersync.engine.sinks import accumulate_dtype
 from thundersync.errors import ConfigError
@@ -79,23 +83,26 @@ class ShardedDataParallel(DataParallel):
     # --- the batch's boundaries ---------------------------------------------------------------
 
     def gather(self) -> None:
-        """All-gather the full parameters into the model (FSDP's unshard), one collective per unit."""
+        """FSDP's gather (unshard) of every unit: allocates the gathered parameters and registers
+        them on the modules (when made, and after a checkpoint left the model sharded)."""
         for unit in self.units:
             self._collective("the parameter gather", functools.partial(_unshard, unit))
 
     def stepped(self) -> None:
-        """After ``optimizer.step()``: gather the new parameters for the next batch."""
-        self.gather()
+        """After ``optimizer.step()``: all-gather the new shards into the gathered parameters (in
+        place: the same tensors at the same addresses), one collective per bucket."""
+        gathered = [p for p in self.model.parameters() if id(p) in self._shard_of and p.requires_grad]
+        with torch.no_grad():
+            for bucket in self._buckets(gathered):
+                self._all_gather(bucket, [self._shard(p) for p in bucket])
 
     def all_reduce_gradients(self, params: Sequence[nn.Parameter]) -> None:
         """Reduce-scatter the ranks' full gradients (``p.grad`` of the gathered ``params``, a missing
-        one counting as zeros) into each shard's ``.grad``, drop the full ones, and reshard."""
+        one counting as zeros) into each shard's ``.grad``, and drop the full ones."""
         for bucket in self._buckets(list(params)):
             self._reduce_scatter(bucket, [self._shard(p) for p in bucket])
         for p in params:
             p.grad = None
-        for unit in self.units:
-            unit.reshard()
 
     def clip_grad_norm(self, params: Sequence[nn.Parameter], max_norm: float) -> float:
         """The total norm of the shards' gradients over every rank (what one process's
@@ -117,11 +124,14 @@ class ShardedDataParallel(DataParallel):
     def save(self, path: str | Path, optimizer: torch.optim.Optimizer) -> None:
         """Save the model's and ``optimizer``'s shards (every rank calls it, between steps) as a
         ``torch.distributed.checkpoint`` directory at ``path``; :meth:`load` reads it on any
-        number of ranks. The parameters are gathered again afterwards."""
+        number of ranks. The state dict leaves the model sharded: FSDP gathers it again afterwards,
+        into newly allocated tensors, so the engine's CUDA graphs of the model are released (a
+        generator's own graphs over the model are not: save between steps with its graphs off)."""
         from torch.distributed.checkpoint import state_dict_saver
 
         state_dict_saver.save(self._state(optimizer), checkpoint_id=str(path), process_group=self.group)
-        self.gather()  # the state dict left the model sharded
+        self.gather()
+        release_graphs(self.model)
 
     def load(self, path: str | Path, optimizer: torch.optim.Optimizer) -> None:
         """Load what :meth:`save` wrote, on this run's ranks (their number may differ from the
@@ -135,6 +145,7 @@ class ShardedDataParallel(DataParallel):
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, optimizer, state["optimizer"])
         self.gather()
+        release_graphs(self.model)
 
     def _state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -178,6 +189,19 @@ class ShardedDataParallel(DataParallel):
             part = out[offset : offset + local.numel()].view(local.shape)
             offset += size
             shard.grad = _like_shard(shard, part.to(local.device, local.dtype, copy=True))
+
+    def _all_gather(self, bucket: list[nn.Parameter], shards: list[nn.Parameter]) -> None:
+        """One all-gather of ``shards``' local rows (each padded to ``ceil(rows / ranks)``), rank-major,
+        copied into ``bucket``'s gathered parameters."""
+        sizes = [_chunk_rows(p, self.world_size) * _row_size(p) for p in bucket]
+        local = torch.cat([_padded_local(_local(q), n, self.device) for q, n in zip(shards, sizes)])
+        out = local.new_empty(local.numel() * self.world_size)
+        what = f"the parameter gather ({out.numel()} values)"
+        self._collective(what, lambda: dist.all_gather_into_tensor(out, local, group=self.group, async_op=True))
+        by_rank, offset = out.view(self.world_size, -1), 0
+        for p, n in zip(bucket, sizes):
+            p.copy_(by_rank[:, offset : offset + n].reshape(-1)[: p.numel()].view_as(p))
+            offset += n
 
 
 @dataclass(frozen=True)
@@ -233,6 +257,23 @@ class _Waited:
         if self.handle is not None:
             self.handle.wait()
         return True
+
+
+def _chunk_rows(p: torch.Tensor, world_size: int) -> int:
+    """The rows of ``p``'s dim 0 in each rank's (padded) shard."""
+    return -(-(p.shape[0] if p.dim() else 1) // world_size)
+
+
+def _row_size(p: torch.Tensor) -> int:
+    """Values per row of ``p``'s dim 0."""
+    return p.numel() // p.shape[0] if p.dim() and p.shape[0] else 1
+
+
+def _padded_local(local: torch.Tensor, values: int, device: torch.device) -> torch.Tensor:
+    """A shard's ``local`` rows, flat, padded with zeros to ``values`` values."""
+    out = torch.zeros(values, dtype=local.dtype, device=device)
+    out[: local.numel()].copy_(local.reshape(-1))
+    return out
 
 
 def _padded_rows(p: nn.Parameter, world_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -41,7 +41,8 @@ def build_objects(spec: PipelineSpec, /, **given: Any) -> dict[str, Any]:
     after the objects it references (:func:`~thundersync.app.files.object_graph.build_order`). A factory
     that takes a ``device`` gets ``run.device``, one that takes an ``acceleration`` gets the file's
     ``[acceleration]`` (resolved once, here), one that takes ``deterministic`` gets
-    ``run.deterministic``, when the object's table gives none."""
+    ``run.deterministic``, one that takes ``shard`` gets ``run.shard``, when the object's table
+    gives none."""
     objects = dict(given)
     order = build_order(spec, given)
     if any(_takes(spec.objects[name], "device") for name in order):
@@ -59,7 +60,12 @@ def build_objects(spec: PipelineSpec, /, **given: Any) -> dict[str, Any]:
         for done, name in enumerate(order):
             advance(done, object=name)
             obj = spec.objects[name]
-            filled = {"device": spec.run.device, "acceleration": acceleration, "deterministic": spec.run.deterministic}
+            filled = {
+                "device": spec.run.device,
+                "acceleration": acceleration,
+                "deterministic": spec.run.deterministic,
+                "shard": spec.run.shard,
+            }
             extra = {key: value for key, value in filled.items() if _takes(obj, key)}
             if extra:
                 obj = ObjectSpec(obj.factory, {**obj.args, **extra}, obj.refs)
