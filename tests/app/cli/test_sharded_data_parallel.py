@@ -9,6 +9,7 @@ with an admission of one group in flight (``test_data_parallel.py`` says why).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,10 @@ def test_two_sharded_ranks_from_the_command_line_reach_the_single_process_steps(
     single.mkdir()
     argv = ["run", str(tiny), "--metrics", str(single / "m.jsonl"), "--no-progress", *_plain(single)]
     assert main(argv) == 0
-    done = _torchrun(tmp_path, *_plain(tmp_path, "run.shard=true"))
+    done = _torchrun(tmp_path, *_plain(tmp_path, "run.shard=true"), "--verbose")
     assert done.returncode == 0, done.stderr[-3000:]
+    held = re.findall(r"event='run sharded' parameter_bytes='(\d+) of (\d+)' rank=(\d)", done.stderr)
+    assert len(held) == 2 and sum(int(mine) for mine, _, _ in held) == int(held[0][1]), done.stderr[-3000:]
     want, got = _steps(single / "m.jsonl"), _steps(tmp_path / "m.jsonl")
     assert [r["step"] for r in got] == [1, 2, 3]
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-10)

@@ -118,9 +118,11 @@ def streaming_run(
     config = StreamingRun.Config(source_offload_device=source_offload_device, background=background)
     sharded = None
     if shard and _world_size() > 1:
-        from thundersync.engine.sharded import ShardedDataParallel
+        from thundersync.engine.sharded import ShardedDataParallel, rank_bytes
 
         sharded = ShardedDataParallel(model)
+        held, whole = rank_bytes(list(sharded.sharded.values())).parameters, rank_bytes(list(model.parameters()))
+        _log.info("run sharded", rank=sharded.rank, parameter_bytes=f"{held} of {whole.parameters}")
     elif shard:
         _log.info("run_not_sharded", reason="run.shard = true, but one process holds the whole model")
     return StreamingRun(model, config, acceleration=acceleration, data_parallel=sharded)
