@@ -64,6 +64,7 @@ def test_two_sharded_ranks_from_the_command_line_reach_the_single_process_steps(
     [
         ((), "objects.checkpointer: a checkpointer saves the whole model and optimizer from rank 0"),
         (("objects.optimizer.shard_state=true",), "shard_state = true shards the optimizer's state with ZeRO-1"),
+        (("objects.trainer.audit_every=1",), "audit_every = 1: the audit recomputes the gradient through the model's"),
     ],
 )
 def test_a_sharded_run_refuses_what_it_does_not_support(tmp_path: Path, extra: tuple[str, ...], message: str) -> None:

@@ -348,6 +348,11 @@ def trainer(
     every ``audit_every``-th step (0: never) it also recomputes the batch's gradient densely and
     reports the streamed one's relative error (``audit_rel_error`` in the metrics). Given a ``generator`` that does not share the model's weights, it then publishes the policy
     to it (:class:`PublishingTrainer`); ``policy``, the step stage's clock, numbers the versions."""
+    if audit_every and _sharded(objective.run):
+        raise ConfigError(
+            f"audit_every = {audit_every}: the audit recomputes the gradient through the model's own forward, "
+            "which on a sharded model ([run] shard = true) runs FSDP's hooks; set audit_every = 0 or run.shard = false"
+        )
     if generator is None or isinstance(generator, TorchGenerator):  # the torch generator shares the weights
         return StreamingTrainer(
             objective, optimizer, max_grad_norm=max_grad_norm, scheduler=schedule, audit_every=audit_every
