@@ -3,6 +3,7 @@
     python bench/distributed.py            # ~1 min on a 2-core CPU machine
     python bench/distributed.py --tiny     # a few seconds: the CI check that it still runs
     python bench/distributed.py --sharded  # adds 2 ranks sharded (FSDP2) beside replicated
+    python bench/distributed.py --sharded --cuda   # on 2 GPUs (NCCL), with each rank's peak GPU memory
 
 Each configuration trains a small Qwen3 (fp32) for ``--steps`` optimizer steps (after one warm-up
 step) on the same batches: ``--groups`` prompt groups of ``--samples`` trajectories per step, with
@@ -92,8 +93,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, mode: str,
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    model = _model()
+    if args.cuda:  # one GPU per rank, NCCL
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if args.cuda else "gloo", store=store, rank=rank, world_size=world)
+    model = _model().to(f"cuda:{rank}" if args.cuda else "cpu")
     dp = ShardedDataParallel(model, store=store) if mode == "sharded" else DataParallel(store=store)
     grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model, data_parallel=dp))
     params = grpo.run.params
@@ -125,7 +128,9 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, mode: str,
         if step:  # the first step warms up
             times.append(time.perf_counter() - start)
             taken.append(mine)
-    out.put((rank, statistics.median(times), taken, dp.bytes_reduced - before, rank_bytes(stepped, optimizer)))
+    peak = torch.cuda.max_memory_allocated() if args.cuda else 0  # the whole run's, warm-up step included
+    held = rank_bytes(stepped, optimizer)
+    out.put((rank, statistics.median(times), taken, dp.bytes_reduced - before, held, peak))
     dist.destroy_process_group()
 
 
@@ -151,6 +156,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="2 groups of 2, one step: only checks that it runs")
     parser.add_argument("--sharded", action="store_true", help="add 2 ranks sharded (FSDP2) beside replicated")
+    parser.add_argument("--cuda", action="store_true", help="one GPU per rank (NCCL), with each rank's peak GPU memory")
     args = parser.parse_args()
     if args.tiny:
         args.groups, args.samples, args.steps = 2, 2, 1
@@ -168,10 +174,12 @@ def main() -> None:
                 " / ".join(str(sum(r[2]) / len(r[2])) for r in results),
                 results[0][3] / 2**20,
                 *(" / ".join(f"{getattr(h, part) / 2**20:.2f}" for h in held) for part in _PARTS),
+                *([" / ".join(f"{r[5] / 2**20:.1f}" for r in results)] if args.cuda else []),
             ]
         )
     columns = ["ranks", "step (s)", "groups per rank per step", "MiB reduced per rank"]
-    print(markdown_table(columns + [f"{part} MiB per rank" for part in _PARTS], rows))
+    peak = ["peak GPU MiB per rank"] if args.cuda else []
+    print(markdown_table(columns + [f"{part} MiB per rank" for part in _PARTS] + peak, rows))
 
 
 _PARTS = ("parameters", "gradients", "optimizer")

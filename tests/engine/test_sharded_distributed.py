@@ -151,6 +151,7 @@ def _opd_train(data_parallel: Any = None, claims: Any = None) -> tuple[list[list
 
 def _rank(rank: int, world_size: int, port: int, out: Any) -> None:
     from thundersync.engine.sharded import ShardedDataParallel, rank_bytes
+    from thundersync.errors import ConfigError
 
     store = _connect(rank, world_size, port)
     torch.set_num_threads(1)
@@ -163,6 +164,10 @@ def _rank(rank: int, world_size: int, port: int, out: Any) -> None:
         p.grad = torch.zeros_like(p)
     optimizer.step()
     results["bytes"] = rank_bytes(sharded.parameters(), optimizer)
+    try:  # a parameter the sharded model does not have (a run made over another model)
+        sharded.all_reduce_gradients([torch.nn.Parameter(torch.zeros(3, 2))])
+    except ConfigError as error:
+        results["foreign"] = str(error)
     out.put((rank, _dumps(results)))
     dist.destroy_process_group()
 
@@ -187,6 +192,10 @@ def test_sharded_ranks_equal_one_process_for_grpo_and_opd_and_catch_planted_erro
         for plant in ("twice", "skip"):  # the same check catches either error
             with pytest.raises(AssertionError, match="relative error|norms"):
                 _check(plant, trained[plant], grpo, rank)
+    assert by_rank[0]["foreign"] == (
+        "a parameter of shape (3, 2) is not one of the sharded model's gathered parameters; make the "
+        "StreamingRun after the ShardedDataParallel, over the same model"
+    )
     whole = sum(p.numel() * p.element_size() for p in tiny_qwen3(torch.float64).parameters())
     for rank, trained in by_rank.items():
         held = trained["bytes"]

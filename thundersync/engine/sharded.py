@@ -55,7 +55,7 @@ class ShardedDataParallel(DataParallel):
 
     ``broadcast`` (default True): make every rank's weights rank 0's before sharding (the shards
     must come from one model). A model already sharded (an ``FSDPModule``, e.g. per layer) is
-    taken as it is: every ``FSDPModule`` inside it is gathered and resharded together.
+    taken as it is: every ``FSDPModule`` inside it is gathered when this object is made.
     """
 
     def __init__(self, model: nn.Module, group: Any = None, *, broadcast: bool = True, **options: Any) -> None:
@@ -72,7 +72,6 @@ class ShardedDataParallel(DataParallel):
         self.gather()
         gathered = dict(model.named_parameters())
         self._shard_of = {id(gathered[name]): p for name, p in self.sharded.items()}
-        self._names = {id(gathered[name]): name for name in self.sharded}
 
     def parameters(self) -> list[nn.Parameter]:
         """The trainable sharded parameters (DTensors, ``requires_grad``) in the model's order: give

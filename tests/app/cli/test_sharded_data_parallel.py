@@ -75,3 +75,23 @@ def test_a_sharded_run_refuses_what_it_does_not_support(tmp_path: Path, extra: t
     done = _torchrun(tmp_path, *_plain(tmp_path, "run.shard=true", *(extra or (directory,))))
     assert done.returncode != 0
     assert message in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_two_cuda_sharded_ranks_through_nccl_reach_the_single_process_steps(tmp_path: Path, tiny: Path) -> None:
+    """Each rank on cuda:LOCAL_RANK, NCCL, the engine's CUDA graphs on (the gathered weights keep
+    their addresses). fp64 on CUDA reduces in another order than on the CPU: 1e-8."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    cuda = 'objects.model.device="cuda"'
+    single = tmp_path / "single"
+    single.mkdir()
+    assert main(["run", str(tiny), "--metrics", str(single / "m.jsonl"), "--no-progress", *_plain(single, cuda)]) == 0
+    done = _torchrun(tmp_path, *_plain(tmp_path, cuda, "run.shard=true"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    want, got = _steps(single / "m.jsonl"), _steps(tmp_path / "m.jsonl")
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-8)
+    for key in ("tokens", "reward_mean"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-8), key
