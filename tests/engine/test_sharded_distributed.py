@@ -263,3 +263,50 @@ def test_a_lora_adapter_over_a_sharded_frozen_base_equals_one_process() -> None:
         assert trained == adapters and adapters < 30, "only the adapter is trained"
         _check("lora", got, want, rank)
         assert held.parameters < 0.6 * base and held.gradients < 0.2 * held.parameters, held
+
+
+def _hanging_rank(rank: int, world_size: int, port: int, out: Any) -> None:
+    """Rank 1 hangs (alive, no failure) instead of reducing; rank 0's reduce-scatter must name it.
+    Rank 0 first offers an already sharded model, which is refused (no collective is entered)."""
+    import datetime
+    import os
+
+    from thundersync.engine.sharded import ShardedDataParallel
+    from thundersync.errors import ConfigError, DistributedError
+
+    store = _connect(rank, world_size, port)
+    model = tiny_qwen3(torch.float64)
+    sharded = ShardedDataParallel(model, store=store, timeout_s=3)
+    if rank == 1:
+        out.put((rank, "pid", str(os.getpid())))
+        store.wait(["test/rank0-done"], datetime.timedelta(seconds=60))  # hangs past rank 0's timeout
+        dist.destroy_process_group()
+        return
+    said: dict[str, str] = {}
+    try:
+        ShardedDataParallel(model, store=store)
+    except ConfigError as error:
+        said["refused"] = str(error)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    try:
+        sharded.all_reduce_gradients(list(model.parameters()))
+    except DistributedError as error:
+        said["error"] = str(error)
+    out.put((rank, "said", said))  # one message per rank: the spawn waits for as many
+    store.set("test/rank0-done", b"1")
+    dist.destroy_process_group()
+
+
+def test_a_rank_that_hangs_ends_the_sharded_reduction_within_the_timeout_with_a_line_naming_it() -> None:
+    import socket
+
+    results, _, _ = _spawn(_hanging_rank, 2)
+    said = next(text for _, what, text in results if what == "said")
+    said["pid"] = next(text for _, what, text in results if what == "pid")
+    assert said["refused"].startswith("the FSDPQwen3ForCausalLM is sharded already (fully_shard); give ")
+    assert said["error"].startswith(
+        f"rank 0 of 2: rank 1 (host {socket.gethostname()}, pid {said['pid']}, still running) did not reach "
+        "the gradient reduce-scatter ("
+    ), said["error"]
+    assert "within 3 s and reported no failure: hung, or slower than that" in said["error"]

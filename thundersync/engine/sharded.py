@@ -7,7 +7,8 @@ each rank's optimizer, built over :meth:`ShardedDataParallel.parameters`, steps 
 shard's state and gradient. A logical batch runs on the gathered parameters:
 
     the batch streams into the gathered parameters' full, local p.grad (the engine, unchanged)
-    -> reduce once: the summed gradient, reduce-scattered, becomes each shard's .grad (a DTensor)
+    -> reduce once: the summed gradient, reduce-scattered, becomes each shard's .grad (a DTensor;
+       on gloo, whose reduce-scatter ignores a wait's timeout, an all-reduce and this rank's part)
     -> clip (the norm over every rank's shard) -> optimizer.step() on the shards
     -> stepped(): the new shards all-gathered into the gathered parameters, in place
 
@@ -54,19 +55,24 @@ class ShardedDataParallel(DataParallel):
     streams into the gathered parameters (``data_parallel=`` this object).
 
     ``broadcast`` (default True): make every rank's weights rank 0's before sharding (the shards
-    must come from one model). A model already sharded (an ``FSDPModule``, e.g. per layer) is
-    taken as it is: every ``FSDPModule`` inside it is gathered when this object is made.
+    must come from one model). The whole model is one FSDP unit; a model sharded already is refused.
     """
 
     def __init__(self, model: nn.Module, group: Any = None, *, broadcast: bool = True, **options: Any) -> None:
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         super().__init__(group, **options)
+        if isinstance(model, FSDPModule):
+            raise ConfigError(
+                f"the {type(model).__name__} is sharded already (fully_shard); give ShardedDataParallel the "
+                "model before fully_shard: it shards the whole model as one unit, since the engine gathers "
+                "every parameter for a batch anyway"
+            )
         if broadcast:
             self.broadcast_parameters(list(model.parameters()))
-        if not isinstance(model, FSDPModule):
-            fully_shard(model, mesh=self._mesh())
+        fully_shard(model, mesh=self._mesh())
         self.model = model
+        self._gloo = dist.get_backend(group) == "gloo"
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self.sharded = dict(model.named_parameters())  # name -> the DTensor parameter (the optimizer's)
         self.gather()
@@ -177,9 +183,13 @@ class ShardedDataParallel(DataParallel):
         dtype = accumulate_dtype(bucket[0].dtype)
         padded = [_padded_rows(p, self.world_size, self.device, dtype) for p in bucket]
         flat = torch.cat([t.view(self.world_size, -1) for t in padded], dim=1).reshape(-1)
-        out = flat.new_empty(flat.numel() // self.world_size)
         what = f"the gradient reduce-scatter ({flat.numel()} values)"
-        self._collective(what, lambda: dist.reduce_scatter_single(out, flat, group=self.group, async_op=True))
+        if self._gloo:  # gloo's reduce-scatter ignores the wait's timeout: sum all, keep this rank's part
+            self._collective(what, lambda: dist.all_reduce(flat, group=self.group, async_op=True))
+            out = flat.view(self.world_size, -1)[self.rank]
+        else:
+            out = flat.new_empty(flat.numel() // self.world_size)
+            self._collective(what, lambda: dist.reduce_scatter_single(out, flat, group=self.group, async_op=True))
         self.bytes_reduced += flat.numel() * flat.element_size()
         offset = 0
         for t, shard in zip(padded, shards):
