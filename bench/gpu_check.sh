@@ -39,6 +39,15 @@ step agent "${AGENT_LIMIT:-240}" bash -c "d=\$(mktemp -d) && ln -s '$PWD/example
     --set objects.base_model.config.num_hidden_layers=28 --set objects.base_model.config.num_attention_heads=16 \
     --set objects.base_model.config.num_key_value_heads=8 --set objects.base_model.config.head_dim=128 \
     --set objects.base_model.dtype=bfloat16 --set objects.model.lr=3e-4 --set objects.optimizer.lr=2e-5"
+# The coding agent (examples/agent_repo.toml) on the GPU with a larger model. The GPU machine has no
+# container engine, so its tools run on the `local` backend, opted in as unsafe: acceptable only on a
+# throwaway machine running the file's own generated tasks, never for real.
+step agent_repo "${REPO_LIMIT:-300}" bash -c "d=\$(mktemp -d) && ln -s '$PWD/examples' \$d/examples && cd \$d && \
+    python3 -m thundersync run examples/agent_repo.toml --no-progress --set run.device=cuda \
+    --set run.metrics='$out/agent_repo.jsonl' --set run.steps=${REPO_STEPS:-32} \
+    --set objects.tools.backend=local --set objects.tools.allow_unsafe_local_sandbox=true \
+    --set objects.base_model.config.hidden_size=256 --set objects.base_model.config.intermediate_size=768 \
+    --set objects.base_model.config.num_hidden_layers=4 --set objects.base_model.config.head_dim=64"
 # GPU_TESTS narrows the tests (default: every test file that marks a test `gpu`).
 step gpu_tests "${TESTS_LIMIT:-400}" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 \
     ${GPU_TESTS:-$(grep -rl --include='test_*.py' 'mark.gpu' tests | sort)}

@@ -51,11 +51,28 @@ def test_pack_cost_bench_runs_every_form() -> None:
 def test_distributed_bench_runs_one_and_two_ranks_with_and_without_zero1_and_sharded() -> None:
     table = _run("distributed.py", "--sharded")
     assert "| 1 rank |" in table and "| 2 ranks |" in table and "| 2 ranks, ZeRO-1 |" in table
-    rows = {line.split(" | ")[0]: line.split(" | ")[4:] for line in table.splitlines() if line.startswith("| ")}
+    assert "| ranks | step (s) | tokens/s | groups per rank per step |" in table
+    rows = {line.split(" | ")[0]: line.split(" | ")[5:] for line in table.splitlines() if line.startswith("| ")}
     replicated, sharded = rows["| 2 ranks"], rows["| 2 ranks, sharded"]
     for held, whole in zip(sharded, replicated):  # parameters, gradients, optimizer: each rank half of the whole
         for mine, all_of_it in zip(held.strip(" |").split(" / "), whole.strip(" |").split(" / ")):
             assert 0.45 <= float(mine) / float(all_of_it) <= 0.55, table
+
+
+def test_the_distributed_bench_refuses_its_gpu_rows_below_two_cuda_devices() -> None:
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("the refusal needs fewer than 2 CUDA devices")
+    done = subprocess.run(
+        [sys.executable, "bench/distributed.py", "--tiny", "--gpu"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == f"--gpu needs 2 CUDA devices; this machine has {torch.cuda.device_count()}\n"
 
 
 @pytest.mark.timeout(300)

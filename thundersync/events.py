@@ -144,7 +144,12 @@ class ActionGenerated(EventBase, frozen=True):
     trajectory's last action. A trajectory that ends without a final answer (``stop_reason``: its
     next prompt would not fit, it submitted, its episode failed, its group was dropped) ends with an
     empty final action. ``truncated``: the action stopped at its length budget (``max_new_tokens``
-    or what still fit the context), not at a stop token. Produced by generate. Consumed by backward (appends the turn),
+    or what still fit the context), not at a stop token. ``policy_version``: the live policy
+    version when the action's generation started; ``ended_policy_version``: the live version when
+    the generator returned it, set only when a step landed in between (with ``max_staleness >= 1``
+    the action's later tokens were then sampled from newer weights: partial rollouts; ``None``:
+    every token came from ``policy_version``). Each token's ``behaviour_logprobs`` entry is the
+    log-prob it was sampled with either way. Produced by generate. Consumed by backward (appends the turn),
     close (declares the turn), teacher (scores every action) and reward (scores the trajectory
     at its final action).
     """
@@ -157,6 +162,7 @@ class ActionGenerated(EventBase, frozen=True):
     scored: list[bool] = []
     final: bool = False
     policy_version: NonNegInt = 0
+    ended_policy_version: NonNegInt | None = None
     stop_reason: StopReason | None = None  # set on the empty final action that ends a trajectory early
     truncated: bool = False  # the generator stopped at its length budget (finish_reason "length")
 

@@ -127,6 +127,9 @@ class ScriptedGenerator:
             prompt_len=len(request.prompt_ids),
         )
 
+    def allow_weight_changes(self) -> None:
+        """A scripted generator has no weights: any ``max_staleness`` is fine."""
+
 
 class ScriptedReplies:
     """A generator that answers turn ``k`` of every trajectory with ``replies[k]`` (the last reply
@@ -156,6 +159,9 @@ class ScriptedReplies:
             finish_reason="stop",
             prompt_len=len(request.prompt_ids),
         )
+
+    def allow_weight_changes(self) -> None:
+        """Scripted replies have no weights: any ``max_staleness`` is fine."""
 
 
 class ScriptedTool:

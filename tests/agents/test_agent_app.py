@@ -289,3 +289,49 @@ def test_a_stage_without_a_runnable_app_or_a_way_to_read_text_is_refused() -> No
         AgentAppStage(app=3, generator=ScriptedReplies(replies=["x"]), chat=chat("qwen3"))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"needs a chat object .* or a tokenizer"):
         AgentAppStage(app=Silent(), generator=ScriptedReplies(replies=["x"]))
+
+
+class _StepLandsMidRequest(ScriptedReplies):
+    """Scripted replies; while the first request is generated the clock publishes the next version."""
+
+    def __init__(self, policy: Any, **options: Any) -> None:
+        super().__init__(**options)
+        self.policy = policy
+
+    async def generate(self, request: Any) -> Any:
+        if not self.requests:
+            self.policy.publish(self.policy.version + 1)
+        return await super().generate(request)
+
+
+def test_an_action_says_the_version_it_started_on_and_the_one_a_step_published_meanwhile() -> None:
+    from thundersync.pipeline.policy import PolicyClock
+
+    template = chat("qwen3", tools=False)
+    policy = PolicyClock(max_staleness=1)
+    generator = _StepLandsMidRequest(policy, replies=[CALL, ANSWER], tokenizer=template)
+    stage = AgentAppStage(app=CalculatorAgent(), generator=generator, chat=template, policy=policy)
+    source = SourceStage(SourceStage.Config(samples=1, groups_per_batch=1), tasks=_Tasks({"messages": QUESTION}))
+    graph = Graph().add("source", source).add("app", stage, reads=["source"], output=True)
+
+    async def run() -> list[EventBase]:
+        async with Pipeline(graph) as pipeline:
+            await pipeline.close()
+            return [event async for event in pipeline.results()]
+
+    actions = [e for e in anyio.run(run) if isinstance(e, ActionGenerated)]
+    assert [(a.policy_version, a.ended_policy_version) for a in actions] == [(0, 1), (1, None)]
+
+
+def test_an_agent_app_over_a_generator_that_cannot_run_across_weight_changes_refuses_staleness() -> None:
+    from thundersync.generation.base import GenerationRequest, GenerationResult
+    from thundersync.pipeline.policy import PolicyClock
+
+    class Pushed:  # weights pushed between batches, as vLLM's and a server's are
+        async def generate(self, request: GenerationRequest) -> GenerationResult:
+            raise AssertionError("never called")
+
+    template = chat("qwen3", tools=False)
+    stage = AgentAppStage(app=Silent(), generator=Pushed(), chat=template, policy=PolicyClock(max_staleness=2))
+    with pytest.raises(StageFailed, match=r"the agent-app stage generates up to max_staleness=2 .*\(Pushed\)"):
+        anyio.run(_events, stage, _Tasks({"messages": QUESTION}))

@@ -1,10 +1,13 @@
 """Test-only reward functions for data-parallel runs: one fails on one rank, on request; one is slow.
 
-``THUNDERSYNC_TEST_FAIL_RANK`` names the rank that fails and ``THUNDERSYNC_TEST_FAIL_HOW`` how:
-``raise`` (a ValueError: the rank reports it and exits), ``kill`` (SIGKILL: no word at all) or
-``hang`` (the rank's next optimizer step sleeps, alive, for an hour: after the gradient reduction,
-so the other ranks next wait for it in the step records' gather).
-It fails on that rank's third call, so the run is under way (mid-batch) when it does.
+``THUNDERSYNC_TEST_FAIL_RANK`` names the rank that fails (``any``: whichever rank reads it, for
+a launcher that decides the ranks, such as one torchrun agent of several) and
+``THUNDERSYNC_TEST_FAIL_HOW`` how: ``raise`` (a ValueError: the rank reports it and exits),
+``kill`` (SIGKILL: no word at all) or ``hang`` (the rank's next optimizer step sleeps, alive, for
+an hour: after the gradient reduction, so the other ranks next wait for it in the step records'
+gather). It fails on that rank's third call, so the run is under way (mid-batch) when it does,
+and first writes ``time.monotonic()`` into the file ``THUNDERSYNC_TEST_FAIL_MARK`` names, if any
+(so that a test bounds the time from the failure, not from a start-up that load may slow down).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -24,7 +28,9 @@ def even_tokens(prompt: list[int], completion: list[int], task: dict[str, Any]) 
     """The share of even token ids in the completion (``test-fake-scorer``'s reward), or a failure."""
     global _calls
     _calls += 1
-    if os.environ.get("RANK") == os.environ.get("THUNDERSYNC_TEST_FAIL_RANK") and _calls == 3:
+    if os.environ.get("THUNDERSYNC_TEST_FAIL_RANK") in ("any", os.environ.get("RANK")) and _calls == 3:
+        if mark := os.environ.get("THUNDERSYNC_TEST_FAIL_MARK"):
+            Path(mark).write_text(repr(time.monotonic()))
         if os.environ.get("THUNDERSYNC_TEST_FAIL_HOW") == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if os.environ.get("THUNDERSYNC_TEST_FAIL_HOW") == "hang":

@@ -18,7 +18,7 @@ from thundersync.errors import DefinitionError
 from thundersync.stages.backward import BackwardStage
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "train_tiny_grpo.toml"
-_TIMES = {"t", "step_s", "rollout_s", "learn_s", "tokens_per_s"}  # wall-clock fields
+_TIMES = {"t", "step_s", "rollout_s", "learn_s", "tokens_per_s", "generator_idle_s"}  # wall-clock fields
 
 
 def _opd_file(directory: Path) -> Path:

@@ -218,9 +218,9 @@ def _failing_rank(rank: int, world_size: int, port: int, how: str, out: Any) -> 
     model = tiny_qwen3(torch.float64)
     grpo = _grpo(model, "grpo")
     batch = _batch(0)
-    started = time.monotonic()
     if rank == 0:  # rank 1 must hold a group before rank 0 can take them all (start-up times differ)
         store.wait(["test/rank1-claimed"])
+    started = time.monotonic()  # rank 0: about when rank 1 failed, whatever the start-up took
     try:
         while (index := claims.claim(0, len(batch))) is not None:
             if rank == 1:
@@ -245,11 +245,14 @@ def _failing_rank(rank: int, world_size: int, port: int, how: str, out: Any) -> 
 
 @pytest.mark.parametrize("how", ["killed", "raised"])
 def test_a_failed_rank_ends_the_others_with_a_message_naming_it(how: str) -> None:
-    started = time.monotonic()
+    """Rank 0 ends within the claims' timeout (5 s) of rank 1's failure, plus a margin for the
+    groups it still streams on a loaded machine; the time is counted from the failure, not from
+    the processes' start-up (which load slows down; the spawn gives up after 120 s)."""
     results, codes, _ = _spawn(_failing_rank, 2, how)
-    assert time.monotonic() - started < 60
-    survivor = next(r for r in results if r[0] == 0)
-    assert survivor[1] == "error", survivor
+    survivor = next((r for r in results if r[0] == 0), None)
+    assert survivor is not None and survivor[1] == "error", f"rank 0 did not end with an error: {results}"
+    elapsed = float(survivor[2].rsplit(" [after ", 1)[1].removesuffix(" s]"))
+    assert elapsed < 5 + 25, f"rank 0 ended {elapsed:.1f} s after rank 1 failed"
     assert "rank 0: batch 0 was not sealed within 5 s" in survivor[2]
     assert "rank 1 holds unclosed groups" in survivor[2]
     if how == "raised":

@@ -120,10 +120,28 @@ def _apply(tracker: Tracker, op: Op) -> list[EventBase]:
     return tracker.seal_all()
 
 
+def _announced(s: Scenario, applied: set[Op], ready: set[int], in_order: bool) -> set[int]:
+    """The batches whose BatchReady is out: every ready one, or (``in_order``) the ready ones
+    opened before any batch that is not ready yet."""
+    if not in_order:
+        return ready
+    first_open = {}
+    for index, op in enumerate(s.order):
+        if op.kind == "open" and op in applied:
+            first_open.setdefault(op.args[2], index)
+    out: set[int] = set()
+    for batch in sorted(first_open, key=first_open.__getitem__):
+        if batch not in ready:
+            break
+        out.add(batch)
+    return out
+
+
+@pytest.mark.parametrize("in_order", [True, False])
 @settings(max_examples=300, deadline=None)
-@given(scenarios())
-def test_gates_open_exactly_when_every_dependency_is_done(s: Scenario) -> None:
-    tracker = Tracker(needs=s.needs)
+@given(s=scenarios())
+def test_gates_open_exactly_when_every_dependency_is_done(s: Scenario, in_order: bool) -> None:
+    tracker = Tracker(needs=s.needs, in_order=in_order)
     applied: set[Op] = set()
     closed: list[tuple[str, str]] = []
     groups: list[str] = []
@@ -146,7 +164,8 @@ def test_gates_open_exactly_when_every_dependency_is_done(s: Scenario) -> None:
         want_closed, want_groups, want_ready = _model(s, applied)
         assert set(closed) == want_closed and len(closed) == len(want_closed), op
         assert set(groups) == want_groups and len(groups) == len(want_groups), op
-        assert set(ready) == want_ready and len(ready) == len(want_ready), op
+        announced = _announced(s, applied, want_ready, in_order)
+        assert set(ready) == announced and len(ready) == len(announced), op
         for b in s.batches:
             if any(o.kind == "open" and o.args[2] == b for o in applied):
                 assert (tracker.batch_state(b) is BatchState.READY) == (b in want_ready), op
@@ -323,3 +342,23 @@ def test_a_dropped_group_leaves_its_batch_which_waits_for_a_refill() -> None:
     )
     with pytest.raises(TrackerError, match=r"group 'a' was dropped after it closed"):
         t.drop_group("a")
+
+
+def test_a_later_batch_that_finishes_first_is_announced_after_the_earlier_one() -> None:
+    t = Tracker(needs=[Need.REWARD])
+    t.open_group("a", ["x"], batch_id=0, groups_in_batch=1)
+    t.open_group("b", ["x"], batch_id=1, groups_in_batch=1)
+    t.complete(Need.REWARD, "b", "x")
+    assert t.add_turn("b", "x", 0, final=True) == [
+        TrajectoryClosed(group_id="b", trajectory_id="x"),
+        GroupClosed(group_id="b", num_trajectories=1),
+    ]  # batch 1 is READY, but its BatchReady waits for batch 0's
+    assert t.batch_state(1) is BatchState.READY
+    t.complete(Need.REWARD, "a", "x")
+    events = t.add_turn("a", "x", 0, final=True)
+    assert [e.batch_id for e in events if isinstance(e, BatchReady)] == [0, 1]
+    unordered = Tracker(needs=[Need.REWARD], in_order=False)  # a data-parallel rank's groups: any order
+    unordered.open_group("a", ["x"], batch_id=0, groups_in_batch=1)
+    unordered.open_group("b", ["x"], batch_id=1, groups_in_batch=1)
+    unordered.complete(Need.REWARD, "b", "x")
+    assert isinstance(unordered.add_turn("b", "x", 0, final=True)[-1], BatchReady)

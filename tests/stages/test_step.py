@@ -113,3 +113,31 @@ class _PlainOptimizer:
 async def test_an_optimizer_without_param_groups_reports_no_lr() -> None:
     trainer = StreamingTrainer(_MismatchObjective(None), _PlainOptimizer())  # type: ignore[arg-type]  # fakes
     assert (await trainer.step(BatchReady(batch_id=0))).lr is None
+
+
+class _LockChecking:
+    """An optimizer that records whether the model's adapter lock was held while it stepped."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.held: list[bool] = []
+
+    def step(self) -> None:
+        from thundersync.model.anatomy import adapter_lock
+
+        self.held.append(adapter_lock(self.model).locked())
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+
+async def test_the_optimizer_steps_under_the_models_adapter_lock() -> None:
+    """A torch-generator over the same model steps its batcher under that lock: with max_staleness >= 1
+    a decode step then never reads weights the optimizer is writing."""
+    import thundersync
+    from tests.engine.tiny_models import tiny_qwen3
+
+    model = tiny_qwen3(torch.float64)
+    objective = thundersync.RewardLinearBackward(thundersync.StreamingRun(model))
+    optimizer = _LockChecking(model)
+    await StreamingTrainer(objective, optimizer).step(BatchReady(batch_id=0))  # type: ignore[arg-type]  # a duck-typed optimizer
+    assert optimizer.held == [True]

@@ -203,13 +203,16 @@ class PolicyEndpoint:
         if params.seed is None:
             params = msgspec.structs.replace(params, seed=zlib.crc32(key))
         session = f"{episode.group_id!r}/{episode.trajectory_id}"
+        started = self._version()
         result = await self.generator.generate(GenerationRequest(prompt_ids=prompt, params=params, session_id=session))
+        ended = self._version()
         episode.record(
             Turn(
                 prompt_ids=prompt,
                 completion_ids=list(result.token_ids),
                 logprobs=list(result.logprobs),
-                policy_version=self._version(),
+                policy_version=started,
+                ended_policy_version=None if ended == started else ended,
                 finish_reason=result.finish_reason,
             )
         )

@@ -39,8 +39,9 @@ class Turn(msgspec.Struct, frozen=True, kw_only=True):
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
-    policy_version: int
+    policy_version: int  # live when the request started
     finish_reason: str
+    ended_policy_version: int | None = None  # live when it returned, if a step landed in between
 
 
 class GroupPrompt:
@@ -168,5 +169,6 @@ class EpisodeRecorder:
                 behaviour_logprobs=turn.logprobs,
                 final=final,
                 policy_version=turn.policy_version,
+                ended_policy_version=turn.ended_policy_version,
             )
         )

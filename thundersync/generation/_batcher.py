@@ -78,6 +78,7 @@ class _Slot:
     session: int | str | None = None
     ticket: Ticket | None = None
     last_used: int = 0
+    stale: bool = False  # its sequence ran across a weight change: its cache is not reused after it
 
 
 @dataclass(eq=False)
@@ -133,6 +134,7 @@ class ContinuousBatcher:
         self._clock = itertools.count(1)
         self._finished: list[Ticket] = []
         self.weights = WeightsWatch(model)
+        self.partial_rollouts = False  # see _check_weights
         self.stream: torch.cuda.Stream | None = None  # see use_stream
         self._inflight: _Launched | None = None  # the fixed-shape step launched and not read yet
         self._host_out: list[torch.Tensor] = []  # see use_fixed_step
@@ -217,7 +219,7 @@ class ContinuousBatcher:
             self.fixed.deactivate(slot.index)
         if slot.session is not None:
             self.sessions.pop(slot.session, None)
-        slot.cached, slot.session, slot.ticket = [], None, None
+        slot.cached, slot.session, slot.ticket, slot.stale = [], None, None, False
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every request in flight with ``error`` and drop every cache."""
@@ -261,7 +263,7 @@ class ContinuousBatcher:
             return
         if self.decode_math is not None and self.decode_math.fused is not None:
             self.decode_math.fused.refresh()  # in place: captured graphs read the new values
-        if any(s.ticket is not None and s.ticket.tokens for s in self.slots):
+        if not self.partial_rollouts and any(s.ticket is not None and s.ticket.tokens for s in self.slots):
             raise GenerationError(
                 "the model's parameters changed while sequences were being generated; "
                 "generate only while parameters are fixed (between optimizer steps)"
@@ -269,6 +271,8 @@ class ContinuousBatcher:
         for slot in self.slots:  # cached prefixes were computed with the old weights
             if slot.ticket is None:
                 self._free(slot)
+            elif slot.ticket.tokens:  # partial rollouts: it goes on with the new weights, keeping its K/V
+                slot.stale = True
             else:
                 slot.cached = []
 
@@ -470,6 +474,6 @@ class ContinuousBatcher:
         )
         self._finished.append(ticket)
         slot.ticket, slot.last_used = None, next(self._clock)
-        if slot.session is None:
-            slot.cached = []
+        if slot.session is None or slot.stale:  # a stale prefix is prefilled again by the next turn
+            slot.cached, slot.stale = [], False
         return True

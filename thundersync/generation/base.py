@@ -33,11 +33,13 @@ from thundersync.events import TokenId
 
 __all__ = [
     "FinishReason",
+    "GeneratesAcrossWeightChanges",
     "GenerationRequest",
     "GenerationResult",
     "Generator",
     "LogprobMode",
     "SamplingParams",
+    "allow_weight_changes",
     "generate_many",
 ]
 
@@ -131,6 +133,32 @@ class Generator(Protocol):
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate a continuation of ``request.prompt_ids``."""
         ...
+
+
+@runtime_checkable
+class GeneratesAcrossWeightChanges(Protocol):
+    """A backend that can keep generating while the learner's optimizer changes the weights (bounded
+    staleness, ``max_staleness >= 1``): a sequence in flight continues on the new weights, and each
+    token's behaviour log-prob is the one it was sampled with (partial rollouts, decision 073)."""
+
+    def allow_weight_changes(self) -> None:
+        """From now on, let sequences in flight continue across a weight change instead of failing."""
+        ...
+
+
+def allow_weight_changes(generator: Generator, max_staleness: int, owner: str) -> None:
+    """Prepare ``generator`` for ``max_staleness >= 1`` (nothing to do at 0), or refuse it with what to do."""
+    if max_staleness == 0:
+        return
+    if not isinstance(generator, GeneratesAcrossWeightChanges):
+        raise ConfigError(
+            f"{owner} generates up to max_staleness={max_staleness} policy versions ahead of the learner, but its "
+            f"generator ({type(generator).__name__}) cannot generate while the weights change (it has no "
+            "allow_weight_changes(); a vLLM engine or an OpenAI-compatible server gets each new policy pushed "
+            "between batches): use a torch-generator, which shares the learner's weights, or set max_staleness = 0 "
+            "on the policy clock"
+        )
+    generator.allow_weight_changes()
 
 
 async def generate_many(generator: Generator, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:

@@ -218,6 +218,20 @@ class TorchGenerator:
         """
         self._batcher.invalidate()
 
+    def allow_weight_changes(self) -> None:
+        """Bounded staleness (``max_staleness >= 1``): let a sequence in flight go on when the
+        optimizer changes the weights, instead of failing it (partial rollouts, decision 073).
+
+        The optimizer step holds the model's :func:`~thundersync.model.anatomy.adapter_lock` (the
+        :class:`~thundersync.stages.step.StreamingTrainer` does; on CUDA it waits for the device
+        before and after the step), which this generator holds for each batcher step, so a decode
+        step never reads half-updated weights. A sequence then decodes its next tokens with the new
+        weights over the keys and values its earlier tokens left with the old ones; each token's
+        log-prob is the one it was sampled with. Its session's prefix is prefilled again by the
+        next turn (not reused), and cached prefixes of parked sessions are dropped as before.
+        """
+        self._batcher.partial_rollouts = True
+
     def get_rng_state(self) -> tuple[Any, ...]:
         """The state of the seed source that seeds requests without a seed (plain ints, picklable)."""
         return self._seeds.getstate()

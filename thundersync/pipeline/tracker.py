@@ -3,7 +3,9 @@
 Invariant: a trajectory is CLOSED exactly when its final turn was added and every dependency it
 declared is done; a group is CLOSED exactly when each of its trajectories is CLOSED and (when
 backward is tracked) its prompt backward is done; a batch is READY exactly when it is sealed and
-every one of its groups is CLOSED. A dropped group (:meth:`Tracker.drop_group`) leaves its batch
+every one of its groups is CLOSED, and its BatchReady comes only after those of the batches
+opened before it (``in_order``, the default: with ``max_staleness >= 1`` a later batch can
+finish first, and the step of batch ``n`` must come before that of ``n + 1``). A dropped group (:meth:`Tracker.drop_group`) leaves its batch
 when it closes, and the batch then waits for one more group (the source's refill).
 
 The tracker owns the graph's gating, and only that: the close stage feeds it and sends the events
@@ -56,15 +58,18 @@ class Tracker:
         t.pending()                              # -> []: nothing is left to wait for
     """
 
-    def __init__(self, needs: Iterable[Need] = (Need.REWARD,)) -> None:
+    def __init__(self, needs: Iterable[Need] = (Need.REWARD,), *, in_order: bool = True) -> None:
         self.needs = frozenset(needs)
+        self.in_order = in_order
         self._batches: dict[Id, BatchRecord] = {}
+        self._unannounced: list[Id] = []  # in_order: batches in opening order whose BatchReady is not out
         self._groups: dict[Id, GroupRecord] = {}
         self._drop_early: set[Id] = set()  # dropped before their GroupOpened came
 
     def clear(self) -> None:
         """Forget every batch, group and trajectory (the close stage does it when a run starts)."""
         self._batches.clear()
+        self._unannounced.clear()
         self._groups.clear()
         self._drop_early.clear()
 
@@ -200,18 +205,27 @@ class Tracker:
     def _batch_events(self, batch: BatchRecord) -> list[EventBase]:
         if not batch.try_ready():
             return []
+        if not self.in_order:
+            return [self._ready(batch)]
+        out: list[EventBase] = []  # this batch's BatchReady waits for those of the batches before it
+        while self._unannounced and self._batches[self._unannounced[0]].state is BatchState.READY:
+            out.append(self._ready(self._batches[self._unannounced.pop(0)]))
+        return out
+
+    @staticmethod
+    def _ready(batch: BatchRecord) -> BatchReady:
         trajectories = [t for g in batch.groups for t in g.trajectories.values()]
-        return [
-            BatchReady(
-                batch_id=batch.batch_id,
-                num_groups=len(batch.groups),
-                num_trajectories=len(trajectories),
-                num_scored_tokens=sum(t.num_scored for t in trajectories),
-            )
-        ]
+        return BatchReady(
+            batch_id=batch.batch_id,
+            num_groups=len(batch.groups),
+            num_trajectories=len(trajectories),
+            num_scored_tokens=sum(t.num_scored for t in trajectories),
+        )
 
     def _batch_for(self, batch_id: Id, groups_in_batch: int) -> BatchRecord:
         expected = groups_in_batch or None
+        if batch_id not in self._batches:
+            self._unannounced.append(batch_id)
         batch = self._batches.setdefault(batch_id, BatchRecord(batch_id, expected))
         if batch.expected_groups != expected:
             expects = batch.expected_groups or "an unknown number of"

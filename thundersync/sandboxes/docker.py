@@ -13,7 +13,12 @@ output cap is ended with ``kill -9 -1`` run as the sandbox user (every process o
 init); if even that cannot start (a fork bomb at the pids limit), or a process is still there
 afterwards, the container is killed and started again, which keeps the working tree (a host
 directory) and empties ``/tmp``. ``reset()`` lists the processes afterwards and returns True only
-when init is alone.
+when init is alone and ``/tmp`` and ``/dev/shm`` are empty.
+
+Every exec costs the engine a ``runc exec`` (tens of ms of CPU on a small machine), which is most
+of an agent tool call's time when trajectories run side by side, so the kill, its check and the
+reset's wipe and checks share one exec (:func:`_sweep`); only a sandbox that does not come out
+clean takes more (decision 080).
 """
 
 from __future__ import annotations
@@ -48,16 +53,37 @@ _KILL_ALL = "kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null; true"
 _PRIVATE = " ".join(f"{d}/* {d}/.[!.]* {d}/..?*" for d in ("/tmp", "/dev/shm"))
 _WIPE = f"chmod -R u+rwx {_PRIVATE} 2>/dev/null; rm -rf {_PRIVATE} 2>/dev/null; true"
 _LEFT = f'for f in {_PRIVATE}; do if [ -e "$f" ] || [ -L "$f" ]; then echo "$f"; fi; done'
-# Every live process of the sandbox user but this shell (init and its sleep run as another uid).
-# Builtins only: the check forks nothing. /proc/PID/status, unlike /proc/PID/stat, cannot be faked
-# by a process name.
-_SURVIVORS = (
-    'me=; while read -r k v _; do [ "$k" = Uid: ] && me=$v && break; done < /proc/$$/status; '
+# Every live process of the sandbox user but this shell (init and its sleep run as another uid), in
+# $alive. Builtins only: the check forks nothing. /proc/PID/status, unlike /proc/PID/stat, cannot be
+# faked by a process name.
+_FIND_ALIVE = (
+    'alive=; me=; while read -r k v _; do [ "$k" = Uid: ] && me=$v && break; done < /proc/$$/status; '
     'for p in /proc/[0-9]*; do p=${p#/proc/}; [ "$p" = $$ ] && continue; s=; u=; '
     "{ while read -r k v _; do case $k in State:) s=$v ;; Uid:) u=$v; break ;; esac; done < /proc/$p/status; } "
-    '2>/dev/null; [ "$u" = "$me" ] && [ "$s" != Z ] && [ "$s" != X ] && echo "$p"; done; true'
+    '2>/dev/null; [ "$u" = "$me" ] && [ "$s" != Z ] && [ "$s" != X ] && alive="$alive $p"; done'
 )
+_SURVIVORS = f'{_FIND_ALIVE}; for p in $alive; do echo "$p"; done; true'
 _IO_DIR = "/run/thundersync"
+
+
+def _sweep(*, wipe_tmp: bool = False, list_left: bool = False) -> str:
+    """One script for one exec: kill every process of the sandbox user, empty /tmp and /dev/shm
+    (``wipe_tmp``), list the processes still alive, then (``list_left``) every name left in /tmp
+    and /dev/shm. It prints nothing exactly when the sandbox is clean; anything printed (or a
+    failure) sends the caller to its checked slow path (a restart of the container).
+
+    A process SIGKILLed a moment ago may not have exited yet: while some are alive the kill is
+    repeated, three times at most, a few ms apart (a ``sleep`` that cannot fork just goes by).
+    Built at each call from the module's snippets (tests plant faults in them)."""
+    parts = [_KILL_ALL, *([_WIPE] if wipe_tmp else []), _FIND_ALIVE]
+    parts.append(
+        f'n=0; while [ -n "$alive" ] && [ $n -lt 3 ]; do n=$((n + 1)); {_KILL_ALL}; '
+        f"sleep 0.0$n 2>/dev/null; {_FIND_ALIVE}; done"
+    )
+    parts.append('if [ -n "$alive" ]; then echo "alive:$alive"' + (f"; else {_LEFT}; fi" if list_left else "; fi"))
+    return "; ".join([*parts, "true"])
+
+
 _seeds = trees.SeedCache()
 
 
@@ -233,11 +259,9 @@ class DockerSandbox(TreeSandbox):
                 await self._client.close()
 
     async def _kill_processes(self, *, wipe_tmp: bool = False) -> None:
-        """End every process but init, or restart the container when not even that can run."""
-        script = _KILL_ALL + (f"; {_WIPE}" if wipe_tmp else "")
-        if await self._run_quietly(script) == "" and await self._run_quietly(_SURVIVORS) == "":
-            return
-        await self._restart()
+        """End every process but init (one exec), or restart the container when not even that can run."""
+        if await self._run_quietly(_sweep(wipe_tmp=wipe_tmp)) != "":
+            await self._restart()
 
     async def _run_quietly(self, script: str) -> str | None:
         """The stdout of ``sh -c script`` as the sandbox user, or None if it failed or took over 10 s."""
@@ -261,10 +285,11 @@ class DockerSandbox(TreeSandbox):
     async def reset(self) -> bool:
         """Kill every process, empty /tmp and /dev/shm, restore the tree from the seed, verify all three."""
         self._check_open()
-        await self._kill_processes(wipe_tmp=True)  # checked: init alone, or the container restarted
-        left = await self._run_quietly(_LEFT)
-        if left != "":
-            return False  # something in /tmp or /dev/shm survived: the pool discards the sandbox
+        # One exec when the sandbox comes out clean; anything else takes the checked slow path.
+        if await self._run_quietly(_sweep(wipe_tmp=True, list_left=True)) != "":
+            await self._kill_processes(wipe_tmp=True)  # checked: init alone, or the container restarted
+            if await self._run_quietly(_LEFT) != "":
+                return False  # something in /tmp or /dev/shm survived: the pool discards the sandbox
         return await anyio.to_thread.run_sync(self._restore_tree)
 
     # -- exec ---------------------------------------------------------------------------------

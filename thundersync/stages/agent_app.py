@@ -3,8 +3,8 @@
 Consumes: PromptSubmitted. Produces: GroupOpened, then per trajectory ActionGenerated for each
 model request, ToolObserved for what the next request added (tool results, a user turn), and
 Rewarded when the app returns the episode's reward. Waits for: the app; its requests wait for the
-``generator``; with a ``policy`` clock, the policy of the batch before it starts a batch (as
-generate does); with an ``admission``, room for each action's and observation's tokens.
+``generator``; with a ``policy`` clock, before it starts batch ``n`` of the run, version
+``n - max_staleness`` (as generate does); with an ``admission``, room for each action's and observation's tokens.
 Unblocked by: step publishing the policy, close releasing a group.
 
 It takes the place of generate and tool-execute: the app is the agent loop. Each episode gets an
@@ -46,14 +46,13 @@ from thundersync.events import (
     ActionGenerated,
     EventBase,
     GroupOpened,
-    Id,
     PromptSubmitted,
     Rewarded,
     TokenId,
     ToolObserved,
 )
-from thundersync.generation.base import Generator
-from thundersync.pipeline.policy import PolicyClock
+from thundersync.generation.base import Generator, allow_weight_changes
+from thundersync.pipeline.policy import BatchVersions, PolicyClock
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
 from thundersync.sandboxes.output import Tokenizer
 from thundersync.scheduling import Admission
@@ -106,11 +105,12 @@ class AgentAppStage(Stage):
             )
         self.app, self.generator, self.chat, self.tokenizer = app, generator, chat, tokenizer
         self.policy, self.admission = policy, admission
-        self._batches: set[Id] = set()
-        self._base_version = 0
+        self._batches = BatchVersions()  # batch n of this run is stepped on version base + n
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
-        self._batches, self._base_version = set(), self._version()
+        self._batches = BatchVersions(self._version())
+        if self.policy is not None:
+            allow_weight_changes(self.generator, self.policy.max_staleness, "the agent-app stage")
         stops = (*(self.chat.stop_token_ids if self.chat is not None else ()), *self.config.stop_token_ids)
         settings = EndpointSettings(
             temperature=self.config.temperature,
@@ -204,7 +204,7 @@ class AgentAppStage(Stage):
         return reward
 
     async def _wait_for_policy(self, prompt: PromptSubmitted) -> None:
-        """Start batch ``n`` on policy ``base + n`` (zero staleness), as generate does."""
+        """Start batch ``n`` once the policy is at ``base + n - max_staleness``, as generate does."""
         if prompt.batch_id in self._batches:
             return
         if self.policy is not None:
@@ -213,8 +213,8 @@ class AgentAppStage(Stage):
                     f"the agent-app stage waits for the policy of each batch, so prompts must say how many groups "
                     f"their batch has; group {prompt.group_id!r} has groups_in_batch=0 (set groups_per_batch on the source)"
                 )
-            await self.policy.wait_for(self._base_version + len(self._batches))
-        self._batches.add(prompt.batch_id)
+            await self.policy.wait_to_start(self._batches.version(prompt.batch_id))
+        self._batches.version(prompt.batch_id)
 
     def _version(self) -> int:
         return 0 if self.policy is None else self.policy.version

@@ -54,9 +54,18 @@ alone, not on when they came; the cost is that no backward overlaps its group's 
 
 A run that fails mid-batch leaves the batch in the objective; the next run of the graph discards
 it first (``objective.discard()``: ``p.grad`` goes back to what it was before the batch).
-Logical batches must not overlap: give generate and step one
-:class:`~thundersync.pipeline.policy.PolicyClock`, so that the next batch's groups open only after
-the step (the objective refuses to step with a group still open).
+Logical batches must not overlap in the objective (it refuses to step with a group still open):
+give generate and step one :class:`~thundersync.pipeline.policy.PolicyClock`, so that batch ``n``
+of a run is stepped on version ``base + n``. With ``max_staleness = 0`` generate opens the next
+batch's groups only after the step, so they arrive here after it. With ``max_staleness = k >= 1``
+they may arrive up to ``k`` steps early: give this stage the same clock (``policy``; a pipeline
+file does when the clock's object is named ``policy``) and it holds every group whose batch's
+version is not live yet, with all its events, out of the objective; when the step publishes that
+version, the held groups go in, in the order they opened, then their events in each trajectory's
+order. The step of batch ``n`` never waits for a held group (only batch ``n``'s are in the
+objective), and a held group's prompt state and backward are computed on the weights of its own
+step. The close stage must then wait for ``backward`` (``wait_for``): a held batch's BackwardDone
+events come only once it is live, so it cannot be ready before its groups are in the objective.
 """
 
 from __future__ import annotations
@@ -64,6 +73,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
+
+import anyio
 
 from thundersync.errors import ConfigError, PipelineError
 from thundersync.events import (
@@ -76,9 +87,11 @@ from thundersync.events import (
     TeacherScored,
     ToolObserved,
 )
-from thundersync.pipeline.stage import Inbox, Outbox, Stage
+from thundersync.pipeline.policy import BatchVersions, PolicyClock
+from thundersync.pipeline.stage import EVENT_ATTRIBUTE, Inbox, Outbox, Stage
 from thundersync.scheduling import EpisodeFailures
 from thundersync.stages._objective import require_objective
+from thundersync.stages._tasks import task_group
 from thundersync.stages.feed import ObjectiveFeed
 
 if TYPE_CHECKING:
@@ -131,6 +144,7 @@ class BackwardStage(Stage):
         *,
         objective: StreamingObjective,
         failures: EpisodeFailures | None = None,
+        policy: PolicyClock | None = None,
     ) -> None:
         super().__init__(config)
         require_objective(objective, "the backward stage")
@@ -140,10 +154,12 @@ class BackwardStage(Stage):
                 "cannot drop a group (OPD's actions are in the gradient as they come); use on_failure = 'zero' "
                 "and no dynamic_sampling"
             )
-        self.objective, self.failures = objective, failures
+        self.objective, self.failures, self.policy = objective, failures, policy
         self.feed = ObjectiveFeed(objective)
         self._groups: dict[Id, dict[Id, _Reorder]] = {}  # group -> its open trajectories
         self._held: dict[Id, list[int]] = {}  # ordered: groups not yet in the objective -> their prompts
+        self._versions = BatchVersions()  # the learner version each batch is stepped on
+        self._waiting: dict[Id, tuple[int, list[int]]] = {}  # groups whose version is not live -> (it, prompt)
 
     @property
     def _rewarded(self) -> bool:
@@ -154,21 +170,88 @@ class BackwardStage(Stage):
         scores let OPD actions in."""
         return (GroupOpened, ActionGenerated, Rewarded if self._rewarded else TeacherScored)
 
+    @property
+    def _stale(self) -> bool:
+        """Whether groups may open before their version is live (``max_staleness >= 1``)."""
+        return self.policy is not None and self.policy.max_staleness > 0
+
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
         if self._groups:  # an earlier run of the graph failed mid-batch: its partial batch is dropped
             await self.feed.discard()
             self._groups.clear()
             self._held.clear()
-        async for event in inbox:
-            for done in await self.handle(event):
-                await outbox.send(done)
-        if self._groups:
-            open_groups = ", ".join(repr(g) for g in self._groups)
+            self._waiting.clear()
+        self._versions = BatchVersions(0 if self.policy is None else self.policy.version)
+        if self._stale:
+            await self._run_holding(inbox, outbox)
+        else:
+            async for event in inbox:
+                for done in await self.handle(event):
+                    await outbox.send(done)
+        self._check_ended(set(self._groups))
+
+    def _check_ended(self, groups: set[Id]) -> None:
+        """The input ended: ``groups`` still open in the objective is an error."""
+        if groups:
+            open_groups = ", ".join(repr(g) for g in self._groups if g in groups)
             raise PipelineError(
                 f"the input ended while groups {open_groups} are still open in the objective; "
                 "their trajectories never got their final action or their "
                 f"{'reward' if self._rewarded else 'teacher scores'}"
             )
+
+    async def _run_holding(self, inbox: Inbox, outbox: Outbox) -> None:
+        """``run`` with ``max_staleness >= 1``: the inbox's events and each published version take
+        turns (one lock), so held groups go in as soon as their version is live, events or not."""
+        assert self.policy is not None
+        policy, turn = self.policy, anyio.Lock()
+
+        async def release() -> None:
+            async with turn:
+                for done in await self._release_live():
+                    await outbox.send(done)
+
+        async def watch() -> None:
+            try:
+                seen = policy.version
+                while True:
+                    await policy.wait_for(seen + 1)
+                    seen = policy.version  # a version published during the release wakes the next wait
+                    await release()
+            except Exception as error:
+                setattr(error, EVENT_ATTRIBUTE, None)  # no inbox event: StageFailed says "outside any event"
+                raise
+
+        async with task_group() as group:
+            group.start_soon(watch)
+            async for event in inbox:
+                async with turn:
+                    for done in await self.handle(event):
+                        await outbox.send(done)
+            self._check_ended(set(self._groups) - set(self._waiting))  # those can never complete now
+            while self._waiting:  # the input ended: what is held goes in as its versions come
+                await policy.wait_for(next(iter(self._waiting.values()))[0])
+                await release()
+            group.cancel_scope.cancel()
+
+    async def _release_live(self) -> list[BackwardDone]:
+        """Feed the held groups whose version is live now, in opening order, and what they hold."""
+        assert self.policy is not None
+        done: list[BackwardDone] = []
+        while self._waiting:
+            group_id, (version, prompt) = next(iter(self._waiting.items()))
+            if not self.policy.is_live(version):
+                break
+            del self._waiting[group_id]
+            if self.config.ordered:
+                self._held[group_id] = prompt
+                continue
+            await self.feed.open_group(group_id, prompt)
+            for trajectory_id in list(self._groups[group_id]):  # the GroupOpened's order
+                done += await self._advance(group_id, trajectory_id)
+        if self.config.ordered:
+            done += await self._release()
+        return done
 
     async def handle(self, event: EventBase) -> list[BackwardDone]:
         """Hand what ``event`` makes ready to the objective; the BackwardDone events it causes."""
@@ -179,6 +262,8 @@ class BackwardStage(Stage):
             return []  # the other objective's signal
         if isinstance(event, ActionGenerated | ToolObserved | Rewarded | TeacherScored):
             self._hold(event, self._trajectory(event.group_id, event.trajectory_id, type(event).__name__))
+            if event.group_id in self._waiting:
+                return []  # its version is not live: it waits outside the objective
             if self.config.ordered:
                 return await self._release()
             return await self._advance(event.group_id, event.trajectory_id)
@@ -216,7 +301,10 @@ class BackwardStage(Stage):
         if event.group_id in self._groups:
             raise PipelineError(f"group {event.group_id!r} was opened twice")
         self._groups[event.group_id] = {t: _Reorder() for t in event.trajectory_ids}
-        if self.config.ordered:
+        version = self._versions.version(event.batch_id)
+        if self._stale and not self.policy.is_live(version):  # type: ignore[union-attr]  # _stale: a clock
+            self._waiting[event.group_id] = (version, list(event.prompt_tokens))
+        elif self.config.ordered:
             self._held[event.group_id] = list(event.prompt_tokens)
         else:
             await self.feed.open_group(event.group_id, event.prompt_tokens)

@@ -7,7 +7,9 @@ dependency listed in ``wait_for`` (``reward``: GRPO, ``teacher``: OPD, ``backwar
 turn's and each prompt's backward work in the objective's queue). Unblocked by: reward, teacher
 and backward reporting work done.
 
-When its inbox ends it seals batches of unknown size; if work is still pending then, it raises
+BatchReady events come in the order the batches opened: with a policy clock's ``max_staleness >= 1``
+a later batch can finish first, and its BatchReady waits for the earlier one's (not under
+``claims``, below). When its inbox ends it seals batches of unknown size; if work is still pending then, it raises
 :class:`~thundersync.errors.TrackerError` naming it (a run never ends silently short).
 
 The :class:`~thundersync.pipeline.tracker.Tracker` it drives is ``close.tracker`` (to inspect
@@ -87,7 +89,8 @@ class CloseStage(Stage):
         failures: EpisodeFailures | None = None,
     ) -> None:
         super().__init__(config)
-        self.tracker = Tracker(Need(name) for name in self.config.wait_for)
+        # with claims each group is a batch of its own and the claims seal the real batch, in any order
+        self.tracker = Tracker((Need(name) for name in self.config.wait_for), in_order=claims is None)
         self.admission, self.claims, self.failures = admission, claims, failures
         if failures is not None and failures.drops and claims is not None:
             raise ConfigError(

@@ -2,10 +2,10 @@
 
 Consumes: PromptSubmitted; ToolObserved on its feedback inbox. Produces: GroupOpened, then per
 trajectory ActionGenerated for each turn. Waits for: the ``generator``; between turns, the tool
-stage's ToolObserved; with a ``policy`` clock, the policy of the batch before it starts a batch
-(batch ``n`` needs version ``n``: zero staleness); with an ``admission``, room for each action's
-tokens. Unblocked by: tool-execute answering an action, step publishing the policy, close
-releasing a group.
+stage's ToolObserved; with a ``policy`` clock, before it starts batch ``n`` of the run, version
+``n - max_staleness`` (:mod:`thundersync.pipeline.policy`; ``max_staleness = 0``: version ``n``,
+zero staleness); with an ``admission``, room for each action's tokens. Unblocked by:
+tool-execute answering an action, step publishing the policy, close releasing a group.
 
 The agent loop is generate -> tool-execute -> generate: an action that calls a tool (the
 ``tool_calls`` parser finds a call in it, and it is not the last of ``turns``) is sent with
@@ -20,7 +20,11 @@ fails); one that returns before answering fails generate, naming a trajectory le
 Runtime objects: ``generator`` (any :class:`~thundersync.generation.base.Generator`: token ids
 in, token ids and log-probs out), ``tool_calls`` (a :class:`~thundersync.tools.ToolCallParser`;
 without one every trajectory is a single action), ``policy`` (a
-:class:`~thundersync.pipeline.policy.PolicyClock`) and ``admission`` (an
+:class:`~thundersync.pipeline.policy.PolicyClock`; with its ``max_staleness >= 1`` the generator
+must keep generating while the optimizer changes the weights, ``allow_weight_changes()``, which a
+torch-generator has and a vLLM or server generator has not: the stage refuses those when it
+starts; each action says the version it started on and, when a step landed meanwhile, the one it
+ended on) and ``admission`` (an
 :class:`~thundersync.scheduling.Admission`, the source's): each action's tokens are reserved for
 its group once generated, before the action is sent, so ``max_tokens`` covers what groups hold,
 not only their prompts. Only a group that is not the oldest in flight waits for room, and that
@@ -58,8 +62,8 @@ from thundersync.events import (
     TokenId,
     ToolObserved,
 )
-from thundersync.generation.base import GenerationRequest, Generator, SamplingParams
-from thundersync.pipeline.policy import PolicyClock
+from thundersync.generation.base import GenerationRequest, Generator, SamplingParams, allow_weight_changes
+from thundersync.pipeline.policy import BatchVersions, PolicyClock
 from thundersync.pipeline.stage import Inbox, Outbox, Stage
 from thundersync.scheduling import Admission, EpisodeFailures
 from thundersync.stages._tasks import Slots, task_group
@@ -125,12 +129,13 @@ class GenerateStage(Stage):
         self.policy = policy
         self.admission = admission
         self.failures = failures
-        self._batches: set[Id] = set()  # batch ids started in this run
-        self._base_version = 0  # batch n of this run needs policy version base + n
+        self._batches = BatchVersions()  # batch n of this run is stepped on version base + n
         self._waiting: dict[tuple[Id, Id], _Waiter] = {}  # (group, trajectory) -> its pending tool call
 
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
-        self._batches, self._base_version, self._waiting = set(), self._version(), {}  # a graph can run again
+        self._batches, self._waiting = BatchVersions(self._version()), {}  # a graph can run again
+        if self.policy is not None:
+            allow_weight_changes(self.generator, self.policy.max_staleness, "generate")
         feedback = inbox.feedback
         if self.tool_calls is not None and feedback is None:
             raise ConfigError(
@@ -189,8 +194,8 @@ class GenerateStage(Stage):
                     f"many groups their batch has; group {prompt.group_id!r} has "
                     "groups_in_batch=0 (set groups_per_batch on the source)"
                 )
-            await self.policy.wait_for(self._base_version + len(self._batches))
-        self._batches.add(prompt.batch_id)
+            await self.policy.wait_to_start(self._batches.version(prompt.batch_id))
+        self._batches.version(prompt.batch_id)
 
     async def _open(self, prompt: PromptSubmitted, outbox: Outbox, trajectories: Slots) -> None:
         """Announce the group, then start its trajectories as slots free up (backpressure)."""
@@ -217,7 +222,9 @@ class GenerateStage(Stage):
                 await outbox.send(self._ending(prompt.group_id, trajectory_id, turn, stop))
                 return
             request = self._request(prompt.group_id, trajectory_id, turn, context)
+            started = self._version()
             result = await self.generator.generate(request)
+            ended = self._version()
             if self.admission is not None:
                 await self.admission.reserve_tokens(prompt.group_id, len(result.token_ids))
             action = ActionGenerated(
@@ -227,7 +234,8 @@ class GenerateStage(Stage):
                 token_ids=result.token_ids,
                 behaviour_logprobs=result.logprobs,
                 final=not self._calls_tool(turn, result.token_ids),
-                policy_version=self._version(),
+                policy_version=started,
+                ended_policy_version=None if ended == started else ended,
                 truncated=result.finish_reason == "length",
             )
             if action.final:

@@ -98,6 +98,12 @@ class SourceStage(Stage):
         super().__init__(config)
         self.admission, self.claims, self.policy = admission, claims, policy
         self.failures = failures if failures is not None and failures.drops else None
+        if claims is not None and policy is not None and policy.max_staleness:
+            raise ConfigError(
+                f"the policy clock has max_staleness={policy.max_staleness}, but this source claims groups "
+                "across data-parallel ranks, which wait for each batch's own policy; data parallel runs take "
+                "max_staleness = 0 (set it on the policy clock)"
+            )
         if self.failures is not None and claims is not None:
             raise ConfigError(
                 f"{self.failures.dropping} refills groups from one source; data parallel runs take "

@@ -14,6 +14,7 @@ application sees done has its checkpoint, if one was due), and of the end of the
 
 from __future__ import annotations
 
+import contextlib
 import math
 from time import perf_counter
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
@@ -193,7 +194,7 @@ class StreamingTrainer:
         else:
             norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
         lr = _learning_rate(self.optimizer)
-        self.optimizer.step()
+        self._optimizer_step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -211,6 +212,27 @@ class StreamingTrainer:
             audit_rel_error=audit,
             objective_stats=stats,
         )
+
+    def _optimizer_step(self) -> None:
+        """``optimizer.step()`` under the model's :func:`~thundersync.model.anatomy.adapter_lock`,
+        which a :class:`~thundersync.generation.TorchGenerator` over the same model holds for each
+        batcher step: with ``max_staleness >= 1`` it decodes the next batch meanwhile, and a decode
+        step never reads half-updated weights. On CUDA the device is synchronized inside the lock
+        before the step (the decode step in flight ends on the old weights) and after it (the next
+        one reads every write)."""
+        import torch
+
+        from thundersync.model.anatomy import adapter_lock
+
+        run = self.objective.run
+        cuda = run.params[0].device if run.params and run.params[0].device.type == "cuda" else None
+        anatomy = getattr(run, "anatomy", None)  # a StreamingRun's; a test's stand-in may have none
+        with adapter_lock(anatomy.model) if anatomy is not None else contextlib.nullcontext():
+            if cuda is not None:
+                torch.cuda.synchronize(cuda)
+            self.optimizer.step()
+            if cuda is not None:
+                torch.cuda.synchronize(cuda)
 
     def _keep_next_batch(self) -> None:
         """Tell an auditing objective whether the next batch (step ``self._steps + 1``) is audited."""

@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -75,4 +76,57 @@ def test_a_rank_that_never_comes_to_the_step_records_gather_is_named_within_the_
         "step records' gather within 3 s and reported no failure: hung, or slower than that; if the ranks "
         "are only slow, give them more time: THUNDERSYNC_DIST_TIMEOUT_S under `thundersync run` (seconds, "
         "default 600), timeout_s= in code"
+    )
+
+
+def _failing_or_hung(rank: int, port: int, log: str, out: Any) -> None:
+    """Rank 1 fails (raises out of the launch); rank 0 hangs (alive, no collective) for a minute."""
+    import sys
+
+    os.environ.update(
+        WORLD_SIZE="2",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        THUNDERSYNC_DIST_TIMEOUT_S="3",
+    )
+    sys.stderr = open(log, "w", buffering=1)  # noqa: SIM115 (the watch writes its line there, then exits)
+    from thundersync.app.cli.distributed import launch
+
+    with launch(os.environ):
+        if rank == 1:
+            out.put((1, time.monotonic()))
+            raise ValueError("reward crashed on rank 1 (test)")
+        out.put((0, str(os.getpid())))
+        time.sleep(60)
+
+
+def test_a_rank_still_running_a_timeout_after_another_failed_ends_with_a_line_naming_the_failure(
+    tmp_path: Path,
+) -> None:
+    """What a node's own agent cannot do for a hung rank (it serves the store, so it never learns
+    that another node's rank failed): rank 0 ends itself, status 1, within about the timeout (3 s)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    logs = [str(tmp_path / f"rank{rank}.log") for rank in (0, 1)]
+    procs = [ctx.Process(target=_failing_or_hung, args=(rank, port, logs[rank], out)) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        results = dict(out.get(timeout=120) for _ in procs)
+        procs[0].join(timeout=50)
+        ended = time.monotonic()
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    assert procs[0].exitcode == 1, f"rank 0 did not end: {procs[0].exitcode}"
+    assert ended - results[1] < 3 + 10, f"rank 0 ended {ended - results[1]:.1f} s after rank 1 failed"
+    (line,) = [line for line in Path(logs[0]).read_text().splitlines() if line.startswith("thundersync: ")]
+    assert line == (
+        "thundersync: rank 0 of 2: stopping this rank, which has not ended 3 s after another rank failed (it "
+        "hangs, or waits for a rank that is gone): rank 1: ValueError: reward crashed on rank 1 (test)"
     )

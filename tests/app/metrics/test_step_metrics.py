@@ -142,13 +142,16 @@ def test_times_are_measured_from_the_batchs_first_group_and_the_previous_step() 
     steps = StepMetrics(clock)
     script: list[tuple[float, EventBase]] = [
         (101.0, PromptSubmitted(group_id=0, prompt_tokens=[1], batch_id=0)),
-        (101.5, GroupOpened(group_id=0, prompt_tokens=[1], batch_id=0)),
+        (101.5, GroupOpened(group_id=0, prompt_tokens=[1], trajectory_ids=[0], batch_id=0)),
         (102.0, PromptSubmitted(group_id=1, prompt_tokens=[2], batch_id=0)),
-        (103.0, ActionGenerated(group_id=0, trajectory_id=0, turn=0, token_ids=[5, 6])),
+        (103.0, ActionGenerated(group_id=0, trajectory_id=0, turn=0, token_ids=[5, 6], policy_version=5)),
         (103.5, ToolObserved(group_id=0, trajectory_id=0, turn=0, token_ids=[9], exit_status=None)),
-        (104.0, ActionGenerated(group_id=1, trajectory_id=0, turn=0, token_ids=[5, 6, 7], final=True)),
+        (
+            104.0,
+            ActionGenerated(group_id=1, trajectory_id=0, turn=0, token_ids=[5, 6, 7], final=True, policy_version=6),
+        ),
         (104.5, Rewarded(group_id=1, trajectory_id=0, reward=0.5)),
-        (105.0, ActionGenerated(group_id=0, trajectory_id=0, turn=2, token_ids=[8], final=True)),
+        (105.0, ActionGenerated(group_id=0, trajectory_id=0, turn=2, token_ids=[8], final=True, policy_version=6)),
         (105.5, Rewarded(group_id=0, trajectory_id=0, reward=1.5)),
         (106.0, BatchReady(batch_id=0)),
     ]
@@ -167,6 +170,7 @@ def test_times_are_measured_from_the_batchs_first_group_and_the_previous_step() 
         "step_s": 8.0,
         "rollout_s": 3.5,  # from the first GroupOpened (101.5), not the first PromptSubmitted
         "learn_s": 1.25,
+        "generator_idle_s": 5.0,  # 100 -> 101.5 (no group yet), 103 -> 103.5 (a tool ran), 105 -> 108
         "tokens": 6,
         "tokens_per_s": 0.75,
         "grad_norm": 2.0,
@@ -185,11 +189,15 @@ def test_times_are_measured_from_the_batchs_first_group_and_the_previous_step() 
         "overlong_penalized": 0,
         "groups_rewarded": 2,
         "groups_without_signal": 2,  # one reward each: nothing to compare it with
+        "version_lag_mean": 0.5,  # the learner steps from version 6: group 0's trajectory began on 5, group 1's on 6
+        "version_lag_max": 1,
     }
     clock.now = 110.5
     nothing = steps.observe(StepDone(batch_id=1, policy_version=8))
     assert nothing is not None and nothing["step_s"] == 2.5 and nothing["reward_mean"] is None
     assert nothing["rollout_s"] is None and nothing["tokens"] == 0
+    assert nothing["version_lag_mean"] is None and nothing["version_lag_max"] is None
+    assert nothing["generator_idle_s"] == 2.5  # nothing waited since the previous step
 
 
 def test_the_watched_graph_keeps_its_results_and_names_the_watcher_apart() -> None:

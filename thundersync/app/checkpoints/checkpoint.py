@@ -28,7 +28,10 @@ checkpoint of another run, nor a ``step-N`` without its ``checkpoint.json``.
 (python ``random``, torch CPU, CUDA when present, and each named generator's ``get_rng_state``),
 and the data position (the ``source`` skips the consumed batches). Then a run stopped after step
 k and resumed performs the same steps as an uninterrupted one: the same batches, seeds and
-weights to the bit. Its results are bitwise the uninterrupted run's where the run itself is
+weights to the bit. The data position is the batches stepped on, never the source's live position:
+with a clock's ``max_staleness >= 1`` the batches after step k may be partly generated when the
+checkpoint is taken; they are not saved, and the resumed run generates them again on the restored
+version k, so it skips and repeats no batch but is not bitwise the uninterrupted run (decision 073). Its results are bitwise the uninterrupted run's where the run itself is
 reproducible to the bit: on CPU under a pipeline file's ``[run] deterministic = true``
 (tests/app/test_deterministic_file.py); otherwise they agree to the rounding that timing moves
 (which requests share a decode step, which branches share a pack), and there is no bitwise

@@ -31,6 +31,7 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
+from thundersync.app.paths import file_kind
 from thundersync.errors import ConfigError
 from thundersync.events import Id
 
@@ -124,7 +125,7 @@ def open_regular(path: Path) -> int:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise ConfigError(f"cannot read {path}: it is a {_kind(mode)}, not a regular file")
+        raise ConfigError(f"cannot read {path}: it is a {file_kind(mode)}, not a regular file")
     os.set_blocking(fd, True)
     return fd
 
@@ -343,24 +344,9 @@ def _refusal(directory: Path, continued: Checkpoint | None, others: list[Checkpo
 def _kind_at(path: Path) -> str | None:
     """What ``path`` is, not following a link (None: nothing is there)."""
     try:
-        return _kind(os.lstat(path).st_mode)
+        return file_kind(os.lstat(path).st_mode)
     except FileNotFoundError:
         return None
-
-
-_KINDS = (
-    (stat.S_ISREG, "regular file"),
-    (stat.S_ISDIR, "directory"),
-    (stat.S_ISLNK, "symbolic link"),
-    (stat.S_ISFIFO, "FIFO"),
-    (stat.S_ISCHR, "character device"),
-    (stat.S_ISBLK, "block device"),
-    (stat.S_ISSOCK, "socket"),
-)
-
-
-def _kind(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "special file")
 
 
 def _without_path(error: Exception, path: Path) -> str:

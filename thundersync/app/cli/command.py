@@ -11,6 +11,8 @@
     thundersync plot out.jsonl [--out curves.png]        # reward and step-time curves (needs [plot])
     thundersync eval FILE --checkpoint runs/a            # the file's [eval] on a checkpoint, alone
     torchrun --nproc-per-node 2 -m thundersync run FILE  # data parallel: one rank per GPU (or CPU process)
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id RUN \
+        -m thundersync run FILE                      # several nodes: the same command on each (README)
 
 Exit status: 0 on success, 1 when the run failed, 2 when the file, the command line or the
 metrics path is invalid (for ``plot``: the metrics file is missing, malformed or has no step

@@ -1,7 +1,10 @@
 """Data parallel from the command line: ``torchrun --nproc-per-node N -m thundersync run FILE``.
 
 A launcher (``torchrun``, ``python -m torch.distributed.run``) starts N copies of the command
-with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set. When
+with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set; on several
+nodes, one torchrun agent per node meets the others at a c10d rendezvous (``--nnodes``,
+``--rdzv-backend c10d``, ``--rdzv-endpoint``), which sets the same variables (``RANK`` global,
+``LOCAL_RANK`` within the node). When
 ``WORLD_SIZE`` is above 1, :func:`launch` makes each copy one rank of a data-parallel run:
 
 - it initialises the default process group: NCCL when CUDA is present (each rank on
@@ -26,7 +29,12 @@ with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT
   records' gather) is named by the others' timeouts too, with its host and pid
   (:class:`~thundersync.engine.failures.Arrivals`), in one line that says to raise
   ``THUNDERSYNC_DIST_TIMEOUT_S`` if the ranks are only slow; the launcher ends the others when one
-  exits with an error. The process group is destroyed when the run ends, whichever way.
+  exits with an error (on several nodes, each node's agent ends only its own node's ranks);
+- a rank that fails also counts itself in the store, and every rank runs a
+  :class:`~thundersync.app.cli._failure_watch.FailureWatch`: a rank still running
+  ``THUNDERSYNC_DIST_TIMEOUT_S`` after another rank failed (it hangs, on a node whose agent did
+  not end it) writes one line naming the failed rank and its cause and exits with status 1.
+  The process group is destroyed when the run ends, whichever way.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +118,7 @@ def launch(environ: Mapping[str, str] = os.environ) -> Iterator[Launch | None]:
     import torch
     import torch.distributed as dist
 
+    from thundersync.app.cli._failure_watch import FailureWatch, mark_failed
     from thundersync.engine.distributed import default_store
     from thundersync.engine.failures import Arrivals, introduce, report_failure
 
@@ -126,11 +135,15 @@ def launch(environ: Mapping[str, str] = os.environ) -> Iterator[Launch | None]:
     gathers, collectives = (
         Arrivals(store, name, rank=rank, world_size=world_size) for name in ("gathers", "collectives")
     )
+    watch = FailureWatch(store, rank=rank, world_size=world_size, grace_s=timeout_s) if store is not None else None
     try:
-        yield Launch(rank, world_size, local_rank, timeout_s, store, metrics_group, gathers, collectives)
-    except BaseException as error:
-        report_failure(store, rank, error)
-        raise
+        with watch if watch is not None else nullcontext():
+            try:
+                yield Launch(rank, world_size, local_rank, timeout_s, store, metrics_group, gathers, collectives)
+            except BaseException as error:
+                report_failure(store, rank, error)
+                mark_failed(store)
+                raise
     finally:
         dist.destroy_process_group()
 

@@ -29,6 +29,7 @@ from thundersync.pipeline.graph import INPUT, Graph
 from thundersync.pipeline.stage import Stage
 from thundersync.stages import REGISTRY
 from thundersync.stages.backward import BackwardStage
+from thundersync.stages.close import CloseStage
 from thundersync.stages.generate import GenerateStage
 from thundersync.stages.source import SourceStage
 from thundersync.stages.step import StepStage
@@ -41,8 +42,8 @@ def build_objects(spec: PipelineSpec, /, **given: Any) -> dict[str, Any]:
     after the objects it references (:func:`~thundersync.app.files.object_graph.build_order`). A factory
     that takes a ``device`` gets ``run.device``, one that takes an ``acceleration`` gets the file's
     ``[acceleration]`` (resolved once, here), one that takes ``deterministic`` gets
-    ``run.deterministic``, one that takes ``shard`` gets ``run.shard``, when the object's table
-    gives none."""
+    ``run.deterministic``, one that takes ``shard`` gets ``run.shard``, and one that takes
+    ``max_staleness`` gets ``run.max_staleness`` (when set), when the object's table gives none."""
     objects = dict(given)
     order = build_order(spec, given)
     if any(_takes(spec.objects[name], "device") for name in order):
@@ -66,6 +67,8 @@ def build_objects(spec: PipelineSpec, /, **given: Any) -> dict[str, Any]:
                 "deterministic": spec.run.deterministic,
                 "shard": spec.run.shard,
             }
+            if spec.run.max_staleness is not None:
+                filled["max_staleness"] = spec.run.max_staleness
             extra = {key: value for key, value in filled.items() if _takes(obj, key)}
             if extra:
                 obj = ObjectSpec(obj.factory, {**obj.args, **extra}, obj.refs)
@@ -160,6 +163,7 @@ def assemble_graph(spec: PipelineSpec, stages: Mapping[str, Stage]) -> Graph:
     graph.validate()
     _check_required_inputs(graph)
     _check_policy_published(spec, graph)
+    _check_staleness(spec, graph)
     _limit_steps(spec, graph)
     return graph
 
@@ -208,6 +212,41 @@ def _check_policy_published(spec: PipelineSpec, graph: Graph) -> None:
                 f"{clock!r} before each batch, but no step stage publishes to it, so a run of more "
                 f"than one batch would hang; add a step stage with the same policy "
                 f'(reads = ["<close stage>"]), or drop the policy from {node.name!r}'
+            )
+
+
+def _check_staleness(spec: PipelineSpec, graph: Graph) -> None:
+    """A policy clock with ``max_staleness >= 1`` lets generate start batch ``n + 1`` before step
+    ``n``: every backward stage must hold such batches (it needs the same clock), and every close
+    stage must wait for ``backward`` (or a held batch could be announced ready before it went in)."""
+    clocks = {
+        id(policy): policy
+        for node in graph
+        if (policy := getattr(node.stage, "policy", None)) is not None and getattr(policy, "max_staleness", 0) > 0
+    }
+    if not clocks:
+        return
+    k = max(clock.max_staleness for clock in clocks.values())
+    if spec.run.deterministic:
+        raise DefinitionError(
+            f"run.deterministic: the policy clock has max_staleness = {k}, so which policy version samples each "
+            "token depends on when the steps land, and no two runs are bitwise equal; set max_staleness = 0 for "
+            "a deterministic run, or deterministic = false"
+        )
+    for node in graph:
+        if isinstance(node.stage, BackwardStage) and id(node.stage.policy) not in clocks:
+            raise DefinitionError(
+                f"stages.{node.name}.objects.policy: the policy clock has max_staleness = {k}, so generate "
+                f"starts a batch before the step of the one before it, but the backward stage {node.name!r} "
+                "does not wait on that clock and would feed the next batch into the objective before the step; "
+                'give it the same clock (objects = { policy = "<the clock\'s name>" }), or set max_staleness = 0'
+            )
+        if isinstance(node.stage, CloseStage) and "backward" not in node.stage.config.wait_for:
+            raise DefinitionError(
+                f"stages.{node.name}.wait_for: the policy clock has max_staleness = {k}, so the backward stage holds "
+                f"the next batch until its version is live, but {node.name!r} does not wait for backward and could "
+                'announce that batch ready before it went into the objective; add "backward" to wait_for, or set '
+                "max_staleness = 0"
             )
 
 

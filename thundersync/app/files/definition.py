@@ -101,6 +101,9 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     ``wandb``: a W&B run of the same records (``[run.wandb]``: :mod:`thundersync.app.metrics.wandb`);
     ``threads``: torch's CPU threads for the whole run (``torch.set_num_threads``; None: the
     default of :mod:`thundersync.app.cli.threads`).
+    ``max_staleness``: how many policy versions generation may run ahead of the learner, given to
+    every object whose factory takes ``max_staleness`` (``policy-clock``) and whose table gives none
+    (None: each clock's own, whose default is 0; README "Bounded staleness", decision 073).
     ``deterministic``: two runs of the same file, and a run resumed from a checkpoint against the
     uninterrupted one, end with bitwise equal parameters and metrics on CPU in one process (same
     machine, torch build and thread count; not data-parallel launches, no promise on CUDA), at the cost of the overlap: it reaches every
@@ -124,6 +127,7 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     device: str = "auto"
     threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
     deterministic: bool = False
+    max_staleness: Annotated[int, msgspec.Meta(ge=0)] | None = None
     shard: bool = False
 
 

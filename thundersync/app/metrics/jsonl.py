@@ -34,7 +34,6 @@ import errno
 import io
 import os
 import shlex
-import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from time import perf_counter
@@ -44,6 +43,7 @@ from typing import Any, Protocol
 import msgspec
 
 from thundersync.app.metrics.tensorboard import TensorBoardSteps
+from thundersync.app.paths import file_kind
 from thundersync.errors import ConfigError
 from thundersync.events import EventBase
 from thundersync.pipeline.runner import RunStatistics
@@ -68,15 +68,6 @@ class RecordSink(Protocol):
         ...
 
 
-_KINDS = (
-    (stat.S_ISREG, "regular file"),
-    (stat.S_ISDIR, "directory"),
-    (stat.S_ISLNK, "symbolic link"),
-    (stat.S_ISFIFO, "FIFO"),
-    (stat.S_ISCHR, "character device"),
-    (stat.S_ISBLK, "block device"),
-    (stat.S_ISSOCK, "socket"),
-)
 _HINT = "give --metrics (or run.metrics) the path of a new file"
 
 
@@ -171,7 +162,7 @@ def _open_new(path: Path, *, overwrite: bool, append: bool = False) -> io.FileIO
         raise _refusal(path, error) from None
     try:
         status = os.fstat(fd)
-        kind = _kind(status.st_mode)
+        kind = file_kind(status.st_mode)
         if kind != "regular file":
             raise ConfigError(f"the metrics path {path} is a {kind}, not a regular file; {_HINT}")
         if status.st_nlink > 1:  # truncating it would empty the file under its other names too
@@ -206,7 +197,7 @@ def check_metrics_path(path: str | Path | None, *, overwrite: bool = False, appe
         return
     except OSError as error:
         raise _refusal(path, error) from None
-    kind = _kind(status.st_mode)
+    kind = file_kind(status.st_mode)
     if kind != "regular file":
         raise ConfigError(f"the metrics path {path} is a {kind}, not a regular file; {_HINT}")
     if not (overwrite or append):
@@ -227,7 +218,7 @@ def _linked(path: Path, links: int) -> ConfigError:
 def _refusal(path: Path, error: OSError) -> ConfigError:
     """Why ``path`` cannot be the metrics file, as one message that says what to do."""
     try:
-        kind: str | None = _kind(os.lstat(path).st_mode)
+        kind: str | None = file_kind(os.lstat(path).st_mode)
     except OSError:
         kind = None
     if kind == "regular file" and error.errno == errno.EEXIST:
@@ -244,7 +235,3 @@ def _refusal(path: Path, error: OSError) -> ConfigError:
             f"create it first (mkdir -p {shlex.quote(str(parent))})"
         )
     return ConfigError(f"cannot write the metrics file {path}: {error.strerror or error}; {_HINT}")
-
-
-def _kind(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "special file")

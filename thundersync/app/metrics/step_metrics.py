@@ -34,6 +34,17 @@ Definitions (times in seconds, from the watcher's clock):
   group; ``overlong_filtered`` / ``overlong_penalized``: its trajectories whose Rewarded says
   ``overlong = "filtered"`` / ``"penalized"`` (the reward stage's ``overlong``); ``truncated``: its trajectories ended because their next prompt would not fit
   the generator's context (``stop_reason = "context"``);
+- ``version_lag_mean`` / ``version_lag_max``: over the batch's trajectories, the lag of a trajectory
+  is the step's learner version (the version the optimizer step starts from: StepDone's
+  ``policy_version - 1``) minus its behaviour version (the ``policy_version`` its first action
+  started on: the oldest policy any of its tokens was sampled from). 0 under ``max_staleness = 0``;
+  at most ``max_staleness`` otherwise (``null`` when the batch has no action);
+- ``generator_idle_s``: the seconds since the previous step (the first: since the watcher started)
+  during which no trajectory waited for an action: a trajectory waits from its GroupOpened, and
+  from each ToolObserved that continues it, until its next ActionGenerated (as the generate stage
+  sends them; an agent-app stage announces an action only when the next request or the episode's
+  end shows it, so there it is a rough measure). With ``max_staleness = 0`` the generator idles
+  through each step and the batch's tail; with k >= 1 the next batch fills that time;
 - ``groups_rewarded``: the batch's groups with at least one Rewarded; ``groups_without_signal``:
   those whose rewards were all equal (each advantage is then 0: the group gives GRPO no gradient).
   When every rewarded group of several steps in a row has none (:class:`NoSignal`), the run says so;
@@ -108,6 +119,7 @@ class _Batch:
     penalized: int = 0  # Rewarded.overlong == "penalized"
     truncated: int = 0  # trajectories ended for want of context (stop_reason "context")
     group_rewards: dict[Id, list[float]] = field(default_factory=dict)
+    behaviour: dict[tuple[Id, Id], int] = field(default_factory=dict)  # trajectory -> its first action's version
     unpaired: dict[tuple[Id, Id, int], list[float]] = field(default_factory=dict)  # an action's scored
     # behaviour log-probs or its teacher's log-probs, whichever came first
 
@@ -122,11 +134,15 @@ class StepMetrics:
         self._last_step_s = clock()
         self._batch_of_group: dict[Id, Id] = {}
         self._batches: dict[Id, _Batch] = {}
+        self._awaiting: set[tuple[Id, Id]] = set()  # trajectories waiting for their next action
+        self._idle_since: float | None = self._last_step_s  # no trajectory waits since then
+        self._idle_s = 0.0  # since the previous step
         self.share: RankShare | None = None  # this rank's part of the last recorded batch
 
     def observe(self, event: EventBase) -> dict[str, Any] | None:
         """Take one event; returns the step record when ``event`` is a StepDone."""
         now = self._clock()
+        self._track_idle(event, now)
         if isinstance(event, (PromptSubmitted, GroupOpened)):
             self._batch_of_group[event.group_id] = event.batch_id
             batch = self._batches.setdefault(event.batch_id, _Batch())
@@ -147,6 +163,29 @@ class StepMetrics:
         if isinstance(event, (ActionGenerated, TeacherScored)):
             self._pair(event)
         return None
+
+    def _track_idle(self, event: EventBase, now: float) -> None:
+        """Count the time no trajectory waits for an action (``generator_idle_s``)."""
+        before = bool(self._awaiting)
+        if isinstance(event, GroupOpened):
+            self._awaiting.update((event.group_id, t) for t in event.trajectory_ids)
+        elif isinstance(event, ToolObserved):
+            self._awaiting.add((event.group_id, event.trajectory_id))
+        elif isinstance(event, ActionGenerated):
+            self._awaiting.discard((event.group_id, event.trajectory_id))
+        if before and not self._awaiting:
+            self._idle_since = now
+        elif not before and self._awaiting and self._idle_since is not None:
+            self._idle_s += now - self._idle_since
+            self._idle_since = None
+
+    def _take_idle(self, now: float) -> float:
+        """The idle seconds since the previous step; counting starts again at ``now``."""
+        if self._idle_since is not None:
+            self._idle_s += now - self._idle_since
+            self._idle_since = now
+        idle, self._idle_s = self._idle_s, 0.0
+        return idle
 
     def _pair(self, event: ActionGenerated | TeacherScored) -> None:
         """Add an action's per-token reverse KL once both its behaviour and teacher log-probs came."""
@@ -172,6 +211,8 @@ class StepMetrics:
     @staticmethod
     def _count(event: ActionGenerated | Rewarded | ToolObserved, batch: _Batch, now: float) -> None:
         if isinstance(event, ActionGenerated):
+            key = (event.group_id, event.trajectory_id)
+            batch.behaviour[key] = min(batch.behaviour.get(key, event.policy_version), event.policy_version)
             batch.tokens += len(event.token_ids)
             batch.truncated += event.stop_reason == "context"
             if event.final:
@@ -210,6 +251,7 @@ class StepMetrics:
             batch.penalized,
             len(batch.group_rewards),
             sum(len(set(rewards)) == 1 for rewards in batch.group_rewards.values()),
+            [done.policy_version - 1 - version for version in batch.behaviour.values()],
         )
         record = {
             "step": done.policy_version,
@@ -217,6 +259,7 @@ class StepMetrics:
             "step_s": step_s,
             "rollout_s": rollout_s,
             "learn_s": done.learn_s,
+            "generator_idle_s": self._take_idle(now),
             "grad_norm": done.grad_norm,
             "lr": done.lr,
             "logprob_mismatch": done.logprob_mismatch,
@@ -259,6 +302,7 @@ class RankShare:
     penalized: int = 0
     rewarded_groups: int = 0
     flat_groups: int = 0  # rewarded groups whose rewards were all equal
+    lags: list[int] = field(default_factory=list)  # per trajectory: learner version - behaviour version
 
 
 def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, Any]:
@@ -281,6 +325,7 @@ def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, An
         sum(share.penalized for share in shares),
         sum(share.rewarded_groups for share in shares),
         sum(share.flat_groups for share in shares),
+        [lag for share in shares for lag in share.lags],
     )
     return _with_share(record, total) | {"groups_per_rank": [share.groups for share in shares]}
 
@@ -304,6 +349,8 @@ def _with_share(record: dict[str, Any], share: RankShare) -> dict[str, Any]:
         "overlong_penalized": share.penalized,
         "groups_rewarded": share.rewarded_groups,
         "groups_without_signal": share.flat_groups,
+        "version_lag_mean": statistics.fmean(share.lags) if share.lags else None,
+        "version_lag_max": max(share.lags) if share.lags else None,
     }
 
 

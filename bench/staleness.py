@@ -1,0 +1,148 @@
+"""Bounded staleness against zero staleness: the same pipeline file run with ``max_staleness = k``.
+
+    python bench/staleness.py                                   # examples/agent_grpo.toml, k = 0 1 2, on CPU
+    python bench/staleness.py --k 0 1 --steps 12 --plot docs/staleness.png -- --set run.device=cuda
+
+Each k is a separate ``thundersync run`` of the file (same seeds, so the same warm-up and the same
+prompts), its metrics file read back. One table, side by side:
+
+- ``step s``: the median ``step_s`` after the first step (the first step includes the first batch's
+  whole rollout, which no k can overlap), and its ratio to k = 0;
+- ``rollout s`` / ``learn s``: medians of the steps' ``rollout_s`` and ``learn_s``;
+- ``generator idle s``: the median of ``generator_idle_s`` when the run reports it;
+- ``lag mean`` / ``lag max``: the batch's version lag (``version_lag_mean`` / ``version_lag_max``);
+- ``reward (last N)``: the mean ``reward_mean`` of the last ``--last`` steps; ``reward at T``: the
+  mean ``reward_mean`` of the steps finished within the wall time ``T`` that every k reached
+  (the shortest run's steps time), so a faster k is credited with the extra steps it fit.
+
+The first k given is the baseline of the ratio column.
+
+``--plot`` draws reward against step and against wall time, one line per k (matplotlib, the
+``plot`` extra). Arguments after ``--`` go to every ``thundersync run`` unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import header, markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_once(file: Path, k: int, args: argparse.Namespace, extra: list[str], scratch: Path) -> list[dict[str, Any]]:
+    """One ``thundersync run`` with ``max_staleness = k`` in a directory of its own (its checkpoints
+    and metrics); its step records, with ``wall_s`` added."""
+    scratch = Path(tempfile.mkdtemp(prefix=f"k{k}-", dir=scratch))
+    (scratch / "examples").symlink_to(ROOT / "examples")  # files name their data relative to the working directory
+    metrics = scratch / "metrics.jsonl"
+    command = [
+        sys.executable, "-m", "thundersync", "run", str(file), "--no-progress",
+        "--set", f"run.metrics={metrics}", "--set", f"run.steps={args.steps}",
+        "--set", f"{args.key}={k}", *extra,
+    ]  # fmt: skip
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=scratch, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"k = {k}: `{' '.join(command)}` exited with {done.returncode}")
+    print(f"k = {k}: {time.perf_counter() - started:.1f} s in all", file=sys.stderr)
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    steps = [r for r in records if r.get("event") == "step"]
+    wall = 0.0
+    for record in steps:
+        wall += float(record["step_s"])
+        record["wall_s"] = wall
+    return steps
+
+
+def _median(steps: list[dict[str, Any]], key: str) -> float | None:
+    values = [float(s[key]) for s in steps if s.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def summarize(runs: list[tuple[int, list[dict[str, Any]]]], last: int) -> str:
+    """The side-by-side table of the runs (first k is the baseline of the ratio)."""
+    horizon = min(steps[-1]["wall_s"] for _, steps in runs)
+    base = None
+    rows = []
+    for k, steps in runs:
+        later = steps[1:] or steps
+        step_s = _median(later, "step_s")
+        base = step_s if base is None else base
+        rewards = [float(s["reward_mean"]) for s in steps if s.get("reward_mean") is not None]
+        in_time = [
+            float(s["reward_mean"]) for s in steps if s["wall_s"] <= horizon and s.get("reward_mean") is not None
+        ]
+        lags = [float(s["version_lag_max"]) for s in steps if s.get("version_lag_max") is not None]
+        rows.append([
+            k, len(steps), round(steps[-1]["wall_s"], 1), step_s,
+            (step_s / base) if step_s is not None and base else None,
+            _median(later, "rollout_s"), _median(later, "learn_s"), _median(later, "generator_idle_s"),
+            _median(steps, "version_lag_mean"), max(lags) if lags else None,
+            _mean(rewards[-last:]), _mean(in_time),
+        ])  # fmt: skip
+    columns = [
+        "k", "steps", "wall s", "step s", f"vs k={runs[0][0]}", "rollout s", "learn s", "generator idle s",
+        "lag mean", "lag max", f"reward (last {last})", f"reward at {horizon:.0f} s",
+    ]  # fmt: skip
+    return markdown_table(columns, rows)
+
+
+def plot(runs: list[tuple[int, list[dict[str, Any]]]], path: Path, title: str) -> None:
+    """Reward against step and against wall time, one line per k."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(10, 4), layout="constrained")
+    by_step, by_time = figure.subplots(1, 2)
+    for k, steps in runs:
+        rewarded = [s for s in steps if s.get("reward_mean") is not None]
+        by_step.plot([s["step"] for s in rewarded], [s["reward_mean"] for s in rewarded], marker=".", label=f"k = {k}")
+        by_time.plot(
+            [s["wall_s"] for s in rewarded], [s["reward_mean"] for s in rewarded], marker=".", label=f"k = {k}"
+        )
+    by_step.set(xlabel="step", ylabel="reward_mean", title="reward per step")
+    by_time.set(xlabel="wall time (s, sum of step_s)", ylabel="reward_mean", title="reward against time")
+    by_step.legend()
+    by_time.legend()
+    figure.suptitle(title, fontsize=9)
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--file", type=Path, default=ROOT / "examples" / "agent_grpo.toml")
+    parser.add_argument("--k", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--last", type=int, default=4, help="steps whose reward is averaged for the last column")
+    parser.add_argument("--key", default="run.max_staleness", help="the file's field that sets k")
+    parser.add_argument("--plot", type=Path, default=None, help="a PNG: reward per step and against wall time")
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    command = "python bench/staleness.py " + " ".join(argv)
+    print(header(command))
+    with tempfile.TemporaryDirectory() as scratch:
+        runs = [(k, run_once(args.file.resolve(), k, args, extra, Path(scratch))) for k in args.k]
+    print(summarize(runs, args.last))
+    if args.plot is not None:
+        plot(runs, args.plot, command)
+        print(f"\nplot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
