@@ -206,7 +206,7 @@ class ShardedDataParallel(DataParallel):
         local = torch.cat([_padded_local(_local(q), n, self.device) for q, n in zip(shards, sizes)])
         out = local.new_empty(local.numel() * self.world_size)
         what = f"the parameter gather ({out.numel()} values)"
-        self._collective(what, lambda: dist.all_gather_into_tensor(out, local, group=self.group, async_op=True))
+        self._collective(what, lambda: dist.all_gather_single(out, local, group=self.group, async_op=True))
         by_rank, offset = out.view(self.world_size, -1), 0
         for p, n in zip(bucket, sizes):
             p.copy_(by_rank[:, offset : offset + n].reshape(-1)[: p.numel()].view_as(p))
