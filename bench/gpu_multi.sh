@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a machine with 2 or more GPUs: every multi-GPU `gpu` test (NCCL, or a learner on a
-# second GPU) and bench/distributed.py's GPU rows (1 GPU vs 2 GPUs replicated, the throughput ratio).
+# second GPU, the sharded learner) and bench/distributed.py's GPU rows (1 GPU vs 2 GPUs replicated,
+# the throughput ratio, 2 GPUs sharded with each rank's bytes and peak GPU memory).
 #   device run (kind nvidia-h100-x2, carry .whl): bash bench/gpu_multi.sh
 #   ONLY="gpu_tests" bash bench/gpu_multi.sh        # a subset of the steps
 # Each step has its own time limit and writes its log under $OUT (or /tmp/gpu_multi). The wheels in
@@ -29,5 +30,5 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 # that hold one runs (their one-GPU tests too); -rs lists any skip with its reason.
 tests=$(grep -rlE --include='test_*.py' 'device_count\(\) < 2' tests | sort)
 step gpu_tests "${TESTS_LIMIT:-400}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 300 $tests
-step distributed_bench "${BENCH_LIMIT:-240}" python3 bench/distributed.py --gpu ${BENCH_ARGS:-}
+step distributed_bench "${BENCH_LIMIT:-300}" python3 bench/distributed.py --gpu --sharded ${BENCH_ARGS:-}
 for f in "$out"/*.log; do echo "---- $f"; tail -n 25 "$f"; done

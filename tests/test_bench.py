@@ -48,10 +48,15 @@ def test_pack_cost_bench_runs_every_form() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_distributed_bench_runs_one_and_two_ranks_with_and_without_zero1() -> None:
-    table = _run("distributed.py")
+def test_distributed_bench_runs_one_and_two_ranks_with_and_without_zero1_and_sharded() -> None:
+    table = _run("distributed.py", "--sharded")
     assert "| 1 rank |" in table and "| 2 ranks |" in table and "| 2 ranks, ZeRO-1 |" in table
     assert "| ranks | step (s) | tokens/s | groups per rank per step |" in table
+    rows = {line.split(" | ")[0]: line.split(" | ")[5:] for line in table.splitlines() if line.startswith("| ")}
+    replicated, sharded = rows["| 2 ranks"], rows["| 2 ranks, sharded"]
+    for held, whole in zip(sharded, replicated):  # parameters, gradients, optimizer: each rank half of the whole
+        for mine, all_of_it in zip(held.strip(" |").split(" / "), whole.strip(" |").split(" / ")):
+            assert 0.45 <= float(mine) / float(all_of_it) <= 0.55, table
 
 
 def test_the_distributed_bench_refuses_its_gpu_rows_below_two_cuda_devices() -> None:

@@ -103,6 +103,14 @@ class DataParallel:
                 else:
                     p.grad.copy_(part)
 
+    def clip_grad_norm(self, params: Sequence[torch.nn.Parameter], max_norm: float) -> float:
+        """The total norm of ``params``' gradients, which are scaled to at most ``max_norm``
+        (``torch.nn.utils.clip_grad_norm_``: after the reduction every replica holds them all)."""
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def stepped(self) -> None:
+        """After ``optimizer.step()``: nothing to do for replicas (a sharded learner gathers here)."""
+
     def broadcast_parameters(self, params: Sequence[torch.nn.Parameter], src: int = 0) -> None:
         """Make every replica's parameters equal to rank ``src``'s (before training starts)."""
         with torch.no_grad():

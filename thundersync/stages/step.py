@@ -132,7 +132,10 @@ class StreamingTrainer:
     reported ``lr`` is the one the step used) and sets the gradients to ``None``. When the run is
     one rank of several (``StreamingRun(..., data_parallel=...)``), the ranks' gradients are summed
     first, so every replica steps on the full batch's gradient; give ZeRO-1 as ``optimizer``
-    (``torch.distributed.optim.ZeroRedundancyOptimizer``) to shard its state. A generator that
+    (``torch.distributed.optim.ZeroRedundancyOptimizer``) to shard its state. With a sharded
+    learner (:class:`~thundersync.engine.sharded.ShardedDataParallel`, the optimizer over its
+    ``parameters()``) the summed gradient is reduce-scattered into the shards, clipped by the norm
+    over every rank's shard, and the new parameters are gathered after the step. A generator that
     shares the model (``TorchGenerator``) sees the new weights at once. The work runs in a worker
     thread. An objective that is a :class:`ReportsLogprobMismatch` has its mismatch reported in
     the result.
@@ -184,15 +187,19 @@ class StreamingTrainer:
         audit = self._audit() if self.audit_every and self._steps % self.audit_every == 0 else None
         params = self.objective.run.params
         data_parallel = self.objective.run.data_parallel
+        limit = math.inf if self.max_grad_norm is None else self.max_grad_norm
         if data_parallel is not None:  # each rank holds its groups' part: sum to the full batch's
             data_parallel.all_reduce_gradients(params)
-        limit = math.inf if self.max_grad_norm is None else self.max_grad_norm
-        norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+            norm = data_parallel.clip_grad_norm(params, limit)
+        else:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
         lr = _learning_rate(self.optimizer)
         self._optimizer_step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if data_parallel is not None:
+            data_parallel.stepped()  # a sharded learner gathers the new parameters
         objective = self.objective
         mismatch = objective.take_logprob_mismatch() if isinstance(objective, ReportsLogprobMismatch) else None
         stats = objective.take_objective_stats() if isinstance(objective, ReportsObjectiveStats) else None

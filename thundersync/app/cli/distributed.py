@@ -13,7 +13,10 @@ nodes, one torchrun agent per node meets the others at a c10d rendezvous (``--nn
   default 600 s);
 - :func:`attach` gives every :class:`~thundersync.engine.StreamingRun` of the file a
   :class:`~thundersync.engine.distributed.DataParallel` (its trainer then sums the ranks'
-  gradients before each step), makes the replicas' trainable parameters rank 0's, and returns
+  gradients before each step), makes the replicas' trainable parameters rank 0's (with
+  ``[run] shard = true`` the runs' factory has sharded the model already:
+  :class:`~thundersync.engine.sharded.ShardedDataParallel`, which takes the launch's timeout here;
+  a checkpointer is refused), and returns
   the :class:`~thundersync.scheduling.RankClaims` that the source (claims whole groups) and the
   close stage (seals each batch once every rank closed its groups) share;
 - the source claims a group only when its admission has room; without a ``max_groups`` in the
@@ -151,10 +154,14 @@ def attach(launch: Launch, objects: Mapping[str, Any]) -> dict[str, Any]:
     bounds), to pass to :func:`~thundersync.app.files.build.build_graph`."""
     from thundersync.engine import StreamingRun
     from thundersync.engine.distributed import DataParallel
+    from thundersync.engine.sharded import ShardedDataParallel
     from thundersync.scheduling import Admission, GroupClaims, RankClaims
 
     for obj in objects.values():
-        if isinstance(obj, StreamingRun):
+        if isinstance(obj, StreamingRun) and isinstance(obj.data_parallel, ShardedDataParallel):
+            _check_sharded(objects)  # sharded by its factory ([run] shard = true), from rank 0's weights
+            obj.data_parallel.timeout = datetime.timedelta(seconds=launch.timeout_s)
+        elif isinstance(obj, StreamingRun):
             obj.data_parallel = DataParallel(
                 store=launch.store, timeout_s=launch.timeout_s, arrivals=launch.collectives
             )
@@ -164,6 +171,21 @@ def attach(launch: Launch, objects: Mapping[str, Any]) -> dict[str, Any]:
     if "admission" not in objects and not any(isinstance(obj, Admission) for obj in objects.values()):
         given["admission"] = Admission()
     return given
+
+
+def _check_sharded(objects: Mapping[str, Any]) -> None:
+    """Refuse what a sharded run ([run] shard = true) does not support yet: a checkpointer (it saves
+    the whole model and optimizer from rank 0, which holds only its shard of the state)."""
+    from thundersync.app.checkpoints.checkpoint import Checkpointer
+
+    for name, obj in objects.items():
+        if isinstance(obj, Checkpointer):
+            raise ConfigError(
+                f"objects.{name}: a checkpointer saves the whole model and optimizer from rank 0, but with "
+                "[run] shard = true each rank holds only its shard of the optimizer's state; remove the "
+                "checkpointer (a sharded run saves and resumes in code: ShardedDataParallel.save / load) or set "
+                "run.shard = false"
+            )
 
 
 def balance(launch: Launch, graph: Graph) -> None:

@@ -102,12 +102,15 @@ def streaming_run(
     background: bool | None = _RUN.background,
     acceleration: Acceleration | None = None,
     deterministic: bool = False,
+    shard: bool = False,
 ) -> StreamingRun:
     """``streaming-run``: a :class:`~thundersync.engine.StreamingRun` over the model's trainable
     parameters; ``acceleration``: the file's ``[acceleration]`` unless the table gives one;
     ``deterministic`` (the file's ``[run] deterministic`` unless the table gives one): the work
     runs inline, on the caller's thread (``background = false``), so each pack holds what the
-    calls alone decide."""
+    calls alone decide. ``shard`` (the file's ``[run] shard``): with more than one rank, the model
+    is sharded first (:class:`~thundersync.engine.sharded.ShardedDataParallel`: rank 0's weights,
+    gathered for the batches) and the run streams into the gathered parameters."""
     if deterministic and background:
         raise ConfigError(
             "background = true runs the engine's work on a worker thread, where which items share a pack "
@@ -116,7 +119,16 @@ def streaming_run(
         )
     background = False if deterministic else background
     config = StreamingRun.Config(source_offload_device=source_offload_device, background=background)
-    return StreamingRun(model, config, acceleration=acceleration)
+    sharded = None
+    if shard and _world_size() > 1:
+        from thundersync.engine.sharded import ShardedDataParallel, rank_bytes
+
+        sharded = ShardedDataParallel(model)
+        held, whole = rank_bytes(list(sharded.sharded.values())).parameters, rank_bytes(list(model.parameters()))
+        _log.info("run sharded", rank=sharded.rank, parameter_bytes=f"{held} of {whole.parameters}")
+    elif shard:
+        _log.info("run_not_sharded", reason="run.shard = true, but one process holds the whole model")
+    return StreamingRun(model, config, acceleration=acceleration, data_parallel=sharded)
 
 
 def grpo(
@@ -243,6 +255,13 @@ def optimizer(
     """
     cls, options = optimizer_options(name, options, objective.signal)
     params = objective.run.params
+    if _sharded(objective.run):
+        if shard_state:
+            raise ConfigError(
+                "shard_state = true shards the optimizer's state with ZeRO-1, but the run is sharded already "
+                "([run] shard = true: each rank's optimizer holds its shard's state); drop shard_state"
+            )
+        params = objective.run.data_parallel.parameters()  # type: ignore[union-attr]  # checked by _sharded
     if shard_state:
         if _world_size() > 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -254,6 +273,13 @@ def optimizer(
         _log.info("optimizer_not_sharded", reason="shard_state = true, but one process holds all the state")
     built: torch.optim.Optimizer = cls(params, **options)
     return built
+
+
+def _sharded(run: StreamingRun) -> bool:
+    """Whether ``run`` streams into a sharded model (its optimizer steps the shards)."""
+    from thundersync.engine.sharded import ShardedDataParallel
+
+    return isinstance(run.data_parallel, ShardedDataParallel)
 
 
 def _world_size() -> int:
@@ -343,6 +369,11 @@ def trainer(
     every ``audit_every``-th step (0: never) it also recomputes the batch's gradient densely and
     reports the streamed one's relative error (``audit_rel_error`` in the metrics). Given a ``generator`` that does not share the model's weights, it then publishes the policy
     to it (:class:`PublishingTrainer`); ``policy``, the step stage's clock, numbers the versions."""
+    if audit_every and _sharded(objective.run):
+        raise ConfigError(
+            f"audit_every = {audit_every}: the audit recomputes the gradient through the model's own forward, "
+            "which on a sharded model ([run] shard = true) runs FSDP's hooks; set audit_every = 0 or run.shard = false"
+        )
     if generator is None or isinstance(generator, TorchGenerator):  # the torch generator shares the weights
         return StreamingTrainer(
             objective, optimizer, max_grad_norm=max_grad_norm, scheduler=schedule, audit_every=audit_every

@@ -42,8 +42,8 @@ def build_objects(spec: PipelineSpec, /, **given: Any) -> dict[str, Any]:
     after the objects it references (:func:`~thundersync.app.files.object_graph.build_order`). A factory
     that takes a ``device`` gets ``run.device``, one that takes an ``acceleration`` gets the file's
     ``[acceleration]`` (resolved once, here), one that takes ``deterministic`` gets
-    ``run.deterministic`` and one that takes ``max_staleness`` gets ``run.max_staleness`` (when
-    set), when the object's table gives none."""
+    ``run.deterministic``, one that takes ``shard`` gets ``run.shard``, and one that takes
+    ``max_staleness`` gets ``run.max_staleness`` (when set), when the object's table gives none."""
     objects = dict(given)
     order = build_order(spec, given)
     if any(_takes(spec.objects[name], "device") for name in order):
@@ -61,7 +61,12 @@ def build_objects(spec: PipelineSpec, /, **given: Any) -> dict[str, Any]:
         for done, name in enumerate(order):
             advance(done, object=name)
             obj = spec.objects[name]
-            filled = {"device": spec.run.device, "acceleration": acceleration, "deterministic": spec.run.deterministic}
+            filled = {
+                "device": spec.run.device,
+                "acceleration": acceleration,
+                "deterministic": spec.run.deterministic,
+                "shard": spec.run.shard,
+            }
             if spec.run.max_staleness is not None:
                 filled["max_staleness"] = spec.run.max_staleness
             extra = {key: value for key, value in filled.items() if _takes(obj, key)}

@@ -112,6 +112,10 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     ``transformers-teacher``: one request per forward) and every backward stage (``ordered``:
     whole groups in opening order, without ``all_groups_opened``)
     (docs/decisions/070-fp64-throughout-and-deterministic-runs.md).
+    ``shard``: under a data-parallel launch (``torchrun``), every streaming run's model is sharded
+    over the ranks (FSDP2: :class:`~thundersync.engine.sharded.ShardedDataParallel`) and the
+    optimizer steps each rank's shard; one process has nothing to shard and ignores it
+    (docs/decisions/075-sharded-learner-gathers-once-per-batch.md).
     """
 
     metrics: str | None = None
@@ -125,6 +129,7 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
     deterministic: bool = False
     max_staleness: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    shard: bool = False
 
 
 class EvalSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
