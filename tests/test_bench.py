@@ -6,6 +6,7 @@ engine's own fp32 error against the dense reference are checked.
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import re
 import subprocess
@@ -100,24 +101,41 @@ def test_overlap_bench_runs_every_row() -> None:
     assert "- OPD (teacher on the same device): engine " in table  # the streamed runs' host timeline
 
 
-def test_overlap_bench_refuses_green_rows_that_cannot_run_here_before_building_anything() -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ("--rows", "grpo,grpo-green64"),
+            "row(s) grpo-green64 need a CUDA green context, but the learner's parameters are on cpu",
+        ),
+        (("--rows", "grpo", "--learner-sms", "64,60"), "row grpo-green60: a green context's SMs are a multiple of 8"),
+        (("--rows", "grpo-proc-green64"), "row grpo-proc-green64: -greenN places this process's engine"),
+        (("--rows", "grpo-green"), "unknown row(s) grpo-green;"),
+    ],
+)
+def test_overlap_bench_refuses_green_rows_that_cannot_run_here_before_building_anything(
+    args: tuple[str, ...], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """-greenN rows (and --learner-sms) need a green context: on this CPU the library's reason is
     printed; a size that is not a multiple of 8 and a row whose learner is in another process are
-    refused wherever the bench runs."""
-    cases = {
-        (
-            "--rows",
-            "grpo,grpo-green64",
-        ): "row(s) grpo-green64 need a CUDA green context, but the learner's parameters are on cpu",
-        ("--rows", "grpo", "--learner-sms", "64,60"): "row grpo-green60: a green context's SMs are a multiple of 8",
-        ("--rows", "grpo-proc-green64"): "row grpo-proc-green64: -greenN places this process's engine",
-        ("--rows", "grpo-green"): "unknown row(s) grpo-green;",
-    }
-    for args, message in cases.items():
-        done = subprocess.run(
-            [sys.executable, "bench/overlap.py", "--tiny", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
-        )
-        assert done.returncode == 2 and message in done.stderr, (args, done.stderr[-1000:])
+    refused wherever the bench runs. In this process (the script's main, before it builds a model):
+    a subprocess per case only added torch's import."""
+    spec = importlib.util.spec_from_file_location("bench_overlap_refusals", ROOT / "bench" / "overlap.py")
+    assert spec is not None and spec.loader is not None
+    overlap = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.setitem(sys.modules, spec.name, overlap)  # its dataclasses look their module up there
+    spec.loader.exec_module(overlap)
+    monkeypatch.setattr(overlap, "make_model", _never_built)
+    monkeypatch.setattr(sys, "argv", ["bench/overlap.py", "--tiny", *args])
+    with pytest.raises(SystemExit) as exited:
+        overlap.main()
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _never_built(*args: object) -> None:
+    raise AssertionError("the bench built its model before refusing the rows")
 
 
 @pytest.mark.timeout(300)

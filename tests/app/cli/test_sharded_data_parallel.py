@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -59,22 +60,36 @@ def test_two_sharded_ranks_from_the_command_line_reach_the_single_process_steps(
     assert sum(r["groups_per_rank"][1] for r in got) > 0, "rank 1 took no group"
 
 
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        ((), "objects.checkpointer: a checkpointer saves the whole model and optimizer from rank 0"),
-        (("objects.optimizer.shard_state=true",), "shard_state = true shards the optimizer's state with ZeRO-1"),
-        (("objects.trainer.audit_every=1",), "audit_every = 1: the audit recomputes the gradient through the model's"),
-    ],
-)
-def test_a_sharded_run_refuses_what_it_does_not_support(tmp_path: Path, extra: tuple[str, ...], message: str) -> None:
+def test_a_sharded_run_refuses_a_checkpointer_from_the_command_line(tmp_path: Path) -> None:
     path = tmp_path / "tiny.toml"
-    text = (ROOT / "examples" / "train_tiny_grpo.toml").read_text()
-    path.write_text((text if not extra else _without_checkpointer(text)) + ADMISSION)
+    path.write_text((ROOT / "examples" / "train_tiny_grpo.toml").read_text() + ADMISSION)
     directory = f'objects.checkpointer.directory="{tmp_path / "ckpt"}"'
-    done = _torchrun(tmp_path, *_plain(tmp_path, "run.shard=true", *(extra or (directory,))))
+    done = _torchrun(tmp_path, *_plain(tmp_path, "run.shard=true", directory))
     assert done.returncode != 0
+    message = "objects.checkpointer: a checkpointer saves the whole model and optimizer from rank 0"
     assert message in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("refused", ["shard_state", "audit_every"])
+def test_the_factories_refuse_what_a_sharded_run_does_not_support(refused: str) -> None:
+    """The optimizer's ZeRO-1 and the trainer's audit on a run whose data parallel is sharded
+    (in this process: the refusals read only the run's data-parallel object)."""
+    import torch
+
+    from thundersync.app.factories import training
+    from thundersync.engine.sharded import ShardedDataParallel
+    from thundersync.errors import ConfigError
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    run = SimpleNamespace(data_parallel=object.__new__(ShardedDataParallel), params=[param])
+    objective: Any = SimpleNamespace(run=run, signal=None)
+    if refused == "shard_state":
+        with pytest.raises(ConfigError, match="shard_state = true shards the optimizer's state with ZeRO-1"):
+            training.optimizer(objective=objective, name="SGD", shard_state=True, lr=0.1)
+    else:
+        optimizer = torch.optim.SGD([param], lr=0.1)
+        with pytest.raises(ConfigError, match="audit_every = 1: the audit recomputes the gradient through the model's"):
+            training.trainer(objective=objective, optimizer=optimizer, audit_every=1)
 
 
 @pytest.mark.gpu
