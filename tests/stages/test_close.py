@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 import pytest
 
 from thundersync.errors import StageFailed, TrackerError
@@ -18,6 +19,7 @@ from thundersync.events import (
     TeacherScored,
     TrajectoryClosed,
 )
+from thundersync.pipeline import Graph, Pipeline
 from thundersync.stages.close import CloseStage
 
 pytestmark = pytest.mark.anyio
@@ -75,3 +77,63 @@ async def test_batches_of_unknown_size_are_sealed_when_the_input_ends(run_stage:
     events = [_opened(size=0), _final(0), _final(1)]
     out = await run_stage(CloseStage(CloseStage.Config(wait_for=())), events)
     assert out[-1] == BatchReady(batch_id=0, num_groups=1, num_trajectories=2, num_scored_tokens=4)
+
+
+class _Runner:
+    """A per-trajectory tool runner that records what the close stage tells it."""
+
+    def __init__(self) -> None:
+        self.when: str | None = None
+        self.released: dict[int, anyio.Event] = {0: anyio.Event(), 1: anyio.Event()}
+
+    async def run_turn(self, action: ActionGenerated, task: Any) -> Any:
+        raise AssertionError("the close stage runs no tool")
+
+    async def trajectory_ended(self, group_id: Any, trajectory_id: Any) -> None:
+        raise AssertionError("tool-execute says this, not close")
+
+    async def trajectory_closed(self, group_id: Any, trajectory_id: Any) -> None:
+        self.released[trajectory_id].set()
+
+    def use_slots(self, slots: Any) -> None:
+        pass
+
+    def release_at(self, when: str) -> None:
+        self.when = when
+
+
+async def test_a_graded_trajectorys_sandbox_goes_back_before_its_backward() -> None:
+    """Under max_staleness a held batch's backward waits a whole step: its sandboxes must not."""
+    runner = _Runner()
+    stage = CloseStage(CloseStage.Config(wait_for=("reward", "backward")), tools=runner)
+    assert runner.when == "close"  # past the final action: the grader uses the sandbox
+    graph = Graph().add("close", stage, reads=["input"])
+    out: list[Any] = []
+    async with Pipeline(graph) as pipeline, anyio.create_task_group() as group:
+
+        async def feed() -> None:
+            for event in (_opened(), _final(0), _final(1), Rewarded(group_id=0, trajectory_id=0, reward=1.0)):
+                await pipeline.send(event)
+            with anyio.fail_after(5):  # a release held until the close would never come
+                await runner.released[0].wait()
+            assert not runner.released[1].is_set()  # not graded yet
+            for event in (
+                Rewarded(group_id=0, trajectory_id=1, reward=0.0),
+                BackwardDone(group_id=0, trajectory_id=0, turn=0),
+                BackwardDone(group_id=0, trajectory_id=1, turn=0),
+                BackwardDone(group_id=0),
+            ):
+                await pipeline.send(event)
+            await pipeline.close()
+
+        group.start_soon(feed)
+        async for event in pipeline.results():
+            out.append(event)
+    assert runner.released[1].is_set()
+    assert [type(e) for e in out] == [TrajectoryClosed, TrajectoryClosed, GroupClosed, BatchReady]
+
+
+def test_without_a_reward_to_wait_for_the_runner_gives_back_at_the_final_action() -> None:
+    runner = _Runner()
+    stage = CloseStage(CloseStage.Config(wait_for=("teacher", "backward")), tools=runner)
+    assert runner.when is None and stage.tools is None

@@ -25,9 +25,12 @@ in batch order, also for a batch of which this rank claimed no group (every rank
 step).
 
 ``tools`` (the tool-execute stage's runner; a pipeline file's ``tools`` object is given by name):
-a :class:`~thundersync.tools.TrajectoryToolRunner` keeps each trajectory's sandbox until its
-TrajectoryClosed, when this stage tells it to give the sandbox back (so a grader in the reward
-stage can still use it). ``failures`` (an :class:`~thundersync.scheduling.EpisodeFailures`): a
+with ``reward`` in ``wait_for``, a :class:`~thundersync.tools.TrajectoryToolRunner` keeps each
+trajectory's sandbox past its final action, so a grader in the reward stage can still use it, and
+this stage tells it to give the sandbox back when the trajectory's Rewarded comes (at the latest
+at its TrajectoryClosed). The sandbox never waits for the trajectory's backward, which under
+``max_staleness`` waits for the previous optimizer step. Without ``reward`` the runner gives it
+back at the final action. ``failures`` (an :class:`~thundersync.scheduling.EpisodeFailures`): a
 group dropped under ``on_failure = "drop"`` closes with ``GroupClosed(dropped=True)`` (and
 ``uninformative=True`` when dynamic sampling dropped it: its rewards were all equal) and leaves
 its batch, which waits for the source's refill; each GroupClosed settles its group for the source.
@@ -53,7 +56,7 @@ from thundersync.events import (
     TrajectoryClosed,
 )
 from thundersync.pipeline.stage import EVENT_ATTRIBUTE, Inbox, Outbox, Stage
-from thundersync.pipeline.tracker import Need, Tracker
+from thundersync.pipeline.tracker import Need, Tracker, TrajectoryState
 from thundersync.scheduling import Admission, EpisodeFailures, RankClaims
 from thundersync.stages._tasks import task_group
 from thundersync.tools import ToolRunner, TrajectoryToolRunner
@@ -97,9 +100,12 @@ class CloseStage(Stage):
                 f"{failures.dropping} refills groups from one source; data parallel runs take "
                 "on_failure = 'zero' and no dynamic_sampling"
             )
-        self.tools = tools if isinstance(tools, TrajectoryToolRunner) else None
+        # with a reward to wait for, the sandbox outlives the final action (graders use it); else it
+        # goes back at the final action, the runner's default
+        graded = Need.REWARD in self.tracker.needs
+        self.tools = tools if isinstance(tools, TrajectoryToolRunner) and graded else None
         if self.tools is not None:
-            self.tools.release_at("close")  # the sandbox outlives the final action: graders use it
+            self.tools.release_at("close")
         self._drops_seen = 0
 
     def required_inputs(self) -> tuple[type[EventBase], ...]:
@@ -115,7 +121,11 @@ class CloseStage(Stage):
                 group.start_soon(self._send_sealed, self.claims, outbox)
             async for event in inbox:
                 self._sync_drops()
-                for closure in self.handle(event):
+                closures = self.handle(event)
+                if self.tools is not None and self._graded(event):
+                    assert isinstance(event, Rewarded)
+                    group.start_soon(self.tools.trajectory_closed, event.group_id, event.trajectory_id)
+                for closure in closures:
                     await self._send(closure, outbox)
                     if isinstance(closure, TrajectoryClosed) and self.tools is not None:
                         group.start_soon(self.tools.trajectory_closed, closure.group_id, closure.trajectory_id)
@@ -124,6 +134,17 @@ class CloseStage(Stage):
             pending = self.tracker.pending()
             if pending:
                 raise TrackerError(f"the input ended while work is still pending: {'; '.join(pending)}")
+
+    def _graded(self, event: EventBase) -> bool:
+        """Whether ``event`` is the reward of a trajectory whose final action went by: its grader is
+        done with its sandbox, which then goes back without waiting for the trajectory's backward
+        (under ``max_staleness`` a later batch's backward waits for a whole optimizer step)."""
+        if not isinstance(event, Rewarded) or Need.REWARD not in self.tracker.needs:
+            return False
+        try:
+            return self.tracker.trajectory_state(event.group_id, event.trajectory_id) is not TrajectoryState.GENERATING
+        except TrackerError:
+            return False
 
     def _sync_drops(self) -> None:
         """Mark in the tracker the groups dropped since the last event (before the event that closes them)."""

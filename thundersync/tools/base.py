@@ -107,7 +107,7 @@ class TrajectoryToolRunner(Protocol):
         ...
 
     async def trajectory_closed(self, group_id: Hashable, trajectory_id: Hashable) -> None:
-        """The trajectory closed: its reward and backward are done (the close stage)."""
+        """The trajectory is graded (its reward came) or closed: its resources can go back (the close stage)."""
         ...
 
     def use_slots(self, slots: Any) -> None:

@@ -9,7 +9,8 @@ A trajectory gets one sandbox when its first call needs one and keeps it for all
 (:class:`~thundersync.tools.sessions.TrajectorySandboxes`: its task's image and content, pools
 keyed by image, ``warm`` sandboxes of the runner's image started on entry); it is reset and given
 back when the trajectory's final action goes by, or, once a close stage holds the runner
-(``release_at("close")``), when the trajectory closes, so that a grader can still use it.
+(``release_at("close")``), when the trajectory is graded (its reward came) or closes, so that a
+grader can still use it.
 
 For each action the parser (default :class:`~thundersync.tools.qwen.Qwen3ToolCallParser`) finds
 the calls; they run one after the other. Each call's output (stdout, then stderr, as the sandbox
