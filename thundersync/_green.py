@@ -11,7 +11,16 @@ stream ran at the whole GPU's speed: bench/RESULTS.md, section "2026-12-05 — T
 restructure, before and after; green contexts probed"). So :func:`side_stream`, the stream that
 :mod:`thundersync.model.graphs` warms up and captures on, is a stream of the same partition when
 the current stream is one (thread-local capture mode, which the probe found to work beside other
-threads' launches), and a new ordinary stream otherwise.
+threads' launches), and an ordinary stream otherwise.
+
+Streams are never shared by accident. ``torch.cuda.Stream()`` hands out the next of a pool of 32
+streams per priority, so two draws 32 apart are the same stream: a generator's decode graph
+captured on the engine's job stream failed the engine's next host-to-device copy ("Cannot copy
+between CPU and CUDA tensors during CUDA graph capture"), and could as well have recorded the
+engine's kernels into the generator's graph. So every stream of the process's long-lived users is
+drawn with :func:`own_stream` (the engine's job stream, the generator's decode stream), every
+warm-up and capture borrows its :func:`side_stream` for the block only, and no draw returns a
+stream that another holds.
 
 Lifetime: partitions, their contexts and streams are made once per (device, SMs) and kept until
 the process ends; nothing destroys them. Destroying a green context while a tensor used on its
@@ -26,7 +35,10 @@ that names it: there is no silent fallback to the whole device.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,12 +47,12 @@ from thundersync.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SM_GROUP", "Partition", "check_sms", "missing", "partition", "partition_of", "side_stream"]
+__all__ = ["SM_GROUP", "Partition", "check_sms", "missing", "own_stream", "partition", "partition_of", "side_stream"]
 
 SM_GROUP = 8
 """The driver's granularity of an SM split on Hopper: a partition is a multiple of it."""
 
-_COMPANIONS = 16  # streams per partition for warm-ups and captures, handed out in turn (torch keeps 32)
+_DRAWS = 96  # torch's pool keeps 32 streams per priority: three rounds find one that nobody holds
 _MIN_DRIVER = 12050  # cuGreenCtxStreamCreate: CUDA 12.5
 
 
@@ -66,21 +78,75 @@ class Partition:
     stream: torch.cuda.Stream
     _context: Any
     _companions: list[torch.cuda.Stream] = field(default_factory=list)
-    _turn: int = 0
 
     def companion(self) -> torch.cuda.Stream:
-        """A stream of this partition other than :attr:`stream`, the next of a small pool."""
+        """A stream of this partition other than :attr:`stream` that nobody holds, held by the
+        caller until it gives it back (:func:`give_back`); made when every one is held."""
         with _lock:
-            if len(self._companions) < _COMPANIONS:
-                self._companions.append(_new_stream(self._context, self.device))
-                return self._companions[-1]
-            self._turn = (self._turn + 1) % _COMPANIONS
-            return self._companions[self._turn]
+            for stream in self._companions:
+                if stream.cuda_stream not in _held:
+                    _held.add(stream.cuda_stream)
+                    return stream
+            stream = _new_stream(self._context, self.device)
+            self._companions.append(stream)
+            _held.add(stream.cuda_stream)
+            _by_stream[stream.cuda_stream] = self
+            return stream
 
 
 _lock = threading.Lock()
 _partitions: dict[tuple[int, int], Partition] = {}  # (device index, SMs) -> kept for the process's life
 _by_stream: dict[int, Partition] = {}  # every partition stream's handle -> its partition
+_held: set[int] = (
+    set()
+)  # handles of the streams someone holds: own_stream()'s while its object lives, side_stream()'s for a block
+
+
+def own_stream(device: torch.device | None = None, priority: int = 0) -> torch.cuda.Stream:
+    """A stream of torch's pool (``device``, ``priority``) that nobody else holds, held while the
+    returned object lives: a long-lived user's stream (module docstring)."""
+    import torch
+
+    stream = take_free(lambda: torch.cuda.Stream(device, priority=priority))  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+    weakref.finalize(stream, _unhold, stream.cuda_stream)
+    return stream
+
+
+def take_free(draw: Callable[[], torch.cuda.Stream]) -> torch.cuda.Stream:
+    """The first stream ``draw`` gives that nobody holds, now held (a RuntimeError after
+    :data:`_DRAWS` draws: every stream of the pool is held)."""
+    for _ in range(_DRAWS):
+        stream = draw()
+        with _lock:
+            if stream.cuda_stream not in _held:
+                _held.add(stream.cuda_stream)
+                return stream
+    raise RuntimeError(f"no free CUDA stream after {_DRAWS} draws from torch's pool: every one is held")
+
+
+def give_back(stream: torch.cuda.Stream) -> None:
+    """``stream`` is no longer held (a side stream after its block)."""
+    _unhold(stream.cuda_stream)
+
+
+def _unhold(handle: int) -> None:
+    with _lock:
+        _held.discard(handle)
+
+
+@contextlib.contextmanager
+def side_stream() -> Iterator[torch.cuda.Stream]:
+    """A stream for one warm-up or capture, held for the block: a companion of the current
+    stream's partition (so a graph keeps to the partition's SMs), else an ordinary stream of
+    torch's pool, never one that another user holds meanwhile."""
+    import torch
+
+    current = partition_of(torch.cuda.current_stream())
+    stream = current.companion() if current is not None else take_free(torch.cuda.Stream)
+    try:
+        yield stream
+    finally:
+        give_back(stream)
 
 
 def missing(device: torch.device) -> str | None:
@@ -128,20 +194,6 @@ def partition(device: torch.device, sms: int) -> Partition:
 def partition_of(stream: torch.cuda.Stream) -> Partition | None:
     """The partition whose stream ``stream`` is (None: an ordinary stream)."""
     return _by_stream.get(stream.cuda_stream) if _by_stream else None
-
-
-def side_stream() -> torch.cuda.Stream:
-    """The stream a warm-up or a capture runs on: a companion of the current stream's partition
-    (so a graph keeps to the partition's SMs), else a new ordinary stream (torch's next pooled one)."""
-    import torch
-
-    current = partition_of(torch.cuda.current_stream())
-    if current is not None:
-        stream = current.companion()
-        with _lock:
-            _by_stream.setdefault(stream.cuda_stream, current)
-        return stream
-    return torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
 
 
 def _driver(result: tuple[Any, ...], what: str) -> Any:

@@ -4,9 +4,13 @@ captured on the partition's streams, and a process that used one exits cleanly."
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import itertools
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,28 +78,53 @@ class _FakeStream:
 
 def test_warm_ups_and_captures_under_a_partition_stream_stay_on_its_streams(monkeypatch: pytest.MonkeyPatch) -> None:
     """What ``model.graphs`` captures on follows the current stream: a companion of its partition
-    (also when the current stream is itself a companion: a capture inside a warm-up), else a new
-    ordinary stream. On the CPU the streams are stand-ins; the GPU test below uses real ones."""
+    (also when the current stream is itself a companion: a capture inside a warm-up), held for
+    the block and reused after it. On the CPU the streams are stand-ins; the GPU tests use real ones."""
     handles = iter(range(1000, 2000))
     monkeypatch.setattr(_green, "_new_stream", lambda context, device: _FakeStream(next(handles)))
     monkeypatch.setattr(_green, "_by_stream", {})
+    monkeypatch.setattr(_green, "_held", set())
     learner = _FakeStream(7)
     part = _green.Partition(torch.device("cuda", 0), 64, 68, learner, object())  # type: ignore[arg-type]
     _green._by_stream[learner.cuda_stream] = part
     current: list[Any] = [learner]
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
-    ordinary = _FakeStream(3)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: ordinary)
 
-    first = _green.side_stream()
-    assert first is not learner and _green.partition_of(first) is part  # type: ignore[arg-type]
-    current[0] = first  # a capture inside the warm-up's stream
-    second = _green.side_stream()
-    assert _green.partition_of(second) is part and second is not first  # type: ignore[arg-type]
-    companions = [_green.side_stream() for _ in range(40)]
-    assert len({id(s) for s in companions}) == _green._COMPANIONS  # a bounded pool, handed out in turn
-    current[0] = _FakeStream(99)  # an ordinary current stream: an ordinary side stream
-    assert _green.side_stream() is ordinary
+    with _green.side_stream() as first:
+        assert first.cuda_stream != learner.cuda_stream and _green.partition_of(first) is part
+        current[0] = first  # a capture inside the warm-up's stream
+        with _green.side_stream() as second:
+            assert _green.partition_of(second) is part and second is not first
+        with contextlib.ExitStack() as held:
+            many = [held.enter_context(_green.side_stream()) for _ in range(40)]
+        assert len({s.cuda_stream for s in many}) == 40  # never one stream to two holders at once
+    current[0] = learner
+    with _green.side_stream() as again:
+        assert again is first  # given back, then reused: no new stream
+    assert not _green._held
+
+
+def test_no_side_stream_is_a_stream_that_another_user_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's pool hands its streams out in turn, so a later draw returns an earlier one: the
+    engine's job stream must never be a generator's capture stream (seen on the GPU: the engine's
+    host-to-device copy failed inside the other thread's capture)."""
+    pool = itertools.cycle((1, 2, 3, 4))  # torch's pool, 4 streams here (a new Python object each draw)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: _FakeStream(next(pool)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream(99))
+    monkeypatch.setattr(_green, "_by_stream", {})
+    monkeypatch.setattr(_green, "_held", set())
+    engine = _green.own_stream()
+    with _green.side_stream() as a, _green.side_stream() as b, _green.side_stream() as c:
+        assert len({engine.cuda_stream, a.cuda_stream, b.cuda_stream, c.cuda_stream}) == 4
+        with pytest.raises(RuntimeError, match="no free CUDA stream after 96 draws"), _green.side_stream():
+            pass
+    for _ in range(8):  # given back: the pool's other streams come round again, the engine's never
+        with _green.side_stream() as side:
+            assert side.cuda_stream != engine.cuda_stream
+    handle = engine.cuda_stream
+    del engine
+    gc.collect()
+    assert handle not in _green._held  # an owner's stream goes back when the owner is gone
 
 
 # --- GPU ------------------------------------------------------------------------------------------
@@ -145,15 +174,17 @@ def test_a_grpo_batch_on_a_partition_equals_the_side_streams_and_captures_there(
     asked: list[torch.cuda.Stream] = []
     side_stream = _green.side_stream
 
-    def spy() -> torch.cuda.Stream:
-        asked.append(side_stream())
-        return asked[-1]
+    @contextlib.contextmanager
+    def spy() -> Iterator[torch.cuda.Stream]:
+        with side_stream() as stream:
+            asked.append(stream)
+            yield stream
 
     monkeypatch.setattr(_green, "side_stream", spy)
     reset_graph_counts()
     got, run = _grpo_batch(Acceleration(learner_sms=_sms()))
     counts = graph_counts()
-    part = _green.partition_of(run.streams.stream)  # type: ignore[arg-type]
+    part = _green.partition_of(run.streams.stream)
     assert part is not None and part.sms == _sms()
     assert counts.get("pack_captured", 0) > 0 and not counts.get("pack_capture_failed", 0), counts
     assert asked and all(_green.partition_of(s) is part for s in asked)

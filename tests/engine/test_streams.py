@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import anyio
 import pytest
@@ -145,3 +147,53 @@ def test_runs_share_the_side_stream_so_a_new_run_reuses_the_cached_memory() -> N
     third = batch()
     assert first.streams.stream is second.streams.stream is third.streams.stream is not None
     assert torch.cuda.memory_stats()["num_device_alloc"] == allocs, "a new run took new memory from the driver"
+
+
+@pytest.mark.gpu
+def test_a_capture_never_takes_the_stream_another_thread_copies_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's pool hands a stream out again every 32 draws. A capture on a stream that another
+    thread uses fails that thread's pageable copies (seen: a generator's decode capture on the
+    engine's job stream) or records its kernels into the graph. 100 captures beside a thread that
+    copies on its own stream: no side stream is that stream, no copy fails, every graph replays."""
+    from thundersync import _green
+
+    owned = _green.own_stream(torch.device("cuda", 0))
+    borrowed: list[int] = []
+    side_stream = _green.side_stream
+
+    @contextlib.contextmanager
+    def spy() -> Iterator[torch.cuda.Stream]:
+        with side_stream() as stream:
+            borrowed.append(stream.cuda_stream)
+            yield stream
+
+    monkeypatch.setattr(_green, "side_stream", spy)
+    stop, errors = threading.Event(), []
+
+    def copier() -> None:
+        try:
+            with torch.cuda.stream(owned):
+                while not stop.is_set():
+                    torch.arange(4096.0).to("cuda")  # pageable host memory
+                    owned.synchronize()
+        except Exception as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=copier)
+    thread.start()
+    x = torch.ones(1024, device="cuda")
+    try:
+        for _ in range(100):
+            graph = torch.cuda.CUDAGraph()
+            with capture_graph(graph):
+                y = x
+                for _ in range(50):
+                    y = y * 1.0001
+            graph.replay()
+    finally:
+        stop.set()
+        thread.join()
+    torch.cuda.synchronize()
+    assert len(borrowed) == 100 and owned.cuda_stream not in borrowed
+    assert not errors, errors
+    assert torch.allclose(y, torch.full_like(y, 1.0001**50))

@@ -87,10 +87,10 @@ _streams_lock = threading.Lock()
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The engine's job stream on ``device``, made at the first use (``torch.cuda.Stream()`` hands
-    out the next of a small pool of streams at every call, so a fresh one per run would differ)."""
+    """The engine's job stream on ``device``, made at the first use and held for good (a stream of
+    torch's small pool that no warm-up or capture borrows: :func:`thundersync._green.own_stream`)."""
     key = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     with _streams_lock:
         if key not in _streams:
-            _streams[key] = torch.cuda.Stream(key)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+            _streams[key] = _green.own_stream(key)
         return _streams[key]

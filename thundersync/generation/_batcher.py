@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from thundersync import _green
 from thundersync.errors import ConfigError, GenerationError
 from thundersync.generation._decode_math import DecodeMath
 from thundersync.generation._fixed_step import CapturedStep, FixedStep
@@ -142,7 +143,9 @@ class ContinuousBatcher:
     def use_stream(self) -> None:
         """Run every step on a new high-priority CUDA stream, after all work on the current stream
         so far (the cache and buffers were allocated there)."""
-        self.stream = torch.cuda.Stream(self.anatomy.device, priority=-100)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated; out-of-range priorities clamp to the highest
+        self.stream = _green.own_stream(
+            self.anatomy.device, priority=-100
+        )  # out-of-range priorities clamp to the highest
         self.stream.wait_stream(torch.cuda.current_stream(self.anatomy.device))
 
     def mark(self) -> torch.cuda.Event | None:

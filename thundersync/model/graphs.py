@@ -9,7 +9,8 @@ process holds together (past it, a cache drops its captures before it captures a
 warm up with :func:`warm_up_stream` and record with :func:`capture_graph` (thread-local mode:
 other threads keep launching meanwhile), both on :func:`thundersync._green.side_stream`: a stream of
 the current stream's green context where it has one (a graph keeps to a partition's SMs only when
-captured on its stream), else a new ordinary stream.
+captured on its stream), else an ordinary stream, held for the block so that no other thread
+launches on it meanwhile.
 """
 
 from __future__ import annotations
@@ -88,13 +89,13 @@ def warm_up_stream() -> Iterator[None]:
     after a capture ran out of memory; bench/RESULTS.md, section "2026-12-02 — The host-time changes
     measured, and the sampler in two kernels (ninth session): batch-1 step 1.30 ms, long tail
     4.92 s")."""
-    side = _green.side_stream()
-    side.wait_stream(torch.cuda.current_stream())
-    try:
-        with torch.cuda.stream(side):
-            yield
-    finally:
-        torch.cuda.current_stream().wait_stream(side)
+    with _green.side_stream() as side:
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(side):
+                yield
+        finally:
+            torch.cuda.current_stream().wait_stream(side)
 
 
 @contextlib.contextmanager
@@ -118,15 +119,15 @@ def capture_graph(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[Non
     free, total = torch.cuda.mem_get_info()
     if free < total // 4:
         torch.cuda.empty_cache()
-    stream = _green.side_stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph.capture_begin(pool, capture_error_mode="thread_local")
-        try:
-            yield
-        finally:
-            graph.capture_end()
-    torch.cuda.current_stream().wait_stream(stream)
+    with _green.side_stream() as stream:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool, capture_error_mode="thread_local")
+            try:
+                yield
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
 
 
 class GraphCache(Generic[K, E]):
