@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,10 +54,13 @@ def run_once(file: Path, k: int, args: argparse.Namespace, extra: list[str], scr
         "--set", f"{args.key}={k}", *extra,
     ]  # fmt: skip
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=scratch, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
+    done = subprocess.run(command, cwd=scratch, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}, check=False)
     if done.returncode != 0:
         raise SystemExit(f"k = {k}: `{' '.join(command)}` exited with {done.returncode}")
     print(f"k = {k}: {time.perf_counter() - started:.1f} s in all", file=sys.stderr)
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(metrics, args.keep / f"k{k}.jsonl")
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     steps = [r for r in records if r.get("event") == "step"]
     wall = 0.0
@@ -131,6 +135,7 @@ def main() -> None:
     parser.add_argument("--last", type=int, default=4, help="steps whose reward is averaged for the last column")
     parser.add_argument("--key", default="run.max_staleness", help="the file's field that sets k")
     parser.add_argument("--plot", type=Path, default=None, help="a PNG: reward per step and against wall time")
+    parser.add_argument("--keep", type=Path, default=None, help="a folder: each run's metrics file as k<K>.jsonl")
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
