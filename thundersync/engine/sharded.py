@@ -126,29 +126,46 @@ class ShardedDataParallel(DataParallel):
 
     # --- checkpoints ----------------------------------------------------------------------------
 
-    def save(self, path: str | Path, optimizer: torch.optim.Optimizer) -> None:
+    def save(self, path: str | Path, optimizer: torch.optim.Optimizer, *, storage_writer: Any = None) -> None:
         """Save the model's and ``optimizer``'s shards (every rank calls it, between steps) as a
-        ``torch.distributed.checkpoint`` directory at ``path``; :meth:`load` reads it on any
-        number of ranks. The state dict leaves the model sharded: FSDP gathers it again afterwards,
-        into newly allocated tensors, so the engine's CUDA graphs of the model are released (a
-        generator's own graphs over the model are not: save between steps with its graphs off)."""
+        ``torch.distributed.checkpoint`` directory at ``path`` (through ``storage_writer`` when
+        given); :meth:`load` reads it on any number of ranks. The state dict leaves the model
+        sharded: FSDP gathers it again afterwards, into newly allocated tensors, so the engine's
+        CUDA graphs of the model are released (a generator's own graphs over the model are not:
+        save between steps with its graphs off)."""
         from torch.distributed.checkpoint import state_dict_saver
 
-        state_dict_saver.save(self._state(optimizer), checkpoint_id=str(path), process_group=self.group)
-        self.gather()
-        release_graphs(self.model)
+        state = self._state(optimizer)
+        state_dict_saver.save(state, checkpoint_id=str(path), storage_writer=storage_writer, process_group=self.group)
+        self._regather()
 
-    def load(self, path: str | Path, optimizer: torch.optim.Optimizer) -> None:
-        """Load what :meth:`save` wrote, on this run's ranks (their number may differ from the
-        saving run's: each rank reads its shards' rows), into the model and ``optimizer``; then
-        gather the parameters."""
+    def load(self, path: str | Path, optimizer: torch.optim.Optimizer, *, storage_reader: Any = None) -> None:
+        """Load what :meth:`save` wrote (through ``storage_reader`` when given), on this run's
+        ranks (their number may differ from the saving run's: each rank reads its shards' rows),
+        into the model and ``optimizer``; then gather the parameters."""
         from torch.distributed.checkpoint import state_dict_loader
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         state = self._state(optimizer)
-        state_dict_loader.load(state, checkpoint_id=str(path), process_group=self.group)
+        state_dict_loader.load(state, checkpoint_id=str(path), storage_reader=storage_reader, process_group=self.group)
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, optimizer, state["optimizer"])
+        self._regather()
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict, gathered on rank 0 in host memory (every rank calls it;
+        the others get ``{}``): ``get_model_state_dict`` with ``full_state_dict`` and
+        ``cpu_offload``. Like :meth:`save`, it leaves the model sharded and gathers it again."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        for unit in self.units:
+            unit.reshard()
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        self._regather()
+        return state
+
+    def _regather(self) -> None:
         self.gather()
         release_graphs(self.model)
 

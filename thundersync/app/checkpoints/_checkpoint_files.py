@@ -33,29 +33,50 @@ from torch import nn
 from thundersync.app.checkpoints.run_directory import MARKER, Checkpoint, open_regular, read_info, scan
 from thundersync.errors import ConfigError
 
-__all__ = ["clean_temporaries", "is_adapter", "load_weights", "prune", "publish", "retained", "save_weights"]
+__all__ = [
+    "clean_temporaries",
+    "complete",
+    "is_adapter",
+    "load_weights",
+    "make_temporary",
+    "prune",
+    "publish",
+    "retained",
+    "save_weights",
+]
 
 
 def publish(target: Path, fill: Callable[[Path], None], run: str) -> None:
     """Create the directory ``target`` atomically: ``fill`` writes it under a temporary name. A
     ``target`` already there is replaced only when it is a checkpoint of ``run``."""
-    parent = target.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    temporary = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent))
+    temporary = make_temporary(target)
     try:
         fill(temporary)
-        for file in temporary.rglob("*"):
-            if file.is_file():
-                _fsync(file)
-        _fsync(temporary)
-        if os.path.lexists(target):  # a checkpoint of the same step, from this run before a resume
-            _require_own(target, run)
-            shutil.rmtree(target)
-        temporary.rename(target)
-        _fsync(parent)
+        complete(temporary, target, run)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
+
+
+def make_temporary(target: Path) -> Path:
+    """A new, empty temporary directory for ``target`` in its parent (``.step-N.XXXX.tmp``)."""
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent))
+
+
+def complete(temporary: Path, target: Path, run: str) -> None:
+    """Fsync every file of the filled ``temporary`` and the directories, then rename it to
+    ``target`` (replacing only a checkpoint of ``run``) and fsync the parent."""
+    for path in temporary.rglob("*"):
+        if path.is_file() or path.is_dir():
+            _fsync(path)
+    _fsync(temporary)
+    if os.path.lexists(target):  # a checkpoint of the same step, from this run before a resume
+        _require_own(target, run)
+        shutil.rmtree(target)
+    temporary.rename(target)
+    _fsync(target.parent)
 
 
 def _require_own(target: Path, run: str) -> None:
@@ -108,19 +129,40 @@ def is_adapter(model: nn.Module) -> bool:
     return getattr(model, "peft_config", None) is not None
 
 
-def save_weights(model: nn.Module, directory: Path) -> None:
-    """``model.save_pretrained`` into ``directory`` as safetensors (adapter alone for peft)."""
+def save_weights(model: nn.Module, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """``model.save_pretrained`` into ``directory`` as safetensors (adapter alone for peft); with
+    ``state_dict``, that state (a sharded model's, gathered) instead of the model's own."""
     save = getattr(model, "save_pretrained", None)
     if save is None:
         raise ConfigError(
             f"cannot checkpoint a {type(model).__name__}: it has no save_pretrained; give the "
             "checkpointer a transformers model or a peft model"
         )
+    given = {} if state_dict is None else {"state_dict": state_dict}
     with _quiet_progress():  # transformers' "Writing model shards" bar would cut the live line
         if is_adapter(model):
-            save(str(directory), safe_serialization=True)
+            save(str(directory), safe_serialization=True, **given)
         else:
-            save(str(directory))  # transformers writes safetensors only
+            save(str(directory), **given)  # transformers writes safetensors only
+    if state_dict is not None:
+        _unsharded_architecture(model, directory)
+
+
+def _unsharded_architecture(model: nn.Module, directory: Path) -> None:
+    """``fully_shard`` makes the model's class ``FSDP<Class>``, which ``save_pretrained`` records
+    in ``config.json``'s ``architectures``: record the class it was made from."""
+    import json
+
+    config = directory / "config.json"
+    if not config.is_file():  # an adapter's directory has no model config
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    plain = next((c.__name__ for c in type(model).__mro__ if not issubclass(c, FSDPModule)), None)
+    data = json.loads(config.read_text())
+    if plain is not None and isinstance(data.get("architectures"), list):
+        data["architectures"] = [plain]
+        config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 @contextlib.contextmanager

@@ -52,9 +52,10 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
 import anyio.to_thread
 import msgspec
@@ -63,8 +64,10 @@ from torch import nn
 
 from thundersync.app.checkpoints._checkpoint_files import (
     clean_temporaries,
+    complete,
     is_adapter,
     load_weights,
+    make_temporary,
     prune,
     publish,
     save_weights,
@@ -84,6 +87,9 @@ from thundersync.errors import ConfigError
 from thundersync.events import Id
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.stages.source import SourceStage
+
+if TYPE_CHECKING:
+    from thundersync.engine.sharded import ShardedDataParallel
 
 __all__ = ["FORMAT", "STATE_FILE", "Checkpointer", "RandomSource"]
 
@@ -123,6 +129,13 @@ class Checkpointer:
     consumed batches a resumed run skips. ``writer``: whether this process writes the files
     (default: see the module docstring); one that does not still records the data position.
     ``run``: the id of the run owning ``directory`` (None until the first save or a resume of it).
+
+    ``distributed``: save the model and optimizer in the distributed layout (every rank writes its
+    shards through ``torch.distributed.checkpoint``; what a sharded run needs, see
+    :mod:`~thundersync.app.checkpoints._distributed`); ``consolidated``: with it, rank 0 also
+    writes the whole model (or adapter) as safetensors, loadable as the files layout's are.
+    ``sharded``: the :class:`~thundersync.engine.sharded.ShardedDataParallel` of ``model``, set
+    by ``thundersync run`` (None: ``model`` is whole in this process).
     """
 
     def __init__(
@@ -139,6 +152,8 @@ class Checkpointer:
         rngs: Mapping[str, RandomSource] | None = None,
         source: SourceStage | None = None,
         writer: bool | None = None,
+        distributed: bool = False,
+        consolidated: bool = False,
     ) -> None:
         if every < 0 or keep_last < 1 or keep_every < 0:
             raise ConfigError(
@@ -154,6 +169,8 @@ class Checkpointer:
         self.writer = _first_rank() if writer is None else writer
         self.consumed: list[Id] = []  # the data position: batches stepped on, over all runs
         self.saved_step = policy.version  # the step of the newest checkpoint (or where the run started)
+        self.distributed, self.consolidated = distributed, consolidated
+        self.sharded: ShardedDataParallel | None = None
 
     async def stepped(self, step: int, batch_id: Id) -> None:
         """Record the consumed batch; save when ``step`` is a multiple of ``every``."""
@@ -168,7 +185,12 @@ class Checkpointer:
 
     async def _checkpoint(self, step: int) -> None:
         """Every rank comes here at the same steps: a sharded optimizer's state is gathered on
-        rank 0 (all ranks take part), then the writer saves."""
+        rank 0 (all ranks take part), then the writer saves; in the distributed layout every rank
+        writes its shards (:meth:`save_distributed`)."""
+        if self.distributed:
+            await anyio.to_thread.run_sync(self.save_distributed, step)
+            self.saved_step = step
+            return
         if isinstance(self.optimizer, _Sharded):
             await anyio.to_thread.run_sync(self.optimizer.consolidate_state_dict, 0)
         if self.writer:
@@ -185,6 +207,54 @@ class Checkpointer:
         prune(self.directory, run, self.keep_last, self.keep_every)
         self.saved_step = step
         return target
+
+    def save_distributed(self, step: int) -> Path:
+        """Every rank, at the same steps: write the checkpoint of ``step`` in the distributed layout.
+        The writer claims the directory and makes the temporary directory, whose name every rank
+        receives; every rank writes its shards into it; the writer checks that every file the
+        metadata names is there (a rank that failed fails every rank's save; a directory not
+        shared by the ranks is refused), adds the consolidated weights (when asked), the training
+        state and ``checkpoint.json``, and publishes it atomically. Returns its directory."""
+        from thundersync.app.checkpoints._distributed import DISTRIBUTED, require_shards, save_distributed
+
+        target = self.directory / f"step-{step:08d}"
+        temporary, run = self._shared_temporary(target)
+        try:
+            save_distributed(temporary / DISTRIBUTED, self.model, self.optimizer, self.sharded)
+            full = self.sharded.full_model_state() if self.consolidated and self.sharded is not None else None
+            if self.writer:
+                require_shards(temporary / DISTRIBUTED)
+                self._fill(temporary, step, run, full)
+                complete(temporary, target, run)
+                prune(self.directory, run, self.keep_last, self.keep_every)
+        except BaseException:
+            if self.writer:
+                shutil.rmtree(temporary, ignore_errors=True)
+            raise
+        self.saved_step = step
+        return target
+
+    def _shared_temporary(self, target: Path) -> tuple[Path, str]:
+        """The writer's claim and new temporary directory, sent to every rank of the sharded model
+        (a refusal on the writer is raised on every rank)."""
+        import torch.distributed as dist
+
+        found: tuple[str, str] | str = "the writer rank did not claim the checkpoint directory"
+        if self.writer:
+            try:
+                run = self._claim()
+                clean_temporaries(self.directory)
+                found = (str(make_temporary(target)), run)
+            except ConfigError as error:
+                found = str(error)
+        if self.sharded is not None:
+            box: list[Any] = [found]
+            group = self.sharded.group
+            dist.broadcast_object_list(box, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+            found = box[0]
+        if isinstance(found, str):
+            raise ConfigError(found)
+        return Path(found[0]), found[1]
 
     def _claim(self) -> str:
         """This run's id; at the first save, a new one recorded in ``run.json`` when the directory
@@ -210,8 +280,15 @@ class Checkpointer:
         write_run(self.directory, self.run)
         return self.run
 
-    def _fill(self, path: Path, step: int, run: str) -> None:
-        save_weights(self.model, path)
+    def _fill(self, path: Path, step: int, run: str, full: dict[str, torch.Tensor] | None = None) -> None:
+        """The writer's files: the weights (whole; in the distributed layout only when consolidated,
+        from ``full`` when the model is sharded), the training state, then ``checkpoint.json``."""
+        if full is not None:
+            from thundersync.app.checkpoints._distributed import save_consolidated
+
+            save_consolidated(self.model, full, path)
+        elif self.consolidated or not self.distributed:
+            save_weights(self.model, path)
         torch.save(self._training_state(), path / STATE_FILE)
         info = CheckpointInfo(
             format=FORMAT,
@@ -219,12 +296,13 @@ class Checkpointer:
             step=step,
             weights="adapter" if is_adapter(self.model) else "full",
             consumed_batches=self.consumed,
+            layout="distributed" if self.distributed else "files",
         )
         (path / MARKER).write_bytes(msgspec.json.format(msgspec.json.encode(info), indent=1) + b"\n")
 
     def _training_state(self) -> dict[str, Any]:
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": None if self.distributed else self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "python_rng": random.getstate(),
             "torch_rng": torch.get_rng_state(),
@@ -238,7 +316,12 @@ class Checkpointer:
         checkpoint = find_checkpoint(Path(path))
         info = checkpoint.info
         self._check_info(checkpoint.path, info)
-        load_weights(self.model, checkpoint.path)
+        if info.layout == "distributed":
+            from thundersync.app.checkpoints._distributed import DISTRIBUTED, load_distributed
+
+            load_distributed(checkpoint.path / DISTRIBUTED, self.model, self.optimizer, self.sharded)
+        else:
+            load_weights(self.model, checkpoint.path)
         self._restore(self._load_state(checkpoint.path), checkpoint.path)
         self.consumed = list(info.consumed_batches)
         if self.source is not None:
@@ -251,6 +334,12 @@ class Checkpointer:
         return checkpoint.path
 
     def _check_info(self, checkpoint: Path, info: CheckpointInfo) -> None:
+        if info.layout == "files" and self.sharded is not None:
+            raise ConfigError(
+                f"the checkpoint {checkpoint} holds the whole model and optimizer (the files layout of a run "
+                "that was not sharded), but this run is sharded ([run] shard = true over several ranks), which "
+                "resumes only the distributed layout; resume it in one process or with run.shard = false"
+            )
         weights = "adapter" if is_adapter(self.model) else "full"
         if info.weights != weights:
             raise ConfigError(
@@ -281,7 +370,8 @@ class Checkpointer:
             raise _damaged(checkpoint, error) from None
 
     def _restore_state(self, state: dict[str, Any], checkpoint: Path) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state["optimizer"] is not None:  # None: the distributed layout, loaded with the model
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
             if state["scheduler"] is None:
                 raise ConfigError(f"the checkpoint {checkpoint} has no LR-scheduler state, but a scheduler was given")

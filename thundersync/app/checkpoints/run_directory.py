@@ -81,14 +81,18 @@ class RunMarker(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     run: RunId
 
 
-class CheckpointInfo(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """``checkpoint.json``: the run and step of a checkpoint, what its weights are, its data position."""
+class CheckpointInfo(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_defaults=True):
+    """``checkpoint.json``: the run and step of a checkpoint, what its weights are, its data
+    position, and its layout: ``files`` (the model's safetensors and ``training_state.pt``, left
+    out of the file) or ``distributed`` (model and optimizer in ``distributed/``, written by every
+    rank of a sharded run through ``torch.distributed.checkpoint``)."""
 
     format: int
     run: RunId
     step: Annotated[int, msgspec.Meta(ge=0, le=MAX_STEP)]
     weights: Literal["full", "adapter"]
     consumed_batches: list[Id]
+    layout: Literal["files", "distributed"] = "files"
 
 
 class _Format(msgspec.Struct):

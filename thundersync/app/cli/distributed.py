@@ -15,15 +15,16 @@ nodes, one torchrun agent per node meets the others at a c10d rendezvous (``--nn
   :class:`~thundersync.engine.distributed.DataParallel` (its trainer then sums the ranks'
   gradients before each step), makes the replicas' trainable parameters rank 0's (with
   ``[run] shard = true`` the runs' factory has sharded the model already:
-  :class:`~thundersync.engine.sharded.ShardedDataParallel`, which takes the launch's timeout here;
-  a checkpointer is refused), and returns
+  :class:`~thundersync.engine.sharded.ShardedDataParallel`, which takes the launch's timeout here
+  and is given to the model's checkpointers: every rank writes its shards), and returns
   the :class:`~thundersync.scheduling.RankClaims` that the source (claims whole groups) and the
   close stage (seals each batch once every rank closed its groups) share;
 - the source claims a group only when its admission has room; without a ``max_groups`` in the
   file, :func:`balance` bounds each rank to ``ceil(groups_per_batch / world_size)`` groups in
   flight (an info log line names the bound), so the first rank at a batch cannot claim all of it;
 - only rank 0 writes files: the metrics file, checkpoints (:class:`~thundersync.app.checkpoints.checkpoint.Checkpointer`
-  asks the process group) and the progress display; every rank loads a ``--resume`` checkpoint;
+  asks the process group; a sharded model's checkpoint has every rank write its shards, rank 0
+  the rest) and the progress display; every rank loads a ``--resume`` checkpoint;
 - a rank that fails writes its cause into the store before it stops, so the others' timeouts
   name it; a rank that hangs (alive, it never reaches the trainer's next reduction or the step
   records' gather) is named by the others' timeouts too, with its host and pid
@@ -159,7 +160,7 @@ def attach(launch: Launch, objects: Mapping[str, Any]) -> dict[str, Any]:
 
     for obj in objects.values():
         if isinstance(obj, StreamingRun) and isinstance(obj.data_parallel, ShardedDataParallel):
-            _check_sharded(objects)  # sharded by its factory ([run] shard = true), from rank 0's weights
+            _shard_checkpointers(objects, obj.data_parallel)  # sharded by its factory ([run] shard = true)
             obj.data_parallel.timeout = datetime.timedelta(seconds=launch.timeout_s)
         elif isinstance(obj, StreamingRun):
             obj.data_parallel = DataParallel(
@@ -173,19 +174,22 @@ def attach(launch: Launch, objects: Mapping[str, Any]) -> dict[str, Any]:
     return given
 
 
-def _check_sharded(objects: Mapping[str, Any]) -> None:
-    """Refuse what a sharded run ([run] shard = true) does not support yet: a checkpointer (it saves
-    the whole model and optimizer from rank 0, which holds only its shard of the state)."""
+def _shard_checkpointers(objects: Mapping[str, Any], sharded: Any) -> None:
+    """Give the checkpointers of the sharded model its :class:`ShardedDataParallel` (every rank
+    then writes its shards); refuse one that would save the files layout (rank 0's whole model and
+    optimizer, while it holds only its shard of the optimizer's state)."""
     from thundersync.app.checkpoints.checkpoint import Checkpointer
 
     for name, obj in objects.items():
-        if isinstance(obj, Checkpointer):
+        if not isinstance(obj, Checkpointer) or obj.model is not sharded.model:
+            continue
+        if not obj.distributed:
             raise ConfigError(
-                f"objects.{name}: a checkpointer saves the whole model and optimizer from rank 0, but with "
-                "[run] shard = true each rank holds only its shard of the optimizer's state; remove the "
-                "checkpointer (a sharded run saves and resumes in code: ShardedDataParallel.save / load) or set "
-                "run.shard = false"
+                f"objects.{name}: a checkpointer of the files layout saves the whole model and optimizer from "
+                "rank 0, but the model is sharded and each rank holds only its shard of the optimizer's state; "
+                "give the checkpointer distributed = true (the checkpointer factory takes [run] shard)"
             )
+        obj.sharded = sharded
 
 
 def balance(launch: Launch, graph: Graph) -> None:

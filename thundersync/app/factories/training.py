@@ -437,6 +437,8 @@ def checkpointer(
     schedule: LRScheduler | None = None,
     generator: RandomSource | None = None,
     rngs: dict[str, RandomSource] | None = None,
+    shard: bool = False,
+    consolidated: bool = False,
 ) -> Checkpointer:
     """``checkpointer``: a :class:`~thundersync.app.checkpoints.checkpoint.Checkpointer` in ``directory``, so
     that ``thundersync run FILE --resume DIR`` continues a run. ``generator``: the generator whose
@@ -445,7 +447,10 @@ def checkpointer(
     (``objects = { checkpointer = "NAME" }``, or name the object ``checkpointer``); the graph's
     source stage, when it has exactly one, is its data position. Retention: of the run's own
     checkpoints the ``keep_last`` newest (the final one always) and those whose step is a multiple
-    of ``keep_every`` (0: none) are kept."""
+    of ``keep_every`` (0: none) are kept. ``shard`` (the file's ``[run] shard``): the distributed
+    layout, every rank writing its shards through ``torch.distributed.checkpoint`` (one process
+    writes the whole state in it), resumable on another number of ranks; ``consolidated = true``
+    adds the whole model (or adapter) as safetensors, written by rank 0."""
     if generator is not None and rngs is not None and "generator" in rngs:
         raise ConfigError(
             "generator and rngs.generator both name a random state 'generator'; give it once "
@@ -462,4 +467,6 @@ def checkpointer(
         keep_every=keep_every,
         scheduler=schedule,
         rngs=rngs,
+        distributed=shard,
+        consolidated=consolidated,
     )
