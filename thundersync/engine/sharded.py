@@ -163,7 +163,7 @@ class ShardedDataParallel(DataParallel):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
         self._regather()
-        return state
+        return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
     def _regather(self) -> None:
         self.gather()

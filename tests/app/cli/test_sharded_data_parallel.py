@@ -2,8 +2,9 @@
 (FSDP2) reach the single-process run: every step's gradient norm, rewards and tokens (the later
 batches are sampled from the updated weights, so they see any difference in the parameters).
 
-The file is examples/train_tiny_grpo.toml without its checkpointer (a sharded run refuses one),
-with an admission of one group in flight (``test_data_parallel.py`` says why).
+The file is examples/train_tiny_grpo.toml without its checkpointer (the steps' records are what
+is compared; a sharded run's checkpoints are tested in ``test_sharded_checkpoints.py``), with an
+admission of one group in flight (``test_data_parallel.py`` says why).
 """
 
 from __future__ import annotations
@@ -58,16 +59,6 @@ def test_two_sharded_ranks_from_the_command_line_reach_the_single_process_steps(
     for key in ("tokens", "reward_mean", "reward_std"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-12), key
     assert sum(r["groups_per_rank"][1] for r in got) > 0, "rank 1 took no group"
-
-
-def test_a_sharded_run_refuses_a_checkpointer_from_the_command_line(tmp_path: Path) -> None:
-    path = tmp_path / "tiny.toml"
-    path.write_text((ROOT / "examples" / "train_tiny_grpo.toml").read_text() + ADMISSION)
-    directory = f'objects.checkpointer.directory="{tmp_path / "ckpt"}"'
-    done = _torchrun(tmp_path, *_plain(tmp_path, "run.shard=true", directory))
-    assert done.returncode != 0
-    message = "objects.checkpointer: a checkpointer saves the whole model and optimizer from rank 0"
-    assert message in done.stderr, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("refused", ["shard_state", "audit_every"])

@@ -28,12 +28,11 @@ from typing import Any, Final
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 
 from thundersync.app.checkpoints.run_directory import open_regular
 from thundersync.engine.sharded import ShardedDataParallel
-from thundersync.errors import ConfigError
+from thundersync.errors import ConfigError, DistributedError
 
 __all__ = ["DISTRIBUTED", "load_distributed", "save_distributed"]
 
@@ -50,14 +49,18 @@ def save_distributed(
 ) -> None:
     """Every rank: write its part of ``model``'s and ``optimizer``'s state at ``path`` (a new DCP
     directory); one process without a sharded model writes the whole state."""
-    writer = FileSystemWriter(path, sync_files=True)
-    if sharded is not None:
-        sharded.save(path, optimizer, storage_writer=writer)
-        return
     from torch.distributed.checkpoint import state_dict_saver
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    with _one_process():
-        state_dict_saver.save(_state(model, optimizer), storage_writer=writer, no_dist=True)
+    writer = FileSystemWriter(path, sync_files=True)
+    try:
+        if sharded is not None:
+            sharded.save(path, optimizer, storage_writer=writer)
+            return
+        with _one_process():
+            state_dict_saver.save(_state(model, optimizer), storage_writer=writer, no_dist=True)
+    except CheckpointException as error:  # a BaseException: the ranks that failed and why
+        raise DistributedError(f"the checkpoint's distributed state was not written: {_failures(error)}") from None
 
 
 def load_distributed(
@@ -67,6 +70,7 @@ def load_distributed(
     into ``model`` and ``optimizer``; ConfigError naming the checkpoint for a file that is
     missing, not regular, or does not fit."""
     from torch.distributed.checkpoint import state_dict_loader
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     checkpoint = path.parent
@@ -83,7 +87,15 @@ def load_distributed(
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
     except ConfigError as error:
         raise ConfigError(f"the checkpoint {checkpoint}: {error}; it is damaged") from None
-    except Exception as error:  # DCP wraps a rank's failure in CheckpointException
+    except CheckpointException as error:  # a BaseException: each failed rank's exception
+        first = next(iter(error.failures.values()))[0]
+        if isinstance(first, ConfigError):
+            raise ConfigError(f"the checkpoint {checkpoint}: {first}; it is damaged") from None
+        raise ConfigError(
+            f"the checkpoint {checkpoint}: its {DISTRIBUTED}/ state does not load into this run's model and "
+            f"optimizer ({_failures(error)}); resume with the objects the checkpoint was written from"
+        ) from None
+    except Exception as error:
         raise ConfigError(
             f"the checkpoint {checkpoint}: its {DISTRIBUTED}/ state does not load into this run's model and "
             f"optimizer ({_first_line(error)}); resume with the objects the checkpoint was written from"
@@ -114,6 +126,12 @@ def _require_directory(path: Path, checkpoint: Path) -> None:
         ) from None
     if not stat.S_ISDIR(mode):
         raise ConfigError(f"the checkpoint {checkpoint}: {DISTRIBUTED} is not a directory (a link?); it is damaged")
+
+
+def _failures(error: Any) -> str:
+    """A CheckpointException's failures, one per rank: ``rank R: Type: first line``."""
+    items = sorted(error.failures.items())
+    return "; ".join(f"rank {rank}: {type(exc).__name__}: {_first_line(exc)}" for rank, (exc, _) in items)
 
 
 def _first_line(error: BaseException) -> str:
@@ -169,9 +187,9 @@ class _CheckedReader(FileSystemReader):
                 raise ConfigError(f"{DISTRIBUTED}/{name} does not read ({_first_line(error)})") from None
         if not isinstance(metadata, Metadata):
             raise ConfigError(f"{DISTRIBUTED}/{name} holds a {type(metadata).__name__}, not DCP's Metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = metadata.storage_meta or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         for info in (metadata.storage_data or {}).values():
             relative = str(getattr(info, "relative_path", ""))
             if not relative or relative != os.path.basename(relative) or relative in (".", ".."):

@@ -46,6 +46,12 @@ there is none); every rank resumes from the same directory. A sharded optimizer 
 rank: at every checkpoint all ranks first gather it on rank 0 (``consolidate_state_dict``, a
 collective, so every rank saves at the same steps whether it writes or not), which then writes
 the whole state; on resume every rank loads the whole state and keeps its own part.
+
+A sharded model (FSDP2, ``[run] shard = true``) needs ``distributed=True``, the distributed
+layout (:mod:`~thundersync.app.checkpoints._distributed`): ``distributed/`` holds the model and
+optimizer, every rank writing its shards; ``training_state.pt`` the rest, without the optimizer;
+the safetensors weights only with ``consolidated=True``. The writer marks it only after every
+rank's write returned and every shard file is there; it resumes on any number of ranks.
 """
 
 from __future__ import annotations
@@ -134,8 +140,8 @@ class Checkpointer:
     shards through ``torch.distributed.checkpoint``; what a sharded run needs, see
     :mod:`~thundersync.app.checkpoints._distributed`); ``consolidated``: with it, rank 0 also
     writes the whole model (or adapter) as safetensors, loadable as the files layout's are.
-    ``sharded``: the :class:`~thundersync.engine.sharded.ShardedDataParallel` of ``model``, set
-    by ``thundersync run`` (None: ``model`` is whole in this process).
+    ``sharded``: the :class:`~thundersync.engine.sharded.ShardedDataParallel` of ``model``
+    (``thundersync run`` sets it; None: ``model`` is whole in this process).
     """
 
     def __init__(
@@ -154,7 +160,13 @@ class Checkpointer:
         writer: bool | None = None,
         distributed: bool = False,
         consolidated: bool = False,
+        sharded: ShardedDataParallel | None = None,
     ) -> None:
+        if sharded is not None and not distributed:
+            raise ConfigError(
+                "a sharded model's checkpointer needs distributed=True: each rank holds only its shard of the "
+                "optimizer's state, which the files layout would save from rank 0 alone"
+            )
         if every < 0 or keep_last < 1 or keep_every < 0:
             raise ConfigError(
                 "need every >= 0 (0: only at the end), keep_last >= 1 and keep_every >= 0 (0: none), got "
@@ -170,7 +182,7 @@ class Checkpointer:
         self.consumed: list[Id] = []  # the data position: batches stepped on, over all runs
         self.saved_step = policy.version  # the step of the newest checkpoint (or where the run started)
         self.distributed, self.consolidated = distributed, consolidated
-        self.sharded: ShardedDataParallel | None = None
+        self.sharded = sharded
 
     async def stepped(self, step: int, batch_id: Id) -> None:
         """Record the consumed batch; save when ``step`` is a multiple of ``every``."""
