@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.engine.tiny_models import tiny_qwen3
+from tests.engine.tiny_models import tiny_qwen3, with_lora
 from thundersync.app.checkpoints._distributed import require_shards
 from thundersync.app.checkpoints.checkpoint import Checkpointer
 from thundersync.errors import ConfigError
@@ -43,9 +43,8 @@ def _checkpointer(
     directory: Path, trained: tuple[torch.nn.Module, torch.optim.Optimizer, Any], **options: Any
 ) -> Checkpointer:
     model, optimizer, schedule = trained
-    return Checkpointer(
-        directory, model=model, optimizer=optimizer, policy=PolicyClock(), scheduler=schedule, **options
-    )
+    policy = PolicyClock()
+    return Checkpointer(directory, model=model, optimizer=optimizer, policy=policy, scheduler=schedule, **options)
 
 
 def _saved(tmp_path: Path, **options: Any) -> Path:
@@ -167,3 +166,26 @@ def test_a_sharded_model_refuses_a_checkpointer_of_the_files_layout() -> None:
     assert layout.sharded is sharded
     with pytest.raises(ConfigError, match="objects.files: a checkpointer of the files layout saves the whole model"):
         _shard_checkpointers({"files": files}, sharded)
+
+
+def test_a_lora_adapter_resumes_from_the_distributed_layout_and_consolidates_to_the_adapter_alone(
+    tmp_path: Path,
+) -> None:
+    def adapter(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+        model = with_lora(tiny_qwen3(torch.float64, seed=0), seed=seed)  # the frozen base is the same
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        for p in optimizer.param_groups[0]["params"]:
+            p.grad = torch.full_like(p, 0.5)
+        optimizer.step()
+        return model, optimizer, None
+
+    saved = adapter(1)
+    path = _checkpointer(tmp_path / "ckpt", saved, distributed=True, consolidated=True).save_distributed(1)
+    assert json.loads((path / "checkpoint.json").read_text())["weights"] == "adapter"
+    assert sorted(p.name for p in path.glob("*.safetensors")) == ["adapter_model.safetensors"]
+    fresh = adapter(5)
+    _checkpointer(tmp_path / "other", fresh, distributed=True).resume(path)
+    for (name, want), got in zip(saved[0].state_dict().items(), fresh[0].state_dict().values()):
+        assert torch.equal(got, want), name
+    want_state, got_state = saved[1].state_dict()["state"], fresh[1].state_dict()["state"]
+    assert all(torch.equal(got_state[i]["exp_avg_sq"], want_state[i]["exp_avg_sq"]) for i in want_state)
