@@ -189,3 +189,23 @@ def test_a_lora_adapter_resumes_from_the_distributed_layout_and_consolidates_to_
         assert torch.equal(got, want), name
     want_state, got_state = saved[1].state_dict()["state"], fresh[1].state_dict()["state"]
     assert all(torch.equal(got_state[i]["exp_avg_sq"], want_state[i]["exp_avg_sq"]) for i in want_state)
+
+
+def test_a_replica_that_is_not_the_writer_writes_nothing_in_the_distributed_layout(tmp_path: Path) -> None:
+    """Replicas (not sharded) hold the same state: the writer alone saves it, as in the files layout."""
+    checkpointer = _checkpointer(tmp_path / "ckpt", _trained(0, 1), distributed=True, writer=False)
+    checkpointer.save_distributed(1)
+    assert not (tmp_path / "ckpt").exists() and checkpointer.saved_step == 1
+
+
+def test_the_distributed_layout_keeps_the_directory_to_its_run(tmp_path: Path) -> None:
+    _saved(tmp_path)
+    with pytest.raises(ConfigError, match="holds checkpoints of another run \\(steps 2\\)"):
+        _checkpointer(tmp_path / "ckpt", _trained(0, 1), distributed=True).save_distributed(3)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["run.json", "step-00000002"]
+
+
+def test_a_sharded_model_needs_the_distributed_layout() -> None:
+    trained = _trained(0, 0)
+    with pytest.raises(ConfigError, match="a sharded model's checkpointer needs distributed=True"):
+        _checkpointer(Path("unused"), trained, sharded=SimpleNamespace(model=trained[0]))

@@ -230,6 +230,9 @@ class Checkpointer:
         from thundersync.app.checkpoints._distributed import DISTRIBUTED, require_shards, save_distributed
 
         target = self.directory / f"step-{step:08d}"
+        if self.sharded is None and not self.writer:  # a replica: the writer saves the whole state
+            self.saved_step = step
+            return target
         temporary, run = self._shared_temporary(target)
         try:
             save_distributed(temporary / DISTRIBUTED, self.model, self.optimizer, self.sharded)
@@ -252,18 +255,21 @@ class Checkpointer:
         import torch.distributed as dist
 
         found: tuple[str, str] | str = "the writer rank did not claim the checkpoint directory"
+        failure: Exception | None = None
         if self.writer:
             try:
                 run = self._claim()
                 clean_temporaries(self.directory)
                 found = (str(make_temporary(target)), run)
-            except ConfigError as error:
-                found = str(error)
+            except Exception as error:  # told to every rank before it is raised: none waits for it
+                failure, found = error, f"the writer rank could not start the checkpoint {target}: {error}"
         if self.sharded is not None:
             box: list[Any] = [found]
             group = self.sharded.group
             dist.broadcast_object_list(box, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
             found = box[0]
+        if failure is not None:
+            raise failure
         if isinstance(found, str):
             raise ConfigError(found)
         return Path(found[0]), found[1]
