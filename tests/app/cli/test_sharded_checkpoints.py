@@ -121,3 +121,23 @@ def test_a_sharded_run_resumes_on_the_same_number_of_ranks(tmp_path: Path, tiny:
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     _norms(tmp_path / "m.jsonl", want, range(1, 5))  # the resumed run appends to the first one's metrics
     _equal(tmp_path, want, range(1, 5))
+
+
+@pytest.mark.gpu
+def test_two_cuda_sharded_ranks_resume_on_two_ranks(tmp_path: Path, tiny: Path) -> None:
+    """The same on cuda:LOCAL_RANK through NCCL (the broadcast of the temporary's name, DCP's
+    collectives, the consolidated gather); fp64 on CUDA reduces in another order: 1e-8."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    cuda = 'objects.model.device="cuda"'
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "tiny.toml").write_text(tiny.read_text())
+    _in_process(single, single / "m.jsonl", 2, cuda)
+    first = _torchrun(tmp_path, *_sets(tmp_path, 1, cuda, *SHARDED))
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = _torchrun(tmp_path, *_sets(tmp_path, 2, cuda, *SHARDED), "--resume", str(tmp_path / "ckpt"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for name in ("step-00000002", "step-00000004"):
+        error = _relative_error(_weights(tmp_path / "ckpt" / name), _weights(single / "ckpt" / name))
+        assert error < 1e-8, f"{name}: relative error {error:.3g}"
