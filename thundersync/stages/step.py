@@ -221,9 +221,10 @@ class StreamingTrainer:
         decodes across the step (``allow_weight_changes()``: partial rollouts, which the generate
         and agent-app stages turn on for a clock with ``max_staleness >= 1``), the device is also
         synchronized inside the lock, on CUDA, before the step (the decode step in flight ends on
-        the old weights) and after it (the next one reads every write). Otherwise (``max_staleness
-        = 0``) no decode step runs during the step and none is waited for: a request waits for
-        the stream its ``generate`` was called from, which the step's work precedes."""
+        the old weights) and after it (the next one reads every write). Otherwise (no generator over
+        the model was allowed weight changes: ``max_staleness = 0``) no decode step runs during the
+        step and nothing is waited for: a later request waits for the stream its ``generate`` was
+        called from, where the step's work went first."""
         from thundersync.model.anatomy import adapter_lock, decoded_across_steps
 
         run = self.objective.run
