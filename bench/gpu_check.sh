@@ -10,16 +10,7 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl msgspec structlog pytest-asyncio
 set -u
 out=${OUT:-/tmp/gpu_check}
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-step() {  # step NAME SECONDS COMMAND...  (ONLY="name name..." runs just those steps)
-    local name=$1 limit=$2; shift 2
-    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
-    echo "== $name"
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    echo "== $name: exit $? after ${SECONDS}s"
-}
+. bench/_gpu_steps.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 step grpo_bench "${GRPO_LIMIT:-150}" python3 bench/engine.py --repeat 2 --skip pack_tokens=0
 step opd_bench "${OPD_LIMIT:-100}" python3 bench/engine_opd.py --repeat 1
@@ -51,4 +42,4 @@ step agent_repo "${REPO_LIMIT:-300}" bash -c "d=\$(mktemp -d) && ln -s '$PWD/exa
 # GPU_TESTS narrows the tests (default: every test file that marks a test `gpu`).
 step gpu_tests "${TESTS_LIMIT:-400}" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 \
     ${GPU_TESTS:-$(grep -rl --include='test_*.py' 'mark.gpu' tests | sort)}
-for f in "$out"/*.log; do echo "---- $f"; tail -n 25 "$f"; done
+show_logs

@@ -8,27 +8,16 @@
 # .whl/ are those bench/gpu_check.sh installs (msgspec, structlog, pytest-asyncio; see there).
 set -u
 out=${OUT:-/tmp/gpu_multi}
-mkdir -p "$out"
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+. bench/_gpu_steps.sh
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "${gpus:-0}" -lt 2 ]; then
     echo "bench/gpu_multi.sh needs 2 or more CUDA devices; this machine has ${gpus:-none}" >&2
     exit 2
 fi
-step() {  # step NAME SECONDS COMMAND...  (ONLY="name name..." runs just those steps)
-    local name=$1 limit=$2; shift 2
-    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
-    echo "== $name"
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    echo "== $name: exit $? after ${SECONDS}s"
-}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 # The multi-GPU tests skip below 2 devices (`device_count() < 2`): every `gpu` test of the files
 # that hold one runs (their one-GPU tests too); -rs lists any skip with its reason.
 tests=$(grep -rlE --include='test_*.py' 'device_count\(\) < 2' tests | sort)
 step gpu_tests "${TESTS_LIMIT:-400}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 300 $tests
 step distributed_bench "${BENCH_LIMIT:-300}" python3 bench/distributed.py --gpu --sharded ${BENCH_ARGS:-}
-for f in "$out"/*.log; do echo "---- $f"; tail -n 25 "$f"; done
+show_logs

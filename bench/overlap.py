@@ -3,6 +3,7 @@
     python bench/overlap.py                  # H200: bf16 Qwen3-0.6B-shaped random model, 8 x 8, long tail
     python bench/overlap.py --tiny           # CPU, tiny model, seconds (checks the script)
     python bench/overlap.py --rows grpo,opd  # a subset of the rows
+    python bench/overlap.py --repeat 3       # each cell the median of 3 runs of its row, the rows interleaved
     python bench/overlap.py --rows grpo,grpo-pack2048 --learner-sms 64,80,96,112   # the learner on green contexts
     python bench/overlap.py --rows opd --gpu-window 3 0.5   # and the CUDA streams' activity 3..3.5 s into the streamed run
     python bench/overlap.py --rows opd --gpu-window 3 0.5 --trace traces   # and every thread's ops as a Chrome trace
@@ -19,9 +20,9 @@ engine's work runs on its own worker thread and CUDA stream.
 
 Columns, each measured in the same run:
 
-- ``rollout``: the generation of the batch alone, the mean of a run before the workload's rows and
-  one after them (its time moves by several percent between runs; both are printed under the
-  table); ``learner``: the streamed learner alone over the
+- ``rollout``: the generation of the batch alone, the mean of a run before the round of the
+  workload's rows and one after it (its time moves by several percent between runs; all are
+  printed under the table); ``learner``: the streamed learner alone over the
   same tokens, fed in the order they finished (OPD: teacher scoring included); ``dense``: the
   synchronous baseline's learner (padded micro-batches through transformers' forward,
   ``bench/engine.py``'s ``dense`` / ``bench/engine_opd.py``'s ``opd_dense``);
@@ -37,6 +38,15 @@ Columns, each measured in the same run:
   synthetic loads); ``tail``: from the last trajectory to the end of the step, and ``tail /
   learner``, that over the learner alone (issue 44's target: at most 10%); tokens/s: generated
   tokens over the step's time.
+
+``--repeat N`` (default 1) measures each row N times in the one call, in rounds: row A, row B, ...,
+then all of them again, so that a drift of the machine meets every row alike; the rollout alone
+runs before the first round and after each, and a run's columns are computed against the mean of
+the two around its round. Each cell of the table is then the median of its column's N per-run
+values (each column on its own: the median speed-up is not the median sync over the median
+streamed), and ``hidden``, ``rollout slowdown`` and ``tail / learner`` add the runs' least and
+greatest value, ``41% (38%..44%)``; a second table lists every run's row, and the timelines and
+gradient checks say which run they are.
 
 Rows: GRPO with the default packing (``grpo``: ``pack_tokens`` by placement, 8192 here and 0 on a
 green context; ``tail_groups`` 0: branches wait for 8192 tokens or their group's close), the same
@@ -451,24 +461,24 @@ class Measured:
     last_s: float
     tokens: int
 
-    def cells(self, rollout_s: float) -> list[Any]:
-        """The row of the table, against ``rollout_s``: the rollout alone (the mean of its runs)."""
+    def values(self, rollout_s: float) -> list[float]:
+        """The run's value of each column after ``row`` (``COLUMNS[1:]``, percentages as fractions),
+        against ``rollout_s``: the rollout alone (the mean of the runs around this run's round)."""
         learner_s, step_s, last_s = self.learner_s, self.step_s, self.last_s
         sync_s = rollout_s + learner_s
         return [
-            row_name(self.row),
             rollout_s,
             learner_s,
             self.dense_s,
             sync_s,
             step_s,
-            f"{(sync_s - step_s) / learner_s:.0%}",
+            (sync_s - step_s) / learner_s,
             sync_s / step_s,
-            f"{last_s / rollout_s - 1:+.1%}",
+            last_s / rollout_s - 1,
             (last_s - rollout_s) / learner_s,
             sync_s / max(rollout_s, learner_s),
             step_s - last_s,
-            f"{(step_s - last_s) / learner_s:.0%}",
+            (step_s - last_s) / learner_s,
             self.tokens / sync_s,
             self.tokens / step_s,
         ]
@@ -491,6 +501,24 @@ COLUMNS = [
     "sync tok/s",
     "streamed tok/s",
 ]
+_PERCENT = {"hidden": "{:.0%}", "rollout slowdown": "{:+.1%}", "tail / learner": "{:.0%}"}  # the spread's columns too
+
+
+def cells(name: str, runs: list[list[float]]) -> list[Any]:
+    """A row of the table: ``name``, then each column's median over ``runs`` (one
+    ``Measured.values`` list per run); the percentage columns (hidden, rollout slowdown,
+    tail / learner) also give the runs' least and greatest value when there are several."""
+    row: list[Any] = [name]
+    for column, values in zip(COLUMNS[1:], zip(*runs, strict=True), strict=True):
+        median = statistics.median(values)
+        fmt = _PERCENT.get(column)
+        if fmt is None:
+            row.append(median)
+        elif len(values) == 1:
+            row.append(fmt.format(median))
+        else:
+            row.append(f"{fmt.format(median)} ({fmt.format(min(values))}..{fmt.format(max(values))})")
+    return row
 
 
 async def warmed_learner(
@@ -720,6 +748,13 @@ def parse_workload(text: str) -> Workload:
         ) from None
 
 
+def positive_int(text: str) -> int:
+    """``--repeat``'s N: a whole number of runs, at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of runs (1 or more)")
+    return int(text)
+
+
 def parse_assignment(text: str) -> tuple[str, str]:
     """``NAME=VALUE`` (``--child-env``) as (name, value)."""
     name, sep, value = text.partition("=")
@@ -728,16 +763,23 @@ def parse_assignment(text: str) -> tuple[str, str]:
     return name, value
 
 
-async def run_rows(
-    args: argparse.Namespace, model: torch.nn.Module, device: torch.device
-) -> tuple[list[list[Any]], list[str], list[str], list[str]]:
-    """The table's rows, the 2-process rows' gradient checks, the in-process rows' timelines and
-    the rollouts alone."""
+@dataclass
+class Report:
+    """What ``run_rows`` prints: the table's rows (medians), every run's own row, the 2-process
+    rows' gradient checks, the in-process rows' timelines and the rollouts alone."""
+
+    rows: list[list[Any]]
+    runs: list[list[Any]]
+    checks: list[str]
+    timelines: list[str]
+    notes: list[str]
+
+
+async def run_rows(args: argparse.Namespace, model: torch.nn.Module, device: torch.device) -> Report:
+    """Each workload's rows, ``args.repeat`` rounds of all of them (row A, row B, ..., then again,
+    so that drift meets every row alike), the rollout alone before the first round and after each."""
     shapes = workloads(args.tiny, args.balanced)
-    rows: list[list[Any]] = []
-    checks: list[str] = []
-    timelines: list[str] = []
-    notes: list[str] = []
+    report = Report([], [], [], [], [])
     teacher: PackedScorer | None = None
     for workload_name in ("main", "balanced"):
         wanted = [r for r in args.rows if _workload(r) == workload_name]
@@ -751,49 +793,81 @@ async def run_rows(
         rollout_s, finished = await rollout(generator, plan)
         alone_step_ms = TIMELINE.median_step_ms(alone_start, time.perf_counter())
         print(f"[done] {workload_name} rollout alone: {rollout_s:.2f} s", file=sys.stderr, flush=True)
-        measured: list[Measured] = []
-        for row in wanted:
-            if _objective_kind(row) == "opd" and teacher is None:
-                teacher = make_teacher(args.tiny, device, next(model.parameters()).dtype)
-            row_teacher = teacher if _objective_kind(row) == "opd" else None
-            if row.endswith(_IN_CHILD):
-                result, check = await measure_in_child(row, model, generator, plan, finished, row_teacher, args.tiny)
-                checks.append(check)
-                print(f"[check] {check}", file=sys.stderr, flush=True)
-            else:
-                suffix = row[row.rfind("-") :]
-                layers = {_EAGER: "eager", _COMPILED: "compiled-graphs", _UNFUSED: "unfused-graphs"}.get(
-                    suffix, "graphs"
-                )
-                with engine_layers(layers):
-                    result, timeline = await measure_in_process(
-                        row,
-                        model,
-                        generator,
-                        plan,
-                        finished,
-                        row_teacher,
-                        alone_step_ms,
-                        args.gpu_window,
-                        args.warm_streamed,
-                        args.trace / f"{row}.json.gz" if args.trace else None,
+        alone = [rollout_s]
+        runs: dict[str, list[list[float]]] = {row: [] for row in wanted}
+        for round_ in range(1, args.repeat + 1):
+            measured: list[Measured] = []
+            for row in wanted:
+                if _objective_kind(row) == "opd" and teacher is None:
+                    teacher = make_teacher(args.tiny, device, next(model.parameters()).dtype)
+                row_teacher = teacher if _objective_kind(row) == "opd" else None
+                label = f"run {round_}/{args.repeat}, " if args.repeat > 1 else ""
+                measured.append(
+                    await measure_row(
+                        args, row, model, generator, plan, finished, row_teacher, alone_step_ms, label, report
                     )
-                timelines.append(timeline)
-                release_engine_graphs(model)  # the next row captures its own (rows may differ in layer math)
-                print(f"[timeline] {timeline}", file=sys.stderr, flush=True)
-            measured.append(result)
-            line = markdown_table(COLUMNS, [result.cells(rollout_s)]).splitlines()[-1]
-            print(f"[done] (against the first rollout alone) {line}", file=sys.stderr, flush=True)
-        # The rollout alone once more: its time moves by several percent from run to run, and the
-        # table's slowdown, price and hidden columns are differences against it.
-        again_s, _ = await rollout(generator, plan)
-        alone_s = (rollout_s + again_s) / 2
-        notes.append(
-            f"{workload_name}: rollout alone {rollout_s:.3f} s before its rows and {again_s:.3f} s after them; "
-            f"the table uses their mean, {alone_s:.3f} s"
+                )
+                line = markdown_table(COLUMNS, [cells(row_name(row), [measured[-1].values(rollout_s)])])
+                print(
+                    f"[done] ({label}against the first rollout alone) {line.splitlines()[-1]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            # The rollout alone once more: its time moves by several percent from run to run, and the
+            # table's slowdown, price and hidden columns are differences against it.
+            again_s, _ = await rollout(generator, plan)
+            alone.append(again_s)
+            for result in measured:
+                runs[result.row].append(result.values((alone[-2] + alone[-1]) / 2))
+        report.notes.append(
+            f"{workload_name}: rollout alone {alone[0]:.3f} s before its rows and "
+            f"{', '.join(f'{s:.3f}' for s in alone[1:])} s after each round of them; "
+            "a run's columns use the mean of the two around its round"
         )
-        rows.extend(m.cells(alone_s) for m in measured)
-    return rows, checks, timelines, notes
+        report.rows.extend(cells(row_name(row), runs[row]) for row in wanted)
+        report.runs.extend(
+            [row_name(row), i, *cells("", [run])[1:]] for row in wanted for i, run in enumerate(runs[row], 1)
+        )
+    return report
+
+
+async def measure_row(
+    args: argparse.Namespace,
+    row: str,
+    model: torch.nn.Module,
+    generator: TorchGenerator,
+    plan: Batch,
+    finished: list[Finished],
+    teacher: PackedScorer | None,
+    alone_step_ms: float,
+    label: str,
+    report: Report,
+) -> Measured:
+    """One run of ``row`` (its gradient check or timeline into ``report``, after ``label``)."""
+    if row.endswith(_IN_CHILD):
+        result, check = await measure_in_child(row, model, generator, plan, finished, teacher, args.tiny)
+        report.checks.append(label + check)
+        print(f"[check] {label}{check}", file=sys.stderr, flush=True)
+        return result
+    suffix = row[row.rfind("-") :]
+    layers = {_EAGER: "eager", _COMPILED: "compiled-graphs", _UNFUSED: "unfused-graphs"}.get(suffix, "graphs")
+    with engine_layers(layers):
+        result, timeline = await measure_in_process(
+            row,
+            model,
+            generator,
+            plan,
+            finished,
+            teacher,
+            alone_step_ms,
+            args.gpu_window,
+            args.warm_streamed,
+            args.trace / f"{row}.json.gz" if args.trace else None,
+        )
+    report.timelines.append(label + timeline)
+    release_engine_graphs(model)  # the next row captures its own (rows may differ in layer math)
+    print(f"[timeline] {label}{timeline}", file=sys.stderr, flush=True)
+    return result
 
 
 CHILD_ENV: dict[str, str] = {}  # --child-env: the learner processes' extra environment
@@ -972,6 +1046,13 @@ def main() -> None:
         action="store_false",
         help="measure the first streamed run (default: the second; the first may capture CUDA graphs for its packs)",
     )
+    parser.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="measure each row N times, in rounds of all the rows; each cell is the median of the N runs",
+    )
     args = parser.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -994,23 +1075,31 @@ def main() -> None:
     model = make_model(args.tiny, device, torch.bfloat16 if cuda else torch.float32)
     CHILD_ENV.update(args.child_env)
     TIMELINE.install()
-    rows, checks, timelines, notes = anyio.run(run_rows, args, model, device)
+    report = anyio.run(run_rows, args, model, device)
     print(header(" ".join(["python", *sys.argv])))
     shapes = workloads(args.tiny, args.balanced)
     print(f"workload: {shapes['main']}; balanced: {shapes['balanced']}; dtype {next(model.parameters()).dtype}")
     print(
         f"GIL switch interval {sys.getswitchinterval()} s; learner processes' extra environment: {[f'{k}={v}' for k, v in CHILD_ENV.items()]}\n"
     )
-    print(markdown_table(COLUMNS, rows))
-    print("\n" + "\n".join(notes))
+    if args.repeat > 1:
+        print(
+            f"each cell is the median of {args.repeat} runs of its row (rounds of all the rows, interleaved); "
+            "hidden, rollout slowdown and tail / learner also give the runs' least..greatest\n"
+        )
+    print(markdown_table(COLUMNS, report.rows))
+    if args.repeat > 1:
+        print("\neach run:\n")
+        print(markdown_table(["row", "run", *COLUMNS[1:]], report.runs))
+    print("\n" + "\n".join(report.notes))
     if cuda:
         print(f"\nengine graphs in this process (all rows): {graph_counts()}")
-    if timelines:
+    if report.timelines:
         print("\nhost time of the streamed runs (in-process rows), during the rollout and after its last trajectory:")
-        print("\n".join(f"- {line}" for line in timelines))
-    if checks:
+        print("\n".join(f"- {line}" for line in report.timelines))
+    if report.checks:
         print("\ngradient check, the learner process's streamed gradient against one process's:")
-        print("\n".join(f"- {check}" for check in checks))
+        print("\n".join(f"- {check}" for check in report.checks))
 
 
 if __name__ == "__main__":

@@ -54,7 +54,12 @@ def run_once(file: Path, k: int, args: argparse.Namespace, extra: list[str], scr
         "--set", f"{args.key}={k}", *extra,
     ]  # fmt: skip
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=scratch, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}, check=False)
+    done = subprocess.run(
+        command,
+        cwd=scratch,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+        check=False,
+    )
     if done.returncode != 0:
         raise SystemExit(f"k = {k}: `{' '.join(command)}` exited with {done.returncode}")
     print(f"k = {k}: {time.perf_counter() - started:.1f} s in all", file=sys.stderr)

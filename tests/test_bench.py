@@ -11,6 +11,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -83,8 +84,8 @@ def test_the_deterministic_bench_runs_both_configurations() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_overlap_bench_runs_every_row() -> None:
-    table = _run("overlap.py")
+def test_overlap_bench_runs_every_row_twice_and_prints_each_columns_median() -> None:
+    table = _run("overlap.py", "--repeat", "2")
     rows = (
         "GRPO, default packing (pack_tokens by placement)",
         "GRPO, pack_tokens=8192, stream_early=True",
@@ -98,7 +99,63 @@ def test_overlap_bench_runs_every_row() -> None:
         assert f"| {row} |" in table
     assert "| balanced GRPO " in table and "| hidden | speed-up | rollout slowdown | price | ceiling |" in table
     assert "| tail s | tail / learner |" in table
-    assert "- OPD (teacher on the same device): engine " in table  # the streamed runs' host timeline
+    assert "- run 2/2, OPD (teacher on the same device): engine " in table  # the streamed runs' host timeline
+    assert "each cell is the median of 2 runs of its row (rounds of all the rows, interleaved)" in table
+    medians, runs = _markdown_tables(table)
+    assert len(runs) == 2 * len(medians) == 12
+    for row, cells in medians.items():
+        first, second = runs[f"{row} | 1"], runs[f"{row} | 2"]
+        for column, (median, a, b) in enumerate(zip(cells, first, second, strict=True)):
+            if "%" not in median:  # a float column, 4 significant digits: the mean of the two runs
+                x, y = float(a), float(b)
+                assert abs(float(median) - (x + y) / 2) <= 1e-3 * max(abs(x), abs(y)), (row, column)
+                continue
+            value, spread = median.split(" ")
+            low, high = sorted((a, b), key=lambda cell: float(cell.rstrip("%")))
+            assert spread == f"({low}..{high})", (row, column)
+            assert float(value.rstrip("%")) == pytest.approx((float(a.rstrip("%")) + float(b.rstrip("%"))) / 2, abs=1)
+
+
+def _markdown_tables(out: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """The overlap bench's table of medians (row -> cells after its name) and its table of each
+    run ("row | run" -> cells after the run)."""
+    tables: list[list[list[str]]] = [[]]
+    for line in out.splitlines():
+        if line.startswith("| ") and not line.startswith("| row |"):
+            tables[-1].append([cell.strip() for cell in line.strip("| ").split(" | ")])
+        elif tables[-1]:
+            tables.append([])
+    medians, runs = tables[0], tables[1]
+    return {r[0]: r[1:] for r in medians}, {f"{r[0]} | {r[1]}": r[2:] for r in runs}
+
+
+def test_overlap_benchs_cells_are_the_median_of_each_column_and_the_spread_of_the_percentages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    overlap = _overlap_module(monkeypatch)
+    width = len(overlap.COLUMNS) - 1
+    runs = [[float(3 * c + k) for c in range(width)] for k in (5, 1, 2)]  # each column's runs: 3c+5, 3c+1, 3c+2
+    runs[1][overlap.COLUMNS.index("hidden") - 1] = 0.40
+    runs[0][overlap.COLUMNS.index("hidden") - 1] = 0.90
+    runs[2][overlap.COLUMNS.index("hidden") - 1] = 0.45
+    for run, slowdown in zip(runs, (0.05, -0.01, 0.02), strict=True):
+        run[overlap.COLUMNS.index("rollout slowdown") - 1] = slowdown
+    for k, run in enumerate(runs, 1):
+        run[overlap.COLUMNS.index("tail / learner") - 1] = 0.1 * k
+    row = dict(zip(overlap.COLUMNS, overlap.cells("name", runs), strict=True))
+    assert row["row"] == "name"
+    assert row["rollout s"] == 2.0 and row["learner s"] == 5.0 and row["streamed tok/s"] == 3.0 * (width - 1) + 2
+    assert row["hidden"] == "45% (40%..90%)"
+    assert row["rollout slowdown"] == "+2.0% (-1.0%..+5.0%)"
+    assert row["tail / learner"] == "20% (10%..30%)"
+    two = dict(zip(overlap.COLUMNS, overlap.cells("name", runs[:2]), strict=True))  # an even count: the mean of the two
+    assert (
+        two["rollout s"] == 3.0
+        and two["hidden"] == "65% (40%..90%)"
+        and two["rollout slowdown"] == "+2.0% (-1.0%..+5.0%)"
+    )
+    one = dict(zip(overlap.COLUMNS, overlap.cells("name", runs[:1]), strict=True))  # one run: no spread
+    assert one["rollout s"] == 5.0 and one["hidden"] == "90%" and one["tail / learner"] == "10%"
 
 
 @pytest.mark.parametrize(
@@ -111,6 +168,7 @@ def test_overlap_bench_runs_every_row() -> None:
         (("--rows", "grpo", "--learner-sms", "64,60"), "row grpo-green60: a green context's SMs are a multiple of 8"),
         (("--rows", "grpo-proc-green64"), "row grpo-proc-green64: -greenN places this process's engine"),
         (("--rows", "grpo-green"), "unknown row(s) grpo-green;"),
+        (("--repeat", "0"), "argument --repeat: '0' is not a number of runs (1 or more)"),
     ],
 )
 def test_overlap_bench_refuses_green_rows_that_cannot_run_here_before_building_anything(
@@ -120,18 +178,24 @@ def test_overlap_bench_refuses_green_rows_that_cannot_run_here_before_building_a
     printed; a size that is not a multiple of 8 and a row whose learner is in another process are
     refused wherever the bench runs. In this process (the script's main, before it builds a model):
     a subprocess per case only added torch's import."""
-    spec = importlib.util.spec_from_file_location("bench_overlap_refusals", ROOT / "bench" / "overlap.py")
-    assert spec is not None and spec.loader is not None
-    overlap = importlib.util.module_from_spec(spec)
-    monkeypatch.syspath_prepend(str(ROOT))
-    monkeypatch.setitem(sys.modules, spec.name, overlap)  # its dataclasses look their module up there
-    spec.loader.exec_module(overlap)
+    overlap = _overlap_module(monkeypatch)
     monkeypatch.setattr(overlap, "make_model", _never_built)
     monkeypatch.setattr(sys, "argv", ["bench/overlap.py", "--tiny", *args])
     with pytest.raises(SystemExit) as exited:
         overlap.main()
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _overlap_module(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``bench/overlap.py`` imported in this process (a subprocess only adds torch's import)."""
+    spec = importlib.util.spec_from_file_location("bench_overlap_in_process", ROOT / "bench" / "overlap.py")
+    assert spec is not None and spec.loader is not None
+    overlap = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.setitem(sys.modules, spec.name, overlap)  # its dataclasses look their module up there
+    spec.loader.exec_module(overlap)
+    return overlap
 
 
 def _never_built(*args: object) -> None:

@@ -32,6 +32,16 @@ def test_pack_tokens_follows_the_placement_and_a_given_value_wins() -> None:
     assert thundersync.RewardLinearBackward(run, pack_tokens=4096).pack_tokens == 4096
 
 
+def test_pack_tokens_lives_once_in_the_objectives_config() -> None:
+    """The resolved value is the config's (what a learner process's child rebuilds the objective
+    from); the attribute reads it and cannot be set apart from it."""
+    grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(tiny_qwen3()))
+    assert grpo.config.pack_tokens == grpo.pack_tokens == 8192
+    with pytest.raises(AttributeError):
+        grpo.pack_tokens = 0  # type: ignore[misc]
+    assert thundersync.RewardLinearBackward(grpo.run, grpo.config).pack_tokens == 8192
+
+
 def test_the_grpo_factory_leaves_pack_tokens_to_the_placement_unless_the_file_gives_it() -> None:
     run = thundersync.StreamingRun(tiny_qwen3())
     objective = training.grpo(run=run)

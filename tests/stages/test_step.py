@@ -141,3 +141,63 @@ async def test_the_optimizer_steps_under_the_models_adapter_lock() -> None:
     optimizer = _LockChecking(model)
     await StreamingTrainer(objective, optimizer).step(BatchReady(batch_id=0))  # type: ignore[arg-type]  # a duck-typed optimizer
     assert optimizer.held == [True]
+
+
+class _Recording:
+    """An optimizer that records its step, and whether the model's adapter lock was held, in ``calls``."""
+
+    def __init__(self, model: torch.nn.Module, calls: list[tuple[str, bool]]) -> None:
+        self.model, self.calls = model, calls
+
+    def step(self) -> None:
+        from thundersync.model.anatomy import adapter_lock
+
+        self.calls.append(("step", adapter_lock(self.model).locked()))
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+async def test_the_step_waits_for_the_device_only_when_a_generator_decodes_across_it(
+    max_staleness: int, run_stage: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With max_staleness >= 1 generate lets its torch-generator decode across the optimizer step
+    (allow_weight_changes), and the step waits for the device inside the adapter lock, before and
+    after; at 0 no decode step runs meanwhile and the step waits for nothing."""
+    import thundersync
+    from tests.engine.tiny_models import tiny_qwen3
+    from thundersync.generation import TorchGenerator
+    from thundersync.model.anatomy import adapter_lock, decoded_across_steps
+    from thundersync.stages import step
+    from thundersync.stages.generate import GenerateStage
+
+    model = tiny_qwen3(torch.float64)
+    generate = GenerateStage(
+        generator=TorchGenerator(model, max_batch=2, max_seq_len=32), policy=PolicyClock(max_staleness=max_staleness)
+    )
+    await run_stage(generate, [])
+    assert decoded_across_steps(model) == (max_staleness > 0)
+    objective = thundersync.RewardLinearBackward(thundersync.StreamingRun(model))
+    calls: list[tuple[str, bool]] = []
+    monkeypatch.setattr(
+        step, "_synchronize", lambda params: calls.append(("synchronize", adapter_lock(model).locked()))
+    )
+    await StreamingTrainer(objective, _Recording(model, calls)).step(BatchReady(batch_id=0))  # type: ignore[arg-type]  # a duck-typed optimizer
+    waits = [("synchronize", True)] if max_staleness else []
+    assert calls == [*waits, ("step", True), *waits]
+
+
+def test_the_steps_wait_is_a_cuda_synchronize_of_the_parameters_device_and_nothing_on_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    from thundersync.stages import step
+
+    synchronized: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronized.append)
+    step._synchronize([torch.zeros(1)])
+    step._synchronize([])
+    assert synchronized == []
+    step._synchronize([SimpleNamespace(device=torch.device("cuda", 1))])  # type: ignore[list-item]  # a CUDA parameter, faked
+    assert synchronized == [torch.device("cuda", 1)]

@@ -58,7 +58,7 @@ from thundersync.generation._fused import FusedWeights
 from thundersync.generation._kernel_layers import KernelLayers
 from thundersync.generation.base import GenerationRequest, GenerationResult
 from thundersync.kernels.decode import use_linear_configs
-from thundersync.model.anatomy import adapter_lock
+from thundersync.model.anatomy import adapter_lock, mark_decoded_across_steps
 
 __all__ = ["TorchGenerator"]
 
@@ -133,6 +133,7 @@ class TorchGenerator:
             serial=cfg.deterministic,
         )
         self.max_seq_len = cfg.max_seq_len  # what generate's trajectories must fit (prompt and new tokens)
+        self._model = model  # the module adapter_lock keys (and mark_decoded_across_steps)
         self._adapter_lock = adapter_lock(model)  # a KL reference may switch the model's adapter off
         device = self._batcher.anatomy.device
         cuda_graphs = device.type == "cuda" if cfg.cuda_graphs is None else cfg.cuda_graphs
@@ -223,14 +224,16 @@ class TorchGenerator:
         optimizer changes the weights, instead of failing it (partial rollouts, decision 073).
 
         The optimizer step holds the model's :func:`~thundersync.model.anatomy.adapter_lock` (the
-        :class:`~thundersync.stages.step.StreamingTrainer` does; on CUDA it waits for the device
-        before and after the step), which this generator holds for each batcher step, so a decode
-        step never reads half-updated weights. A sequence then decodes its next tokens with the new
+        :class:`~thundersync.stages.step.StreamingTrainer` does), which this generator holds for
+        each batcher step, so a decode step never reads half-updated weights; this call marks the
+        model (:func:`~thundersync.model.anatomy.mark_decoded_across_steps`), so that on CUDA the
+        trainer also waits for the device inside the lock before and after the step. A sequence then decodes its next tokens with the new
         weights over the keys and values its earlier tokens left with the old ones; each token's
         log-prob is the one it was sampled with. Its session's prefix is prefilled again by the
         next turn (not reused), and cached prefixes of parked sessions are dropped as before.
         """
         self._batcher.partial_rollouts = True
+        mark_decoded_across_steps(self._model)
 
     def get_rng_state(self) -> tuple[Any, ...]:
         """The state of the seed source that seeds requests without a seed (plain ints, picklable)."""

@@ -162,9 +162,8 @@ class RewardLinearBackward:
         self, run: StreamingRun, config: Config | None = None, /, *, reference: nn.Module | None = None, **options: Any
     ) -> None:
         self.config = build_config(RewardLinearBackward.Config, config, options, "RewardLinearBackward")
-        given = self.config.pack_tokens
-        self.pack_tokens: int = default_pack_tokens(run) if given is None else given
-        self.config = msgspec.structs.replace(self.config, pack_tokens=self.pack_tokens)
+        if self.config.pack_tokens is None:  # resolved once: the config then says what runs
+            self.config = msgspec.structs.replace(self.config, pack_tokens=default_pack_tokens(run))
         self.run = run
         self._draining = False  # the batch's last group has opened: its tail groups submit at each close
         self._groups: OpenGroups[_Pending, Branch] = OpenGroups(run, new_trajectory=Branch)
@@ -187,6 +186,13 @@ class RewardLinearBackward:
                 reference=reference_scorer(run, reference) if config.kl_coef > 0 else None,
             )
         )
+
+    @property
+    def pack_tokens(self) -> int:
+        """``config.pack_tokens`` as resolved at construction (the placement's when none was given)."""
+        tokens = self.config.pack_tokens
+        assert tokens is not None, "resolved in __init__"
+        return tokens
 
     def open_group(self, group_id: Hashable, prompt_tokens: Any) -> None:
         """Open a group; its prompt is forwarded once, shared by its trajectories (never before needed)."""

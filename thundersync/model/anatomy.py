@@ -31,7 +31,16 @@ from torch import nn
 
 from thundersync.errors import ConfigError
 
-__all__ = ["DecoderAnatomy", "LayerParts", "adapter_lock", "decoder_anatomy", "input_embedding_weight", "unwrap_peft"]
+__all__ = [
+    "DecoderAnatomy",
+    "LayerParts",
+    "adapter_lock",
+    "decoded_across_steps",
+    "decoder_anatomy",
+    "input_embedding_weight",
+    "mark_decoded_across_steps",
+    "unwrap_peft",
+]
 
 _DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -105,6 +114,24 @@ def adapter_lock(model: nn.Module) -> threading.Lock:
         if lock is None:
             lock = _ADAPTER_LOCKS[model] = threading.Lock()
         return lock
+
+
+_DECODED_ACROSS_STEPS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def mark_decoded_across_steps(model: nn.Module) -> None:
+    """Record that a generator over ``model`` (the module :func:`adapter_lock` keys) keeps decoding
+    while the optimizer steps (partial rollouts, ``max_staleness >= 1``; it cannot be unmarked):
+    from now on a :class:`~thundersync.stages.step.StreamingTrainer` over it waits for the device
+    inside the lock, before and after its optimizer step."""
+    with _ADAPTER_LOCKS_GUARD:
+        _DECODED_ACROSS_STEPS.add(model)
+
+
+def decoded_across_steps(model: nn.Module) -> bool:
+    """Whether :func:`mark_decoded_across_steps` marked ``model``."""
+    with _ADAPTER_LOCKS_GUARD:
+        return model in _DECODED_ACROSS_STEPS
 
 
 def input_embedding_weight(causal_lm: nn.Module) -> torch.Tensor:

@@ -14,7 +14,6 @@ application sees done has its checkpoint, if one was due), and of the end of the
 
 from __future__ import annotations
 
-import contextlib
 import math
 from time import perf_counter
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
@@ -29,6 +28,8 @@ from thundersync.pipeline.stage import Inbox, Outbox, Stage
 from thundersync.stages._objective import require_objective
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
     from thundersync.engine.objective import StreamingObjective
@@ -216,23 +217,28 @@ class StreamingTrainer:
     def _optimizer_step(self) -> None:
         """``optimizer.step()`` under the model's :func:`~thundersync.model.anatomy.adapter_lock`,
         which a :class:`~thundersync.generation.TorchGenerator` over the same model holds for each
-        batcher step: with ``max_staleness >= 1`` it decodes the next batch meanwhile, and a decode
-        step never reads half-updated weights. On CUDA the device is synchronized inside the lock
-        before the step (the decode step in flight ends on the old weights) and after it (the next
-        one reads every write)."""
-        import torch
-
-        from thundersync.model.anatomy import adapter_lock
+        batcher step, so a decode step never reads half-updated weights. When such a generator
+        decodes across the step (``allow_weight_changes()``: partial rollouts, which the generate
+        and agent-app stages turn on for a clock with ``max_staleness >= 1``), the device is also
+        synchronized inside the lock, on CUDA, before the step (the decode step in flight ends on
+        the old weights) and after it (the next one reads every write). Otherwise (no generator over
+        the model was allowed weight changes: ``max_staleness = 0``) no decode step runs during the
+        step and nothing is waited for: a later request waits for the stream its ``generate`` was
+        called from, where the step's work went first."""
+        from thundersync.model.anatomy import adapter_lock, decoded_across_steps
 
         run = self.objective.run
-        cuda = run.params[0].device if run.params and run.params[0].device.type == "cuda" else None
         anatomy = getattr(run, "anatomy", None)  # a StreamingRun's; a test's stand-in may have none
-        with adapter_lock(anatomy.model) if anatomy is not None else contextlib.nullcontext():
-            if cuda is not None:
-                torch.cuda.synchronize(cuda)
+        if anatomy is None:
             self.optimizer.step()
-            if cuda is not None:
-                torch.cuda.synchronize(cuda)
+            return
+        with adapter_lock(anatomy.model):
+            across = decoded_across_steps(anatomy.model)
+            if across:
+                _synchronize(run.params)
+            self.optimizer.step()
+            if across:
+                _synchronize(run.params)
 
     def _keep_next_batch(self) -> None:
         """Tell an auditing objective whether the next batch (step ``self._steps + 1``) is audited."""
@@ -246,6 +252,14 @@ class StreamingTrainer:
         assert isinstance(self.objective, AuditsGradient)
         dense = self.objective.dense_gradient()
         return relative_error([p.grad for p in self.objective.run.params], dense)
+
+
+def _synchronize(params: Sequence[torch.Tensor]) -> None:
+    """Wait for the device of ``params`` to finish its queued work (CUDA; nothing to wait for elsewhere)."""
+    import torch
+
+    if params and params[0].device.type == "cuda":
+        torch.cuda.synchronize(params[0].device)
 
 
 def _learning_rate(optimizer: torch.optim.Optimizer) -> float | None:
