@@ -92,7 +92,9 @@ def test_a_sharded_run_resumes_from_one_process_on_two_ranks_and_from_two_ranks_
     tmp_path: Path, tiny: Path
 ) -> None:
     """Steps 1-2 in one process ([run] shard = true: the distributed layout, one file), 3-4 resumed
-    on 2 sharded ranks (1 -> 2: each rank writes its shards), 5-6 resumed in one process (2 -> 1)."""
+    on 2 sharded ranks (1 -> 2: each rank writes its shards), 5-6 resumed in one process (2 -> 1).
+    A save on 2 ranks and a load on 2 ranks each run here, so 2 -> 2 has no launch of its own
+    (CI's time); the GPU test below resumes 2 NCCL ranks on 2."""
     want = _reference(tmp_path, repeat=3)
     _in_process(tmp_path, tmp_path / "m1.jsonl", 1, *SHARDED)
     assert _layout(tmp_path / "ckpt" / "step-00000002") == ("distributed", ["__0_0.distcp"])
@@ -109,18 +111,6 @@ def test_a_sharded_run_resumes_from_one_process_on_two_ranks_and_from_two_ranks_
         "step-00000004",
         "step-00000006",
     ], "one run, no temporaries"
-
-
-def test_a_sharded_run_resumes_on_the_same_number_of_ranks(tmp_path: Path, tiny: Path) -> None:
-    """Steps 1-2 on 2 sharded ranks, 3-4 resumed on 2 ranks."""
-    want = _reference(tmp_path, repeat=2)
-    first = _torchrun(tmp_path, *_sets(tmp_path, 1, *SHARDED))
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert _layout(tmp_path / "ckpt" / "step-00000002") == ("distributed", ["__0_0.distcp", "__1_0.distcp"])
-    resumed = _torchrun(tmp_path, *_sets(tmp_path, 2, *SHARDED), "--resume", str(tmp_path / "ckpt"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    _norms(tmp_path / "m.jsonl", want, range(1, 5))  # the resumed run appends to the first one's metrics
-    _equal(tmp_path, want, range(1, 5))
 
 
 @pytest.mark.gpu
