@@ -10,6 +10,7 @@ generator), so batches 1..k wait outside the objective, scored, while step 0 wai
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from tests.stages.test_staleness import _Feed, _FirstBatchLast, _GradientsOnly, 
 from thundersync.engine import StreamingRun
 from thundersync.events import ActionGenerated, EventBase, GroupOpened, StepDone, TeacherScored, ToolObserved
 from thundersync.opd import OPDStream
+from thundersync.opd.loss import Advantage, surrogate_sum
 from thundersync.pipeline import Graph
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.stages.backward import BackwardStage
@@ -101,10 +103,12 @@ def as_dict(model: torch.nn.Module, grads: list[torch.Tensor | None]) -> dict[st
     return {name: torch.zeros_like(p) if g is None else g for (name, p), g in zip(params, grads)}
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_opd_later_batches_wait_scored_outside_the_objective_and_each_step_is_its_batchs_opd_gradient(k: int) -> None:
+@pytest.mark.parametrize(("k", "advantage"), [(1, "behaviour"), (2, "behaviour"), (1, "learner")])
+def test_opd_later_batches_wait_scored_outside_the_objective_and_each_step_is_its_batchs_opd_gradient(
+    k: int, advantage: Advantage
+) -> None:
     model = opd_cases.tiny_qwen3(torch.float64)
-    opd = OPDStream(StreamingRun(model), pack_tokens=16)
+    opd = OPDStream(StreamingRun(model), pack_tokens=16, advantage=advantage)
     clock, generator, recorder = PolicyClock(max_staleness=k), _FirstBatchLast(k), _Recorder()
     optimizer = _GradientsOnly(opd.run.params)
     graph, feed = opd_graph(opd, clock, generator, recorder, optimizer)
@@ -119,5 +123,54 @@ def test_opd_later_batches_wait_scored_outside_the_objective_and_each_step_is_it
         assert version == int(str(group_id).split(".")[0]), (group_id, version)
     assert any(isinstance(e, ToolObserved) and e.token_ids for e in events)  # observations in the chains
     for batch, got in enumerate(optimizer.steps):
-        want = opd_cases.dense_reference_grads(model, batch_plan(events, batch), "token_mean")
+        want = opd_cases.dense_reference_grads(model, batch_plan(events, batch), "token_mean", advantage)
         assert opd_cases.relative_error(as_dict(model, got), want) < 1e-10, batch
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_given_a_prefix_a_stale_tokens_expected_gradient_is_the_reverse_kl_one_only_with_the_learner_advantage(
+    seed: int,
+) -> None:
+    """Over every token y an older student mu samples after a prefix (exact, by enumeration): the
+    learner advantage gives grad KL(pi || T), the behaviour one grad [KL(pi || T) - KL(pi || mu)]."""
+    student = opd_cases.tiny_qwen3(torch.float64)
+    older = opd_cases.tiny_qwen3(torch.float64)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p, q in zip(older.parameters(), student.parameters()):
+            p.copy_(q + 0.05 * torch.randn(q.shape, generator=generator, dtype=q.dtype))
+    prefix = torch.randint(0, VOCAB, (1, 5), generator=generator)
+    lp = torch.log_softmax(student(prefix).logits[0, -1], -1)  # log pi(y | prefix), every y
+    with torch.no_grad():
+        b = torch.log_softmax(older(prefix).logits[0, -1], -1)  # log mu(y | prefix)
+        q = torch.log_softmax(3 * torch.randn(VOCAB, generator=generator, dtype=torch.float64), -1)
+
+    def expected(advantage: Advantage) -> dict[str, torch.Tensor]:  # sum_y mu(y) grad term(y)
+        terms = [b[y].exp() * surrogate_sum(lp[y : y + 1], q[y : y + 1], b[y : y + 1], advantage) for y in range(VOCAB)]
+        return _grads(student, torch.stack(terms).sum())
+
+    pi = lp.exp()
+    reverse_kl = _grads(student, (pi * (lp - q)).sum())
+    minus_old = _grads(student, (pi * (lp - q)).sum() - (pi * (lp - b)).sum())
+    assert opd_cases.relative_error(expected("learner"), reverse_kl) < 1e-10
+    assert opd_cases.relative_error(expected("behaviour"), minus_old) < 1e-10
+    assert opd_cases.relative_error(expected("behaviour"), reverse_kl) > 1e-6  # the bias is there
+
+
+def _grads(model: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss.backward(retain_graph=True)
+    grads = opd_cases.collect_grads(model)
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_a_pipeline_files_opd_objective_takes_the_advantage_option(tmp_path: Path) -> None:
+    from tests.app.test_deterministic_file import _opd_file
+    from thundersync.app.files.build import build_graph
+    from thundersync.app.files.definition import load
+
+    file = _opd_file(tmp_path)
+    assert build_graph(load(file, []))["backward"].stage.objective.config.advantage == "behaviour"  # type: ignore[attr-defined]
+    graph = build_graph(load(file, ['objects.objective.advantage="learner"', "run.max_staleness=1"]))
+    assert graph["backward"].stage.objective.config.advantage == "learner"  # type: ignore[attr-defined]
