@@ -133,7 +133,9 @@ class _CalculatorAgent:
 
 def _bounded_graph(objective: Any, k: int, bounds: dict[str, int]) -> tuple[Graph, dict[str, Any]]:
     clock = PolicyClock(max_staleness=k)
-    admission = Admission(max_groups=bounds["max_groups"], sandbox_slots=bounds["sandbox_slots"])
+    admission = Admission(
+        max_groups=bounds["max_groups"], max_tokens=bounds.get("max_tokens"), sandbox_slots=bounds["sandbox_slots"]
+    )
     tools = sandbox_tools(
         backend="local",
         tools=("calculator",),
@@ -220,6 +222,7 @@ def _dense(model: torch.nn.Module, events: list[EventBase], batch: int) -> list[
         (1, {"max_groups": GROUPS, "sandbox_slots": 1, "max_sandboxes": 1}),
         (2, {"max_groups": GROUPS + 1, "sandbox_slots": 2, "max_sandboxes": 1}),
         (2, {"max_groups": 2 * GROUPS, "sandbox_slots": 1, "max_sandboxes": 2}),
+        (2, {"max_groups": 2 * GROUPS, "max_tokens": 160, "sandbox_slots": 2, "max_sandboxes": 2}),  # about a group
     ],
 )
 def test_tight_bounds_never_starve_the_batch_being_stepped_and_each_step_is_its_batchs_gradient(
@@ -242,5 +245,7 @@ def test_tight_bounds_never_starve_the_batch_being_stepped_and_each_step_is_its_
     assert 1 <= lag <= k, started  # a later batch ran ahead of its step (once admitted, before it)
     stats = parts["admission"].stats()
     assert stats.peak_groups <= bounds["max_groups"] and stats.peak_sandbox_holders <= bounds["sandbox_slots"]
+    if "max_tokens" in bounds:  # the bound bit, and only the oldest group passed it (admission's rule)
+        assert stats.waits_by_reason.get("max_tokens", 0) > 0, stats
     for batch, got in enumerate(parts["optimizer"].steps):
         assert grpo_cases.relative_error(got, _dense(model, events, batch)) < 1e-10
