@@ -97,8 +97,11 @@ def _merge(queues: list[list[Op]], rng: random.Random) -> list[Op]:
     return out
 
 
-def dense_reference_grads(model: torch.nn.Module, plan: Plan, normalization: str) -> dict[str, torch.Tensor]:
-    """Full sequences through the model's ordinary forward, the loss formed directly, backward()."""
+def dense_reference_grads(
+    model: torch.nn.Module, plan: Plan, normalization: str, advantage: str = "behaviour"
+) -> dict[str, torch.Tensor]:
+    """Full sequences through the model's ordinary forward, the loss formed directly, backward()
+    (``advantage="learner"``: each token's reward from its learner log-prob, not its behaviour one)."""
     model.zero_grad(set_to_none=True)
     terms: list[torch.Tensor] = []
     for group in plan.values():
@@ -130,7 +133,8 @@ def dense_reference_grads(model: torch.nn.Module, plan: Plan, normalization: str
                     else torch.tensor(behaviour[k], dtype=lp.dtype, device=device)
                 )
                 q = torch.tensor(teacher[k], dtype=lp.dtype, device=device)
-                terms.append(torch.exp(lp[k] - b) * (b - q).detach())
+                own = lp[k].detach() if advantage == "learner" else b
+                terms.append(torch.exp(lp[k] - b) * (own - q).detach())
     count = len(terms)
     if terms:
         loss = torch.stack(terms).sum()

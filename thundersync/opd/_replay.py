@@ -19,7 +19,7 @@ from thundersync.engine.forest import AdjointLedger, Segment, SegmentPack
 from thundersync.engine.mismatch import LogprobMismatch
 from thundersync.engine.run import StreamingRun
 from thundersync.engine.unscaled import UnscaledSum
-from thundersync.opd.loss import surrogate_sum
+from thundersync.opd.loss import Advantage, surrogate_sum
 
 __all__ = [
     "ClosedTrajectory",
@@ -99,7 +99,11 @@ class PendingTurn:
 
 
 def backward_turns(
-    run: StreamingRun, sink: UnscaledSum, pending: Sequence[PendingTurn], mismatch: LogprobMismatch
+    run: StreamingRun,
+    sink: UnscaledSum,
+    pending: Sequence[PendingTurn],
+    mismatch: LogprobMismatch,
+    advantage: Advantage = "behaviour",
 ) -> None:
     """Forward scored turns (of distinct trajectories) packed and backpropagate their losses now.
 
@@ -132,7 +136,7 @@ def backward_turns(
     for item, lp in zip(pending, logprobs):
         assert item.turn.teacher is not None
         behaviour = None if item.turn.behaviour is None else upload(item.turn.behaviour, lp.device)
-        losses.append(surrogate_sum(lp, upload(item.turn.teacher, lp.device), behaviour))
+        losses.append(surrogate_sum(lp, upload(item.turn.teacher, lp.device), behaviour, advantage))
         mismatch.add(lp, item.turn.behaviour)
     for ancestor, adjoint in sink.backward(pack, torch.stack(losses).sum(), None).items():
         ledgers[id(ancestor)].add(adjoint)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from thundersync.engine.dense import next_token_logprobs, sum_of_gradients
-from thundersync.opd.loss import surrogate_sum
+from thundersync.opd.loss import Advantage, surrogate_sum
 
 __all__ = ["DenseTrajectory", "DenseTurn", "dense_gradient"]
 
@@ -44,19 +44,25 @@ class DenseTrajectory:
 
 
 def dense_gradient(
-    model: nn.Module, params: Sequence[nn.Parameter], trajectories: Sequence[DenseTrajectory], n: float
+    model: nn.Module,
+    params: Sequence[nn.Parameter],
+    trajectories: Sequence[DenseTrajectory],
+    n: float,
+    advantage: Advantage = "behaviour",
 ) -> list[torch.Tensor]:
     """grad of the batch's loss for ``params`` (accumulation dtype), one trajectory at a time."""
-    return sum_of_gradients(params, _terms(model, trajectories, n))
+    return sum_of_gradients(params, _terms(model, trajectories, n, advantage))
 
 
-def _terms(model: nn.Module, trajectories: Sequence[DenseTrajectory], n: float) -> Iterator[Callable[[], torch.Tensor]]:
+def _terms(
+    model: nn.Module, trajectories: Sequence[DenseTrajectory], n: float, advantage: Advantage
+) -> Iterator[Callable[[], torch.Tensor]]:
     for trajectory in trajectories:
         if any(turn.scored for turn in trajectory.turns):
-            yield partial(_loss, model, trajectory, n)
+            yield partial(_loss, model, trajectory, n, advantage)
 
 
-def _loss(model: nn.Module, trajectory: DenseTrajectory, n: float) -> torch.Tensor:
+def _loss(model: nn.Module, trajectory: DenseTrajectory, n: float, advantage: Advantage) -> torch.Tensor:
     """(1 / N) * the surrogate of one trajectory's scored tokens, each turn with its own b."""
     ids, positions = list(trajectory.prompt), []
     for turn in trajectory.turns:
@@ -69,6 +75,6 @@ def _loss(model: nn.Module, trajectory: DenseTrajectory, n: float) -> torch.Tens
             assert turn.teacher is not None  # a scored turn has its teacher's log-probs
             part = lp[start : start + len(turn.scored)]
             behaviour = None if turn.behaviour is None else turn.behaviour.to(lp.device)
-            terms.append(surrogate_sum(part, turn.teacher.to(lp.device), behaviour))
+            terms.append(surrogate_sum(part, turn.teacher.to(lp.device), behaviour, advantage))
             start += len(turn.scored)
     return torch.stack(terms).sum() / n

@@ -10,6 +10,16 @@ N is the number of scored tokens of the whole logical batch (``normalization="to
 ``lp_t - q_t`` and the gradient is ``(lp_t - q_t) * grad lp_t``: the reverse-KL policy gradient
 with a per-token reward ``q_t - lp_t``. With ``b_t`` given, ``exp(lp_t - b_t)`` is the importance
 ratio of the current policy to the sampling one (exactly 1 on policy, so the two agree there).
+
+``advantage="learner"`` takes the per-token reward from the current log-prob instead::
+
+    loss = (1 / N) * sum_t exp(lp_t - b_t) * stopgrad(lp_t - q_t)
+
+whose gradient ``exp(lp_t - b_t) (lp_t - q_t) grad lp_t`` has, for a token sampled by a policy
+``mu`` given its prefix, the expectation ``grad KL(pi || teacher)`` at that prefix: the per-token
+reverse-KL gradient also for tokens an older policy sampled (``max_staleness``). The default
+``"behaviour"`` has ``grad [KL(pi || teacher) - KL(pi || mu)]`` there (decision 082); the two
+agree when ``b`` is not given.
 """
 
 from __future__ import annotations
@@ -18,20 +28,29 @@ from typing import Literal, TypeAlias
 
 import torch
 
-__all__ = ["NORMALIZATIONS", "Normalization", "normalizer", "surrogate_sum"]
+__all__ = ["ADVANTAGES", "NORMALIZATIONS", "Advantage", "Normalization", "normalizer", "surrogate_sum"]
 
 Normalization: TypeAlias = Literal["token_mean", "sum"]
 NORMALIZATIONS: tuple[Normalization, ...] = ("token_mean", "sum")
+Advantage: TypeAlias = Literal["behaviour", "learner"]
+ADVANTAGES: tuple[Advantage, ...] = ("behaviour", "learner")
 
 
-def surrogate_sum(logprobs: torch.Tensor, teacher: torch.Tensor, behaviour: torch.Tensor | None = None) -> torch.Tensor:
-    """``sum_t exp(lp_t - b_t) * stopgrad(b_t - q_t)`` over the given tokens, unnormalized.
+def surrogate_sum(
+    logprobs: torch.Tensor,
+    teacher: torch.Tensor,
+    behaviour: torch.Tensor | None = None,
+    advantage_from: Advantage = "behaviour",
+) -> torch.Tensor:
+    """``sum_t exp(lp_t - b_t) * stopgrad(b_t - q_t)`` over the given tokens, unnormalized
+    (``advantage_from="learner"``: ``stopgrad(lp_t - q_t)``).
 
     ``logprobs`` [T] carries the graph; ``teacher`` and ``behaviour`` [T] are constants (cast to
     the log-probs' dtype). Its gradient is ``sum_t exp(lp_t - b_t) (b_t - q_t) grad lp_t``.
     """
     base = logprobs.detach() if behaviour is None else behaviour.to(logprobs.dtype)
-    advantage = (base - teacher.to(logprobs.dtype)).detach()
+    own = logprobs.detach() if advantage_from == "learner" else base
+    advantage = (own - teacher.to(logprobs.dtype)).detach()
     return (torch.exp(logprobs - base) * advantage).sum()
 
 

@@ -53,7 +53,7 @@ from thundersync.engine.run import StreamingRun
 from thundersync.errors import ConfigError, UnsafeStepError
 from thundersync.opd import _replay, dense
 from thundersync.opd._replay import ClosedTrajectory, PendingTurn, PromptState, TurnChain, TurnState
-from thundersync.opd.loss import Normalization, normalizer
+from thundersync.opd.loss import Advantage, Normalization, normalizer
 
 if TYPE_CHECKING:
     import torch
@@ -65,8 +65,11 @@ class OPDStream:
     """Streams the OPD loss gradient of one logical batch at a time into ``run``'s model.
 
     Options (:class:`OPDStream.Config`, or the same names as keywords): ``normalization``
-    (``"token_mean"``: N is the batch's scored-token count; ``"sum"``: N = 1) and
-    ``pack_tokens``: a run job packs queued work up to this many tokens.
+    (``"token_mean"``: N is the batch's scored-token count; ``"sum"``: N = 1),
+    ``pack_tokens``: a run job packs queued work up to this many tokens, and ``advantage``: each
+    token's reward from its behaviour log-prob (``"behaviour"``, the default: ``q - b``) or from
+    the learner's (``"learner"``: ``q - lp``, the per-token reverse-KL gradient also for tokens an
+    older student sampled under ``max_staleness``; :mod:`thundersync.opd.loss`, decision 082).
     """
 
     class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -74,6 +77,7 @@ class OPDStream:
 
         normalization: Normalization = "token_mean"
         pack_tokens: Annotated[int, msgspec.Meta(ge=0)] = 8192
+        advantage: Advantage = "behaviour"
 
     signal: Signal = "teacher"
 
@@ -209,7 +213,8 @@ class OPDStream:
         if self._kept is None:
             raise ConfigError("no batch was kept for a dense gradient: call keep_batch(True) before its first group")
         kept, self._kept = self._kept, []
-        return dense.dense_gradient(self.run.anatomy.model, self.run.params, kept, self._normalizer)
+        model, params = self.run.anatomy.model, self.run.params
+        return dense.dense_gradient(model, params, kept, self._normalizer, self.config.advantage)
 
     # --- helpers -------------------------------------------------------------------------------
 
@@ -228,7 +233,7 @@ class OPDStream:
         """A run job: backpropagate the ready scored turns, packed (none left: no-op)."""
         pack = self._turns.take()
         if pack:
-            _replay.backward_turns(self.run, self._sink, pack, self._mismatch)
+            _replay.backward_turns(self.run, self._sink, pack, self._mismatch, self.config.advantage)
 
     def _replay_queued(self) -> None:
         """A run job: replay the ready closed trajectories, level by level (none left: no-op)."""

@@ -27,9 +27,10 @@ step).
 ``tools`` (the tool-execute stage's runner; a pipeline file's ``tools`` object is given by name):
 with ``reward`` in ``wait_for``, a :class:`~thundersync.tools.TrajectoryToolRunner` keeps each
 trajectory's sandbox past its final action, so a grader in the reward stage can still use it, and
-this stage tells it to give the sandbox back when the trajectory's Rewarded comes (at the latest
-at its TrajectoryClosed). The sandbox never waits for the trajectory's backward, which under
-``max_staleness`` waits for the previous optimizer step. Without ``reward`` the runner gives it
+this stage tells it to give the sandbox back once the trajectory's Rewarded and its final action
+have both come here, whichever comes last (they travel different edges). The sandbox never waits
+for the trajectory's backward, which under ``max_staleness`` waits for the previous optimizer
+step: a later batch's sandboxes (and ``sandbox_slots``) cannot starve the batch being stepped. Without ``reward`` the runner gives it
 back at the final action. ``failures`` (an :class:`~thundersync.scheduling.EpisodeFailures`): a
 group dropped under ``on_failure = "drop"`` closes with ``GroupClosed(dropped=True)`` (and
 ``uninformative=True`` when dynamic sampling dropped it: its rewards were all equal) and leaves
@@ -51,6 +52,7 @@ from thundersync.events import (
     EventBase,
     GroupClosed,
     GroupOpened,
+    Id,
     Rewarded,
     TeacherScored,
     TrajectoryClosed,
@@ -107,6 +109,7 @@ class CloseStage(Stage):
         if self.tools is not None:
             self.tools.release_at("close")
         self._drops_seen = 0
+        self._rewarded_early: set[tuple[Id, Id]] = set()  # rewarded before their final action came here
 
     def required_inputs(self) -> tuple[type[EventBase], ...]:
         """The event types some stage it reads from must produce, or the tracker would wait forever."""
@@ -116,15 +119,16 @@ class CloseStage(Stage):
     async def run(self, inbox: Inbox, outbox: Outbox) -> None:
         self.tracker.clear()  # each run of the graph starts from no groups
         self._drops_seen = 0
+        self._rewarded_early.clear()
         async with task_group() as group:
             if self.claims is not None:
                 group.start_soon(self._send_sealed, self.claims, outbox)
             async for event in inbox:
                 self._sync_drops()
                 closures = self.handle(event)
-                if self.tools is not None and self._graded(event):
-                    assert isinstance(event, Rewarded)
-                    group.start_soon(self.tools.trajectory_closed, event.group_id, event.trajectory_id)
+                graded = self._graded(event)
+                if self.tools is not None and graded is not None:
+                    group.start_soon(self.tools.trajectory_closed, *graded)
                 for closure in closures:
                     await self._send(closure, outbox)
                     if isinstance(closure, TrajectoryClosed) and self.tools is not None:
@@ -135,16 +139,28 @@ class CloseStage(Stage):
             if pending:
                 raise TrackerError(f"the input ended while work is still pending: {'; '.join(pending)}")
 
-    def _graded(self, event: EventBase) -> bool:
-        """Whether ``event`` is the reward of a trajectory whose final action went by: its grader is
-        done with its sandbox, which then goes back without waiting for the trajectory's backward
-        (under ``max_staleness`` a later batch's backward waits for a whole optimizer step)."""
-        if not isinstance(event, Rewarded) or Need.REWARD not in self.tracker.needs:
-            return False
+    def _graded(self, event: EventBase) -> tuple[Id, Id] | None:
+        """The (group, trajectory) that ``event`` leaves graded: its reward and its final action both
+        went by, whichever came last (they travel different edges). Its grader is done with its
+        sandbox, which then goes back without waiting for the trajectory's backward (under
+        ``max_staleness`` a later batch's backward waits for a whole optimizer step, and a sandbox
+        held through it could starve the batch being stepped)."""
+        if self.tools is None or not isinstance(event, Rewarded | ActionGenerated):
+            return None
+        key = (event.group_id, event.trajectory_id)
+        if isinstance(event, ActionGenerated):
+            if event.final and key in self._rewarded_early:
+                self._rewarded_early.discard(key)
+                return key
+            return None
         try:
-            return self.tracker.trajectory_state(event.group_id, event.trajectory_id) is not TrajectoryState.GENERATING
-        except TrackerError:
-            return False
+            finished = self.tracker.trajectory_state(*key) is not TrajectoryState.GENERATING
+        except TrackerError:  # not open here yet: its GroupOpened is still on its way
+            finished = False
+        if finished:
+            return key
+        self._rewarded_early.add(key)  # goes back when its final action comes
+        return None
 
     def _sync_drops(self) -> None:
         """Mark in the tracker the groups dropped since the last event (before the event that closes them)."""

@@ -17,8 +17,10 @@ gradients or the optimizer's state. When the tool runner keeps a sandbox per tra
 scores in it), a close stage gives each back once its trajectory is scored.
 
 During ``thundersync run`` it runs inside the step stage's checkpoint hook (:class:`EvalHook`):
-after the optimizer step, before the step is announced and the next policy published, so
-generation of the next batch has not started and the weights are those of the step. Its record
+after the optimizer step, before the step is announced and the next policy published, so the
+weights are those of the step and do not move until it ends (the step stage waits for it). With
+``max_staleness = 0`` generation of the next batch has not started; with k >= 1 the batches that
+started early may go on generating beside it, on the same weights. Its record
 (:func:`~thundersync.app.evaluation.scores.eval_record`, with ``step``) is written as an
 ``"event": "eval"`` line of the metrics file (and to TensorBoard and W&B). Under a data-parallel
 launch, rank 0 alone evaluates. ``thundersync eval FILE --checkpoint DIR`` runs it once, alone.

@@ -70,6 +70,7 @@ from thundersync.grpo.estimators import Estimator
 from thundersync.grpo.losses import KLEstimator, Loss
 from thundersync.grpo.stream import default_pack_tokens
 from thundersync.opd import Normalization, OPDStream
+from thundersync.opd.loss import Advantage
 from thundersync.pipeline.policy import PolicyClock
 from thundersync.stages.step import StepResult, StreamingTrainer
 
@@ -192,14 +193,16 @@ def opd(
     run: StreamingRun,
     normalization: Normalization = _OPD.normalization,
     pack_tokens: _NonNegative = _OPD.pack_tokens,
+    advantage: Advantage = _OPD.advantage,
     process: bool = False,
     process_env: dict[str, str] | None = None,
     process_device: str = "",
 ) -> OPDStream | LearnerProcess:
     """``opd``: an :class:`~thundersync.opd.OPDStream` (on-policy distillation) on ``run``;
+    ``advantage = "learner"`` takes each token's reward from the learner's log-prob (decision 082);
     ``process = true`` computes it in a learner process of its own (:class:`~thundersync.LearnerProcess`),
     with ``process_env`` in its environment, on ``process_device`` when given."""
-    build = functools.partial(OPDStream, normalization=normalization, pack_tokens=pack_tokens)
+    build = functools.partial(OPDStream, normalization=normalization, pack_tokens=pack_tokens, advantage=advantage)
     return _in_process(run, build, process, process_env, process_device)
 
 

@@ -56,8 +56,9 @@ Definitions (times in seconds, from the watcher's clock):
   ``kl_coef`` > 0, the mean KL estimate per scored token (StepDone's ``objective_stats``, see
   :mod:`thundersync.grpo.losses`); absent otherwise and with a learner process (``process = true``);
 - ``reverse_kl`` (OPD): the mean over the batch's teacher-scored tokens of behaviour log-prob
-  minus teacher log-prob, the sampled estimate of the policy's KL(policy || teacher) per token
-  (``null`` when no teacher scored the batch);
+  minus teacher log-prob, the sampled estimate of the sampling policy's KL(policy || teacher) per
+  token (under ``max_staleness`` that policy may be up to k versions older than the stepped one;
+  ``null`` when no teacher scored the batch);
 - with an :class:`~thundersync.scheduling.Admission`, its decisions since the previous step:
   ``admission_waits`` (admissions and reservations that had to wait), ``admission_wait_s``
   (their total wait), ``admission_forced`` (groups let in, or the oldest group's tokens counted,
