@@ -1,0 +1,327 @@
+"""A rollout/learner split: rollout ranks generate, learner ranks learn, on ``torch.distributed``.
+
+A :class:`Placement` says which ranks of the world generate (``rollout``) and which learn
+(``learner``; one rank today). :class:`SplitChannel` holds the two process groups of a split,
+made by every rank in the same order:
+
+- the *trajectory group* (every rank of the placement): each rollout rank sends every finished
+  trajectory to the learner by point-to-point ``isend`` as soon as it is finished: a header
+  (kind, group and trajectory ids, group size, prompt and token counts, policy version), then the
+  token ids (int64: prompt then generated tokens) and the values (the reward, then one behaviour
+  log-prob per generated token, in the log-probs' dtype: float64). After its share of a batch it
+  sends an end-of-batch header. The learner keeps one header ``irecv`` posted per rollout rank
+  and takes whichever completes first, so trajectories reach it in the order they finish, and
+  the batch ends once every rollout rank has said so;
+- the *weights group* (the learner and every rollout rank): after each optimizer step the
+  learner broadcasts the new policy version, then the tensors it was given (every parameter, or a
+  LoRA adapter's tensors only), and each rollout rank copies them into its own model in place.
+
+Every wait is bounded by ``timeout_s`` and raises :class:`~thundersync.errors.DistributedError`
+naming this rank and its role, the peer rank(s) and their role(s), and the failure a rank
+reported in the store (:func:`~thundersync.engine.failures.report_failure`, through
+:meth:`SplitChannel.report_failure`) when there is one. A rank that dies shows as a broken
+connection or a timeout, never a hang.
+
+The backend is the default group's: gloo moves CPU tensors, NCCL CUDA tensors of
+``torch.cuda.current_device()``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from thundersync.engine.distributed import default_store
+from thundersync.engine.failures import Arrivals, describe_failures, introduce, report_failure, whereabouts
+from thundersync.errors import ConfigError, DistributedError
+
+__all__ = ["Placement", "Role", "SplitChannel", "SplitTrajectory"]
+
+Role = Literal["rollout", "learner"]
+
+_TRAJECTORY, _END = 1, 2
+_HEADER = 7  # kind, group_id, trajectory_id, group_size, prompt length, token count, policy version
+_POLL_S = 0.002  # how often the learner looks for the next message in the store
+_LOOK_S = 0.25  # how often it looks for a rollout rank that failed or ended
+
+
+class Placement(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Which ranks generate (``rollout``) and which learn (``learner``): disjoint, and together
+    every rank of the world (checked against the world's size by :class:`SplitChannel`)."""
+
+    rollout: tuple[int, ...]
+    learner: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        ranks = [*self.rollout, *self.learner]
+        if not self.rollout or not self.learner:
+            raise ConfigError(f"a placement needs at least one rollout and one learner rank, got {self._text()}")
+        if any(rank < 0 for rank in ranks) or len(set(ranks)) != len(ranks):
+            raise ConfigError(f"a placement's ranks must be distinct and >= 0, got {self._text()}")
+        if len(self.learner) != 1:
+            raise ConfigError(
+                f"a placement has {len(self.learner)} learner ranks ({self._text()}); one learner rank is all the "
+                "split supports today: give learner one rank"
+            )
+
+    def role(self, rank: int) -> Role:
+        """``"rollout"`` or ``"learner"``; ConfigError for a rank the placement does not name."""
+        if rank in self.rollout:
+            return "rollout"
+        if rank in self.learner:
+            return "learner"
+        raise ConfigError(f"rank {rank} is in neither role of the placement ({self._text()})")
+
+    def ranks(self) -> list[int]:
+        return sorted([*self.rollout, *self.learner])
+
+    def groups_of(self, rank: int, group_ids: Sequence[int]) -> list[int]:
+        """The groups that rollout ``rank`` generates: the i-th rollout rank takes every group whose
+        position in ``group_ids`` is i modulo the number of rollout ranks."""
+        index, count = self.rollout.index(rank), len(self.rollout)
+        return [group for position, group in enumerate(group_ids) if position % count == index]
+
+    def _text(self) -> str:
+        return f"rollout={list(self.rollout)}, learner={list(self.learner)}"
+
+
+class SplitTrajectory(msgspec.Struct, frozen=True, kw_only=True):
+    """One finished trajectory as a rollout rank sends it: ``tokens`` were sampled after
+    ``prompt`` with behaviour log-probs ``logprobs`` on ``policy_version``; its group has
+    ``group_size`` trajectories."""
+
+    group_id: int
+    trajectory_id: int
+    group_size: int
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    reward: float
+    policy_version: int
+
+
+class SplitChannel:
+    """The groups of one split (module docstring); every rank of ``placement`` constructs it,
+    after ``torch.distributed.init_process_group``, in the same order as its other groups."""
+
+    def __init__(
+        self, placement: Placement, *, timeout_s: float = 600.0, store: Any = None, prefix: str = "thundersync/split"
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError("torch.distributed is not initialized; call torch.distributed.init_process_group() first")
+        if not timeout_s > 0:
+            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        world = dist.get_world_size()
+        if placement.ranks() != list(range(world)):
+            raise ConfigError(
+                f"the placement names ranks {placement.ranks()}, the world has ranks 0..{world - 1}: "
+                "name every rank once, in one role"
+            )
+        self.placement, self.rank = placement, dist.get_rank()
+        self.role: Role = placement.role(self.rank)
+        self.learner = placement.learner[0]
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = store if store is not None else default_store()
+        if self.store is None:
+            raise ConfigError("a split needs the process group's store (or store=): the learner reads who sent what")
+        cuda = dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.trajectory_group = dist.new_group(placement.ranks(), timeout=self.timeout)
+        self.weights_group = dist.new_group(placement.ranks(), timeout=self.timeout)
+        self._send_lock = threading.Lock()  # a message's tensors go out together, in order
+        self.prefix, self._received = prefix, 0  # the learner's count of messages taken
+        introduce(self.store, self.rank)
+        self.arrivals = Arrivals(self.store, f"{prefix}/weights", rank=self.rank, world_size=world)
+
+    # --- rollout ranks ----------------------------------------------------------------------------
+
+    def send(self, trajectory: SplitTrajectory) -> None:
+        """Send one finished trajectory to the learner (rollout ranks; safe from several threads)."""
+        self._require("rollout", "send trajectories")
+        if len(trajectory.logprobs) != len(trajectory.tokens):
+            raise ConfigError(
+                f"trajectory {trajectory.trajectory_id} of group {trajectory.group_id} has {len(trajectory.tokens)} "
+                f"tokens but {len(trajectory.logprobs)} behaviour log-probs: give one per generated token"
+            )
+        t = trajectory
+        header = [
+            _TRAJECTORY,
+            t.group_id,
+            t.trajectory_id,
+            t.group_size,
+            len(t.prompt),
+            len(t.tokens),
+            t.policy_version,
+        ]
+        ids = torch.tensor([*t.prompt, *t.tokens], dtype=torch.int64, device=self.device)
+        values = torch.tensor([t.reward, *t.logprobs], dtype=torch.float64, device=self.device)
+        self._send([self._header(header), ids, values], f"trajectory {t.trajectory_id} of group {t.group_id}")
+
+    def end_batch(self) -> None:
+        """Tell the learner this rank has sent every trajectory of the batch (rollout ranks)."""
+        self._require("rollout", "end a batch")
+        self._send([self._header([_END, 0, 0, 0, 0, 0, 0])], "the end of the batch")
+
+    def receive_weights(self, params: Sequence[torch.Tensor]) -> int:
+        """Copy the learner's broadcast into ``params`` (in place, in the learner's order) and return
+        the policy version it carries (rollout ranks)."""
+        self._require("rollout", "receive weights")
+        version = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._broadcast(version)
+        with torch.no_grad():
+            for p in params:
+                value = p.detach().to(self.device)
+                self._broadcast(value)
+                if value.data_ptr() != p.data_ptr():
+                    p.copy_(value)
+        return int(version.item())
+
+    # --- the learner ------------------------------------------------------------------------------
+
+    def receive(self) -> Iterator[SplitTrajectory]:
+        """The batch's trajectories in the order they were sent, until every rollout rank ended it (learner)."""
+        self._require("learner", "receive trajectories")
+        ended: set[int] = set()
+        while len(ended) < len(self.placement.rollout):
+            rank = self._next_sender(sorted(set(self.placement.rollout) - ended))
+            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+            self._wait(dist.irecv(header, rank, group=self.trajectory_group), [rank], "a trajectory header")
+            kind, *fields = (int(v) for v in header.tolist())
+            if kind == _TRAJECTORY:
+                yield self._receive_trajectory(rank, fields)
+            elif kind == _END:
+                ended.add(rank)
+            else:
+                raise DistributedError(f"{self._me()}: {self._peer(rank)} sent an unknown message kind {kind}")
+
+    def broadcast_weights(self, params: Sequence[torch.Tensor], version: int) -> None:
+        """Send policy ``version`` and ``params`` to every rollout rank (learner, after its step)."""
+        self._require("learner", "broadcast weights")
+        self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))
+        with torch.no_grad():
+            for p in params:
+                self._broadcast(p.detach().to(self.device).contiguous())
+
+    # --- every rank -------------------------------------------------------------------------------
+
+    def report_failure(self, error: BaseException) -> None:
+        """Tell the other ranks why this rank is about to stop (best effort: the store may be gone)."""
+        report_failure(self.store, self.rank, error)
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    def _require(self, role: Role, what: str) -> None:
+        if self.role != role:
+            raise ConfigError(f"rank {self.rank} is a {self.role} rank; only {role} ranks {what}")
+
+    def _header(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _send(self, tensors: list[torch.Tensor], what: str) -> None:
+        with self._send_lock:  # the store's order of this rank's messages is the order they go out
+            self._announce()
+            works = [dist.isend(t, self.learner, group=self.trajectory_group) for t in tensors]
+            for work in works:
+                self._wait(work, [self.learner], f"sending {what}")
+
+    def _announce(self) -> None:
+        """Take the next message number of the split and record this rank as its sender."""
+        try:
+            number = self.store.add(f"{self.prefix}/messages", 1)
+            self.store.set(f"{self.prefix}/from/{number}", str(self.rank))
+        except Exception as error:
+            raise self._error([self.learner], "announcing a message in the store", error) from error
+
+    def _next_sender(self, waiting: list[int]) -> int:
+        """The rank that sent the next message, read from the store; a rank of ``waiting`` that
+        reported a failure or no longer runs (on this host) ends the wait at once."""
+        self._received += 1
+        key = f"{self.prefix}/from/{self._received}"
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        what = "the next trajectory or end of the batch"
+        next_look = time.monotonic() + _LOOK_S
+        while True:
+            try:
+                if self.store.check([key]):
+                    rank = int(self.store.get(key))
+                    self.store.delete_key(key)
+                    return rank
+            except Exception as error:
+                raise self._error(waiting, f"{what} (reading the store)", error) from error
+            now = time.monotonic()
+            if now >= next_look:
+                next_look = now + _LOOK_S
+                gone = [rank for rank in waiting if _failed_or_gone(self.store, rank)]
+                if gone:
+                    raise self._error(gone, what, RuntimeError("the rank reported a failure or no longer runs"))
+            if now > deadline:
+                raise self._error(waiting, what, TimeoutError("timed out"))
+            time.sleep(_POLL_S)
+
+    def _receive_trajectory(self, rank: int, fields: list[int]) -> SplitTrajectory:
+        group_id, trajectory_id, group_size, prompt_len, count, version = fields
+        ids = torch.zeros(prompt_len + count, dtype=torch.int64, device=self.device)
+        values = torch.zeros(1 + count, dtype=torch.float64, device=self.device)
+        for tensor in (ids, values):
+            self._wait(dist.irecv(tensor, rank, group=self.trajectory_group), [rank], "a trajectory")
+        id_list, value_list = ids.tolist(), values.tolist()
+        return SplitTrajectory(
+            group_id=group_id,
+            trajectory_id=trajectory_id,
+            group_size=group_size,
+            prompt=id_list[:prompt_len],
+            tokens=id_list[prompt_len:],
+            logprobs=value_list[1:],
+            reward=value_list[0],
+            policy_version=version,
+        )
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        self.arrivals.arrive()
+        what = f"the weights broadcast from rank {self.learner}"
+        try:
+            dist.broadcast(tensor, self.learner, group=self.weights_group, async_op=True).wait(self.timeout)
+        except Exception as error:
+            peers = [self.learner]
+            if self.role == "learner":  # the rollout ranks that never reached it, else all of them
+                peers = self.arrivals.missing() or list(self.placement.rollout)
+            raise self._error(peers, what, error) from error
+
+    def _wait(self, work: Any, peers: list[int], what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except Exception as error:
+            raise self._error(peers, what, error) from error
+
+    def _error(self, peers: list[int], what: str, error: BaseException) -> DistributedError:
+        cause = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+        who = ", ".join(self._peer(rank) for rank in peers)
+        reports = describe_failures(self.store, dist.get_world_size(), me=self.rank)
+        return DistributedError(
+            f"{self._me()}: {what} failed within {self.timeout.total_seconds():g} s waiting for {who} "
+            f"({cause}){reports}; a rank of the split died or hung, or is slower than timeout_s"
+        )
+
+    def _me(self) -> str:
+        return f"rank {self.rank} ({self.role})"
+
+    def _peer(self, rank: int) -> str:
+        where = whereabouts(self.store, rank)
+        return f"rank {rank} ({self.placement.role(rank)}{', ' + where if where else ''})"
+
+
+def _failed_or_gone(store: Any, rank: int) -> bool:
+    """Whether ``rank`` reported a failure in the store, or its process (on this host) has ended."""
+    try:
+        if store.check([f"thundersync/failed/{rank}"]):
+            return True
+    except Exception:
+        return False
+    return whereabouts(store, rank).endswith("no longer running")
