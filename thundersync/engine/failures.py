@@ -70,12 +70,22 @@ def whereabouts(store: Any, rank: int) -> str:
     if host == socket.gethostname() and pid.isdigit():
         try:
             os.kill(int(pid), 0)
-            state = ", still running"
+            state = ", no longer running" if _zombie(int(pid)) else ", still running"
         except ProcessLookupError:
             state = ", no longer running"
         except OSError:  # another user's process: it exists
             state = ", still running"
     return f"host {host}, pid {pid}{state}"
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has ended but its parent has not collected it yet (Linux: state Z; False
+    where ``/proc`` cannot say)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def describe_failures(store: Any, world_size: int, *, me: int) -> str:

@@ -39,7 +39,14 @@ import torch
 import torch.distributed as dist
 
 from thundersync.engine.distributed import default_store
-from thundersync.engine.failures import Arrivals, describe_failures, introduce, report_failure, whereabouts
+from thundersync.engine.failures import (
+    TIMEOUT_HINT,
+    Arrivals,
+    describe_failures,
+    introduce,
+    report_failure,
+    whereabouts,
+)
 from thundersync.errors import ConfigError, DistributedError
 
 __all__ = ["Placement", "Role", "SplitChannel", "SplitTrajectory"]
@@ -262,7 +269,7 @@ class SplitChannel:
                 if gone:
                     raise self._error(gone, what, RuntimeError("the rank reported a failure or no longer runs"))
             if now > deadline:
-                raise self._error(waiting, what, TimeoutError("timed out"))
+                raise self._error(waiting, what, TimeoutError(f"timed out after {self.timeout.total_seconds():g} s"))
             time.sleep(_POLL_S)
 
     def _receive_trajectory(self, rank: int, fields: list[int]) -> SplitTrajectory:
@@ -304,10 +311,8 @@ class SplitChannel:
         cause = " ".join(f"{type(error).__name__}: {error}".split())[:300]
         who = ", ".join(self._peer(rank) for rank in peers)
         reports = describe_failures(self.store, dist.get_world_size(), me=self.rank)
-        return DistributedError(
-            f"{self._me()}: {what} failed within {self.timeout.total_seconds():g} s waiting for {who} "
-            f"({cause}){reports}; a rank of the split died or hung, or is slower than timeout_s"
-        )
+        hint = f"; {TIMEOUT_HINT}" if isinstance(error, TimeoutError) or "timed out" in cause.lower() else ""
+        return DistributedError(f"{self._me()}: {what} failed, waiting for {who} ({cause}){reports}{hint}")
 
     def _me(self) -> str:
         return f"rank {self.rank} ({self.role})"

@@ -61,10 +61,20 @@ async def generate_batch(
         await anyio.to_thread.run_sync(channel.send, trajectory)
         sent += 1
 
-    async with anyio.create_task_group() as tasks:
-        for group, prompt in prompts:
-            if group in mine:
-                for index in range(group_size):
-                    tasks.start_soon(one, group, prompt, index)
+    try:
+        async with anyio.create_task_group() as tasks:
+            for group, prompt in prompts:
+                if group in mine:
+                    for index in range(group_size):
+                        tasks.start_soon(one, group, prompt, index)
+    except BaseExceptionGroup as failures:  # one cause for the caller: the first failed request's
+        raise _first(failures) from failures
     await anyio.to_thread.run_sync(channel.end_batch)
     return sent
+
+
+def _first(failures: BaseExceptionGroup[BaseException]) -> BaseException:
+    error: BaseException = failures
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
