@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("stages",),
     ("pipeline",),
     ("agents",),
-    ("tasks",),
+    ("tasks", "split"),
     ("grpo", "opd", "generation", "scheduling", "tools"),
     ("engine",),
     ("model",),

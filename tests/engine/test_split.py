@@ -60,7 +60,7 @@ def _grpo() -> Any:
 
 
 def test_the_learner_refuses_a_trajectory_of_another_policy_version_and_an_incomplete_group() -> None:
-    from thundersync.grpo.split import learn_batch
+    from thundersync.split import learn_batch
 
     with pytest.raises(DistributedError, match="generated on policy version 1, the learner is on version 0"):
         learn_batch(_Channel([_trajectory(0, version=1)]), _grpo(), version=0)  # type: ignore[arg-type]

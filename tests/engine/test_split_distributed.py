@@ -95,7 +95,7 @@ def _split_rank(rank: int, world_size: int, port: int, die: str, out: Any) -> No
     """One rank of the split; ``die`` = "learner" or "rollout" makes that role's first rank exit
     without a word in the middle of the first batch."""
     from thundersync.engine.split import SplitChannel
-    from thundersync.grpo.split import learn_batch
+    from thundersync.split import learn_batch
 
     store = _connect(rank, world_size, port)
     torch.set_num_threads(1)
@@ -136,7 +136,7 @@ def _split_rank(rank: int, world_size: int, port: int, die: str, out: Any) -> No
 
 
 async def _rollout_batch(channel: Any, generator: Any, step: int) -> int:
-    from thundersync.generation.split import generate_batch
+    from thundersync.split import generate_batch
 
     return await generate_batch(
         channel, generator, _prompts(step), group_size=GROUP_SIZE, reward=_reward, version=step, params=_params(),

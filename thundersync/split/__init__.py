@@ -1,0 +1,15 @@
+"""A rollout/learner split: rollout ranks generate, learner ranks learn (decision 081).
+
+:class:`~thundersync.engine.split.SplitChannel` moves trajectories and weights between the roles
+on ``torch.distributed``; this package holds each role's loop over it: :func:`generate_batch`
+(a rollout rank: a generator's trajectories, sent as each finishes) and :func:`learn_batch` (the
+learner: each received trajectory streamed into GRPO at once).
+"""
+
+from __future__ import annotations
+
+from thundersync.engine.split import Placement, SplitChannel, SplitTrajectory
+from thundersync.split.learner import learn_batch
+from thundersync.split.rollout import generate_batch
+
+__all__ = ["Placement", "SplitChannel", "SplitTrajectory", "generate_batch", "learn_batch"]
