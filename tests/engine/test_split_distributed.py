@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tests.engine.test_distributed import _connect, _relative_error, _spawn
-from tests.engine.tiny_models import tiny_qwen3
+from tests.engine.tiny_models import tiny_qwen3, with_lora
 
 pytestmark = pytest.mark.slow
 
@@ -56,14 +56,24 @@ def _parts(model: torch.nn.Module) -> tuple[Any, Any, torch.optim.Optimizer]:
 
     generator = TorchGenerator(model, max_batch=8, max_seq_len=32, deterministic=True)
     grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model))
-    return generator, grpo, torch.optim.AdamW(list(model.parameters()), lr=1e-2, maximize=True)
+    return generator, grpo, torch.optim.AdamW(_trained(model), lr=1e-2, maximize=True)
 
 
-def _single_process() -> list[torch.Tensor]:
+def _model(lora: bool) -> torch.nn.Module:
+    model = tiny_qwen3(torch.float64)
+    return with_lora(model) if lora else model
+
+
+def _trained(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What the learner trains and broadcasts: every parameter, or a LoRA model's adapter only."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _single_process(lora: bool) -> list[torch.Tensor]:
     """The reference: one model generates each batch, then learns from it (no split, no channel)."""
     from thundersync.generation.base import GenerationRequest
 
-    model = tiny_qwen3(torch.float64)
+    model = _model(lora)
     generator, grpo, optimizer = _parts(model)
 
     async def batch(step: int) -> None:
@@ -91,7 +101,7 @@ def _placement(world_size: int) -> Any:
     return Placement(learner=(0,), rollout=tuple(range(1, world_size)))
 
 
-def _split_rank(rank: int, world_size: int, port: int, die: str, out: Any) -> None:
+def _split_rank(rank: int, world_size: int, port: int, die: str, lora: bool, out: Any) -> None:
     """One rank of the split; ``die`` = "learner" or "rollout" makes that role's first rank exit
     without a word in the middle of the first batch."""
     from thundersync.engine.split import SplitChannel
@@ -100,9 +110,9 @@ def _split_rank(rank: int, world_size: int, port: int, die: str, out: Any) -> No
     store = _connect(rank, world_size, port)
     torch.set_num_threads(1)
     channel = SplitChannel(_placement(world_size), timeout_s=20, store=store)
-    model = tiny_qwen3(torch.float64)
+    model = _model(lora)
     generator, grpo, optimizer = _parts(model)
-    params = list(model.parameters())
+    params = _trained(model)
     received = []
     try:
         for step in range(STEPS):
@@ -130,7 +140,7 @@ def _split_rank(rank: int, world_size: int, port: int, die: str, out: Any) -> No
         out.join_thread()  # os._exit would drop what the queue's feeder thread has not written yet
         os._exit(1)
     buffer = io.BytesIO()
-    torch.save([p.detach() for p in params], buffer)
+    torch.save([p.detach() for p in model.parameters()], buffer)
     out.put((rank, received, buffer.getvalue()))
     dist.destroy_process_group()
 
@@ -153,16 +163,17 @@ def _one_trajectory() -> Any:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_a_split_run_reaches_the_single_process_parameters(world_size: int) -> None:
-    """1 or 2 rollout ranks + 1 learner, GRPO, two steps with a weights broadcast after each."""
-    results, codes, _ = _spawn(_split_rank, world_size, "")
+@pytest.mark.parametrize(("world_size", "lora"), [(2, True), (3, False)], ids=["1+1-lora", "2+1"])
+def test_a_split_run_reaches_the_single_process_parameters(world_size: int, lora: bool) -> None:
+    """1 rollout + 1 learner broadcasting a LoRA adapter only, 2 rollout + 1 learner broadcasting
+    every weight; GRPO, two steps with a broadcast after each; every rank's whole model compared."""
+    results, codes, _ = _spawn(_split_rank, world_size, "", lora)
     assert codes == [0] * world_size, f"rank exit codes {codes}: {results}"
     by_rank = {rank: (received, torch.load(io.BytesIO(blob))) for rank, received, blob in results}
     assert by_rank[0][0] == [GROUPS * GROUP_SIZE] * STEPS, "the learner received every trajectory of each batch"
     sent = [sum(by_rank[rank][0][step] for rank in range(1, world_size)) for step in range(STEPS)]
     assert sent == [GROUPS * GROUP_SIZE] * STEPS, "the rollout ranks sent each trajectory once"
-    want = _single_process()
+    want = _single_process(lora)
     for rank, (_, trained) in by_rank.items():
         error = _relative_error(trained, want)
         assert error < 1e-10, f"rank {rank}: relative error {error:.3g}"
@@ -170,7 +181,7 @@ def test_a_split_run_reaches_the_single_process_parameters(world_size: int) -> N
 
 @pytest.mark.parametrize("role", ["learner", "rollout"])
 def test_a_rank_that_dies_mid_batch_ends_the_split_with_an_error_naming_it_and_its_role(role: str) -> None:
-    results, codes, _ = _spawn(_split_rank, 2, role)
+    results, codes, _ = _spawn(_split_rank, 2, role, False)
     dead, survivor = (0, 1) if role == "learner" else (1, 0)
     assert codes[dead] == 3, f"exit codes {codes}"
     assert codes[survivor] == 1, f"the surviving rank ended with an error: exit codes {codes}, {results}"
@@ -178,4 +189,4 @@ def test_a_rank_that_dies_mid_batch_ends_the_split_with_an_error_naming_it_and_i
     assert (rank, kind) == (survivor, "error")
     other = "rollout" if role == "learner" else "learner"
     assert f"rank {survivor} ({other})" in message, message
-    assert f"rank {dead} ({role}" in message, message
+    assert f"rank {dead} ({role}, host " in message and ", no longer running)" in message, message

@@ -7,11 +7,13 @@ made by every rank in the same order:
 - the *trajectory group* (every rank of the placement): each rollout rank sends every finished
   trajectory to the learner by point-to-point ``isend`` as soon as it is finished: a header
   (kind, group and trajectory ids, group size, prompt and token counts, policy version), then the
-  token ids (int64: prompt then generated tokens) and the values (the reward, then one behaviour
-  log-prob per generated token, in the log-probs' dtype: float64). After its share of a batch it
-  sends an end-of-batch header. The learner keeps one header ``irecv`` posted per rollout rank
-  and takes whichever completes first, so trajectories reach it in the order they finish, and
-  the batch ends once every rollout rank has said so;
+  token ids (int64: prompt then generated tokens) and the values (float64: the reward, then one
+  behaviour log-prob per generated token). Before sending, it takes the split's next message
+  number from the store and records itself as that message's sender. After its share of a batch
+  it sends an end-of-batch header the same way. The learner reads the senders from the store in
+  message order and receives each message from the rank named (a receive with a known source,
+  as NCCL needs), so trajectories reach it in the order they finished; the batch ends once every
+  rollout rank has sent its end-of-batch;
 - the *weights group* (the learner and every rollout rank): after each optimizer step the
   learner broadcasts the new policy version, then the tensors it was given (every parameter, or a
   LoRA adapter's tensors only), and each rollout rank copies them into its own model in place.
@@ -20,10 +22,11 @@ Every wait is bounded by ``timeout_s`` and raises :class:`~thundersync.errors.Di
 naming this rank and its role, the peer rank(s) and their role(s), and the failure a rank
 reported in the store (:func:`~thundersync.engine.failures.report_failure`, through
 :meth:`SplitChannel.report_failure`) when there is one. A rank that dies shows as a broken
-connection or a timeout, never a hang.
+connection (at once), as a rollout rank that reported a failure or whose process ended on the
+learner's host (within ``_LOOK_S``), or as a timeout; never a hang.
 
 The backend is the default group's: gloo moves CPU tensors, NCCL CUDA tensors of
-``torch.cuda.current_device()``.
+``torch.cuda.current_device()`` (tested on gloo only). Decision 081 says why.
 """
 
 from __future__ import annotations
@@ -177,8 +180,9 @@ class SplitChannel:
         self._send([self._header([_END, 0, 0, 0, 0, 0, 0])], "the end of the batch")
 
     def receive_weights(self, params: Sequence[torch.Tensor]) -> int:
-        """Copy the learner's broadcast into ``params`` (in place, in the learner's order) and return
-        the policy version it carries (rollout ranks)."""
+        """Copy the learner's broadcast into ``params`` (in place: the same shapes, in the order the
+        learner gave them to :meth:`broadcast_weights`); return the policy version it carries
+        (rollout ranks)."""
         self._require("rollout", "receive weights")
         version = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._broadcast(version)
