@@ -45,8 +45,10 @@ from thundersync.model.decoder import EAGER, LayerMath, Tensors3, attention_inpu
 __all__ = ["COMPILED", "failures", "pack_math"]
 
 failures: list[str] = []  # "function: error" of each compiled function that runs eagerly
-_inputs = OrEager(attention_inputs, "inductor", failures, event="engine_compile_failed")
-_output = OrEager(attention_output, "inductor", failures, event="engine_compile_failed")
+# Made by the first pack_math(compile=True), not at import: torch.compile imports dynamo and
+# inductor, seconds of CPU time in every process that imports the engine.
+_inputs: OrEager[..., Tensors3] | None = None
+_output: OrEager[..., torch.Tensor] | None = None
 _warm: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models compiled for
 
 
@@ -59,6 +61,7 @@ def _before(an: DecoderAnatomy, index: int, x: torch.Tensor, cos: torch.Tensor, 
     if x.shape[0] < 2:
         return attention_inputs(an.layers[index], x, cos, sin, an.head_dim)
     _dynamic_rows(x, cos, sin)
+    assert _inputs is not None, "pack_math(compile=True) makes the compiled functions before it hands out COMPILED"
     return _inputs(an.layers[index], x, cos, sin, an.head_dim)
 
 
@@ -66,6 +69,7 @@ def _after(an: DecoderAnatomy, index: int, x: torch.Tensor, a: torch.Tensor) -> 
     if x.shape[0] < 2:
         return attention_output(an.layers[index], x, a)
     _dynamic_rows(x, a)
+    assert _output is not None, "pack_math(compile=True) makes the compiled functions before it hands out COMPILED"
     return _output(an.layers[index], x, a)
 
 
@@ -86,9 +90,19 @@ def pack_math(anatomy: DecoderAnatomy, compile: bool = False, fused: str = "auto
     if anatomy.model not in _warm:
         with COMPILE_LOCK:
             if anatomy.model not in _warm:
+                _make_compiled()
                 _warm_up(anatomy)
                 _warm.add(anatomy.model)
     return COMPILED
+
+
+def _make_compiled() -> None:
+    """The compiled functions, once (under COMPILE_LOCK)."""
+    global _inputs, _output
+    if _inputs is None:
+        _inputs = OrEager(attention_inputs, "inductor", failures, event="engine_compile_failed")
+    if _output is None:
+        _output = OrEager(attention_output, "inductor", failures, event="engine_compile_failed")
 
 
 def _warm_up(anatomy: DecoderAnatomy) -> None:
