@@ -80,8 +80,8 @@ class Partition:
     _companions: list[torch.cuda.Stream] = field(default_factory=list)
 
     def companion(self) -> torch.cuda.Stream:
-        """A stream of this partition other than :attr:`stream` that nobody holds, held by the
-        caller until it gives it back (:func:`give_back`); made when every one is held."""
+        """A stream of this partition other than :attr:`stream` that nobody holds, now held (until
+        :func:`side_stream`'s block ends); made when every one is held."""
         with _lock:
             for stream in self._companions:
                 if stream.cuda_stream not in _held:
@@ -97,9 +97,8 @@ class Partition:
 _lock = threading.Lock()
 _partitions: dict[tuple[int, int], Partition] = {}  # (device index, SMs) -> kept for the process's life
 _by_stream: dict[int, Partition] = {}  # every partition stream's handle -> its partition
-_held: set[int] = (
-    set()
-)  # handles of the streams someone holds: own_stream()'s while its object lives, side_stream()'s for a block
+# handles of the streams someone holds: own_stream()'s while its object lives, side_stream()'s for a block
+_held: set[int] = set()
 
 
 def own_stream(device: torch.device | None = None, priority: int = 0) -> torch.cuda.Stream:
@@ -107,12 +106,12 @@ def own_stream(device: torch.device | None = None, priority: int = 0) -> torch.c
     returned object lives: a long-lived user's stream (module docstring)."""
     import torch
 
-    stream = take_free(lambda: torch.cuda.Stream(device, priority=priority))  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+    stream = _take_free(lambda: torch.cuda.Stream(device, priority=priority))  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
     weakref.finalize(stream, _unhold, stream.cuda_stream)
     return stream
 
 
-def take_free(draw: Callable[[], torch.cuda.Stream]) -> torch.cuda.Stream:
+def _take_free(draw: Callable[[], torch.cuda.Stream]) -> torch.cuda.Stream:
     """The first stream ``draw`` gives that nobody holds, now held (a RuntimeError after
     :data:`_DRAWS` draws: every stream of the pool is held)."""
     for _ in range(_DRAWS):
@@ -122,11 +121,6 @@ def take_free(draw: Callable[[], torch.cuda.Stream]) -> torch.cuda.Stream:
                 _held.add(stream.cuda_stream)
                 return stream
     raise RuntimeError(f"no free CUDA stream after {_DRAWS} draws from torch's pool: every one is held")
-
-
-def give_back(stream: torch.cuda.Stream) -> None:
-    """``stream`` is no longer held (a side stream after its block)."""
-    _unhold(stream.cuda_stream)
 
 
 def _unhold(handle: int) -> None:
@@ -142,11 +136,11 @@ def side_stream() -> Iterator[torch.cuda.Stream]:
     import torch
 
     current = partition_of(torch.cuda.current_stream())
-    stream = current.companion() if current is not None else take_free(torch.cuda.Stream)
+    stream = current.companion() if current is not None else _take_free(torch.cuda.Stream)
     try:
         yield stream
     finally:
-        give_back(stream)
+        _unhold(stream.cuda_stream)
 
 
 def missing(device: torch.device) -> str | None:

@@ -30,8 +30,8 @@ trajectory's sandbox past its final action, so a grader in the reward stage can 
 this stage tells it to give the sandbox back once the trajectory's Rewarded and its final action
 have both come here, whichever comes last (they travel different edges). The sandbox never waits
 for the trajectory's backward, which under ``max_staleness`` waits for the previous optimizer
-step: a later batch's sandboxes (and ``sandbox_slots``) cannot starve the batch being stepped. Without ``reward`` the runner gives it
-back at the final action. ``failures`` (an :class:`~thundersync.scheduling.EpisodeFailures`): a
+step: a later batch's sandboxes (and ``sandbox_slots``) cannot starve the batch being stepped.
+Without ``reward`` the runner gives it back at the final action. ``failures`` (an :class:`~thundersync.scheduling.EpisodeFailures`): a
 group dropped under ``on_failure = "drop"`` closes with ``GroupClosed(dropped=True)`` (and
 ``uninformative=True`` when dynamic sampling dropped it: its rewards were all equal) and leaves
 its batch, which waits for the source's refill; each GroupClosed settles its group for the source.
@@ -131,6 +131,7 @@ class CloseStage(Stage):
                     group.start_soon(self.tools.trajectory_closed, *graded)
                 for closure in closures:
                     await self._send(closure, outbox)
+                    # a trajectory that closes without having been graded here (a second release does nothing)
                     if isinstance(closure, TrajectoryClosed) and self.tools is not None:
                         group.start_soon(self.tools.trajectory_closed, closure.group_id, closure.trajectory_id)
             for closure in self.tracker.seal_all():
