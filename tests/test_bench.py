@@ -36,7 +36,10 @@ def test_grpo_engine_bench_runs_and_its_fp32_engine_error_is_tiny() -> None:
 
 @pytest.mark.timeout(300)
 def test_opd_engine_bench_and_the_phase_timings_run() -> None:
-    assert "| streaming OPD (OPDStream, backward at each action) |" in _run("engine_opd.py", "--repeat", "1")
+    table = _run("engine_opd.py", "--repeat", "1", "--forms", "graphs,eager")  # the other forms: tests/engine/accel
+    assert "| streaming OPD (OPDStream, backward at each action) |" in table
+    assert "| streaming OPD (OPDStream, backward at each action), eager (both graph switches off) |" in table
+    assert "fused layer math, no graphs" not in table
     table = _run("engine_phases.py")
     for phase in ("wall time", "pack.forward", "pack.backward", "head log-probs", "accumulate"):
         assert f"| {phase} |" in table

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -26,36 +21,9 @@ def _objectives() -> tuple[thundersync.RewardLinearBackward, thundersync.OPDStre
 
 def test_grpo_and_opd_are_streaming_objectives_with_their_signals() -> None:
     grpo, opd = _objectives()
-    objectives: list[StreamingObjective] = [grpo, opd]  # mypy checks these against the Protocol
+    objectives: list[StreamingObjective] = [grpo, opd]  # mypy --strict checks the classes: _conforms in each stream.py
     assert all(isinstance(o, StreamingObjective) for o in objectives)
     assert (grpo.signal, opd.signal) == ("reward", "teacher")
-
-
-@pytest.mark.slow
-def test_mypy_accepts_both_objectives_as_the_protocol(tmp_path: Path) -> None:
-    snippet = tmp_path / "uses_protocol.py"
-    snippet.write_text(
-        textwrap.dedent(
-            """
-            import torch
-            import thundersync
-            from thundersync.engine.objective import StreamingObjective
-
-            def objectives(model: torch.nn.Module) -> list[StreamingObjective]:
-                run = thundersync.StreamingRun(model)
-                return [thundersync.RewardLinearBackward(run), thundersync.OPDStream(run)]
-            """
-        )
-    )
-    root = Path(__file__).resolve().parents[2]
-    result = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", str(snippet)],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_grpo_refuses_teacher_log_probs_and_needs_a_reward() -> None:

@@ -58,6 +58,8 @@ from thundersync.opd.loss import Advantage, Normalization, normalizer
 if TYPE_CHECKING:
     import torch
 
+    from thundersync.engine.objective import StreamingObjective
+
 __all__ = ["OPDStream"]
 
 
@@ -258,3 +260,10 @@ def _unreplayed(group: Group[PromptState, TurnChain], trajectory: Trajectory[Tur
 
 def _group_bytes(group: Group[PromptState, TurnChain]) -> int:
     return group.payload.nbytes() + sum(t.payload.nbytes() for t in group.trajectories.values())
+
+
+if TYPE_CHECKING:
+
+    def _conforms(objective: OPDStream) -> StreamingObjective:
+        """mypy --strict (CI's static check) proves that the class satisfies the protocol the stages take."""
+        return objective

@@ -135,19 +135,6 @@ def test_two_ranks_from_the_command_line_reach_the_single_process_parameters(tmp
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["run.json", "step-00000003"]
 
 
-def test_two_ranks_resume_from_a_checkpoint_and_reach_the_uninterrupted_parameters(tmp_path: Path, tiny: Path) -> None:
-    """Batches of 2 groups: one epoch (steps 1-2), then resumed for the second (steps 3-4)."""
-    want = _single_process(tmp_path / "single", per_batch=2)
-    first = _torchrun(tmp_path, *_sets(tmp_path, 1, per_batch=2))
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = _torchrun(tmp_path, *_sets(tmp_path, 2, per_batch=2), "--overwrite", "--resume", str(tmp_path / "ckpt"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines if r["event"] == "step"] == [3, 4]
-    error = _relative_error(_weights(tmp_path / "ckpt" / "step-00000004"), _weights(want))
-    assert error < 1e-10, f"relative error {error:.3g}"
-
-
 def _optimizer_state(checkpoint: Path) -> dict[int, dict[str, torch.Tensor]]:
     state: dict[int, dict[str, torch.Tensor]] = torch.load(checkpoint / "training_state.pt")["optimizer"]["state"]
     return state
@@ -176,19 +163,22 @@ def test_two_ranks_with_sharded_optimizer_state_reach_the_single_process_paramet
             assert error < 1e-10, f"{name} of parameter {index}: relative error {error:.3g}"
 
 
-def test_two_ranks_with_sharded_optimizer_state_resume_and_reach_the_uninterrupted_parameters(
+def test_two_ranks_resume_across_sharded_and_replicated_state_and_reach_the_uninterrupted_parameters(
     tmp_path: Path, tiny: Path
 ) -> None:
-    """Batches of 2 groups, ZeRO-1: one epoch (steps 1-2), then resumed for the second (steps 3-4)."""
-    want = _single_process(tmp_path / "single", per_batch=2)
+    """Batches of 2 groups, three epochs, each resumed from the previous one's checkpoint: ZeRO-1
+    (steps 1-2), replicated optimizer state (steps 3-4), ZeRO-1 again (steps 5-6), so each kind of
+    checkpoint is resumed by the other."""
+    want = _single_process(tmp_path / "single", per_batch=2, repeat=3)
     first = _torchrun(tmp_path, *_sets(tmp_path, 1, SHARD, per_batch=2))
     assert first.returncode == 0, first.stderr[-3000:]
-    args = (*_sets(tmp_path, 2, SHARD, per_batch=2), "--overwrite", "--resume", str(tmp_path / "ckpt"))
-    resumed = _torchrun(tmp_path, *args)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines if r["event"] == "step"] == [3, 4]
-    error = _relative_error(_weights(tmp_path / "ckpt" / "step-00000004"), _weights(want))
+    for repeat, shard in ((2, ()), (3, (SHARD,))):
+        args = (*_sets(tmp_path, repeat, *shard, per_batch=2), "--overwrite", "--resume", str(tmp_path / "ckpt"))
+        resumed = _torchrun(tmp_path, *args)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in lines if r["event"] == "step"] == [2 * repeat - 1, 2 * repeat]
+    error = _relative_error(_weights(tmp_path / "ckpt" / "step-00000006"), _weights(want))
     assert error < 1e-10, f"relative error {error:.3g}"
 
 
