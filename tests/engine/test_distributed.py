@@ -128,11 +128,12 @@ def _train_rank(
 
 
 def _spawn(
-    target: Any, world_size: int, *args: Any, preload: Sequence[str] = ()
+    target: Any, world_size: int, *args: Any, preload: Sequence[str] = (), expect: int | None = None
 ) -> tuple[list[Any], list[int | None], Any]:
-    """Run ``target(rank, world_size, port, *args, out)`` in ``world_size`` fresh processes;
-    ``preload``: start them from a fork server that imported these modules once (``forkserver``),
-    instead of each importing them (``spawn``)."""
+    """Run ``target(rank, world_size, port, *args, out)`` in ``world_size`` fresh processes and
+    collect ``expect`` results from ``out`` (default: one a rank); ``preload``: start them from a
+    fork server that imported these modules once (``forkserver``), instead of each importing them
+    (``spawn``)."""
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
     )
@@ -145,7 +146,7 @@ def _spawn(
         p.start()
     results = []
     deadline = time.monotonic() + 120
-    while len(results) < world_size and time.monotonic() < deadline:
+    while len(results) < (world_size if expect is None else expect) and time.monotonic() < deadline:
         try:
             results.append(out.get(timeout=1))
         except Exception:

@@ -116,7 +116,9 @@ LAYOUTS = {  # (rollout ranks, learner ranks); the learners of two interleave wi
 
 def _split_rank(rank: int, world_size: int, port: int, layout: str, die: str, out: Any) -> None:
     """One rank of the split; ``die`` = "learner" or "rollout" makes that role's last rank exit
-    without a word in the middle of the first batch. Two learner ranks shard the model."""
+    without a word in the middle of the first batch; "reduce": after the steps (and their
+    results), the last learner rank exits after learning its share of one more batch, before the
+    gradient reduction. Two learner ranks shard the model."""
     from thundersync.engine.split import Placement, SplitChannel
 
     store = _connect(rank, world_size, port)
@@ -140,6 +142,13 @@ def _split_rank(rank: int, world_size: int, port: int, layout: str, die: str, ou
                 received.append(anyio.run(_rollout_batch, channel, generator, step))
                 version = channel.receive_weights(params)
                 assert version == step + 1, f"rank {rank} received version {version} after step {step}"
+        _put_result(out, rank, received, model)
+        if die == "reduce":
+            if learn is not None:
+                learn(channels[STEPS % 2], STEPS, params, exit_before_reduce=rank == max(learner))
+            else:
+                anyio.run(_rollout_batch, channels[STEPS % 2], generator, STEPS)
+                channels[STEPS % 2].receive_weights(params)
     except Exception as error:
         channels[0].report_failure(error)
         causes = [repr(e) for e in getattr(error, "exceptions", [])][:1]
@@ -147,10 +156,13 @@ def _split_rank(rank: int, world_size: int, port: int, layout: str, die: str, ou
         out.close()
         out.join_thread()  # os._exit would drop what the queue's feeder thread has not written yet
         os._exit(1)
+    dist.destroy_process_group()
+
+
+def _put_result(out: Any, rank: int, received: list[int], model: torch.nn.Module) -> None:
     buffer = io.BytesIO()
     torch.save([p.detach() for p in model.parameters()], buffer)
     out.put((rank, received, buffer.getvalue()))
-    dist.destroy_process_group()
 
 
 def _learner(channel: Any, model: torch.nn.Module, store: Any) -> Any:
@@ -166,9 +178,11 @@ def _learner(channel: Any, model: torch.nn.Module, store: Any) -> Any:
     trained = _trained(model) if sharded is None else sharded.parameters()
     optimizer = torch.optim.AdamW(trained, lr=1e-2, maximize=True)
 
-    def learn(channel: Any, step: int, params: list[torch.Tensor]) -> int:
+    def learn(channel: Any, step: int, params: list[torch.Tensor], exit_before_reduce: bool = False) -> int:
         count = learn_batch(channel, grpo, version=step)
         grpo.assert_safe_to_step()
+        if exit_before_reduce:
+            os._exit(3)
         if sharded is not None:
             sharded.all_reduce_gradients(grpo.run.params)
         optimizer.step()
@@ -212,12 +226,21 @@ def _one_trajectory() -> Any:
 def test_a_split_run_reaches_the_single_process_parameters(layout: str) -> None:
     """1 rollout + 1 learner broadcasting a LoRA adapter only; 2 rollout + 2 learner ranks (a
     sharded model, receiving unequal shares of whole groups) broadcasting every weight; GRPO, two
-    steps with a broadcast after each; every rank's whole model compared."""
+    steps with a broadcast after each; every rank's whole model compared. The 2+2 run goes on
+    (sharing its processes with a death test): in a third batch, the last learner rank exits before
+    the gradient reduction, and every other rank ends with an error naming it."""
     rollout, learner = LAYOUTS[layout]
     world_size = len(rollout) + len(learner)
-    results, codes, _ = _spawn(_split_rank, world_size, layout, "", preload=PRELOAD)
-    assert codes == [0] * world_size, f"rank exit codes {codes}: {results}"
+    sharded = len(learner) > 1
+    die, expect = ("reduce", 2 * world_size - 1) if sharded else ("", world_size)
+    results, codes, _ = _spawn(_split_rank, world_size, layout, die, preload=PRELOAD, expect=expect)
+    if sharded:
+        _check_errors([r for r in results if r[1] == "error"], codes, learner, max(learner), "learner")
+        results = [r for r in results if r[1] != "error"]
+    else:
+        assert codes == [0] * world_size, f"rank exit codes {codes}: {results}"
     by_rank = {rank: (received, torch.load(io.BytesIO(blob))) for rank, received, blob in results}
+    assert sorted(by_rank) == list(range(world_size)), f"results from ranks {sorted(by_rank)}"
     learned = [[by_rank[rank][0][step] for rank in learner] for step in range(STEPS)]
     assert [sum(counts) for counts in learned] == [GROUPS * GROUP_SIZE] * STEPS, f"learned {learned}"
     assert all(min(counts) > 0 for counts in learned), f"every learner rank learns a share: {learned}"
@@ -236,9 +259,14 @@ def test_a_rank_that_dies_mid_batch_ends_the_split_with_an_error_naming_it_and_i
     rollout, learner = LAYOUTS[layout]
     world_size = len(rollout) + len(learner)
     results, codes, _ = _spawn(_split_rank, world_size, layout, role, preload=PRELOAD)
-    dead = max(learner if role == "learner" else rollout)
+    _check_errors(results, codes, learner, max(learner if role == "learner" else rollout), role)
+
+
+def _check_errors(results: list[Any], codes: list[int | None], learner: tuple[int, ...], dead: int, role: str) -> None:
+    """Rank ``dead`` exited (3), every other rank ended with an error (1) naming itself with its
+    role, and ``dead`` with its role as no longer running."""
     assert codes[dead] == 3, f"exit codes {codes}"
-    survivors = [rank for rank in range(world_size) if rank != dead]
+    survivors = [rank for rank in range(len(codes)) if rank != dead]
     assert [codes[rank] for rank in survivors] == [1] * len(survivors), f"exit codes {codes}, {results}"
     assert sorted((rank, kind) for rank, kind, _ in results) == [(rank, "error") for rank in survivors]
     for rank, _, message in results:
