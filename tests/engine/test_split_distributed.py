@@ -162,7 +162,7 @@ def _split_rank(rank: int, world_size: int, port: int, layout: str, die: str, ou
 def _put_result(out: Any, rank: int, received: list[int], model: torch.nn.Module) -> None:
     buffer = io.BytesIO()
     torch.save([p.detach() for p in model.parameters()], buffer)
-    out.put((rank, received, buffer.getvalue()))
+    out.put((rank, received, buffer.getvalue(), os.getpid()))
 
 
 def _learner(channel: Any, model: torch.nn.Module, store: Any) -> Any:
@@ -235,11 +235,15 @@ def test_a_split_run_reaches_the_single_process_parameters(layout: str) -> None:
     die, expect = ("reduce", 2 * world_size - 1) if sharded else ("", world_size)
     results, codes, _ = _spawn(_split_rank, world_size, layout, die, preload=PRELOAD, expect=expect)
     if sharded:
-        _check_errors([r for r in results if r[1] == "error"], codes, learner, max(learner), "learner")
-        results = [r for r in results if r[1] != "error"]
+        errors, results = [r for r in results if r[1] == "error"], [r for r in results if r[1] != "error"]
+        _check_errors(errors, codes, learner, max(learner), "learner")
+        pids = {rank: pid for rank, _, _, pid in results}
+        for _, _, message in errors:  # each rank named with its own process (world ranks in the store)
+            named = re.findall(r"rank (\d+) \((?:learner|rollout), host [^,]+, pid (\d+)", message)
+            assert named and all(int(pid) == pids[int(n)] for n, pid in named), f"pids {pids}: {message}"
     else:
         assert codes == [0] * world_size, f"rank exit codes {codes}: {results}"
-    by_rank = {rank: (received, torch.load(io.BytesIO(blob))) for rank, received, blob in results}
+    by_rank = {rank: (received, torch.load(io.BytesIO(blob))) for rank, received, blob, _ in results}
     assert sorted(by_rank) == list(range(world_size)), f"results from ranks {sorted(by_rank)}"
     learned = [[by_rank[rank][0][step] for rank in learner] for step in range(STEPS)]
     assert [sum(counts) for counts in learned] == [GROUPS * GROUP_SIZE] * STEPS, f"learned {learned}"
