@@ -198,8 +198,8 @@ class SplitChannel:
             self._send([self._header([_END, 0, 0, 0, 0, 0, 0])], "the end of the batch", learner)
 
     def receive_weights(self, params: Sequence[torch.Tensor]) -> int:
-        """Copy the learner's broadcast into ``params`` (in place: the same shapes, in the order the
-        learner gave them to :meth:`broadcast_weights`); return the policy version it carries
+        """Copy the first learner rank's broadcast into ``params`` (in place: the same shapes, in the
+        order it gave them to :meth:`broadcast_weights`); return the policy version it carries
         (rollout ranks)."""
         self._require("rollout", "receive weights")
         version = torch.zeros(1, dtype=torch.int64, device=self.device)
