@@ -47,5 +47,5 @@ def test_a_sequence_of_a_smaller_group_names_its_world_ranks_with_their_roles() 
     line = arrivals.explain("the reduction", 5, RuntimeError("Connection closed by peer"))
     assert line.startswith("the reduction failed (RuntimeError: Connection closed by peer)"), line
     assert line.endswith(
-        f"; rank 3 (learner, host {socket.gethostname()}, pid {os.getpid()}, still running) never reached it"
+        f"; rank 3 (learner, host {socket.gethostname()}, pid {os.getpid()}, still running) had not reached it"
     )

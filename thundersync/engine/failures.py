@@ -167,7 +167,7 @@ class Arrivals:
         cause = " ".join(f"{type(error).__name__}: {error}".split())[:500]
         behind = ""  # e.g. a broken connection: a rank that never entered it may be the one that died
         if missing:
-            behind = "; " + ", ".join(describe_rank(self.store, rank) for rank in missing) + " never reached it"
+            behind = "; " + ", ".join(describe_rank(self.store, rank) for rank in missing) + " had not reached it"
         return f"{what} failed ({cause}){describe_failures(self.store, self.world_size, me=self.rank)}{behind}"
 
     def _key(self, rank: int) -> str:
