@@ -11,7 +11,7 @@ with its reward, and a group closes with its last trajectory. Then the caller st
     >>> channel.broadcast_weights(grpo.run.params, n + 1)     # doctest: +SKIP
 
 With several learner ranks each one learns the whole groups sent to it, and a
-:class:`~thundersync.engine.sharded.ShardedDataParallel` (or a replicated
+:class:`~thundersync.engine.sharded.ShardedDataParallel` (or, untested here, a replicated
 :class:`~thundersync.engine.distributed.DataParallel`) over ``channel.learner_group`` reduces the
 gradient once per batch; the first learner rank broadcasts the gathered weights:
 
