@@ -1,17 +1,21 @@
-"""A rollout/learner split under torchrun: rank 0 learns, every other rank generates.
+"""A rollout/learner split under torchrun: the first ``--learners`` ranks learn, every other rank generates.
 
     torchrun --nproc-per-node 2 examples/split_grpo.py     # gloo on CPU; NCCL, one GPU a rank, with CUDA
+    torchrun --nproc-per-node 4 examples/split_grpo.py --learners 2    # a learner sharded over 2 ranks
 
 Each rollout rank samples its share of each batch's groups from a small random Qwen3 with the
-built-in ``TorchGenerator`` and sends each trajectory to the learner when it finishes; the
-learner streams GRPO per trajectory, steps, and broadcasts the new weights, on which the next
-batch generates (decision 081). The reward is a toy one (the share of even token ids). Every rank
-prints one JSON line: its role, the policy version it ends on and a checksum of its weights,
-which is the same on every rank.
+built-in ``TorchGenerator`` and sends each trajectory to its group's learner rank when it
+finishes; each learner rank streams GRPO per trajectory, the learner ranks reduce the gradient
+(a ``ShardedDataParallel`` over ``channel.learner_group`` when there are several) and step, and
+the first learner rank broadcasts the new weights, on which the next batch generates (decisions
+081, 089). The reward is a toy one (the share of even token ids). Every rank prints one JSON
+line: its role, the policy version it ends on and a checksum of its weights, which is the same on
+every rank.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -23,6 +27,7 @@ import torch.distributed as dist
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import thundersync
+from thundersync.engine.sharded import ShardedDataParallel
 from thundersync.generation.base import SamplingParams
 from thundersync.generation.torch_generator import TorchGenerator
 from thundersync.split import Placement, SplitChannel, generate_batch, learn_batch
@@ -55,27 +60,37 @@ def prompts(step: int) -> list[tuple[int, list[int]]]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--learners", type=int, default=1, help="learner ranks (the first ones); default 1")
+    learners = parser.parse_args().learners
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    placement = Placement(learner=(0,), rollout=tuple(range(1, dist.get_world_size())))
+    placement = Placement(learner=tuple(range(learners)), rollout=tuple(range(learners, dist.get_world_size())))
     channel = SplitChannel(placement, timeout_s=120)
     model = make_model(device)
+    sharded = None
+    if channel.role == "learner" and learners > 1:  # shards the model; its parameters are then the gathered ones
+        sharded = ShardedDataParallel(model, channel.learner_group, timeout_s=120)
     params = list(model.parameters())
     version = 0
     try:
         if channel.role == "learner":
-            grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model))
-            optimizer = torch.optim.AdamW(params, lr=1e-3, maximize=True)
+            grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model, data_parallel=sharded))
+            optimizer = torch.optim.AdamW(params if sharded is None else sharded.parameters(), lr=1e-3, maximize=True)
             for _ in range(STEPS):
-                learn_batch(channel, grpo, version=version)
+                learn_batch(channel, grpo, version=version)  # this rank's share: whole groups
                 grpo.assert_safe_to_step()
+                if sharded is not None:
+                    sharded.all_reduce_gradients(grpo.run.params)  # once per batch, over the learner ranks
                 optimizer.step()
+                if sharded is not None:
+                    sharded.stepped()  # the new shards gathered into params
                 optimizer.zero_grad(set_to_none=True)
                 version += 1
-                channel.broadcast_weights(params, version)
+                channel.broadcast_weights(params, version)  # the first learner rank sends
         else:
             generator = TorchGenerator(model, max_batch=16, max_seq_len=64)
             for step in range(STEPS):

@@ -11,6 +11,7 @@ import io
 import multiprocessing as mp
 import random
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -126,18 +127,26 @@ def _train_rank(
     return taken, [p.detach() for p in grpo.run.params]
 
 
-def _spawn(target: Any, world_size: int, *args: Any) -> tuple[list[Any], list[int | None], Any]:
+def _spawn(
+    target: Any, world_size: int, *args: Any, preload: Sequence[str] = (), expect: int | None = None
+) -> tuple[list[Any], list[int | None], Any]:
+    """Run ``target(rank, world_size, port, *args, out)`` in ``world_size`` fresh processes and
+    collect ``expect`` results from ``out`` (default: one a rank); ``preload``: start them from a
+    fork server that imported these modules once (``forkserver``), instead of each importing them
+    (``spawn``)."""
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
     )
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver" if preload else "spawn")
+    if preload:
+        ctx.set_forkserver_preload(list(preload))
     out = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, world_size, store.port, *args, out)) for r in range(world_size)]
     for p in procs:
         p.start()
     results = []
     deadline = time.monotonic() + 120
-    while len(results) < world_size and time.monotonic() < deadline:
+    while len(results) < (world_size if expect is None else expect) and time.monotonic() < deadline:
         try:
             results.append(out.get(timeout=1))
         except Exception:

@@ -21,8 +21,9 @@ def test_a_placement_names_each_rank_once_in_one_role() -> None:
         Placement(rollout=(0, 1), learner=(1,))
     with pytest.raises(ConfigError, match="at least one rollout"):
         Placement(rollout=(), learner=(0,))
-    with pytest.raises(ConfigError, match="2 learner ranks"):
-        Placement(rollout=(0,), learner=(1, 2))
+    two = Placement(rollout=(0, 2), learner=(1, 3))  # each rollout rank deals its groups over the learners
+    assert [two.learner_of(position) for position in range(6)] == [1, 1, 3, 3, 1, 1]
+    assert [placement.learner_of(position) for position in range(4)] == [0, 0, 0, 0]
     with pytest.raises(ConfigError, match="rank 5 is in neither role"):
         placement.role(5)
 

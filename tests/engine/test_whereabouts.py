@@ -31,3 +31,21 @@ def test_a_rank_that_ended_but_was_not_collected_yet_is_no_longer_running() -> N
         child.wait()
     introduce(store, 0)
     assert whereabouts(store, 0) == f"host {socket.gethostname()}, pid {os.getpid()}, still running"
+
+
+def test_a_sequence_of_a_smaller_group_names_its_world_ranks_with_their_roles() -> None:
+    """Arrivals of a group of world ranks 1 and 3: only rank 3 can lag, and a broken connection
+    (no timeout) names it, with the role it was introduced with, as never having reached it."""
+    from thundersync.engine.failures import Arrivals, describe_rank
+
+    store = dist.HashStore()
+    introduce(store, 3, "learner")
+    assert describe_rank(store, 3) == f"rank 3 (learner, host {socket.gethostname()}, pid {os.getpid()}, still running)"
+    arrivals = Arrivals(store, "collectives/g", rank=1, world_size=4, ranks=[1, 3])
+    arrivals.arrive()
+    assert arrivals.missing() == [3]
+    line = arrivals.explain("the reduction", 5, RuntimeError("Connection closed by peer"))
+    assert line.startswith("the reduction failed (RuntimeError: Connection closed by peer)"), line
+    assert line.endswith(
+        f"; rank 3 (learner, host {socket.gethostname()}, pid {os.getpid()}, still running) had not reached it"
+    )

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from thundersync.engine.failures import Arrivals, introduce, report_failure
+from thundersync.engine.failures import Arrivals, introduce, report_failure, role_of
 from thundersync.engine.sinks import accumulate_dtype
 from thundersync.errors import ConfigError, DistributedError
 
@@ -45,6 +45,8 @@ class DataParallel:
     ``store`` carries failure reports (and :class:`~thundersync.scheduling.GroupClaims`); by
     default the default process group's own store. ``arrivals`` marks the collectives this rank
     enters (default: its own, on ``store``); instances that share a process group share one.
+    ``rank`` and ``world_size`` are this rank's in ``group``; what goes to the store (failure
+    reports, arrivals, whereabouts) and the ranks an error names are the world's ranks.
     """
 
     def __init__(
@@ -65,14 +67,18 @@ class DataParallel:
             raise ConfigError(f"bucket_bytes ({bucket_bytes}) and timeout_s ({timeout_s}) must be positive")
         self.group, self.store = group, store if store is not None else default_store()
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.global_rank = dist.get_rank()
+        self.ranks = list(range(self.world_size)) if group is None else dist.get_process_group_ranks(group)
         self.bucket_bytes, self.timeout = bucket_bytes, datetime.timedelta(seconds=timeout_s)
         backend = dist.get_backend(group)
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.bytes_reduced = 0
         if self.store is not None:
-            introduce(self.store, self.rank)
+            introduce(self.store, self.global_rank)
             if arrivals is None:
-                arrivals = Arrivals(self.store, "collectives", rank=self.rank, world_size=self.world_size)
+                sequence = "collectives" if group is None else f"collectives/{group.group_name}"
+                world = dist.get_world_size()
+                arrivals = Arrivals(self.store, sequence, rank=self.global_rank, world_size=world, ranks=self.ranks)
         self.arrivals = arrivals
 
     def all_reduce_counts(self, counts: Sequence[int]) -> list[int]:
@@ -112,19 +118,21 @@ class DataParallel:
         """After ``optimizer.step()``: nothing to do for replicas (a sharded learner gathers here)."""
 
     def broadcast_parameters(self, params: Sequence[torch.nn.Parameter], src: int = 0) -> None:
-        """Make every replica's parameters equal to rank ``src``'s (before training starts)."""
+        """Make every replica's parameters equal to those of rank ``src`` of the group (before
+        training starts)."""
         with torch.no_grad():
             for p in params:
                 value = p.detach().to(self.device)
-                what = f"the parameter broadcast from rank {src}"
-                self._collective(what, functools.partial(dist.broadcast, value, src, group=self.group, async_op=True))
+                what = f"the parameter broadcast from rank {self.ranks[src]}"
+                start = functools.partial(dist.broadcast, value, group=self.group, group_src=src, async_op=True)
+                self._collective(what, start)
                 if value.data_ptr() != p.data_ptr():
                     p.copy_(value)
 
     def report_failure(self, error: BaseException) -> None:
         """Tell the other ranks why this rank is about to stop (best effort: the store may be gone)."""
         if self.store is not None:
-            report_failure(self.store, self.rank, error)
+            report_failure(self.store, self.global_rank, error)
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -151,7 +159,12 @@ class DataParallel:
         try:
             start().wait(self.timeout)
         except Exception as error:
-            raise DistributedError(f"rank {self.rank} of {self.world_size}: {self._explain(what, error)}") from error
+            raise DistributedError(f"{self._me()}: {self._explain(what, error)}") from error
+
+    def _me(self) -> str:
+        """``rank 0 of 2`` (the world), or ``rank 3 (learner)`` when the store knows its role."""
+        role = "" if self.store is None else role_of(self.store, self.global_rank)
+        return f"rank {self.global_rank} ({role})" if role else f"rank {self.global_rank} of {dist.get_world_size()}"
 
     def _explain(self, what: str, error: Exception) -> str:
         if self.arrivals is not None:

@@ -6,7 +6,9 @@ cause instead of only "timed out". A rank that hangs (alive, but never reaching 
 collective) reports nothing; :class:`Arrivals` finds it instead: each rank counts the collectives
 of one sequence it has entered, under ``thundersync/at/{sequence}/{rank}``, and a rank whose count
 is behind this rank's never reached the collective that timed out. :func:`introduce` records each
-rank's host and process id (``thundersync/who/{rank}``) so that the error can name them.
+rank's host and process id (``thundersync/who/{rank}``), and its role in a rollout/learner split
+when it has one (``thundersync/role/{rank}``), so that the error can name them. Ranks are always
+the world's (global) ranks, also for a sequence of a smaller process group.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
@@ -23,12 +26,14 @@ __all__ = [
     "describe_rank",
     "introduce",
     "report_failure",
+    "role_of",
     "whereabouts",
 ]
 
 _FAILED = "thundersync/failed/"
 _AT = "thundersync/at/"
 _WHO = "thundersync/who/"
+_ROLE = "thundersync/role/"
 
 TIMEOUT_HINT = (
     "if the ranks are only slow, give them more time: THUNDERSYNC_DIST_TIMEOUT_S under `thundersync run` "
@@ -43,17 +48,28 @@ def report_failure(store: Any, rank: int, error: BaseException) -> None:
         store.set(f"{_FAILED}{rank}", f"{type(error).__name__}: {error}"[:2000])
 
 
-def introduce(store: Any, rank: int) -> None:
-    """Record this process's host and pid as ``rank``'s (best effort)."""
+def introduce(store: Any, rank: int, role: str = "") -> None:
+    """Record this process's host and pid as ``rank``'s, and its ``role`` when given (best effort)."""
     with contextlib.suppress(Exception):
         store.set(f"{_WHO}{rank}", f"{socket.gethostname()} {os.getpid()}")
+        if role:
+            store.set(f"{_ROLE}{rank}", role)
+
+
+def role_of(store: Any, rank: int) -> str:
+    """The role :func:`introduce` recorded for ``rank`` (``"learner"``, ``"rollout"``), or ``""``."""
+    key = f"{_ROLE}{rank}"
+    try:  # check first: a store's get waits for a missing key
+        return store.get(key).decode(errors="replace") if store.check([key]) else ""
+    except Exception:
+        return ""
 
 
 def describe_rank(store: Any, rank: int) -> str:
-    """``"rank 1 (host h, pid 123, still running)"``: :func:`whereabouts` in brackets, or
-    ``"rank 1"`` when nothing is known."""
-    where = whereabouts(store, rank)
-    return f"rank {rank} ({where})" if where else f"rank {rank}"
+    """``"rank 1 (learner, host h, pid 123, still running)"``: its role and :func:`whereabouts` in
+    brackets, as far as they are known (``"rank 1"`` when nothing is)."""
+    known = ", ".join(part for part in (role_of(store, rank), whereabouts(store, rank)) if part)
+    return f"rank {rank} ({known})" if known else f"rank {rank}"
 
 
 def whereabouts(store: Any, rank: int) -> str:
@@ -103,12 +119,17 @@ class Arrivals:
     order (the gradient reductions of a run, the step records' gathers), through ``store``.
 
     Call :meth:`arrive` before each collective of the sequence; when one fails,
-    :meth:`explain` says which ranks never entered it (they hang, or are slower than the
-    timeout), or else why the ranks that reported a failure stopped.
+    :meth:`explain` says which ranks never entered it (they hang, are slower than the timeout,
+    or died), or else why the ranks that reported a failure stopped. ``rank`` is this rank in the
+    world of ``world_size`` ranks; ``ranks`` the world ranks that take part in the sequence
+    (default: all of them).
     """
 
-    def __init__(self, store: Any, sequence: str, *, rank: int, world_size: int) -> None:
+    def __init__(
+        self, store: Any, sequence: str, *, rank: int, world_size: int, ranks: Sequence[int] | None = None
+    ) -> None:
         self.store, self.sequence, self.rank, self.world_size = store, sequence, rank, world_size
+        self.ranks = list(range(world_size)) if ranks is None else list(ranks)
         self.count = 0  # collectives of the sequence this rank has entered
 
     def arrive(self) -> None:
@@ -122,7 +143,7 @@ class Arrivals:
         cannot be read)."""
         behind = []
         try:
-            for rank in range(self.world_size):
+            for rank in self.ranks:
                 key = self._key(rank)
                 count = int(self.store.get(key)) if self.store.check([key]) else 0
                 if rank != self.rank and count < self.count:
@@ -144,7 +165,10 @@ class Arrivals:
                 f"than that; {TIMEOUT_HINT}"
             )
         cause = " ".join(f"{type(error).__name__}: {error}".split())[:500]
-        return f"{what} failed ({cause}){describe_failures(self.store, self.world_size, me=self.rank)}"
+        behind = ""  # e.g. a broken connection: a rank that never entered it may be the one that died
+        if missing:
+            behind = "; " + ", ".join(describe_rank(self.store, rank) for rank in missing) + " had not reached it"
+        return f"{what} failed ({cause}){describe_failures(self.store, self.world_size, me=self.rank)}{behind}"
 
     def _key(self, rank: int) -> str:
         return f"{_AT}{self.sequence}/{rank}"

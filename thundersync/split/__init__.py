@@ -1,9 +1,9 @@
-"""A rollout/learner split: rollout ranks generate, learner ranks learn (decision 081).
+"""A rollout/learner split: rollout ranks generate, learner ranks learn (decisions 081, 089).
 
 :class:`~thundersync.engine.split.SplitChannel` moves trajectories and weights between the roles
 on ``torch.distributed``; this package holds each role's loop over it: :func:`generate_batch`
-(a rollout rank: a generator's trajectories, sent as each finishes) and :func:`learn_batch` (the
-learner: each received trajectory streamed into GRPO at once).
+(a rollout rank: a generator's trajectories, each sent as it finishes to its group's learner
+rank) and :func:`learn_batch` (a learner rank: each received trajectory streamed into GRPO at once).
 """
 
 from __future__ import annotations

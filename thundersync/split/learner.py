@@ -9,6 +9,19 @@ with its reward, and a group closes with its last trajectory. Then the caller st
     >>> learn_batch(channel, grpo, version=n)                 # doctest: +SKIP
     >>> grpo.assert_safe_to_step(); optimizer.step(); optimizer.zero_grad(set_to_none=True)
     >>> channel.broadcast_weights(grpo.run.params, n + 1)     # doctest: +SKIP
+
+With several learner ranks each one learns the whole groups sent to it, and a
+:class:`~thundersync.engine.sharded.ShardedDataParallel` (or, untested here, a replicated
+:class:`~thundersync.engine.distributed.DataParallel`) over ``channel.learner_group`` reduces the
+gradient once per batch; the first learner rank broadcasts the gathered weights:
+
+    >>> dp = ShardedDataParallel(model, channel.learner_group, timeout_s=600)   # doctest: +SKIP
+    >>> grpo = RewardLinearBackward(StreamingRun(model, data_parallel=dp))     # doctest: +SKIP
+    >>> optimizer = torch.optim.AdamW(dp.parameters())                         # doctest: +SKIP
+    >>> learn_batch(channel, grpo, version=n); grpo.assert_safe_to_step()      # doctest: +SKIP
+    >>> dp.all_reduce_gradients(grpo.run.params); optimizer.step(); dp.stepped()  # doctest: +SKIP
+    >>> optimizer.zero_grad(set_to_none=True)                                  # doctest: +SKIP
+    >>> channel.broadcast_weights(list(model.parameters()), n + 1)             # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -22,9 +35,10 @@ __all__ = ["learn_batch"]
 
 
 def learn_batch(channel: SplitChannel, objective: Any, *, version: int) -> int:
-    """Stream one batch from ``channel`` into ``objective`` (GRPO's streaming API); return how many
-    trajectories it received. Every trajectory must carry policy ``version`` (on policy: the
-    version the learner's parameters hold) and every group must be complete when the batch ends."""
+    """Stream this learner rank's share of one batch from ``channel`` into ``objective`` (GRPO's
+    streaming API); return how many trajectories it received. Every trajectory must carry policy
+    ``version`` (on policy: the version the learner's parameters hold) and every group must be
+    complete when the batch ends (a group never spans learner ranks)."""
     received: dict[int, int] = {}
     sizes: dict[int, int] = {}
     count = 0

@@ -1,5 +1,6 @@
 """The rollout side of a rollout/learner split: generate this rank's groups and send each
-trajectory to the learner as soon as it is finished (:class:`~thundersync.engine.split.SplitChannel`).
+trajectory to its group's learner rank as soon as it is finished
+(:class:`~thundersync.engine.split.SplitChannel`).
 
     >>> version = 0
     >>> for prompts in batches:                                                      # doctest: +SKIP
@@ -37,14 +38,16 @@ async def generate_batch(
 ) -> int:
     """Generate ``group_size`` trajectories for each of this rank's groups of ``prompts`` (``(group_id,
     prompt token ids)`` pairs, the same list on every rollout rank: :meth:`Placement.groups_of`
-    picks this rank's share), all at once, send each to the learner when it finishes, then end the
-    batch. ``seed(group_id, trajectory_id)`` fixes a request's sampling seed (default: the
-    generator's). Returns how many trajectories this rank sent."""
+    picks this rank's share), all at once, send each when it finishes to the learner rank of its
+    group (:meth:`Placement.learner_of` the group's position in ``prompts``), then end the batch.
+    ``seed(group_id, trajectory_id)`` fixes a request's sampling seed (default: the generator's).
+    Returns how many trajectories this rank sent."""
     params = params or SamplingParams()
-    mine = set(channel.placement.groups_of(channel.rank, [group for group, _ in prompts]))
+    placement = channel.placement
+    mine = set(placement.groups_of(channel.rank, [group for group, _ in prompts]))
     sent = 0
 
-    async def one(group: int, prompt: list[int], index: int) -> None:
+    async def one(group: int, prompt: list[int], index: int, learner: int) -> None:
         nonlocal sent
         request_params = params if seed is None else msgspec.structs.replace(params, seed=seed(group, index))
         result = await generator.generate(GenerationRequest(prompt_ids=list(prompt), params=request_params))
@@ -58,15 +61,15 @@ async def generate_batch(
             reward=float(reward(list(prompt), list(result.token_ids))),
             policy_version=version,
         )
-        await anyio.to_thread.run_sync(channel.send, trajectory)
+        await anyio.to_thread.run_sync(channel.send, trajectory, learner)
         sent += 1
 
     try:
         async with anyio.create_task_group() as tasks:
-            for group, prompt in prompts:
+            for position, (group, prompt) in enumerate(prompts):
                 if group in mine:
                     for index in range(group_size):
-                        tasks.start_soon(one, group, prompt, index)
+                        tasks.start_soon(one, group, prompt, index, placement.learner_of(position))
     except BaseExceptionGroup as failures:  # one cause for the caller: the first failed request's
         raise _first(failures) from failures
     await anyio.to_thread.run_sync(channel.end_batch)
