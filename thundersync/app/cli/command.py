@@ -184,11 +184,12 @@ def _prepare(path: Path, spec: PipelineSpec, ranks: Launch | None = None) -> tup
 
     try:
         objects = build_objects(spec)
-        if ranks is not None:  # claims, and an admission when the file has none (its step lines show it)
-            objects = {**objects, **attach(ranks, objects)}
+        parallel = ranks if spec.run.split is None else None  # a split's ranks are not data parallel
+        if parallel is not None:  # claims, and an admission when the file has none (its step lines show it)
+            objects = {**objects, **attach(parallel, objects)}
         graph = build_graph(spec, **objects)
-        if ranks is not None:
-            balance(ranks, graph)
+        if parallel is not None:
+            balance(parallel, graph)
     except ConfigError as error:
         raise _qualified(path, error) from None
     return objects, graph
@@ -269,12 +270,32 @@ def _run(path: Path, args: argparse.Namespace) -> int:
 
     spec = _load(path, args.overrides)
     with launch() as ranks:
+        ranks = _split_launch(spec, ranks, args.resume)
         writes = ranks is None or ranks.writes_files
         target = Target(args.metrics, args.overwrite, args.resume, ranks is not None, writes)
         _preflight(path, spec, target)
         if writes:  # rank 0 alone writes files
             _check_checkpoints(spec, args)
         return _run_rank(path, spec, args, ranks)
+
+
+def _split_launch(spec: PipelineSpec, ranks: Launch | None, resume: Path | None) -> Launch | None:
+    """A ``[run.split]`` launch: its placement checked against the launch, the learner the writer."""
+    split = spec.run.split
+    if split is None:
+        return ranks
+    import dataclasses
+
+    from thundersync.app.files.split import check_world
+
+    check_world(split, None if ranks is None else ranks.world_size)
+    assert ranks is not None
+    if resume is not None:
+        raise ConfigError(
+            f"--resume {resume}: resuming a split run is not built; run the file without [run.split] to resume "
+            "from the checkpoint, or start the split anew"
+        )
+    return dataclasses.replace(ranks, writer=split.learner[0])
 
 
 def _check_checkpoints(spec: PipelineSpec, args: argparse.Namespace) -> None:
@@ -332,8 +353,6 @@ def _run_graph(
     import anyio
     import structlog
 
-    from thundersync.app.cli._cli_run import run_pipeline
-
     settings = spec.run
     writes = ranks is None or ranks.writes_files
     timeout_s = args.timeout if args.timeout is not None else settings.timeout_s
@@ -342,25 +361,36 @@ def _run_graph(
     with _open_metrics(path, spec, objects, graph, args, writes, resumed) as metrics:
         log.info("run started", file=str(path), stages=len(graph))
         try:
-            stats = anyio.run(
-                lambda: run_pipeline(
-                    graph,
-                    objects,
-                    metrics,
-                    screen=screen,
-                    shown=shown,
-                    timeout_s=timeout_s,
-                    ranks=ranks,
-                )
-            )
+            elapsed_s = anyio.run(lambda: _drive(spec, objects, graph, metrics, ranks, screen, shown, timeout_s))
         except BaseException as error:
             metrics.write("run_finished", status="failed", error=f"{type(error).__name__}: {error}")
             if writes:
                 _say_where_to_resume(objects, started, args.argv)
             raise
-        metrics.write("run_finished", status="ok", elapsed_s=stats.elapsed_s)
-    log.info("run finished", file=str(path), elapsed_s=round(stats.elapsed_s, 3))
+        metrics.write("run_finished", status="ok", elapsed_s=elapsed_s)
+    log.info("run finished", file=str(path), elapsed_s=round(elapsed_s, 3))
     return EXIT_OK
+
+
+async def _drive(
+    spec: PipelineSpec,
+    objects: dict[str, object],
+    graph: Graph,
+    metrics: JsonlMetrics,
+    ranks: Launch | None,
+    screen: Screen,
+    shown: Progress,
+    timeout_s: float | None,
+) -> float:
+    """Run the graph (or, with ``[run.split]``, this rank's role of the split); returns its seconds."""
+    from thundersync.app.cli._cli_run import run_pipeline
+
+    if spec.run.split is not None and ranks is not None:
+        from thundersync.app.cli.split import run_split_rank
+
+        return await run_split_rank(ranks, spec.run.split, graph, objects, metrics, screen=screen, timeout_s=timeout_s)
+    stats = await run_pipeline(graph, objects, metrics, screen=screen, shown=shown, timeout_s=timeout_s, ranks=ranks)
+    return stats.elapsed_s
 
 
 @contextmanager
