@@ -1,0 +1,123 @@
+"""``[run.split]`` in a pipeline file: what it may say is checked when the file is read, against
+the launch when the run starts, and what the split does not run is refused naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from thundersync.app.cli.command import _split_launch, main
+from thundersync.app.cli.distributed import Launch
+from thundersync.app.files.build import build_graph, build_objects
+from thundersync.app.files.definition import loads
+from thundersync.app.files.split import check_world
+from thundersync.errors import ConfigError, DefinitionError
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY = (ROOT / "examples" / "train_tiny_grpo.toml").read_text()
+
+
+def _split(rollout: str = "[1]", learner: str = "[0]") -> str:
+    return f"{TINY}\n[run.split]\nrollout = {rollout}\nlearner = {learner}\n"
+
+
+def test_a_placement_decodes_into_the_run_settings() -> None:
+    split = loads(_split("[1, 2]", "[0]")).run.split
+    assert split is not None and (split.rollout, split.learner) == ([1, 2], [0])
+    assert loads(TINY).run.split is None
+
+
+@pytest.mark.parametrize(
+    ("rollout", "learner", "message"),
+    [
+        ("[1]", "[]", r"^run\.split\.learner: is empty; a split needs at least one learner rank$"),
+        ("[-1]", "[0]", r"^run\.split\.rollout: ranks are >= 0, got -1 in \[-1\]$"),
+        (
+            "[0, 1]",
+            "[0]",
+            r"^run\.split: rank 0 is named in both roles \(rollout \[0, 1\], learner \[0\]\); name every",
+        ),
+        ("[1, 1]", "[0]", r"^run\.split: rank 1 is named in one role twice"),
+        ("[2]", "[0, 1]", r"^run\.split\.learner: \[0, 1\] names 2 learner ranks; one learner rank is all the split"),
+        ("[2]", "[0]", r"^run\.split: the ranks of 2 processes are 0\.\.1, and rank 1 is missing \(rollout \[2\]"),
+    ],
+)
+def test_a_placement_that_is_not_every_rank_once_in_one_role_is_refused(
+    rollout: str, learner: str, message: str
+) -> None:
+    with pytest.raises(DefinitionError, match=message):
+        loads(_split(rollout, learner))
+
+
+def test_an_unknown_field_of_the_placement_is_named_with_the_valid_ones() -> None:
+    with pytest.raises(DefinitionError, match=r"^run\.split\.rolout: unknown field; valid fields: rollout, learner$"):
+        loads(f"{TINY}\n[run.split]\nrolout = [1]\nlearner = [0]\n")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("run.max_staleness=1", r"^run\.max_staleness: 1; a split generates each batch on the learner's newest"),
+        ("objects.policy.max_staleness=2", r"^objects\.policy\.max_staleness: 2; a split generates each batch"),
+        ("run.shard=true", r"^run\.shard: true; a split has one learner rank, which holds the whole model"),
+        ('eval={tasks="tasks"}', r"^eval: a split run does not evaluate \(not built\); drop \[eval\]"),
+        ('stages.teach={type="teacher",reads=["generate"]}', r"^stages\.teach\.type: 'teacher' in a file with "
+         r"\[run\.split\]; OPD over the split is not built\. A split runs one stage of each of source, generate"),
+        ('stages.again={type="reward",reads=["generate"]}', r"^run\.split: the file has 2 stages of type 'reward'"),
+        ("stages.generate.turns=2", r"^stages\.generate\.turns: 2; a split samples one action per trajectory"),
+        ('stages.reward.overlong="filter"', r"^stages\.reward\.overlong: 'filter'; .* set overlong = \"keep\"$"),
+        ('objects.admission={factory="admission"}', r"^objects\.admission\.factory: 'admission' in a file with "
+         r"\[run\.split\]; each rollout rank starts its whole share of a batch at once"),
+        ("objects.objective.process=true", r"^objects\.objective\.process: true; the split's learner streams"),
+    ],
+)  # fmt: skip
+def test_what_the_split_does_not_run_is_refused_naming_the_key(override: str, message: str) -> None:
+    loads(TINY, [override])  # the same file without the split is valid
+    with pytest.raises(DefinitionError, match=message):
+        loads(_split(), [override])
+
+
+def test_a_placement_that_does_not_match_the_launch_says_how_to_launch_it() -> None:
+    split = loads(_split("[1, 2]", "[0]")).run.split
+    assert split is not None
+    check_world(split, 3)
+    with pytest.raises(
+        ConfigError, match=r"but the launch has 2 \(WORLD_SIZE\); launch 3 processes \(--nproc-per-node 3\)"
+    ):
+        check_world(split, 2)
+    with pytest.raises(ConfigError, match=r"but this is one process; launch it with torchrun --nproc-per-node 3 -m"):
+        check_world(split, None)
+
+
+def test_a_split_file_run_as_one_process_exits_2_with_the_launch_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "split.toml"
+    path.write_text(_split())
+    assert main(["run", str(path), "--metrics", str(tmp_path / "m.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "invalid settings (ConfigError): run.split places 2 ranks (rollout [1], learner [0]), but this is one " in err
+    )
+    assert "torchrun --nproc-per-node 2 -m thundersync run FILE, or drop [run.split]" in err
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_the_learner_rank_writes_the_files_and_resuming_a_split_is_refused() -> None:
+    spec = loads(_split("[0]", "[1]"))
+    ranks = [Launch(rank=r, world_size=2, local_rank=r, timeout_s=60.0, store=object()) for r in (0, 1)]
+    assert [_split_launch(spec, launched, None).writes_files for launched in ranks] == [False, True]  # type: ignore[union-attr]
+    assert [_split_launch(loads(TINY), launched, None).writes_files for launched in ranks] == [True, False]  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match=r"^--resume runs/a: resuming a split run is not built; run the file"):
+        _split_launch(spec, ranks[1], Path("runs/a"))
+
+
+def test_a_step_stage_without_a_trainer_is_refused_before_the_split_starts() -> None:
+    from thundersync.app.cli.split import split_parts
+
+    text = _split().replace("[objects.trainer]", "[objects.unused]")
+    spec = loads(text, ['objects.checkpointer.directory="unused"'])
+    objects = build_objects(spec)
+    with pytest.raises(ConfigError, match=r"^run\.split: the step stage has no trainer; give it one"):
+        split_parts(build_graph(spec, **objects))
