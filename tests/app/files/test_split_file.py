@@ -113,11 +113,37 @@ def test_the_learner_rank_writes_the_files_and_resuming_a_split_is_refused() -> 
         _split_launch(spec, ranks[1], Path("runs/a"))
 
 
-def test_a_step_stage_without_a_trainer_is_refused_before_the_split_starts() -> None:
+SHAPES = next(line for line in TINY.splitlines() if line.startswith("config = "))
+OTHER_MODEL = TINY.replace("[objects.run]", f'[objects.other]\nfactory = "model"\n{SHAPES}\n\n[objects.run]')
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (_split().replace("[objects.trainer]", "[objects.unused]"), r"^run\.split: the step stage has no trainer; give"),
+        (
+            OTHER_MODEL.replace('[objects.generator]            # generate\'s generator: the learner\'s own weights\n'
+                                'factory = "torch-generator"\nmodel = { object = "model" }',
+                                '[objects.generator]\nfactory = "torch-generator"\nmodel = { object = "other" }')
+            + "\n[run.split]\nrollout = [1]\nlearner = [0]\n",
+            r"^run\.split: the generate stage's generator is a TorchGenerator over another model than the objective's; "
+            r"a split's rollout ranks receive the weights into the model the objective trains",
+        ),
+    ],
+    ids=["no-trainer", "generator-over-another-model"],
+)  # fmt: skip
+def test_stages_the_split_cannot_run_are_refused_before_it_starts(text: str, message: str) -> None:
     from thundersync.app.cli.split import split_parts
 
-    text = _split().replace("[objects.trainer]", "[objects.unused]")
+    assert "other" not in text or 'model = { object = "other" }' in text  # the replacement took
     spec = loads(text, ['objects.checkpointer.directory="unused"'])
-    objects = build_objects(spec)
-    with pytest.raises(ConfigError, match=r"^run\.split: the step stage has no trainer; give it one"):
-        split_parts(build_graph(spec, **objects))
+    with pytest.raises(ConfigError, match=message):
+        split_parts(build_graph(spec, **build_objects(spec)))
+
+
+def test_the_tiny_file_with_a_placement_has_the_stages_a_split_runs() -> None:
+    from thundersync.app.cli.split import split_parts
+
+    spec = loads(_split(), ['objects.checkpointer.directory="unused"'])
+    parts = split_parts(build_graph(spec, **build_objects(spec)))
+    assert parts.source.config.samples == 4 and parts.params == list(parts.objective.run.params)

@@ -8,8 +8,10 @@ its role's loop instead of the graph (:func:`run_split`), one batch of the sourc
 - a rollout rank takes the graph's stages as settings and objects: the source's batches (group
   ids, prompts, task fields, ``samples`` trajectories per group), the generate stage's
   ``generator``, ``temperature``, ``max_new_tokens`` (cut to what fits the generator's context,
-  as the stage does), ``stop_token_ids`` and request seeds (CRC-32 of ``"{seed}/{group}/{trajectory}/0"``,
-  the stage's own), and the reward stage's ``scorer`` (any of its three kinds). It calls
+  as the stage does; a prompt that fills the context is refused, where the stage would end the
+  trajectory empty), ``stop_token_ids`` and request seeds (CRC-32 of
+  ``"{seed}/{group!r}/{trajectory}/0"``, the stage's own), and the reward stage's ``scorer`` (any
+  of its three kinds, with the task's fields). It calls
   :func:`~thundersync.split.generate_batch` for each batch (its share of the groups), then
   receives the learner's weights;
 - the learner rank streams each batch into the backward stage's objective
@@ -20,7 +22,7 @@ its role's loop instead of the graph (:func:`run_split`), one batch of the sourc
   rollout ranks start from its weights.
 
 The learner alone writes files: the metrics file (``run_started``, one ``step`` line per step,
-``run_finished``), TensorBoard and W&B, and the checkpoints. A step line has the fields of a
+``run_finished``; no other lifecycle event), TensorBoard and W&B, and the checkpoints. A step line has the fields of a
 one-process run's; ``rollout_s`` counts from the learner's wait for the batch (after its previous
 broadcast) to the batch's last trajectory received, and ``generator_idle_s`` is ``null`` (the
 learner does not see the generators). Every wait on the channel is bounded by
@@ -91,6 +93,7 @@ def split_parts(graph: Graph) -> SplitParts:
     if generate.tool_calls is not None:
         raise ConfigError("run.split: the generate stage has a tool_calls parser; a split samples one action per "
                           "trajectory, without tools: drop tool_calls")  # fmt: skip
+    _check_generator(generate, backward)
     if not isinstance(backward.objective, RewardLinearBackward):
         raise ConfigError(
             f"run.split: the backward stage's objective is a {type(backward.objective).__name__}; the split's "
@@ -99,6 +102,22 @@ def split_parts(graph: Graph) -> SplitParts:
     if step.trainer is None:
         raise ConfigError("run.split: the step stage has no trainer; give it one (factory streaming-trainer)")
     return SplitParts(source, generate, reward, backward.objective, step)
+
+
+def _check_generator(generate: GenerateStage, backward: BackwardStage) -> None:
+    """The broadcast reaches a rollout rank's model in place: only a ``TorchGenerator`` over the
+    model the objective trains samples from it (an engine holding its own copy, vLLM's, would not)."""
+    from thundersync.generation.torch_generator import TorchGenerator
+
+    generator, run = generate.generator, getattr(backward.objective, "run", None)
+    model = getattr(getattr(run, "anatomy", None), "model", None)
+    if not isinstance(generator, TorchGenerator) or generator._model is not model:
+        raise ConfigError(
+            f"run.split: the generate stage's generator is a {type(generator).__name__}"
+            + ("" if not isinstance(generator, TorchGenerator) else " over another model than the objective's")
+            + "; a split's rollout ranks receive the weights into the model the objective trains, so only a "
+            "torch-generator over that model (model = { object = ... } as the streaming-run's) samples from them"
+        )
 
 
 async def run_split_rank(
