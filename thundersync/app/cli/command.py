@@ -11,6 +11,7 @@
     thundersync plot out.jsonl [--out curves.png]        # reward and step-time curves (needs [plot])
     thundersync eval FILE --checkpoint runs/a            # the file's [eval] on a checkpoint, alone
     torchrun --nproc-per-node 2 -m thundersync run FILE  # data parallel: one rank per GPU (or CPU process)
+    torchrun --nproc-per-node 2 -m thundersync run FILE --set 'run.split={rollout=[1],learner=[0]}'  # a split
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id RUN \
         -m thundersync run FILE                      # several nodes: the same command on each (README)
 
@@ -18,7 +19,8 @@ Exit status: 0 on success, 1 when the run failed, 2 when the file, the command l
 metrics path is invalid (for ``plot``: the metrics file is missing, malformed or has no step
 lines), 130 when interrupted. Errors are one line on stderr; ``--verbose`` adds
 the traceback and info-level logs; under a data-parallel launch the line starts with the rank
-(:mod:`thundersync.app.cli.distributed`, where rank 0 alone writes files). The metrics file is created new in an existing directory;
+(:mod:`thundersync.app.cli.distributed`, where rank 0 alone writes files; with ``[run.split]``, the
+learner rank alone: :mod:`thundersync.app.cli.split`). The metrics file is created new in an existing directory;
 ``--overwrite`` lets it replace an existing file (:mod:`thundersync.app.metrics.jsonl`), and the event
 files of an earlier run in ``run.tensorboard``'s directory (:mod:`thundersync.app.metrics.tensorboard`). Names from
 the file reach the terminal escaped (``\x1b``, ``\n``). This is the only place that configures
@@ -274,7 +276,7 @@ def _run(path: Path, args: argparse.Namespace) -> int:
         writes = ranks is None or ranks.writes_files
         target = Target(args.metrics, args.overwrite, args.resume, ranks is not None, writes)
         _preflight(path, spec, target)
-        if writes:  # rank 0 alone writes files
+        if writes:  # rank 0 (a split's learner) alone writes files
             _check_checkpoints(spec, args)
         return _run_rank(path, spec, args, ranks)
 
