@@ -147,3 +147,54 @@ def test_the_tiny_file_with_a_placement_has_the_stages_a_split_runs() -> None:
     spec = loads(_split(), ['objects.checkpointer.directory="unused"'])
     parts = split_parts(build_graph(spec, **build_objects(spec)))
     assert parts.source.config.samples == 4 and parts.params == list(parts.objective.run.params)
+
+
+class _TaskScorer:
+    """Scores with the task's fields, recording what it was given."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[list[int], list[int], dict[str, object]]] = []
+
+    async def score_task(self, prompt_ids: list[int], completion_ids: list[int], task: dict[str, object]) -> float:
+        self.seen.append((prompt_ids, completion_ids, dict(task)))
+        return float(len(completion_ids)) + float(task["bonus"])  # type: ignore[arg-type]
+
+
+def test_the_rollout_sampler_makes_the_generate_stages_requests_and_hands_over_each_score() -> None:
+    """The seed and request of each trajectory are the generate stage's (so a split samples the
+    tokens a one-process run samples); the score comes from the reward stage's scorer with the
+    task's fields; a reward asked for another request than the one just generated is refused."""
+    import anyio
+    import msgspec
+
+    from thundersync.app.cli.split import _Sampler
+    from thundersync.errors import PipelineError
+    from thundersync.events import PromptSubmitted
+    from thundersync.generation.base import GenerationRequest
+    from thundersync.stages.generate import GenerateStage
+    from thundersync.testing import ScriptedGenerator
+
+    generator, scorer = ScriptedGenerator(vocab_size=50), _TaskScorer()
+    config = GenerateStage.Config(max_new_tokens=6, temperature=0.7, seed=11, stop_token_ids=(3,), max_context_tokens=9)
+    stage = GenerateStage(config, generator=generator)
+    sampler = _Sampler(stage, scorer)
+    prompts = [[1, 2, 3, 4, 5], [6, 7]]
+    batch = [
+        PromptSubmitted(group_id=g, prompt_tokens=p, num_trajectories=2, batch_id=0, task={"bonus": 10 * g})
+        for g, p in enumerate(prompts)
+    ]
+    sampler.start(batch)
+    for group, prompt in enumerate(prompts):
+        for index in range(2):
+            request = GenerationRequest(
+                prompt_ids=prompt, params=msgspec.structs.replace(sampler.params, seed=sampler.seed(group, index))
+            )
+            result = anyio.run(sampler.generate, request)
+            want = stage._request(group, index, 0, list(prompt))  # the stage's own request
+            assert generator.requests[-1].params == want.params and generator.requests[-1].prompt_ids == prompt
+            assert sampler.reward(prompt, list(result.token_ids)) == len(result.token_ids) + 10 * group
+    assert [task["bonus"] for _, _, task in scorer.seen] == [0, 0, 10, 10]
+    assert generator.requests[0].params.max_new_tokens == 4  # cut to the context of 9, as the stage does
+    anyio.run(sampler.generate, request)
+    with pytest.raises(PipelineError, match=r"asked for the reward of a request other than the one just generated"):
+        sampler.reward(prompts[0], [])

@@ -45,7 +45,7 @@ import anyio.to_thread
 import msgspec
 
 from thundersync.app.cli._terminal import printable
-from thundersync.errors import ConfigError
+from thundersync.errors import ConfigError, PipelineError
 from thundersync.events import ActionGenerated, BatchReady, GroupOpened, PromptSubmitted, Rewarded, StepDone
 from thundersync.generation.base import GenerationRequest, GenerationResult, SamplingParams
 from thundersync.grpo.stream import RewardLinearBackward
@@ -134,7 +134,6 @@ async def run_split_rank(
     --timeout); says its one summary line; returns the seconds it ran."""
     from thundersync.app.metrics.step_metrics import StepMetrics
     from thundersync.engine.split import Placement, SplitChannel
-    from thundersync.errors import PipelineError
 
     started = perf_counter()
     parts = split_parts(graph)
@@ -335,7 +334,11 @@ class _Sampler:
 
     def reward(self, prompt: list[int], tokens: list[int]) -> float:
         scored, self._scored = self._scored, None
-        assert scored is not None and scored[:2] == (prompt, tokens), "the reward of another request was asked"
+        if scored is None or scored[:2] != (prompt, tokens):  # generate_batch asks at once, for the request just done
+            raise PipelineError(
+                "run.split: split.generate_batch asked for the reward of a request other than the one just "
+                "generated; the split's sampler hands over each score as generate returns (decision 088)"
+            )
         return scored[2]
 
     async def _score(self, group_id: int, trajectory_id: int, prompt: list[int], tokens: list[int]) -> float:
