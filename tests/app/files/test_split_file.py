@@ -40,7 +40,11 @@ def test_a_placement_decodes_into_the_run_settings() -> None:
         ),
         ("[1, 1]", "[0]", r"^run\.split: rank 1 is named in one role twice"),
         ("[2]", "[0, 1]", r"^run\.split\.learner: \[0, 1\] names 2 learner ranks; one learner rank is all the split"),
-        ("[2]", "[0]", r"^run\.split: the ranks of 2 processes are 0\.\.1, and rank 1 is missing \(rollout \[2\]"),
+        (
+            "[2]",
+            "[0]",
+            r"^run\.split: rank 2 is not a rank of 2 processes \(0\.\.1; rollout \[2\], learner \[0\]\); name",
+        ),
     ],
 )
 def test_a_placement_that_is_not_every_rank_once_in_one_role_is_refused(

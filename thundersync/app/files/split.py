@@ -94,12 +94,12 @@ def _check_placement(split: SplitSettings) -> None:
             f"run.split.learner: {split.learner} names {len(split.learner)} learner ranks; one learner rank is all "
             "the split supports today: give learner one rank and the others to rollout"
         )
-    missing = sorted(set(range(len(named))) - set(named))
-    if missing:
+    beyond = sorted(rank for rank in named if rank >= len(named))
+    if beyond:
         raise DefinitionError(
-            f"run.split: the ranks of {len(named)} processes are 0..{len(named) - 1}, and rank {missing[0]} is "
-            f"missing (rollout {split.rollout}, learner {split.learner}); name each of them once"
-        )
+            f"run.split: rank {beyond[0]} is not a rank of {len(named)} processes (0..{len(named) - 1}; rollout "
+            f"{split.rollout}, learner {split.learner}); name the ranks 0..N-1 of N processes, each once"
+        )  # distinct ranks, none >= N: every rank 0..N-1 is named
 
 
 def _check_run(spec: Any) -> None:
