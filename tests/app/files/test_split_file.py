@@ -108,6 +108,13 @@ def test_a_split_file_run_as_one_process_exits_2_with_the_launch_command(
     assert not (tmp_path / "m.jsonl").exists()
 
 
+def test_check_lists_the_placement(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "split.toml"
+    path.write_text(_split("[0, 2]", "[1]"))
+    assert main(["check", "--offline", str(path)]) == 0
+    assert "\n  split: rollout ranks [0, 2], learner rank 1 (launch 3 processes)\n" in capsys.readouterr().out
+
+
 def test_the_learner_rank_writes_the_files_and_resuming_a_split_is_refused() -> None:
     spec = loads(_split("[0]", "[1]"))
     ranks = [Launch(rank=r, world_size=2, local_rank=r, timeout_s=60.0, store=object()) for r in (0, 1)]

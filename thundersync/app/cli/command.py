@@ -245,6 +245,11 @@ def _check(path: Path, args: argparse.Namespace) -> int:
     for node in graph:
         reads = f"reads {', '.join(node.reads)}" if node.reads else "a source"
         lines.append(f"  {node.name}: type {spec.stages[node.name].type}, {reads}")
+    if (split := spec.run.split) is not None:
+        count = len(split.rollout) + len(split.learner)
+        lines.append(
+            f"  split: rollout ranks {split.rollout}, learner rank {split.learner[0]} (launch {count} processes)"
+        )
     lines += reach(spec).lines()  # a file is code: what it would import and read
     sys.stdout.write("".join(printable(line) + "\n" for line in lines))
     return EXIT_OK
