@@ -47,6 +47,20 @@ def test_model_from_config_is_a_seeded_fp32_qwen3_in_eval_mode() -> None:
     assert models.model(config=SHAPES, dtype="float64").lm_head.weight.dtype == torch.float64
 
 
+def test_a_lora_adapter_is_initialised_from_the_seed_whatever_the_global_generator_holds() -> None:
+    """Every rank of a launch builds the file's model: the same seed must give the same adapter."""
+
+    def adapter(seed: int) -> dict[str, torch.Tensor]:
+        built = models.model(config=SHAPES, lora=LORA, seed=seed)
+        return {name: p.detach().clone() for name, p in built.named_parameters() if p.requires_grad}
+
+    first = adapter(0)
+    torch.rand(7)  # the global generator moves on between the builds
+    second, other = adapter(0), adapter(1)
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert any(not torch.equal(first[k], other[k]) for k in first)
+
+
 def test_model_with_lora_trains_the_adapter_alone() -> None:
     model = models.model(config=SHAPES, lora=LORA)
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]

@@ -50,7 +50,7 @@ def test_the_example_file_starts_with_the_command_that_runs_it() -> None:
         ),
         (
             '[run]\nprogres = "on"\n[stages]\n',
-            r"^run\.progres: unknown field; valid fields: metrics, tensorboard, wandb, progress, capacity, timeout_s, steps, device, threads, deterministic, max_staleness, shard$",
+            r"^run\.progres: unknown field; valid fields: metrics, tensorboard, wandb, progress, capacity, timeout_s, steps, device, threads, deterministic, max_staleness, shard, split$",
         ),
         ('[run]\nprogress = "yes"\n[stages]\n', r"^run\.progress: Invalid enum value 'yes'$"),
         ("x = 1\n[stages]\n", r"^x: unknown field; valid fields: run, objects, stages, acceleration, eval$"),

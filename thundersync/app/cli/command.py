@@ -11,6 +11,7 @@
     thundersync plot out.jsonl [--out curves.png]        # reward and step-time curves (needs [plot])
     thundersync eval FILE --checkpoint runs/a            # the file's [eval] on a checkpoint, alone
     torchrun --nproc-per-node 2 -m thundersync run FILE  # data parallel: one rank per GPU (or CPU process)
+    torchrun --nproc-per-node 2 -m thundersync run FILE --set 'run.split={rollout=[1],learner=[0]}'  # a split
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id RUN \
         -m thundersync run FILE                      # several nodes: the same command on each (README)
 
@@ -18,7 +19,8 @@ Exit status: 0 on success, 1 when the run failed, 2 when the file, the command l
 metrics path is invalid (for ``plot``: the metrics file is missing, malformed or has no step
 lines), 130 when interrupted. Errors are one line on stderr; ``--verbose`` adds
 the traceback and info-level logs; under a data-parallel launch the line starts with the rank
-(:mod:`thundersync.app.cli.distributed`, where rank 0 alone writes files). The metrics file is created new in an existing directory;
+(:mod:`thundersync.app.cli.distributed`, where rank 0 alone writes files; with ``[run.split]``, the
+learner rank alone: :mod:`thundersync.app.cli.split`). The metrics file is created new in an existing directory;
 ``--overwrite`` lets it replace an existing file (:mod:`thundersync.app.metrics.jsonl`), and the event
 files of an earlier run in ``run.tensorboard``'s directory (:mod:`thundersync.app.metrics.tensorboard`). Names from
 the file reach the terminal escaped (``\x1b``, ``\n``). This is the only place that configures
@@ -184,11 +186,12 @@ def _prepare(path: Path, spec: PipelineSpec, ranks: Launch | None = None) -> tup
 
     try:
         objects = build_objects(spec)
-        if ranks is not None:  # claims, and an admission when the file has none (its step lines show it)
-            objects = {**objects, **attach(ranks, objects)}
+        parallel = ranks if spec.run.split is None else None  # a split's ranks are not data parallel
+        if parallel is not None:  # claims, and an admission when the file has none (its step lines show it)
+            objects = {**objects, **attach(parallel, objects)}
         graph = build_graph(spec, **objects)
-        if ranks is not None:
-            balance(ranks, graph)
+        if parallel is not None:
+            balance(parallel, graph)
     except ConfigError as error:
         raise _qualified(path, error) from None
     return objects, graph
@@ -242,6 +245,11 @@ def _check(path: Path, args: argparse.Namespace) -> int:
     for node in graph:
         reads = f"reads {', '.join(node.reads)}" if node.reads else "a source"
         lines.append(f"  {node.name}: type {spec.stages[node.name].type}, {reads}")
+    if (split := spec.run.split) is not None:
+        count = len(split.rollout) + len(split.learner)
+        lines.append(
+            f"  split: rollout ranks {split.rollout}, learner rank {split.learner[0]} (launch {count} processes)"
+        )
     lines += reach(spec).lines()  # a file is code: what it would import and read
     sys.stdout.write("".join(printable(line) + "\n" for line in lines))
     return EXIT_OK
@@ -269,12 +277,32 @@ def _run(path: Path, args: argparse.Namespace) -> int:
 
     spec = _load(path, args.overrides)
     with launch() as ranks:
+        ranks = _split_launch(spec, ranks, args.resume)
         writes = ranks is None or ranks.writes_files
         target = Target(args.metrics, args.overwrite, args.resume, ranks is not None, writes)
         _preflight(path, spec, target)
-        if writes:  # rank 0 alone writes files
+        if writes:  # rank 0 (a split's learner) alone writes files
             _check_checkpoints(spec, args)
         return _run_rank(path, spec, args, ranks)
+
+
+def _split_launch(spec: PipelineSpec, ranks: Launch | None, resume: Path | None) -> Launch | None:
+    """A ``[run.split]`` launch: its placement checked against the launch, the learner the writer."""
+    split = spec.run.split
+    if split is None:
+        return ranks
+    import dataclasses
+
+    from thundersync.app.files.split import check_world
+
+    check_world(split, None if ranks is None else ranks.world_size)
+    assert ranks is not None
+    if resume is not None:
+        raise ConfigError(
+            f"--resume {resume}: resuming a split run is not built; run the file without [run.split] to resume "
+            "from the checkpoint, or start the split anew"
+        )
+    return dataclasses.replace(ranks, writer=split.learner[0])
 
 
 def _check_checkpoints(spec: PipelineSpec, args: argparse.Namespace) -> None:
@@ -332,8 +360,6 @@ def _run_graph(
     import anyio
     import structlog
 
-    from thundersync.app.cli._cli_run import run_pipeline
-
     settings = spec.run
     writes = ranks is None or ranks.writes_files
     timeout_s = args.timeout if args.timeout is not None else settings.timeout_s
@@ -342,25 +368,36 @@ def _run_graph(
     with _open_metrics(path, spec, objects, graph, args, writes, resumed) as metrics:
         log.info("run started", file=str(path), stages=len(graph))
         try:
-            stats = anyio.run(
-                lambda: run_pipeline(
-                    graph,
-                    objects,
-                    metrics,
-                    screen=screen,
-                    shown=shown,
-                    timeout_s=timeout_s,
-                    ranks=ranks,
-                )
-            )
+            elapsed_s = anyio.run(lambda: _drive(spec, objects, graph, metrics, ranks, screen, shown, timeout_s))
         except BaseException as error:
             metrics.write("run_finished", status="failed", error=f"{type(error).__name__}: {error}")
             if writes:
                 _say_where_to_resume(objects, started, args.argv)
             raise
-        metrics.write("run_finished", status="ok", elapsed_s=stats.elapsed_s)
-    log.info("run finished", file=str(path), elapsed_s=round(stats.elapsed_s, 3))
+        metrics.write("run_finished", status="ok", elapsed_s=elapsed_s)
+    log.info("run finished", file=str(path), elapsed_s=round(elapsed_s, 3))
     return EXIT_OK
+
+
+async def _drive(
+    spec: PipelineSpec,
+    objects: dict[str, object],
+    graph: Graph,
+    metrics: JsonlMetrics,
+    ranks: Launch | None,
+    screen: Screen,
+    shown: Progress,
+    timeout_s: float | None,
+) -> float:
+    """Run the graph (or, with ``[run.split]``, this rank's role of the split); returns its seconds."""
+    from thundersync.app.cli._cli_run import run_pipeline
+
+    if spec.run.split is not None and ranks is not None:
+        from thundersync.app.cli.split import run_split_rank
+
+        return await run_split_rank(ranks, spec.run.split, graph, objects, metrics, screen=screen, timeout_s=timeout_s)
+    stats = await run_pipeline(graph, objects, metrics, screen=screen, shown=shown, timeout_s=timeout_s, ranks=ranks)
+    return stats.elapsed_s
 
 
 @contextmanager

@@ -36,6 +36,10 @@ nodes, one torchrun agent per node meets the others at a c10d rendezvous (``--nn
   ``THUNDERSYNC_DIST_TIMEOUT_S`` after another rank failed (it hangs, on a node whose agent did
   not end it) writes one line naming the failed rank and its cause and exits with status 1.
   The process group is destroyed when the run ends, whichever way.
+
+A file with ``[run.split]`` is launched the same way, but its ranks split into rollout ranks and
+one learner rank instead of data parallel (:mod:`thundersync.app.cli.split`): no data parallel is
+attached, and the learner rank writes the files.
 """
 
 from __future__ import annotations
@@ -74,11 +78,13 @@ class Launch:
     metrics_group: Any = None  # a gloo group for the step records' gather (apart from the gradients')
     gathers: Arrivals | None = None  # marks this rank's step records' gathers in the store
     collectives: Arrivals | None = None  # marks the gradient reductions of every run of the file
+    writer: int = 0  # the rank that writes files: 0, or a split's learner rank
 
     @property
     def writes_files(self) -> bool:
-        """Whether this rank writes the metrics, checkpoints and progress (rank 0 only)."""
-        return self.rank == 0
+        """Whether this rank writes the metrics, checkpoints and progress (``writer`` only: rank 0
+        in data parallel, the learner in a split)."""
+        return self.rank == self.writer
 
     @property
     def label(self) -> str:

@@ -6,7 +6,7 @@
     factory = "model"
     config = { vocab_size = 300, hidden_size = 32, num_hidden_layers = 2, num_attention_heads = 4,
                num_key_value_heads = 2, head_dim = 8, intermediate_size = 64 }
-    seed = 0                           # the initial weights of a model built from its config
+    seed = 0                           # the initial weights of a model built from its config, and of a LoRA adapter
     dtype = "float32"                  # "bfloat16", "float64"
     device = "cpu"                     # "cuda", "cuda:1", "auto" (cuda when there is one); absent: run.device
     lora = { r = 8, lora_alpha = 16, target_modules = ["q_proj", "v_proj"] }
@@ -58,7 +58,8 @@ def model(
     Exactly one of ``path`` (a local directory, loaded with ``from_pretrained`` offline) and
     ``config`` (the fields of the ``architecture``'s transformers config, e.g. ``Qwen3Config``;
     its weights are initialised from ``seed``). ``lora``: the fields of peft's ``LoraConfig``;
-    the model is then a peft model whose adapter alone is trainable. ``device``: ``cpu``, ``cuda``,
+    the model is then a peft model whose adapter alone is trainable, initialised from ``seed`` too
+    (so every process that builds the file's model, each rank of a launch, builds the same adapter). ``device``: ``cpu``, ``cuda``,
     ``cuda:N`` or ``auto`` (a file's ``[run] device`` when its table gives none). ``float64`` casts the
     weights; transformers' own RMSNorm still computes in float32, so the exactness tests use their
     own norms (``tests/engine/tiny_models.py``) rather than this factory.
@@ -76,7 +77,7 @@ def model(
         built = _from_config(architecture, config, seed)
     built = built.to(device=target, dtype=DTYPES[dtype])
     if lora is not None:
-        built = _with_lora(built, lora)
+        built = _with_lora(built, lora, seed, target)
     return built.eval()
 
 
@@ -115,14 +116,16 @@ def _from_config(architecture: str, fields: dict[str, Any], seed: int) -> nn.Mod
     return built
 
 
-def _with_lora(base: nn.Module, fields: dict[str, Any]) -> nn.Module:
+def _with_lora(base: nn.Module, fields: dict[str, Any], seed: int, device: torch.device) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     valid = [field.name for field in dataclasses.fields(LoraConfig) if field.init]
     unknown = sorted(set(fields) - set(valid))
     if unknown:
         raise ConfigError(f"lora: unknown LoraConfig field(s) {', '.join(unknown)}; valid fields: {', '.join(valid)}")
-    wrapped: nn.Module = get_peft_model(base, LoraConfig(**fields))
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)  # the adapter's random init (peft draws lora_A from the global generator)
+        wrapped: nn.Module = get_peft_model(base, LoraConfig(**fields))
     return wrapped
 
 

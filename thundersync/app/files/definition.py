@@ -62,6 +62,7 @@ from thundersync.app.files._schema import (
     takes_extra_options,
 )
 from thundersync.app.files.overrides import apply_overrides
+from thundersync.app.files.split import SplitSettings, check_split
 from thundersync.app.metrics.wandb import WandbSettings
 from thundersync.errors import ConfigError, DefinitionError
 from thundersync.pipeline.graph import DEFAULT_CAPACITY
@@ -74,6 +75,7 @@ __all__ = [
     "ObjectSpec",
     "PipelineSpec",
     "RunSettings",
+    "SplitSettings",
     "StageSpec",
     "is_reference",
     "load",
@@ -118,6 +120,8 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     (docs/decisions/075-sharded-learner-gathers-once-per-batch.md). A ``checkpointer`` takes it too:
     its checkpoints are then in the distributed layout (every rank writes its shards; one process
     writes that layout as well), resumable on another number of ranks (decision 083).
+    ``split``: a rollout/learner split of a multi-process launch (``[run.split]``,
+    :class:`SplitSettings`; None: data parallel, every rank generates and learns).
     """
 
     metrics: str | None = None
@@ -132,6 +136,7 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     deterministic: bool = False
     max_staleness: Annotated[int, msgspec.Meta(ge=0)] | None = None
     shard: bool = False
+    split: SplitSettings | None = None
 
 
 class EvalSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -241,18 +246,21 @@ def loads(text: str, overrides: Sequence[str] = ()) -> PipelineSpec:
         "": ["run", "objects", "stages", "acceleration", "eval"],
         ".run": list(RunSettings.__struct_fields__),
         ".run.wandb": list(WandbSettings.__struct_fields__),
+        ".run.split": list(SplitSettings.__struct_fields__),
         ".acceleration": list(Acceleration.__struct_fields__),
         ".eval": list(EvalSettings.__struct_fields__),
     }
     top = convert(raw, _File, "", fields=fields)
     _check_device("run.device", top.run.device)
-    return PipelineSpec(
+    spec = PipelineSpec(
         stages={name: _stage(name, table) for name, table in top.stages.items()},
         objects={name: _object(name, table) for name, table in top.objects.items()},
         run=top.run,
         acceleration=top.acceleration,
         eval=top.eval,
     )
+    check_split(spec)
+    return spec
 
 
 def _nesting(value: Any) -> int:

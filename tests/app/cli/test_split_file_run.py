@@ -1,0 +1,80 @@
+"""``torchrun --nproc-per-node 2 -m thundersync run FILE`` with ``[run.split]``: one rollout rank
+and one learner rank reach the one-process run of the same file without the split.
+
+The file is examples/train_tiny_grpo.toml on an fp64 LoRA model (so the learner broadcasts the
+adapter's tensors only), two steps of two groups. The rollout rank samples with the generate
+stage's own request seeds and ``TorchGenerator``'s counter-based sampling, so it samples the
+tokens the one-process run samples when its weights are the learner's: step 2's tokens, hence
+the second update, depend on the broadcast after step 1. The one spawned run also checks what a
+split writes: the learner's metrics file and checkpoint, and each rank's summary line. This test
+replaces the 1 rollout + 1 learner LoRA case of tests/engine/test_split_distributed.py (the same
+path, from the Python API).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.app.cli.test_data_parallel import _relative_error
+from thundersync.app.cli.command import main
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[3]
+SPLIT = "\n[run.split]\nrollout = [1]\nlearner = [0]\n"
+LORA = 'objects.model.lora={r=4,lora_alpha=8,target_modules=["q_proj","v_proj"],lora_dropout=0.0}'
+
+
+def _sets(out: Path) -> list[str]:
+    items = ['objects.model.dtype="float64"', "stages.source.repeat=1", LORA]
+    items.append(f'objects.checkpointer.directory="{out / "ckpt"}"')
+    return [arg for item in items for arg in ("--set", item)]
+
+
+def _lines(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_split_file_under_torchrun_reaches_the_one_process_run_and_writes_its_files(tmp_path: Path) -> None:
+    tiny = (ROOT / "examples" / "train_tiny_grpo.toml").read_text()
+    (tmp_path / "tiny.toml").write_text(tiny)
+    (tmp_path / "split.toml").write_text(tiny + SPLIT)
+    single = tmp_path / "single"
+    single.mkdir()
+    argv = ["run", str(tmp_path / "tiny.toml"), "--metrics", str(single / "m.jsonl"), "--no-progress"]
+    assert main([*argv, *_sets(single)]) == 0
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m"]
+    command += ["thundersync", "run", str(tmp_path / "split.toml"), "--metrics", str(tmp_path / "m.jsonl")]
+    command += ["--no-progress", *_sets(tmp_path)]
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "THUNDERSYNC_DIST_TIMEOUT_S": "60"}
+    done = subprocess.run(command, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    got, want = (load_file(d / "ckpt" / "step-00000002" / "adapter_model.safetensors") for d in (tmp_path, single))
+    error = _relative_error(got, want)
+    assert error < 1e-10, f"relative error {error:.3g}"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["run.json", "step-00000002"]
+    lines, single_lines = _lines(tmp_path / "m.jsonl"), _lines(single / "m.jsonl")
+    assert [r["event"] for r in lines] == ["run_started", "step", "step", "run_finished"]  # the learner's alone
+    assert lines[-1]["status"] == "ok"
+    steps = [r for r in lines if r["event"] == "step"]
+    single_steps = [r for r in single_lines if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2] and [r["batch_id"] for r in steps] == [0, 1]
+    for key in ("tokens", "reward_mean", "reward_std", "grad_norm", "lr", "groups_rewarded"):
+        assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-10), key
+    assert set(steps[0]) == set(single_steps[0])  # the same fields as a one-process run's step line
+    assert all(r["generator_idle_s"] is None and r["rollout_s"] > 0 for r in steps)
+    assert "thundersync: rank 0 of 2 (learner): 2 steps in " in done.stderr
+    assert f"; metrics: {tmp_path / 'm.jsonl'}; checkpoints: {tmp_path / 'ckpt'}" in done.stderr
+    assert (
+        "thundersync: rank 1 of 2 (rollout): 2 batches generated in " in done.stderr
+        and "; no files (the learner, rank 0, writes the metrics and checkpoints)" in done.stderr
+    )

@@ -1,0 +1,211 @@
+"""``[run.split]`` in a pipeline file: what it may say is checked when the file is read, against
+the launch when the run starts, and what the split does not run is refused naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from thundersync.app.cli.command import _split_launch, main
+from thundersync.app.cli.distributed import Launch
+from thundersync.app.files.build import build_graph, build_objects
+from thundersync.app.files.definition import loads
+from thundersync.app.files.split import check_world
+from thundersync.errors import ConfigError, DefinitionError
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY = (ROOT / "examples" / "train_tiny_grpo.toml").read_text()
+
+
+def _split(rollout: str = "[1]", learner: str = "[0]") -> str:
+    return f"{TINY}\n[run.split]\nrollout = {rollout}\nlearner = {learner}\n"
+
+
+def test_a_placement_decodes_into_the_run_settings() -> None:
+    split = loads(_split("[1, 2]", "[0]")).run.split
+    assert split is not None and (split.rollout, split.learner) == ([1, 2], [0])
+    assert loads(TINY).run.split is None
+
+
+@pytest.mark.parametrize(
+    ("rollout", "learner", "message"),
+    [
+        ("[1]", "[]", r"^run\.split\.learner: is empty; a split needs at least one learner rank$"),
+        ("[-1]", "[0]", r"^run\.split\.rollout: ranks are >= 0, got -1 in \[-1\]$"),
+        (
+            "[0, 1]",
+            "[0]",
+            r"^run\.split: rank 0 is named in both roles \(rollout \[0, 1\], learner \[0\]\); name every",
+        ),
+        ("[1, 1]", "[0]", r"^run\.split: rank 1 is named in one role twice"),
+        ("[2]", "[0, 1]", r"^run\.split\.learner: \[0, 1\] names 2 learner ranks; one learner rank is all the split"),
+        (
+            "[2]",
+            "[0]",
+            r"^run\.split: rank 2 is not a rank of 2 processes \(0\.\.1; rollout \[2\], learner \[0\]\); name",
+        ),
+    ],
+)
+def test_a_placement_that_is_not_every_rank_once_in_one_role_is_refused(
+    rollout: str, learner: str, message: str
+) -> None:
+    with pytest.raises(DefinitionError, match=message):
+        loads(_split(rollout, learner))
+
+
+def test_an_unknown_field_of_the_placement_is_named_with_the_valid_ones() -> None:
+    with pytest.raises(DefinitionError, match=r"^run\.split\.rolout: unknown field; valid fields: rollout, learner$"):
+        loads(f"{TINY}\n[run.split]\nrolout = [1]\nlearner = [0]\n")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("run.max_staleness=1", r"^run\.max_staleness: 1; a split generates each batch on the learner's newest"),
+        ("objects.policy.max_staleness=2", r"^objects\.policy\.max_staleness: 2; a split generates each batch"),
+        ("run.shard=true", r"^run\.shard: true; a split has one learner rank, which holds the whole model"),
+        ('eval={tasks="tasks"}', r"^eval: a split run does not evaluate \(not built\); drop \[eval\]"),
+        ('stages.teach={type="teacher",reads=["generate"]}', r"^stages\.teach\.type: 'teacher' in a file with "
+         r"\[run\.split\]; OPD over the split is not built\. A split runs one stage of each of source, generate"),
+        ('stages.again={type="reward",reads=["generate"]}', r"^run\.split: the file has 2 stages of type 'reward'"),
+        ("stages.generate.turns=2", r"^stages\.generate\.turns: 2; a split samples one action per trajectory"),
+        ('stages.reward.overlong="filter"', r"^stages\.reward\.overlong: 'filter'; .* set overlong = \"keep\"$"),
+        ('objects.admission={factory="admission"}', r"^objects\.admission\.factory: 'admission' in a file with "
+         r"\[run\.split\]; each rollout rank starts its whole share of a batch at once"),
+        ("objects.objective.process=true", r"^objects\.objective\.process: true; the split's learner streams"),
+    ],
+)  # fmt: skip
+def test_what_the_split_does_not_run_is_refused_naming_the_key(override: str, message: str) -> None:
+    loads(TINY, [override])  # the same file without the split is valid
+    with pytest.raises(DefinitionError, match=message):
+        loads(_split(), [override])
+
+
+def test_a_placement_that_does_not_match_the_launch_says_how_to_launch_it() -> None:
+    split = loads(_split("[1, 2]", "[0]")).run.split
+    assert split is not None
+    check_world(split, 3)
+    with pytest.raises(
+        ConfigError, match=r"but the launch has 2 \(WORLD_SIZE\); launch 3 processes \(--nproc-per-node 3\)"
+    ):
+        check_world(split, 2)
+    with pytest.raises(ConfigError, match=r"but this is one process; launch it with torchrun --nproc-per-node 3 -m"):
+        check_world(split, None)
+
+
+def test_a_split_file_run_as_one_process_exits_2_with_the_launch_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "split.toml"
+    path.write_text(_split())
+    assert main(["run", str(path), "--metrics", str(tmp_path / "m.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "invalid settings (ConfigError): run.split places 2 ranks (rollout [1], learner [0]), but this is one " in err
+    )
+    assert "torchrun --nproc-per-node 2 -m thundersync run FILE, or drop [run.split]" in err
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_check_lists_the_placement(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "split.toml"
+    path.write_text(_split("[0, 2]", "[1]"))
+    assert main(["check", "--offline", str(path)]) == 0
+    assert "\n  split: rollout ranks [0, 2], learner rank 1 (launch 3 processes)\n" in capsys.readouterr().out
+
+
+def test_the_learner_rank_writes_the_files_and_resuming_a_split_is_refused() -> None:
+    spec = loads(_split("[0]", "[1]"))
+    ranks = [Launch(rank=r, world_size=2, local_rank=r, timeout_s=60.0, store=object()) for r in (0, 1)]
+    assert [_split_launch(spec, launched, None).writes_files for launched in ranks] == [False, True]  # type: ignore[union-attr]
+    assert [_split_launch(loads(TINY), launched, None).writes_files for launched in ranks] == [True, False]  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match=r"^--resume runs/a: resuming a split run is not built; run the file"):
+        _split_launch(spec, ranks[1], Path("runs/a"))
+
+
+SHAPES = next(line for line in TINY.splitlines() if line.startswith("config = "))
+OTHER_MODEL = TINY.replace("[objects.run]", f'[objects.other]\nfactory = "model"\n{SHAPES}\n\n[objects.run]')
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (_split().replace("[objects.trainer]", "[objects.unused]"), r"^run\.split: the step stage has no trainer; give"),
+        (
+            OTHER_MODEL.replace('[objects.generator]            # generate\'s generator: the learner\'s own weights\n'
+                                'factory = "torch-generator"\nmodel = { object = "model" }',
+                                '[objects.generator]\nfactory = "torch-generator"\nmodel = { object = "other" }')
+            + "\n[run.split]\nrollout = [1]\nlearner = [0]\n",
+            r"^run\.split: the generate stage's generator is a TorchGenerator over another model than the objective's; "
+            r"a split's rollout ranks receive the weights into the model the objective trains",
+        ),
+    ],
+    ids=["no-trainer", "generator-over-another-model"],
+)  # fmt: skip
+def test_stages_the_split_cannot_run_are_refused_before_it_starts(text: str, message: str) -> None:
+    from thundersync.app.cli.split import split_parts
+
+    assert "other" not in text or 'model = { object = "other" }' in text  # the replacement took
+    spec = loads(text, ['objects.checkpointer.directory="unused"'])
+    with pytest.raises(ConfigError, match=message):
+        split_parts(build_graph(spec, **build_objects(spec)))
+
+
+def test_the_tiny_file_with_a_placement_has_the_stages_a_split_runs() -> None:
+    from thundersync.app.cli.split import split_parts
+
+    spec = loads(_split(), ['objects.checkpointer.directory="unused"'])
+    parts = split_parts(build_graph(spec, **build_objects(spec)))
+    assert parts.source.config.samples == 4 and parts.params == list(parts.objective.run.params)
+
+
+class _TaskScorer:
+    """Scores with the task's fields, recording what it was given."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[list[int], list[int], dict[str, object]]] = []
+
+    async def score_task(self, prompt_ids: list[int], completion_ids: list[int], task: dict[str, object]) -> float:
+        self.seen.append((prompt_ids, completion_ids, dict(task)))
+        return float(len(completion_ids)) + float(task["bonus"])  # type: ignore[arg-type]
+
+
+def test_the_rollout_sampler_makes_the_generate_stages_requests_and_hands_over_each_score() -> None:
+    """The seed and request of each trajectory are the generate stage's (so a split samples the
+    tokens a one-process run samples); the score comes from the reward stage's scorer with the
+    task's fields; a reward asked for another request than the one just generated is refused."""
+    import anyio
+    import msgspec
+
+    from thundersync.app.cli.split import _Sampler
+    from thundersync.errors import PipelineError
+    from thundersync.events import PromptSubmitted
+    from thundersync.generation.base import GenerationRequest
+    from thundersync.stages.generate import GenerateStage
+    from thundersync.testing import ScriptedGenerator
+
+    generator, scorer = ScriptedGenerator(vocab_size=50), _TaskScorer()
+    config = GenerateStage.Config(max_new_tokens=6, temperature=0.7, seed=11, stop_token_ids=(3,), max_context_tokens=9)
+    stage = GenerateStage(config, generator=generator)
+    sampler = _Sampler(stage, scorer)
+    prompts = [[1, 2, 3, 4, 5], [6, 7]]
+    batch = [
+        PromptSubmitted(group_id=g, prompt_tokens=p, num_trajectories=2, batch_id=0, task={"bonus": 10 * g})
+        for g, p in enumerate(prompts)
+    ]
+    sampler.start(batch)
+    for group, prompt in enumerate(prompts):
+        for index in range(2):
+            request = GenerationRequest(
+                prompt_ids=prompt, params=msgspec.structs.replace(sampler.params, seed=sampler.seed(group, index))
+            )
+            result = anyio.run(sampler.generate, request)
+            want = stage._request(group, index, 0, list(prompt))  # the stage's own request
+            assert generator.requests[-1].params == want.params and generator.requests[-1].prompt_ids == prompt
+            assert sampler.reward(prompt, list(result.token_ids)) == len(result.token_ids) + 10 * group
+    assert [task["bonus"] for _, _, task in scorer.seen] == [0, 0, 10, 10]
+    assert generator.requests[0].params.max_new_tokens == 4  # cut to the context of 9, as the stage does
+    anyio.run(sampler.generate, request)
+    with pytest.raises(PipelineError, match=r"asked for the reward of a request other than the one just generated"):
+        sampler.reward(prompts[0], [])

@@ -1,0 +1,357 @@
+"""A pipeline file's rollout/learner split: ``torchrun --nproc-per-node N -m thundersync run FILE``
+with ``[run.split]`` (decision 088).
+
+Every rank builds the file's objects and graph as a one-process run would (no data parallel is
+attached) and a :class:`~thundersync.engine.split.SplitChannel` over the placement; then it runs
+its role's loop instead of the graph (:func:`run_split`), one batch of the source stage per step:
+
+- a rollout rank takes the graph's stages as settings and objects: the source's batches (group
+  ids, prompts, task fields, ``samples`` trajectories per group), the generate stage's
+  ``generator``, ``temperature``, ``max_new_tokens`` (cut to what fits the generator's context,
+  as the stage does; a prompt that fills the context is refused, where the stage would end the
+  trajectory empty), ``stop_token_ids`` and request seeds (CRC-32 of
+  ``"{seed}/{group!r}/{trajectory}/0"``, the stage's own), and the reward stage's ``scorer`` (any
+  of its three kinds, with the task's fields). It calls
+  :func:`~thundersync.split.generate_batch` for each batch (its share of the groups), then
+  receives the learner's weights;
+- the learner rank streams each batch into the backward stage's objective
+  (:func:`~thundersync.split.learn_batch`), steps the step stage's ``trainer``, tells its
+  ``checkpointer`` and publishes its ``policy`` as the step stage does, writes the step's line to
+  the metrics file, and broadcasts the objective's trainable tensors (every parameter, or a LoRA
+  model's adapter only). Before the first batch it broadcasts them once (version 0), so the
+  rollout ranks start from its weights.
+
+The learner alone writes files: the metrics file (``run_started``, one ``step`` line per step,
+``run_finished``; no other lifecycle event), TensorBoard and W&B, and the checkpoints. A step line has the fields of a
+one-process run's; ``rollout_s`` counts from the learner's wait for the batch (after its previous
+broadcast) to the batch's last trajectory received, and ``generator_idle_s`` is ``null`` (the
+learner does not see the generators). Every wait on the channel is bounded by
+``THUNDERSYNC_DIST_TIMEOUT_S`` and a rank that dies ends the others with a line naming it and
+its role (:mod:`thundersync.engine.split`).
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from collections.abc import Mapping, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.to_thread
+import msgspec
+
+from thundersync.app.cli._terminal import printable
+from thundersync.errors import ConfigError, PipelineError
+from thundersync.events import ActionGenerated, BatchReady, GroupOpened, PromptSubmitted, Rewarded, StepDone
+from thundersync.generation.base import GenerationRequest, GenerationResult, SamplingParams
+from thundersync.grpo.stream import RewardLinearBackward
+from thundersync.stages.backward import BackwardStage
+from thundersync.stages.generate import GenerateStage
+from thundersync.stages.reward import AnyScorer, RewardStage, TaskScorer, TrajectoryScorer
+from thundersync.stages.source import SourceStage
+from thundersync.stages.step import StepResult, StepStage
+
+if TYPE_CHECKING:
+    from thundersync.app.cli._terminal import Screen
+    from thundersync.app.cli.distributed import Launch
+    from thundersync.app.files.definition import SplitSettings
+    from thundersync.app.metrics.jsonl import JsonlMetrics
+    from thundersync.app.metrics.step_metrics import StepMetrics
+    from thundersync.engine.split import SplitChannel
+    from thundersync.pipeline.graph import Graph
+
+__all__ = ["SplitParts", "run_split", "run_split_rank", "split_parts"]
+
+
+@dataclass(frozen=True)
+class SplitParts:
+    """The stages of a split's graph (one of each type; :mod:`thundersync.app.files.split`)."""
+
+    source: SourceStage
+    generate: GenerateStage
+    reward: RewardStage
+    objective: RewardLinearBackward
+    step: StepStage
+
+    @property
+    def params(self) -> list[Any]:
+        """The tensors the learner trains and broadcasts (the objective's run's trainable ones)."""
+        return list(self.objective.run.params)
+
+
+def split_parts(graph: Graph) -> SplitParts:
+    """The split's stages of ``graph``; ConfigError for what the split does not run."""
+    stages = {type(node.stage): node.stage for node in graph}
+    source, generate, reward = stages.get(SourceStage), stages.get(GenerateStage), stages.get(RewardStage)
+    backward, step = stages.get(BackwardStage), stages.get(StepStage)
+    assert isinstance(source, SourceStage) and isinstance(generate, GenerateStage)  # checked when the file was read
+    assert isinstance(reward, RewardStage) and isinstance(backward, BackwardStage) and isinstance(step, StepStage)
+    if generate.tool_calls is not None:
+        raise ConfigError("run.split: the generate stage has a tool_calls parser; a split samples one action per "
+                          "trajectory, without tools: drop tool_calls")  # fmt: skip
+    _check_generator(generate, backward)
+    if not isinstance(backward.objective, RewardLinearBackward):
+        raise ConfigError(
+            f"run.split: the backward stage's objective is a {type(backward.objective).__name__}; the split's "
+            "learner streams into a GRPO objective (factory grpo, process = false)"
+        )
+    if step.trainer is None:
+        raise ConfigError("run.split: the step stage has no trainer; give it one (factory streaming-trainer)")
+    return SplitParts(source, generate, reward, backward.objective, step)
+
+
+def _check_generator(generate: GenerateStage, backward: BackwardStage) -> None:
+    """The broadcast reaches a rollout rank's model in place: only a ``TorchGenerator`` over the
+    model the objective trains samples from it (an engine holding its own copy, vLLM's, would not)."""
+    from thundersync.generation.torch_generator import TorchGenerator
+
+    generator, run = generate.generator, getattr(backward.objective, "run", None)
+    model = getattr(getattr(run, "anatomy", None), "model", None)
+    if not isinstance(generator, TorchGenerator) or generator._model is not model:
+        raise ConfigError(
+            f"run.split: the generate stage's generator is a {type(generator).__name__}"
+            + ("" if not isinstance(generator, TorchGenerator) else " over another model than the objective's")
+            + "; a split's rollout ranks receive the weights into the model the objective trains, so only a "
+            "torch-generator over that model (model = { object = ... } as the streaming-run's) samples from them"
+        )
+
+
+async def run_split_rank(
+    launched: Launch,
+    split: SplitSettings,
+    graph: Graph,
+    objects: Mapping[str, Any],
+    metrics: JsonlMetrics,
+    *,
+    screen: Screen,
+    timeout_s: float | None,
+) -> float:
+    """This rank's part of the split (:func:`run_split`) under ``timeout_s`` (run.timeout_s /
+    --timeout); says its one summary line; returns the seconds it ran."""
+    from thundersync.app.metrics.step_metrics import StepMetrics
+    from thundersync.engine.split import Placement, SplitChannel
+
+    started = perf_counter()
+    parts = split_parts(graph)
+    placement = Placement(rollout=tuple(split.rollout), learner=tuple(split.learner))
+    channel = SplitChannel(placement, timeout_s=launched.timeout_s, store=launched.store)
+    try:
+        with anyio.fail_after(timeout_s):
+            done = await run_split(channel, parts, objects, metrics, StepMetrics())
+    except TimeoutError:
+        raise PipelineError(
+            f"the run took longer than its timeout of {timeout_s} s (run.timeout_s / --timeout); it was cancelled"
+        ) from None
+    elapsed = perf_counter() - started
+    label = f"thundersync: {launched.label} ({channel.role})"
+    if channel.role == "learner":
+        where = "not written (no --metrics)" if metrics.path is None else printable(str(metrics.path))
+        saved = "" if parts.step.checkpointer is None else f"; checkpoints: {printable(str(_directory(parts)))}"
+        screen.say(f"{label}: {done} steps in {elapsed:.1f} s; metrics: {where}{saved}")
+    else:
+        screen.say(
+            f"{label}: {done} batches generated in {elapsed:.1f} s; no files (the learner, rank "
+            f"{placement.learner[0]}, writes the metrics and checkpoints)"
+        )
+    return elapsed
+
+
+def _directory(parts: SplitParts) -> Any:
+    return getattr(parts.step.checkpointer, "directory", "")
+
+
+async def run_split(
+    channel: SplitChannel, parts: SplitParts, objects: Mapping[str, Any], metrics: JsonlMetrics, steps: StepMetrics
+) -> int:
+    """Run this rank's role to the end of the source's batches; returns the steps taken (learner)
+    or the batches generated (rollout). A rollout rank enters the objects that are async context
+    managers (engines, graders) for the run, as a one-process run does."""
+    if channel.role == "learner":
+        return await _learn(channel, parts, metrics, steps)
+    async with AsyncExitStack() as stack:
+        for obj in objects.values():
+            if hasattr(obj, "__aenter__") and hasattr(obj, "__aexit__"):
+                await stack.enter_async_context(obj)
+        return await _generate(channel, parts)
+
+
+async def _generate(channel: SplitChannel, parts: SplitParts) -> int:
+    from thundersync.split import generate_batch
+
+    sampler = _Sampler(parts.generate, parts.reward.scorer)
+    version = await anyio.to_thread.run_sync(channel.receive_weights, parts.params)
+    batches = 0
+    for batch in parts.source.batches():
+        sampler.start(batch)
+        prompts = [(int(prompt.group_id), list(prompt.prompt_tokens)) for prompt in batch]
+        await generate_batch(
+            channel, sampler, prompts, group_size=parts.source.config.samples, reward=sampler.reward,
+            version=version, params=sampler.params, seed=sampler.seed,
+        )  # fmt: skip
+        version = await anyio.to_thread.run_sync(channel.receive_weights, parts.params)
+        batches += 1
+    return batches
+
+
+async def _learn(channel: SplitChannel, parts: SplitParts, metrics: JsonlMetrics, steps: StepMetrics) -> int:
+    from thundersync.split import learn_batch
+
+    step, params = parts.step, parts.params
+    version = start = step.version
+    await anyio.to_thread.run_sync(channel.broadcast_weights, params, version)
+    for batch in parts.source.batches():
+        batch_id = batch[0].batch_id
+        seen = _Seen(parts.objective, steps, batch, version)
+        count = await anyio.to_thread.run_sync(functools.partial(learn_batch, channel, seen, version=version))
+        assert step.trainer is not None  # split_parts checked it
+        result = await step.trainer.step(BatchReady(batch_id=batch_id, num_groups=len(batch), num_trajectories=count))
+        version += 1
+        step.version = version
+        if step.checkpointer is not None:  # as the step stage: a step seen done has its checkpoint
+            await step.checkpointer.stepped(version, batch_id)
+        metrics.write("step", **seen.record(_done(batch_id, version, result)))
+        if step.policy is not None:
+            step.policy.publish(version)
+        await anyio.to_thread.run_sync(channel.broadcast_weights, params, version)
+    if step.checkpointer is not None:
+        await step.checkpointer.finished(version)
+    return version - start
+
+
+def _done(batch_id: Any, version: int, result: StepResult) -> StepDone:
+    return StepDone(
+        batch_id=batch_id,
+        policy_version=version,
+        grad_norm=result.grad_norm,
+        learn_s=result.learn_s,
+        lr=result.lr,
+        logprob_mismatch=result.logprob_mismatch,
+        audit_rel_error=result.audit_rel_error,
+        objective_stats=result.objective_stats,
+    )
+
+
+class _Seen:
+    """The objective, as :func:`learn_batch` calls it, telling the step metrics what it received
+    (the events a one-process run's stages would have sent for it)."""
+
+    def __init__(self, objective: RewardLinearBackward, steps: StepMetrics, batch: list[PromptSubmitted], version: int):
+        self.objective, self.steps, self.version = objective, steps, version
+        self.batch_id, self.groups = batch[0].batch_id, len(batch)
+        self.last: float | None = None
+        self.started = perf_counter()  # the learner's wait for the batch begins
+
+    def open_group(self, group_id: int, prompt: list[int]) -> None:
+        self.objective.open_group(group_id, prompt)
+        self.steps.observe(
+            GroupOpened(group_id=group_id, prompt_tokens=prompt, batch_id=self.batch_id,
+                        policy_version=self.version, groups_in_batch=self.groups)
+        )  # fmt: skip
+
+    def append_turn(
+        self,
+        group_id: int,
+        trajectory_id: int,
+        tokens: list[int],
+        scored: list[bool],
+        *,
+        behaviour_logprobs: list[float],
+    ) -> None:
+        self.objective.append_turn(group_id, trajectory_id, tokens, scored, behaviour_logprobs=behaviour_logprobs)
+        self.steps.observe(
+            ActionGenerated(group_id=group_id, trajectory_id=trajectory_id, turn=0, token_ids=tokens,
+                            behaviour_logprobs=behaviour_logprobs, final=True, policy_version=self.version)
+        )  # fmt: skip
+
+    def close_trajectory(self, group_id: int, trajectory_id: int, reward: float) -> None:
+        self.objective.close_trajectory(group_id, trajectory_id, reward)
+        self.steps.observe(Rewarded(group_id=group_id, trajectory_id=trajectory_id, reward=reward))
+        self.last = perf_counter()
+
+    def close_group(self, group_id: int) -> None:
+        self.objective.close_group(group_id)
+
+    def record(self, done: StepDone) -> dict[str, Any]:
+        record = self.steps.observe(done)
+        assert record is not None
+        rollout = None if self.last is None else self.last - self.started
+        return {**record, "rollout_s": rollout, "generator_idle_s": None}
+
+
+class _Sampler:
+    """The generate stage's sampling and the reward stage's scoring of one request, as the
+    :class:`~thundersync.generation.base.Generator` that :func:`generate_batch` calls: it rebuilds
+    each request as the stage would (its seed, ``max_new_tokens`` cut to the context), then scores
+    the result before returning it; :meth:`reward` hands that score to ``generate_batch``, which
+    asks for it right after ``generate`` returns, with no await in between (checked)."""
+
+    def __init__(self, stage: GenerateStage, scorer: AnyScorer) -> None:
+        self.stage, self.scorer, self.generator = stage, scorer, stage.generator
+        config = stage.config
+        self.params = SamplingParams(
+            temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+            stop_token_ids=tuple(config.stop_token_ids),
+        )  # fmt: skip
+        self._prompts: dict[int, PromptSubmitted] = {}
+        self._requests: dict[int, tuple[int, int]] = {}  # seed -> (group, trajectory)
+        self._scored: tuple[list[int], list[int], float] | None = None
+
+    def start(self, batch: Sequence[PromptSubmitted]) -> None:
+        self._prompts = {int(prompt.group_id): prompt for prompt in batch}
+        self._requests = {}
+
+    def seed(self, group_id: int, trajectory_id: int) -> int:
+        """The generate stage's seed of the request (``GenerateStage._request``)."""
+        seed = zlib.crc32(f"{self.stage.config.seed}/{group_id!r}/{trajectory_id}/0".encode())
+        if self._requests.setdefault(seed, (group_id, trajectory_id)) != (group_id, trajectory_id):
+            raise ConfigError(
+                f"run.split: trajectory {trajectory_id} of group {group_id} has the same request seed as trajectory "
+                f"{self._requests[seed][1]} of group {self._requests[seed][0]}; change stages.generate.seed"
+            )
+        return seed
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        assert request.params.seed is not None
+        group_id, trajectory_id = self._requests[request.params.seed]
+        prompt = list(request.prompt_ids)
+        limit = self._max_context()
+        room = self.params.max_new_tokens if limit is None else min(self.params.max_new_tokens, limit - len(prompt))
+        if room < 1:
+            raise ConfigError(
+                f"run.split: the prompt of group {group_id} has {len(prompt)} tokens, which fill the generator's "
+                f"context of {limit}; shorten it or raise the context (a split does not end trajectories early)"
+            )
+        params = msgspec.structs.replace(request.params, max_new_tokens=room)
+        result = await self.generator.generate(msgspec.structs.replace(request, params=params))
+        tokens = list(result.token_ids)
+        reward = float(await self._score(group_id, trajectory_id, prompt, tokens))
+        self._scored = (prompt, tokens, reward)
+        return result
+
+    def reward(self, prompt: list[int], tokens: list[int]) -> float:
+        scored, self._scored = self._scored, None
+        if scored is None or scored[:2] != (prompt, tokens):  # generate_batch asks at once, for the request just done
+            raise PipelineError(
+                "run.split: split.generate_batch asked for the reward of a request other than the one just "
+                "generated; the split's sampler hands over each score as generate returns (decision 088)"
+            )
+        return scored[2]
+
+    async def _score(self, group_id: int, trajectory_id: int, prompt: list[int], tokens: list[int]) -> float:
+        task = self._prompts[group_id].task
+        if isinstance(self.scorer, TrajectoryScorer):
+            return await self.scorer.score_trajectory(group_id, trajectory_id, prompt, tokens, task)
+        if isinstance(self.scorer, TaskScorer):
+            return await self.scorer.score_task(prompt, tokens, task)
+        return await self.scorer.score(prompt, tokens)
+
+    def _max_context(self) -> int | None:
+        """The generate stage's ``max_context_tokens``, else the generator's ``max_seq_len`` (as the stage)."""
+        if self.stage.config.max_context_tokens:
+            return self.stage.config.max_context_tokens
+        known = getattr(self.generator, "max_seq_len", None)
+        return known if isinstance(known, int) and not isinstance(known, bool) and known > 0 else None
