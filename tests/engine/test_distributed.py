@@ -1,6 +1,6 @@
 """Data-parallel streaming: gloo ranks that claim groups at run time reach the single-process update.
 
-Each test spawns real processes (``spawn``) that join one gloo group through a TCPStore served by
+Each test starts real processes (from a fork server) that join one gloo group through a TCPStore served by
 the test process, so a rank's death never takes the store with it.
 """
 
@@ -127,19 +127,31 @@ def _train_rank(
     return taken, [p.detach() for p in grpo.run.params]
 
 
+# What the fork server imports once for every rank it starts (torch, transformers' Qwen3, the
+# engine); a module a rank needs beyond these it imports itself after the fork.
+PRELOAD = (
+    "tests.engine.tiny_models",
+    "transformers.models.qwen3.modeling_qwen3",
+    "thundersync.engine.distributed",
+    "thundersync.engine.sharded",
+    "thundersync.grpo",
+    "thundersync.opd",
+)
+
+
 def _spawn(
-    target: Any, world_size: int, *args: Any, preload: Sequence[str] = (), expect: int | None = None
+    target: Any, world_size: int, *args: Any, preload: Sequence[str] = PRELOAD, expect: int | None = None
 ) -> tuple[list[Any], list[int | None], Any]:
-    """Run ``target(rank, world_size, port, *args, out)`` in ``world_size`` fresh processes and
-    collect ``expect`` results from ``out`` (default: one a rank); ``preload``: start them from a
-    fork server that imported these modules once (``forkserver``), instead of each importing them
-    (``spawn``)."""
+    """Run ``target(rank, world_size, port, *args, out)`` in ``world_size`` new processes and
+    collect ``expect`` results from ``out`` (default: one a rank). The processes come from a fork
+    server (``forkserver``: one per test process, started by the first call) that imported
+    ``preload`` once, instead of each importing torch and transformers (``spawn``); only the
+    first call's ``preload`` counts."""
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
     )
-    ctx = mp.get_context("forkserver" if preload else "spawn")
-    if preload:
-        ctx.set_forkserver_preload(list(preload))
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
     out = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, world_size, store.port, *args, out)) for r in range(world_size)]
     for p in procs:
