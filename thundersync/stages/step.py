@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from time import perf_counter
-from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import anyio
 import msgspec
@@ -42,6 +42,7 @@ __all__ = [
     "StepStage",
     "StreamingTrainer",
     "Trainer",
+    "step_done",
 ]
 
 
@@ -298,7 +299,7 @@ class StepStage(Stage):
             self.version += 1
             if self.checkpointer is not None:  # before StepDone: a step seen done has its checkpoint
                 await self.checkpointer.stepped(self.version, ready.batch_id)
-            await outbox.send(_step_done(ready, self.version, result))
+            await outbox.send(step_done(ready.batch_id, self.version, result))
             if self.policy is not None:
                 self.policy.publish(self.version)
             await outbox.send(PolicyPublished(policy_version=self.version))
@@ -306,9 +307,10 @@ class StepStage(Stage):
             await self.checkpointer.finished(self.version)
 
 
-def _step_done(ready: BatchReady, version: int, result: StepResult) -> StepDone:
+def step_done(batch_id: Any, version: int, result: StepResult) -> StepDone:
+    """The StepDone event of batch ``batch_id`` stepped to policy ``version`` with ``result``."""
     return StepDone(
-        batch_id=ready.batch_id,
+        batch_id=batch_id,
         policy_version=version,
         grad_norm=result.grad_norm,
         learn_s=result.learn_s,

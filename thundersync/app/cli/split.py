@@ -53,7 +53,7 @@ from thundersync.stages.backward import BackwardStage
 from thundersync.stages.generate import GenerateStage
 from thundersync.stages.reward import AnyScorer, RewardStage, TaskScorer, TrajectoryScorer
 from thundersync.stages.source import SourceStage
-from thundersync.stages.step import StepResult, StepStage
+from thundersync.stages.step import StepStage, step_done
 
 if TYPE_CHECKING:
     from thundersync.app.cli._terminal import Screen
@@ -213,26 +213,13 @@ async def _learn(channel: SplitChannel, parts: SplitParts, metrics: JsonlMetrics
         step.version = version
         if step.checkpointer is not None:  # as the step stage: a step seen done has its checkpoint
             await step.checkpointer.stepped(version, batch_id)
-        metrics.write("step", **seen.record(_done(batch_id, version, result)))
+        metrics.write("step", **seen.record(step_done(batch_id, version, result)))
         if step.policy is not None:
             step.policy.publish(version)
         await anyio.to_thread.run_sync(channel.broadcast_weights, params, version)
     if step.checkpointer is not None:
         await step.checkpointer.finished(version)
     return version - start
-
-
-def _done(batch_id: Any, version: int, result: StepResult) -> StepDone:
-    return StepDone(
-        batch_id=batch_id,
-        policy_version=version,
-        grad_norm=result.grad_norm,
-        learn_s=result.learn_s,
-        lr=result.lr,
-        logprob_mismatch=result.logprob_mismatch,
-        audit_rel_error=result.audit_rel_error,
-        objective_stats=result.objective_stats,
-    )
 
 
 class _Seen:
