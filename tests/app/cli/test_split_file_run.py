@@ -8,7 +8,8 @@ tokens the one-process run samples when its weights are the learner's: step 2's 
 the second update, depend on the broadcast after step 1. The one spawned run also checks what a
 split writes: the learner's metrics file and checkpoint, and each rank's summary line. This test
 replaces the 1 rollout + 1 learner LoRA case of tests/engine/test_split_distributed.py (the same
-path, from the Python API).
+path, from the Python API). A ``gpu`` test runs the same on two GPUs through NCCL
+(``bash bench/gpu_multi.sh`` runs it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tests.app.cli.test_data_parallel import _relative_error
@@ -32,8 +34,8 @@ SPLIT = "\n[run.split]\nrollout = [1]\nlearner = [0]\n"
 LORA = 'objects.model.lora={r=4,lora_alpha=8,target_modules=["q_proj","v_proj"],lora_dropout=0.0}'
 
 
-def _sets(out: Path) -> list[str]:
-    items = ['objects.model.dtype="float64"', "stages.source.repeat=1", LORA]
+def _sets(out: Path, *extra: str) -> list[str]:
+    items = ['objects.model.dtype="float64"', "stages.source.repeat=1", LORA, *extra]
     items.append(f'objects.checkpointer.directory="{out / "ckpt"}"')
     return [arg for item in items for arg in ("--set", item)]
 
@@ -42,24 +44,33 @@ def _lines(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_a_split_file_under_torchrun_reaches_the_one_process_run_and_writes_its_files(tmp_path: Path) -> None:
+def _split_and_one_process(tmp: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The file run in this process (into ``tmp/single``), then split under torchrun (into ``tmp``);
+    the torchrun's outcome and the one-process run's directory."""
     tiny = (ROOT / "examples" / "train_tiny_grpo.toml").read_text()
-    (tmp_path / "tiny.toml").write_text(tiny)
-    (tmp_path / "split.toml").write_text(tiny + SPLIT)
-    single = tmp_path / "single"
+    (tmp / "tiny.toml").write_text(tiny)
+    (tmp / "split.toml").write_text(tiny + SPLIT)
+    single = tmp / "single"
     single.mkdir()
-    argv = ["run", str(tmp_path / "tiny.toml"), "--metrics", str(single / "m.jsonl"), "--no-progress"]
-    assert main([*argv, *_sets(single)]) == 0
+    argv = ["run", str(tmp / "tiny.toml"), "--metrics", str(single / "m.jsonl"), "--no-progress"]
+    assert main([*argv, *_sets(single, *extra)]) == 0
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m"]
-    command += ["thundersync", "run", str(tmp_path / "split.toml"), "--metrics", str(tmp_path / "m.jsonl")]
-    command += ["--no-progress", *_sets(tmp_path)]
+    command += ["thundersync", "run", str(tmp / "split.toml"), "--metrics", str(tmp / "m.jsonl")]
+    command += ["--no-progress", *_sets(tmp, *extra)]
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "THUNDERSYNC_DIST_TIMEOUT_S": "60"}
-    done = subprocess.run(command, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(command, cwd=tmp, env=environ, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done, single
 
-    got, want = (load_file(d / "ckpt" / "step-00000002" / "adapter_model.safetensors") for d in (tmp_path, single))
-    error = _relative_error(got, want)
+
+def _adapter(directory: Path) -> dict[str, torch.Tensor]:
+    return load_file(directory / "ckpt" / "step-00000002" / "adapter_model.safetensors")
+
+
+def test_a_split_file_under_torchrun_reaches_the_one_process_run_and_writes_its_files(tmp_path: Path) -> None:
+    done, single = _split_and_one_process(tmp_path)
+    error = _relative_error(_adapter(tmp_path), _adapter(single))
     assert error < 1e-10, f"relative error {error:.3g}"
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["run.json", "step-00000002"]
     lines, single_lines = _lines(tmp_path / "m.jsonl"), _lines(single / "m.jsonl")
@@ -78,3 +89,16 @@ def test_a_split_file_under_torchrun_reaches_the_one_process_run_and_writes_its_
         "thundersync: rank 1 of 2 (rollout): 2 batches generated in " in done.stderr
         and "; no files (the learner, rank 0, writes the metrics and checkpoints)" in done.stderr
     )
+
+
+@pytest.mark.gpu
+def test_a_split_file_on_two_gpus_through_nccl_reaches_the_one_process_run(tmp_path: Path) -> None:
+    """The learner on cuda:0 and the rollout rank on cuda:1 (``device = "cuda"``: cuda:LOCAL_RANK),
+    trajectories and weights through NCCL; the one-process run on cuda:0. fp64 on CUDA: 1e-8, as
+    the data-parallel NCCL test."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    done, single = _split_and_one_process(tmp_path, 'objects.model.device="cuda"')
+    error = _relative_error(_adapter(tmp_path), _adapter(single))
+    assert error < 1e-8, f"relative error {error:.3g}"
+    assert "thundersync: rank 1 of 2 (rollout): 2 batches generated in " in done.stderr
