@@ -60,6 +60,11 @@ def container_backends(path: Path) -> list[str]:
     return sorted({obj.args["backend"] for obj in spec.objects.values() if obj.args.get("backend") in CONTAINERS})
 
 
+def chain(path: Path) -> list[Path]:
+    """The files a case of ``path`` runs, in order: its ``ci-after`` files, then itself."""
+    return [ROOT / before for before in ci_items(path, "ci-after")] + [path]
+
+
 def _cases() -> list[Any]:
     """One case per file, except a file another one runs first (its ``ci-after``): that file's
     case checks both runs, so its short run happens once."""
@@ -69,19 +74,18 @@ def _cases() -> list[Any]:
     for path in files:
         if path.resolve() in first:
             continue
-        chain = [ROOT / before for before in ci_items(path, "ci-after")] + [path]
-        marks = [pytest.mark.docker] if any(container_backends(p) for p in chain) else []
+        marks = [pytest.mark.docker] if any(container_backends(p) for p in chain(path)) else []
         cases.append(pytest.param(path, marks=marks, id=path.name))
     return cases
 
 
 @pytest.mark.parametrize("path", _cases())
 def test_the_example_file_runs_two_steps_and_writes_every_metrics_key(path: Path, tmp_path: Path) -> None:
-    chain = [ROOT / before for before in ci_items(path, "ci-after")] + [path]
-    for backend in sorted({b for p in chain for b in container_backends(p)}):
+    files = chain(path)
+    for backend in sorted({b for p in files for b in container_backends(p)}):
         require(backend)
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    for file in chain:
+    for file in files:
         steps = run_two_steps(file, tmp_path, tmp_path / f"{file.stem}.metrics.jsonl")
         assert [r["step"] for r in steps] == [1, 2], file.name
         for record in steps:
@@ -89,9 +93,7 @@ def test_the_example_file_runs_two_steps_and_writes_every_metrics_key(path: Path
 
 
 def test_every_example_file_is_run_by_a_case() -> None:
-    ran = {p.values[0].name for p in _cases()} | {
-        Path(before).name for p in _cases() for before in ci_items(p.values[0], "ci-after")
-    }
+    ran = {file.name for case in _cases() for file in chain(case.values[0])}
     assert ran == {path.name for path in (ROOT / "examples").glob("*.toml")}
 
 
