@@ -1,15 +1,20 @@
-"""``torchrun --nproc-per-node 2 -m thundersync run FILE`` with ``[run.split]``: one rollout rank
-and one learner rank reach the one-process run of the same file without the split.
+"""``torchrun -m thundersync run FILE`` with ``[run.split]``: one rollout rank and two learner
+ranks sharding the model (``[run] shard = true``: FSDP2 over the learners' group) reach the
+one-process run of the same file without the split.
 
-The file is examples/train_tiny_grpo.toml on an fp64 LoRA model (so the learner broadcasts the
-adapter's tensors only), two steps of two groups. The rollout rank samples with the generate
-stage's own request seeds and ``TorchGenerator``'s counter-based sampling, so it samples the
-tokens the one-process run samples when its weights are the learner's: step 2's tokens, hence
-the second update, depend on the broadcast after step 1. The one spawned run also checks what a
-split writes: the learner's metrics file and checkpoint, and each rank's summary line. This test
-replaces the 1 rollout + 1 learner LoRA case of tests/engine/test_split_distributed.py (the same
-path, from the Python API). A ``gpu`` test runs the same on two GPUs through NCCL
-(``bash bench/gpu_multi.sh`` runs it).
+The file is examples/train_tiny_grpo.toml on an fp64 LoRA model (so the first learner
+broadcasts the adapter's tensors only), two steps of two groups: the rollout rank (rank 0) deals
+one group of each batch to each learner (ranks 1 and 2). The rollout rank samples with the
+generate stage's own request seeds and ``TorchGenerator``'s counter-based sampling, so it samples
+the tokens the one-process run samples when its weights are the learner's: step 2's tokens,
+hence the second update, depend on the broadcast after step 1. The checkpoints are in the
+distributed layout (``shard`` reaches the checkpointer), both learners writing their shards: the
+model and the optimizer's state are compared. The one spawned run also checks what a split
+writes: the first learner's metrics file (its step lines over both learners' groups) and
+checkpoint, and each rank's summary line. One learner rank runs the same code with a learner
+group of one (no gather to merge, no reduction to make); a ``gpu`` test runs 1 + 1 on two GPUs
+through NCCL (``bash bench/gpu_multi.sh`` runs it). A replicated learner behind the split:
+tests/engine/test_split_distributed.py.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from thundersync.app.cli.command import main
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]
-SPLIT = "\n[run.split]\nrollout = [1]\nlearner = [0]\n"
+ONE_LEARNER = "\n[run.split]\nrollout = [1]\nlearner = [0]\n"
+TWO_LEARNERS = "\n[run.split]\nrollout = [0]\nlearner = [1, 2]\n"
 LORA = 'objects.model.lora={r=4,lora_alpha=8,target_modules=["q_proj","v_proj"],lora_dropout=0.0}'
 
 
@@ -44,18 +50,20 @@ def _lines(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _split_and_one_process(tmp: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """The file run in this process (into ``tmp/single``), then split under torchrun (into ``tmp``);
-    the torchrun's outcome and the one-process run's directory."""
+def _split_and_one_process(
+    tmp: Path, split: str, processes: int, *extra: str
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The file run in this process (into ``tmp/single``), then with ``split`` under torchrun
+    (into ``tmp``); the torchrun's outcome and the one-process run's directory."""
     tiny = (ROOT / "examples" / "train_tiny_grpo.toml").read_text()
     (tmp / "tiny.toml").write_text(tiny)
-    (tmp / "split.toml").write_text(tiny + SPLIT)
+    (tmp / "split.toml").write_text(tiny + split)
     single = tmp / "single"
     single.mkdir()
     argv = ["run", str(tmp / "tiny.toml"), "--metrics", str(single / "m.jsonl"), "--no-progress"]
     assert main([*argv, *_sets(single, *extra)]) == 0
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--standalone", "-m"]
     command += ["thundersync", "run", str(tmp / "split.toml"), "--metrics", str(tmp / "m.jsonl")]
     command += ["--no-progress", *_sets(tmp, *extra)]
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "THUNDERSYNC_DIST_TIMEOUT_S": "60"}
@@ -68,26 +76,48 @@ def _adapter(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(directory / "ckpt" / "step-00000002" / "adapter_model.safetensors")
 
 
-def test_a_split_file_under_torchrun_reaches_the_one_process_run_and_writes_its_files(tmp_path: Path) -> None:
-    done, single = _split_and_one_process(tmp_path)
-    error = _relative_error(_adapter(tmp_path), _adapter(single))
-    assert error < 1e-10, f"relative error {error:.3g}"
+def _distributed(directory: Path) -> dict[str, torch.Tensor]:
+    """The model's and the optimizer's tensors of a distributed-layout checkpoint, by name."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = directory / "whole.pt"
+    dcp_to_torch_save(directory / "ckpt" / "step-00000002" / "distributed", whole)
+    state = torch.load(whole, weights_only=False)
+    tensors = {f"model/{name}": value for name, value in state["model"].items()}
+    for name, values in state["optimizer"]["state"].items():
+        tensors |= {f"optimizer/{name}/{key}": value for key, value in values.items() if key != "step"}
+    return tensors
+
+
+def test_a_split_file_with_a_sharded_learner_reaches_the_one_process_run_and_writes_its_files(tmp_path: Path) -> None:
+    done, single = _split_and_one_process(tmp_path, TWO_LEARNERS, 3, "run.shard=true")
+    trained, want = _distributed(tmp_path), _distributed(single)
+    assert sorted(trained) == sorted(want) and any("lora_B" in name for name in want)
+    assert any(name.startswith("optimizer/") for name in want)  # the shards' optimizer state, reassembled
+    for part in ("lora_", "optimizer/"):  # each on its own: the frozen base would hide an adapter's error
+        names = [name for name in want if part in name]
+        error = _relative_error({n: trained[n] for n in names}, {n: want[n] for n in names})
+        assert error < 1e-10, f"{part}: relative error {error:.3g}"
+    assert all(torch.equal(trained[name], want[name]) for name in want if "lora_" not in name and "model/" in name)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["run.json", "step-00000002"]
     lines, single_lines = _lines(tmp_path / "m.jsonl"), _lines(single / "m.jsonl")
-    assert [r["event"] for r in lines] == ["run_started", "step", "step", "run_finished"]  # the learner's alone
+    assert [r["event"] for r in lines] == ["run_started", "step", "step", "run_finished"]  # the first learner's
     assert lines[-1]["status"] == "ok"
     steps = [r for r in lines if r["event"] == "step"]
     single_steps = [r for r in single_lines if r["event"] == "step"]
     assert [r["step"] for r in steps] == [1, 2] and [r["batch_id"] for r in steps] == [0, 1]
     for key in ("tokens", "reward_mean", "reward_std", "grad_norm", "lr", "groups_rewarded"):
         assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-10), key
-    assert set(steps[0]) == set(single_steps[0])  # the same fields as a one-process run's step line
+    assert set(steps[0]) == set(single_steps[0]) | {"groups_per_rank"}  # a one-process line's, and per learner
+    assert [r["groups_per_rank"] for r in steps] == [[1, 1], [1, 1]]  # each learner learned one group of two
     assert all(r["generator_idle_s"] is None and r["rollout_s"] > 0 for r in steps)
-    assert "thundersync: rank 0 of 2 (learner): 2 steps in " in done.stderr
+    assert "thundersync: rank 1 of 3 (learner): 2 steps in " in done.stderr
     assert f"; metrics: {tmp_path / 'm.jsonl'}; checkpoints: {tmp_path / 'ckpt'}" in done.stderr
+    assert "thundersync: rank 2 of 3 (learner): 2 steps in " in done.stderr
+    assert "; no files (the first learner, rank 1, writes the metrics and checkpoints)" in done.stderr
     assert (
-        "thundersync: rank 1 of 2 (rollout): 2 batches generated in " in done.stderr
-        and "; no files (the learner, rank 0, writes the metrics and checkpoints)" in done.stderr
+        "thundersync: rank 0 of 3 (rollout): 2 batches generated in " in done.stderr
+        and "; no files (the first learner, rank 1, writes the metrics and checkpoints)" in done.stderr
     )
 
 
@@ -98,7 +128,7 @@ def test_a_split_file_on_two_gpus_through_nccl_reaches_the_one_process_run(tmp_p
     the data-parallel NCCL test."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    done, single = _split_and_one_process(tmp_path, 'objects.model.device="cuda"')
+    done, single = _split_and_one_process(tmp_path, ONE_LEARNER, 2, 'objects.model.device="cuda"')
     error = _relative_error(_adapter(tmp_path), _adapter(single))
     assert error < 1e-8, f"relative error {error:.3g}"
     assert "thundersync: rank 1 of 2 (rollout): 2 batches generated in " in done.stderr

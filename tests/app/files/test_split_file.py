@@ -28,6 +28,13 @@ def test_a_placement_decodes_into_the_run_settings() -> None:
     assert loads(TINY).run.split is None
 
 
+@pytest.mark.parametrize("shard", ["true", "false"])
+def test_several_learner_ranks_are_placed_sharded_or_replicated(shard: str) -> None:
+    spec = loads(_split("[0, 2]", "[1, 3]"), [f"run.shard={shard}"])
+    assert spec.run.split is not None and spec.run.split.learner == [1, 3] and spec.run.shard == (shard == "true")
+    assert loads(_split(), [f"run.shard={shard}"]).run.shard == (shard == "true")  # one learner: it holds the model
+
+
 @pytest.mark.parametrize(
     ("rollout", "learner", "message"),
     [
@@ -39,7 +46,12 @@ def test_a_placement_decodes_into_the_run_settings() -> None:
             r"^run\.split: rank 0 is named in both roles \(rollout \[0, 1\], learner \[0\]\); name every",
         ),
         ("[1, 1]", "[0]", r"^run\.split: rank 1 is named in one role twice"),
-        ("[2]", "[0, 1]", r"^run\.split\.learner: \[0, 1\] names 2 learner ranks; one learner rank is all the split"),
+        (
+            "[0]",
+            "[2, 1]",
+            r"^run\.split\.learner: \[2, 1\] is not in increasing order; the first learner rank writes "
+            r"the files and is rank 0 of the learners' group \(a sharded checkpoint's writer\): list them as \[1, 2\]$",
+        ),
         (
             "[2]",
             "[0]",
@@ -64,7 +76,6 @@ def test_an_unknown_field_of_the_placement_is_named_with_the_valid_ones() -> Non
     [
         ("run.max_staleness=1", r"^run\.max_staleness: 1; a split generates each batch on the learner's newest"),
         ("objects.policy.max_staleness=2", r"^objects\.policy\.max_staleness: 2; a split generates each batch"),
-        ("run.shard=true", r"^run\.shard: true; a split has one learner rank, which holds the whole model"),
         ('eval={tasks="tasks"}', r"^eval: a split run does not evaluate \(not built\); drop \[eval\]"),
         ('stages.teach={type="teacher",reads=["generate"]}', r"^stages\.teach\.type: 'teacher' in a file with "
          r"\[run\.split\]; OPD over the split is not built\. A split runs one stage of each of source, generate"),
@@ -113,6 +124,22 @@ def test_check_lists_the_placement(tmp_path: Path, capsys: pytest.CaptureFixture
     path.write_text(_split("[0, 2]", "[1]"))
     assert main(["check", "--offline", str(path)]) == 0
     assert "\n  split: rollout ranks [0, 2], learner rank 1 (launch 3 processes)\n" in capsys.readouterr().out
+    assert main(["check", "--offline", str(path), "--set", "run.shard=true"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "\n  split: rollout ranks [0, 2], learner rank 1, not sharded (one learner rank) (launch 3 processes)\n" in out
+    )
+    path.write_text(_split("[0]", "[1, 2]"))
+    assert main(["check", "--offline", str(path), "--set", "run.shard=true"]) == 0
+    assert (
+        "\n  split: rollout ranks [0], learner ranks [1, 2], sharded (FSDP2 over the learner ranks), rank 1 writes "
+        "the files (launch 3 processes)\n"
+    ) in capsys.readouterr().out
+    assert main(["check", "--offline", str(path)]) == 0
+    assert (
+        "\n  split: rollout ranks [0], learner ranks [1, 2], replicated (each holds the whole model), rank 1 writes "
+        "the files (launch 3 processes)\n"
+    ) in capsys.readouterr().out
 
 
 def test_the_learner_rank_writes_the_files_and_resuming_a_split_is_refused() -> None:

@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # the command imports what a command needs when it runs: --he
     from thundersync.app.cli._terminal import Screen
     from thundersync.app.cli.distributed import Launch
     from thundersync.app.cli.progress import Progress
-    from thundersync.app.files.definition import PipelineSpec
+    from thundersync.app.files.definition import PipelineSpec, SplitSettings
     from thundersync.app.files.preflight import Target
     from thundersync.app.metrics.jsonl import JsonlMetrics, RecordSink
     from thundersync.app.metrics.tensorboard import TensorBoardSteps
@@ -185,8 +185,13 @@ def _prepare(path: Path, spec: PipelineSpec, ranks: Launch | None = None) -> tup
     from thundersync.app.files.build import build_graph, build_objects
 
     try:
-        objects = build_objects(spec)
-        parallel = ranks if spec.run.split is None else None  # a split's ranks are not data parallel
+        if spec.run.split is not None and ranks is not None:  # a split's ranks are not data parallel
+            from thundersync.app.cli.split import build_split_objects
+
+            objects = build_split_objects(ranks, spec, build_objects)
+        else:
+            objects = build_objects(spec)
+        parallel = ranks if spec.run.split is None else None
         if parallel is not None:  # claims, and an admission when the file has none (its step lines show it)
             objects = {**objects, **attach(parallel, objects)}
         graph = build_graph(spec, **objects)
@@ -248,11 +253,19 @@ def _check(path: Path, args: argparse.Namespace) -> int:
     if (split := spec.run.split) is not None:
         count = len(split.rollout) + len(split.learner)
         lines.append(
-            f"  split: rollout ranks {split.rollout}, learner rank {split.learner[0]} (launch {count} processes)"
+            f"  split: rollout ranks {split.rollout}, {_learners(split, spec.run.shard)} (launch {count} processes)"
         )
     lines += reach(spec).lines()  # a file is code: what it would import and read
     sys.stdout.write("".join(printable(line) + "\n" for line in lines))
     return EXIT_OK
+
+
+def _learners(split: SplitSettings, shard: bool) -> str:
+    """The learner side of ``check``'s placement line."""
+    if len(split.learner) == 1:
+        return f"learner rank {split.learner[0]}" + (", not sharded (one learner rank)" if shard else "")
+    how = "sharded (FSDP2 over the learner ranks)" if shard else "replicated (each holds the whole model)"
+    return f"learner ranks {split.learner}, {how}, rank {split.learner[0]} writes the files"
 
 
 def _resume(objects: dict[str, object], directory: Path) -> int:
@@ -341,6 +354,10 @@ def _run_rank(path: Path, spec: PipelineSpec, args: argparse.Namespace, ranks: L
     )
     with screen.routing(args.verbose), reporting(shown), use_threads(spec.run.threads) as threads:
         structlog.get_logger("thundersync.cli").info("torch CPU threads", threads=threads)
+        if spec.run.split is not None and ranks is not None:  # its channel first: a sharded learner shards over it
+            from thundersync.app.cli.split import with_channel
+
+            ranks = with_channel(ranks, spec.run.split)
         objects, graph = _prepare(path, spec, ranks)
         resumed = None if args.resume is None else _resume(objects, args.resume)
         return _run_graph(path, spec, objects, graph, args, ranks, resumed, screen, shown)

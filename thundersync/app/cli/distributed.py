@@ -38,8 +38,9 @@ nodes, one torchrun agent per node meets the others at a c10d rendezvous (``--nn
   The process group is destroyed when the run ends, whichever way.
 
 A file with ``[run.split]`` is launched the same way, but its ranks split into rollout ranks and
-one learner rank instead of data parallel (:mod:`thundersync.app.cli.split`): no data parallel is
-attached, and the learner rank writes the files.
+learner ranks instead of data parallel (:mod:`thundersync.app.cli.split`): no data parallel is
+attached to the rollout ranks, several learner ranks form a sharded or replicated learner over
+their own group, and the first learner rank writes the files.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class Launch:
     gathers: Arrivals | None = None  # marks this rank's step records' gathers in the store
     collectives: Arrivals | None = None  # marks the gradient reductions of every run of the file
     writer: int = 0  # the rank that writes files: 0, or a split's learner rank
+    channel: Any = None  # a split's SplitChannel (made before the objects: a sharded learner shards over its group)
 
     @property
     def writes_files(self) -> bool:

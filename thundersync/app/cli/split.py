@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from time import perf_counter
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from thundersync.engine.split import SplitChannel
     from thundersync.pipeline.graph import Graph
 
-__all__ = ["SplitParts", "run_split", "run_split_rank", "split_parts"]
+__all__ = ["SplitParts", "build_split_objects", "run_split", "run_split_rank", "split_parts", "with_channel"]
 
 
 @dataclass(frozen=True)
@@ -133,12 +133,11 @@ async def run_split_rank(
     """This rank's part of the split (:func:`run_split`) under ``timeout_s`` (run.timeout_s /
     --timeout); says its one summary line; returns the seconds it ran."""
     from thundersync.app.metrics.step_metrics import StepMetrics
-    from thundersync.engine.split import Placement, SplitChannel
 
     started = perf_counter()
     parts = split_parts(graph)
-    placement = Placement(rollout=tuple(split.rollout), learner=tuple(split.learner))
-    channel = SplitChannel(placement, timeout_s=launched.timeout_s, store=launched.store)
+    channel: SplitChannel = launched.channel  # made before the objects (with_channel)
+    placement = channel.placement
     try:
         with anyio.fail_after(timeout_s):
             done = await run_split(channel, parts, objects, metrics, StepMetrics())
@@ -148,16 +147,95 @@ async def run_split_rank(
         ) from None
     elapsed = perf_counter() - started
     label = f"thundersync: {launched.label} ({channel.role})"
-    if channel.role == "learner":
+    if channel.role == "learner" and not launched.writes_files:
+        screen.say(
+            f"{label}: {done} steps in {elapsed:.1f} s; no files (the first learner, rank {placement.learner[0]}, "
+            "writes the metrics and checkpoints)"
+        )
+    elif channel.role == "learner":
         where = "not written (no --metrics)" if metrics.path is None else printable(str(metrics.path))
         saved = "" if parts.step.checkpointer is None else f"; checkpoints: {printable(str(_directory(parts)))}"
         screen.say(f"{label}: {done} steps in {elapsed:.1f} s; metrics: {where}{saved}")
     else:
+        first = "the learner" if len(placement.learner) == 1 else "the first learner"
         screen.say(
-            f"{label}: {done} batches generated in {elapsed:.1f} s; no files (the learner, rank "
+            f"{label}: {done} batches generated in {elapsed:.1f} s; no files ({first}, rank "
             f"{placement.learner[0]}, writes the metrics and checkpoints)"
         )
     return elapsed
+
+
+def with_channel(launched: Launch, split: SplitSettings) -> Launch:
+    """``launched`` with the split's :class:`~thundersync.engine.split.SplitChannel` (every rank
+    makes it, before the file's objects: a sharded learner shards over its learner group)."""
+    import dataclasses
+
+    from thundersync.engine.split import Placement, SplitChannel
+
+    placement = Placement(rollout=tuple(split.rollout), learner=tuple(split.learner))
+    channel = SplitChannel(placement, timeout_s=launched.timeout_s, store=launched.store)
+    return dataclasses.replace(launched, channel=channel)
+
+
+def build_split_objects(launched: Launch, spec: Any, build: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """The file's objects on this rank of a split (``build``: :func:`~thundersync.app.files.build.build_objects`).
+    A rollout rank's model is never sharded; a learner's is, with ``[run] shard = true`` and
+    several learner ranks, over the channel's learner group (``ShardedDataParallel``, FSDP2, as
+    the API's), and with ``shard = false`` several learner ranks get a replicated
+    ``DataParallel`` over that group (:func:`_attach_learners`). One learner rank holds the whole
+    model whatever ``shard`` says, as one process does."""
+    from thundersync.app.factories.training import NO_SHARDING, SHARD_OVER
+
+    channel: SplitChannel = launched.channel
+    token = SHARD_OVER.set(channel.learner_group if channel.role == "learner" else NO_SHARDING)
+    try:
+        objects = build(spec)
+    finally:
+        SHARD_OVER.reset(token)
+    _attach_learners(launched, objects)
+    return objects
+
+
+def _attach_learners(launched: Launch, objects: Mapping[str, Any]) -> None:
+    """The learner ranks' reduction: the checkpointers of a sharded model get it (every learner
+    writes its shards), several replicated learners get a ``DataParallel`` over the learner group
+    (their weights made the first learner's); every checkpointer's writer is the first learner."""
+    import datetime
+
+    from thundersync.app.checkpoints.checkpoint import Checkpointer
+    from thundersync.app.cli.distributed import _shard_checkpointers
+    from thundersync.engine import StreamingRun
+    from thundersync.engine.distributed import DataParallel
+    from thundersync.engine.sharded import ShardedDataParallel
+
+    channel: SplitChannel = launched.channel
+    for obj in objects.values():
+        if isinstance(obj, Checkpointer):
+            obj.writer = launched.writes_files  # the first learner rank, not rank 0 of the world
+    if channel.role != "learner" or len(channel.placement.learner) == 1:
+        return
+    for obj in objects.values():
+        if isinstance(obj, StreamingRun) and isinstance(obj.data_parallel, ShardedDataParallel):
+            _shard_checkpointers(objects, obj.data_parallel)
+            _refuse_consolidated(objects, obj.data_parallel, channel)
+            obj.data_parallel.timeout = datetime.timedelta(seconds=launched.timeout_s)
+        elif isinstance(obj, StreamingRun):
+            obj.data_parallel = DataParallel(channel.learner_group, store=launched.store, timeout_s=launched.timeout_s)
+            obj.data_parallel.broadcast_parameters(obj.params)
+
+
+def _refuse_consolidated(objects: Mapping[str, Any], sharded: Any, channel: SplitChannel) -> None:
+    """torch gathers a sharded model's whole state dict on rank 0 of the world, which is not a
+    learner when the split places a rollout rank there: ``consolidated`` is refused then."""
+    from thundersync.app.checkpoints.checkpoint import Checkpointer
+
+    for name, obj in objects.items():
+        if isinstance(obj, Checkpointer) and obj.sharded is sharded and obj.consolidated and channel.source != 0:
+            raise ConfigError(
+                f"objects.{name}.consolidated: true, but the split's first learner is rank {channel.source}; torch "
+                "gathers a sharded model's whole weights on rank 0 alone: place the learners first (learner = [0, "
+                "...]), or drop consolidated (the distributed layout holds the whole model)"
+            )
 
 
 def _directory(parts: SplitParts) -> Any:
@@ -198,6 +276,7 @@ async def _generate(channel: SplitChannel, parts: SplitParts) -> int:
 
 
 async def _learn(channel: SplitChannel, parts: SplitParts, metrics: JsonlMetrics, steps: StepMetrics) -> int:
+    from thundersync.app.metrics.step_metrics import merge_ranks
     from thundersync.split import learn_batch
 
     step, params = parts.step, parts.params
@@ -213,13 +292,24 @@ async def _learn(channel: SplitChannel, parts: SplitParts, metrics: JsonlMetrics
         step.version = version
         if step.checkpointer is not None:  # as the step stage: a step seen done has its checkpoint
             await step.checkpointer.stepped(version, batch_id)
-        metrics.write("step", **seen.record(step_done(batch_id, version, result)))
+        record = seen.record(step_done(batch_id, version, result))
+        shares = await anyio.to_thread.run_sync(_gather_shares, channel, steps.share)
+        metrics.write("step", **merge_ranks(record, shares))  # the first learner's sink alone writes
         if step.policy is not None:
             step.policy.publish(version)
         await anyio.to_thread.run_sync(channel.broadcast_weights, params, version)
     if step.checkpointer is not None:
         await step.checkpointer.finished(version)
     return version - start
+
+
+def _gather_shares(channel: SplitChannel, share: Any) -> list[Any]:
+    """Every learner rank's part of the batch (its groups' rewards, tokens...), in learner order."""
+    import torch.distributed as dist
+
+    shares: list[Any] = [None] * len(channel.placement.learner)
+    dist.all_gather_object(shares, share, group=channel.learner_group)
+    return shares
 
 
 class _Seen:

@@ -45,6 +45,7 @@ import functools
 import inspect
 import math
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -92,6 +93,13 @@ _log = get_logger(__name__)
 
 
 _RUN = StreamingRun.Config()
+NO_SHARDING: Any = object()
+"""``SHARD_OVER``'s value on a split's rollout rank: its model is never sharded."""
+SHARD_OVER: ContextVar[Any] = ContextVar("thundersync_shard_over", default=None)
+"""The process group ``[run] shard = true`` shards a ``streaming-run``'s model over: None (the
+default) the whole world (data parallel); a split sets its learner group on learner ranks and
+``NO_SHARDING`` on rollout ranks while it builds the objects (:mod:`thundersync.app.cli.split`)."""
+
 _GRPO = RewardLinearBackward.Config()  # the objectives' defaults, written once in their Configs
 _OPD = OPDStream.Config()
 
@@ -121,10 +129,11 @@ def streaming_run(
     background = False if deterministic else background
     config = StreamingRun.Config(source_offload_device=source_offload_device, background=background)
     sharded = None
-    if shard and _world_size() > 1:
+    group = SHARD_OVER.get()  # a split's learner group (None: the world; WORLD_SIZE: no sharding, a rollout rank)
+    if shard and _world_size(group) > 1:
         from thundersync.engine.sharded import ShardedDataParallel, rank_bytes
 
-        sharded = ShardedDataParallel(model)
+        sharded = ShardedDataParallel(model, group)
         held, whole = rank_bytes(list(sharded.sharded.values())).parameters, rank_bytes(list(model.parameters()))
         _log.info("run sharded", rank=sharded.rank, parameter_bytes=f"{held} of {whole.parameters}")
     elif shard:
@@ -285,11 +294,14 @@ def _sharded(run: StreamingRun) -> bool:
     return isinstance(run.data_parallel, ShardedDataParallel)
 
 
-def _world_size() -> int:
-    """The ranks of the default process group (1 without one)."""
+def _world_size(group: Any = None) -> int:
+    """The ranks of the default process group (1 without one), or of ``group`` (``SHARD_OVER``'s
+    value: a process group, or ``NO_SHARDING``, which counts as one rank)."""
     import torch.distributed as dist
 
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if group is NO_SHARDING:
+        return 1
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def optimizer_options(

@@ -3,10 +3,11 @@
 A split (decision 088) runs a single-turn GRPO graph: exactly one stage of each of the types
 ``source``, ``generate``, ``reward``, ``backward``, ``close`` and ``step``. The rollout ranks run
 the first three (the source's batches, the generate stage's sampling settings and the reward
-stage's scorer), the learner rank the last three (the backward stage's objective, the step
-stage's trainer, policy clock and checkpointer). :func:`check_split` refuses, naming the key,
-the value and what to do: a placement that is not every rank ``0 .. N-1`` once in one role, more
-than one learner rank, and what the split does not run: ``max_staleness`` > 0, ``shard``, an
+stage's scorer), the learner ranks the last three (the backward stage's objective, the step
+stage's trainer, policy clock and checkpointer; several learner ranks form one learner, sharded
+with ``[run] shard = true``, else replicated: decision 090). :func:`check_split` refuses, naming the key,
+the value and what to do: a placement that is not every rank ``0 .. N-1`` once in one role,
+learner ranks not in increasing order, and what the split does not run: ``max_staleness`` > 0, an
 ``[eval]``, another stage type (a teacher: OPD; tools; agent apps), several turns, a reward's
 ``overlong`` other than ``keep``, an objective in a learner process, an ``admission`` or
 ``episode-failures`` object. :func:`check_world` compares the placement with the launch's size.
@@ -30,7 +31,8 @@ SPLIT_STAGES = ("source", "generate", "reward", "backward", "close", "step")
 class SplitSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """``[run.split]``: a rollout/learner split under a multi-process launch (``torchrun``).
 
-    ``rollout``: the ranks that generate; ``learner``: the rank that learns (one today). Together
+    ``rollout``: the ranks that generate; ``learner``: the ranks that learn, in increasing order
+    (the first writes the files; several shard the model with ``[run] shard = true``). Together
     they name every rank of the launch once (``0 .. N-1`` for ``--nproc-per-node N``), checked
     when the file is read (:func:`check_split`, with what the split does not support) and when the
     run starts (:func:`check_world`, against ``WORLD_SIZE``). :mod:`thundersync.app.cli.split`
@@ -89,10 +91,11 @@ def _check_placement(split: SplitSettings) -> None:
             f"run.split: rank {twice[0]} is named in {where} (rollout {split.rollout}, learner {split.learner}); "
             "name every rank once, in one role"
         )
-    if len(split.learner) != 1:
+    if split.learner != sorted(split.learner):
         raise DefinitionError(
-            f"run.split.learner: {split.learner} names {len(split.learner)} learner ranks; one learner rank is all "
-            "the split supports today: give learner one rank and the others to rollout"
+            f"run.split.learner: {split.learner} is not in increasing order; the first learner rank writes the "
+            "files and is rank 0 of the learners' group (a sharded checkpoint's writer): list them as "
+            f"{sorted(split.learner)}"
         )
     beyond = sorted(rank for rank in named if rank >= len(named))
     if beyond:
@@ -108,11 +111,6 @@ def _check_run(spec: Any) -> None:
         raise DefinitionError(
             f"run.max_staleness: {run.max_staleness}; a split generates each batch on the learner's newest "
             "weights (the learner refuses older ones): set max_staleness = 0, or drop [run.split]"
-        )
-    if run.shard:
-        raise DefinitionError(
-            "run.shard: true; a split has one learner rank, which holds the whole model: set shard = false, "
-            "or drop [run.split] for a sharded data-parallel run"
         )
     if spec.eval is not None:
         raise DefinitionError(
