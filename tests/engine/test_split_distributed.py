@@ -111,6 +111,7 @@ def _single_process(lora: bool) -> list[torch.Tensor]:
 LAYOUTS = {  # (rollout ranks, learner ranks); the learners of two interleave with the rollout ranks
     "1+1-lora": ((1,), (0,)),
     "2+2-sharded": ((0, 2), (1, 3)),
+    "2+2-replicated": ((0, 2), (1, 3)),
 }
 
 
@@ -118,7 +119,7 @@ def _split_rank(rank: int, world_size: int, port: int, layout: str, die: str, ou
     """One rank of the split; ``die`` = "learner" or "rollout" makes that role's last rank exit
     without a word in the middle of the first batch; "reduce": after the steps (and their
     results), the last learner rank exits after learning its share of one more batch, before the
-    gradient reduction. Two learner ranks shard the model."""
+    gradient reduction. Two learner ranks shard the model, or replicate it (layout ``-replicated``)."""
     from thundersync.engine.split import Placement, SplitChannel
 
     store = _connect(rank, world_size, port)
@@ -127,7 +128,7 @@ def _split_rank(rank: int, world_size: int, port: int, layout: str, die: str, ou
     placement = Placement(rollout=rollout, learner=learner)
     channels = [SplitChannel(placement, timeout_s=20, store=store) for _ in range(2)]  # one prefix
     model = _model(lora=layout.endswith("lora"))
-    learn = _learner(channels[0], model, store) if channels[0].role == "learner" else None
+    learn = _learner(channels[0], model, store, layout) if channels[0].role == "learner" else None
     generator = None if learn is not None else _parts(model)[0]
     params = _trained(model)  # a sharded learner's gathered parameters
     received = []
@@ -165,17 +166,22 @@ def _put_result(out: Any, rank: int, received: list[int], model: torch.nn.Module
     out.put((rank, received, buffer.getvalue(), os.getpid()))
 
 
-def _learner(channel: Any, model: torch.nn.Module, store: Any) -> Any:
+def _learner(channel: Any, model: torch.nn.Module, store: Any, layout: str) -> Any:
     """A learner rank's step: learn its share of the batch, reduce over the learner ranks (a
-    sharded model when there are several), step, broadcast from the first learner rank."""
+    sharded model when there are several, or replicas: a DataParallel over the learner group),
+    step, broadcast from the first learner rank."""
     import thundersync
+    from thundersync.engine.distributed import DataParallel
     from thundersync.engine.sharded import ShardedDataParallel
     from thundersync.split import learn_batch
 
-    several = len(channel.placement.learner) > 1
-    sharded = ShardedDataParallel(model, channel.learner_group, store=store, timeout_s=20) if several else None
+    several, group = len(channel.placement.learner) > 1, channel.learner_group
+    sharded: Any = ShardedDataParallel(model, group, store=store, timeout_s=20) if several else None
+    if several and layout.endswith("replicated"):
+        sharded = DataParallel(group, store=store, timeout_s=20)
+        sharded.broadcast_parameters(_trained(model))  # the learner group's first rank's (group_src)
     grpo = thundersync.RewardLinearBackward(thundersync.StreamingRun(model, data_parallel=sharded))
-    trained = _trained(model) if sharded is None else sharded.parameters()
+    trained = sharded.parameters() if isinstance(sharded, ShardedDataParallel) else _trained(model)
     optimizer = torch.optim.AdamW(trained, lr=1e-2, maximize=True)
 
     def learn(channel: Any, step: int, params: list[torch.Tensor], exit_before_reduce: bool = False) -> int:
@@ -222,17 +228,18 @@ def _one_trajectory() -> Any:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", ["2+2-sharded"])  # 1+1 with LoRA: tests/app/cli/test_split_file_run.py
+@pytest.mark.parametrize("layout", ["2+2-replicated"])  # sharded, from a file: tests/app/cli/test_split_file_run.py
 def test_a_split_run_reaches_the_single_process_parameters(layout: str) -> None:
-    """2 rollout + 2 learner ranks (a sharded model, receiving unequal shares of whole groups)
-    broadcasting every weight; GRPO, two steps with a broadcast after each; every rank's whole
-    model compared. (1 rollout + 1 learner broadcasting a LoRA adapter only runs from a pipeline
-    file: tests/app/cli/test_split_file_run.py.) The 2+2 run goes on
+    """2 rollout + 2 learner ranks (replicas: a DataParallel over the learner group, receiving
+    unequal shares of whole groups) broadcasting every weight; GRPO, two steps with a broadcast
+    after each; every rank's whole model compared. (1 rollout + 2 sharded learner ranks
+    broadcasting a LoRA adapter only run from a pipeline file: tests/app/cli/test_split_file_run.py;
+    the sharded learner's death: the next test.) The 2+2 run goes on
     (sharing its processes with a death test): in a third batch, the last learner rank exits before
     the gradient reduction, and every other rank ends with an error naming it."""
     rollout, learner = LAYOUTS[layout]
     world_size = len(rollout) + len(learner)
-    sharded = len(learner) > 1
+    sharded = len(learner) > 1  # several learners: sharded or replicated
     die, expect = ("reduce", 2 * world_size - 1) if sharded else ("", world_size)
     results, codes, _ = _spawn(_split_rank, world_size, layout, die, preload=PRELOAD, expect=expect)
     if sharded:

@@ -1,4 +1,4 @@
-"""``torchrun -m thundersync run FILE`` with ``[run.split]``: one rollout rank and two learner
+"""``thundersync run FILE`` with ``[run.split]`` on three ranks: one rollout rank and two learner
 ranks sharding the model (``[run] shard = true``: FSDP2 over the learners' group) reach the
 one-process run of the same file without the split.
 
@@ -8,22 +8,28 @@ one group of each batch to each learner (ranks 1 and 2). The rollout rank sample
 generate stage's own request seeds and ``TorchGenerator``'s counter-based sampling, so it samples
 the tokens the one-process run samples when its weights are the learner's: step 2's tokens,
 hence the second update, depend on the broadcast after step 1. The checkpoints are in the
-distributed layout (``shard`` reaches the checkpointer), both learners writing their shards: the
-model and the optimizer's state are compared. The one spawned run also checks what a split
-writes: the first learner's metrics file (its step lines over both learners' groups) and
-checkpoint, and each rank's summary line. One learner rank runs the same code with a learner
-group of one (no gather to merge, no reduction to make); a ``gpu`` test runs 1 + 1 on two GPUs
-through NCCL (``bash bench/gpu_multi.sh`` runs it). A replicated learner behind the split:
-tests/engine/test_split_distributed.py.
+distributed layout (``shard`` reaches the checkpointer; the one-process run writes it too), both
+learners writing their shards: the adapter and the optimizer's state are compared. The one
+spawned run also checks what a split writes: the first learner's metrics file (its step lines
+over both learners' groups) and checkpoint, and each rank's summary line.
+
+The ranks get the environment torchrun gives them (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, the
+agent's store) and run ``main``, forked from a server that imported the command once: torchrun
+would start an agent and a fresh interpreter per rank, which on two cores cost this test about
+ten seconds more. A ``gpu`` test runs 1 + 1 under torchrun on two GPUs through NCCL (``bash
+bench/gpu_multi.sh`` runs it); one learner rank runs the same code as two, with a learner group
+of one. A replicated learner behind the split: tests/engine/test_split_distributed.py.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -50,11 +56,9 @@ def _lines(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _split_and_one_process(
-    tmp: Path, split: str, processes: int, *extra: str
-) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """The file run in this process (into ``tmp/single``), then with ``split`` under torchrun
-    (into ``tmp``); the torchrun's outcome and the one-process run's directory."""
+def _one_process(tmp: Path, split: str, *extra: str) -> tuple[Path, list[str]]:
+    """The file run in this process (into ``tmp/single``); the one-process run's directory and the
+    arguments of ``thundersync`` that run the file with ``split`` on every rank (into ``tmp``)."""
     tiny = (ROOT / "examples" / "train_tiny_grpo.toml").read_text()
     (tmp / "tiny.toml").write_text(tiny)
     (tmp / "split.toml").write_text(tiny + split)
@@ -62,14 +66,67 @@ def _split_and_one_process(
     single.mkdir()
     argv = ["run", str(tmp / "tiny.toml"), "--metrics", str(single / "m.jsonl"), "--no-progress"]
     assert main([*argv, *_sets(single, *extra)]) == 0
+    return single, [
+        "run",
+        str(tmp / "split.toml"),
+        "--metrics",
+        str(tmp / "m.jsonl"),
+        "--no-progress",
+        *_sets(tmp, *extra),
+    ]
 
+
+def _torchrun(tmp: Path, processes: int, argv: list[str]) -> str:
+    """``torchrun --nproc-per-node PROCESSES -m thundersync ARGV``'s output; it must succeed."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--standalone", "-m"]
-    command += ["thundersync", "run", str(tmp / "split.toml"), "--metrics", str(tmp / "m.jsonl")]
-    command += ["--no-progress", *_sets(tmp, *extra)]
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "THUNDERSYNC_DIST_TIMEOUT_S": "60"}
-    done = subprocess.run(command, cwd=tmp, env=environ, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [*command, "thundersync", *argv], cwd=tmp, env=environ, capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    return done, single
+    return done.stderr
+
+
+# What the fork server imports once for the ranks (the command, torch, transformers' Qwen3, peft)
+PRELOAD = (
+    "tests.app.cli.test_split_file_run",
+    "transformers.models.qwen3.modeling_qwen3",
+    "peft",
+    "thundersync.app.cli.split",
+    "thundersync.app.factories.training",
+    "thundersync.engine.sharded",
+    "thundersync.generation.torch_generator",
+)
+
+
+def _cli_rank(rank: int, world_size: int, port: int, argv: list[str], out: Any) -> None:
+    """One rank of ``thundersync ARGV`` with what torchrun sets (its agent's store: the test's),
+    its standard error kept."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+        OMP_NUM_THREADS="1", THUNDERSYNC_DIST_TIMEOUT_S="60",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    sys.stderr = error = io.StringIO()
+    try:
+        code: object = main(argv)
+    except BaseException as failure:  # told to the test, which fails on it
+        code = repr(failure)
+    out.put((rank, code, error.getvalue()))
+
+
+def _launched(processes: int, argv: list[str]) -> str:
+    """``thundersync ARGV`` on ``processes`` ranks as torchrun starts them (its environment; the
+    processes forked from a server that imported the command once: torchrun would start an agent
+    and a fresh interpreter per rank); every rank's output, in rank order. Every rank must exit 0."""
+    from tests.engine.test_distributed import _spawn
+
+    results, codes, _ = _spawn(_cli_rank, processes, argv, preload=PRELOAD)
+    outputs = {rank: (code, text) for rank, code, text in results}
+    assert sorted(outputs) == list(range(processes)) and codes == [0] * processes, f"{codes}: {outputs}"
+    assert all(code == 0 for code, _ in outputs.values()), outputs
+    return "".join(outputs[rank][1] for rank in range(processes))
 
 
 def _adapter(directory: Path) -> dict[str, torch.Tensor]:
@@ -90,7 +147,8 @@ def _distributed(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def test_a_split_file_with_a_sharded_learner_reaches_the_one_process_run_and_writes_its_files(tmp_path: Path) -> None:
-    done, single = _split_and_one_process(tmp_path, TWO_LEARNERS, 3, "run.shard=true")
+    single, argv = _one_process(tmp_path, TWO_LEARNERS, "run.shard=true")
+    stderr = _launched(3, argv)
     trained, want = _distributed(tmp_path), _distributed(single)
     assert sorted(trained) == sorted(want) and any("lora_B" in name for name in want)
     assert any(name.startswith("optimizer/") for name in want)  # the shards' optimizer state, reassembled
@@ -111,13 +169,13 @@ def test_a_split_file_with_a_sharded_learner_reaches_the_one_process_run_and_wri
     assert set(steps[0]) == set(single_steps[0]) | {"groups_per_rank"}  # a one-process line's, and per learner
     assert [r["groups_per_rank"] for r in steps] == [[1, 1], [1, 1]]  # each learner learned one group of two
     assert all(r["generator_idle_s"] is None and r["rollout_s"] > 0 for r in steps)
-    assert "thundersync: rank 1 of 3 (learner): 2 steps in " in done.stderr
-    assert f"; metrics: {tmp_path / 'm.jsonl'}; checkpoints: {tmp_path / 'ckpt'}" in done.stderr
-    assert "thundersync: rank 2 of 3 (learner): 2 steps in " in done.stderr
-    assert "; no files (the first learner, rank 1, writes the metrics and checkpoints)" in done.stderr
+    assert "thundersync: rank 1 of 3 (learner): 2 steps in " in stderr
+    assert f"; metrics: {tmp_path / 'm.jsonl'}; checkpoints: {tmp_path / 'ckpt'}" in stderr
+    assert "thundersync: rank 2 of 3 (learner): 2 steps in " in stderr
+    assert "; no files (the first learner, rank 1, writes the metrics and checkpoints)" in stderr
     assert (
-        "thundersync: rank 0 of 3 (rollout): 2 batches generated in " in done.stderr
-        and "; no files (the first learner, rank 1, writes the metrics and checkpoints)" in done.stderr
+        "thundersync: rank 0 of 3 (rollout): 2 batches generated in " in stderr
+        and "; no files (the first learner, rank 1, writes the metrics and checkpoints)" in stderr
     )
 
 
@@ -128,7 +186,8 @@ def test_a_split_file_on_two_gpus_through_nccl_reaches_the_one_process_run(tmp_p
     the data-parallel NCCL test."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    done, single = _split_and_one_process(tmp_path, ONE_LEARNER, 2, 'objects.model.device="cuda"')
+    single, argv = _one_process(tmp_path, ONE_LEARNER, 'objects.model.device="cuda"')
+    stderr = _torchrun(tmp_path, 2, argv)
     error = _relative_error(_adapter(tmp_path), _adapter(single))
     assert error < 1e-8, f"relative error {error:.3g}"
-    assert "thundersync: rank 1 of 2 (rollout): 2 batches generated in " in done.stderr
+    assert "thundersync: rank 1 of 2 (rollout): 2 batches generated in " in stderr
