@@ -85,6 +85,8 @@ def test_an_unknown_field_of_the_placement_is_named_with_the_valid_ones() -> Non
         ('objects.admission={factory="admission"}', r"^objects\.admission\.factory: 'admission' in a file with "
          r"\[run\.split\]; each rollout rank starts its whole share of a batch at once"),
         ("objects.objective.process=true", r"^objects\.objective\.process: true; the split's learner streams"),
+        ("objects.optimizer.shard_state=true", r"^objects\.optimizer\.shard_state: true; ZeRO-1 would split the "
+         r"optimizer's state over every rank of the launch, rollout ranks included: drop shard_state"),
     ],
 )  # fmt: skip
 def test_what_the_split_does_not_run_is_refused_naming_the_key(override: str, message: str) -> None:

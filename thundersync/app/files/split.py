@@ -9,8 +9,8 @@ with ``[run] shard = true``, else replicated: decision 090). :func:`check_split`
 the value and what to do: a placement that is not every rank ``0 .. N-1`` once in one role,
 learner ranks not in increasing order, and what the split does not run: ``max_staleness`` > 0, an
 ``[eval]``, another stage type (a teacher: OPD; tools; agent apps), several turns, a reward's
-``overlong`` other than ``keep``, an objective in a learner process, an ``admission`` or
-``episode-failures`` object. :func:`check_world` compares the placement with the launch's size.
+``overlong`` other than ``keep``, an objective in a learner process, an optimizer's
+``shard_state``, an ``admission`` or ``episode-failures`` object. :func:`check_world` compares the placement with the launch's size.
 """
 
 from __future__ import annotations
@@ -158,6 +158,12 @@ def _check_objects(spec: Any) -> None:
             raise DefinitionError(
                 f"objects.{name}.max_staleness: {obj.args['max_staleness']}; a split generates each batch on the "
                 "learner's newest weights: set max_staleness = 0, or drop [run.split]"
+            )
+        if obj.factory == "optimizer" and obj.args.get("shard_state"):
+            raise DefinitionError(
+                f"objects.{name}.shard_state: true; ZeRO-1 would split the optimizer's state over every rank of the "
+                "launch, rollout ranks included: drop shard_state (with several learner ranks, [run] shard = true "
+                "shards the model and its optimizer's state over the learners)"
             )
         if obj.factory == "grpo" and obj.args.get("process"):
             raise DefinitionError(
