@@ -20,7 +20,7 @@ metrics path is invalid (for ``plot``: the metrics file is missing, malformed or
 lines), 130 when interrupted. Errors are one line on stderr; ``--verbose`` adds
 the traceback and info-level logs; under a data-parallel launch the line starts with the rank
 (:mod:`thundersync.app.cli.distributed`, where rank 0 alone writes files; with ``[run.split]``, the
-learner rank alone: :mod:`thundersync.app.cli.split`). The metrics file is created new in an existing directory;
+first learner rank alone: :mod:`thundersync.app.cli.split`). The metrics file is created new in an existing directory;
 ``--overwrite`` lets it replace an existing file (:mod:`thundersync.app.metrics.jsonl`), and the event
 files of an earlier run in ``run.tensorboard``'s directory (:mod:`thundersync.app.metrics.tensorboard`). Names from
 the file reach the terminal escaped (``\x1b``, ``\n``). This is the only place that configures

@@ -1,9 +1,12 @@
 """A pipeline file's rollout/learner split: ``torchrun --nproc-per-node N -m thundersync run FILE``
-with ``[run.split]`` (decision 088).
+with ``[run.split]`` (decisions 088, 090).
 
-Every rank builds the file's objects and graph as a one-process run would (no data parallel is
-attached) and a :class:`~thundersync.engine.split.SplitChannel` over the placement; then it runs
-its role's loop instead of the graph (:func:`run_split`), one batch of the source stage per step:
+Every rank first makes a :class:`~thundersync.engine.split.SplitChannel` over the placement
+(:func:`with_channel`), then builds the file's objects and graph as a one-process run would
+(:func:`build_split_objects`: no data parallel on rollout ranks, whose models are never sharded;
+several learner ranks share the learning over ``channel.learner_group``, their model sharded
+there with ``[run] shard = true``, else each holding the whole model with a ``DataParallel`` over
+it); then it runs its role's loop instead of the graph (:func:`run_split`), one batch of the source stage per step:
 
 - a rollout rank takes the graph's stages as settings and objects: the source's batches (group
   ids, prompts, task fields, ``samples`` trajectories per group), the generate stage's
@@ -14,18 +17,21 @@ its role's loop instead of the graph (:func:`run_split`), one batch of the sourc
   of its three kinds, with the task's fields). It calls
   :func:`~thundersync.split.generate_batch` for each batch (its share of the groups), then
   receives the learner's weights;
-- the learner rank streams each batch into the backward stage's objective
-  (:func:`~thundersync.split.learn_batch`), steps the step stage's ``trainer``, tells its
-  ``checkpointer`` and publishes its ``policy`` as the step stage does, writes the step's line to
-  the metrics file, and broadcasts the objective's trainable tensors (every parameter, or a LoRA
-  model's adapter only). Before the first batch it broadcasts them once (version 0), so the
-  rollout ranks start from its weights.
+- each learner rank streams its groups of each batch into the backward stage's objective
+  (:func:`~thundersync.split.learn_batch`), steps the step stage's ``trainer`` (which reduces
+  over the learners), tells its ``checkpointer`` and publishes its ``policy`` as the step stage
+  does, gathers the learners' shares of the step metrics, and the first learner rank writes the
+  step's line to the metrics file and broadcasts the objective's trainable tensors (every
+  parameter, or a LoRA model's adapter only). Before the first batch it broadcasts them once
+  (version 0), so the rollout ranks start from its weights.
 
-The learner alone writes files: the metrics file (``run_started``, one ``step`` line per step,
-``run_finished``; no other lifecycle event), TensorBoard and W&B, and the checkpoints. A step line has the fields of a
-one-process run's; ``rollout_s`` counts from the learner's wait for the batch (after its previous
-broadcast) to the batch's last trajectory received, and ``generator_idle_s`` is ``null`` (the
-learner does not see the generators). Every wait on the channel is bounded by
+The first learner rank alone writes files: the metrics file (``run_started``, one ``step`` line
+per step, ``run_finished``; no other lifecycle event), TensorBoard and W&B, and the checkpoints
+(a sharded learner's other ranks write their shards into them). A step line has the fields of a
+one-process run's over every learner's groups, plus ``groups_per_rank`` (per learner rank);
+``rollout_s`` counts from the first learner's wait for the batch (after its previous broadcast)
+to the batch's last trajectory it received, and ``generator_idle_s`` is ``null`` (the learners
+do not see the generators). Every wait on the channel is bounded by
 ``THUNDERSYNC_DIST_TIMEOUT_S`` and a rank that dies ends the others with a line naming it and
 its role (:mod:`thundersync.engine.split`).
 """
