@@ -15,8 +15,8 @@ over both learners' groups) and checkpoint, and each rank's summary line.
 
 The ranks get the environment torchrun gives them (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, the
 agent's store) and run ``main``, forked from a server that imported the command once: torchrun
-would start an agent and a fresh interpreter per rank, which on two cores cost this test about
-ten seconds more. A ``gpu`` test runs 1 + 1 under torchrun on two GPUs through NCCL (``bash
+would start an agent and a fresh interpreter per rank, each importing torch, transformers and
+peft (on two cores, the slower way for three ranks). A ``gpu`` test runs 1 + 1 under torchrun on two GPUs through NCCL (``bash
 bench/gpu_multi.sh`` runs it); one learner rank runs the same code as two, with a learner group
 of one. A replicated learner behind the split: tests/engine/test_split_distributed.py.
 """
