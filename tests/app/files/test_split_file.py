@@ -238,3 +238,26 @@ def test_the_rollout_sampler_makes_the_generate_stages_requests_and_hands_over_e
     anyio.run(sampler.generate, request)
     with pytest.raises(PipelineError, match=r"asked for the reward of a request other than the one just generated"):
         sampler.reward(prompts[0], [])
+
+
+def test_a_sharded_split_refuses_consolidated_checkpoints_unless_the_first_learner_is_rank_0(tmp_path: Path) -> None:
+    """torch gathers a sharded model's whole state dict on rank 0 of the world alone."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from thundersync.app.checkpoints.checkpoint import Checkpointer
+    from thundersync.app.cli.split import _refuse_consolidated
+    from thundersync.pipeline.policy import PolicyClock
+
+    model, sharded = torch.nn.Linear(2, 2), object()
+    optimizer = torch.optim.AdamW(model.parameters())
+    saver = Checkpointer(tmp_path, model=model, optimizer=optimizer, policy=PolicyClock(), distributed=True,
+                         consolidated=True, writer=True)  # fmt: skip
+    saver.sharded = sharded  # type: ignore[assignment]  # what _shard_checkpointers gives it
+    _refuse_consolidated({"ckpt": saver}, sharded, SimpleNamespace(source=0))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^objects\.ckpt\.consolidated: true, but the split's first learner is "
+                       r"rank 1; torch gathers a sharded model's whole weights on rank 0 alone"):  # fmt: skip
+        _refuse_consolidated({"ckpt": saver}, sharded, SimpleNamespace(source=1))  # type: ignore[arg-type]
+    saver.consolidated = False
+    _refuse_consolidated({"ckpt": saver}, sharded, SimpleNamespace(source=1))  # type: ignore[arg-type]
