@@ -117,7 +117,9 @@ class RunSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     ``shard``: under a data-parallel launch (``torchrun``), every streaming run's model is sharded
     over the ranks (FSDP2: :class:`~thundersync.engine.sharded.ShardedDataParallel`) and the
     optimizer steps each rank's shard; one process has nothing to shard and ignores it
-    (docs/decisions/075-sharded-learner-gathers-once-per-batch.md). A ``checkpointer`` takes it too:
+    (docs/decisions/075-sharded-learner-gathers-once-per-batch.md); under ``[run.split]``, over
+    the learner ranks when there are several (a single learner rank holds the whole model; decision
+    090). A ``checkpointer`` takes it too:
     its checkpoints are then in the distributed layout (every rank writes its shards; one process
     writes that layout as well), resumable on another number of ranks (decision 083).
     ``split``: a rollout/learner split of a multi-process launch (``[run.split]``,
