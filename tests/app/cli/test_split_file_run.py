@@ -5,10 +5,12 @@ The file is examples/train_tiny_grpo.toml on an fp64 LoRA model (so the learner 
 adapter's tensors only), two steps of two groups. The rollout rank samples with the generate
 stage's own request seeds and ``TorchGenerator``'s counter-based sampling, so it samples the
 tokens the one-process run samples when its weights are the learner's: step 2's tokens, hence
-the second update, depend on the broadcast after step 1. The one spawned run also checks what a
+the second update, depend on the broadcast after step 1. The first spawned run also checks what a
 split writes: the learner's metrics file and checkpoint, and each rank's summary line. This test
 replaces the 1 rollout + 1 learner LoRA case of tests/engine/test_split_distributed.py (the same
-path, from the Python API). A ``gpu`` test runs the same on two GPUs through NCCL
+path, from the Python API). A second launch resumes the split run from its checkpoint of step 2 to
+step 3, its roles swapped, and reaches the uninterrupted one-process run's step 3 (decision 091).
+A ``gpu`` test runs the first launch on two GPUs through NCCL, without the resume
 (``bash bench/gpu_multi.sh`` runs it).
 """
 

@@ -21,6 +21,14 @@ its role's loop instead of the graph (:func:`run_split`), one batch of the sourc
   model's adapter only). Before the first batch it broadcasts them once (version 0), so the
   rollout ranks start from its weights.
 
+``--resume DIR`` (decision 091): the learner has restored the checkpoint as a one-process run does
+(the command's ``_resume``; rollout ranks read none) and counts on from its policy clock's version
+k, which its first broadcast carries with the restored tensors; a rollout rank then skips the
+source's first k batches (a split steps them in order, one per step), so it samples batch k+1's
+groups and seeds on the restored weights. The learner refuses a checkpoint whose consumed batches
+are not those k, and any group it receives that is not of the batch it steps. The step stage's
+checkpointer writes on the learner rank (its default writer is rank 0).
+
 The learner alone writes files: the metrics file (``run_started``, one ``step`` line per step,
 ``run_finished``; no other lifecycle event), TensorBoard and W&B, and the checkpoints. A step line has the fields of a
 one-process run's; ``rollout_s`` counts from the learner's wait for the batch (after its previous
