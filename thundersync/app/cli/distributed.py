@@ -39,7 +39,7 @@ nodes, one torchrun agent per node meets the others at a c10d rendezvous (``--nn
 
 A file with ``[run.split]`` is launched the same way, but its ranks split into rollout ranks and
 one learner rank instead of data parallel (:mod:`thundersync.app.cli.split`): no data parallel is
-attached, and the learner rank writes the files.
+attached, the learner rank writes the files, and only the learner loads a ``--resume`` checkpoint.
 """
 
 from __future__ import annotations
