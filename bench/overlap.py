@@ -69,7 +69,10 @@ The ``-greenN`` rows (any in-process row, e.g. ``grpo-green64``; ``--learner-sms
 ``grpo-green64`` and ``grpo-green96``) run the row with ``Acceleration(learner_sms=N)``: the
 engine's streams and the graphs it captures on a CUDA green context of N SMs (a multiple of 8), so
 GRPO's default packing is ``pack_tokens = 0``; the generator keeps its own high-priority stream on
-the whole device. They need a GPU and driver with green contexts and ``cuda.bindings``.
+the whole device. With a ``d`` (``grpo-green64d``) the row's rollout runs on a generator of its own
+with ``decode_partition`` on: its decode stream and graphs on the SMs the learner's partition
+leaves (its rollout alone there is noted below the table; the row's columns compare with the
+rollout alone on the whole device). They need a GPU and driver with green contexts and ``cuda.bindings``.
 
 The ``-proc`` rows (``grpo-proc``, ``opd-proc``) are the in-process rows with the objective a
 ``thundersync.LearnerProcess`` (the library's learner process: the engine's work in a child over
@@ -849,6 +852,8 @@ async def measure_row(
         report.checks.append(label + check)
         print(f"[check] {label}{check}", file=sys.stderr, flush=True)
         return result
+    if _decode_apart(row):
+        generator = await apart_generator(row, model, generator, plan, report)
     suffix = row[row.rfind("-") :]
     layers = {_EAGER: "eager", _COMPILED: "compiled-graphs", _UNFUSED: "unfused-graphs"}.get(suffix, "graphs")
     with engine_layers(layers):
@@ -879,7 +884,8 @@ _LEARNER_PROCESS = "-proc"  # the objective a thundersync.LearnerProcess, the te
 _SECOND_DEVICE = "-gpu2"  # a LearnerProcess on cuda:1, its own copy of the parameters (CPU: a private copy)
 
 
-_GREEN = re.compile(r"-green([0-9]+)$")  # in-process rows: the learner on a green context of N SMs
+# in-process rows: the learner on a green context of N SMs; -greenNd: the decode on the other SMs too
+_GREEN = re.compile(r"-green([0-9]+)(d?)$")
 
 
 def _green_sms(row: str) -> int:
@@ -888,11 +894,35 @@ def _green_sms(row: str) -> int:
     return int(match.group(1)) if match else 0
 
 
+def _decode_apart(row: str) -> bool:
+    """Whether the row's decode runs on the SMs its learner's partition leaves (``-greenNd``)."""
+    match = _GREEN.search(row)
+    return bool(match and match.group(2))
+
+
 def row_name(row: str) -> str:
     """The row's name in the table."""
     sms = _green_sms(row)
     base = _ROW_NAMES[_GREEN.sub("", row)]
-    return f"{base}, learner on {sms} SMs (green context)" if sms else base
+    if not sms:
+        return base
+    return f"{base}, learner on {sms} SMs (green context)" + (", decode on the others" if _decode_apart(row) else "")
+
+
+async def apart_generator(
+    row: str, model: torch.nn.Module, like: TorchGenerator, plan: Batch, report: Report
+) -> TorchGenerator:
+    """A generator like ``like`` whose decode runs on the SMs the row's learner partition leaves
+    (``decode_partition``), warmed up (its graphs captured there); its rollout alone in the report."""
+    acceleration = Acceleration(learner_sms=_green_sms(row), decode_partition="on")
+    generator = TorchGenerator(
+        model, max_batch=like.config.max_batch, max_seq_len=like.max_seq_len, acceleration=acceleration
+    )
+    await rollout(generator, plan)
+    alone_s, _ = await rollout(generator, plan)
+    report.notes.append(f"{row}: the rollout alone with the decode on the other SMs: {alone_s:.3f} s")
+    print(f"[done] {row}: rollout alone on the decode's partition: {alone_s:.2f} s", file=sys.stderr, flush=True)
+    return generator
 
 
 def _objective_kind(row: str) -> str:

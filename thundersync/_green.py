@@ -47,7 +47,17 @@ from thundersync.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SM_GROUP", "Partition", "check_sms", "missing", "own_stream", "partition", "partition_of", "side_stream"]
+__all__ = [
+    "SM_GROUP",
+    "Partition",
+    "check_sms",
+    "decode_stream",
+    "missing",
+    "own_stream",
+    "partition",
+    "partition_of",
+    "side_stream",
+]
 
 SM_GROUP = 8
 """The driver's granularity of an SM split on Hopper: a partition is a multiple of it."""
@@ -70,13 +80,17 @@ def check_sms(value: object, where: str) -> None:
 @dataclass(eq=False)
 class Partition:
     """``sms`` SMs of ``device`` as a green context (``rest_sms`` left to everything else), with
-    the learner's ``stream`` and, made on demand, companion streams for warm-ups and captures."""
+    its ``stream`` and, made on demand, companion streams for warm-ups and captures, all at
+    ``priority`` (the learner's: CUDA's lowest; the complement's: the highest)."""
 
     device: torch.device
     sms: int
     rest_sms: int
     stream: torch.cuda.Stream
     _context: Any
+    priority: int
+    _rest: Any = None  # the driver's resource of the other SMs (the learner's partition only)
+    _complement: Partition | None = None
     _companions: list[torch.cuda.Stream] = field(default_factory=list)
 
     def companion(self) -> torch.cuda.Stream:
@@ -87,11 +101,29 @@ class Partition:
                 if stream.cuda_stream not in _held:
                     _held.add(stream.cuda_stream)
                     return stream
-            stream = _new_stream(self._context, self.device)
+            stream = _new_stream(self._context, self.device, self.priority)
             self._companions.append(stream)
             _held.add(stream.cuda_stream)
             _by_stream[stream.cuda_stream] = self
             return stream
+
+    def complement(self) -> Partition:
+        """The other SMs of the device (``rest_sms``) as a green context of their own, made at the
+        first call and kept, its streams at CUDA's highest priority: the decode's, so that the
+        learner's partition and the decode never share an SM (:func:`decode_stream`)."""
+        with _lock:
+            if self._complement is None:
+                if self._rest is None:
+                    raise ValueError(f"the partition of {self.sms} SMs is itself a complement")
+                from cuda.bindings import driver
+
+                context = _context_of(self._rest, self.device)
+                _, highest = _driver(driver.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+                stream = _new_stream(context, self.device, highest)
+                made = Partition(self.device, self.rest_sms, self.sms, stream, context, highest)
+                _by_stream[made.stream.cuda_stream] = made
+                self._complement = made
+            return self._complement
 
 
 _lock = threading.Lock()
@@ -107,6 +139,15 @@ def own_stream(device: torch.device | None = None, priority: int = 0) -> torch.c
     import torch
 
     stream = _take_free(lambda: torch.cuda.Stream(device, priority=priority))  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+    weakref.finalize(stream, _unhold, stream.cuda_stream)
+    return stream
+
+
+def decode_stream(device: torch.device, learner_sms: int) -> torch.cuda.Stream:
+    """A stream of the SMs that the learner's partition of ``learner_sms`` leaves on ``device``
+    (:meth:`Partition.complement`, highest priority), held while the returned object lives: the
+    decode's, so that its kernels and the graphs captured under it never run on the learner's SMs."""
+    stream = partition(device, learner_sms).complement().companion()
     weakref.finalize(stream, _unhold, stream.cuda_stream)
     return stream
 
@@ -220,18 +261,26 @@ def _make(device: torch.device, sms: int) -> Partition:
     got = int(groups[0].sm.smCount)
     if got != sms:
         raise ConfigError(f"learner_sms = {sms}: the driver split {got} SMs on {device}; give a multiple of its group")
-    desc = _driver(driver.cuDevResourceGenerateDesc([groups[0]], 1), "the resource descriptor")
+    context = _context_of(groups[0], device)
+    lowest, _ = _driver(driver.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+    return Partition(device, sms, int(rest.sm.smCount), _new_stream(context, device, lowest), context, lowest, rest)
+
+
+def _context_of(resource: Any, device: torch.device) -> Any:
+    """A green context of the driver's SM ``resource`` on ``device``."""
+    from cuda.bindings import driver
+
+    dev = _driver(driver.cuDeviceGet(device.index or 0), "cuDeviceGet")
+    desc = _driver(driver.cuDevResourceGenerateDesc([resource], 1), "the resource descriptor")
     flags = driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM
-    context = _driver(driver.cuGreenCtxCreate(desc, dev, flags), "cuGreenCtxCreate")
-    return Partition(device, sms, int(rest.sm.smCount), _new_stream(context, device), context)
+    return _driver(driver.cuGreenCtxCreate(desc, dev, flags), "cuGreenCtxCreate")
 
 
-def _new_stream(context: Any, device: torch.device) -> torch.cuda.Stream:
-    """A non-blocking stream of the green context ``context``, at CUDA's lowest priority."""
+def _new_stream(context: Any, device: torch.device, priority: int) -> torch.cuda.Stream:
+    """A non-blocking stream of the green context ``context`` at ``priority``."""
     import torch
     from cuda.bindings import driver
 
-    lowest, _ = _driver(driver.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
     flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
-    raw = _driver(driver.cuGreenCtxStreamCreate(context, flags, lowest), "cuGreenCtxStreamCreate")
+    raw = _driver(driver.cuGreenCtxStreamCreate(context, flags, priority), "cuGreenCtxStreamCreate")
     return torch.cuda.get_stream_from_external(int(raw), device)

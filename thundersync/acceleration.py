@@ -35,6 +35,7 @@ ENVIRONMENT: dict[str, str] = {
     "decode_fuse": "THUNDERSYNC_DECODE_FUSE",
     "decode_kernels": "THUNDERSYNC_DECODE_KERNELS",
     "decode_priority": "THUNDERSYNC_DECODE_PRIORITY",
+    "decode_partition": "THUNDERSYNC_DECODE_PARTITION",
     "decode_linear_configs": "THUNDERSYNC_DECODE_LINEAR_CONFIGS",
     "scorer_graphs": "THUNDERSYNC_SCORER_GRAPHS",
     "fa4": "THUNDERSYNC_FA4",
@@ -72,7 +73,10 @@ class Acceleration(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     graph it captures) on a CUDA green context of that many SMs of its device, made by the driver,
     at CUDA's lowest stream priority; the decode and everything else keep the whole device's
     other SMs and may also use the partition's idle ones (a partition reserves nothing against
-    ordinary streams). 0: off, the engine's side stream runs on every SM. A positive multiple of
+    ordinary streams), unless ``decode_partition`` is on: then the generator's decode stream, and
+    every graph captured under it, is on a green context of the SMs the learner's partition
+    leaves, at the highest priority, so neither side runs on the other's SMs (auto: off; on needs
+    ``learner_sms``). 0: off, the engine's side stream runs on every SM. A positive multiple of
     8 (Hopper's SM group) that leaves at least 8 SMs; a machine without green contexts (no CUDA
     device, no ``cuda.bindings``, a driver before 12.5) refuses it, naming what is missing
     (:mod:`thundersync._green`). It also picks GRPO's default packing
@@ -88,6 +92,7 @@ class Acceleration(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     decode_fuse: Mode = "auto"
     decode_kernels: Mode = "auto"
     decode_priority: Mode = "auto"
+    decode_partition: Mode = "auto"
     decode_linear_configs: str = ""
     scorer_graphs: Mode = "auto"
     fa4: Literal["auto", "require", "off"] = "auto"

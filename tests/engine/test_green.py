@@ -81,11 +81,11 @@ def test_warm_ups_and_captures_under_a_partition_stream_stay_on_its_streams(monk
     (also when the current stream is itself a companion: a capture inside a warm-up), held for
     the block and reused after it. On the CPU the streams are stand-ins; the GPU tests use real ones."""
     handles = iter(range(1000, 2000))
-    monkeypatch.setattr(_green, "_new_stream", lambda context, device: _FakeStream(next(handles)))
+    monkeypatch.setattr(_green, "_new_stream", lambda context, device, priority: _FakeStream(next(handles)))
     monkeypatch.setattr(_green, "_by_stream", {})
     monkeypatch.setattr(_green, "_held", set())
     learner = _FakeStream(7)
-    part = _green.Partition(torch.device("cuda", 0), 64, 68, learner, object())  # type: ignore[arg-type]
+    part = _green.Partition(torch.device("cuda", 0), 64, 68, learner, object(), 0)  # type: ignore[arg-type]
     _green._by_stream[learner.cuda_stream] = part
     current: list[Any] = [learner]
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])

@@ -83,6 +83,7 @@ def test_a_capture_keeps_the_allocator_cache_and_lets_other_streams_run() -> Non
     reserved = torch.cuda.memory_reserved(device)
     busy = torch.cuda.Stream()
     x = torch.arange(1024, dtype=torch.float32, device=device)
+    x * 2 + 1  # the kernels loaded (a lazy module load waits for the device), as the library's warm-ups do
     with torch.cuda.stream(busy):
         torch.cuda._sleep(200_000_000)  # ~0.1 s or more of spinning on another stream
     done = torch.cuda.Event()

@@ -398,6 +398,56 @@ def test_the_priority_stream_decodes_like_the_current_one_and_sees_writes_queued
     assert_same_results(ragged(current, count=4), after)
 
 
+def test_a_decode_partition_needs_a_cuda_model(make_qwen3) -> None:
+    with pytest.raises(
+        ConfigError,
+        match="decode_partition = on puts the decode on the SMs that learner_sms leaves, but the model is on cpu",
+    ):
+        TorchGenerator(
+            make_qwen3(), max_batch=2, max_seq_len=48, acceleration=Acceleration(decode_partition="on", learner_sms=16)
+        )
+
+
+@pytest.mark.gpu
+def test_a_decode_partition_decodes_like_the_whole_device_and_captures_on_the_sms_the_learner_leaves(
+    make_qwen3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode stream and every capture under it belong to the complement of the learner's
+    partition (the device's other SMs), and the requests decode as on the whole device."""
+    import contextlib
+
+    from thundersync import _green
+
+    device = torch.device("cuda", 0)
+    if _green.missing(device) is not None:
+        pytest.skip(f"no green context here: {_green.missing(device)}")
+    model = make_qwen3().cuda()
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = max(8, total // 2 // 8 * 8)
+    with pytest.raises(ConfigError, match="but learner_sms is 0; set learner_sms"):
+        TorchGenerator(model, max_batch=2, max_seq_len=48, acceleration=Acceleration(decode_partition="on"))
+    whole = TorchGenerator(model, max_batch=4, max_seq_len=64, acceleration=Acceleration(decode_compile="off"))
+    forms = Acceleration(decode_compile="off", decode_partition="on", learner_sms=sms)
+    apart = TorchGenerator(model, max_batch=4, max_seq_len=64, acceleration=forms)
+    part = _green.partition_of(apart._batcher.stream)
+    assert part is not None and part is _green.partition(device, sms).complement()
+    assert (part.sms, part.rest_sms) == (total - sms, sms)
+    assert apart._batcher.stream.priority < 0  # the highest
+    asked: list[torch.cuda.Stream] = []
+    side_stream = _green.side_stream
+
+    @contextlib.contextmanager
+    def spy() -> Iterator[torch.cuda.Stream]:
+        with side_stream() as stream:
+            asked.append(stream)
+            yield stream
+
+    monkeypatch.setattr(_green, "side_stream", spy)
+    got = ragged(apart, count=4)
+    assert asked and all(_green.partition_of(stream) is part for stream in asked)
+    assert_same_results(ragged(whole, count=4), got)
+
+
 def test_with_no_driver_the_done_waiters_are_woken_and_one_other_drives(make_qwen3) -> None:
     # a cancel applied with no driver reads the step in flight, which can finish waiting requests:
     # the hand-off must wake those too, not only the next driver

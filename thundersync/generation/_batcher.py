@@ -140,12 +140,11 @@ class ContinuousBatcher:
         self._inflight: _Launched | None = None  # the fixed-shape step launched and not read yet
         self._host_out: list[torch.Tensor] = []  # see use_fixed_step
 
-    def use_stream(self) -> None:
-        """Run every step on a new high-priority CUDA stream, after all work on the current stream
-        so far (the cache and buffers were allocated there)."""
-        self.stream = _green.own_stream(
-            self.anatomy.device, priority=-100
-        )  # out-of-range priorities clamp to the highest
+    def use_stream(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Run every step on ``stream`` (default: a new high-priority CUDA stream of its own), after
+        all work on the current stream so far (the cache and buffers were allocated there)."""
+        # out-of-range priorities clamp to the highest
+        self.stream = stream or _green.own_stream(self.anatomy.device, priority=-100)
         self.stream.wait_stream(torch.cuda.current_stream(self.anatomy.device))
 
     def mark(self) -> torch.cuda.Event | None:

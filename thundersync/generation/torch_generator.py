@@ -48,6 +48,7 @@ import anyio.to_thread
 import msgspec
 from torch import nn
 
+from thundersync import _green
 from thundersync._config import build_config
 from thundersync._logging import get_logger
 from thundersync.acceleration import Acceleration
@@ -92,7 +93,9 @@ class TorchGenerator:
     each ``auto`` is on with CUDA graphs. ``decode_priority`` (``auto``: on CUDA) runs every step
     on a high-priority CUDA stream of the generator's own, so a learner's kernels on other
     streams yield the GPU to the decode step; a request waits only for its submitter's stream as
-    of its ``generate`` call.
+    of its ``generate`` call. ``decode_partition`` (``auto``: off) puts that stream, and every
+    decode graph captured under it, on a CUDA green context of the SMs that ``learner_sms``
+    leaves (:func:`thundersync._green.decode_stream`), at the highest priority.
 
     No background task: one of the concurrent ``await generate(...)`` calls drives the batcher
     (in a worker thread, so the event loop stays responsive; a visit to the thread runs steps until
@@ -140,7 +143,15 @@ class TorchGenerator:
         if cuda_graphs and device.type != "cuda":
             raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, it is on {device}")
         self._decode_math(acc, cuda_graphs)
-        if acc.on("decode_priority", auto=device.type == "cuda"):
+        if acc.on("decode_partition", auto=False):
+            if device.type != "cuda" or not acc.learner_sms:
+                raise ConfigError(
+                    "decode_partition = on puts the decode on the SMs that learner_sms leaves, but "
+                    + (f"the model is on {device}" if device.type != "cuda" else "learner_sms is 0")
+                    + "; set learner_sms (a CUDA device with green contexts), or decode_partition = off"
+                )
+            self._batcher.use_stream(_green.decode_stream(device, acc.learner_sms))
+        elif acc.on("decode_priority", auto=device.type == "cuda"):
             if device.type != "cuda":
                 raise ConfigError(f"decode_priority = on needs the model on a CUDA device, it is on {device}")
             self._batcher.use_stream()

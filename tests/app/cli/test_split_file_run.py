@@ -9,16 +9,19 @@ generate stage's own request seeds and ``TorchGenerator``'s counter-based sampli
 the tokens the one-process run samples when its weights are the learner's: step 2's tokens,
 hence the second update, depend on the broadcast after step 1. The checkpoints are in the
 distributed layout (``shard`` reaches the checkpointer; the one-process run writes it too), both
-learners writing their shards: the adapter and the optimizer's state are compared. The one
-spawned run also checks what a split writes: the first learner's metrics file (its step lines
-over both learners' groups) and checkpoint, and each rank's summary line.
+learners writing their shards: the adapter and the optimizer's state are compared. The first
+launch also checks what a split writes: the first learner's metrics file (its step lines over
+both learners' groups) and checkpoint, and each rank's summary line. A second launch resumes the
+split run from its checkpoint of step 2 to step 3 with the roles moved (learners 0 and 1 load
+the shards learners 1 and 2 wrote) and reaches the uninterrupted one-process run's step 3
+(decisions 090, 091).
 
 The ranks get the environment torchrun gives them (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, the
 agent's store) and run ``main``, forked from a server that imported the command once: torchrun
 would start an agent and a fresh interpreter per rank, each importing torch, transformers and
-peft (on two cores, the slower way for three ranks). A ``gpu`` test runs 1 + 1 under torchrun on two GPUs through NCCL (``bash
-bench/gpu_multi.sh`` runs it); one learner rank runs the same code as two, with a learner group
-of one. A replicated learner behind the split: tests/engine/test_split_distributed.py.
+peft (on two cores, the slower way for three ranks). A ``gpu`` test runs 1 + 1 under torchrun on
+two GPUs through NCCL, without the resume (``bash bench/gpu_multi.sh`` runs it); one learner rank
+runs the same code as two, with a learner group of one. A replicated learner behind the split: tests/engine/test_split_distributed.py.
 """
 
 from __future__ import annotations
@@ -56,16 +59,17 @@ def _lines(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _one_process(tmp: Path, split: str, *extra: str) -> tuple[Path, list[str]]:
-    """The file run in this process (into ``tmp/single``); the one-process run's directory and the
-    arguments of ``thundersync`` that run the file with ``split`` on every rank (into ``tmp``)."""
+def _one_process(tmp: Path, split: str, *extra: str, single_extra: tuple[str, ...] = ()) -> tuple[Path, list[str]]:
+    """The file run in this process (into ``tmp/single``; ``single_extra``: its own ``--set``s); the
+    one-process run's directory and the arguments of ``thundersync`` that run the file with
+    ``split`` on every rank (into ``tmp``)."""
     tiny = (ROOT / "examples" / "train_tiny_grpo.toml").read_text()
     (tmp / "tiny.toml").write_text(tiny)
     (tmp / "split.toml").write_text(tiny + split)
     single = tmp / "single"
     single.mkdir()
     argv = ["run", str(tmp / "tiny.toml"), "--metrics", str(single / "m.jsonl"), "--no-progress"]
-    assert main([*argv, *_sets(single, *extra)]) == 0
+    assert main([*argv, *_sets(single, *extra, *single_extra)]) == 0
     return single, [
         "run",
         str(tmp / "split.toml"),
@@ -133,12 +137,12 @@ def _adapter(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(directory / "ckpt" / "step-00000002" / "adapter_model.safetensors")
 
 
-def _distributed(directory: Path) -> dict[str, torch.Tensor]:
+def _distributed(directory: Path, step: int = 2) -> dict[str, torch.Tensor]:
     """The model's and the optimizer's tensors of a distributed-layout checkpoint, by name."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    whole = directory / "whole.pt"
-    dcp_to_torch_save(directory / "ckpt" / "step-00000002" / "distributed", whole)
+    whole = directory / f"whole-{step}.pt"
+    dcp_to_torch_save(directory / "ckpt" / f"step-{step:08d}" / "distributed", whole)
     state = torch.load(whole, weights_only=False)
     tensors = {f"model/{name}": value for name, value in state["model"].items()}
     for name, values in state["optimizer"]["state"].items():
@@ -147,24 +151,18 @@ def _distributed(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def test_a_split_file_with_a_sharded_learner_reaches_the_one_process_run_and_writes_its_files(tmp_path: Path) -> None:
-    single, argv = _one_process(tmp_path, TWO_LEARNERS, "run.shard=true")
+    """Steps 1 and 2 here; step 3, resumed from the split's checkpoint, in the helper below."""
+    single, argv = _one_process(tmp_path, TWO_LEARNERS, "run.shard=true", single_extra=RESUMED_SINGLE)
     stderr = _launched(3, argv)
-    trained, want = _distributed(tmp_path), _distributed(single)
-    assert sorted(trained) == sorted(want) and any("lora_B" in name for name in want)
-    assert any(name.startswith("optimizer/") for name in want)  # the shards' optimizer state, reassembled
-    for part in ("lora_", "optimizer/"):  # each on its own: the frozen base would hide an adapter's error
-        names = [name for name in want if part in name]
-        error = _relative_error({n: trained[n] for n in names}, {n: want[n] for n in names})
-        assert error < 1e-10, f"{part}: relative error {error:.3g}"
-    assert all(torch.equal(trained[name], want[name]) for name in want if "lora_" not in name and "model/" in name)
+    _check_checkpoint(tmp_path, single, 2)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["run.json", "step-00000002"]
     lines, single_lines = _lines(tmp_path / "m.jsonl"), _lines(single / "m.jsonl")
     assert [r["event"] for r in lines] == ["run_started", "step", "step", "run_finished"]  # the first learner's
     assert lines[-1]["status"] == "ok"
     steps = [r for r in lines if r["event"] == "step"]
-    single_steps = [r for r in single_lines if r["event"] == "step"]
+    single_steps = [r for r in single_lines if r["event"] == "step"][:2]
     assert [r["step"] for r in steps] == [1, 2] and [r["batch_id"] for r in steps] == [0, 1]
-    for key in ("tokens", "reward_mean", "reward_std", "grad_norm", "lr", "groups_rewarded"):
+    for key in STEP_KEYS:
         assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-10), key
     assert set(steps[0]) == set(single_steps[0]) | {"groups_per_rank"}  # a one-process line's, and per learner
     assert [r["groups_per_rank"] for r in steps] == [[1, 1], [1, 1]]  # each learner learned one group of two
@@ -177,6 +175,50 @@ def test_a_split_file_with_a_sharded_learner_reaches_the_one_process_run_and_wri
         "thundersync: rank 0 of 3 (rollout): 2 batches generated in " in stderr
         and "; no files (the first learner, rank 1, writes the metrics and checkpoints)" in stderr
     )
+    _resumed_split_reaches_the_one_process_run(tmp_path, single, argv)
+
+
+STEP_KEYS = ("tokens", "reward_mean", "reward_std", "grad_norm", "lr", "groups_rewarded")
+RESUMED_SINGLE = ("run.steps=3", "objects.checkpointer.every=1")  # the uninterrupted run: 3 steps, step 2 kept
+MOVED = "run.split={rollout=[2],learner=[0,1]}"
+
+
+def _check_checkpoint(tmp: Path, single: Path, step: int) -> None:
+    """The split's checkpoint of ``step`` holds the one-process run's adapter and optimizer state."""
+    trained, want = _distributed(tmp, step), _distributed(single, step)
+    assert sorted(trained) == sorted(want) and any("lora_B" in name for name in want)
+    assert any(name.startswith("optimizer/") for name in want)  # the shards' optimizer state, reassembled
+    for part in ("lora_", "optimizer/"):  # each on its own: the frozen base would hide an adapter's error
+        names = [name for name in want if part in name]
+        error = _relative_error({n: trained[n] for n in names}, {n: want[n] for n in names})
+        assert error < 1e-10, f"step {step}, {part}: relative error {error:.3g}"
+    assert all(torch.equal(trained[name], want[name]) for name in want if "lora_" not in name and "model/" in name)
+
+
+def _resumed_split_reaches_the_one_process_run(tmp: Path, single: Path, argv: list[str]) -> None:
+    """The split run of ``tmp`` (stopped after its checkpoint of step 2) resumed to step 3 with
+    ``--resume``, its roles moved (learners 0 and 1 load the shards the learners 1 and 2 wrote;
+    the first learner, now rank 0, writes), ends with the uninterrupted one-process run's step 3:
+    the learners restore their state and tell the rollout rank the step, after which it samples
+    batch 2 (not batch 0) on the restored weights (decision 091)."""
+    stderr = _launched(3, [*argv, "--resume", str(tmp / "ckpt"), *_sets(tmp, "run.shard=true", "run.steps=3", MOVED)])
+    _check_checkpoint(tmp, single, 3)
+    runs = {
+        json.loads((tmp / "ckpt" / name / "checkpoint.json").read_text())["run"]
+        for name in ("step-00000002", "step-00000003")
+    }
+    assert sorted(p.name for p in (tmp / "ckpt").iterdir()) == ["run.json", "step-00000002", "step-00000003"]
+    assert len(runs) == 1  # the resumed run continues the split's run
+    lines, single_lines = _lines(tmp / "m.jsonl"), _lines(single / "m.jsonl")
+    events = ["run_started", "step", "step", "run_finished"]
+    assert [r["event"] for r in lines] == [*events, "run_started", "step", "run_finished"]  # added to the file
+    steps = [r for r in lines if r["event"] == "step"]
+    single_steps = [r for r in single_lines if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3] and [r["batch_id"] for r in steps] == [0, 1, 2]
+    for key in STEP_KEYS:
+        assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-10), key
+    assert "thundersync: rank 0 of 3 (learner): 1 steps in " in stderr
+    assert "thundersync: rank 2 of 3 (rollout): 1 batches generated in " in stderr
 
 
 @pytest.mark.gpu

@@ -144,13 +144,11 @@ def test_check_lists_the_placement(tmp_path: Path, capsys: pytest.CaptureFixture
     ) in capsys.readouterr().out
 
 
-def test_the_learner_rank_writes_the_files_and_resuming_a_split_is_refused() -> None:
+def test_the_learner_rank_writes_the_files() -> None:
     spec = loads(_split("[0]", "[1]"))
     ranks = [Launch(rank=r, world_size=2, local_rank=r, timeout_s=60.0, store=object()) for r in (0, 1)]
-    assert [_split_launch(spec, launched, None).writes_files for launched in ranks] == [False, True]  # type: ignore[union-attr]
-    assert [_split_launch(loads(TINY), launched, None).writes_files for launched in ranks] == [True, False]  # type: ignore[union-attr]
-    with pytest.raises(ConfigError, match=r"^--resume runs/a: resuming a split run is not built; run the file"):
-        _split_launch(spec, ranks[1], Path("runs/a"))
+    assert [_split_launch(spec, launched).writes_files for launched in ranks] == [False, True]  # type: ignore[union-attr]
+    assert [_split_launch(loads(TINY), launched).writes_files for launched in ranks] == [True, False]  # type: ignore[union-attr]
 
 
 SHAPES = next(line for line in TINY.splitlines() if line.startswith("config = "))

@@ -290,7 +290,7 @@ def _run(path: Path, args: argparse.Namespace) -> int:
 
     spec = _load(path, args.overrides)
     with launch() as ranks:
-        ranks = _split_launch(spec, ranks, args.resume)
+        ranks = _split_launch(spec, ranks)
         writes = ranks is None or ranks.writes_files
         target = Target(args.metrics, args.overwrite, args.resume, ranks is not None, writes)
         _preflight(path, spec, target)
@@ -299,7 +299,7 @@ def _run(path: Path, args: argparse.Namespace) -> int:
         return _run_rank(path, spec, args, ranks)
 
 
-def _split_launch(spec: PipelineSpec, ranks: Launch | None, resume: Path | None) -> Launch | None:
+def _split_launch(spec: PipelineSpec, ranks: Launch | None) -> Launch | None:
     """A ``[run.split]`` launch: its placement checked against the launch, the learner the writer."""
     split = spec.run.split
     if split is None:
@@ -310,11 +310,6 @@ def _split_launch(spec: PipelineSpec, ranks: Launch | None, resume: Path | None)
 
     check_world(split, None if ranks is None else ranks.world_size)
     assert ranks is not None
-    if resume is not None:
-        raise ConfigError(
-            f"--resume {resume}: resuming a split run is not built; run the file without [run.split] to resume "
-            "from the checkpoint, or start the split anew"
-        )
     return dataclasses.replace(ranks, writer=split.learner[0])
 
 
@@ -359,8 +354,15 @@ def _run_rank(path: Path, spec: PipelineSpec, args: argparse.Namespace, ranks: L
 
             ranks = with_channel(ranks, spec.run.split)
         objects, graph = _prepare(path, spec, ranks)
-        resumed = None if args.resume is None else _resume(objects, args.resume)
+        resumed = None if args.resume is None or _rollout_rank(spec, ranks) else _resume(objects, args.resume)
         return _run_graph(path, spec, objects, graph, args, ranks, resumed, screen, shown)
+
+
+def _rollout_rank(spec: PipelineSpec, ranks: Launch | None) -> bool:
+    """Whether this rank is a split's rollout rank, which does not read a ``--resume`` checkpoint:
+    the learner's first broadcast carries the step it resumed at (:mod:`thundersync.app.cli.split`)."""
+    split = spec.run.split
+    return split is not None and ranks is not None and ranks.rank in split.rollout
 
 
 def _run_graph(

@@ -40,7 +40,8 @@ nodes, one torchrun agent per node meets the others at a c10d rendezvous (``--nn
 A file with ``[run.split]`` is launched the same way, but its ranks split into rollout ranks and
 learner ranks instead of data parallel (:mod:`thundersync.app.cli.split`): no data parallel is
 attached to the rollout ranks, several learner ranks form a sharded or replicated learner over
-their own group, and the first learner rank writes the files.
+their own group, the first learner rank writes the files, and only the learners load a
+``--resume`` checkpoint.
 """
 
 from __future__ import annotations

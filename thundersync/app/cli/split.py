@@ -25,6 +25,14 @@ it); then it runs its role's loop instead of the graph (:func:`run_split`), one 
   parameter, or a LoRA model's adapter only). Before the first batch it broadcasts them once
   (version 0), so the rollout ranks start from its weights.
 
+``--resume DIR`` (decision 091): each learner has restored the checkpoint as a one-process run does
+(the command's ``_resume``; rollout ranks read none) and counts on from its policy clock's version
+k, which its first broadcast carries with the restored tensors; a rollout rank then skips the
+source's first k batches (a split steps them in order, one per step), so it samples batch k+1's
+groups and seeds on the restored weights. The learner refuses a checkpoint whose consumed batches
+are not those k, and any group it receives that is not of the batch it steps. The step stage's
+checkpointer writes on the first learner rank (its default writer is rank 0).
+
 The first learner rank alone writes files: the metrics file (``run_started``, one ``step`` line
 per step, ``run_finished``; no other lifecycle event), TensorBoard and W&B, and the checkpoints
 (a sharded learner's other ranks write their shards into them). A step line has the fields of a
@@ -268,6 +276,7 @@ async def _generate(channel: SplitChannel, parts: SplitParts) -> int:
 
     sampler = _Sampler(parts.generate, parts.reward.scorer)
     version = await anyio.to_thread.run_sync(channel.receive_weights, parts.params)
+    parts.source.skip_batches(range(version))  # the learner's step: a resumed run's consumed batches
     batches = 0
     for batch in parts.source.batches():
         sampler.start(batch)
@@ -286,7 +295,10 @@ async def _learn(channel: SplitChannel, parts: SplitParts, metrics: JsonlMetrics
     from thundersync.split import learn_batch
 
     step, params = parts.step, parts.params
+    if step.policy is not None:
+        step.version = step.policy.version  # as the step stage: a resumed run counts on from the clock
     version = start = step.version
+    _check_position(parts.source, version)
     await anyio.to_thread.run_sync(channel.broadcast_weights, params, version)
     for batch in parts.source.batches():
         batch_id = batch[0].batch_id
@@ -309,6 +321,20 @@ async def _learn(channel: SplitChannel, parts: SplitParts, metrics: JsonlMetrics
     return version - start
 
 
+def _check_position(source: SourceStage, version: int) -> None:
+    """The rollout ranks continue after the first ``version`` batches (what the learner's first
+    broadcast tells them); refuse a resumed learner whose source skips other batches."""
+    if source.skipped != frozenset(range(version)):
+        consumed = sorted(source.skipped, key=str)
+        shown = f"{consumed[:8]}{' ...' if len(consumed) > 8 else ''} ({len(consumed)} batches)"
+        first = f"its first {version}, 0..{version - 1}" if version else "none"
+        raise ConfigError(
+            f"run.split: the learner resumed at step {version} with the source's batches {shown} consumed, not "
+            f"{first}; the rollout ranks continue after the source's first {version} batches, so they would "
+            "sample other batches than the learner steps on: resume this checkpoint without [run.split]"
+        )
+
+
 def _gather_shares(channel: SplitChannel, share: Any) -> list[Any]:
     """Every learner rank's part of the batch (its groups' rewards, tokens...), in learner order."""
     import torch.distributed as dist
@@ -325,10 +351,17 @@ class _Seen:
     def __init__(self, objective: RewardLinearBackward, steps: StepMetrics, batch: list[PromptSubmitted], version: int):
         self.objective, self.steps, self.version = objective, steps, version
         self.batch_id, self.groups = batch[0].batch_id, len(batch)
+        self.prompts = {int(prompt.group_id): list(prompt.prompt_tokens) for prompt in batch}
         self.last: float | None = None
         self.started = perf_counter()  # the learner's wait for the batch begins
 
     def open_group(self, group_id: int, prompt: list[int]) -> None:
+        if self.prompts.get(group_id) != prompt:  # the rollout ranks sample another batch than this one
+            raise PipelineError(
+                f"run.split: the learner received group {group_id} (prompt of {len(prompt)} tokens) for batch "
+                f"{self.batch_id}, whose groups are {sorted(self.prompts)} with their prompts; the rollout ranks "
+                "sampled another batch than the learner steps on (their source is not at the learner's position)"
+            )
         self.objective.open_group(group_id, prompt)
         self.steps.observe(
             GroupOpened(group_id=group_id, prompt_tokens=prompt, batch_id=self.batch_id,
