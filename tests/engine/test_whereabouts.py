@@ -49,3 +49,24 @@ def test_a_sequence_of_a_smaller_group_names_its_world_ranks_with_their_roles() 
     assert line.endswith(
         f"; rank 3 (learner, host {socket.gethostname()}, pid {os.getpid()}, still running) had not reached it"
     )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_settle_waits_for_a_rank_that_is_exiting_and_gives_up_on_one_that_runs() -> None:
+    """After a broken connection the peer is often still exiting: ``settle`` waits until this host
+    no longer sees it running (so the message says how it ended), and no longer than its bound."""
+    from thundersync.engine.failures import settle
+
+    store = dist.HashStore()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    store.set("thundersync/who/1", f"{socket.gethostname()} {child.pid}")
+    try:
+        assert whereabouts(store, 1).endswith(", still running")
+        settle(store, [1], seconds=60)
+        assert whereabouts(store, 1).endswith(", no longer running")
+    finally:
+        child.wait()
+    introduce(store, 0)  # this process: it runs on
+    start = time.monotonic()
+    settle(store, [0], seconds=0.2)
+    assert 0.2 <= time.monotonic() - start < 10

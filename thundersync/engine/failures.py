@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "introduce",
     "report_failure",
     "role_of",
+    "settle",
     "whereabouts",
 ]
 
@@ -92,6 +94,15 @@ def whereabouts(store: Any, rank: int) -> str:
         except OSError:  # another user's process: it exists
             state = ", still running"
     return f"host {host}, pid {pid}{state}"
+
+
+def settle(store: Any, ranks: Sequence[int], seconds: float = 2.0) -> None:
+    """Wait up to ``seconds`` while any of ``ranks`` is a process on this host that still runs:
+    after a broken connection its peer is often still exiting, and :func:`whereabouts` should
+    then say how it ended, not catch it halfway."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(whereabouts(store, rank).endswith("still running") for rank in ranks):
+        time.sleep(0.02)
 
 
 def _zombie(pid: int) -> bool:
@@ -167,6 +178,7 @@ class Arrivals:
         cause = " ".join(f"{type(error).__name__}: {error}".split())[:500]
         behind = ""  # e.g. a broken connection: a rank that never entered it may be the one that died
         if missing:
+            settle(self.store, missing)
             behind = "; " + ", ".join(describe_rank(self.store, rank) for rank in missing) + " had not reached it"
         return f"{what} failed ({cause}){describe_failures(self.store, self.world_size, me=self.rank)}{behind}"
 

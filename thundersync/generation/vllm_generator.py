@@ -120,7 +120,9 @@ class VLLMGenerator:
         options["logprobs_mode"] = "raw_logprobs" if logprobs == "model" else "processed_logprobs"
         options.update(engine_kwargs)
         self._vllm = vllm
+        had_group = torch.distributed.is_initialized()
         self.llm = vllm.LLM(model=str(model), **options)
+        self._owns_group = not had_group and torch.distributed.is_initialized()  # the in-process engine's
         self.logprobs_mode: LogprobMode = logprobs
         self._enable_lora = enable_lora
         self._lora: Any = None  # the LoRARequest serving the current adapter
@@ -271,7 +273,15 @@ class VLLMGenerator:
             )
 
     def close(self) -> None:
-        """Remove the adapter folder (the engine itself is freed with the object)."""
+        """Remove the adapter folder, and take down the process group the in-process engine set up
+        (where the process had none before), so that the process can start one of its own; the
+        engine itself is freed with the object, and generates nothing after this."""
         if self._lora_dir is not None:
             self._lora_dir.cleanup()
             self._lora_dir = None
+        if self._owns_group:
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            self._owns_group = False
+            destroy_model_parallel()  # type: ignore[no-untyped-call]  # vLLM leaves these unannotated
+            destroy_distributed_environment()  # type: ignore[no-untyped-call]

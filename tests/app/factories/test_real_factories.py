@@ -227,3 +227,4 @@ def test_vllm_generator_from_a_file_passes_engine_fields_to_vllm(tmp_path: Path)
         assert generator.llm.llm_engine.model_config.max_model_len == 128  # an engine field, passed on
     finally:
         generator.close()
+    assert not torch.distributed.is_initialized()  # the engine's process group went with it
