@@ -129,27 +129,35 @@ class Partition:
 _lock = threading.Lock()
 _partitions: dict[tuple[int, int], Partition] = {}  # (device index, SMs) -> kept for the process's life
 _by_stream: dict[int, Partition] = {}  # every partition stream's handle -> its partition
-# handles of the streams someone holds: own_stream()'s while its object lives, side_stream()'s for a block
+# handles of the streams someone holds: own_stream()'s while its owner lives, side_stream()'s for a block
 _held: set[int] = set()
 
 
-def own_stream(device: torch.device | None = None, priority: int = 0) -> torch.cuda.Stream:
-    """A stream of torch's pool (``device``, ``priority``) that nobody else holds, held while the
-    returned object lives: a long-lived user's stream (module docstring)."""
+def own_stream(device: torch.device | None = None, priority: int = 0, *, owner: object = None) -> torch.cuda.Stream:
+    """A stream of torch's pool (``device``, ``priority``) that nobody else holds, held while
+    ``owner`` lives (for the process's life without one): a long-lived user's stream (module
+    docstring). The hold follows the owner, never the stream object: torch's CUDA stream objects
+    take weak references but never clear them when freed, so a finalizer on one never runs, and
+    the interpreter crashed at exit touching it."""
     import torch
 
     stream = _take_free(lambda: torch.cuda.Stream(device, priority=priority))  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
-    weakref.finalize(stream, _unhold, stream.cuda_stream)
+    _hold_for(owner, stream)
     return stream
 
 
-def decode_stream(device: torch.device, learner_sms: int) -> torch.cuda.Stream:
+def decode_stream(device: torch.device, learner_sms: int, *, owner: object) -> torch.cuda.Stream:
     """A stream of the SMs that the learner's partition of ``learner_sms`` leaves on ``device``
-    (:meth:`Partition.complement`, highest priority), held while the returned object lives: the
-    decode's, so that its kernels and the graphs captured under it never run on the learner's SMs."""
+    (:meth:`Partition.complement`, highest priority), held while ``owner`` lives: the decode's,
+    so that its kernels and the graphs captured under it never run on the learner's SMs."""
     stream = partition(device, learner_sms).complement().companion()
-    weakref.finalize(stream, _unhold, stream.cuda_stream)
+    _hold_for(owner, stream)
     return stream
+
+
+def _hold_for(owner: object, stream: torch.cuda.Stream) -> None:
+    if owner is not None:
+        weakref.finalize(owner, _unhold, stream.cuda_stream)
 
 
 def _take_free(draw: Callable[[], torch.cuda.Stream]) -> torch.cuda.Stream:

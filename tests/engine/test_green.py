@@ -113,7 +113,8 @@ def test_no_side_stream_is_a_stream_that_another_user_holds(monkeypatch: pytest.
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream(99))
     monkeypatch.setattr(_green, "_by_stream", {})
     monkeypatch.setattr(_green, "_held", set())
-    engine = _green.own_stream()
+    owner = _FakeStream(0)  # any object the stream is held for
+    engine = _green.own_stream(owner=owner)
     with _green.side_stream() as a, _green.side_stream() as b, _green.side_stream() as c:
         assert len({engine.cuda_stream, a.cuda_stream, b.cuda_stream, c.cuda_stream}) == 4
         with pytest.raises(RuntimeError, match="no free CUDA stream after 96 draws"), _green.side_stream():
@@ -123,6 +124,9 @@ def test_no_side_stream_is_a_stream_that_another_user_holds(monkeypatch: pytest.
             assert side.cuda_stream != engine.cuda_stream
     handle = engine.cuda_stream
     del engine
+    gc.collect()
+    assert handle in _green._held  # held for its owner, not for the stream object
+    del owner
     gc.collect()
     assert handle not in _green._held  # an owner's stream goes back when the owner is gone
 
@@ -211,6 +215,35 @@ def test_a_process_that_used_a_learner_partition_exits_cleanly() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "finite True" in done.stdout
+
+
+OWNED_SCRIPT = """
+import gc, sys, torch
+sys.path.insert(0, {root!r})
+from thundersync import _green
+
+class Owner:
+    pass
+
+owner = Owner()
+stream = _green.own_stream(torch.device("cuda", 0), owner=owner)
+handle = stream.cuda_stream
+del stream, owner
+gc.collect()
+print("released", handle not in _green._held)
+"""
+
+
+@pytest.mark.gpu
+def test_a_stream_held_for_an_owner_goes_back_with_it_and_the_process_exits_cleanly() -> None:
+    """torch's CUDA stream objects never clear the weak references taken on them: a finalizer on
+    the stream itself never ran, and the interpreter crashed at exit (SIGSEGV) touching it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    script = textwrap.dedent(OWNED_SCRIPT.format(root=str(ROOT)))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "released True" in done.stdout
 
 
 @pytest.mark.gpu

@@ -144,7 +144,7 @@ class ContinuousBatcher:
         """Run every step on ``stream`` (default: a new high-priority CUDA stream of its own), after
         all work on the current stream so far (the cache and buffers were allocated there)."""
         # out-of-range priorities clamp to the highest
-        self.stream = stream or _green.own_stream(self.anatomy.device, priority=-100)
+        self.stream = stream or _green.own_stream(self.anatomy.device, priority=-100, owner=self)
         self.stream.wait_stream(torch.cuda.current_stream(self.anatomy.device))
 
     def mark(self) -> torch.cuda.Event | None:

@@ -150,7 +150,7 @@ class TorchGenerator:
                     + (f"the model is on {device}" if device.type != "cuda" else "learner_sms is 0")
                     + "; set learner_sms (a CUDA device with green contexts), or decode_partition = off"
                 )
-            self._batcher.use_stream(_green.decode_stream(device, acc.learner_sms))
+            self._batcher.use_stream(_green.decode_stream(device, acc.learner_sms, owner=self._batcher))
         elif acc.on("decode_priority", auto=device.type == "cuda"):
             if device.type != "cuda":
                 raise ConfigError(f"decode_priority = on needs the model on a CUDA device, it is on {device}")
