@@ -64,3 +64,24 @@ def _one_at_a_time(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture
+def side_streams(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Every stream that ``thundersync._green.side_stream`` hands out from here on, in order (the
+    streams warm-ups and graph captures run on)."""
+    import contextlib
+
+    from thundersync import _green
+
+    asked: list[object] = []
+    side_stream = _green.side_stream
+
+    @contextlib.contextmanager
+    def spy() -> Iterator[object]:
+        with side_stream() as stream:
+            asked.append(stream)
+            yield stream
+
+    monkeypatch.setattr(_green, "side_stream", spy)
+    return asked

@@ -10,7 +10,6 @@ import itertools
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +165,7 @@ def _grpo_batch(acceleration: Acceleration) -> tuple[list[torch.Tensor], thunder
 
 @pytest.mark.gpu
 def test_a_grpo_batch_on_a_partition_equals_the_side_streams_and_captures_there(
-    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     """Equal to fp32 rounding (the side-stream test's bound); every warm-up and capture stream the
     jobs asked for belongs to the learner's partition, and the captures succeeded."""
@@ -175,16 +174,7 @@ def test_a_grpo_batch_on_a_partition_equals_the_side_streams_and_captures_there(
 
     _gpu_ready()
     want, _ = _grpo_batch(Acceleration())
-    asked: list[torch.cuda.Stream] = []
-    side_stream = _green.side_stream
-
-    @contextlib.contextmanager
-    def spy() -> Iterator[torch.cuda.Stream]:
-        with side_stream() as stream:
-            asked.append(stream)
-            yield stream
-
-    monkeypatch.setattr(_green, "side_stream", spy)
+    asked = request.getfixturevalue("side_streams")  # from here on: the batch's warm-ups and captures
     reset_graph_counts()
     got, run = _grpo_batch(Acceleration(learner_sms=_sms()))
     counts = graph_counts()

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 
 import anyio
 import pytest
@@ -151,7 +149,7 @@ def test_runs_share_the_side_stream_so_a_new_run_reuses_the_cached_memory() -> N
 
 
 @pytest.mark.gpu
-def test_a_capture_never_takes_the_stream_another_thread_copies_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_capture_never_takes_the_stream_another_thread_copies_on(side_streams: list[torch.cuda.Stream]) -> None:
     """torch's pool hands a stream out again every 32 draws. A capture on a stream that another
     thread uses fails that thread's pageable copies (seen: a generator's decode capture on the
     engine's job stream) or records its kernels into the graph. 100 captures beside a thread that
@@ -159,16 +157,6 @@ def test_a_capture_never_takes_the_stream_another_thread_copies_on(monkeypatch: 
     from thundersync import _green
 
     owned = _green.own_stream(torch.device("cuda", 0))
-    borrowed: list[int] = []
-    side_stream = _green.side_stream
-
-    @contextlib.contextmanager
-    def spy() -> Iterator[torch.cuda.Stream]:
-        with side_stream() as stream:
-            borrowed.append(stream.cuda_stream)
-            yield stream
-
-    monkeypatch.setattr(_green, "side_stream", spy)
     stop, errors = threading.Event(), []
 
     def copier() -> None:
@@ -195,6 +183,7 @@ def test_a_capture_never_takes_the_stream_another_thread_copies_on(monkeypatch: 
         stop.set()
         thread.join()
     torch.cuda.synchronize()
+    borrowed = [stream.cuda_stream for stream in side_streams]
     assert len(borrowed) == 100 and owned.cuda_stream not in borrowed
     assert not errors, errors
     assert torch.allclose(y, torch.full_like(y, 1.0001**50))

@@ -410,12 +410,10 @@ def test_a_decode_partition_needs_a_cuda_model(make_qwen3) -> None:
 
 @pytest.mark.gpu
 def test_a_decode_partition_decodes_like_the_whole_device_and_captures_on_the_sms_the_learner_leaves(
-    make_qwen3, monkeypatch: pytest.MonkeyPatch
+    make_qwen3, request: pytest.FixtureRequest
 ) -> None:
     """The decode stream and every capture under it belong to the complement of the learner's
     partition (the device's other SMs), and the requests decode as on the whole device."""
-    import contextlib
-
     from thundersync import _green
 
     device = torch.device("cuda", 0)
@@ -433,16 +431,7 @@ def test_a_decode_partition_decodes_like_the_whole_device_and_captures_on_the_sm
     assert part is not None and part is _green.partition(device, sms).complement()
     assert (part.sms, part.rest_sms) == (total - sms, sms)
     assert apart._batcher.stream.priority < 0  # the highest
-    asked: list[torch.cuda.Stream] = []
-    side_stream = _green.side_stream
-
-    @contextlib.contextmanager
-    def spy() -> Iterator[torch.cuda.Stream]:
-        with side_stream() as stream:
-            asked.append(stream)
-            yield stream
-
-    monkeypatch.setattr(_green, "side_stream", spy)
+    asked = request.getfixturevalue("side_streams")  # from here on: the decode's warm-ups and captures
     got = ragged(apart, count=4)
     assert asked and all(_green.partition_of(stream) is part for stream in asked)
     assert_same_results(ragged(whole, count=4), got)
