@@ -29,6 +29,7 @@ __all__ = [
     "report_failure",
     "role_of",
     "settle",
+    "timed_out",
     "whereabouts",
 ]
 
@@ -169,7 +170,7 @@ class Arrivals:
         if reports:
             return f"{what} failed: " + "; ".join(reports)
         missing = self.missing() or []
-        if missing and _timed_out(error):
+        if missing and timed_out(error):
             who = ", ".join(describe_rank(self.store, rank) for rank in missing)
             return (
                 f"{who} did not reach {what} within {timeout_s:g} s and reported no failure: hung, or slower "
@@ -186,7 +187,7 @@ class Arrivals:
         return f"{_AT}{self.sequence}/{rank}"
 
 
-def _timed_out(error: BaseException) -> bool:
+def timed_out(error: BaseException) -> bool:
     """Whether a collective's ``error`` is a timeout (gloo: "Operation timed out!", "Timed out
     waiting ... for recv"; NCCL and the store: "timeout", "timed out")."""
     text = f"{type(error).__name__} {error}".lower()

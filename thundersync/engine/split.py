@@ -58,6 +58,7 @@ from thundersync.engine.failures import (
     introduce,
     report_failure,
     settle,
+    timed_out,
     whereabouts,
 )
 from thundersync.errors import ConfigError, DistributedError
@@ -348,12 +349,12 @@ class SplitChannel:
 
     def _error(self, peers: list[int], what: str, error: BaseException) -> DistributedError:
         cause = " ".join(f"{type(error).__name__}: {error}".split())[:300]
-        timed_out = isinstance(error, TimeoutError) or "timed out" in cause.lower()
-        if not timed_out:  # a broken connection: its peer may still be exiting
+        timeout = timed_out(error)
+        if not timeout:  # a broken connection: its peer may still be exiting
             settle(self.store, peers)
         who = ", ".join(self._peer(rank) for rank in peers)
         reports = describe_failures(self.store, dist.get_world_size(), me=self.rank)
-        hint = f"; {TIMEOUT_HINT}" if timed_out else ""
+        hint = f"; {TIMEOUT_HINT}" if timeout else ""
         return DistributedError(f"{self._me()}: {what} failed, waiting for {who} ({cause}){reports}{hint}")
 
     def _me(self) -> str:

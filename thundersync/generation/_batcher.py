@@ -143,8 +143,9 @@ class ContinuousBatcher:
     def use_stream(self, stream: torch.cuda.Stream | None = None) -> None:
         """Run every step on ``stream`` (default: a new high-priority CUDA stream of its own), after
         all work on the current stream so far (the cache and buffers were allocated there)."""
-        # out-of-range priorities clamp to the highest
-        self.stream = stream or _green.own_stream(self.anatomy.device, priority=-100, owner=self)
+        if stream is None:  # out-of-range priorities clamp to the highest
+            stream = _green.own_stream(self.anatomy.device, priority=-100, owner=self)
+        self.stream = stream
         self.stream.wait_stream(torch.cuda.current_stream(self.anatomy.device))
 
     def mark(self) -> torch.cuda.Event | None:

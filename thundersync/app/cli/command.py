@@ -414,7 +414,7 @@ async def _drive(
     if spec.run.split is not None and ranks is not None:
         from thundersync.app.cli.split import run_split_rank
 
-        return await run_split_rank(ranks, spec.run.split, graph, objects, metrics, screen=screen, timeout_s=timeout_s)
+        return await run_split_rank(ranks, graph, objects, metrics, screen=screen, timeout_s=timeout_s)
     stats = await run_pipeline(graph, objects, metrics, screen=screen, shown=shown, timeout_s=timeout_s, ranks=ranks)
     return stats.elapsed_s
 

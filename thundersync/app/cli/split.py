@@ -136,7 +136,6 @@ def _check_generator(generate: GenerateStage, backward: BackwardStage) -> None:
 
 async def run_split_rank(
     launched: Launch,
-    split: SplitSettings,
     graph: Graph,
     objects: Mapping[str, Any],
     metrics: JsonlMetrics,
