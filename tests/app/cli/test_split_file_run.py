@@ -59,11 +59,13 @@ def _lines(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _one_process(tmp: Path, split: str, *extra: str, single_extra: tuple[str, ...] = ()) -> tuple[Path, list[str]]:
-    """The file run in this process (into ``tmp/single``; ``single_extra``: its own ``--set``s); the
-    one-process run's directory and the arguments of ``thundersync`` that run the file with
-    ``split`` on every rank (into ``tmp``)."""
-    tiny = (ROOT / "examples" / "train_tiny_grpo.toml").read_text()
+def _one_process(
+    tmp: Path, split: str, *extra: str, single_extra: tuple[str, ...] = (), text: str | None = None
+) -> tuple[Path, list[str]]:
+    """The file (``text``, else examples/train_tiny_grpo.toml) run in this process (into
+    ``tmp/single``; ``single_extra``: its own ``--set``s); the one-process run's directory and the
+    arguments of ``thundersync`` that run the file with ``split`` on every rank (into ``tmp``)."""
+    tiny = text if text is not None else (ROOT / "examples" / "train_tiny_grpo.toml").read_text()
     (tmp / "tiny.toml").write_text(tiny)
     (tmp / "split.toml").write_text(tiny + split)
     single = tmp / "single"
@@ -219,6 +221,34 @@ def _resumed_split_reaches_the_one_process_run(tmp: Path, single: Path, argv: li
         assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-10), key
     assert "thundersync: rank 0 of 3 (learner): 1 steps in " in stderr
     assert "thundersync: rank 2 of 3 (rollout): 1 batches generated in " in stderr
+
+
+OPD_KEYS = ("tokens", "reward_mean", "reward_std", "grad_norm", "lr", "reverse_kl")
+
+
+def test_an_opd_split_file_with_sharded_learners_reaches_the_one_process_run(tmp_path: Path) -> None:
+    """examples/train_tiny_grpo.toml turned into OPD (tests/app/test_deterministic_file.py: a fake
+    teacher, whose log-prob of a token depends on the token and its position, scores every token;
+    the reward stage is watched, not trained on) on one rollout rank and two learner ranks sharding
+    the fp64 LoRA model: each learner scores its group of each batch with the teacher and streams
+    it into OPD, and the run ends with the one-process run's adapter and optimizer state and its
+    step lines (``reverse_kl`` over both learners' groups included; decision 094)."""
+    from tests.app.test_deterministic_file import opd_text
+
+    single, argv = _one_process(tmp_path, TWO_LEARNERS, "run.shard=true", text=opd_text())
+    stderr = _launched(3, argv)
+    _check_checkpoint(tmp_path, single, 2)
+    steps = [r for r in _lines(tmp_path / "m.jsonl") if r["event"] == "step"]
+    single_steps = [r for r in _lines(single / "m.jsonl") if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2] == [r["step"] for r in single_steps]
+    assert all(isinstance(r["reverse_kl"], float) and r["reward_mean"] is not None for r in single_steps)
+    for key in OPD_KEYS:
+        assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-10), key
+    for r, want in zip(steps, single_steps, strict=True):  # about 1e-16: the behaviour log-probs are the learner's
+        assert abs(r["logprob_mismatch"] - want["logprob_mismatch"]) < 1e-10
+    assert set(steps[0]) == set(single_steps[0]) | {"groups_per_rank"}
+    assert [r["groups_per_rank"] for r in steps] == [[1, 1], [1, 1]]
+    assert "thundersync: rank 0 of 3 (rollout): 2 batches generated in " in stderr
 
 
 @pytest.mark.gpu
