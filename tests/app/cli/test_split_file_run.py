@@ -14,7 +14,9 @@ launch also checks what a split writes: the first learner's metrics file (its st
 both learners' groups) and checkpoint, and each rank's summary line. A second launch resumes the
 split run from its checkpoint of step 2 to step 3 with the roles moved (learners 0 and 1 load
 the shards learners 1 and 2 wrote) and reaches the uninterrupted one-process run's step 3
-(decisions 090, 091).
+(decisions 090, 091). A third launch runs the same placement on the tiny file turned into OPD:
+the learners score each trajectory with the file's (fake) teacher and reach the one-process run
+(decision 094).
 
 The ranks get the environment torchrun gives them (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, the
 agent's store) and run ``main``, forked from a server that imported the command once: torchrun

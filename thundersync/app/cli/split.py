@@ -18,12 +18,15 @@ it); then it runs its role's loop instead of the graph (:func:`run_split`), one 
   :func:`~thundersync.split.generate_batch` for each batch (its share of the groups), then
   receives the learner's weights;
 - each learner rank streams its groups of each batch into the backward stage's objective
-  (:func:`~thundersync.split.learn_batch`), steps the step stage's ``trainer`` (which reduces
-  over the learners), tells its ``checkpointer`` and publishes its ``policy`` as the step stage
-  does, gathers the learners' shares of the step metrics, and the first learner rank writes the
-  step's line to the metrics file and broadcasts the objective's trainable tensors (every
-  parameter, or a LoRA model's adapter only). Before the first batch it broadcasts them once
-  (version 0), so the rollout ranks start from its weights.
+  (:func:`~thundersync.split.learn_batch`): GRPO's, or OPD's when the file has a teacher-score
+  stage, whose ``teacher`` scores each received trajectory on the learner rank (decision 094;
+  rollout ranks build the teacher object but never enter or ask it); steps the step stage's
+  ``trainer`` (which reduces over the learners), tells its ``checkpointer`` and publishes its
+  ``policy`` as the step stage does, gathers the learners' shares of the step metrics, and the
+  first learner rank writes the step's line to the metrics file and broadcasts the objective's
+  trainable tensors (every parameter, or a LoRA model's adapter only). Before the first batch it
+  broadcasts them once (version 0), so the rollout ranks start from its weights. The loop is
+  :mod:`thundersync.app.cli.split_learner`'s.
 
 ``--resume DIR`` (decision 091): each learner has restored the checkpoint as a one-process run does
 (the command's ``_resume``; rollout ranks read none) and counts on from its policy clock's version
