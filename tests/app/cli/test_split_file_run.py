@@ -14,9 +14,9 @@ launch also checks what a split writes: the first learner's metrics file (its st
 both learners' groups) and checkpoint, and each rank's summary line. A second launch resumes the
 split run from its checkpoint of step 2 to step 3 with the roles moved (learners 0 and 1 load
 the shards learners 1 and 2 wrote) and reaches the uninterrupted one-process run's step 3
-(decisions 090, 091). A third launch runs the same placement on the tiny file turned into OPD:
-the learners score each trajectory with the file's (fake) teacher and reach the one-process run
-(decision 094).
+(decisions 090, 091). A third launch (in the same test: the launches share the ranks' fork
+server) runs the same placement on the tiny file turned into OPD: the learners score each
+trajectory with the file's (fake) teacher and reach the one-process run (decision 094).
 
 The ranks get the environment torchrun gives them (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, the
 agent's store) and run ``main``, forked from a server that imported the command once: torchrun
@@ -154,8 +154,9 @@ def _distributed(directory: Path, step: int = 2) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def test_a_split_file_with_a_sharded_learner_reaches_the_one_process_run_and_writes_its_files(tmp_path: Path) -> None:
-    """Steps 1 and 2 here; step 3, resumed from the split's checkpoint, in the helper below."""
+def test_grpo_and_opd_split_files_with_a_sharded_learner_reach_the_one_process_run(tmp_path: Path) -> None:
+    """Steps 1 and 2 here; step 3, resumed from the split's checkpoint, and the same placement on
+    an OPD file, in the helpers below (one test: the launches share the ranks' fork server)."""
     single, argv = _one_process(tmp_path, TWO_LEARNERS, "run.shard=true", single_extra=RESUMED_SINGLE)
     stderr = _launched(3, argv)
     _check_checkpoint(tmp_path, single, 2)
@@ -180,6 +181,8 @@ def test_a_split_file_with_a_sharded_learner_reaches_the_one_process_run_and_wri
         and "; no files (the first learner, rank 1, writes the metrics and checkpoints)" in stderr
     )
     _resumed_split_reaches_the_one_process_run(tmp_path, single, argv)
+    (tmp_path / "opd").mkdir()
+    _opd_split_reaches_the_one_process_run(tmp_path / "opd")
 
 
 STEP_KEYS = ("tokens", "reward_mean", "reward_std", "grad_norm", "lr", "groups_rewarded")
@@ -228,7 +231,7 @@ def _resumed_split_reaches_the_one_process_run(tmp: Path, single: Path, argv: li
 OPD_KEYS = ("tokens", "reward_mean", "reward_std", "grad_norm", "lr", "reverse_kl")
 
 
-def test_an_opd_split_file_with_sharded_learners_reaches_the_one_process_run(tmp_path: Path) -> None:
+def _opd_split_reaches_the_one_process_run(tmp_path: Path) -> None:
     """examples/train_tiny_grpo.toml turned into OPD (tests/app/test_deterministic_file.py: a fake
     teacher, whose log-prob of a token depends on the token and its position, scores every token;
     the reward stage is watched, not trained on) on one rollout rank and two learner ranks sharding
