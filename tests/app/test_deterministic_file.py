@@ -21,7 +21,7 @@ TINY = Path(__file__).resolve().parents[2] / "examples" / "train_tiny_grpo.toml"
 _TIMES = {"t", "step_s", "rollout_s", "learn_s", "tokens_per_s", "generator_idle_s"}  # wall-clock fields
 
 
-def _opd_file(directory: Path) -> Path:
+def opd_text() -> str:
     """The tiny file turned into OPD: a fake teacher scores every token, the teacher stage feeds backward."""
     text = TINY.read_text()
     for old, new in (
@@ -37,8 +37,13 @@ def _opd_file(directory: Path) -> Path:
     ):
         assert old in text, old
         text = text.replace(old, new)
+    return text
+
+
+def _opd_file(directory: Path) -> Path:
+    """:func:`opd_text` in ``directory``."""
     opd = directory / "tiny_opd.toml"
-    opd.write_text(text)
+    opd.write_text(opd_text())
     return opd
 
 

@@ -72,3 +72,52 @@ def test_the_learner_refuses_a_trajectory_of_another_policy_version_and_an_incom
     grpo = _grpo()
     assert learn_batch(_Channel([_trajectory(1), _trajectory(0)]), grpo, version=0) == 2  # type: ignore[arg-type]
     grpo.assert_safe_to_step()
+
+
+def test_the_learner_scores_each_trajectory_with_the_teacher_and_streams_it_into_opd() -> None:
+    """With a teacher, each trajectory's tokens are scored after its prompt and streamed into OPD
+    with its behaviour log-probs: the gradient equals the dense OPD gradient of those inputs (fp64,
+    < 1e-10); a teacher that returns another count of log-probs is refused naming the trajectory."""
+    import thundersync
+    from thundersync.errors import PipelineError
+    from thundersync.opd import dense
+    from thundersync.split import learn_batch
+
+    calls: list[tuple[list[int], list[int]]] = []
+
+    def teacher(prompt: list[int], tokens: list[int]) -> list[float]:
+        calls.append((prompt, tokens))
+        return [-0.3 * token - 0.1 * len(prompt) - 0.05 * i for i, token in enumerate(tokens)]
+
+    model = tiny_qwen3(torch.float64)
+    opd = thundersync.OPDStream(thundersync.StreamingRun(model))
+    sent = [
+        SplitTrajectory(group_id=0, trajectory_id=i, group_size=2, prompt=[1, 2], tokens=tokens,
+                        logprobs=[-1.0 - 0.1 * i - 0.2 * j for j in range(len(tokens))], reward=9.0, policy_version=0)
+        for i, tokens in enumerate([[3, 4, 5], [6, 7]])
+    ]  # fmt: skip
+    assert learn_batch(_Channel(sent), opd, version=0, teacher=teacher) == 2  # type: ignore[arg-type]
+    opd.assert_safe_to_step()
+    assert calls == [([1, 2], [3, 4, 5]), ([1, 2], [6, 7])]
+
+    def turn(t: SplitTrajectory) -> dense.DenseTurn:
+        q = torch.tensor(teacher(t.prompt, t.tokens), dtype=torch.float64)
+        return dense.DenseTurn(t.tokens, list(range(len(t.tokens))), q, torch.tensor(t.logprobs, dtype=torch.float64))
+
+    kept = [dense.DenseTrajectory(t.prompt, [turn(t)]) for t in sent]
+    want = dense.dense_gradient(model, opd.run.params, kept, 5.0)  # token_mean: the batch's 5 scored tokens
+    got = [p.grad for p in opd.run.params]
+    error = sum(float((g - w).pow(2).sum()) for g, w in zip(got, want, strict=True)) ** 0.5
+    assert error / sum(float(w.pow(2).sum()) for w in want) ** 0.5 < 1e-10
+    with pytest.raises(
+        PipelineError,
+        match=r"^the teacher returned 1 log-probs for trajectory 0 of group 0, which has 3 tokens; a teacher gives "
+        r"one log-prob per token it is asked to score$",
+    ):
+        learn_batch(_Channel(sent), _opd(), version=0, teacher=lambda prompt, tokens: [0.0])  # type: ignore[arg-type]
+
+
+def _opd() -> Any:
+    import thundersync
+
+    return thundersync.OPDStream(thundersync.StreamingRun(tiny_qwen3(torch.float64)))

@@ -14,7 +14,9 @@ launch also checks what a split writes: the first learner's metrics file (its st
 both learners' groups) and checkpoint, and each rank's summary line. A second launch resumes the
 split run from its checkpoint of step 2 to step 3 with the roles moved (learners 0 and 1 load
 the shards learners 1 and 2 wrote) and reaches the uninterrupted one-process run's step 3
-(decisions 090, 091).
+(decisions 090, 091). A third launch (in the same test: the launches share the ranks' fork
+server) runs the same placement on the tiny file turned into OPD: the learners score each
+trajectory with the file's (fake) teacher and reach the one-process run (decision 094).
 
 The ranks get the environment torchrun gives them (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, the
 agent's store) and run ``main``, forked from a server that imported the command once: torchrun
@@ -59,11 +61,13 @@ def _lines(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _one_process(tmp: Path, split: str, *extra: str, single_extra: tuple[str, ...] = ()) -> tuple[Path, list[str]]:
-    """The file run in this process (into ``tmp/single``; ``single_extra``: its own ``--set``s); the
-    one-process run's directory and the arguments of ``thundersync`` that run the file with
-    ``split`` on every rank (into ``tmp``)."""
-    tiny = (ROOT / "examples" / "train_tiny_grpo.toml").read_text()
+def _one_process(
+    tmp: Path, split: str, *extra: str, single_extra: tuple[str, ...] = (), text: str | None = None
+) -> tuple[Path, list[str]]:
+    """The file (``text``, else examples/train_tiny_grpo.toml) run in this process (into
+    ``tmp/single``; ``single_extra``: its own ``--set``s); the one-process run's directory and the
+    arguments of ``thundersync`` that run the file with ``split`` on every rank (into ``tmp``)."""
+    tiny = text if text is not None else (ROOT / "examples" / "train_tiny_grpo.toml").read_text()
     (tmp / "tiny.toml").write_text(tiny)
     (tmp / "split.toml").write_text(tiny + split)
     single = tmp / "single"
@@ -150,8 +154,9 @@ def _distributed(directory: Path, step: int = 2) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def test_a_split_file_with_a_sharded_learner_reaches_the_one_process_run_and_writes_its_files(tmp_path: Path) -> None:
-    """Steps 1 and 2 here; step 3, resumed from the split's checkpoint, in the helper below."""
+def test_grpo_and_opd_split_files_with_a_sharded_learner_reach_the_one_process_run(tmp_path: Path) -> None:
+    """Steps 1 and 2 here; step 3, resumed from the split's checkpoint, and the same placement on
+    an OPD file, in the helpers below (one test: the launches share the ranks' fork server)."""
     single, argv = _one_process(tmp_path, TWO_LEARNERS, "run.shard=true", single_extra=RESUMED_SINGLE)
     stderr = _launched(3, argv)
     _check_checkpoint(tmp_path, single, 2)
@@ -176,6 +181,8 @@ def test_a_split_file_with_a_sharded_learner_reaches_the_one_process_run_and_wri
         and "; no files (the first learner, rank 1, writes the metrics and checkpoints)" in stderr
     )
     _resumed_split_reaches_the_one_process_run(tmp_path, single, argv)
+    (tmp_path / "opd").mkdir()
+    _opd_split_reaches_the_one_process_run(tmp_path / "opd")
 
 
 STEP_KEYS = ("tokens", "reward_mean", "reward_std", "grad_norm", "lr", "groups_rewarded")
@@ -219,6 +226,34 @@ def _resumed_split_reaches_the_one_process_run(tmp: Path, single: Path, argv: li
         assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-10), key
     assert "thundersync: rank 0 of 3 (learner): 1 steps in " in stderr
     assert "thundersync: rank 2 of 3 (rollout): 1 batches generated in " in stderr
+
+
+OPD_KEYS = ("tokens", "reward_mean", "reward_std", "grad_norm", "lr", "reverse_kl")
+
+
+def _opd_split_reaches_the_one_process_run(tmp_path: Path) -> None:
+    """examples/train_tiny_grpo.toml turned into OPD (tests/app/test_deterministic_file.py: a fake
+    teacher, whose log-prob of a token depends on the token and its position, scores every token;
+    the reward stage is watched, not trained on) on one rollout rank and two learner ranks sharding
+    the fp64 LoRA model: each learner scores its group of each batch with the teacher and streams
+    it into OPD, and the run ends with the one-process run's adapter and optimizer state and its
+    step lines (``reverse_kl`` over both learners' groups included; decision 094)."""
+    from tests.app.test_deterministic_file import opd_text
+
+    single, argv = _one_process(tmp_path, TWO_LEARNERS, "run.shard=true", text=opd_text())
+    stderr = _launched(3, argv)
+    _check_checkpoint(tmp_path, single, 2)
+    steps = [r for r in _lines(tmp_path / "m.jsonl") if r["event"] == "step"]
+    single_steps = [r for r in _lines(single / "m.jsonl") if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2] == [r["step"] for r in single_steps]
+    assert all(isinstance(r["reverse_kl"], float) and r["reward_mean"] is not None for r in single_steps)
+    for key in OPD_KEYS:
+        assert [r[key] for r in steps] == pytest.approx([r[key] for r in single_steps], rel=1e-10), key
+    for r, want in zip(steps, single_steps, strict=True):  # about 1e-16: the behaviour log-probs are the learner's
+        assert abs(r["logprob_mismatch"] - want["logprob_mismatch"]) < 1e-10
+    assert set(steps[0]) == set(single_steps[0]) | {"groups_per_rank"}
+    assert [r["groups_per_rank"] for r in steps] == [[1, 1], [1, 1]]
+    assert "thundersync: rank 0 of 3 (rollout): 2 batches generated in " in stderr
 
 
 @pytest.mark.gpu

@@ -16,7 +16,8 @@ import pytest
 
 from thundersync.app.cli.command import _rollout_rank
 from thundersync.app.cli.distributed import Launch
-from thundersync.app.cli.split import SplitParts, _check_position, _generate, _Seen, split_parts
+from thundersync.app.cli.split import SplitParts, _generate, split_parts
+from thundersync.app.cli.split_learner import _check_position, _Seen
 from thundersync.app.files.build import build_graph, build_objects
 from thundersync.app.files.definition import loads
 from thundersync.app.metrics.step_metrics import StepMetrics

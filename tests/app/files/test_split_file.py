@@ -77,8 +77,10 @@ def test_an_unknown_field_of_the_placement_is_named_with_the_valid_ones() -> Non
         ("run.max_staleness=1", r"^run\.max_staleness: 1; a split generates each batch on the learner's newest"),
         ("objects.policy.max_staleness=2", r"^objects\.policy\.max_staleness: 2; a split generates each batch"),
         ('eval={tasks="tasks"}', r"^eval: a split run does not evaluate \(not built\); drop \[eval\]"),
-        ('stages.teach={type="teacher",reads=["generate"]}', r"^stages\.teach\.type: 'teacher' in a file with "
-         r"\[run\.split\]; OPD over the split is not built\. A split runs one stage of each of source, generate"),
+        ('stages.tools={type="tool-execute",reads=["generate"]}', r"^stages\.tools\.type: 'tool-execute' in a file "
+         r"with \[run\.split\]; the split does not run it\. A split runs one stage of each of source, generate, "
+         r"reward, backward, close, step \(and for OPD one teacher-score stage\): drop the stage, or drop "
+         r"\[run\.split\]$"),
         ('stages.again={type="reward",reads=["generate"]}', r"^run\.split: the file has 2 stages of type 'reward'"),
         ("stages.generate.turns=2", r"^stages\.generate\.turns: 2; a split samples one action per trajectory"),
         ('stages.reward.overlong="filter"', r"^stages\.reward\.overlong: 'filter'; .* set overlong = \"keep\"$"),
@@ -185,6 +187,61 @@ def test_the_tiny_file_with_a_placement_has_the_stages_a_split_runs() -> None:
     spec = loads(_split(), ['objects.checkpointer.directory="unused"'])
     parts = split_parts(build_graph(spec, **build_objects(spec)))
     assert parts.source.config.samples == 4 and parts.params == list(parts.objective.run.params)
+
+
+def _opd_split() -> str:
+    from tests.app.test_deterministic_file import opd_text
+
+    return f"{opd_text()}\n[run.split]\nrollout = [1]\nlearner = [0]\n"
+
+
+def test_an_opd_file_with_a_placement_has_the_stages_a_split_runs_its_learners_the_teacher() -> None:
+    """The tiny OPD file (a fake teacher, the teacher stage named ``teacher-score`` or ``teacher``)
+    with a placement: the learner ranks stream into its OPD objective and score with its teacher."""
+    from thundersync.app.cli.split import split_parts
+    from thundersync.opd.stream import OPDStream
+    from thundersync.testing import FakeTeacher
+
+    for text in (_opd_split(), _opd_split().replace('type = "teacher-score"', 'type = "teacher"')):
+        spec = loads(text, ['objects.checkpointer.directory="unused"'])
+        objects = build_objects(spec)
+        parts = split_parts(build_graph(spec, **objects))
+        assert isinstance(parts.objective, OPDStream) and isinstance(parts.teacher, FakeTeacher)
+        assert parts.teacher is objects["teacher"] and parts.params == list(parts.objective.run.params)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ('stages.again={type="teacher",reads=["generate"]}', r"^run\.split: the file has 2 teacher stages "
+         r"\(teacher, again\); an OPD split's learner ranks score each trajectory with one teacher: keep one "
+         r"teacher-score stage$"),
+        ("objects.objective.process=true", r"^objects\.objective\.process: true; the split's learner streams into "
+         r"the objective in its own process \(a learner process is not built for the split\): set process = false$"),
+    ],
+)  # fmt: skip
+def test_what_an_opd_split_does_not_run_is_refused_naming_the_key(override: str, message: str) -> None:
+    from tests.app.test_deterministic_file import opd_text
+
+    loads(opd_text(), [override])  # the same file without the split is valid
+    with pytest.raises(DefinitionError, match=message):
+        loads(_opd_split(), [override])
+
+
+def test_a_grpo_split_with_a_teacher_stage_is_refused_before_it_starts() -> None:
+    """The learner ranks score with the teacher for OPD alone; GRPO's would ignore it."""
+    from thundersync.app.cli.split import split_parts
+
+    sets = ['objects.checkpointer.directory="unused"', 'objects.teacher={factory="test-fake-teacher"}',
+            'stages.teach={type="teacher-score",reads=["generate"]}']  # fmt: skip
+    spec = loads(_split(), sets)
+    with pytest.raises(
+        ConfigError,
+        match=r"^run\.split: the backward stage's objective is a RewardLinearBackward and the file has a "
+        r"teacher-score stage; the learner ranks score with the teacher for OPD alone: give OPD \(factory opd\) a "
+        r"teacher-score stage, and GRPO \(factory grpo\) none$",
+    ):
+        split_parts(build_graph(spec, **build_objects(spec)))
 
 
 class _TaskScorer:

@@ -18,12 +18,15 @@ it); then it runs its role's loop instead of the graph (:func:`run_split`), one 
   :func:`~thundersync.split.generate_batch` for each batch (its share of the groups), then
   receives the learner's weights;
 - each learner rank streams its groups of each batch into the backward stage's objective
-  (:func:`~thundersync.split.learn_batch`), steps the step stage's ``trainer`` (which reduces
-  over the learners), tells its ``checkpointer`` and publishes its ``policy`` as the step stage
-  does, gathers the learners' shares of the step metrics, and the first learner rank writes the
-  step's line to the metrics file and broadcasts the objective's trainable tensors (every
-  parameter, or a LoRA model's adapter only). Before the first batch it broadcasts them once
-  (version 0), so the rollout ranks start from its weights.
+  (:func:`~thundersync.split.learn_batch`): GRPO's, or OPD's when the file has a teacher-score
+  stage, whose ``teacher`` scores each received trajectory on the learner rank (decision 094;
+  rollout ranks build the teacher object but never enter or ask it); steps the step stage's
+  ``trainer`` (which reduces over the learners), tells its ``checkpointer`` and publishes its
+  ``policy`` as the step stage does, gathers the learners' shares of the step metrics, and the
+  first learner rank writes the step's line to the metrics file and broadcasts the objective's
+  trainable tensors (every parameter, or a LoRA model's adapter only). Before the first batch it
+  broadcasts them once (version 0), so the rollout ranks start from its weights. The loop is
+  :mod:`thundersync.app.cli.split_learner`'s.
 
 ``--resume DIR`` (decision 091): each learner has restored the checkpoint as a one-process run does
 (the command's ``_resume``; rollout ranks read none) and counts on from its policy clock's version
@@ -46,11 +49,9 @@ its role (:mod:`thundersync.engine.split`).
 
 from __future__ import annotations
 
-import functools
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -59,15 +60,18 @@ import anyio.to_thread
 import msgspec
 
 from thundersync.app.cli._terminal import printable
+from thundersync.app.cli.split_stages import SplitParts
 from thundersync.errors import ConfigError, PipelineError
-from thundersync.events import ActionGenerated, BatchReady, GroupOpened, PromptSubmitted, Rewarded, StepDone
+from thundersync.events import PromptSubmitted
 from thundersync.generation.base import GenerationRequest, GenerationResult, SamplingParams
 from thundersync.grpo.stream import RewardLinearBackward
+from thundersync.opd.stream import OPDStream
 from thundersync.stages.backward import BackwardStage
 from thundersync.stages.generate import GenerateStage
 from thundersync.stages.reward import AnyScorer, RewardStage, TaskScorer, TrajectoryScorer
 from thundersync.stages.source import SourceStage
-from thundersync.stages.step import StepStage, step_done
+from thundersync.stages.step import StepStage
+from thundersync.stages.teacher import TeacherStage
 
 if TYPE_CHECKING:
     from thundersync.app.cli._terminal import Screen
@@ -81,41 +85,35 @@ if TYPE_CHECKING:
 __all__ = ["SplitParts", "build_split_objects", "run_split", "run_split_rank", "split_parts", "with_channel"]
 
 
-@dataclass(frozen=True)
-class SplitParts:
-    """The stages of a split's graph (one of each type; :mod:`thundersync.app.files.split`)."""
-
-    source: SourceStage
-    generate: GenerateStage
-    reward: RewardStage
-    objective: RewardLinearBackward
-    step: StepStage
-
-    @property
-    def params(self) -> list[Any]:
-        """The tensors the learner trains and broadcasts (the objective's run's trainable ones)."""
-        return list(self.objective.run.params)
-
-
 def split_parts(graph: Graph) -> SplitParts:
     """The split's stages of ``graph``; ConfigError for what the split does not run."""
     stages = {type(node.stage): node.stage for node in graph}
     source, generate, reward = stages.get(SourceStage), stages.get(GenerateStage), stages.get(RewardStage)
-    backward, step = stages.get(BackwardStage), stages.get(StepStage)
+    backward, step, scorer = stages.get(BackwardStage), stages.get(StepStage), stages.get(TeacherStage)
     assert isinstance(source, SourceStage) and isinstance(generate, GenerateStage)  # checked when the file was read
     assert isinstance(reward, RewardStage) and isinstance(backward, BackwardStage) and isinstance(step, StepStage)
     if generate.tool_calls is not None:
         raise ConfigError("run.split: the generate stage has a tool_calls parser; a split samples one action per "
                           "trajectory, without tools: drop tool_calls")  # fmt: skip
     _check_generator(generate, backward)
-    if not isinstance(backward.objective, RewardLinearBackward):
+    objective = backward.objective
+    if not isinstance(objective, RewardLinearBackward | OPDStream):
         raise ConfigError(
-            f"run.split: the backward stage's objective is a {type(backward.objective).__name__}; the split's "
-            "learner streams into a GRPO objective (factory grpo, process = false)"
+            f"run.split: the backward stage's objective is a {type(objective).__name__}; the split's learner "
+            "streams into a GRPO objective (factory grpo, process = false) or, with a teacher-score stage, an "
+            "OPD objective (factory opd, process = false)"
+        )
+    teacher = scorer.teacher if isinstance(scorer, TeacherStage) else None
+    if isinstance(objective, OPDStream) != (teacher is not None):
+        has = "a teacher-score stage" if teacher is not None else "no teacher-score stage"
+        raise ConfigError(
+            f"run.split: the backward stage's objective is a {type(objective).__name__} and the file has {has}; "
+            "the learner ranks score with the teacher for OPD alone: give OPD (factory opd) a teacher-score "
+            "stage, and GRPO (factory grpo) none"
         )
     if step.trainer is None:
         raise ConfigError("run.split: the step stage has no trainer; give it one (factory streaming-trainer)")
-    return SplitParts(source, generate, reward, backward.objective, step)
+    return SplitParts(source, generate, reward, objective, step, teacher)
 
 
 def _check_generator(generate: GenerateStage, backward: BackwardStage) -> None:
@@ -260,13 +258,18 @@ async def run_split(
 ) -> int:
     """Run this rank's role to the end of the source's batches; returns the steps taken (learner)
     or the batches generated (rollout). A rollout rank enters the objects that are async context
-    managers (engines, graders) for the run, as a one-process run does."""
-    if channel.role == "learner":
-        return await _learn(channel, parts, metrics, steps)
+    managers (engines, graders) for the run, as a one-process run does, except the teacher (an
+    OPD file's), which the learner ranks alone enter and ask (decision 094)."""
+    from thundersync.app.cli.split_learner import learn
+
+    learner = channel.role == "learner"
+    entered: list[Any] = [parts.teacher] if learner else [obj for obj in objects.values() if obj is not parts.teacher]
     async with AsyncExitStack() as stack:
-        for obj in objects.values():
+        for obj in entered:
             if hasattr(obj, "__aenter__") and hasattr(obj, "__aexit__"):
                 await stack.enter_async_context(obj)
+        if learner:
+            return await learn(channel, parts, metrics, steps)
         return await _generate(channel, parts)
 
 
@@ -287,114 +290,6 @@ async def _generate(channel: SplitChannel, parts: SplitParts) -> int:
         version = await anyio.to_thread.run_sync(channel.receive_weights, parts.params)
         batches += 1
     return batches
-
-
-async def _learn(channel: SplitChannel, parts: SplitParts, metrics: JsonlMetrics, steps: StepMetrics) -> int:
-    from thundersync.app.metrics.step_metrics import merge_ranks
-    from thundersync.split import learn_batch
-
-    step, params = parts.step, parts.params
-    if step.policy is not None:
-        step.version = step.policy.version  # as the step stage: a resumed run counts on from the clock
-    version = start = step.version
-    _check_position(parts.source, version)
-    await anyio.to_thread.run_sync(channel.broadcast_weights, params, version)
-    for batch in parts.source.batches():
-        batch_id = batch[0].batch_id
-        seen = _Seen(parts.objective, steps, batch, version)
-        count = await anyio.to_thread.run_sync(functools.partial(learn_batch, channel, seen, version=version))
-        assert step.trainer is not None  # split_parts checked it
-        result = await step.trainer.step(BatchReady(batch_id=batch_id, num_groups=len(batch), num_trajectories=count))
-        version += 1
-        step.version = version
-        if step.checkpointer is not None:  # as the step stage: a step seen done has its checkpoint
-            await step.checkpointer.stepped(version, batch_id)
-        record = seen.record(step_done(batch_id, version, result))
-        shares = await anyio.to_thread.run_sync(_gather_shares, channel, steps.share)
-        metrics.write("step", **merge_ranks(record, shares))  # the first learner's sink alone writes
-        if step.policy is not None:
-            step.policy.publish(version)
-        await anyio.to_thread.run_sync(channel.broadcast_weights, params, version)
-    if step.checkpointer is not None:
-        await step.checkpointer.finished(version)
-    return version - start
-
-
-def _check_position(source: SourceStage, version: int) -> None:
-    """The rollout ranks continue after the first ``version`` batches (what the learner's first
-    broadcast tells them); refuse a resumed learner whose source skips other batches."""
-    if source.skipped != frozenset(range(version)):
-        consumed = sorted(source.skipped, key=str)
-        shown = f"{consumed[:8]}{' ...' if len(consumed) > 8 else ''} ({len(consumed)} batches)"
-        first = f"its first {version}, 0..{version - 1}" if version else "none"
-        raise ConfigError(
-            f"run.split: the learner resumed at step {version} with the source's batches {shown} consumed, not "
-            f"{first}; the rollout ranks continue after the source's first {version} batches, so they would "
-            "sample other batches than the learner steps on: resume this checkpoint without [run.split]"
-        )
-
-
-def _gather_shares(channel: SplitChannel, share: Any) -> list[Any]:
-    """Every learner rank's part of the batch (its groups' rewards, tokens...), in learner order."""
-    import torch.distributed as dist
-
-    shares: list[Any] = [None] * len(channel.placement.learner)
-    dist.all_gather_object(shares, share, group=channel.learner_group)
-    return shares
-
-
-class _Seen:
-    """The objective, as :func:`learn_batch` calls it, telling the step metrics what it received
-    (the events a one-process run's stages would have sent for it)."""
-
-    def __init__(self, objective: RewardLinearBackward, steps: StepMetrics, batch: list[PromptSubmitted], version: int):
-        self.objective, self.steps, self.version = objective, steps, version
-        self.batch_id, self.groups = batch[0].batch_id, len(batch)
-        self.prompts = {int(prompt.group_id): list(prompt.prompt_tokens) for prompt in batch}
-        self.last: float | None = None
-        self.started = perf_counter()  # the learner's wait for the batch begins
-
-    def open_group(self, group_id: int, prompt: list[int]) -> None:
-        if self.prompts.get(group_id) != prompt:  # the rollout ranks sample another batch than this one
-            raise PipelineError(
-                f"run.split: the learner received group {group_id} (prompt of {len(prompt)} tokens) for batch "
-                f"{self.batch_id}, whose groups are {sorted(self.prompts)} with their prompts; the rollout ranks "
-                "sampled another batch than the learner steps on (their source is not at the learner's position)"
-            )
-        self.objective.open_group(group_id, prompt)
-        self.steps.observe(
-            GroupOpened(group_id=group_id, prompt_tokens=prompt, batch_id=self.batch_id,
-                        policy_version=self.version, groups_in_batch=self.groups)
-        )  # fmt: skip
-
-    def append_turn(
-        self,
-        group_id: int,
-        trajectory_id: int,
-        tokens: list[int],
-        scored: list[bool],
-        *,
-        behaviour_logprobs: list[float],
-    ) -> None:
-        self.objective.append_turn(group_id, trajectory_id, tokens, scored, behaviour_logprobs=behaviour_logprobs)
-        self.steps.observe(
-            ActionGenerated(group_id=group_id, trajectory_id=trajectory_id, turn=0, token_ids=tokens,
-                            behaviour_logprobs=behaviour_logprobs, final=True, policy_version=self.version)
-        )  # fmt: skip
-
-    def close_trajectory(self, group_id: int, trajectory_id: int, reward: float) -> None:
-        self.objective.close_trajectory(group_id, trajectory_id, reward)
-        self.steps.observe(Rewarded(group_id=group_id, trajectory_id=trajectory_id, reward=reward))
-        self.last = perf_counter()
-
-    def close_group(self, group_id: int) -> None:
-        self.objective.close_group(group_id)
-
-    def record(self, done: StepDone) -> dict[str, Any]:
-        record = self.steps.observe(done)
-        assert record is not None
-        rollout = None if self.last is None else self.last - self.started
-        return {**record, "rollout_s": rollout, "generator_idle_s": None}
 
 
 class _Sampler:

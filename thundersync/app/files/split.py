@@ -1,16 +1,19 @@
 """What a pipeline file's ``[run.split]`` may say, checked when the file is read (no torch).
 
-A split (decision 088) runs a single-turn GRPO graph: exactly one stage of each of the types
-``source``, ``generate``, ``reward``, ``backward``, ``close`` and ``step``. The rollout ranks run
-the first three (the source's batches, the generate stage's sampling settings and the reward
-stage's scorer), the learner ranks the last three (the backward stage's objective, the step
-stage's trainer, policy clock and checkpointer; several learner ranks form one learner, sharded
-with ``[run] shard = true``, else replicated: decision 090). :func:`check_split` refuses, naming the key,
+A split (decision 088) runs a single-turn GRPO or OPD graph: exactly one stage of each of the
+types ``source``, ``generate``, ``reward``, ``backward``, ``close`` and ``step``, and for OPD one
+``teacher-score`` stage (decision 094). The rollout ranks run the first three (the source's
+batches, the generate stage's sampling settings and the reward stage's scorer), the learner ranks
+the teacher stage's teacher and the last three (the backward stage's objective, the step stage's
+trainer, policy clock and checkpointer; several learner ranks form one learner, sharded with
+``[run] shard = true``, else replicated: decision 090). :func:`check_split` refuses, naming the key,
 the value and what to do: a placement that is not every rank ``0 .. N-1`` once in one role,
 learner ranks not in increasing order, and what the split does not run: ``max_staleness`` > 0, an
-``[eval]``, another stage type (a teacher: OPD; tools; agent apps), several turns, a reward's
-``overlong`` other than ``keep``, an objective in a learner process, an optimizer's
-``shard_state``, an ``admission`` or ``episode-failures`` object. :func:`check_world` compares the placement with the launch's size.
+``[eval]``, another stage type (tools, agent apps), a second teacher stage, several turns, a
+reward's ``overlong`` other than ``keep``, an objective in a learner process, an optimizer's
+``shard_state``, an ``admission`` or ``episode-failures`` object. :func:`check_world` compares the
+placement with the launch's size. That a teacher stage comes with an OPD objective (and GRPO's
+without one) is checked when the objects are built (:func:`thundersync.app.cli.split.split_parts`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ __all__ = ["SPLIT_STAGES", "SplitSettings", "check_split", "check_world"]
 
 SPLIT_STAGES = ("source", "generate", "reward", "backward", "close", "step")
 """The stage types of a graph a split runs, one stage of each."""
+TEACHER_STAGES = ("teacher-score", "teacher")
+"""The teacher stage's type (``teacher``: its old name): an OPD split's one more stage."""
 
 
 class SplitSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -121,12 +126,18 @@ def _check_run(spec: Any) -> None:
 
 def _check_stages(spec: Any) -> None:
     for name, stage in spec.stages.items():
-        if stage.type not in SPLIT_STAGES:
-            what = "OPD over the split is not built" if stage.type == "teacher" else "the split does not run it"
+        if stage.type not in (*SPLIT_STAGES, *TEACHER_STAGES):
             raise DefinitionError(
-                f"stages.{name}.type: {stage.type!r} in a file with [run.split]; {what}. A split runs one stage "
-                f"of each of {', '.join(SPLIT_STAGES)}: drop the stage, or drop [run.split]"
+                f"stages.{name}.type: {stage.type!r} in a file with [run.split]; the split does not run it. A split "
+                f"runs one stage of each of {', '.join(SPLIT_STAGES)} (and for OPD one teacher-score stage): drop "
+                "the stage, or drop [run.split]"
             )
+    teachers = [name for name, stage in spec.stages.items() if stage.type in TEACHER_STAGES]
+    if len(teachers) > 1:
+        raise DefinitionError(
+            f"run.split: the file has {len(teachers)} teacher stages ({', '.join(teachers)}); an OPD split's "
+            "learner ranks score each trajectory with one teacher: keep one teacher-score stage"
+        )
     kinds = Counter(stage.type for stage in spec.stages.values())
     for kind in SPLIT_STAGES:
         if kinds[kind] != 1:
@@ -165,7 +176,7 @@ def _check_objects(spec: Any) -> None:
                 "launch, rollout ranks included: drop shard_state (with several learner ranks, [run] shard = true "
                 "shards the model and its optimizer's state over the learners)"
             )
-        if obj.factory == "grpo" and obj.args.get("process"):
+        if obj.factory in ("grpo", "opd") and obj.args.get("process"):
             raise DefinitionError(
                 f"objects.{name}.process: true; the split's learner streams into the objective in its own process "
                 "(a learner process is not built for the split): set process = false"
