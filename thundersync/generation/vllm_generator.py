@@ -20,6 +20,14 @@ Weight sync after each optimizer step, while no generation is in flight:
 
 Concurrent ``generate`` calls are gathered into one ``LLM.generate`` batch, run in a worker
 thread by one of the callers (no background task).
+
+A process that is one rank of a launch (``torch.distributed`` initialized, e.g. a split's rollout
+rank) starts its engine (the default ``uni`` executor) in a world of its own: vLLM builds its
+process groups over the default group, and the launch's other ranks never join them (the start
+would hang). The launch's default group is hidden while the engine starts (vLLM makes a
+one-process default group of its own, and its groups in it), then put back before anything else
+runs; the engine's groups stay registered beside the launch's, and :meth:`VLLMGenerator.close`
+takes down those alone (decision 093).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -121,10 +130,16 @@ class VLLMGenerator:
         options.update(engine_kwargs)
         self._vllm = vllm
         had_group = torch.distributed.is_initialized()
-        self.llm = vllm.LLM(model=str(model), **options)
+        self._world: Any = None  # the engine's own default group, where the launch's was hidden
+        if had_group and options["distributed_executor_backend"] == "uni":
+            with _world_of_its_own() as started:
+                self.llm = vllm.LLM(model=str(model), **options)
+            self._world = started.pg
+        else:
+            self.llm = vllm.LLM(model=str(model), **options)
         self._owns_group = not had_group and torch.distributed.is_initialized()  # the in-process engine's
         self.logprobs_mode: LogprobMode = logprobs
-        self._enable_lora = enable_lora
+        self.model, self.enable_lora, self.max_lora_rank = str(model), enable_lora, max_lora_rank
         self._lora: Any = None  # the LoRARequest serving the current adapter
         self._lora_dir: tempfile.TemporaryDirectory[str] | None = None
         self._queue: list[_Pending] = []
@@ -248,7 +263,7 @@ class VLLMGenerator:
     async def sync_from(self, model: nn.Module) -> None:
         """Make the engine serve ``model``'s current weights (see the module docstring)."""
         self._require_idle()
-        if is_peft_model(model) and self._enable_lora:
+        if is_peft_model(model) and self.enable_lora:
             await anyio.to_thread.run_sync(self._publish_adapter, model)
         else:
             await anyio.to_thread.run_sync(self._reload, _with_tied_head(model, merged_weights(model)))
@@ -285,3 +300,35 @@ class VLLMGenerator:
             self._owns_group = False
             destroy_model_parallel()  # type: ignore[no-untyped-call]  # vLLM leaves these unannotated
             destroy_distributed_environment()  # type: ignore[no-untyped-call]
+        elif self._world is not None:  # its groups alone, one by one: the launch's default group stays
+            from vllm.distributed import parallel_state
+
+            world, self._world = self._world, None
+            parallel_state.destroy_model_parallel()  # type: ignore[no-untyped-call]
+            if parallel_state._WORLD is not None:
+                parallel_state._WORLD.destroy()  # type: ignore[no-untyped-call]
+                parallel_state._WORLD = None
+            torch.distributed.destroy_process_group(world)
+
+
+class _Started:
+    pg: Any = None
+
+
+@contextmanager
+def _world_of_its_own() -> Iterator[_Started]:
+    """Hide this process's default process group (a launch's) while vLLM starts an engine, which then
+    makes a one-process default group of its own (``started.pg``), and its groups in it; put the
+    launch's back after, whatever happened. ``torch.distributed`` keeps every group in one registry
+    (named by one counter), so the engine's groups stay usable beside the launch's; only which one
+    is the default changes, for the engine's start alone (nothing else runs meanwhile: the objects
+    are built before the run)."""
+    from torch.distributed import GroupMember
+
+    launch, started = GroupMember.WORLD, _Started()
+    GroupMember.WORLD = None
+    try:
+        yield started
+    finally:
+        started.pg = GroupMember.WORLD
+        GroupMember.WORLD = launch

@@ -117,19 +117,83 @@ def split_parts(graph: Graph) -> SplitParts:
 
 
 def _check_generator(generate: GenerateStage, backward: BackwardStage) -> None:
-    """The broadcast reaches a rollout rank's model in place: only a ``TorchGenerator`` over the
-    model the objective trains samples from it (an engine holding its own copy, vLLM's, would not)."""
+    """The broadcast reaches a rollout rank's model in place (the model the objective trains): a
+    ``TorchGenerator`` over that model samples from it, a vLLM engine is made to serve it after
+    each receive (``sync_from``, decision 093); any other generator holds weights it never reaches."""
+    from thundersync.app.factories.generators import UnstartedEngine
     from thundersync.generation.torch_generator import TorchGenerator
+    from thundersync.generation.vllm_generator import VLLMGenerator
 
     generator, run = generate.generator, getattr(backward.objective, "run", None)
     model = getattr(getattr(run, "anatomy", None), "model", None)
+    if isinstance(generator, (VLLMGenerator, UnstartedEngine)) and model is not None:
+        _check_engine(generator, model)
+        return
     if not isinstance(generator, TorchGenerator) or generator._model is not model:
         raise ConfigError(
             f"run.split: the generate stage's generator is a {type(generator).__name__}"
             + ("" if not isinstance(generator, TorchGenerator) else " over another model than the objective's")
-            + "; a split's rollout ranks receive the weights into the model the objective trains, so only a "
-            "torch-generator over that model (model = { object = ... } as the streaming-run's) samples from them"
+            + "; a split's rollout ranks receive the weights into the model the objective trains, so a "
+            "torch-generator over that model (model = { object = ... } as the streaming-run's) samples from them, "
+            "or a vllm-generator's engine is made to serve them after each receive: use one of these two"
         )
+
+
+def _check_engine(generator: Any, model: Any) -> None:
+    """A vLLM engine's settings fit the model it serves: with ``enable_lora`` and a LoRA model,
+    ``sync_from`` moves the adapter alone, over the engine's own base weights (its directory's),
+    so the model's base must come from that directory and its rank fit ``max_lora_rank``; else it
+    reloads the whole (merged) weights, which fits any model of the directory's architecture."""
+    from thundersync.generation._peft_weights import is_peft_model
+
+    _check_shapes(generator, model)
+    if not (generator.enable_lora and is_peft_model(model)):
+        return
+    lora = model.peft_config[model.active_adapter]
+    rank = int(getattr(lora, "r", 0))
+    if rank > generator.max_lora_rank:
+        raise ConfigError(
+            f"run.split: the model's LoRA adapter has rank {rank}, over the vllm-generator's max_lora_rank of "
+            f"{generator.max_lora_rank}; the engine would refuse the adapter: set max_lora_rank = {rank}"
+        )
+    base, engine = str(lora.base_model_name_or_path or ""), generator.model
+    if not base or not _same_directory(base, engine):
+        raise ConfigError(
+            f"run.split: the vllm-generator has enable_lora = true, so each rollout rank's engine serves the "
+            f"adapter over its own base weights, loaded from {printable(engine)!r}; the model the objective trains "
+            f"has another base ({printable(base) or 'built from its config'}): load the model from that directory "
+            "(objects.<model>.path), or drop enable_lora (each receive then reloads the merged weights)"
+        )
+
+
+_SHAPES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+           "num_key_value_heads", "head_dim")  # fmt: skip
+
+
+def _check_shapes(generator: Any, model: Any) -> None:
+    """A started engine (a rollout rank's) has the model's shapes, so ``sync_from`` can load its weights."""
+    from thundersync.model.anatomy import unwrap_peft
+
+    engine = getattr(getattr(getattr(generator, "llm", None), "llm_engine", None), "model_config", None)
+    if engine is None:  # an UnstartedEngine (a learner's): the rollout ranks check
+        return
+    ours, theirs = unwrap_peft(model).config, engine.hf_config
+    for field in _SHAPES:
+        if getattr(ours, field, None) != getattr(theirs, field, None):
+            raise ConfigError(
+                f"run.split: the vllm-generator's model {printable(generator.model)!r} has {field} = "
+                f"{getattr(theirs, field, None)}, the model the objective trains {getattr(ours, field, None)}; each "
+                "receive loads that model's weights into the engine: give both the same shapes (the same model)"
+            )
+
+
+def _same_directory(one: str, other: str) -> bool:
+    from pathlib import Path
+
+    try:
+        return Path(one).resolve(strict=True) == Path(other).resolve(strict=True)
+    except OSError:
+        return one == other
 
 
 async def run_split_rank(
@@ -194,14 +258,19 @@ def build_split_objects(launched: Launch, spec: Any, build: Callable[[Any], dict
     several learner ranks, over the channel's learner group (``ShardedDataParallel``, FSDP2, as
     the API's), and with ``shard = false`` several learner ranks get a replicated
     ``DataParallel`` over that group (:func:`_attach_learners`). One learner rank holds the whole
-    model whatever ``shard`` says, as one process does."""
+    model whatever ``shard`` says, as one process does. A learner rank starts no vLLM engine
+    (``START_ENGINES``: its ``vllm-generator`` is an ``UnstartedEngine``, and its trainer publishes
+    to none); a rollout rank does, in a world of its own (decision 093)."""
+    from thundersync.app.factories.generators import START_ENGINES
     from thundersync.app.factories.training import NO_SHARDING, SHARD_OVER
 
     channel: SplitChannel = launched.channel
     token = SHARD_OVER.set(channel.learner_group if channel.role == "learner" else NO_SHARDING)
+    engines = START_ENGINES.set(channel.role == "rollout")  # a learner never generates: no vLLM engine
     try:
         objects = build(spec)
     finally:
+        START_ENGINES.reset(engines)
         SHARD_OVER.reset(token)
     _attach_learners(launched, objects)
     return objects
@@ -277,7 +346,7 @@ async def _generate(channel: SplitChannel, parts: SplitParts) -> int:
     from thundersync.split import generate_batch
 
     sampler = _Sampler(parts.generate, parts.reward.scorer)
-    version = await anyio.to_thread.run_sync(channel.receive_weights, parts.params)
+    version = await _receive(channel, parts)
     parts.source.skip_batches(range(version))  # the learner's step: a resumed run's consumed batches
     batches = 0
     for batch in parts.source.batches():
@@ -287,9 +356,21 @@ async def _generate(channel: SplitChannel, parts: SplitParts) -> int:
             channel, sampler, prompts, group_size=parts.source.config.samples, reward=sampler.reward,
             version=version, params=sampler.params, seed=sampler.seed,
         )  # fmt: skip
-        version = await anyio.to_thread.run_sync(channel.receive_weights, parts.params)
+        version = await _receive(channel, parts)
         batches += 1
     return batches
+
+
+async def _receive(channel: SplitChannel, parts: SplitParts) -> int:
+    """Receive the learner's next weights into the model (in place; returns their version), and
+    make a vLLM engine serve them (``sync_from``: a torch-generator samples from the model itself).
+    Every receive, the first too: the learner's start may differ from the engine's directory."""
+    from thundersync.generation.vllm_generator import VLLMGenerator
+
+    version = await anyio.to_thread.run_sync(channel.receive_weights, parts.params)
+    if isinstance(parts.generate.generator, VLLMGenerator):
+        await parts.generate.generator.sync_from(parts.model)
+    return version
 
 
 class _Sampler:

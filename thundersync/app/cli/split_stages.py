@@ -30,6 +30,11 @@ class SplitParts:
     teacher: Teacher | None = None  # the teacher stage's, which OPD's learner ranks score with
 
     @property
+    def model(self) -> Any:
+        """The model the objective trains: the broadcast's receiving buffer on a rollout rank."""
+        return self.objective.run.anatomy.model
+
+    @property
     def params(self) -> list[Any]:
         """The tensors the learner trains and broadcasts (the objective's run's trainable ones)."""
         return list(self.objective.run.params)

@@ -24,6 +24,11 @@ Each is a thin wrapper over the class of :mod:`thundersync.generation` with the 
 A trainer given the generator (``streaming-trainer``'s ``generator``) publishes each new policy
 to it after the optimizer step: vLLM in-process syncs the weights, an OpenAI server takes them by
 its ``publish`` route (:mod:`thundersync.generation.publish`), the torch generator shares them.
+
+On a learner rank of a split (``[run.split]``), which never generates, ``vllm-generator`` starts no
+engine: it builds an :class:`UnstartedEngine` holding the table's settings (``START_ENGINES``,
+which the split sets while it builds a learner's objects), and a trainer given one publishes
+nothing (decision 093).
 """
 
 from __future__ import annotations
@@ -35,26 +40,53 @@ import os
 import pkgutil
 import typing
 from collections.abc import Mapping
+from contextvars import ContextVar
 from typing import Annotated, Any
 
 import msgspec
 from torch import nn
 
 from thundersync.acceleration import Acceleration
-from thundersync.errors import ConfigError
-from thundersync.generation.base import LogprobMode
+from thundersync.errors import ConfigError, PipelineError
+from thundersync.generation.base import GenerationRequest, GenerationResult, LogprobMode
 from thundersync.generation.openai_generator import OpenAIGenerator
 from thundersync.generation.publish import PublishHook, PublishRoute
 from thundersync.generation.torch_generator import TorchGenerator
 from thundersync.generation.vllm_generator import VLLMGenerator
 
-__all__ = ["check_vllm_options", "openai_generator", "torch_generator", "vllm_generator"]
+__all__ = [
+    "START_ENGINES",
+    "UnstartedEngine",
+    "check_vllm_options",
+    "openai_generator",
+    "torch_generator",
+    "vllm_generator",
+]
 
 _Positive = Annotated[int, msgspec.Meta(ge=1)]
 _NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0)]
 
 
 _GENERATOR = TorchGenerator.Config()
+START_ENGINES: ContextVar[bool] = ContextVar("thundersync_start_engines", default=True)
+"""False while a split's learner rank builds its objects (:mod:`thundersync.app.cli.split`): a
+``vllm-generator`` is then an :class:`UnstartedEngine`."""
+
+
+class UnstartedEngine:
+    """What ``vllm-generator`` builds on a split's learner rank, instead of an engine: its settings
+    (``model``, the engine's directory; ``enable_lora``, ``max_lora_rank``), for the split's checks.
+    It never generates (the rollout ranks do) and takes no weights (the split's broadcast carries
+    them to the rollout ranks' engines); a trainer given one is a plain ``StreamingTrainer``."""
+
+    def __init__(self, model: str, *, enable_lora: bool, max_lora_rank: int) -> None:
+        self.model, self.enable_lora, self.max_lora_rank = model, enable_lora, max_lora_rank
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        raise PipelineError(
+            "a split's learner rank started no vLLM engine (vllm-generator), so it cannot generate; the rollout "
+            "ranks generate (run.split.rollout)"
+        )
 
 
 def torch_generator(
@@ -85,9 +117,12 @@ def vllm_generator(
     max_lora_rank: _Positive = 16,
     seed: int = 0,
     **engine_kwargs: Any,
-) -> VLLMGenerator:
+) -> VLLMGenerator | UnstartedEngine:
     """``vllm-generator``: a :class:`~thundersync.generation.VLLMGenerator` loading ``model`` (a
-    directory); other fields go to ``vllm.LLM``."""
+    directory); other fields go to ``vllm.LLM``. On a split's learner rank (``START_ENGINES``
+    false): an :class:`UnstartedEngine`, no engine."""
+    if not START_ENGINES.get():
+        return UnstartedEngine(model, enable_lora=enable_lora, max_lora_rank=max_lora_rank)
     return VLLMGenerator(
         model, logprobs=logprobs, enable_lora=enable_lora, max_lora_rank=max_lora_rank, seed=seed, **engine_kwargs
     )

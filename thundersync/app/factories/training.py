@@ -57,6 +57,7 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 from thundersync._logging import get_logger
 from thundersync.acceleration import Acceleration
 from thundersync.app.checkpoints.checkpoint import Checkpointer, RandomSource
+from thundersync.app.factories.generators import UnstartedEngine
 from thundersync.engine import StreamingObjective, StreamingRun
 from thundersync.engine.objective import Signal
 from thundersync.engine.process import LearnerProcess
@@ -383,13 +384,15 @@ def trainer(
     gradient norm to ``max_grad_norm`` (unset: no clipping), steps ``optimizer``, then ``schedule``;
     every ``audit_every``-th step (0: never) it also recomputes the batch's gradient densely and
     reports the streamed one's relative error (``audit_rel_error`` in the metrics). Given a ``generator`` that does not share the model's weights, it then publishes the policy
-    to it (:class:`PublishingTrainer`); ``policy``, the step stage's clock, numbers the versions."""
+    to it (:class:`PublishingTrainer`); ``policy``, the step stage's clock, numbers the versions. A
+    split's learner rank has no engine to publish to (its ``vllm-generator`` is an
+    :class:`~thundersync.app.factories.generators.UnstartedEngine`; the split broadcasts the weights)."""
     if audit_every and _sharded(objective.run):
         raise ConfigError(
             f"audit_every = {audit_every}: the audit recomputes the gradient through the model's own forward, "
             "which on a sharded model ([run] shard = true) runs FSDP's hooks; set audit_every = 0 or run.shard = false"
         )
-    if generator is None or isinstance(generator, TorchGenerator):  # the torch generator shares the weights
+    if generator is None or isinstance(generator, (TorchGenerator, UnstartedEngine)):  # shares them, or no engine
         return StreamingTrainer(
             objective, optimizer, max_grad_norm=max_grad_norm, scheduler=schedule, audit_every=audit_every
         )

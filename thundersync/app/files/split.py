@@ -11,7 +11,7 @@ the value and what to do: a placement that is not every rank ``0 .. N-1`` once i
 learner ranks not in increasing order, and what the split does not run: ``max_staleness`` > 0, an
 ``[eval]``, another stage type (tools, agent apps), a second teacher stage, several turns, a
 reward's ``overlong`` other than ``keep``, an objective in a learner process, an optimizer's
-``shard_state``, an ``admission`` or ``episode-failures`` object. :func:`check_world` compares the
+``shard_state``, an ``admission``, ``episode-failures`` or ``openai-generator`` object. :func:`check_world` compares the
 placement with the launch's size. That a teacher stage comes with an OPD objective (and GRPO's
 without one) is checked when the objects are built (:func:`thundersync.app.cli.split.split_parts`).
 """
@@ -51,6 +51,11 @@ class SplitSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
 _NOT_OBJECTS = {
     "admission": "each rollout rank starts its whole share of a batch at once, so an admission bounds nothing",
     "episode-failures": "the split has no failure policy (no drop, no dynamic sampling)",
+    "openai-generator": (
+        "the learner's weights reach each rollout rank's own model, which a torch-generator samples from and a "
+        "vllm-generator's in-process engine is made to serve; an OpenAI server's weights are out of the broadcast's "
+        "reach: use a torch-generator or a vllm-generator"
+    ),
 }
 
 
