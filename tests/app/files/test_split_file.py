@@ -3,8 +3,11 @@ the launch when the run starts, and what the split does not run is refused namin
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
 from thundersync.app.cli.command import _split_launch, main
@@ -89,6 +92,11 @@ def test_an_unknown_field_of_the_placement_is_named_with_the_valid_ones() -> Non
         ("objects.objective.process=true", r"^objects\.objective\.process: true; the split's learner streams"),
         ("objects.optimizer.shard_state=true", r"^objects\.optimizer\.shard_state: true; ZeRO-1 would split the "
          r"optimizer's state over every rank of the launch, rollout ranks included: drop shard_state"),
+
+        ('objects.remote={factory="openai-generator",base_url="http://localhost:8000",model="m"}',
+         r"^objects\.remote\.factory: 'openai-generator' in a file with \[run\.split\]; the learner's weights reach "
+         r"each rollout rank's own model, .* an OpenAI server's weights are out of the broadcast's reach: use a "
+         r"torch-generator or a vllm-generator: remove the object$"),
     ],
 )  # fmt: skip
 def test_what_the_split_does_not_run_is_refused_naming_the_key(override: str, message: str) -> None:
@@ -316,3 +324,71 @@ def test_a_sharded_split_refuses_consolidated_checkpoints_unless_the_first_learn
         _refuse_consolidated({"ckpt": saver}, sharded, SimpleNamespace(source=1))  # type: ignore[arg-type]
     saver.consolidated = False
     _refuse_consolidated({"ckpt": saver}, sharded, SimpleNamespace(source=1))  # type: ignore[arg-type]
+
+
+def _vllm_split(tmp: Path, model: str, **generator: object) -> Any:
+    """The tiny split file with a LoRA model (``model``: its source, ``config = ...`` or ``path = ...``)
+    and a vllm-generator over ``tmp/engine`` (a saved model of the tiny shapes) that the trainer
+    publishes to, built as a learner rank builds it (``START_ENGINES`` false: no engine)."""
+    from thundersync.app.factories.generators import START_ENGINES
+    from thundersync.app.factories.models import model as build_model
+
+    build_model(config=loads(TINY).objects["model"].args["config"]).save_pretrained(tmp / "engine")
+    options = "".join(f"{key} = {json.dumps(value)}\n" for key, value in generator.items())
+    text = (
+        _split()
+        .replace(SHAPES, model)
+        .replace("[objects.trainer]", '[objects.trainer]\ngenerator = { object = "generator" }')
+    )
+    text = text.replace('generator = { object = "generator" }\n\n[stages.source]', "\n[stages.source]")
+    text = text.replace(
+        'factory = "torch-generator"\nmodel = { object = "model" }\nmax_batch = 32\nmax_seq_len = 64\n',
+        f'factory = "vllm-generator"\nmodel = "{tmp / "engine"}"\n{options}',
+    )
+    spec = loads(text, ['objects.checkpointer.directory="unused"', LORA])
+    token = START_ENGINES.set(False)
+    try:
+        objects = build_objects(spec)
+    finally:
+        START_ENGINES.reset(token)
+    return objects, build_graph(spec, **objects)
+
+
+LORA = 'objects.model.lora={r=4,lora_alpha=8,target_modules=["q_proj","v_proj"],lora_dropout=0.0}'
+
+
+@pytest.mark.parametrize(
+    ("source", "generator", "message"),
+    [
+        ("config", {"enable_lora": True}, r"^run\.split: the vllm-generator has enable_lora = true, so each rollout "
+         r"rank's engine serves the adapter over its own base weights, loaded from '.*engine'; the model the objective "
+         r"trains has another base \(built from its config\): load the model from that directory"),
+        ("path", {"enable_lora": True, "max_lora_rank": 2}, r"^run\.split: the model's LoRA adapter has rank 4, over "
+         r"the vllm-generator's max_lora_rank of 2; the engine would refuse the adapter: set max_lora_rank = 4$"),
+        ("path", {"enable_lora": True}, None),  # the adapter over the directory's base: the engine's own
+        ("config", {}, None),  # the merged weights, reloaded whole at each receive
+    ],
+    ids=["lora-over-another-base", "lora-rank-over-max", "lora-over-the-engines-base", "merged-weights"],
+)  # fmt: skip
+def test_a_split_learner_builds_no_vllm_engine_and_checks_what_the_engine_serves(
+    tmp_path: Path, source: str, generator: dict[str, object], message: str | None
+) -> None:
+    """A learner rank's vllm-generator is an UnstartedEngine (no engine: it never generates) and its
+    trainer a plain StreamingTrainer (nothing to publish to: the split broadcasts the weights);
+    what the rollout ranks' engines could not serve is refused (decision 093)."""
+    from thundersync.app.cli.split import split_parts
+    from thundersync.app.factories.generators import UnstartedEngine
+    from thundersync.errors import PipelineError
+    from thundersync.generation import GenerationRequest, SamplingParams
+    from thundersync.stages.step import StreamingTrainer
+
+    model = SHAPES if source == "config" else f'path = "{tmp_path / "engine"}"'
+    objects, graph = _vllm_split(tmp_path, model, **generator)
+    assert isinstance(objects["generator"], UnstartedEngine) and type(objects["trainer"]) is StreamingTrainer
+    if message is not None:
+        with pytest.raises(ConfigError, match=message):
+            split_parts(graph)
+        return
+    assert split_parts(graph).generate.generator is objects["generator"]
+    with pytest.raises(PipelineError, match=r"^a split's learner rank started no vLLM engine \(vllm-generator\)"):
+        anyio.run(objects["generator"].generate, GenerationRequest(prompt_ids=[1], params=SamplingParams()))
