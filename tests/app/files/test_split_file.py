@@ -392,3 +392,22 @@ def test_a_split_learner_builds_no_vllm_engine_and_checks_what_the_engine_serves
     assert split_parts(graph).generate.generator is objects["generator"]
     with pytest.raises(PipelineError, match=r"^a split's learner rank started no vLLM engine \(vllm-generator\)"):
         anyio.run(objects["generator"].generate, GenerationRequest(prompt_ids=[1], params=SamplingParams()))
+
+
+def test_a_rollout_ranks_engine_of_other_shapes_than_the_model_is_refused() -> None:
+    """``sync_from`` loads the trained model's weights into the engine: its shapes must be the model's
+    (the started engine's ``hf_config``, as ``VLLMGenerator.llm`` holds it, against the model's config)."""
+    from types import SimpleNamespace
+
+    from thundersync.app.cli.split import _check_shapes
+    from thundersync.app.factories.models import model as build_model
+
+    model = build_model(config=loads(TINY).objects["model"].args["config"])
+    config = SimpleNamespace(**{**model.config.to_dict(), "hidden_size": 64})
+    engine = SimpleNamespace(model="/models/other", llm=SimpleNamespace(llm_engine=SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=config))))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^run\.split: the vllm-generator's model '/models/other' has hidden_size "
+                       r"= 64, the model the objective trains 32; each receive loads that model's weights"):  # fmt: skip
+        _check_shapes(engine, model)
+    config.hidden_size = 32
+    _check_shapes(engine, model)  # the same shapes

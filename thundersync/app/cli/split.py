@@ -102,7 +102,6 @@ def split_parts(graph: Graph) -> SplitParts:
     if generate.tool_calls is not None:
         raise ConfigError("run.split: the generate stage has a tool_calls parser; a split samples one action per "
                           "trajectory, without tools: drop tool_calls")  # fmt: skip
-    _check_generator(generate, backward)
     objective = backward.objective
     if not isinstance(objective, RewardLinearBackward | OPDStream):
         raise ConfigError(
@@ -118,12 +117,13 @@ def split_parts(graph: Graph) -> SplitParts:
             "the learner ranks score with the teacher for OPD alone: give OPD (factory opd) a teacher-score "
             "stage, and GRPO (factory grpo) none"
         )
+    _check_generator(generate, objective)
     if step.trainer is None:
         raise ConfigError("run.split: the step stage has no trainer; give it one (factory streaming-trainer)")
     return SplitParts(source, generate, reward, objective, step, teacher)
 
 
-def _check_generator(generate: GenerateStage, backward: BackwardStage) -> None:
+def _check_generator(generate: GenerateStage, objective: RewardLinearBackward | OPDStream) -> None:
     """The broadcast reaches a rollout rank's model in place (the model the objective trains): a
     ``TorchGenerator`` over that model samples from it, a vLLM engine is made to serve it after
     each receive (``sync_from``, decision 093); any other generator holds weights it never reaches."""
@@ -131,9 +131,8 @@ def _check_generator(generate: GenerateStage, backward: BackwardStage) -> None:
     from thundersync.generation.torch_generator import TorchGenerator
     from thundersync.generation.vllm_generator import VLLMGenerator
 
-    generator, run = generate.generator, getattr(backward.objective, "run", None)
-    model = getattr(getattr(run, "anatomy", None), "model", None)
-    if isinstance(generator, (VLLMGenerator, UnstartedEngine)) and model is not None:
+    generator, model = generate.generator, objective.run.anatomy.model
+    if isinstance(generator, (VLLMGenerator, UnstartedEngine)):
         _check_engine(generator, model)
         return
     if not isinstance(generator, TorchGenerator) or generator._model is not model:
@@ -151,10 +150,10 @@ def _check_engine(generator: Any, model: Any) -> None:
     ``sync_from`` moves the adapter alone, over the engine's own base weights (its directory's),
     so the model's base must come from that directory and its rank fit ``max_lora_rank``; else it
     reloads the whole (merged) weights, which fits any model of the directory's architecture."""
-    from thundersync.generation._peft_weights import is_peft_model
+    from thundersync.model.anatomy import unwrap_peft
 
     _check_shapes(generator, model)
-    if not (generator.enable_lora and is_peft_model(model)):
+    if not generator.enable_lora or unwrap_peft(model) is model:  # no adapter alone to serve
         return
     lora = model.peft_config[model.active_adapter]
     rank = int(getattr(lora, "r", 0))
