@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 M=objects.base_model.config
 for k in ${KS:-0 1}; do
   d=$(mktemp -d) && ln -s "$PWD/examples" "$d/examples"
-  (cd "$d" && timeout "${LIMIT:-250}" python3 "$OLDPWD/bench/loop_profile.py" --every 0.002 --window 2 --top 25 --depth 8 \
+  (cd "$d" && timeout "${LIMIT:-250}" python3 "$OLDPWD/bench/loop_profile.py" --every 0.002 --window 2 --top 25 --depth "${DEPTH:-8}" --threads "${THREADS:-4}" \
     --out "$out/loop_k$k${TAG:-}.txt" -- -m thundersync run examples/agent_grpo.toml --no-progress --set run.device=cuda \
     --set run.steps="${STEPS:-8}" --set run.max_staleness="$k" --set run.metrics="$out/m${TAG:-}/k$k.jsonl" \
     --set objects.schedule.decay_steps="${STEPS:-8}" --set $M.hidden_size=1024 --set $M.intermediate_size=3072 \

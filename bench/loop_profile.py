@@ -10,8 +10,9 @@ is the selector's wait (the event loop has nothing ready to run), else *busy* (a
 waiting for the GIL counts as where it waits). Every other thread is counted too: the share of
 samples in which its innermost frame was not a known wait (a lock's or queue's). Printed at the end
 (and written to ``--out``): the busy fraction of the run and of each ``--window`` seconds, and
-the ``--top`` stacks most often seen busy, each as its innermost ``--depth`` frames. A busy
-fraction near 1 means the loop's thread is the limit: more concurrent work cannot run faster on it.
+the ``--top`` stacks most often seen busy, each as its innermost ``--depth`` frames; ``--threads N``
+adds the top stacks of the N busiest other threads, each on its own. A busy fraction near 1 means
+the loop's thread is the limit: more concurrent work cannot run faster on it.
 ``--start-at FUNCTION`` (default ``run_until_complete``: the event loop's start, after the
 file's objects are built) counts samples only from the first one whose stack holds a frame of that
 name. The sampler takes the GIL every ``--every`` seconds, so a run is slightly slower than without it.
@@ -49,6 +50,10 @@ class Sampler(threading.Thread):
         self.samples: list[tuple[float, bool]] = []
         self.stacks: collections.Counter[tuple[str, ...]] = collections.Counter()
         self.threads: collections.Counter[str] = collections.Counter()  # samples each thread was not waiting
+        self.each: collections.Counter[tuple[str, int]] = collections.Counter()  # the same, per thread
+        self.other_stacks: dict[tuple[str, int], collections.Counter[tuple[str, ...]]] = collections.defaultdict(
+            collections.Counter
+        )
         self.halt = threading.Event()
 
     def run(self) -> None:
@@ -68,6 +73,10 @@ class Sampler(threading.Thread):
             for ident, other in every.items():
                 if ident != self.ident and (Path(other.f_code.co_filename).name, other.f_code.co_name) not in WAITS:
                     self.threads[names.get(ident, str(ident))] += 1
+                    if ident != self.main:
+                        key = (names.get(ident, str(ident)), ident)
+                        self.each[key] += 1
+                        self.other_stacks[key][frames(other, self.depth)] += 1
 
     def started(self, frame: FrameType | None) -> bool:
         while frame is not None:
@@ -78,7 +87,7 @@ class Sampler(threading.Thread):
         return False
 
 
-def report(sampler: Sampler, window: float, top: int) -> str:
+def report(sampler: Sampler, window: float, top: int, threads: int) -> str:
     busy = sum(b for _, b in sampler.samples)
     lines = [f"samples {len(sampler.samples)}, busy {busy / max(len(sampler.samples), 1):.1%} of the run"]
     per: dict[int, list[bool]] = collections.defaultdict(list)
@@ -94,6 +103,10 @@ def report(sampler: Sampler, window: float, top: int) -> str:
     lines.append(f"top {top} busy stacks (innermost first), share of busy samples:")
     for stack, n in sampler.stacks.most_common(top):
         lines.append(f"{n / max(busy, 1):6.1%}  " + "  <-  ".join(stack))
+    for (name, ident), n in sampler.each.most_common(threads):
+        lines.append(f"thread {name} ({ident}): not waiting in {n / total:.1%} of the samples; its top stacks:")
+        for stack, m in sampler.other_stacks[(name, ident)].most_common(max(top // 2, 1)):
+            lines.append(f"{m / n:6.1%}  " + "  <-  ".join(stack))
     return "\n".join(lines)
 
 
@@ -106,6 +119,7 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=5.0, help="seconds per busy-fraction window")
     parser.add_argument("--depth", type=int, default=6, help="frames kept per stack")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--threads", type=int, default=0, help="also the top stacks of the N busiest other threads")
     parser.add_argument(
         "--start-at",
         default="run_until_complete",
@@ -129,7 +143,7 @@ def main() -> None:
     finally:
         sampler.halt.set()
         sampler.join()
-        text = report(sampler, args.window, args.top)
+        text = report(sampler, args.window, args.top, args.threads)
         print(text, file=sys.stderr)
         if args.out is not None:
             args.out.write_text(text + "\n")

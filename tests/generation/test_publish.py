@@ -177,11 +177,14 @@ def test_the_trainer_publishes_the_stepped_weights_before_the_step_is_announced(
         async with OpenAIGenerator(url, "tiny", publish="lora", publish_dir=tmp_path) as generator:
             trainer = training.trainer(objective=grpo, optimizer=optimizer, generator=generator, policy=policy)
             assert isinstance(trainer, training.PublishingTrainer)
-            await trainer.step(BatchReady(batch_id=0))
+            async with trainer:  # before the first batch: the policy the model holds, as version 0
+                await trainer.step(BatchReady(batch_id=0))
 
     serve(recorder, body)
-    ((path, request, seen_version),) = recorder.received
+    first, (path, request, seen_version), dropped = recorder.received  # v0, v1, then v0 unloaded
+    assert (first[0], first[1]["lora_name"]) == ("/v1/load_lora_adapter", "tiny-policy-v0")
     assert (path, request["lora_name"], seen_version) == ("/v1/load_lora_adapter", "tiny-policy-v1", 0)
+    assert (dropped[0], dropped[1]["lora_name"]) == ("/v1/unload_lora_adapter", "tiny-policy-v0")
     after = _lora_weights(model)
     saved = load_file(tmp_path / "v1" / "adapter_model.safetensors")
     assert any(not torch.equal(before[n], after[n]) for n in after)  # the optimizer stepped

@@ -1,7 +1,7 @@
 """Publishing the trained policy to a vLLM OpenAI server (:meth:`OpenAIGenerator.publish`).
 
-A server does not share the learner's weights, so after each optimizer step the trainer hands it
-the new policy through a route the server offers, chosen by ``OpenAIGenerator(publish=...)``:
+A server does not share the learner's weights, so before the run's first batch and after each
+optimizer step the trainer hands it the policy through a route the server offers, chosen by ``OpenAIGenerator(publish=...)``:
 
 - ``"lora"``: the policy is a peft LoRA model and the server runs with ``--enable-lora`` and
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``. The adapter alone is saved (safetensors) to

@@ -9,7 +9,8 @@ default, vLLM's ``raw_logprobs``) gives the model's log-prob before temperature/
 ``"sampling"`` (``processed_logprobs``) gives the log-prob under the sampling distribution.
 A request that asks for the other mode fails with :class:`BackendCapabilityError`.
 
-Weight sync after each optimizer step, while no generation is in flight:
+Weight sync before the first batch and after each optimizer step (the trainer's,
+``PublishingTrainer``), while no generation is in flight:
 
 - :meth:`sync_from` a plain transformers model: every parameter is copied into the engine
   (``collective_rpc("reload_weights", ...)``, a tied head sent under both names), then the

@@ -334,11 +334,13 @@ async def run_split(
     """Run this rank's role to the end of the source's batches; returns the steps taken (learner)
     or the batches generated (rollout). A rollout rank enters the objects that are async context
     managers (engines, graders) for the run, as a one-process run does, except the teacher (an
-    OPD file's), which the learner ranks alone enter and ask (decision 094)."""
+    OPD file's), which the learner ranks alone enter and ask (decision 094), and the step stage's
+    trainer (a rollout rank never steps; its engine serves each broadcast, decision 093)."""
     from thundersync.app.cli.split_learner import learn
 
     learner = channel.role == "learner"
-    entered: list[Any] = [parts.teacher] if learner else [obj for obj in objects.values() if obj is not parts.teacher]
+    skipped = (parts.teacher, parts.step.trainer)
+    entered = [parts.teacher] if learner else [obj for obj in objects.values() if all(obj is not s for s in skipped)]
     async with AsyncExitStack() as stack:
         for obj in entered:
             if hasattr(obj, "__aenter__") and hasattr(obj, "__aexit__"):

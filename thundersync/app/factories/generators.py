@@ -21,8 +21,8 @@
     publish_dir = "/shared/policy"   # where it is saved for the server to read (default: a temporary folder)
 
 Each is a thin wrapper over the class of :mod:`thundersync.generation` with the same arguments.
-A trainer given the generator (``streaming-trainer``'s ``generator``) publishes each new policy
-to it after the optimizer step: vLLM in-process syncs the weights, an OpenAI server takes them by
+A trainer given the generator (``streaming-trainer``'s ``generator``) publishes the model's policy
+to it before the run's first batch and each new policy after the optimizer step: vLLM in-process syncs the weights, an OpenAI server takes them by
 its ``publish`` route (:mod:`thundersync.generation.publish`), the torch generator shares them.
 
 On a learner rank of a split (``[run.split]``), which never generates, ``vllm-generator`` starts no

@@ -412,7 +412,13 @@ class PublishingTrainer(StreamingTrainer):
     step, before the step stage announces it: an in-process vLLM engine syncs the weights
     (``VLLMGenerator.sync_from``), an OpenAI server takes them by its publish route
     (``OpenAIGenerator.publish``). The version is the one the step stage publishes next
-    (``policy.version + 1``; without a clock, the count of this trainer's steps)."""
+    (``policy.version + 1``; without a clock, the count of this trainer's steps).
+
+    Entered as an async context manager before the run's first batch (``thundersync run`` enters
+    every object that is one, after the generator it holds), it publishes the policy the model
+    holds then, as version ``policy.version`` (0, or a resumed run's step): the generator was
+    started from its own weights (a vLLM engine from its directory), which need not be the
+    model's (a resumed checkpoint, a warm-up, an adapter whose initial update is not zero)."""
 
     def __init__(
         self,
@@ -431,16 +437,29 @@ class PublishingTrainer(StreamingTrainer):
         super().__init__(objective, optimizer, **options)
         self.generator, self.policy, self.published = generator, policy, 0
 
+    async def __aenter__(self) -> PublishingTrainer:
+        await self._publish(self._version())
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        return None
+
     async def step(self, ready: BatchReady) -> StepResult:
         result = await super().step(ready)  # the optimizer has stepped: the weights are final
-        version = (self.policy.version if self.policy is not None else self.published) + 1
+        await self._publish(self._version() + 1)
+        return result
+
+    def _version(self) -> int:
+        """The version the generator serves now (the clock's; without one, this trainer's count)."""
+        return self.policy.version if self.policy is not None else self.published
+
+    async def _publish(self, version: int) -> None:
         model = self.objective.run.anatomy.model
         if isinstance(self.generator, OpenAIGenerator):
             await self.generator.publish(model, version)
         else:
             await self.generator.sync_from(model)
         self.published = version
-        return result
 
 
 def checkpointer(
