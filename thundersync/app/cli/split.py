@@ -340,7 +340,9 @@ async def run_split(
 
     learner = channel.role == "learner"
     skipped = (parts.teacher, parts.step.trainer)
-    entered = [parts.teacher] if learner else [obj for obj in objects.values() if all(obj is not s for s in skipped)]
+    entered: list[Any] = (
+        [parts.teacher] if learner else [obj for obj in objects.values() if all(obj is not s for s in skipped)]
+    )
     async with AsyncExitStack() as stack:
         for obj in entered:
             if hasattr(obj, "__aenter__") and hasattr(obj, "__aexit__"):
