@@ -12,7 +12,9 @@ samples in which its innermost frame was not a known wait (a lock's or queue's).
 (and written to ``--out``): the busy fraction of the run and of each ``--window`` seconds, and
 the ``--top`` stacks most often seen busy, each as its innermost ``--depth`` frames; ``--threads N``
 adds the top stacks of the N busiest other threads, each on its own. A busy fraction near 1 means
-the loop's thread is the limit: more concurrent work cannot run faster on it.
+the loop's thread is the limit: more concurrent work cannot run faster on it. Last, the tally of
+every ``TorchGenerator`` still alive (``TorchGenerator.tally``: its batcher's steps, prefill
+passes and tokens, decode steps and rows, and seconds in each).
 ``--start-at FUNCTION`` (default ``run_until_complete``: the event loop's start, after the
 file's objects are built) counts samples only from the first one whose stack holds a frame of that
 name. The sampler takes the GIL every ``--every`` seconds, so a run is slightly slower than without it.
@@ -28,6 +30,7 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 IDLE = {("selectors.py", "select"), ("selectors.py", "poll")}
 WAITS = IDLE | {("threading.py", "wait"), ("queue.py", "get"), ("thread.py", "_worker"), ("_base.py", "result")}
@@ -110,6 +113,28 @@ def report(sampler: Sampler, window: float, top: int, threads: int) -> str:
     return "\n".join(lines)
 
 
+def keep_generators() -> list[Any]:
+    """Every TorchGenerator made from now on, kept to the end of the run for its tally."""
+    from thundersync.generation.torch_generator import TorchGenerator
+
+    made: list[Any] = []
+    init = TorchGenerator.__init__
+
+    def recording(self: TorchGenerator, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    TorchGenerator.__init__ = recording  # type: ignore[method-assign]
+    return made
+
+
+def tallies(made: list[Any]) -> str:
+    """Each generator's batcher tally (steps, prefills, decode rows, seconds); lets them go."""
+    text = "".join(f"\ngenerator {i}: {generator.tally}" for i, generator in enumerate(made))
+    made.clear()
+    return text
+
+
 def main() -> None:
     if "--" not in sys.argv:
         sys.exit("usage: python bench/loop_profile.py [options] -- -m MODULE ARGS... | SCRIPT ARGS...")
@@ -128,6 +153,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(sys.argv[1:split])
     command = sys.argv[split + 1 :]
+    made = keep_generators()
     sampler = Sampler(args.every, args.depth, args.start_at)
     sampler.start()
     try:
@@ -143,7 +169,7 @@ def main() -> None:
     finally:
         sampler.halt.set()
         sampler.join()
-        text = report(sampler, args.window, args.top, args.threads)
+        text = report(sampler, args.window, args.top, args.threads) + tallies(made)
         print(text, file=sys.stderr)
         if args.out is not None:
             args.out.write_text(text + "\n")

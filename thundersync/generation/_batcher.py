@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,7 +52,22 @@ from thundersync.generation._weights_watch import WeightsWatch
 from thundersync.generation.base import FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from thundersync.model.anatomy import decoder_anatomy
 
-__all__ = ["ContinuousBatcher", "Ticket"]
+__all__ = ["BatcherTally", "ContinuousBatcher", "Ticket"]
+
+
+@dataclass
+class BatcherTally:
+    """What a batcher has done so far: its steps, the prefill passes (and the prompt tokens they
+    computed), the decode steps (and the rows they decoded, finished rows of the step ahead
+    included), and the host's wall seconds in each part, its waits for the device included."""
+
+    steps: int = 0
+    prefills: int = 0
+    prefilled_tokens: int = 0
+    decode_steps: int = 0
+    decoded_rows: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -139,6 +155,7 @@ class ContinuousBatcher:
         self.stream: torch.cuda.Stream | None = None  # see use_stream
         self._inflight: _Launched | None = None  # the fixed-shape step launched and not read yet
         self._host_out: list[torch.Tensor] = []  # see use_fixed_step
+        self.tally = BatcherTally()
 
     def use_stream(self, stream: torch.cuda.Stream | None = None) -> None:
         """Run every step on ``stream`` (default: a new high-priority CUDA stream of its own), after
@@ -248,12 +265,21 @@ class ContinuousBatcher:
                     self.stream.wait_event(ticket.after)
                     ticket.after = None
             self._check_weights()
+            tally, started = self.tally, time.perf_counter()
+            tally.steps += 1
             admitted = self._admit()
             if admitted:
                 self._prefill(admitted)
+                now = time.perf_counter()
+                tally.prefills += 1
+                tally.prefill_s += now - started
+                started = now
             running = [s for s in self.slots if s.ticket is not None and s.ticket.result is None]
             if running:
                 self._decode(running)
+                tally.decode_steps += 1
+                tally.decoded_rows += len(running)
+                tally.decode_s += time.perf_counter() - started
         return self._finished
 
     def invalidate(self) -> None:
@@ -320,6 +346,7 @@ class ContinuousBatcher:
 
     def _prefill(self, admitted: list[tuple[_Slot, int]]) -> None:
         segments = [(slot, start, _ticket(slot).request.prompt_ids[start:]) for slot, start in admitted]
+        self.tally.prefilled_tokens += sum(len(seg) for _, _, seg in segments)
         batch = pack_prefill([(slot.index, start, seg) for slot, start, seg in segments], self.anatomy.device)
         hidden = forward_hidden(self.anatomy, self.cache, batch.tokens, batch.positions, batch.slots, batch.rows)
         logits = logits_of(self.anatomy, hidden[batch.last])

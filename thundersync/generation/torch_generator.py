@@ -37,6 +37,7 @@ for exact on-policy sampling.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections import deque
@@ -53,7 +54,7 @@ from thundersync._config import build_config
 from thundersync._logging import get_logger
 from thundersync.acceleration import Acceleration
 from thundersync.errors import ConfigError, GenerationError
-from thundersync.generation._batcher import ContinuousBatcher, Ticket
+from thundersync.generation._batcher import BatcherTally, ContinuousBatcher, Ticket
 from thundersync.generation._decode_math import DecodeMath
 from thundersync.generation._fused import FusedWeights
 from thundersync.generation._kernel_layers import KernelLayers
@@ -253,6 +254,13 @@ class TorchGenerator:
     def set_rng_state(self, state: tuple[Any, ...]) -> None:
         """Restore a state from :meth:`get_rng_state`: later requests get the seeds they got after it."""
         self._seeds.setstate(state)
+
+    @property
+    def tally(self) -> BatcherTally:
+        """What the batcher has done so far (a copy): steps, prefill passes and their prompt tokens,
+        decode steps and their rows, and the host's wall seconds in prefill and in decode (waits for
+        the device included). ``bench/loop_profile.py`` prints it at the end of a run."""
+        return dataclasses.replace(self._batcher.tally)
 
     @property
     def kv_cache_bytes(self) -> int:
