@@ -1,6 +1,7 @@
 """Partial rollouts (``max_staleness >= 1``): a sequence in flight when the optimizer changes the
-weights goes on with the new weights over the keys and values its earlier tokens left, and each
-token's log-prob is the one it was sampled with."""
+weights goes on with the new weights over the keys and values its earlier tokens left, a session's
+next turn reuses them (in flight or parked at the change), and each token's log-prob is the one it
+was sampled with."""
 
 from __future__ import annotations
 
@@ -79,11 +80,44 @@ def test_a_sequence_in_flight_goes_on_with_the_new_weights_over_its_old_keys_and
     )
     only_old, _ = _greedy_across(old, old, PROMPT, 0, len(tokens))
     assert tokens != only_old  # the new weights did decode the tail
-    full = PROMPT + ticket.result.token_ids  # the session's next turn: its stale prefix is prefilled again
+    _next_turn_reuses_the_keys_and_values(batcher, old, new, ticket.result, before)
+
+
+def _next_turn_reuses_the_keys_and_values(batcher: ContinuousBatcher, old, new, first, before: int) -> None:
+    """The session's next turn (the first turn's tokens as its prompt) prefills only the token whose
+    keys and values were never computed, with the new weights, and decodes on over the old K/V."""
+    full = PROMPT + first.token_ids
     again = batcher.submit(GenerationRequest(prompt_ids=full, params=GREEDY, session_id="s"), seed=0)
     while not again.done:
         batcher.step()
-    assert again.result is not None and again.result.cached_tokens == 0
+    assert again.result is not None and again.result.cached_tokens == len(full) - 1
+    total = len(first.token_ids) + len(again.result.token_ids)
+    tokens, logprobs = _greedy_across(old, new, PROMPT, before, total)
+    assert again.result.token_ids == tokens[len(first.token_ids) :]
+    torch.testing.assert_close(
+        torch.tensor(again.result.logprobs, dtype=torch.float64),
+        torch.tensor(logprobs[len(first.token_ids) :], dtype=torch.float64),
+        atol=1e-10,
+        rtol=0,
+    )
+
+
+def test_a_session_parked_across_a_weight_change_reuses_its_keys_and_values(make_qwen3) -> None:
+    model = make_qwen3().double()
+    old = copy.deepcopy(model)
+    batcher = ContinuousBatcher(model, slots=2, capacity=64, prefill_tokens=64, key_bucket=16)
+    batcher.partial_rollouts = True
+    first = batcher.submit(GenerationRequest(prompt_ids=PROMPT, params=GREEDY, session_id="s"), seed=0)
+    while not first.done:  # the whole first turn on the old weights; the session parks
+        batcher.step()
+    assert first.result is not None
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    # the first turn's last token is fed (its K/V computed) by the new weights, in the next turn's prefill
+    _next_turn_reuses_the_keys_and_values(
+        batcher, _fp64_reference(old), _fp64_reference(model), first.result, len(first.result.token_ids)
+    )
 
 
 def test_a_generator_accepts_weight_changes_only_once_allowed(make_qwen3) -> None:

@@ -95,7 +95,6 @@ class _Slot:
     session: int | str | None = None
     ticket: Ticket | None = None
     last_used: int = 0
-    stale: bool = False  # its sequence ran across a weight change: its cache is not reused after it
 
 
 @dataclass(eq=False)
@@ -239,7 +238,7 @@ class ContinuousBatcher:
             self.fixed.deactivate(slot.index)
         if slot.session is not None:
             self.sessions.pop(slot.session, None)
-        slot.cached, slot.session, slot.ticket, slot.stale = [], None, None, False
+        slot.cached, slot.session, slot.ticket = [], None, None
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every request in flight with ``error`` and drop every cache."""
@@ -298,12 +297,13 @@ class ContinuousBatcher:
                 "generate only while parameters are fixed (between optimizer steps)"
             )
         for slot in self.slots:  # cached prefixes were computed with the old weights
-            if slot.ticket is None:
+            if slot.ticket is None and not self.partial_rollouts:
                 self._free(slot)
-            elif slot.ticket.tokens:  # partial rollouts: it goes on with the new weights, keeping its K/V
-                slot.stale = True
-            else:
+            elif slot.ticket is not None and not slot.ticket.tokens:
                 slot.cached = []
+        # partial rollouts: a sequence in flight goes on with the new weights over its K/V, and a
+        # parked session's next turn reuses its K/V too (each token's log-prob is the one it was
+        # sampled with, which the loss forms correct for; decision 073)
 
     def _take_slot(self, session: int | str | None) -> _Slot | None:
         if session is not None and session in self.sessions:
@@ -504,6 +504,6 @@ class ContinuousBatcher:
         )
         self._finished.append(ticket)
         slot.ticket, slot.last_used = None, next(self._clock)
-        if slot.session is None or slot.stale:  # a stale prefix is prefilled again by the next turn
-            slot.cached, slot.stale = [], False
+        if slot.session is None:
+            slot.cached = []
         return True

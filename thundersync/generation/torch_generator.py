@@ -241,8 +241,9 @@ class TorchGenerator:
         model (:func:`~thundersync.model.anatomy.mark_decoded_across_steps`), so that on CUDA the
         trainer also waits for the device inside the lock before and after the step. A sequence then decodes its next tokens with the new
         weights over the keys and values its earlier tokens left with the old ones; each token's
-        log-prob is the one it was sampled with. Its session's prefix is prefilled again by the
-        next turn (not reused), and cached prefixes of parked sessions are dropped as before.
+        log-prob is the one it was sampled with. A session's next turn reuses the keys and values
+        its earlier turns left, whichever weights computed them (parked sessions keep theirs across
+        the step too), so it prefills only its new tokens, as at ``max_staleness = 0``.
         """
         self._batcher.partial_rollouts = True
         mark_decoded_across_steps(self._model)
