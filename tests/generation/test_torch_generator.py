@@ -167,33 +167,19 @@ def test_continuing_a_session_reuses_the_cache_and_equals_generating_from_the_fu
 
     first, full, second = anyio.run(two_turns)
     assert second.cached_tokens == len(prompt) + len(first.token_ids) - 1
-    (fresh,) = run(
-        TorchGenerator(model, max_batch=2, max_seq_len=64), [GenerationRequest(prompt_ids=full, params=params)]
-    )
-    assert fresh.cached_tokens == 0
-    assert second.token_ids == fresh.token_ids
-    torch.testing.assert_close(torch.tensor(second.logprobs), torch.tensor(fresh.logprobs), atol=1e-5, rtol=0)
-
-
-def test_the_tally_counts_what_the_batcher_prefilled_and_decoded(make_qwen3) -> None:
-    generator = TorchGenerator(make_qwen3(), max_batch=2, max_seq_len=64)
-    params = SamplingParams(temperature=0.0, max_new_tokens=6)
-    prompt, observation = [20, 21, 22, 23], [250, 251, 252]
-
-    async def two_turns() -> tuple:
-        first = await generator.generate(GenerationRequest(prompt_ids=prompt, params=params, session_id="a"))
-        full = prompt + first.token_ids + observation
-        second = await generator.generate(GenerationRequest(prompt_ids=full, params=params, session_id="a"))
-        return first, full, second
-
-    first, full, second = anyio.run(two_turns)
-    tally = generator.tally
+    tally = generator.tally  # what the batcher did: two prefills, of the uncached tokens alone
     assert (tally.prefills, tally.prefilled_tokens) == (2, len(prompt) + len(full) - second.cached_tokens)
     # each request's first token comes with its prefill, the others one decode row each
     assert tally.decoded_rows == tally.decode_steps == len(first.token_ids) - 1 + len(second.token_ids) - 1
     assert tally.steps >= tally.decode_steps and tally.prefill_s > 0 and tally.decode_s > 0
     tally.steps = -1
     assert generator.tally.steps > 0  # a copy
+    (fresh,) = run(
+        TorchGenerator(model, max_batch=2, max_seq_len=64), [GenerationRequest(prompt_ids=full, params=params)]
+    )
+    assert fresh.cached_tokens == 0
+    assert second.token_ids == fresh.token_ids
+    torch.testing.assert_close(torch.tensor(second.logprobs), torch.tensor(fresh.logprobs), atol=1e-5, rtol=0)
 
 
 def test_evicted_session_is_recomputed_correctly(make_qwen3) -> None:
