@@ -178,12 +178,12 @@ _SHAPES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"
 
 def _check_shapes(generator: Any, model: Any) -> None:
     """A started engine (a rollout rank's) has the model's shapes, so ``sync_from`` can load its weights."""
+    from thundersync.app.factories.generators import UnstartedEngine
     from thundersync.model.anatomy import unwrap_peft
 
-    engine = getattr(getattr(getattr(generator, "llm", None), "llm_engine", None), "model_config", None)
-    if engine is None:  # an UnstartedEngine (a learner's): the rollout ranks check
+    if isinstance(generator, UnstartedEngine):  # a learner's: the rollout ranks check
         return
-    ours, theirs = unwrap_peft(model).config, engine.hf_config
+    ours, theirs = unwrap_peft(model).config, generator.llm.llm_engine.model_config.hf_config
     for field in _SHAPES:
         if getattr(ours, field, None) != getattr(theirs, field, None):
             raise ConfigError(
