@@ -315,8 +315,13 @@ def test_a_clip_on_the_wrong_side_is_caught_by_the_dense_reference(monkeypatch: 
     assert relative_error(grads(model), grads(reference)) < 1e-10
 
 
+# an advantage of 0 or of magnitude 0.01..3: a subnormal one (hypothesis drew -5e-324) underflows
+# every gradient to a few ulps of zero, where the planted error cannot show
+ADVANTAGES = st.one_of(st.just(0.0), st.floats(0.01, 3), st.floats(-3, -0.01))
+
+
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**16), advantage=st.floats(-3, 3), cap=st.sampled_from([None, 1.3]))
+@given(seed=st.integers(0, 2**16), advantage=ADVANTAGES, cap=st.sampled_from([None, 1.3]))
 def test_decoupled_ppo_terms_with_a_moved_policy_equal_areal_form(
     seed: int, advantage: float, cap: float | None
 ) -> None:
