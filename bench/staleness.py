@@ -2,6 +2,7 @@
 
     python bench/staleness.py                                   # examples/agent_grpo.toml, k = 0 1 2, on CPU
     python bench/staleness.py --k 0 1 --steps 12 --plot docs/staleness.png -- --set run.device=cuda
+    python bench/staleness.py --long-tail --k 0 1 2             # the long-tail agent workload (below)
 
 Each k is a separate ``thundersync run`` of the file (same seeds, so the same warm-up and the same
 prompts), its metrics file read back. One table, side by side:
@@ -13,12 +14,21 @@ prompts), its metrics file read back. One table, side by side:
 - ``step s``: the median ``step_s`` after the first step, and its ratio to k = 0;
 - ``rollout s`` / ``learn s``: medians of the steps' ``rollout_s`` and ``learn_s``;
 - ``generator idle s``: the median of ``generator_idle_s`` when the run reports it;
+- ``traj tokens p50 / max``: medians over the steps of ``trajectory_tokens_median`` and
+  ``trajectory_tokens_max`` (the batch's typical and longest trajectory, in action tokens);
 - ``lag mean`` / ``lag max``: the batch's version lag (``version_lag_mean`` / ``version_lag_max``);
 - ``reward (last N)``: the mean ``reward_mean`` of the last ``--last`` steps; ``reward at T``: the
   mean ``reward_mean`` of the steps finished within the wall time ``T`` (after step 1) that every k
   reached (the shortest run's), so a faster k is credited with the extra steps it fit.
 
 The first k given is the baseline of the ratio column.
+
+``--long-tail`` runs the agent example as a long-tail agent workload: its warm-up episodes open
+with a thinking block that restates the expression a lognormal number of times (median 4, sigma 1,
+at most 40: ``think_repeats`` of :class:`~thundersync.tasks.CalculatorDemonstrations`), so the
+warmed-up policy's first actions run from about 100 to over 500 tokens and each batch waits for
+its few longest trajectories; the per-turn token budget and the context grow to fit (the settings
+are ``LONG_TAIL`` below, given before the arguments after ``--``).
 
 ``--plot`` draws reward against step and against wall time, one line per k (matplotlib, the
 ``plot`` extra). ``--keep DIR`` keeps each run's metrics file as ``DIR/k<K>.jsonl``; ``--kept DIR``
@@ -45,6 +55,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import header, markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
+
+LONG_TAIL = [
+    "--set", "objects.demonstrations.think_repeats=4", "--set", "objects.demonstrations.think_sigma=1.0",
+    "--set", "objects.demonstrations.think_max=40",
+    "--set", "stages.generate.max_new_tokens=544",  # 40 restatements (410 tokens), the call (88) and room
+    "--set", "objects.generator.max_seq_len=1024", "--set", "objects.base_model.config.max_position_embeddings=1024",
+]  # fmt: skip
 
 
 def run_once(file: Path, k: int, args: argparse.Namespace, extra: list[str], scratch: Path) -> list[dict[str, Any]]:
@@ -113,11 +130,13 @@ def summarize(runs: list[tuple[int, list[dict[str, Any]]]], last: int) -> str:
             k, len(steps), round(steps[-1]["wall_s"], 1), step_s,
             (step_s / base) if step_s is not None and base else None,
             _median(later, "rollout_s"), _median(later, "learn_s"), _median(later, "generator_idle_s"),
+            _median(steps, "trajectory_tokens_median"), _median(steps, "trajectory_tokens_max"),
             _median(steps, "version_lag_mean"), max(lags) if lags else None,
             _mean(rewards[-last:]), _mean(in_time),
         ])  # fmt: skip
     columns = [
         "k", "steps", "wall s after step 1", "step s", f"vs k={runs[0][0]}", "rollout s", "learn s", "generator idle s",
+        "traj tokens p50", "traj tokens max",
         "lag mean", "lag max", f"reward (last {last})", f"reward at {horizon:.0f} s",
     ]  # fmt: skip
     return markdown_table(columns, rows)
@@ -150,6 +169,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--last", type=int, default=4, help="steps whose reward is averaged for the last column")
     parser.add_argument("--key", default="run.max_staleness", help="the file's field that sets k")
+    parser.add_argument("--long-tail", action="store_true", help="the long-tail agent workload (module docstring)")
     parser.add_argument("--plot", type=Path, default=None, help="a PNG: reward per step and against wall time")
     parser.add_argument("--keep", type=Path, default=None, help="a folder: each run's metrics file as k<K>.jsonl")
     parser.add_argument(
@@ -159,6 +179,7 @@ def main() -> None:
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     command = "python bench/staleness.py " + " ".join(argv)
+    extra = (LONG_TAIL if args.long_tail else []) + extra
     print(header(command))
     if args.kept is not None:
         runs = [(k, read_steps(args.kept / f"k{k}.jsonl")) for k in args.k]

@@ -110,6 +110,46 @@ def test_a_share_of_demonstrations_answers_at_once_with_an_estimate() -> None:
         CalculatorDemonstrations(tasks=tasks, end_token_id=END, direct_fraction=1.5)
 
 
+def test_thinking_restates_the_expression_a_long_tailed_number_of_times() -> None:
+    """think_repeats: every episode's first action opens with <think>, the expression on that many
+    lines (lognormal around think_repeats, in 1..think_max), </think>; the rest of the episode is the
+    one without thinking; think_repeats = 0 changes nothing."""
+    tasks = ArithmeticTasks(count=600, seed=5, terms=2, operators=("*",), low=317, high=999)
+    plain = CalculatorDemonstrations(tasks=tasks, end_token_id=END, direct_fraction=0.5, seed=7)
+    thinking = CalculatorDemonstrations(
+        tasks=tasks, end_token_id=END, direct_fraction=0.5, seed=7, think_repeats=4, think_sigma=1.0, think_max=30
+    )
+    assert (
+        plain.demonstrations()
+        == CalculatorDemonstrations(
+            tasks=tasks, end_token_id=END, direct_fraction=0.5, seed=7, think_repeats=0
+        ).demonstrations()
+    )
+    repeats = []
+    for demo, task in zip(thinking.demonstrations(), tasks.tasks()):
+        expression = task.fields["expression"]
+        first = TOKENS.decode(_pieces(demo)[1][1][:-1])
+        head, _, rest = first.partition("</think>")
+        lines = head.removeprefix("<think>").split("\n")
+        assert head.startswith("<think>") and lines[-1] == "" and set(lines[:-1]) == {expression}
+        repeats.append(len(lines) - 1)
+        without = plain.demonstration(task, direct=not rest.startswith("<tool_call>"))
+        assert TOKENS.decode(_pieces(without)[1][1][:-1]) == rest
+        assert (
+            demo.token_ids[len(_pieces(demo)[1][1]) + len(task.prompt_ids) :]
+            == without.token_ids[len(_pieces(without)[1][1]) + len(task.prompt_ids) :]
+        )
+    repeats.sort()
+    assert repeats[0] >= 1 and repeats[-1] == 30  # the cap is reached: 4 * e^2 > 30 (a 2-sigma draw)
+    assert 3 <= repeats[len(repeats) // 2] <= 5 and repeats[int(0.9 * len(repeats))] >= 10  # median ~4, long tail
+    with pytest.raises(
+        ConfigError,
+        match=r"think_repeats >= 0 \(0: none\), think_sigma >= 0 and think_max >= 1; got "
+        r"think_repeats=2, think_sigma=1.0, think_max=0",
+    ):
+        CalculatorDemonstrations(tasks=tasks, end_token_id=END, think_repeats=2, think_max=0)
+
+
 def test_a_calculator_demonstration_needs_an_expression_and_an_answer() -> None:
     demos = CalculatorDemonstrations(tasks=PRODUCTS, end_token_id=END)
     with pytest.raises(

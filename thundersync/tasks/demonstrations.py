@@ -33,11 +33,25 @@ learning: a policy that calls the tool in about ``1 - direct_fraction`` of its s
 direct answers are well-formed but almost always wrong. GRPO then has a clear signal to learn
 from (a group's calls earn 1, its estimates the format reward), which is the point of the shipped
 agent example.
+
+With ``think_repeats`` > 0, every episode's first action opens with a thinking block that restates
+the expression a long-tailed number of times (``think_repeats`` times ``exp(think_sigma * z)``,
+``z`` standard normal, rounded, in 1..``think_max``, drawn with ``seed``)::
+
+    <think>347 * 293 - 118
+    347 * 293 - 118
+    </think><tool_call>{"name": "calculator", ...}</tool_call>[end]
+
+A model warmed up on these writes trajectories whose lengths have a long tail, as reasoning models'
+do: most groups close early and a few long trajectories hold the batch open, the rollout that
+bounded staleness is for (``bench/staleness.py --long-tail``). Each restatement copies the line
+before it, so what the model must copy stays at fixed distances however long it thinks.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Mapping
 from typing import Annotated, Any, Protocol, runtime_checkable
@@ -94,30 +108,51 @@ class CalculatorDemonstrations:
         end_token_id: TokenId,
         tokenizer: Tokenizer | None = None,
         direct_fraction: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0,
+        think_repeats: Annotated[float, msgspec.Meta(ge=0)] = 0.0,
+        think_sigma: Annotated[float, msgspec.Meta(ge=0)] = 1.0,
+        think_max: Annotated[int, msgspec.Meta(ge=1)] = 32,
         seed: int = 0,
     ) -> None:
         if not 0.0 <= direct_fraction <= 1.0:
             raise ConfigError(f"direct_fraction is a share of the episodes, in [0, 1]; got {direct_fraction}")
+        if think_repeats < 0 or think_sigma < 0 or think_max < 1:
+            raise ConfigError(
+                f"thinking needs think_repeats >= 0 (0: none), think_sigma >= 0 and think_max >= 1; got "
+                f"think_repeats={think_repeats}, think_sigma={think_sigma}, think_max={think_max}"
+            )
         self.tasks = tasks
         self.end_token_id = end_token_id
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self.parser = Qwen3ToolCallParser(self.tokenizer)
         self.direct_fraction, self.seed = direct_fraction, seed
+        self.think_repeats, self.think_sigma, self.think_max = think_repeats, think_sigma, think_max
 
     def demonstrations(self) -> list[Demonstration]:
         draw = random.Random(self.seed)
-        return [self.demonstration(task, direct=draw.random() < self.direct_fraction) for task in self.tasks.tasks()]
+        return [
+            self.demonstration(task, direct=draw.random() < self.direct_fraction, think=self.draw_repeats(draw))
+            for task in self.tasks.tasks()
+        ]
 
-    def demonstration(self, task: Task, *, direct: bool = False) -> Demonstration:
+    def draw_repeats(self, draw: random.Random) -> int:
+        """How many times an episode's thinking restates the expression (0 without thinking)."""
+        if self.think_repeats == 0:
+            return 0
+        repeats = round(self.think_repeats * math.exp(self.think_sigma * draw.gauss(0.0, 1.0)))
+        return min(self.think_max, max(1, repeats))
+
+    def demonstration(self, task: Task, *, direct: bool = False, think: int = 0) -> Demonstration:
         """The episode of one task: prompt, call, observation, answer; or, ``direct``, the prompt
-        and an estimated answer."""
+        and an estimated answer. ``think`` > 0 opens the first action with a thinking block that
+        restates the expression that many times."""
         expression, answer = _fields(task.fields)
         ids, written = list(task.prompt_ids), [False] * len(task.prompt_ids)
+        thinking = f"<think>{expression}\n" + f"{expression}\n" * (think - 1) + "</think>" if think else ""
         actions = (
-            [(f"<answer>{estimate(answer)}</answer>", True)]
+            [(f"{thinking}<answer>{estimate(answer)}</answer>", True)]
             if direct
             else [
-                (self.call(expression), True),
+                (thinking + self.call(expression), True),
                 (self.parser.observation([answer]), False),
                 (f"<answer>{answer}</answer>", True),
             ]

@@ -92,7 +92,9 @@ def _graph() -> Graph:
 def _expected(records: list[dict[str, Any]]) -> dict[object, dict[str, Any]]:
     """Each batch's rewards, tokens and tool outcomes, counted from the events in the file."""
     batch_of: dict[object, object] = {}
-    out: dict[object, dict[str, Any]] = defaultdict(lambda: {"rewards": [], "tokens": 0, "calls": 0, "errors": 0})
+    out: dict[object, dict[str, Any]] = defaultdict(
+        lambda: {"rewards": [], "tokens": 0, "calls": 0, "errors": 0, "lengths": defaultdict(int)}
+    )
     for r in records:
         if r["event"] == "GroupOpened":
             batch_of[r["group_id"]] = r["batch_id"]
@@ -100,6 +102,7 @@ def _expected(records: list[dict[str, Any]]) -> dict[object, dict[str, Any]]:
             out[batch_of[r["group_id"]]]["rewards"].append(r["reward"])
         elif r["event"] == "ActionGenerated":
             out[batch_of[r["group_id"]]]["tokens"] += len(r["token_ids"])
+            out[batch_of[r["group_id"]]]["lengths"][r["group_id"], r["trajectory_id"]] += len(r["token_ids"])
         elif r["event"] == "ToolObserved":
             out[batch_of[r["group_id"]]]["calls"] += 1
             out[batch_of[r["group_id"]]]["errors"] += r["exit_status"] != 0 or r["timed_out"]
@@ -124,6 +127,10 @@ def test_each_step_line_has_the_keys_and_the_values_of_its_batchs_events(tmp_pat
             batch["calls"],
             batch["errors"],
         )
+        lengths = list(batch["lengths"].values())
+        assert len(lengths) == 6 and len(set(lengths)) > 1  # two groups of three, of several lengths
+        assert line["trajectory_tokens_median"] == statistics.median(lengths)
+        assert line["trajectory_tokens_max"] == max(lengths)
         assert line["step_s"] > 0 and line["rollout_s"] >= 0 and line["lr"] is None
         assert line["logprob_mismatch"] is None and line["learn_s"] == 0.0
     assert sum(b["errors"] for b in expected.values()) > 0 and sum(b["calls"] for b in expected.values()) > 0
@@ -173,6 +180,8 @@ def test_times_are_measured_from_the_batchs_first_group_and_the_previous_step() 
         "generator_idle_s": 5.0,  # 100 -> 101.5 (no group yet), 103 -> 103.5 (a tool ran), 105 -> 108
         "tokens": 6,
         "tokens_per_s": 0.75,
+        "trajectory_tokens_median": 3,  # group 0's trajectory: 2 + 1 tokens over two turns; group 1's: 3
+        "trajectory_tokens_max": 3,
         "grad_norm": 2.0,
         "lr": 0.01,
         "tool_calls": 1,
@@ -195,7 +204,7 @@ def test_times_are_measured_from_the_batchs_first_group_and_the_previous_step() 
     clock.now = 110.5
     nothing = steps.observe(StepDone(batch_id=1, policy_version=8))
     assert nothing is not None and nothing["step_s"] == 2.5 and nothing["reward_mean"] is None
-    assert nothing["rollout_s"] is None and nothing["tokens"] == 0
+    assert nothing["rollout_s"] is None and nothing["tokens"] == 0 and nothing["trajectory_tokens_max"] is None
     assert nothing["version_lag_mean"] is None and nothing["version_lag_max"] is None
     assert nothing["generator_idle_s"] == 2.5  # nothing waited since the previous step
 

@@ -22,7 +22,9 @@ Definitions (times in seconds, from the watcher's clock):
   (the trainer measures it: StepDone.learn_s);
 - ``step_s``: since the previous StepDone (the first step: since the watcher started);
 - ``tokens``: action tokens generated for the batch (ActionGenerated); ``tokens_per_s``: tokens
-  over ``step_s``;
+  over ``step_s``; ``trajectory_tokens_median`` / ``trajectory_tokens_max``: the median and the
+  most action tokens of one of the batch's trajectories (all its turns; ``null`` when it has none):
+  a max far above the median is a long tail, the last trajectories that hold the batch open;
 - ``tool_calls``: the batch's ToolObserved; ``tool_errors``: those that timed out or whose
   process did not exit with status 0 (killed ones included);
 - ``episode_failures``: the batch's episodes that failed (a ToolObserved or a Rewarded with a
@@ -121,6 +123,7 @@ class _Batch:
     truncated: int = 0  # trajectories ended for want of context (stop_reason "context")
     group_rewards: dict[Id, list[float]] = field(default_factory=dict)
     behaviour: dict[tuple[Id, Id], int] = field(default_factory=dict)  # trajectory -> its first action's version
+    lengths: dict[tuple[Id, Id], int] = field(default_factory=dict)  # trajectory -> its action tokens
     unpaired: dict[tuple[Id, Id, int], list[float]] = field(default_factory=dict)  # an action's scored
     # behaviour log-probs or its teacher's log-probs, whichever came first
 
@@ -215,6 +218,7 @@ class StepMetrics:
             key = (event.group_id, event.trajectory_id)
             batch.behaviour[key] = min(batch.behaviour.get(key, event.policy_version), event.policy_version)
             batch.tokens += len(event.token_ids)
+            batch.lengths[key] = batch.lengths.get(key, 0) + len(event.token_ids)
             batch.truncated += event.stop_reason == "context"
             if event.final:
                 batch.last_final_s = now
@@ -253,6 +257,7 @@ class StepMetrics:
             len(batch.group_rewards),
             sum(len(set(rewards)) == 1 for rewards in batch.group_rewards.values()),
             [done.policy_version - 1 - version for version in batch.behaviour.values()],
+            list(batch.lengths.values()),
         )
         record = {
             "step": done.policy_version,
@@ -304,6 +309,7 @@ class RankShare:
     rewarded_groups: int = 0
     flat_groups: int = 0  # rewarded groups whose rewards were all equal
     lags: list[int] = field(default_factory=list)  # per trajectory: learner version - behaviour version
+    lengths: list[int] = field(default_factory=list)  # per trajectory: its action tokens
 
 
 def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, Any]:
@@ -327,6 +333,7 @@ def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, An
         sum(share.rewarded_groups for share in shares),
         sum(share.flat_groups for share in shares),
         [lag for share in shares for lag in share.lags],
+        [length for share in shares for length in share.lengths],
     )
     return _with_share(record, total) | {"groups_per_rank": [share.groups for share in shares]}
 
@@ -338,6 +345,8 @@ def _with_share(record: dict[str, Any], share: RankShare) -> dict[str, Any]:
         "reward_std": statistics.pstdev(share.rewards) if share.rewards else None,
         "tokens": share.tokens,
         "tokens_per_s": share.tokens / step_s if step_s > 0 else None,
+        "trajectory_tokens_median": statistics.median(share.lengths) if share.lengths else None,
+        "trajectory_tokens_max": max(share.lengths) if share.lengths else None,
         "tool_calls": share.tool_calls,
         "tool_errors": share.tool_errors,
         "reverse_kl": share.kl_sum / share.kl_tokens if share.kl_tokens else None,
