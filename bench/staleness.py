@@ -21,7 +21,9 @@ prompts), its metrics file read back. One table, side by side:
   mean ``reward_mean`` of the steps finished within the wall time ``T`` (after step 1) that every k
   reached (the shortest run's), so a faster k is credited with the extra steps it fit.
 
-The first k given is the baseline of the ratio column.
+The first k given is the baseline of the ratio column. ``--warmup-cache DIR`` gives the file's
+``supervised-warmup`` a cache, so that the runs after the first load its warm-up (and every k starts
+from the same warmed-up weights, on the GPU too).
 
 ``--long-tail`` runs the agent example as a long-tail agent workload: its warm-up episodes open
 with a thinking block that restates the expression a lognormal number of times (median 4, sigma 1,
@@ -170,6 +172,7 @@ def main() -> None:
     parser.add_argument("--last", type=int, default=4, help="steps whose reward is averaged for the last column")
     parser.add_argument("--key", default="run.max_staleness", help="the file's field that sets k")
     parser.add_argument("--long-tail", action="store_true", help="the long-tail agent workload (module docstring)")
+    parser.add_argument("--warmup-cache", type=Path, default=None, help="objects.model.cache of every run")
     parser.add_argument("--plot", type=Path, default=None, help="a PNG: reward per step and against wall time")
     parser.add_argument("--keep", type=Path, default=None, help="a folder: each run's metrics file as k<K>.jsonl")
     parser.add_argument(
@@ -179,7 +182,8 @@ def main() -> None:
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     command = "python bench/staleness.py " + " ".join(argv)
-    extra = (LONG_TAIL if args.long_tail else []) + extra
+    cache = ["--set", f"objects.model.cache={args.warmup_cache.resolve()}"] if args.warmup_cache else []
+    extra = (LONG_TAIL if args.long_tail else []) + cache + extra
     print(header(command))
     if args.kept is not None:
         runs = [(k, read_steps(args.kept / f"k{k}.jsonl")) for k in args.k]

@@ -84,6 +84,34 @@ def test_the_warmup_lowers_the_loss_of_the_written_tokens_and_is_seeded(capsys: 
     assert capsys.readouterr().err == ""  # the library prints nothing by itself
 
 
+def test_a_cached_warmup_is_loaded_instead_of_trained_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cache: the first warm-up trains and keeps its weights; the same warm-up of a model built
+    the same way loads them (trains nothing, equal weights); another setting or other starting
+    weights train again, each to a file of its own; a file that is a link is refused."""
+    import thundersync.app.factories.warmup as warmup
+
+    demos, cache = _demonstrations(8), tmp_path / "cache"
+    settings = dict(demonstrations=demos, steps=4, batch_size=4, lr=1e-2, cache=str(cache))
+    first = supervised_warmup(model=build_model(config=SHAPES, seed=0), **settings)  # type: ignore[arg-type]
+    (written,) = cache.glob("*.safetensors")
+    trained = []
+    monkeypatch.setattr(warmup, "warmup_loss", lambda *a: trained.append(1) or warmup_loss(*a))
+    again = supervised_warmup(model=build_model(config=SHAPES, seed=0), **settings)  # type: ignore[arg-type]
+    assert not trained and not again.training
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values(), strict=True))
+    assert not all(
+        torch.equal(a, b) for a, b in zip(first.parameters(), build_model(config=SHAPES, seed=0).parameters())
+    )
+    supervised_warmup(model=build_model(config=SHAPES, seed=0), **{**settings, "lr": 2e-2})  # type: ignore[arg-type]
+    assert len(trained) == 4
+    supervised_warmup(model=build_model(config=SHAPES, seed=1), **settings)  # type: ignore[arg-type]
+    assert len(trained) == 8 and len(list(cache.glob("*.safetensors"))) == 3 and not list(cache.glob(".*"))
+    written.rename(tmp_path / "moved")
+    written.symlink_to(tmp_path / "moved")
+    with pytest.raises(ConfigError, match=r"the warm-up cache file .* cannot be read \(.*\); remove it"):
+        supervised_warmup(model=build_model(config=SHAPES, seed=0), **settings)  # type: ignore[arg-type]
+
+
 def test_the_warmup_needs_demonstrations_and_parameters_to_train() -> None:
     class _None:
         def demonstrations(self) -> list[Any]:

@@ -24,18 +24,26 @@ line shows its steps, rate, loss (every ``log_every`` steps) and ETA, and it end
 own; without a live line, a line every ``log_every`` steps and the last one. The warm-up runs when
 the object is built (``thundersync check`` builds nothing); on ``--resume`` it runs too, and the
 checkpoint's weights then replace its result.
+
+``cache = "DIR"`` keeps the warmed-up weights in that directory (one safetensors file per warm-up)
+and loads them when a later run repeats the same warm-up: the same starting weights, demonstrations
+and settings, on the same device type and torch version (:mod:`._warmup_cache`); the phase then
+shows ``cached`` and the file instead of steps. On the GPU, where a warm-up is not bitwise
+repeatable, the cached result is one run's warm-up, not what this run would compute.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated
 
 import msgspec
 import torch
 from torch import nn
 
+from thundersync.app.factories._warmup_cache import cache_key, load_cached, save_cached
 from thundersync.app.phases import phase
 from thundersync.errors import ConfigError
 from thundersync.tasks.demonstrations import Demonstration, DemonstrationSource
@@ -55,16 +63,26 @@ def supervised_warmup(
     max_grad_norm: Annotated[float, msgspec.Meta(gt=0)] | None = 1.0,
     seed: int = 0,
     log_every: _Positive = 50,
+    cache: str | None = None,
 ) -> nn.Module:
     """``supervised-warmup``: ``model`` after ``steps`` AdamW steps of cross-entropy on the
     demonstrations' written tokens, clipped to ``max_grad_norm`` (None: no clipping), with
-    its loss shown every ``log_every`` steps (see the module docstring); returned in eval mode."""
+    its loss shown every ``log_every`` steps, or loaded from ``cache`` (see the module docstring);
+    returned in eval mode."""
     examples = demonstrations.demonstrations()
     if not examples:
         raise ConfigError("the warm-up's demonstrations object listed none; give it at least one task")
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ConfigError("the warm-up's model has no trainable parameter (requires_grad); nothing to warm up")
+    settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "max_grad_norm": max_grad_norm, "seed": seed}
+    directory = Path(cache) if cache is not None else None
+    key = cache_key(model, examples, settings) if directory is not None else None
+    found = load_cached(model, directory, key) if directory is not None and key is not None else None
+    if found is not None:
+        with phase("warm-up", total=1, unit="file", record=True) as advance:
+            advance(1, cached=str(found))
+        return model.eval()
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     device = params[0].device
     with phase("warm-up", total=steps, unit="steps", record=True) as advance:
@@ -80,6 +98,8 @@ def supervised_warmup(
             else:
                 advance(step)
     optimizer.zero_grad(set_to_none=True)
+    if directory is not None and key is not None:
+        save_cached(model, directory, key)
     return model.eval()
 
 
