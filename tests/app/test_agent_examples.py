@@ -86,8 +86,9 @@ def test_the_warmup_lowers_the_loss_of_the_written_tokens_and_is_seeded(capsys: 
 
 def test_a_cached_warmup_is_loaded_instead_of_trained_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """cache: the first warm-up trains and keeps its weights; the same warm-up of a model built
-    the same way loads them (trains nothing, equal weights); another setting or other starting
-    weights train again, each to a file of its own; a file that is a link is refused."""
+    the same way loads them (trains nothing, equal weights); another setting, other starting
+    weights or other trained parameters train again, each to a file of its own; a file that is a
+    link is refused."""
     import thundersync.app.factories.warmup as warmup
 
     demos, cache = _demonstrations(8), tmp_path / "cache"
@@ -105,7 +106,10 @@ def test_a_cached_warmup_is_loaded_instead_of_trained_again(tmp_path: Path, monk
     supervised_warmup(model=build_model(config=SHAPES, seed=0), **{**settings, "lr": 2e-2})  # type: ignore[arg-type]
     assert len(trained) == 4
     supervised_warmup(model=build_model(config=SHAPES, seed=1), **settings)  # type: ignore[arg-type]
-    assert len(trained) == 8 and len(list(cache.glob("*.safetensors"))) == 3 and not list(cache.glob(".*"))
+    frozen = build_model(config=SHAPES, seed=0)
+    frozen.get_input_embeddings().requires_grad_(False)
+    supervised_warmup(model=frozen, **settings)  # type: ignore[arg-type]
+    assert len(trained) == 12 and len(list(cache.glob("*.safetensors"))) == 4 and not list(cache.glob(".*"))
     written.rename(tmp_path / "moved")
     written.symlink_to(tmp_path / "moved")
     with pytest.raises(ConfigError, match=r"the warm-up cache file .* cannot be read \(.*\); remove it"):

@@ -1,10 +1,10 @@
 """The warm-up's cache: a warmed-up model's weights kept in a directory, found again by what made them.
 
 A warm-up is a function of its inputs (the model's starting weights, the demonstrations, the
-hyper-parameters, the device type and the torch version), so a run that repeats one, as every run
-of an agent file does, can load its result instead. :func:`cache_key` hashes those inputs (the
-weights' bytes, not their names alone); the weights are one safetensors file per key,
-``<key>.safetensors`` in the cache directory.
+hyper-parameters, which parameters it trains, the device type and the torch version), so a run
+that repeats one, as every run of an agent file does, can load its result instead.
+:func:`cache_key` hashes those inputs (the weights' bytes, not their names alone); the weights are
+one safetensors file per key, ``<key>.safetensors`` in the cache directory.
 
 Files are opened without following a link, a new file is written under a temporary name created
 exclusively and renamed into place once whole, so a run stopped halfway leaves no file that a later
@@ -34,7 +34,8 @@ def cache_key(model: nn.Module, examples: list[Demonstration], settings: Mapping
     ``settings`` (steps, batch size, learning rate...), on this device type and torch version."""
     digest = hashlib.sha256(_FORMAT)
     device = next(model.parameters()).device.type
-    digest.update(repr((sorted(settings.items()), device, torch.__version__)).encode())
+    trained = [name for name, parameter in model.named_parameters() if parameter.requires_grad]
+    digest.update(repr((sorted(settings.items()), device, torch.__version__, trained)).encode())
     for name, tensor in model.state_dict().items():
         digest.update(repr((name, str(tensor.dtype), tuple(tensor.shape))).encode())
         digest.update(tensor.detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes())
