@@ -11,7 +11,10 @@ prompts), its metrics file read back. One table, side by side:
   every time below: it holds the first batch's whole rollout, which no k can overlap, and the
   compiles, which a later run of the same call finds in the compile cache on disk (on the H200,
   step 1 took 24 s in a call's first run and 7-15 s in the next two);
-- ``step s``: the median ``step_s`` after the first step, and its ratio to k = 0;
+- ``step s``: the median ``step_s`` after the first step, and its ratio to k = 0; ``mean step s``:
+  the wall time after step 1 over the steps it holds, and its ratio to k = 0. At k >= 1 the steps
+  can alternate short and long (a batch that finished while the step before it ran steps at once),
+  so the median can flatter a k whose wall time is no shorter: the mean is the throughput;
 - ``rollout s`` / ``learn s``: medians of the steps' ``rollout_s`` and ``learn_s``;
 - ``generator idle s``: the median of ``generator_idle_s`` when the run reports it;
 - ``traj tokens p50 / max``: medians over the steps of ``trajectory_tokens_median`` and
@@ -48,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -122,7 +126,8 @@ def summarize(runs: list[tuple[int, list[dict[str, Any]]]], last: int) -> str:
     for k, steps in runs:
         later = steps[1:] or steps
         step_s = _median(later, "step_s")
-        base = step_s if base is None else base
+        mean_s = steps[-1]["wall_s"] / (len(steps) - 1) if len(steps) > 1 else None
+        base = (step_s, mean_s) if base is None else base
         rewards = [float(s["reward_mean"]) for s in steps if s.get("reward_mean") is not None]
         in_time = [
             float(s["reward_mean"]) for s in steps if s["wall_s"] <= horizon and s.get("reward_mean") is not None
@@ -130,14 +135,16 @@ def summarize(runs: list[tuple[int, list[dict[str, Any]]]], last: int) -> str:
         lags = [float(s["version_lag_max"]) for s in steps if s.get("version_lag_max") is not None]
         rows.append([
             k, len(steps), round(steps[-1]["wall_s"], 1), step_s,
-            (step_s / base) if step_s is not None and base else None,
+            (step_s / base[0]) if step_s is not None and base[0] else None,
+            mean_s, (mean_s / base[1]) if mean_s is not None and base[1] else None,
             _median(later, "rollout_s"), _median(later, "learn_s"), _median(later, "generator_idle_s"),
             _median(steps, "trajectory_tokens_median"), _median(steps, "trajectory_tokens_max"),
             _median(steps, "version_lag_mean"), max(lags) if lags else None,
             _mean(rewards[-last:]), _mean(in_time),
         ])  # fmt: skip
     columns = [
-        "k", "steps", "wall s after step 1", "step s", f"vs k={runs[0][0]}", "rollout s", "learn s", "generator idle s",
+        "k", "steps", "wall s after step 1", "step s", f"vs k={runs[0][0]}", "mean step s", f"mean vs k={runs[0][0]}",
+        "rollout s", "learn s", "generator idle s",
         "traj tokens p50", "traj tokens max",
         "lag mean", "lag max", f"reward (last {last})", f"reward at {horizon:.0f} s",
     ]  # fmt: skip
@@ -160,7 +167,7 @@ def plot(runs: list[tuple[int, list[dict[str, Any]]]], path: Path, title: str) -
     by_time.set(xlabel="wall time after step 1 (s, sum of step_s)", ylabel="reward_mean", title="reward against time")
     by_step.legend()
     by_time.legend()
-    figure.suptitle(title, fontsize=9)
+    figure.suptitle("\n".join(textwrap.wrap(title, 160)), fontsize=9)  # a long command on two lines
     figure.savefig(path, dpi=110)
 
 

@@ -97,8 +97,14 @@ def test_a_cached_warmup_is_loaded_instead_of_trained_again(tmp_path: Path, monk
     (written,) = cache.glob("*.safetensors")
     trained = []
     monkeypatch.setattr(warmup, "warmup_loss", lambda *a: trained.append(1) or warmup_loss(*a))
-    again = supervised_warmup(model=build_model(config=SHAPES, seed=0), **settings)  # type: ignore[arg-type]
+    progress, shown = Progress(None), io.StringIO()
+    progress.display = Screen(shown, progress.line, live=False)
+    with reporting(progress):
+        again = supervised_warmup(model=build_model(config=SHAPES, seed=0), **settings)  # type: ignore[arg-type]
     assert not trained and not again.training
+    assert shown.getvalue().splitlines()[-1].startswith("thundersync: warm-up 1/1 file in ")
+    assert shown.getvalue().splitlines()[-1].endswith(f"  cached {written}")  # no rate of files per second
+    assert "/s" not in shown.getvalue().splitlines()[-1].removesuffix(f"  cached {written}")
     assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values(), strict=True))
     assert not all(
         torch.equal(a, b) for a, b in zip(first.parameters(), build_model(config=SHAPES, seed=0).parameters())

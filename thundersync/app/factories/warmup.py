@@ -80,7 +80,7 @@ def supervised_warmup(
     key = cache_key(model, examples, settings) if directory is not None else None
     found = load_cached(model, directory, key) if directory is not None and key is not None else None
     if found is not None:
-        with phase("warm-up", total=1, unit="file", record=True) as advance:
+        with phase("warm-up", total=1, unit="file", record=True, even=False) as advance:
             advance(1, cached=str(found))
         return model.eval()
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
