@@ -147,7 +147,7 @@ class CalculatorDemonstrations:
         restates the expression that many times."""
         expression, answer = _fields(task.fields)
         ids, written = list(task.prompt_ids), [False] * len(task.prompt_ids)
-        thinking = f"<think>{expression}\n" + f"{expression}\n" * (think - 1) + "</think>" if think else ""
+        thinking = "<think>" + f"{expression}\n" * think + "</think>" if think else ""
         actions = (
             [(f"{thinking}<answer>{estimate(answer)}</answer>", True)]
             if direct

@@ -52,6 +52,7 @@ __all__ = [
     "read_info",
     "read_run",
     "scan",
+    "write_atomically",
     "write_run",
 ]
 
@@ -179,13 +180,24 @@ def read_run(directory: Path) -> str | None:
 def write_run(directory: Path, run: str) -> None:
     """Record ``run`` as the owner of ``directory`` (atomically: a temporary file renamed into place)."""
     directory.mkdir(parents=True, exist_ok=True)
-    temporary = directory / f".{RUN_FILE}.{run}.tmp"
+    write_atomically(directory / RUN_FILE, msgspec.json.encode(RunMarker(format=1, run=run)) + b"\n", tag=run)
+
+
+def write_atomically(path: Path, data: bytes, *, tag: str) -> None:
+    """Write ``data`` as ``path``: into ``.NAME.TAG.tmp`` beside it, created exclusively and never
+    through a link, synced, then renamed over ``path``; on failure the temporary file is removed,
+    so a reader sees the old file or the whole new one, never part of it."""
+    temporary = path.parent / f".{path.name}.{tag}.tmp"
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    with os.fdopen(fd, "wb") as file:
-        file.write(msgspec.json.encode(RunMarker(format=1, run=run)) + b"\n")
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, directory / RUN_FILE)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ that repeats one, as every run of an agent file does, can load its result instea
 :func:`cache_key` hashes those inputs (the weights' bytes, not their names alone); the weights are
 one safetensors file per key, ``<key>.safetensors`` in the cache directory.
 
-Files are opened without following a link, a new file is written under a temporary name created
-exclusively and renamed into place once whole, so a run stopped halfway leaves no file that a later
-run would load, and runs sharing the directory never read a half-written one.
+A cache file is read only when it is a regular file, never through a link (the checkpoints'
+``open_regular``), and written as the checkpoints' run marker is (``write_atomically``: a temporary
+name created exclusively, renamed into place once whole), so a run stopped halfway leaves no file
+that a later run would load, and runs sharing the directory never read a half-written one.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from thundersync.app.checkpoints.run_directory import open_regular, write_atomically
 from thundersync.errors import ConfigError
 from thundersync.tasks.demonstrations import Demonstration
 
@@ -46,19 +48,21 @@ def cache_key(model: nn.Module, examples: list[Demonstration], settings: Mapping
 
 def load_cached(model: nn.Module, directory: Path, key: str) -> Path | None:
     """Load the cached result of warm-up ``key`` into ``model``; its file, or None when there is none."""
+    from safetensors.torch import load_file
+
     path = directory / f"{key}.safetensors"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return None
-    except OSError as error:
+    try:
+        fd = open_regular(path)
+    except ConfigError as error:
         raise ConfigError(
             f"the warm-up cache file {path} cannot be read ({error}); remove it or give another cache"
-        ) from error
-    from safetensors.torch import load
-
-    with os.fdopen(fd, "rb") as file:
-        weights = load(file.read())
+        ) from None
+    try:
+        weights = load_file(f"/dev/fd/{fd}")  # the very file checked
+    finally:
+        os.close(fd)
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as error:
@@ -73,13 +77,6 @@ def save_cached(model: nn.Module, directory: Path, key: str) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     # clones: tied weights share storage, which safetensors refuses; each key gets its own copy
     data = save({name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()})
-    path, partial = directory / f"{key}.safetensors", directory / f".{key}.{os.getpid()}.partial"
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    path = directory / f"{key}.safetensors"
+    write_atomically(path, data, tag=str(os.getpid()))
     return path

@@ -76,10 +76,8 @@ def supervised_warmup(
     if not params:
         raise ConfigError("the warm-up's model has no trainable parameter (requires_grad); nothing to warm up")
     settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "max_grad_norm": max_grad_norm, "seed": seed}
-    directory = Path(cache) if cache is not None else None
-    key = cache_key(model, examples, settings) if directory is not None else None
-    found = load_cached(model, directory, key) if directory is not None and key is not None else None
-    if found is not None:
+    cached = None if cache is None else (Path(cache), cache_key(model, examples, settings))
+    if cached is not None and (found := load_cached(model, *cached)) is not None:
         with phase("warm-up", total=1, unit="file", record=True, even=False) as advance:
             advance(1, cached=str(found))
         return model.eval()
@@ -98,8 +96,8 @@ def supervised_warmup(
             else:
                 advance(step)
     optimizer.zero_grad(set_to_none=True)
-    if directory is not None and key is not None:
-        save_cached(model, directory, key)
+    if cached is not None:
+        save_cached(model, *cached)
     return model.eval()
 
 

@@ -108,7 +108,6 @@ class _Batch:
     started_s: float | None = None
     last_final_s: float | None = None
     rewards: list[float] = field(default_factory=list)
-    tokens: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
     kl_sum: float = 0.0  # over teacher-scored tokens: behaviour - teacher log-prob
@@ -217,7 +216,6 @@ class StepMetrics:
         if isinstance(event, ActionGenerated):
             key = (event.group_id, event.trajectory_id)
             batch.behaviour[key] = min(batch.behaviour.get(key, event.policy_version), event.policy_version)
-            batch.tokens += len(event.token_ids)
             batch.lengths[key] = batch.lengths.get(key, 0) + len(event.token_ids)
             batch.truncated += event.stop_reason == "context"
             if event.final:
@@ -241,7 +239,6 @@ class StepMetrics:
         rollout_s = None if start is None or batch.last_final_s is None else batch.last_final_s - start
         self.share = RankShare(
             batch.rewards,
-            batch.tokens,
             batch.tool_calls,
             batch.tool_errors,
             batch.kl_sum,
@@ -293,7 +290,6 @@ class RankShare:
     """One rank's part of a batch: what the ranks of a data-parallel run add up for its record."""
 
     rewards: list[float]
-    tokens: int
     tool_calls: int
     tool_errors: int
     kl_sum: float
@@ -309,7 +305,7 @@ class RankShare:
     rewarded_groups: int = 0
     flat_groups: int = 0  # rewarded groups whose rewards were all equal
     lags: list[int] = field(default_factory=list)  # per trajectory: learner version - behaviour version
-    lengths: list[int] = field(default_factory=list)  # per trajectory: its action tokens
+    lengths: list[int] = field(default_factory=list)  # per trajectory: its action tokens (summed: `tokens`)
 
 
 def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, Any]:
@@ -317,7 +313,6 @@ def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, An
     rewards, tokens, tool calls and reverse KL of the whole batch, and ``groups_per_rank``."""
     total = RankShare(
         [r for share in shares for r in share.rewards],
-        sum(share.tokens for share in shares),
         sum(share.tool_calls for share in shares),
         sum(share.tool_errors for share in shares),
         sum(share.kl_sum for share in shares),
@@ -339,12 +334,12 @@ def merge_ranks(record: dict[str, Any], shares: list[RankShare]) -> dict[str, An
 
 
 def _with_share(record: dict[str, Any], share: RankShare) -> dict[str, Any]:
-    step_s = record["step_s"]
+    step_s, tokens = record["step_s"], sum(share.lengths)
     return record | {
         "reward_mean": statistics.fmean(share.rewards) if share.rewards else None,
         "reward_std": statistics.pstdev(share.rewards) if share.rewards else None,
-        "tokens": share.tokens,
-        "tokens_per_s": share.tokens / step_s if step_s > 0 else None,
+        "tokens": tokens,
+        "tokens_per_s": tokens / step_s if step_s > 0 else None,
         "trajectory_tokens_median": statistics.median(share.lengths) if share.lengths else None,
         "trajectory_tokens_max": max(share.lengths) if share.lengths else None,
         "tool_calls": share.tool_calls,
